@@ -1,0 +1,64 @@
+"""The op table: named tensor ops the model calls, each a reference op unless a backend overrides it.
+
+Model code never calls a vendor library; it calls ``ops.<name>(...)``. The plain-torch reference
+ops (``deepinfer_core.ops.reference``) are the spec every backend's override must match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+_REFERENCE_OPS: dict[str, Callable] = {}
+
+
+class UnknownOpError(KeyError):
+    """An override names an op the table does not define."""
+
+
+def reference_op(fn: Callable) -> Callable:
+    """Decorator: register ``fn`` as the reference implementation of the op named ``fn.__name__``."""
+    _REFERENCE_OPS[fn.__name__] = fn
+    return fn
+
+
+def reference_ops() -> dict[str, Callable]:
+    """All reference ops by name (imports the reference module on first use)."""
+    from deepinfer_core.ops import reference  # noqa: F401  (registers the ops)
+
+    return dict(_REFERENCE_OPS)
+
+
+class OpTable:
+    """Named ops resolved once: a backend's overrides on top of the reference ops.
+
+    ``OpTable({"rms_norm": fast_rms_norm}, source="nvidia")`` gives ``table.rms_norm`` the fast
+    version and every other op its reference version. ``table.sources()`` says which is which.
+    """
+
+    def __init__(self, overrides: Mapping[str, Callable] | None = None, source: str = "override"):
+        self._ops: dict[str, Callable] = reference_ops()
+        self._sources: dict[str, str] = {name: "reference" for name in self._ops}
+        for name, fn in (overrides or {}).items():
+            self.override(name, fn, source)
+
+    def override(self, name: str, fn: Callable, source: str) -> None:
+        """Replace op ``name`` by ``fn``; ``source`` names who provided it (shown by ``sources()``)."""
+        if name not in self._ops:
+            raise UnknownOpError(f"{source} overrides unknown op {name!r}; known ops: {sorted(self._ops)}")
+        if not callable(fn):
+            raise TypeError(f"{source} override for op {name!r} is not callable: {fn!r}")
+        self._ops[name] = fn
+        self._sources[name] = source
+
+    def __getattr__(self, name: str) -> Callable:
+        try:
+            return self.__dict__["_ops"][name]
+        except KeyError:
+            raise AttributeError(f"op table has no op {name!r}") from None
+
+    def names(self) -> list[str]:
+        return sorted(self._ops)
+
+    def sources(self) -> dict[str, str]:
+        """Op name -> who implements it ("reference" or the overriding backend / plugin)."""
+        return dict(self._sources)
