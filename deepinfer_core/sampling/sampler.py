@@ -1,0 +1,389 @@
+"""The sampler: one pure function from a step's logits and per-row metadata to sampled tokens.
+
+Order of operations (as vLLM):
+
+1. log-probabilities to return: ``log_softmax`` of the *raw* logits (vLLM's default
+   ``logprobs_mode="raw_logprobs"``), before any penalty, mask, temperature or filter.
+2. penalties on the raw logits: repetition (tokens in the prompt or the output), then frequency and
+   presence (tokens in the output).
+3. masks: stop / EOS ids of rows that have fewer than ``min_tokens`` output tokens, and the
+   optional allowed-token mask (grammars), set to ``-inf``.
+4. greedy rows (temperature 0) take the argmax of these logits.
+5. random rows: divide by temperature, then top-k, top-p, min-p filtering, then Gumbel-max with
+   counter-based noise (``noise.py``): ``argmax(logits / T + gumbel(seed, position, vocab id))``.
+
+Ties in any argmax (greedy, or the measure-zero Gumbel ties) go to the lowest token id. Top-k
+keeps exactly k tokens: ranking is a stable descending sort, so among equal logits the lower id wins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from collections.abc import Sequence
+
+import torch
+
+from deepinfer_core.sampling.noise import derive_seed, gumbel_noise, to_int64_seed
+from deepinfer_core.sampling.params import SamplingParams
+
+NEG_INF = float("-inf")
+
+
+@dataclasses.dataclass
+class SamplingMetadata:
+    """Per-row sampling inputs for one step; row i describes row i of the logits.
+
+    Tensors are 1-D ``[num_rows]`` on the logits' device unless noted. Build it with
+    ``SamplingMetadata.from_params`` or by hand.
+
+    Attributes:
+        temperature: float32; 0 means greedy.
+        top_p: float32 in (0, 1]; 1 is off.
+        top_k: int64; 0 is off.
+        min_p: float32 in [0, 1]; 0 is off.
+        repetition_penalty / presence_penalty / frequency_penalty: float32; 1 / 0 / 0 are off.
+        seeds: int64 per-row seeds (see ``noise.derive_seed`` for completion i of n).
+        positions: int64 index of the token being generated within its sequence (prompt included).
+        prompt_token_ids: per row, the prompt ids (repetition penalty counts them, as vLLM).
+        output_token_ids: per row, the ids generated so far (all penalties; min_tokens count).
+        min_tokens: per row, stop ids are masked while ``len(output_token_ids[i]) < min_tokens[i]``.
+        stop_token_ids: per row, the ids masked by ``min_tokens`` (stop ids plus EOS unless ignored).
+        allowed_token_mask: optional bool ``[num_rows, vocab]``; False entries can never be sampled.
+        num_logprobs: how many top log-probabilities to return per row (the max over rows), or None.
+    """
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    min_p: torch.Tensor
+    repetition_penalty: torch.Tensor
+    presence_penalty: torch.Tensor
+    frequency_penalty: torch.Tensor
+    seeds: torch.Tensor
+    positions: torch.Tensor
+    prompt_token_ids: Sequence[Sequence[int]]
+    output_token_ids: Sequence[Sequence[int]]
+    min_tokens: Sequence[int]
+    stop_token_ids: Sequence[Sequence[int]]
+    allowed_token_mask: torch.Tensor | None = None
+    num_logprobs: int | None = None
+
+    @property
+    def num_rows(self) -> int:
+        """Number of rows (requests sampled this step)."""
+        return int(self.temperature.shape[0])
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        *,
+        seeds: Sequence[int],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+        eos_token_id: int | None = None,
+        positions: Sequence[int] | None = None,
+        allowed_token_mask: torch.Tensor | None = None,
+        device: torch.device | str = "cpu",
+    ) -> SamplingMetadata:
+        """Build metadata for rows described by ``SamplingParams``.
+
+        Args:
+            params: one ``SamplingParams`` per row.
+            seeds: one resolved int seed per row (see ``request_seed``).
+            prompt_token_ids / output_token_ids: per row, prompt ids and ids generated so far.
+            eos_token_id: the model's EOS id, masked under ``min_tokens`` unless ``ignore_eos``.
+            positions: per row, the index of the token being generated; defaults to
+                ``len(prompt) + len(output)``.
+            allowed_token_mask: optional bool ``[num_rows, vocab]``.
+            device: where to put the per-row tensors (the logits' device).
+        """
+        rows = len(params)
+        for name, values in (("seeds", seeds), ("prompt_token_ids", prompt_token_ids),
+                             ("output_token_ids", output_token_ids)):
+            if len(values) != rows:
+                raise ValueError(f"{name} has {len(values)} rows but params has {rows}")
+        if positions is None:
+            positions = [len(p) + len(o) for p, o in zip(prompt_token_ids, output_token_ids)]
+
+        def floats(name: str) -> torch.Tensor:
+            return torch.tensor([float(getattr(p, name)) for p in params], dtype=torch.float32, device=device)
+
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=floats("temperature"),
+            top_p=floats("top_p"),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            min_p=floats("min_p"),
+            repetition_penalty=floats("repetition_penalty"),
+            presence_penalty=floats("presence_penalty"),
+            frequency_penalty=floats("frequency_penalty"),
+            seeds=torch.tensor([to_int64_seed(s) for s in seeds], dtype=torch.int64, device=device),
+            positions=torch.tensor(list(positions), dtype=torch.int64, device=device),
+            prompt_token_ids=prompt_token_ids,
+            output_token_ids=output_token_ids,
+            min_tokens=[p.min_tokens for p in params],
+            stop_token_ids=[sorted(p.all_stop_token_ids(eos_token_id)) for p in params],
+            allowed_token_mask=allowed_token_mask,
+            num_logprobs=max(logprobs) if logprobs else None,
+        )
+
+
+@dataclasses.dataclass
+class SamplerOutput:
+    """What ``sample`` returns; all tensors on the logits' device.
+
+    Attributes:
+        sampled_token_ids: int64 ``[num_rows]``.
+        sampled_logprobs: float32 ``[num_rows]``, raw-model log-probability of the sampled token.
+        sampled_ranks: int64 ``[num_rows]``, 1 = most likely under the raw model distribution.
+        top_token_ids: int64 ``[num_rows, n]`` most likely ids (descending), or None if not requested.
+        top_logprobs: float32 ``[num_rows, n]`` their log-probabilities, or None.
+    """
+
+    sampled_token_ids: torch.Tensor
+    sampled_logprobs: torch.Tensor
+    sampled_ranks: torch.Tensor
+    top_token_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class PromptLogprobsOutput:
+    """What ``compute_prompt_logprobs`` returns.
+
+    Attributes:
+        token_logprobs: float32 ``[num_tokens]``, log-probability of each target id.
+        ranks: int64 ``[num_tokens]``, rank of each target id (1 = most likely).
+        top_token_ids: int64 ``[num_tokens, n]``; top_logprobs: float32 ``[num_tokens, n]``.
+    """
+
+    token_logprobs: torch.Tensor
+    ranks: torch.Tensor
+    top_token_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+
+def request_seed(params: SamplingParams, seq_index: int = 0) -> int:
+    """The seed for completion ``seq_index`` of a request: derived from ``params.seed``, or random.
+
+    Call once per completion when the request arrives and keep it: the draws of a completion are
+    then a function of (seed, position) only. Unseeded requests get a fresh random 63-bit seed.
+    """
+    base = params.seed if params.seed is not None else secrets.randbits(63)
+    return derive_seed(base, seq_index)
+
+
+# ---------------------------------------------------------------------------------------------
+# the sampler
+
+
+def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+    """Sample one token per row of ``logits`` ``[num_rows, vocab]`` (float32) as ``metadata`` says.
+
+    Pure: ``logits`` is not modified, no global RNG is used; the result of a row depends only on
+    that row's logits and metadata. See the module docstring for the order of operations.
+    """
+    _check_shapes(logits, metadata)
+    logits = logits.float()  # [num_rows, vocab]
+    raw_logprobs = torch.log_softmax(logits, dim=-1)  # [num_rows, vocab]
+
+    processed = apply_penalties(logits, metadata)  # [num_rows, vocab]
+    processed = _apply_masks(processed, metadata)  # [num_rows, vocab]
+
+    greedy = metadata.temperature == 0  # [num_rows]
+    token_ids = _sample_ids(processed, greedy, metadata)  # [num_rows]
+    return _logprob_output(raw_logprobs, token_ids, metadata.num_logprobs)
+
+
+def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, top_n: int) -> PromptLogprobsOutput:
+    """Log-probabilities of prompt tokens under the raw model output.
+
+    Args:
+        logits: ``[num_tokens, vocab]``; row i is the model output that predicts ``target_ids[i]``
+            (i.e. the logits at prompt position i and the prompt id at position i + 1).
+        target_ids: int ``[num_tokens]``.
+        top_n: how many top log-probabilities to return per token (>= 0).
+    """
+    if logits.dim() != 2 or target_ids.shape != logits.shape[:1]:
+        raise ValueError(
+            f"logits must be [num_tokens, vocab] and target_ids [num_tokens], got {tuple(logits.shape)} "
+            f"and {tuple(target_ids.shape)}"
+        )
+    if top_n < 0:
+        raise ValueError(f"top_n must be >= 0, got {top_n}")
+    raw_logprobs = torch.log_softmax(logits.float(), dim=-1)  # [num_tokens, vocab]
+    out = _logprob_output(raw_logprobs, target_ids.to(torch.int64), top_n)
+    return PromptLogprobsOutput(out.sampled_logprobs, out.sampled_ranks, out.top_token_ids, out.top_logprobs)
+
+
+def _check_shapes(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [num_rows, vocab], got shape {tuple(logits.shape)}")
+    if logits.shape[0] != metadata.num_rows:
+        raise ValueError(f"logits has {logits.shape[0]} rows but metadata has {metadata.num_rows}")
+    mask = metadata.allowed_token_mask
+    if mask is not None and (mask.shape != logits.shape or mask.dtype != torch.bool):
+        raise ValueError(
+            f"allowed_token_mask must be bool {tuple(logits.shape)}, got {mask.dtype} {tuple(mask.shape)}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# penalties and masks
+
+
+def token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Occurrence counts ``[num_rows, vocab]`` (int64) of each row's token ids."""
+    rows = len(token_ids)
+    width = max((len(ids) for ids in token_ids), default=0)
+    padded = torch.full((rows, width), vocab_size, dtype=torch.int64)  # [num_rows, width]; pad = vocab_size
+    for i, ids in enumerate(token_ids):  # the only row loop: ragged lists -> padded tensor
+        padded[i, : len(ids)] = torch.as_tensor(list(ids), dtype=torch.int64)
+    padded = padded.to(device)
+    counts = torch.zeros((rows, vocab_size + 1), dtype=torch.int64, device=device)  # [num_rows, vocab + 1]
+    counts.scatter_add_(1, padded, torch.ones_like(padded))
+    return counts[:, :vocab_size]  # [num_rows, vocab]; the pad column dropped
+
+
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Repetition, frequency and presence penalties (vLLM's formulas); returns a new tensor.
+
+    For a token seen in the prompt or the output, repetition penalty r gives ``l / r`` if ``l > 0``
+    else ``l * r``. Then ``l -= frequency * count_in_output + presence * (count_in_output > 0)``.
+    """
+    rep = metadata.repetition_penalty  # [num_rows]
+    pres = metadata.presence_penalty  # [num_rows]
+    freq = metadata.frequency_penalty  # [num_rows]
+    if not bool(((rep != 1) | (pres != 0) | (freq != 0)).any()):
+        return logits
+    vocab = logits.shape[1]
+    out_counts = token_counts(metadata.output_token_ids, vocab, logits.device)  # [num_rows, vocab]
+    seen_out = out_counts > 0  # [num_rows, vocab]
+    seen = seen_out | (token_counts(metadata.prompt_token_ids, vocab, logits.device) > 0)  # [num_rows, vocab]
+    rep_per_token = torch.where(seen, rep[:, None], torch.ones_like(logits))  # [num_rows, vocab]
+    logits = torch.where(logits > 0, logits / rep_per_token, logits * rep_per_token)  # [num_rows, vocab]
+    logits = logits - freq[:, None] * out_counts.to(logits.dtype)  # [num_rows, vocab]
+    return logits - pres[:, None] * seen_out.to(logits.dtype)  # [num_rows, vocab]
+
+
+def _apply_masks(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Set min_tokens-blocked stop ids and disallowed tokens to -inf; returns a new tensor."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, (min_tokens, out, stops) in enumerate(
+        zip(metadata.min_tokens, metadata.output_token_ids, metadata.stop_token_ids)
+    ):
+        if len(out) < min_tokens:
+            rows.extend([i] * len(stops))
+            cols.extend(stops)
+    mask = metadata.allowed_token_mask
+    if not rows and mask is None:
+        return logits
+    logits = logits.clone()  # [num_rows, vocab]
+    if rows:
+        index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+        logits.index_put_(index, torch.tensor(NEG_INF, device=logits.device))
+    if mask is not None:
+        if not bool(mask.any(dim=-1).all()):
+            bad = (~mask.any(dim=-1)).nonzero().flatten().tolist()
+            raise ValueError(f"allowed_token_mask allows no token at all in rows {bad}")
+        logits.masked_fill_(~mask, NEG_INF)
+    return logits
+
+
+# ---------------------------------------------------------------------------------------------
+# filtering and drawing
+
+
+def argmax_lowest(scores: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax ``[num_rows]`` with ties resolved to the lowest index."""
+    vocab = scores.shape[-1]
+    best = scores.max(dim=-1, keepdim=True).values  # [num_rows, 1]
+    ids = torch.arange(vocab, device=scores.device).expand_as(scores)  # [num_rows, vocab]
+    return torch.where(scores == best, ids, vocab).min(dim=-1).values  # [num_rows]
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's ``top_k`` best tokens (0 = all), then its smallest nucleus of mass >= ``top_p``.
+
+    Ranking is a stable descending sort (equal logits: lower id first), so exactly k tokens stay.
+    A token stays in the nucleus if the probability mass strictly before it is < top_p; the best
+    token always stays; rows with top_p >= 1 skip the nucleus step. Returns a new tensor.
+    """
+    vocab = logits.shape[1]
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)  # [num_rows, vocab] x2
+    k = torch.where(top_k > 0, top_k, vocab)  # [num_rows]
+    keep = torch.arange(vocab, device=logits.device)[None, :] < k[:, None]  # [num_rows, vocab], sorted order
+    probs = sorted_logits.masked_fill(~keep, NEG_INF).softmax(dim=-1)  # [num_rows, vocab]
+    mass_before = torch.nn.functional.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))  # [num_rows, vocab], exclusive
+    in_nucleus = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1)  # [num_rows, vocab]
+    in_nucleus[:, 0] = True
+    keep &= in_nucleus
+    keep_vocab_order = torch.empty_like(keep).scatter_(1, sorted_ids, keep)  # [num_rows, vocab]
+    return logits.masked_fill(~keep_vocab_order, NEG_INF)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens with ``prob < min_p * max_prob`` (done in log space); returns a new tensor."""
+    best = logits.max(dim=-1, keepdim=True).values  # [num_rows, 1]
+    threshold = best + torch.log(min_p)[:, None]  # [num_rows, 1]; log(0) = -inf keeps everything
+    return logits.masked_fill(logits < threshold, NEG_INF)
+
+
+def _filtered_scaled_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Temperature, then top-k / top-p, then min-p (each only if some row uses it)."""
+    temperature = torch.where(metadata.temperature == 0, 1.0, metadata.temperature)  # [num_rows]
+    scaled = logits / temperature[:, None]  # [num_rows, vocab]
+    if bool(((metadata.top_k > 0) | (metadata.top_p < 1)).any()):
+        scaled = apply_top_k_top_p(scaled, metadata.top_k, metadata.top_p)
+    if bool((metadata.min_p > 0).any()):
+        scaled = apply_min_p(scaled, metadata.min_p)
+    return scaled  # [num_rows, vocab]
+
+
+def _sample_ids(processed: torch.Tensor, greedy: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Greedy argmax for greedy rows, seeded Gumbel-max for the others; int64 ``[num_rows]``."""
+    all_greedy = bool(greedy.all())
+    greedy_ids = argmax_lowest(processed) if bool(greedy.any()) else None  # [num_rows]
+    if all_greedy:
+        return greedy_ids
+    scaled = _filtered_scaled_logits(processed, metadata)  # [num_rows, vocab]
+    gumbel = gumbel_noise(metadata.seeds, metadata.positions, processed.shape[1])  # [num_rows, vocab], float64
+    random_ids = argmax_lowest(scaled.to(torch.float64) + gumbel)  # [num_rows]
+    if greedy_ids is None:
+        return random_ids
+    return torch.where(greedy, greedy_ids, random_ids)  # [num_rows]
+
+
+# ---------------------------------------------------------------------------------------------
+# log-probabilities
+
+
+def _logprob_output(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int | None) -> SamplerOutput:
+    """Log-probability and rank of ``token_ids`` [num_rows] plus the top-n of ``raw_logprobs``."""
+    token_logprobs = raw_logprobs.gather(1, token_ids[:, None])  # [num_rows, 1]
+    # vLLM's rank: the number of tokens at least as likely as the chosen one (1 = most likely).
+    ranks = (raw_logprobs >= token_logprobs).sum(dim=-1)  # [num_rows]
+    top_ids = top_lps = None
+    if num_logprobs is not None:
+        n = min(num_logprobs, raw_logprobs.shape[1])
+        top_lps, top_ids = raw_logprobs.sort(dim=-1, descending=True, stable=True)  # [num_rows, vocab] x2
+        top_lps, top_ids = top_lps[:, :n], top_ids[:, :n]  # [num_rows, n] x2
+    return SamplerOutput(token_ids, token_logprobs[:, 0], ranks, top_ids, top_lps)
+
+
+__all__ = [
+    "PromptLogprobsOutput",
+    "SamplerOutput",
+    "SamplingMetadata",
+    "apply_min_p",
+    "apply_penalties",
+    "apply_top_k_top_p",
+    "argmax_lowest",
+    "compute_prompt_logprobs",
+    "request_seed",
+    "sample",
+    "token_counts",
+]
