@@ -1,0 +1,345 @@
+"""DeepSeek-V4 forward pass, written once against the op table.
+
+The model holds plain tensors named by their canonical checkpoint names (DeepSeek's own:
+``layers.N.attn.wq_a.weight``, ...); routed experts are stacked per layer (``[E, I, D]``) and each
+``ffn.experts.E.w1.weight`` name addresses a view into the stack, so loading copies once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import torch
+
+from deepinfer_core.forward_batch import ForwardBatch
+from deepinfer_core.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
+from deepinfer_core.models.deepseek_v4.layout import StepLayout
+from deepinfer_core.models.deepseek_v4.state import CompressorCarry, DeepseekV4State, carry_span
+from deepinfer_core.ops.table import OpTable
+
+_FP32_SUFFIXES = ("norm.weight", "attn_sink", ".ape", "gate.bias")
+
+
+def keeps_fp32(name: str) -> bool:
+    """Parameters HF keeps in fp32 even in a bf16 model (norms, sinks, mHC, position bias, router bias)."""
+    leaf = name.rsplit(".", 1)[-1]
+    return name.endswith(_FP32_SUFFIXES) or leaf.startswith(("hc_attn_", "hc_ffn_", "hc_head_"))
+
+
+class ParameterRegistry:
+    """Canonical name -> the tensor (or stacked-expert view) a checkpoint tensor is copied into."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device):
+        self.dtype = dtype
+        self.device = device
+        self.slots: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Allocate a parameter; fp32-kept names stay fp32 whatever the model dtype."""
+        dtype = dtype or (torch.float32 if keeps_fp32(name) else self.dtype)
+        tensor = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.slots[name] = tensor
+        return tensor
+
+    def add_stacked(self, pattern: str, count: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """Allocate ``[count, *shape]``; ``pattern.format(i)`` names slice ``i``."""
+        stacked = torch.zeros((count, *shape), dtype=self.dtype, device=self.device)
+        for i in range(count):
+            self.slots[pattern.format(i)] = stacked[i]
+        return stacked
+
+
+class ExpertMap:
+    """Logical expert id -> physical expert slot. Identity by default; EPLB replaces it."""
+
+    def __init__(self, num_experts: int, device: torch.device):
+        self.logical_to_physical = torch.arange(num_experts, device=device)  # [E]
+
+    def to_physical(self, logical_ids: torch.Tensor) -> torch.Tensor:
+        return self.logical_to_physical[logical_ids]
+
+
+class Compressor:
+    """Pools every ``ratio`` tokens into one entry (CSA: overlapping windows of 2 * ratio slots)."""
+
+    def __init__(self, reg: ParameterRegistry, prefix: str, config: DeepseekV4Config, layer_type: str, dim: int):
+        self.ratio = config.compress_rates[layer_type]
+        self.overlap = layer_type == CSA
+        self.span = carry_span(layer_type, self.ratio)
+        self.dim = dim
+        width = 2 * dim if self.overlap else dim
+        D = config.hidden_size
+        self.eps = config.rms_norm_eps
+        self.wkv = reg.add(f"{prefix}.wkv.weight", (width, D))
+        self.wgate = reg.add(f"{prefix}.wgate.weight", (width, D))
+        self.ape = reg.add(f"{prefix}.ape", (self.ratio, width))
+        self.norm = reg.add(f"{prefix}.norm.weight", (dim,))
+
+    def step(self, ops: OpTable, x: torch.Tensor, layout: StepLayout, store: torch.Tensor,
+             carry: CompressorCarry, rope: tuple) -> None:
+        """Fold this step's tokens ``x [T, D]`` in: write completed entries to ``store``, update carry."""
+        raw_kv = ops.linear(x, self.wkv)  # [T, width]
+        raw_gate = ops.linear(x, self.wgate)
+        plan = layout.windows(self.ratio, self.span)
+        if plan.num_windows:
+            kv, gate = self._window_slots(raw_kv, raw_gate, plan, carry)  # [N, span, dim]
+            pooled = ops.compressor_pool(kv, gate, self.norm, self.eps)  # [N, dim]
+            cos, sin = ops.rope_cos_sin(plan.entry_positions, *rope)
+            store[plan.write_blocks, plan.write_rows] = ops.apply_rope(pooled, cos, sin).to(store.dtype)
+        carry.kv[plan.carry_write_slots, plan.carry_write_index] = raw_kv[plan.carry_write_rows].to(carry.kv.dtype)
+        carry.gate[plan.carry_write_slots, plan.carry_write_index] = raw_gate[plan.carry_write_rows].to(
+            carry.gate.dtype)
+
+    def _window_slots(self, raw_kv, raw_gate, plan, carry):
+        new_mask = plan.from_new[..., None]  # [N, span, 1]
+        kv = torch.where(new_mask, raw_kv[plan.new_rows], carry.kv[plan.carry_slots, plan.carry_index].to(raw_kv.dtype))
+        gate = torch.where(new_mask, raw_gate[plan.new_rows],
+                           carry.gate[plan.carry_slots, plan.carry_index].to(raw_gate.dtype))
+        ape = self.ape.to(gate.dtype)  # [ratio, width]
+        if self.overlap:  # slots [0, r): previous window's first half; [r, 2r): this window's second half
+            d, r = self.dim, self.ratio
+            kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], dim=1)  # [N, 2r, d]
+            gate = torch.cat([gate[:, :r, :d] + ape[:, :d], gate[:, r:, d:] + ape[:, d:]], dim=1)
+        else:
+            gate = gate + ape
+        valid = plan.valid[..., None]
+        return kv.masked_fill(~valid, 0.0), gate.masked_fill(~valid, float("-inf"))
+
+
+class Indexer:
+    """Lightning indexer: picks the top ``index_topk`` CSA entries for every query."""
+
+    def __init__(self, reg: ParameterRegistry, prefix: str, config: DeepseekV4Config):
+        self.heads, self.dim = config.index_n_heads, config.index_head_dim
+        self.topk = config.index_topk
+        self.wq_b = reg.add(f"{prefix}.wq_b.weight", (self.heads * self.dim, config.q_lora_rank))
+        self.weights_proj = reg.add(f"{prefix}.weights_proj.weight", (self.heads, config.hidden_size))
+        self.compressor = Compressor(reg, f"{prefix}.compressor", config, CSA, self.dim)
+
+    def select(self, ops: OpTable, x, q_residual, layout: StepLayout, keys_store, carry, rope, query_rope):
+        """Bool ``[S, Lq, E]``: which compressed entries each query attends to."""
+        self.compressor.step(ops, x, layout, keys_store, carry, rope)
+        ratio = self.compressor.ratio
+        visible = layout.entries(ratio).visible  # [S, Lq, E]
+        if visible.shape[-1] == 0:
+            return visible
+        keys = layout.gather_entries(keys_store, ratio)  # [S, E, di]
+        q = ops.linear(q_residual, self.wq_b).view(-1, self.heads, self.dim)  # [T, Hi, di]
+        q = ops.apply_rope(q, *query_rope)
+        head_weights = ops.linear(x, self.weights_proj).float() * self.heads**-0.5  # [T, Hi]
+        scores = ops.indexer_scores(layout.pad(q), keys, layout.pad(head_weights), self.dim**-0.5)
+        return ops.indexer_topk(scores, visible, self.topk)
+
+
+class Attention:
+    """Shared-KV MQA with sinks over the sliding window plus (CSA / HCA) compressed entries."""
+
+    def __init__(self, reg: ParameterRegistry, prefix: str, config: DeepseekV4Config, layer_idx: int):
+        c = config
+        self.layer_idx = layer_idx
+        self.layer_type = c.layer_types[layer_idx]
+        self.rope_type = "main" if self.layer_type == SLIDING else "compress"
+        self.heads, self.head_dim, self.groups = c.num_attention_heads, c.head_dim, c.o_groups
+        self.eps = c.rms_norm_eps
+        self.wq_a = reg.add(f"{prefix}.wq_a.weight", (c.q_lora_rank, c.hidden_size))
+        self.q_norm = reg.add(f"{prefix}.q_norm.weight", (c.q_lora_rank,))
+        self.wq_b = reg.add(f"{prefix}.wq_b.weight", (self.heads * self.head_dim, c.q_lora_rank))
+        self.wkv = reg.add(f"{prefix}.wkv.weight", (self.head_dim, c.hidden_size))
+        self.norm = reg.add(f"{prefix}.norm.weight", (self.head_dim,))
+        group_in = self.heads * self.head_dim // self.groups
+        self.wo_a = reg.add(f"{prefix}.wo_a.weight", (self.groups * c.o_lora_rank, group_in))
+        self.wo_b = reg.add(f"{prefix}.wo_b.weight", (c.hidden_size, self.groups * c.o_lora_rank))
+        self.sinks = reg.add(f"{prefix}.attn_sink", (self.heads,))
+        self.compressor = None
+        self.indexer = None
+        if self.layer_type != SLIDING:
+            self.compressor = Compressor(reg, f"{prefix}.compressor", c, self.layer_type, self.head_dim)
+        if self.layer_type == CSA:
+            self.indexer = Indexer(reg, f"{prefix}.indexer", c)
+
+    def __call__(self, ops: OpTable, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        T = x.shape[0]
+        rope = ctx.rope[self.rope_type]  # (cos, sin) [T, rope_dim // 2]
+        q_residual = ops.rms_norm(ops.linear(x, self.wq_a), self.q_norm, self.eps)  # [T, q_lora]
+        q = ops.linear(q_residual, self.wq_b).view(T, self.heads, self.head_dim)  # [T, H, hd]
+        q = ops.apply_rope(ops.unweighted_rms_norm(q, self.eps), *rope)
+        kv = ops.apply_rope(ops.rms_norm(ops.linear(x, self.wkv), self.norm, self.eps), *rope)  # [T, hd]
+        layout, state = ctx.layout, ctx.state
+        keys = layout.sliding_keys(state.swa[self.layer_idx], kv)  # [S, Lk, hd]
+        visible = layout.sliding_visible  # [S, Lq, Lk]
+        if self.compressor is not None:
+            entries, entry_visible = self._compressed(ops, x, q_residual, ctx)
+            keys = torch.cat([keys, entries], dim=1)
+            visible = torch.cat([visible, entry_visible], dim=-1)
+        out = ops.sink_attention(layout.pad(q), keys, visible, self.sinks, self.head_dim**-0.5)  # [S, Lq, H, hd]
+        layout.write_ring(state.swa[self.layer_idx], kv.to(state.swa[self.layer_idx].dtype))
+        out = ops.apply_rope(layout.unpad(out), *rope, inverse=True)  # [T, H, hd]
+        grouped = ops.grouped_linear(out.reshape(T, self.groups, -1), self.wo_a, self.groups)  # [T, g, o_lora]
+        return ops.linear(grouped.flatten(1), self.wo_b)  # [T, D]
+
+    def _compressed(self, ops, x, q_residual, ctx: StepContext):
+        layer, layout, state = self.layer_idx, ctx.layout, ctx.state
+        rope_args = ctx.rope_args["compress"]
+        self.compressor.step(ops, x, layout, state.compressed[layer], state.carry[layer], rope_args)
+        ratio = self.compressor.ratio
+        entries = layout.gather_entries(state.compressed[layer], ratio).to(x.dtype)  # [S, E, hd]
+        visible = layout.entries(ratio).visible
+        if self.indexer is not None:
+            visible = self.indexer.select(ops, x, q_residual, layout, state.index_keys[layer],
+                                          state.index_carry[layer], rope_args, ctx.rope["compress"])
+        return entries, visible
+
+
+class MoE:
+    """Routed experts (top-k or hash routing) plus one shared expert, SwiGLU with clamp."""
+
+    def __init__(self, reg: ParameterRegistry, prefix: str, config: DeepseekV4Config, layer_idx: int):
+        c = config
+        E, I, D = c.n_routed_experts, c.moe_intermediate_size, c.hidden_size
+        self.is_hash = c.mlp_layer_types[layer_idx] == "hash_moe"
+        self.top_k, self.scaling, self.limit = c.num_experts_per_tok, c.routed_scaling_factor, c.swiglu_limit
+        self.scoring = c.scoring_func
+        self.gate = reg.add(f"{prefix}.gate.weight", (E, D))
+        if self.is_hash:
+            self.tid2eid = reg.add(f"{prefix}.gate.tid2eid", (c.vocab_size, self.top_k), dtype=torch.long)
+        else:
+            self.bias = reg.add(f"{prefix}.gate.bias", (E,))
+        self.w1 = reg.add_stacked(prefix + ".experts.{}.w1.weight", E, (I, D))
+        self.w2 = reg.add_stacked(prefix + ".experts.{}.w2.weight", E, (D, I))
+        self.w3 = reg.add_stacked(prefix + ".experts.{}.w3.weight", E, (I, D))
+        self.shared = [reg.add(f"{prefix}.shared_experts.{w}.weight", shape)
+                       for w, shape in (("w1", (I, D)), ("w2", (D, I)), ("w3", (I, D)))]
+        self.expert_map = ExpertMap(E, reg.device)
+        self.record_load = False
+        self.expert_load = torch.zeros(E, dtype=torch.long, device=reg.device)  # tokens per logical expert
+
+    def __call__(self, ops: OpTable, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        router_logits = ops.linear(x, self.gate)  # [T, E]
+        if self.is_hash:
+            weights, ids = ops.moe_route_hash(router_logits, token_ids, self.tid2eid, self.scaling, self.scoring)
+        else:
+            weights, ids = ops.moe_route_topk(router_logits, self.bias, self.top_k, self.scaling, self.scoring)
+        if self.record_load:
+            self.expert_load += torch.bincount(ids.reshape(-1), minlength=self.expert_load.shape[0])
+        physical = self.expert_map.to_physical(ids)  # [T, k]
+        routed = ops.moe_experts(x, physical, weights, self.w1, self.w2, self.w3, self.limit)
+        return routed + ops.swiglu_mlp(x, *self.shared, self.limit)
+
+
+class DecoderLayer:
+    """mHC around attention, then mHC around the MoE."""
+
+    def __init__(self, reg: ParameterRegistry, config: DeepseekV4Config, layer_idx: int):
+        c = config
+        p = f"layers.{layer_idx}"
+        hc, D = c.hc_mult, c.hidden_size
+        self.config = c
+        self.attn_norm = reg.add(f"{p}.attn_norm.weight", (D,))
+        self.ffn_norm = reg.add(f"{p}.ffn_norm.weight", (D,))
+        self.hc_attn = [reg.add(f"{p}.hc_attn_{n}", s) for n, s in _hc_shapes(hc, D)]
+        self.hc_ffn = [reg.add(f"{p}.hc_ffn_{n}", s) for n, s in _hc_shapes(hc, D)]
+        self.attn = Attention(reg, f"{p}.attn", c, layer_idx)
+        self.ffn = MoE(reg, f"{p}.ffn", c, layer_idx)
+
+    def __call__(self, ops: OpTable, streams: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        c = self.config
+        post, comb, collapsed = ops.hc_pre(streams, *self.hc_attn, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        attn_out = self.attn(ops, ops.rms_norm(collapsed, self.attn_norm, c.rms_norm_eps), ctx)
+        streams = ops.hc_post(streams, attn_out, post, comb)  # [T, hc, D]
+        post, comb, collapsed = ops.hc_pre(streams, *self.hc_ffn, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        ffn_out = self.ffn(ops, ops.rms_norm(collapsed, self.ffn_norm, c.rms_norm_eps), ctx.token_ids)
+        return ops.hc_post(streams, ffn_out, post, comb)
+
+
+def _hc_shapes(hc: int, D: int):
+    mix = (2 + hc) * hc
+    return (("fn", (mix, hc * D)), ("base", (mix,)), ("scale", (3,)))
+
+
+@dataclasses.dataclass
+class StepContext:
+    """What every layer of one step shares: layout, state, RoPE tables, token ids."""
+
+    layout: StepLayout
+    state: DeepseekV4State
+    token_ids: torch.Tensor
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # rope type -> (cos, sin) at token positions
+    rope_args: dict[str, tuple]  # rope type -> (inv_freq, scaling, dtype) for other positions
+
+
+@dataclasses.dataclass
+class ModelOutput:
+    """Logits of the requested rows and, when asked, the hc streams after chosen layers."""
+
+    logits: torch.Tensor  # [N, V] fp32
+    hidden_states: dict[int, torch.Tensor]  # layer -> [T, hc, D]
+
+
+class DeepseekV4Model:
+    """DeepSeek-V4 causal LM over flat variable-length batches with explicit state."""
+
+    def __init__(self, config: DeepseekV4Config, ops: OpTable, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        self.config = config
+        self.ops = ops
+        self.dtype = dtype
+        self.device = torch.device(device)
+        reg = ParameterRegistry(dtype, self.device)
+        c = config
+        self.embed = reg.add("embed.weight", (c.vocab_size, c.hidden_size))
+        self.head = reg.add("head.weight", (c.vocab_size, c.hidden_size))
+        self.norm = reg.add("norm.weight", (c.hidden_size,))
+        self.hc_head = [reg.add(f"hc_head_{n}", s)
+                        for n, s in (("fn", (c.hc_mult, c.hc_mult * c.hidden_size)), ("base", (c.hc_mult,)),
+                                     ("scale", (1,)))]
+        self.layers = [DecoderLayer(reg, c, i) for i in range(c.num_hidden_layers)]
+        self.parameters = reg.slots
+        self.rope_inv_freq = {t: c.rope_inv_freq(t).to(self.device) for t in ("main", "compress")}
+        self.rope_scaling = {t: float(c.rope_parameters[t].get("attention_factor", 1.0) or 1.0)
+                             for t in ("main", "compress")}
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy canonical-named tensors into place (one at a time); returns the names loaded."""
+        loaded = set()
+        for name, tensor in tensors:
+            slot = self.parameters.get(name)
+            if slot is None:
+                raise KeyError(f"unexpected tensor {name!r}: the model has no parameter of that name")
+            if tuple(slot.shape) != tuple(tensor.shape):
+                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(slot.shape)}")
+            slot.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+    def missing_parameters(self, loaded: set[str]) -> list[str]:
+        return sorted(set(self.parameters) - loaded)
+
+    def new_state(self, num_slots: int, num_blocks: int, block_size: int | None = None,
+                  dtype: torch.dtype | None = None) -> DeepseekV4State:
+        """Allocate state pools for ``num_slots`` running sequences and ``num_blocks`` paged blocks."""
+        block_size = block_size or self.config.block_multiple
+        return DeepseekV4State(self.config, num_slots, num_blocks, block_size, dtype or self.dtype, self.device)
+
+    # ------------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, state: DeepseekV4State, capture_layers: Iterable[int] = ()) -> ModelOutput:
+        """Run one step: fold the batch's tokens into ``state`` and return the requested logits."""
+        ops, c = self.ops, self.config
+        layout = StepLayout(batch, c.sliding_window, state.block_size, self.device)
+        rope_args = {t: (self.rope_inv_freq[t], self.rope_scaling[t], self.dtype) for t in ("main", "compress")}
+        rope = {t: ops.rope_cos_sin(batch.positions, *rope_args[t]) for t in rope_args}
+        ctx = StepContext(layout, state, batch.input_ids, rope, rope_args)
+        hidden = ops.embed(batch.input_ids, self.embed)  # [T, D]
+        streams = hidden.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()  # [T, hc, D]
+        captured: dict[int, torch.Tensor] = {}
+        wanted = set(capture_layers)
+        for idx, layer in enumerate(self.layers):
+            streams = layer(ops, streams, ctx)
+            if idx in wanted:
+                captured[idx] = streams
+        rows = streams[batch.logits_rows]  # [N, hc, D]
+        final = ops.hc_head(rows, *self.hc_head, c.hc_eps, c.rms_norm_eps)
+        final = ops.rms_norm(final, self.norm, c.rms_norm_eps)
+        return ModelOutput(ops.logits(final, self.head), captured)

@@ -1,0 +1,276 @@
+"""Plain-torch reference ops: the spec every backend's fast op must match.
+
+Each op is registered by name in the op table (``deepinfer_core.ops.table``). Keep these readable:
+they define what the model computes. Shapes use T = tokens, H = heads, S = sequences,
+Lq / Lk = padded query / key lengths, E = experts, D = hidden size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer_core.ops.table import reference_op
+
+
+# ----------------------------------------------------------------------------- norms
+@reference_op
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in fp32, scaled by ``weight`` (kept in its own dtype), cast back to ``x.dtype``."""
+    x32 = x.float()  # [..., dim]
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * normed).to(x.dtype)
+
+
+@reference_op
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a weight (per-head q norm, mHC input norm); the scale is computed in fp32."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- rope
+@reference_op
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype):
+    """cos / sin tables for interleaved RoPE: ``[*positions.shape, rope_dim // 2]`` each, in ``dtype``."""
+    freqs = positions[..., None].float() * inv_freq.to(positions.device)  # [..., rope_dim // 2]
+    return (freqs.cos() * scaling).to(dtype), (freqs.sin() * scaling).to(dtype)
+
+
+@reference_op
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Interleaved RoPE on the trailing ``2 * cos.shape[-1]`` channels of ``x``; the rest pass through.
+
+    ``x``: ``[T, ..., dim]``; ``cos`` / ``sin``: ``[T, rope_dim // 2]`` (broadcast over middle dims).
+    ``inverse=True`` rotates by ``-angle`` (V4 applies it to the attention output).
+    """
+    extra_dims = x.dim() - cos.dim()
+    cos = cos.repeat_interleave(2, dim=-1).reshape(cos.shape[0], *([1] * extra_dims), -1)  # [T, 1.., rope_dim]
+    sin = sin.repeat_interleave(2, dim=-1).reshape(sin.shape[0], *([1] * extra_dims), -1)
+    if inverse:
+        sin = -sin
+    rope_dim = cos.shape[-1]
+    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
+    rotated_half = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
+    rotated = (rope.float() * cos + rotated_half.float() * sin).to(x.dtype)
+    return torch.cat([nope, rotated], dim=-1)
+
+
+# ----------------------------------------------------------------------------- linear
+@reference_op
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` without bias. ``x``: ``[..., in]``; ``weight``: ``[out, in]``."""
+    return F.linear(x, weight)
+
+
+@reference_op
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """Block-diagonal projection: group g of ``x`` times block g of ``weight``.
+
+    ``x``: ``[T, groups, in_per_group]``; ``weight``: ``[groups * out_per_group, in_per_group]``;
+    returns ``[T, groups, out_per_group]``.
+    """
+    w = weight.view(groups, -1, weight.shape[-1])  # [groups, out_per_group, in_per_group]
+    return torch.einsum("tgi,goi->tgo", x, w)
+
+
+# ----------------------------------------------------------------------------- attention
+@reference_op
+def sink_attention(
+    q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Shared-KV multi-query attention with per-head sinks (K == V, one KV head).
+
+    ``q``: ``[S, Lq, H, d]``; ``kv``: ``[S, Lk, d]``; ``visible``: ``[S, Lq, Lk]`` bool;
+    ``sinks``: ``[H]``. Each head's softmax runs over its visible keys plus one sink logit whose
+    probability mass is dropped. Returns ``[S, Lq, H, d]``; a row with nothing visible returns 0.
+    """
+    logits = torch.einsum("sqhd,skd->shqk", q, kv) * scale  # [S, H, Lq, Lk]
+    logits = logits.masked_fill(~visible[:, None], float("-inf"))
+    sink = sinks.to(logits.dtype).view(1, -1, 1, 1).expand(*logits.shape[:3], 1)  # [S, H, Lq, 1]
+    combined = torch.cat([logits, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1)[..., :-1].to(kv.dtype)  # [S, H, Lq, Lk]
+    return torch.einsum("shqk,skd->sqhd", probs, kv)
+
+
+# ----------------------------------------------------------------------------- compressors / indexer
+@reference_op
+def compressor_pool(kv: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Pool each window's slots into one compressed entry, then RMSNorm it.
+
+    ``kv`` / ``gate``: ``[N, slots, d]`` (gate already includes the position bias; masked slots
+    carry ``-inf``). Softmax over slots per channel in fp32. Returns ``[N, d]``.
+    """
+    weights = gate.float().softmax(dim=1).to(kv.dtype)  # [N, slots, d]
+    return rms_norm((kv * weights).sum(dim=1), norm_weight, eps)
+
+
+@reference_op
+def indexer_scores(
+    q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Lightning-indexer scores ``sum_h w[t, h] * relu(q[t, h] . k[e]) * scale`` in fp32.
+
+    ``q``: ``[S, Lq, Hi, di]``; ``keys``: ``[S, E, di]``; ``head_weights``: ``[S, Lq, Hi]``.
+    Returns ``[S, Lq, E]``.
+    """
+    dots = torch.einsum("sqhd,sed->sqhe", q.float(), keys.float())  # [S, Lq, Hi, E]
+    return (F.relu(dots) * scale * head_weights.float()[..., None]).sum(dim=2)
+
+
+@reference_op
+def indexer_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+    """Select up to ``k`` visible entries per query: a bool mask ``[S, Lq, E]``.
+
+    Tie rule (deterministic, documented): higher score first; among equal scores the lower entry
+    index wins. Entries that are not visible are never selected.
+    """
+    masked = scores.masked_fill(~visible, float("-inf"))  # [S, Lq, E]
+    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :k]  # [S, Lq, k]
+    selected = torch.zeros_like(visible)
+    selected.scatter_(-1, order, True)
+    return selected & visible
+
+
+# ----------------------------------------------------------------------------- hyper-connections
+@reference_op
+def hc_pre(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+):
+    """mHC weights and the collapsed block input.
+
+    ``streams``: ``[T, hc, D]``; ``fn``: ``[(2 + hc) * hc, hc * D]``. Returns ``post [T, hc]``,
+    ``comb [T, hc, hc]`` (doubly stochastic after Sinkhorn, fp32) and ``collapsed [T, D]``.
+    """
+    tokens, hc, _ = streams.shape
+    flat = unweighted_rms_norm(streams.reshape(tokens, -1).float(), norm_eps)  # [T, hc * D]
+    mixed = F.linear(flat, fn.float())  # [T, (2 + hc) * hc]
+    pre_w, post_w, comb_w = mixed.split([hc, hc, hc * hc], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
+    pre_s, post_s, comb_s = scale.float().unbind(0)
+    pre = torch.sigmoid(pre_w * pre_s + pre_b) + hc_eps  # [T, hc]
+    post = 2 * torch.sigmoid(post_w * post_s + post_b)  # [T, hc]
+    comb = torch.softmax(comb_w.view(tokens, hc, hc) * comb_s + comb_b.view(hc, hc), dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)  # [T, D]
+    return post, comb, collapsed
+
+
+@reference_op
+def hc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """New streams ``out[k] = post[k] * block_out + sum_j comb[j, k] * streams[j]``; ``[T, hc, D]``."""
+    dtype = streams.dtype
+    mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)  # [T, hc, D]
+    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mixed
+
+
+@reference_op
+def hc_head(
+    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float, norm_eps: float
+) -> torch.Tensor:
+    """Final collapse of the hc streams ``[T, hc, D]`` into ``[T, D]``."""
+    flat = unweighted_rms_norm(streams.flatten(1).float(), norm_eps)  # [T, hc * D]
+    mixes = F.linear(flat, fn.float())  # [T, hc]
+    pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
+    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+# ----------------------------------------------------------------------------- MoE
+def _score(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    if scoring_func == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    if scoring_func == "sigmoid":
+        return logits.sigmoid()
+    return logits.softmax(dim=-1)
+
+
+def _normalise(scores: torch.Tensor, ids: torch.Tensor, scaling: float) -> torch.Tensor:
+    weights = scores.gather(1, ids)  # [T, k]
+    return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * scaling
+
+
+@reference_op
+def moe_route_topk(
+    router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, scaling: float, scoring_func: str
+):
+    """Top-k routing: select by ``score + correction_bias``, weight by the renormalised score.
+
+    ``router_logits``: ``[T, E]``. Returns ``weights [T, k]`` and logical expert ``ids [T, k]``.
+    Ties in the biased score go to the lower expert id.
+    """
+    scores = _score(router_logits, scoring_func)  # [T, E]
+    biased = scores + correction_bias.to(scores.dtype)
+    ids = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :top_k]  # [T, k]
+    return _normalise(scores, ids, scaling), ids
+
+
+@reference_op
+def moe_route_hash(router_logits: torch.Tensor, token_ids: torch.Tensor, tid2eid: torch.Tensor, scaling: float,
+                   scoring_func: str):
+    """Hash routing: experts come from the frozen ``tid2eid[token_id]`` table; weights from the router."""
+    scores = _score(router_logits, scoring_func)  # [T, E]
+    ids = tid2eid[token_ids].long()  # [T, k]
+    return _normalise(scores, ids, scaling), ids
+
+
+@reference_op
+def swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, limit: float) -> torch.Tensor:
+    """``w2 @ (silu(clamp(w1 x, max=limit)) * clamp(w3 x, -limit, limit))``; ``x``: ``[T, D]``."""
+    gate = F.linear(x, w1).clamp(max=limit)  # [T, I]
+    up = F.linear(x, w3).clamp(min=-limit, max=limit)
+    return F.linear(F.silu(gate) * up, w2)
+
+
+@reference_op
+def moe_experts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """Routed experts: each token's output is ``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``.
+
+    ``x``: ``[T, D]``; ``ids`` / ``weights``: ``[T, k]`` (physical expert slots); ``w1`` / ``w3``:
+    ``[E, I, D]``; ``w2``: ``[E, D, I]``. Each touched expert's weights are read once; tokens are
+    combined in a fixed order (by expert, then by token).
+    """
+    out = torch.zeros_like(x)  # [T, D]
+    flat_ids = ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=w1.shape[0]).tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        picks = order[start : start + count]  # flat (token, slot) indices
+        start += count
+        tokens = picks // ids.shape[1]
+        expert_out = swiglu_mlp(x[tokens], w1[expert], w2[expert], w3[expert], limit)  # [count, D]
+        scale = weights.reshape(-1)[picks].unsqueeze(-1).to(expert_out.dtype)
+        out.index_add_(0, tokens, (expert_out * scale).to(out.dtype))
+    return out
+
+
+# ----------------------------------------------------------------------------- head
+@reference_op
+def logits(hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """Vocabulary logits in fp32: ``[T, D] x [V, D] -> [T, V]``."""
+    return F.linear(hidden, head).float()
+
+
+@reference_op
+def embed(token_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Embedding lookup: ``[T] -> [T, D]``."""
+    return F.embedding(token_ids, table)
