@@ -1,0 +1,123 @@
+"""The backend contract: what a device backend tells the core and what it provides.
+
+A backend distribution registers, in entry-point group ``deepinfer.backends``, a cheap ``probe()``
+callable returning a ``ProbeResult``. The probe's module must not import vendor extensions (torch_npu,
+CUDA extension modules, tilelang) at import time: ``deepinfer env`` probes every installed backend on
+every machine. When the backend is selected, the core imports ``ProbeResult.backend_class`` (a
+``"module:Class"`` path to a ``Backend`` subclass) and instantiates it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from deepinfer_core.ops.table import OpTable
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What a backend's probe found on this machine.
+
+    ``reason`` says why the backend is or is not usable ("no CUDA device", "torch_npu not installed",
+    "found 8 x NVIDIA B200"); it is shown by ``deepinfer env`` and carried by ``BackendUnavailableError``.
+    """
+
+    name: str
+    available: bool
+    reason: str
+    backend_class: str  # "package.module:ClassName", imported only when the backend is selected
+    is_accelerator: bool
+    device_type: str  # torch device type: "cpu", "cuda", "npu"
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form (``deepinfer env --json``)."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do. ``verified_on_hardware`` names the capabilities checked on the real device
+    (the others are implemented but so far only tested elsewhere, e.g. in emulation or on CPU)."""
+
+    dtypes: tuple[torch.dtype, ...]
+    distributed_backend: str  # torch.distributed backend name: "nccl", "hccl" or "gloo"
+    cuda_graphs: bool = False
+    acl_graphs: bool = False
+    batch_invariant: bool = False
+    fp8: bool = False
+    verified_on_hardware: frozenset[str] = field(default_factory=frozenset)
+
+    def is_verified(self, capability: str) -> bool:
+        """Whether ``capability`` (a field name such as ``"fp8"``) was verified on the real device."""
+        return capability in self.verified_on_hardware
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form: dtypes as names, the verified set as a sorted list."""
+        out = asdict(self)
+        out["dtypes"] = [str(dtype).removeprefix("torch.") for dtype in self.dtypes]
+        out["verified_on_hardware"] = sorted(self.verified_on_hardware)
+        return out
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    """Device memory in bytes, as the device reports it now."""
+
+    free_bytes: int
+    total_bytes: int
+
+
+class Backend:
+    """Base class of every backend. Subclasses set ``name`` and ``device_type`` and implement ``probe``,
+    ``capabilities`` and ``memory_info``; ``op_overrides`` and ``capture_graph`` have safe defaults."""
+
+    name: ClassVar[str] = ""
+    device_type: ClassVar[str] = ""
+
+    def __init__(self, device_index: int | None = None) -> None:
+        self.device_index = device_index
+
+    @classmethod
+    def probe(cls) -> ProbeResult:
+        """Whether this backend can run here, and why (cheap; must not import vendor extensions)."""
+        raise NotImplementedError(f"{cls.__name__} must implement probe()")
+
+    @property
+    def device(self) -> torch.device:
+        """The torch device tensors for this backend live on."""
+        return torch.device(self.device_type, self.device_index)
+
+    def capabilities(self) -> Capabilities:
+        """What this backend supports (dtypes, graphs, batch invariance, fp8, distributed backend)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement capabilities()")
+
+    def memory_info(self) -> MemoryInfo:
+        """Free and total device memory, in bytes."""
+        raise NotImplementedError(f"{type(self).__name__} must implement memory_info()")
+
+    def op_overrides(self) -> Mapping[str, Callable]:
+        """Op name -> this backend's implementation; ops left out use the reference op."""
+        return {}
+
+    def make_op_table(self, plugin_manager: Any = None) -> OpTable:
+        """The op table the model calls: reference ops, then this backend's overrides, then the plugins'
+        ``deepinfer_register_ops`` (when ``plugin_manager`` is given)."""
+        table = OpTable(self.op_overrides(), source=self.name)
+        if plugin_manager is not None:
+            plugin_manager.hook.deepinfer_register_ops(op_table=table, backend_name=self.name)
+        return table
+
+    def capture_graph(self, fn: Callable[..., Any], example_inputs: tuple[Any, ...]) -> Callable[..., Any]:
+        """Return a callable equivalent to ``fn`` that replays a captured device graph (CUDA / ACL graphs).
+
+        ``example_inputs`` fix the shapes to capture. The default does no capture and returns ``fn``.
+        """
+        del example_inputs
+        return fn
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, device={self.device})"

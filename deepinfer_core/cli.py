@@ -1,0 +1,230 @@
+"""The ``deepinfer`` command line: ``deepinfer env``, ``deepinfer plugins`` and registered subcommands.
+
+Adding a subcommand: write a module with ``HELP`` (one line), ``add_arguments(parser)`` and
+``run(args) -> int`` (the exit code), and add one line to ``SUBCOMMAND_MODULES``. A module that fails to
+import does not break the other subcommands: its subcommand prints the error and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import platform
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+SUBCOMMAND_MODULES: dict[str, str] = {
+    # name -> module exposing HELP, add_arguments(parser), run(args) -> int. Planned:
+    # "generate": "deepinfer_core.engine.cli_generate",
+    # "bench": "deepinfer_core.engine.cli_bench",
+}
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    """One ``deepinfer <name>`` subcommand."""
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+# --- deepinfer env ---------------------------------------------------------------------------------------
+
+
+def env_report(backend: str | None = None) -> dict[str, Any]:
+    """Python, torch, the installed backends with their probe results, and which backend would be selected."""
+    import torch
+
+    from deepinfer_core import hookspecs
+    from deepinfer_core.backends import registry
+    from deepinfer_core.errors import DeepInferError
+
+    backends = []
+    for name, entry in registry.installed_backends().items():
+        probe = registry.probe_backend(entry)
+        backends.append({**probe.as_dict(), "name": name, "distribution": entry.distribution, "version": entry.version})
+    try:
+        choice = registry.choose_backend(backend)
+        selected: dict[str, Any] = {"name": choice.name, "why": choice.why}
+    except DeepInferError as exc:
+        selected = {"name": None, "error": f"{type(exc).__name__}: {exc}"}
+    return {
+        "python": {"version": platform.python_version(), "executable": sys.executable},
+        "platform": platform.platform(),
+        "deepinfer": {"version": _version("deepinfer"), "hook_api_version": hookspecs.HOOK_API_VERSION},
+        "torch": {
+            "version": torch.__version__,
+            "cuda_build": torch.version.cuda,
+            "hip_build": torch.version.hip,
+            "debug": torch.version.debug,
+            "threads": torch.get_num_threads(),
+        },
+        "environment": {name: os.environ.get(name) for name in (registry.ENV_ACCELERATOR, "DEEPINFER_PLUGINS")},
+        "backends": backends,
+        "selected": selected,
+    }
+
+
+def _add_env_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--backend", help="show what selecting this backend explicitly would do")
+
+
+def _run_env(args: argparse.Namespace) -> int:
+    report = env_report(args.backend)
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print(_format_env(report))
+    return 0 if report["selected"]["name"] else 1
+
+
+def _format_env(report: dict[str, Any]) -> str:
+    py, torch_info, core = report["python"], report["torch"], report["deepinfer"]
+    lines = [
+        f"Python     {py['version']} ({py['executable']})",
+        f"Platform   {report['platform']}",
+        f"deepinfer  {core['version']} (hook API {core['hook_api_version']})",
+        (
+            f"torch      {torch_info['version']} (CUDA build: {torch_info['cuda_build'] or 'none'}, "
+            f"HIP build: {torch_info['hip_build'] or 'none'}, threads: {torch_info['threads']})"
+        ),
+    ]
+    lines += [f"{name}={value}" for name, value in report["environment"].items() if value is not None]
+    lines += ["", "Backends:"]
+    for b in report["backends"]:
+        state = "available" if b["available"] else "unavailable"
+        kind = "accelerator" if b["is_accelerator"] else "host"
+        origin = f"{b['distribution'] or '?'} {b['version'] or ''}".strip()
+        lines.append(f"  {b['name']:<14} {state:<12} {kind:<12} {b['reason']}  [{origin}]")
+    selected = report["selected"]
+    lines.append("")
+    if selected["name"]:
+        lines.append(f"Selected backend: {selected['name']} ({selected['why']})")
+    else:
+        lines.append(f"Selected backend: none: {selected['error']}")
+    return "\n".join(lines)
+
+
+# --- deepinfer plugins -----------------------------------------------------------------------------------
+
+
+def plugins_report() -> dict[str, Any]:
+    """Every plugin the process tried to load: distribution, version, hook API version, hooks, status."""
+    from deepinfer_core import hookspecs, plugins
+
+    logging.getLogger("deepinfer.plugins").setLevel(logging.ERROR)  # the report shows the failures itself
+    pm = plugins.get_plugin_manager()
+    return {
+        "hook_api_version": hookspecs.HOOK_API_VERSION,
+        "entry_point_group": plugins.ENTRY_POINT_GROUP,
+        "environment": {plugins.ENV_PLUGINS: os.environ.get(plugins.ENV_PLUGINS)},
+        "plugins": [record.as_dict() for _, record in sorted(pm.records.items())],
+    }
+
+
+def _add_plugins_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _run_plugins(args: argparse.Namespace) -> int:
+    report = plugins_report()
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print(_format_plugins(report, verbose=args.verbose > 0))
+    return 1 if any(p["status"] in ("failed", "missing") for p in report["plugins"]) else 0
+
+
+def _format_plugins(report: dict[str, Any], verbose: bool) -> str:
+    rows = report["plugins"]
+    header = f"Hook API version {report['hook_api_version']}; entry-point group {report['entry_point_group']}"
+    if not rows:
+        return f"{header}\nNo plugins installed."
+    lines = [header, ""]
+    for p in rows:
+        origin = f"{p['distribution'] or '?'} {p['version'] or ''}".strip()
+        api = "-" if p["hook_api_version"] is None else p["hook_api_version"]
+        lines.append(f"{p['name']}  [{origin}]  api {api}  {p['status']}")
+        if p["hooks"]:
+            lines.append(f"    hooks: {', '.join(p['hooks'])}")
+        if p["error"]:
+            lines.append(f"    {p['error']}")
+        if verbose and p["traceback"]:
+            lines += ["    " + line for line in p["traceback"].rstrip().splitlines()]
+    if not verbose and any(p["traceback"] for p in rows):
+        lines += ["", "Run `deepinfer plugins -v` for full tracebacks."]
+    return "\n".join(lines)
+
+
+# --- the parser ------------------------------------------------------------------------------------------
+
+BUILTIN_SUBCOMMANDS = (
+    Subcommand("env", "show Python, torch and the installed backends", _add_env_arguments, _run_env),
+    Subcommand("plugins", "list installed plugins and their load status", _add_plugins_arguments, _run_plugins),
+)
+
+
+def _module_subcommand(name: str, module_path: str) -> Subcommand:
+    """A registered subcommand; if its module cannot be imported, one that reports that and exits 1."""
+    try:
+        module = importlib.import_module(module_path)
+        return Subcommand(name, module.HELP, module.add_arguments, module.run)
+    except Exception as exc:  # noqa: BLE001  (one broken subcommand must not break `env` and `plugins`)
+        error = f"deepinfer {name}: cannot import {module_path}: {type(exc).__name__}: {exc}"
+        detail = traceback.format_exc()
+
+        def report_error(args: argparse.Namespace) -> int:
+            print(error, file=sys.stderr)
+            if args.verbose:
+                print(detail, file=sys.stderr)
+            return 1
+
+        return Subcommand(name, f"(unavailable: {type(exc).__name__})", lambda parser: None, report_error)
+
+
+def subcommands() -> list[Subcommand]:
+    """The built-in subcommands followed by those in ``SUBCOMMAND_MODULES``."""
+    return [*BUILTIN_SUBCOMMANDS, *(_module_subcommand(n, m) for n, m in SUBCOMMAND_MODULES.items())]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``deepinfer`` argument parser with every subcommand."""
+    parser = argparse.ArgumentParser(prog="deepinfer", description="DeepInfer, open: inference for DeepSeek-V4.")
+    parser.add_argument("--version", action="version", version=f"deepinfer {_version('deepinfer')}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="count", default=0, help="more detail (tracebacks, debug logs)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in subcommands():
+        child = sub.add_parser(command.name, help=command.help, description=command.help, parents=[common])
+        command.add_arguments(child)
+        child.set_defaults(run=command.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console-script entry point: parse ``argv`` and run the subcommand; returns its exit code."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.WARNING, format="%(name)s: %(message)s")
+    return args.run(args)
+
+
+def _version(distribution: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

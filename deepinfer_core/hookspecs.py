@@ -1,0 +1,289 @@
+"""The plugin contract: every hook a ``deepinfer.plugins`` entry point may implement.
+
+This module is the whole contract between the core and its plugins (pluggy project ``"deepinfer"``).
+A plugin is a module (or object) that
+
+* declares ``DEEPINFER_HOOK_API_VERSION = 1`` (the integer ``HOOK_API_VERSION`` below; the core refuses
+  a plugin that declares another version or none), and
+* implements some of the hooks below as functions with the same name, marked with ``@hookimpl``
+  (``from deepinfer_core.hookspecs import hookimpl``). An implementation may accept any subset of a
+  spec's arguments, by name; a name that is not an argument of the spec, or a ``deepinfer_*`` function
+  that matches no spec, makes the core reject the plugin at load time, naming the plugin and the hook.
+
+Hooks are called in pluggy's order: the plugin registered last runs first. The core registers
+entry-point plugins sorted by entry-point name, so the order is the same in every process.
+
+Run ``python -m deepinfer_core.hookspecs --markdown`` to print the hook reference that
+``docs/plugins.md`` embeds (``--write docs/plugins.md`` updates it in place).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import pluggy
+
+PROJECT_NAME = "deepinfer"
+"""The pluggy project name: markers made with another name are ignored by the core."""
+
+HOOK_API_VERSION = 1
+"""Integer version of this contract. Bumped only on an incompatible change (a hook removed, renamed, or an
+argument's meaning changed); adding a hook or an argument is compatible and keeps the number."""
+
+PLUGIN_VERSION_ATTRIBUTE = "DEEPINFER_HOOK_API_VERSION"
+"""The module attribute by which a plugin declares which ``HOOK_API_VERSION`` it was written against."""
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+# --- configuration -------------------------------------------------------------------------------
+
+
+@hookspec
+def deepinfer_feature_options() -> Mapping[str, str]:
+    """Declare the feature options this plugin accepts.
+
+    Runs: when the engine validates the options a user passed (``LLM(..., batch_invariant=True)``,
+    ``--option name=value``), before ``deepinfer_configure`` and before any model work.
+
+    Arguments: none.
+
+    Return: a mapping of option name to a one-line description, e.g.
+    ``{"batch_invariant": "bitwise identical logits whatever the batch"}``. The core rejects an option
+    that no plugin (and not the core itself) claims, with an error naming the option and every claimed
+    name. Two plugins may claim the same name; both then see it in ``deepinfer_configure``. A plugin that
+    claims options counts as active only when one of its options is set (see
+    ``deepinfer_supported_backends``). Return ``None`` or an empty mapping to claim nothing.
+    """
+
+
+@hookspec
+def deepinfer_supported_backends() -> Iterable[str] | None:
+    """Declare the backends this plugin works with.
+
+    Runs: after the backend is selected and the options are validated, before ``deepinfer_configure``,
+    so an unsupported combination fails before any weights are loaded.
+
+    Arguments: none.
+
+    Return: an iterable of backend names (entry-point names in ``deepinfer.backends``, e.g. ``"cpu"``,
+    ``"nvidia_sm100"``, ``"ascend950"``), or ``None`` for "every backend". When the selected backend is
+    not in the list and the plugin is active, the core raises ``UnsupportedBackendError`` naming the
+    plugin, the backend and the supported ones. A plugin is active when it claims no feature options, or
+    when the user set at least one of the options it claims.
+    """
+
+
+@hookspec(historic=True)
+def deepinfer_configure(config: Any, options: Mapping[str, Any]) -> None:
+    """Receive the engine configuration and the feature options, once per engine.
+
+    Runs: when an engine is created, after option validation and the backend check, before the op
+    table, the model and the scheduler are built. Historic: a plugin registered later (e.g. in a worker
+    process) is called with the same arguments at registration. It may run more than once per process
+    (one call per engine); the latest call describes the engine being built.
+
+    Arguments:
+    - ``config``: the engine's configuration object (model path, backend name, dtype, limits); treat it
+      as read-only.
+    - ``options``: a read-only mapping of every feature option the user set, by name (options not
+      claimed by any plugin never get here: they are rejected first). A plugin reads its own options
+      here, e.g. ``options.get("batch_invariant", False)``.
+
+    Return: ignored. Raise to refuse the configuration; the message reaches the user unchanged.
+    """
+
+
+# --- registries ----------------------------------------------------------------------------------
+
+
+@hookspec
+def deepinfer_register_ops(op_table: Any, backend_name: str) -> None:
+    """Add op overrides to the op table the model will call.
+
+    Runs: once per op table, in ``Backend.make_op_table``, after the backend's own overrides and after
+    ``deepinfer_configure``.
+
+    Arguments:
+    - ``op_table``: the ``deepinfer_core.ops.table.OpTable`` being built. Call
+      ``op_table.override(name, fn, source="<your plugin>")``; ``getattr(op_table, name)`` gives the
+      current implementation, so an override may wrap it. Never patch modules instead.
+    - ``backend_name``: the selected backend's name, for plugins whose ops differ per device.
+
+    Return: ignored. An override must match the reference op's signature and results (within the op's
+    documented tolerance); ``op_table.sources()`` shows who provides each op.
+    """
+
+
+@hookspec
+def deepinfer_register_models(registry: Any) -> None:
+    """Register model architectures with the core's model registry.
+
+    Runs: once per process, the first time the engine resolves a checkpoint's architecture.
+
+    Arguments:
+    - ``registry``: the core's model registry (``deepinfer_core.models``); register a model class under
+      the architecture name a checkpoint's ``config.json`` uses, through the registry's public methods.
+
+    Return: ignored. Registering a name that already exists raises, naming both providers.
+    """
+
+
+# --- engine lifecycle ----------------------------------------------------------------------------
+
+
+@hookspec
+def deepinfer_engine_start(engine: Any) -> None:
+    """The engine is built and about to serve its first request.
+
+    Runs: once per engine, after the model is loaded and the KV cache is allocated.
+
+    Arguments:
+    - ``engine``: the engine; use its public attributes (config, backend, op table) read-only.
+
+    Return: ignored. Raise to abort start-up; the engine shuts down and re-raises.
+    """
+
+
+@hookspec
+def deepinfer_before_step(engine: Any, scheduler_output: Any) -> None:
+    """A scheduled batch is about to run on the device.
+
+    Runs: every engine step, after ``Scheduler.schedule()`` and before the model runs.
+
+    Arguments:
+    - ``engine``: the engine.
+    - ``scheduler_output``: what the scheduler chose for this step (requests and their token counts).
+
+    Return: ignored. Must not change the token counts of the batch; keep it cheap, it is on the hot path.
+    """
+
+
+@hookspec
+def deepinfer_after_step(engine: Any, scheduler_output: Any, model_output: Any) -> None:
+    """A batch has run; its outputs are about to update the scheduler.
+
+    Runs: every engine step, after the model and the sampler, before ``Scheduler.update()``.
+
+    Arguments:
+    - ``engine``: the engine.
+    - ``scheduler_output``: the same object ``deepinfer_before_step`` saw.
+    - ``model_output``: the step's outputs (sampled tokens, and per-layer statistics such as expert load
+      when the model records them).
+
+    Return: ignored. Treat ``model_output`` as read-only; keep it cheap, it is on the hot path.
+    """
+
+
+@hookspec
+def deepinfer_engine_shutdown(engine: Any) -> None:
+    """The engine is shutting down.
+
+    Runs: once per engine that ran ``deepinfer_engine_start``, on normal exit and on errors.
+
+    Arguments:
+    - ``engine``: the engine, still intact.
+
+    Return: ignored. Release what the plugin holds for this engine; do not raise.
+    """
+
+
+# --- selectors -----------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def deepinfer_rebuild_sliding_window(request: Any, num_cached_tokens: int, sliding_window: int) -> int | None:
+    """Choose how a request rebuilds its sliding-window KV after a prefix-cache hit that lacks it.
+
+    Runs: in the scheduler, when a request's prefix-cache hit covers ``num_cached_tokens`` tokens of
+    compressed KV but the sliding-window KV of those tokens is not cached. The first plugin that returns
+    something other than ``None`` decides; later plugins are not called.
+
+    Arguments:
+    - ``request``: the engine's request (id, prompt token ids, sampling parameters).
+    - ``num_cached_tokens``: length of the prefix-cache hit, in tokens.
+    - ``sliding_window``: the model's attention window, in tokens (128 for DeepSeek-V4).
+
+    Return: ``None`` means "use the default": the core rebuilds the window KV exactly, giving the same
+    outputs as a cold run. An int ``start`` with ``0 <= start <= num_cached_tokens`` means: keep the
+    cached prefix below ``start`` and recompute tokens ``[start, num_cached_tokens)`` with the attention
+    window truncated inside the recomputed segment (approximate window KV, e.g. bounded replay returns
+    ``num_cached_tokens - sliding_window``). ``start == 0`` drops the hit.
+    """
+
+
+# --- documentation -------------------------------------------------------------------------------
+
+HOOK_REFERENCE_BEGIN = "<!-- BEGIN HOOK REFERENCE: generated by `python -m deepinfer_core.hookspecs --markdown` -->"
+HOOK_REFERENCE_END = "<!-- END HOOK REFERENCE -->"
+
+
+def hook_specs() -> list[Any]:
+    """The hookspec functions of this module, in definition order."""
+    module = sys.modules[__name__]
+    specs = [
+        fn
+        for name, fn in vars(module).items()
+        if name.startswith("deepinfer_") and inspect.isfunction(fn) and hasattr(fn, f"{PROJECT_NAME}_spec")
+    ]
+    return sorted(specs, key=lambda fn: fn.__code__.co_firstlineno)
+
+
+def _spec_kind(fn: Any) -> str:
+    opts = getattr(fn, f"{PROJECT_NAME}_spec")
+    kinds = [kind for kind in ("firstresult", "historic") if opts.get(kind)]
+    return ", ".join(kinds) if kinds else "broadcast (every implementation runs; results are collected)"
+
+
+def render_markdown() -> str:
+    """The hook reference in Markdown, built from the specs' signatures and docstrings."""
+    lines = [
+        HOOK_REFERENCE_BEGIN,
+        "",
+        f"Hook API version: **{HOOK_API_VERSION}** (declare `{PLUGIN_VERSION_ATTRIBUTE} = {HOOK_API_VERSION}`).",
+        "",
+    ]
+    for fn in hook_specs():
+        params = ", ".join(inspect.signature(fn).parameters)
+        lines += [f"### `{fn.__name__}({params})`", "", f"Kind: {_spec_kind(fn)}.", "", inspect.getdoc(fn), ""]
+    lines.append(HOOK_REFERENCE_END)
+    return "\n".join(lines) + "\n"
+
+
+def replace_reference(document: str) -> str:
+    """``document`` with the text between the reference markers replaced by ``render_markdown()``."""
+    start = document.find(HOOK_REFERENCE_BEGIN)
+    end = document.find(HOOK_REFERENCE_END)
+    if start < 0 or end < start:
+        raise ValueError(
+            f"document has no hook reference markers: add {HOOK_REFERENCE_BEGIN!r} ... {HOOK_REFERENCE_END!r}"
+        )
+    tail = document[end + len(HOOK_REFERENCE_END) :].removeprefix("\n")
+    return document[:start] + render_markdown() + tail
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``--markdown`` prints the hook reference; ``--write PATH`` updates it inside PATH."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m deepinfer_core.hookspecs", description=main.__doc__)
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--markdown", action="store_true", help="print the hook reference")
+    group.add_argument("--write", metavar="PATH", help="replace the hook reference section inside PATH")
+    args = parser.parse_args(argv)
+    if args.markdown:
+        sys.stdout.write(render_markdown())
+        return 0
+    with open(args.write, encoding="utf-8") as f:
+        document = f.read()
+    with open(args.write, "w", encoding="utf-8") as f:
+        f.write(replace_reference(document))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,54 @@
+"""The template plugin, loaded the way users get it: installed, found through its entry point."""
+
+from __future__ import annotations
+
+import deepinfer_plugin_template as template
+import pytest
+import torch
+
+from deepinfer_core.backends.cpu import CpuBackend
+from deepinfer_core.errors import UnknownOptionError
+from deepinfer_core.ops.table import OpTable
+from deepinfer_core.plugins import configure_plugins, load_plugins, new_plugin_manager
+
+
+@pytest.fixture
+def pm(monkeypatch):
+    monkeypatch.delenv("DEEPINFER_PLUGINS", raising=False)
+    template.reset()
+    yield load_plugins(new_plugin_manager())
+    template.reset()
+
+
+def test_entry_point_is_found_and_loads(pm):
+    record = pm.records["template"]
+    assert record.status == "loaded", record.traceback
+    assert record.distribution == "deepinfer-plugin-template"
+    assert record.hook_api_version == 1
+    assert record.hooks == ["deepinfer_configure", "deepinfer_feature_options", "deepinfer_register_ops"]
+
+
+def test_option_is_claimed_and_a_typo_is_rejected(pm):
+    configure_plugins(pm, config=None, options={"count_rms_norm": True}, backend_name="cpu")
+    with pytest.raises(UnknownOptionError, match="count_rms_nrom"):
+        configure_plugins(pm, config=None, options={"count_rms_nrom": True}, backend_name="cpu")
+
+
+def test_enabled_wraps_rms_norm_and_counts_calls(pm):
+    configure_plugins(pm, config=None, options={"count_rms_norm": True}, backend_name="cpu")
+    table = CpuBackend().make_op_table(pm)
+    assert table.sources()["rms_norm"] == "template"
+
+    x, weight = torch.randn(3, 8), torch.rand(8)
+    expected = OpTable().rms_norm(x, weight, 1e-6)
+    assert torch.equal(table.rms_norm(x, weight, 1e-6), expected)
+    table.rms_norm(x, weight, 1e-6)
+    assert template.calls() == 2
+
+
+def test_disabled_leaves_the_reference_op(pm):
+    configure_plugins(pm, config=None, options={}, backend_name="cpu")
+    table = CpuBackend().make_op_table(pm)
+    assert table.sources()["rms_norm"] == "reference"
+    table.rms_norm(torch.randn(2, 4), torch.ones(4), 1e-6)
+    assert template.calls() == 0
