@@ -83,9 +83,10 @@ def deepinfer_configure(config: Any, options: Mapping[str, Any]) -> None:
     """Receive the engine configuration and the feature options, once per engine.
 
     Runs: when an engine is created, after option validation and the backend check, before the op
-    table, the model and the scheduler are built. Historic: a plugin registered later (e.g. in a worker
-    process) is called with the same arguments at registration. It may run more than once per process
-    (one call per engine); the latest call describes the engine being built.
+    table, the model and the scheduler are built; in every process that builds an engine or an engine
+    worker. Historic: a plugin registered after the call is called at registration with the arguments
+    of every earlier call. It may run more than once per process (one call per engine); the latest call
+    describes the engine being built.
 
     Arguments:
     - ``config``: the engine's configuration object (model path, backend name, dtype, limits); treat it

@@ -1,0 +1,189 @@
+"""Backend discovery and selection through real entry points, and the CPU backend's contract."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from deepinfer_core.backends import Backend, ProbeResult, registry
+from deepinfer_core.backends.cpu import CpuBackend, probe
+from deepinfer_core.errors import BackendUnavailableError, InvalidBackendError, UnknownBackendError
+
+FAKE_BACKEND = """
+from deepinfer_core.backends.base import Backend, Capabilities, MemoryInfo, ProbeResult
+
+AVAILABLE = {available}
+
+def probe():
+    reason = "found 1 x FakeAccel" if AVAILABLE else "no FakeAccel device: driver not loaded"
+    return ProbeResult("{name}", AVAILABLE, reason, __name__ + ":FakeBackend", True, "meta")
+
+class FakeBackend(Backend):
+    name = "{name}"
+    device_type = "meta"
+    probe = staticmethod(probe)
+
+    def capabilities(self):
+        return Capabilities(dtypes=(), distributed_backend="gloo")
+
+    def memory_info(self):
+        return MemoryInfo(0, 0)
+"""
+
+
+@pytest.fixture(autouse=True)
+def _no_accelerator_env(monkeypatch):
+    monkeypatch.delenv(registry.ENV_ACCELERATOR, raising=False)
+
+
+@pytest.fixture
+def fake_backend(make_distribution):
+    """Install a fake accelerator backend ``name`` (probe says available or not)."""
+
+    def install(name: str, available: bool, probe_value: str | None = None) -> None:
+        module = f"fake_{name}_backend"
+        make_distribution(
+            f"deepinfer-fake-{name}",
+            entry_points={"deepinfer.backends": {name: probe_value or f"{module}:probe"}},
+            modules={module: FAKE_BACKEND.format(name=name, available=available)},
+        )
+
+    return install
+
+
+# --- the CPU backend ------------------------------------------------------------------------------------
+
+
+def test_cpu_probe_is_available_and_not_an_accelerator():
+    result = probe()
+    assert result == CpuBackend.probe()
+    assert result.available and not result.is_accelerator
+    assert (result.name, result.device_type) == ("cpu", "cpu")
+    assert registry.load_backend_class(result) is CpuBackend
+
+
+def test_cpu_backend_contract():
+    backend = CpuBackend()
+    caps = backend.capabilities()
+    assert backend.device == torch.device("cpu")
+    assert torch.float32 in caps.dtypes and caps.distributed_backend == "gloo"
+    assert not caps.cuda_graphs and not caps.fp8 and caps.is_verified("dtypes") and not caps.is_verified("fp8")
+    memory = backend.memory_info()
+    assert 0 < memory.free_bytes <= memory.total_bytes
+    assert backend.op_overrides() == {}
+    assert set(backend.make_op_table().sources().values()) == {"reference"}
+    step = lambda x: x + 1
+    assert backend.capture_graph(step, (torch.zeros(1),)) is step
+
+
+def test_cpu_is_registered_through_the_core_entry_point():
+    entry = registry.installed_backends()["cpu"]
+    assert entry.value == "deepinfer_core.backends.cpu:probe"
+    assert entry.distribution == "deepinfer"
+
+
+def test_base_class_demands_the_contract():
+    class Half(Backend):
+        name = "half"
+        device_type = "cpu"
+
+    with pytest.raises(NotImplementedError, match="probe"):
+        Half.probe()
+    with pytest.raises(NotImplementedError, match="capabilities"):
+        Half().capabilities()
+
+
+# --- selection --------------------------------------------------------------------------------------------
+
+
+def test_without_accelerators_cpu_is_selected():
+    choice = registry.choose_backend()
+    if any(p.available and p.is_accelerator for p in registry.probe_backends().values()):
+        pytest.skip("a real accelerator backend is available on this machine")
+    assert choice.name == "cpu"
+    assert isinstance(registry.select_backend(), CpuBackend)
+
+
+def test_explicit_unavailable_backend_raises_with_its_probe_reason(fake_backend):
+    fake_backend("fakeaccel", available=False)
+    with pytest.raises(BackendUnavailableError, match=r"'fakeaccel'.*no FakeAccel device: driver not loaded"):
+        registry.select_backend("fakeaccel")
+    assert registry.choose_backend().name == "cpu"  # unavailable: never chosen automatically
+
+
+def test_accelerator_env_is_explicit_too(fake_backend, monkeypatch):
+    fake_backend("fakeaccel", available=False)
+    monkeypatch.setenv(registry.ENV_ACCELERATOR, "fakeaccel")
+    with pytest.raises(BackendUnavailableError, match=r"DEEPINFER_ACCELERATOR=fakeaccel.*driver not loaded"):
+        registry.choose_backend()
+    assert registry.choose_backend("cpu").name == "cpu"  # the argument beats the environment
+
+
+def test_unknown_backend_is_named_back_with_the_known_ones(fake_backend):
+    fake_backend("fakeaccel", available=False)
+    with pytest.raises(UnknownBackendError) as info:
+        registry.select_backend("tpu9000")
+    message = str(info.value)
+    assert "unknown backend 'tpu9000'" in message
+    assert "installed backends: cpu, fakeaccel" in message
+
+
+def test_reference_engine_names_map_to_our_backends(fake_backend, monkeypatch):
+    fake_backend("nvidia_sm100", available=True)
+    fake_backend("ascend950", available=True)
+    monkeypatch.setenv(registry.ENV_ACCELERATOR, "nvidia")
+    assert registry.choose_backend().name == "nvidia_sm100"
+    assert registry.choose_backend("ascend").name == "ascend950"
+    backend = registry.select_backend("NVIDIA")
+    assert backend.name == "nvidia_sm100" and backend.device == torch.device("meta")
+
+
+def test_alias_for_a_missing_backend_says_what_to_install():
+    with pytest.raises(UnknownBackendError, match=r"'nvidia_sm100' \(requested as 'nvidia'\).*deepinfer-nvidia-sm100"):
+        registry.choose_backend("nvidia")
+
+
+def test_the_one_available_accelerator_is_selected(fake_backend):
+    fake_backend("fakeaccel", available=True)
+    fake_backend("offline", available=False)
+    choice = registry.choose_backend()
+    assert (choice.name, choice.why) == ("fakeaccel", "the only available accelerator backend")
+
+
+def test_several_accelerators_pick_the_first_by_name_and_say_so(fake_backend):
+    fake_backend("zeta", available=True)
+    fake_backend("alpha", available=True)
+    choice = registry.choose_backend()
+    assert choice.name == "alpha"
+    assert "several accelerator backends are available (alpha, zeta)" in choice.why
+
+
+def test_a_broken_probe_makes_the_backend_unavailable_not_the_registry(fake_backend):
+    fake_backend("broken", available=True, probe_value="no_such_module_xyz:probe")
+    probes = registry.probe_backends()
+    assert not probes["broken"].available
+    assert "ModuleNotFoundError" in probes["broken"].reason
+    assert registry.choose_backend().name == "cpu"
+    with pytest.raises(BackendUnavailableError, match="no_such_module_xyz"):
+        registry.choose_backend("broken")
+
+
+def test_backend_class_must_subclass_backend():
+    bogus = ProbeResult("bogus", True, "", "collections:OrderedDict", True, "cpu")
+    with pytest.raises(InvalidBackendError, match="not a Backend subclass"):
+        registry.load_backend_class(bogus)
+
+
+def test_probing_imports_no_vendor_extension():
+    code = (
+        "import sys\n"
+        "from deepinfer_core.backends import registry\n"
+        "registry.probe_backends()\n"
+        "vendor = ('torch_npu', 'tilelang', 'deep_gemm', 'flash_mla', 'deep_ep')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in vendor))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
