@@ -172,6 +172,19 @@ def test_top_p_matches_renormalised_nucleus():
     assert 0.5 * (counts / n - nucleus).abs().sum() < 0.03
 
 
+def test_top_k_ties_over_a_large_vocab_go_to_lowest_ids():
+    logits = torch.zeros(1, 5000)
+    logits[0, ::7] = 1.0
+    kept = apply_top_k_top_p(logits, torch.tensor([6]), torch.tensor([1.0]))
+    assert torch.isfinite(kept[0]).nonzero().flatten().tolist() == [0, 7, 14, 21, 28, 35]
+
+
+def test_top_p_boundary_is_the_smallest_set_reaching_p():
+    # four tokens of probability exactly 0.25: mass 0.5 needs exactly two of them (as vLLM)
+    kept = apply_top_k_top_p(torch.zeros(1, 4), torch.tensor([0]), torch.tensor([0.5]))
+    assert torch.isfinite(kept).tolist() == [[True, True, False, False]]
+
+
 def test_top_p_always_keeps_the_best_token():
     logits = torch.tensor([[5.0, 0.0, 0.0]])
     kept = apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([1e-6]))

@@ -310,7 +310,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 
     Ranking is a stable descending sort (equal logits: lower id first), so exactly k tokens stay.
     A token stays in the nucleus if the probability mass strictly before it is < top_p; the best
-    token always stays; rows with top_p >= 1 skip the nucleus step. Returns a new tensor.
+    token always stays; rows with top_p >= 1 skip the nucleus step (so rounding never drops a token). Returns a new tensor.
     """
     vocab = logits.shape[1]
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)  # [num_rows, vocab] x2
@@ -318,9 +318,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     keep = torch.arange(vocab, device=logits.device)[None, :] < k[:, None]  # [num_rows, vocab], sorted order
     probs = sorted_logits.masked_fill(~keep, NEG_INF).softmax(dim=-1)  # [num_rows, vocab]
     mass_before = torch.nn.functional.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))  # [num_rows, vocab], exclusive
-    in_nucleus = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1)  # [num_rows, vocab]
-    in_nucleus[:, 0] = True
-    keep &= in_nucleus
+    # mass_before is 0 for the best token and top_p > 0, so the best token always stays.
+    keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1)  # [num_rows, vocab]
     keep_vocab_order = torch.empty_like(keep).scatter_(1, sorted_ids, keep)  # [num_rows, vocab]
     return logits.masked_fill(~keep_vocab_order, NEG_INF)
 
