@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import sys
 import textwrap
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
 
 
 @pytest.fixture
-def make_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Path]:
+def make_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Path]]:
     """Create installed-looking distributions in a temp dir on ``sys.path`` (real entry-point discovery).
 
     ``make_distribution("deepinfer-x", entry_points={"deepinfer.plugins": {"x": "x_plugin"}},
