@@ -175,11 +175,13 @@ def register_plugin(
 
 def _load_entry_point(pm: PluginManager, ep: metadata.EntryPoint) -> None:
     dist, version = _distribution_of(ep)
+    plugin = None
     try:
         plugin = ep.load()
         record = register_plugin(pm, plugin, ep.name, dist, version)
     except Exception as exc:  # noqa: BLE001  (a broken plugin must never take the others down with it)
         record = _record(ep, FAILED, error=f"{type(exc).__name__}: {exc}", tb=traceback.format_exc())
+        record.hook_api_version = None if plugin is None else _declared_api_version(plugin)
         log.warning("could not load %s:\n%s", _describe(ep.name, dist), record.traceback)
     else:
         record.value = ep.value

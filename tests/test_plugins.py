@@ -132,6 +132,7 @@ def test_wrong_or_missing_hook_api_version_is_rejected(make_distribution, declar
 
     assert record.status == "failed"
     assert expected in record.error and "plugin 'old' (distribution deepinfer-old)" in record.error
+    assert record.hook_api_version == (2 if declaration else None)
 
 
 def test_register_plugin_raises_for_programmatic_registration():
