@@ -21,6 +21,8 @@ class ForwardBatch:
     token, or every prompt token for prompt logprobs). ``compressed_write_start[s]`` (optional):
     compressed entries of windows that start before this position are read but not overwritten
     (used when a cached prefix is replayed to rebuild the sliding-window state).
+    ``sliding_floor[s]`` (optional): sliding-window keys below this position are not read (the
+    replay's first token; the ring holds nothing valid below it).
     """
 
     input_ids: torch.Tensor  # [T] int64
@@ -31,6 +33,7 @@ class ForwardBatch:
     block_tables: list[list[int]]  # S lists of block ids
     logits_rows: torch.Tensor  # [N] int64 rows of the token axis
     compressed_write_start: list[int] | None = None
+    sliding_floor: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -66,6 +66,7 @@ class RequestOutput:
         prompt_logprobs: per prompt token (first is None), or None if not requested.
         outputs: one ``CompletionOutput`` per completion (``n`` of them).
         finished: whether every completion has finished.
+        error: why the engine refused the request (then ``outputs`` is empty), else None.
     """
 
     request_id: str
@@ -74,6 +75,7 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput]
     finished: bool
+    error: str | None = None
 
 
 def make_logprobs_dict(

@@ -53,3 +53,28 @@ def tiny_hf_model(folder, seed: int = 0, **config_kwargs):
     randomize(model, seed)
     model.save_pretrained(folder)
     return model
+
+
+def write_tiny_tokenizer(folder, vocab_size: int = 64) -> None:
+    """A word-level tokenizer over ``w0 .. w{n}`` plus <bos>/<eos>, with a chat template."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<bos>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<bos>", "<eos>"])
+    folder = Path(folder)
+    tok.save(str(folder / "tokenizer.json"))
+    template = "{% for m in messages %}w2 {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w3{% endif %}"
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<bos>", "eos_token": "<eos>", "chat_template": template, "add_bos_token": False}))
+
+
+def tiny_checkpoint(folder, seed: int = 0, **config_kwargs):
+    """HF-written tiny V4 checkpoint plus a tokenizer: a folder ``LLM`` can load. Returns the HF model."""
+    hf = tiny_hf_model(folder, seed=seed, **config_kwargs)
+    write_tiny_tokenizer(folder, hf.config.vocab_size)
+    return hf

@@ -94,9 +94,10 @@ class StepLayout:
     def _build_sliding_keys(self) -> None:
         W = self.window
         positions, from_new, new_rows, slots = [], [], [], []
+        floors = self.batch.sliding_floor or [0] * self.num_seqs
         for s in range(self.num_seqs):
             ctx, n = self.batch.context_lens[s], self.query_lens[s]
-            first = max(0, ctx - (W - 1))
+            first = min(ctx, max(0, ctx - (W - 1), floors[s]))
             pos = torch.arange(first, ctx + n, device=self.device)  # ring tokens, then new tokens
             positions.append(pos)
             from_new.append(pos >= ctx)

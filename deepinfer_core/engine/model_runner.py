@@ -1,0 +1,109 @@
+"""Runs one scheduled step: builds the flat batch, calls the model, samples, returns plain results."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from deepinfer_core.engine.scheduler import SchedulerOutput
+from deepinfer_core.forward_batch import ForwardBatch
+from deepinfer_core.sampling.sampler import (
+    PromptLogprobsOutput,
+    SamplerOutput,
+    SamplingMetadata,
+    compute_prompt_logprobs,
+    sample,
+)
+
+
+@dataclasses.dataclass
+class ModelRunnerOutput:
+    """What a step produced: sampled tokens (request id -> token) and their log-probabilities."""
+
+    sampled: dict[str, int]
+    sampler_output: SamplerOutput | None
+    sampled_order: list[str]  # request ids, row order of sampler_output
+    prompt_logprobs: dict[str, tuple[int, PromptLogprobsOutput]]  # request id -> (first position, output)
+
+
+class ModelRunner:
+    """Owns the model and its state pools; turns a ``SchedulerOutput`` into sampled tokens."""
+
+    def __init__(self, model, state, eos_token_id: int | None):
+        self.model = model
+        self.state = state
+        self.eos_token_id = eos_token_id
+        self.device = model.device
+
+    def build_batch(self, output: SchedulerOutput) -> tuple[ForwardBatch, list[int], dict[str, tuple[int, int]]]:
+        """The flat batch, the logits row of each sampling chunk, and prompt-logprob row ranges."""
+        tokens: list[int] = []
+        positions: list[int] = []
+        query_start = [0]
+        sample_rows: list[int] = []
+        prompt_rows: dict[str, tuple[int, int]] = {}
+        logits_rows: list[int] = []
+        for chunk in output.chunks:
+            request = chunk.request
+            tokens.extend(request.all_token_ids[chunk.start:chunk.end])
+            positions.extend(range(chunk.start, chunk.end))
+            first_row = query_start[-1]
+            query_start.append(first_row + chunk.num_tokens)
+            if request.wants_prompt_logprobs:
+                prompt_rows[request.request_id] = (len(logits_rows), chunk.num_tokens)
+                logits_rows.extend(range(first_row, first_row + chunk.num_tokens))
+            elif chunk.samples:
+                logits_rows.append(first_row + chunk.num_tokens - 1)
+            if chunk.samples:
+                sample_rows.append(len(logits_rows) - 1)
+        batch = ForwardBatch(
+            input_ids=torch.tensor(tokens, dtype=torch.long, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            query_start=query_start,
+            context_lens=[c.start for c in output.chunks],
+            slots=[c.request.slot for c in output.chunks],
+            block_tables=[c.request.block_ids for c in output.chunks],
+            logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+            compressed_write_start=[c.request.replay_until for c in output.chunks],
+            sliding_floor=[c.request.sliding_floor for c in output.chunks],
+        )
+        return batch, sample_rows, prompt_rows
+
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        batch, sample_rows, prompt_rows = self.build_batch(output)
+        logits = self.model.forward(batch, self.state).logits  # [N, V] fp32
+        sampling = [c.request for c in output.chunks if c.samples]
+        sampler_output = None
+        if sampling:
+            metadata = SamplingMetadata.from_params(
+                [r.params for r in sampling],
+                seeds=[r.seed for r in sampling],
+                prompt_token_ids=[r.prompt_token_ids for r in sampling],
+                output_token_ids=[r.output_token_ids for r in sampling],
+                eos_token_id=self.eos_token_id,
+                device=logits.device,
+            )
+            sampler_output = sample(logits[sample_rows], metadata)
+        sampled_ids = sampler_output.sampled_token_ids.tolist() if sampler_output is not None else []
+        return ModelRunnerOutput(
+            sampled={r.request_id: t for r, t in zip(sampling, sampled_ids)},
+            sampler_output=sampler_output,
+            sampled_order=[r.request_id for r in sampling],
+            prompt_logprobs=self._prompt_logprobs(output, logits, prompt_rows),
+        )
+
+    def _prompt_logprobs(self, output, logits, prompt_rows) -> dict[str, tuple[int, PromptLogprobsOutput]]:
+        result = {}
+        for chunk in output.chunks:
+            request = chunk.request
+            if request.request_id not in prompt_rows:
+                continue
+            first, count = prompt_rows[request.request_id]
+            # logits row i predicts token start + i + 1; keep those inside the prompt
+            targets = request.all_token_ids[chunk.start + 1:min(chunk.end + 1, len(request.prompt_token_ids))]
+            rows = logits[first:first + len(targets)]
+            target_ids = torch.tensor(targets, dtype=torch.long, device=logits.device)
+            result[request.request_id] = (chunk.start + 1, compute_prompt_logprobs(
+                rows, target_ids, request.params.prompt_logprobs))
+        return result

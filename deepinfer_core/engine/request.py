@@ -1,0 +1,72 @@
+"""A request inside the engine: its tokens, how far its state has been computed, where it lives."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from deepinfer_core.engine.detokenizer import SequenceDetokenizer
+from deepinfer_core.outputs import PromptLogprobs, SampleLogprobs
+from deepinfer_core.sampling.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One completion being generated (a prompt with ``n`` samples becomes ``n`` requests).
+
+    The scheduler only looks at token counts: ``num_computed_tokens`` of ``all_token_ids`` are folded
+    into the request's state; the step computes the next chunk. Tokens below ``replay_until`` are
+    recomputed only to rebuild the sliding-window state after a prefix-cache hit (their compressed
+    entries come from the cache); ``sliding_floor`` is the first token such a replay started from.
+    """
+
+    request_id: str
+    group_id: str
+    sample_index: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: int
+    detokenizer: SequenceDetokenizer
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    replay_until: int = 0
+    sliding_floor: int = 0
+    num_cached_tokens: int = 0
+    slot: int | None = None
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    block_hashes: list[bytes] = dataclasses.field(default_factory=list)
+    logprobs: SampleLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs_partial: PromptLogprobs = dataclasses.field(default_factory=lambda: [None])
+    cumulative_logprob: float = 0.0
+    num_preemptions: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens not yet folded into the state (the next step's work)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and self.prompt_logprobs is None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED

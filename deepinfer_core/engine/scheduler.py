@@ -1,0 +1,178 @@
+"""Scheduling: which requests compute how many tokens this step.
+
+The scheduler speaks token counts, not phases: every request catches ``num_computed_tokens`` up to
+its token count within the step's token budget. A fresh prompt, a chunk of a long prompt, a replay
+after a prefix hit, a decode token (and later, draft tokens) are all "N more tokens for request R".
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections import deque
+from collections.abc import Callable
+
+from deepinfer_core.engine.request import Request, RequestStatus
+from deepinfer_core.engine.state_manager import StateManager
+
+
+@dataclasses.dataclass
+class ScheduledChunk:
+    """``num_tokens`` tokens of ``request`` starting at ``start`` (its ``num_computed_tokens``)."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the request's tokens, so a new token is sampled."""
+        return self.end == self.request.num_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """One step's plan: the chunks to run (in batch order) and the requests preempted for it."""
+
+    chunks: list[ScheduledChunk]
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler(abc.ABC):
+    """The scheduling interface: add requests, plan a step, take back the step's results."""
+
+    @abc.abstractmethod
+    def add(self, request: Request) -> None:
+        """Queue a new request."""
+
+    @abc.abstractmethod
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step. Allocates the state the planned chunks need."""
+
+    @abc.abstractmethod
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance the scheduled requests (``sampled``: request id -> new token); return those finished."""
+
+    @abc.abstractmethod
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
+
+
+ReplayPolicy = Callable[[Request, int], int]
+
+
+class FcfsScheduler(Scheduler):
+    """Continuous batching, first come first served, chunked prefill, preemption by recompute.
+
+    Running requests are served first in arrival order; waiting requests are admitted while the
+    token budget (``max_num_batched_tokens``), the sequence limit (``max_num_seqs``) and free state
+    allow. When a running request cannot get a block, the latest-arrived running request is
+    preempted: its state is released and it recomputes later (prefix caching usually restores most).
+    """
+
+    def __init__(self, state: StateManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 replay_start: ReplayPolicy, finish_check: Callable[[Request, int], bool]):
+        self.state = state
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.replay_start = replay_start
+        self.finish_check = finish_check
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Request] = []
+        for request in list(self.running):
+            if request.status != RequestStatus.RUNNING or budget == 0:
+                continue
+            num = min(request.num_pending_tokens, budget)
+            if not self._allocate_or_preempt(request, num, preempted):
+                continue
+            chunks.append(ScheduledChunk(request, request.num_computed_tokens, num))
+            budget -= num
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            chunk = self._admit(self.waiting[0], budget)
+            if chunk is None:
+                break
+            self.waiting.popleft()
+            chunks.append(chunk)
+            budget -= chunk.num_tokens
+        return SchedulerOutput(chunks, preempted)
+
+    def _allocate_or_preempt(self, request: Request, num: int, preempted: list[Request]) -> bool:
+        while not self.state.allocate(request, request.num_computed_tokens + num):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _admit(self, request: Request, budget: int) -> ScheduledChunk | None:
+        cached = self.state.match_prefix(request)
+        hit = len(cached) * self.state.block_size
+        start = self.replay_start(request, hit) if hit else 0
+        num = min(request.num_tokens - start, budget)
+        new_blocks = self.state.blocks_needed(request, start + num) - len(cached)
+        if not self.state.can_admit(new_blocks):
+            return None
+        self.state.admit(request, cached)
+        self.state.allocate(request, start + num)
+        request.num_computed_tokens = start
+        request.replay_until = hit
+        request.sliding_floor = start
+        request.num_cached_tokens = hit
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return ScheduledChunk(request, start, num)
+
+    def _preempt(self, request: Request) -> None:
+        self.state.release(request)
+        self.running.remove(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.replay_until = request.sliding_floor = 0
+        request.num_preemptions += 1
+        position = 0  # back into the queue in arrival order
+        while position < len(self.waiting) and self.waiting[position].arrival < request.arrival:
+            position += 1
+        self.waiting.insert(position, request)
+
+    # ------------------------------------------------------------------ update
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        finished = []
+        for chunk in output.chunks:
+            request = chunk.request
+            request.num_computed_tokens = chunk.end
+            self.state.commit(request)
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.output_token_ids.append(token)
+            if self.finish_check(request, token):
+                request.status = RequestStatus.FINISHED
+                self.state.release(request)
+                self.running.remove(request)
+                finished.append(request)
+        return finished

@@ -1,0 +1,195 @@
+"""``LLM``: the offline API, compatible with vLLM's ``vllm.LLM``."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from deepinfer_core.backends.registry import select_backend
+from deepinfer_core.engine.engine import Engine, EngineConfig, RequestRejectedError
+from deepinfer_core.models.registry import default_registry
+from deepinfer_core.models.resolve import resolve_model
+from deepinfer_core.outputs import RequestOutput
+from deepinfer_core.plugins import configure_plugins, get_plugin_manager
+from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_core.tokenizer import Tokenizer
+
+logger = logging.getLogger("deepinfer")
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+_CPU_DEFAULT_BUDGET = 2 * 1024**3
+
+Prompt = str | Mapping[str, Any]
+
+
+class LLM:
+    """Load a DeepSeek-V4 checkpoint and generate from it, offline.
+
+    Args:
+        model: checkpoint folder, hub id in the local HF cache, or None for ``$DEEPINFER_HF_MODEL_DIR``
+            or the embedded tiny default model.
+        backend: backend name (``cpu``, ``nvidia_sm100``, ...); default ``$DEEPINFER_ACCELERATOR`` or automatic.
+        dtype: ``"auto"`` (float32 on CPU, bfloat16 on accelerators), or a torch dtype / name.
+        max_model_len: longest prompt + output in tokens (default: the model's max_position_embeddings).
+        max_num_seqs: most sequences running at once. max_num_batched_tokens: token budget per step.
+        kv_cache_memory_bytes: bytes for the model state (paged blocks and per-sequence slots); default
+            a fraction (``memory_fraction``) of free device memory, or up to 2 GiB on CPU.
+        seed: base seed for requests without ``SamplingParams.seed``.
+        block_size: tokens per state block (a multiple of every compression ratio).
+        enable_prefix_caching: share full blocks of identical prefixes between requests.
+        **options: feature options claimed by plugins (e.g. ``batch_invariant=True``); an option no
+            loaded plugin claims is an error.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        backend: str | None = None,
+        dtype: str | torch.dtype = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        kv_cache_memory_bytes: int | None = None,
+        seed: int = 0,
+        block_size: int | None = None,
+        enable_prefix_caching: bool = True,
+        memory_fraction: float = 0.9,
+        **options: Any,
+    ):
+        _check_positive(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        self.model_dir = resolve_model(model)
+        self.plugin_manager = get_plugin_manager()
+        self.backend = select_backend(backend)
+        registry = default_registry(self.plugin_manager)
+        configure_plugins(self.plugin_manager, {"model": str(self.model_dir)}, options, self.backend.name)
+        ops = self.backend.make_op_table(self.plugin_manager)
+        self.dtype = _resolve_dtype(dtype, self.backend.device.type)
+        self.model = registry.load(self.model_dir, ops, self.dtype, self.backend.device)
+        self.tokenizer = Tokenizer.from_folder(self.model_dir)
+        config = self.model.config
+        self.max_model_len = max_model_len or config.max_position_embeddings
+        block = block_size or max(config.block_multiple, 16)
+        num_blocks = self._num_blocks(block, max_num_seqs, kv_cache_memory_bytes, memory_fraction)
+        state = self.model.new_state(num_slots=max_num_seqs, num_blocks=num_blocks, block_size=block)
+        engine_config = EngineConfig(self.max_model_len, max_num_seqs, max_num_batched_tokens, block, num_blocks,
+                                     enable_prefix_caching, seed)
+        self.engine = Engine(self.model, state, self.tokenizer, engine_config, self.plugin_manager)
+        self._ids = itertools.count()
+
+    def _num_blocks(self, block_size: int, num_slots: int, budget: int | None, fraction: float) -> int:
+        from deepinfer_core.models.deepseek_v4.state import DeepseekV4State
+
+        config = self.model.config
+        per_block = DeepseekV4State.bytes_per_block(config, block_size, self.dtype)
+        slots = num_slots * DeepseekV4State.bytes_per_slot(config, block_size, self.dtype)
+        if budget is None:
+            free = self.backend.memory_info().free_bytes
+            wanted = slots + per_block * num_slots * -(-self.max_model_len // block_size)
+            cap = _CPU_DEFAULT_BUDGET if self.backend.device.type == "cpu" else int(free * fraction)
+            budget = min(wanted, cap, int(free * fraction))
+        num_blocks = (budget - slots) // max(per_block, 1)
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes={budget} cannot hold {num_slots} sequence slots ({slots} bytes) plus one "
+                f"{per_block}-byte state block; raise it or lower max_num_seqs")
+        return int(num_blocks)
+
+    # ------------------------------------------------------------------ generation
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text or ``{"prompt_token_ids": [...]}``); outputs in input order.
+
+        A prompt the engine refuses (longer than ``max_model_len``, empty, bad token ids) gets a
+        ``RequestOutput`` with ``error`` set and no completions; the other prompts still run.
+        """
+        prompt_list = [prompts] if isinstance(prompts, (str, Mapping)) else list(prompts)
+        params = _params_per_prompt(sampling_params, len(prompt_list))
+        results: list[RequestOutput | None] = [None] * len(prompt_list)
+        index_of: dict[str, int] = {}
+        for i, (prompt, p) in enumerate(zip(prompt_list, params)):
+            text, token_ids = self._tokenize(prompt)
+            group_id = str(next(self._ids))
+            try:
+                self.engine.add_request(group_id, text, token_ids, p)
+                index_of[group_id] = i
+            except RequestRejectedError as exc:
+                logger.warning("request %d refused: %s", i, exc)
+                results[i] = RequestOutput(group_id, text, token_ids, None, [], True, error=str(exc))
+        self._run(results, index_of, use_tqdm)
+        return results  # type: ignore[return-value]
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the checkpoint's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(list(c), add_generation_prompt,
+                                                                            tokenize=True)} for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        if isinstance(prompt, Mapping) and "prompt" in prompt:
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise TypeError(f"a prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', got {prompt!r}")
+
+    def _run(self, results: list[RequestOutput | None], index_of: dict[str, int], use_tqdm: bool) -> None:
+        progress = None
+        if use_tqdm and len(index_of) > 1:
+            from tqdm.auto import tqdm
+
+            progress = tqdm(total=len(index_of), desc="Processed prompts", dynamic_ncols=True)
+        while self.engine.has_unfinished():
+            for output in self.engine.step():
+                results[index_of[output.request_id]] = output
+                if progress is not None:
+                    progress.update(1)
+        if progress is not None:
+            progress.close()
+
+
+def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * count
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
+    params = list(sampling_params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling_params for {count} prompts; pass one, or one per prompt")
+    return params
+
+
+def _resolve_dtype(dtype: str | torch.dtype, device_type: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.float32 if device_type == "cpu" else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use 'auto', {sorted(_DTYPES)} or a torch.dtype")
+    return _DTYPES[dtype]
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")

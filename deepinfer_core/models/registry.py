@@ -1,0 +1,59 @@
+"""Model registry: config.json ``model_type`` -> the function that builds that model from a folder."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from deepinfer_core.errors import DeepInferError
+
+ModelLoader = Callable[..., object]  # (folder, ops, dtype, device) -> model
+
+
+class UnknownModelTypeError(DeepInferError, ValueError):
+    """A checkpoint whose model_type no registered loader handles."""
+
+
+class ModelRegistry:
+    """Loaders by ``model_type``; the core registers DeepSeek-V4, plugins add more via a hook."""
+
+    def __init__(self) -> None:
+        self._loaders: dict[str, ModelLoader] = {}
+
+    def register(self, model_type: str, loader: ModelLoader) -> None:
+        """Register ``loader(folder, ops, dtype, device) -> model`` for ``model_type``."""
+        self._loaders[model_type] = loader
+
+    def model_types(self) -> list[str]:
+        return sorted(self._loaders)
+
+    def load(self, folder: Path, ops, dtype, device):
+        """Build the model in ``folder`` with the loader of its config.json ``model_type``."""
+        model_type = read_model_type(folder)
+        loader = self._loaders.get(model_type)
+        if loader is None:
+            raise UnknownModelTypeError(
+                f"unknown model_type {model_type!r} in {folder / 'config.json'}; supported: {self.model_types()}. "
+                "Use a DeepSeek-V4 checkpoint, or install a plugin that registers this model type."
+            )
+        return loader(folder, ops, dtype=dtype, device=device)
+
+
+def read_model_type(folder: Path) -> str | None:
+    path = Path(folder) / "config.json"
+    try:
+        return json.loads(path.read_text()).get("model_type")
+    except FileNotFoundError:
+        raise UnknownModelTypeError(f"{folder} has no config.json; point at a checkpoint folder") from None
+
+
+def default_registry(plugin_manager=None) -> ModelRegistry:
+    """The core's models plus whatever plugins register through ``deepinfer_register_models``."""
+    from deepinfer_core.models.deepseek_v4.loader import load_deepseek_v4
+
+    registry = ModelRegistry()
+    registry.register("deepseek_v4", load_deepseek_v4)
+    if plugin_manager is not None:
+        plugin_manager.hook.deepinfer_register_models(registry=registry)
+    return registry
