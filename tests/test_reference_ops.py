@@ -1,0 +1,649 @@
+"""Unit tests for the plain-torch reference ops (``deepinfer_core.ops.reference``).
+
+These ops are the spec every GPU / NPU backend must match, so each test pins their semantics against an
+independent naive implementation written here (explicit loops over sequences, queries, heads, pairs,
+experts, ...), never by re-calling the op under test. Shapes are tiny; the whole file runs in seconds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from deepinfer_core.ops import reference as ref
+from deepinfer_core.ops.table import OpTable, UnknownOpError, reference_ops
+
+F32 = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=_gen(seed)).to(dtype)
+
+
+def _distinct_scores(*shape: int, seed: int) -> torch.Tensor:
+    """Tie-free scores: a random permutation of 0..n-1, scaled and shifted (some negative)."""
+    n = math.prod(shape)
+    return (torch.randperm(n, generator=_gen(seed)).float() / n - 0.5).view(*shape)
+
+
+# ============================================================================ indexer_topk
+def _naive_topk_mask(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+    """Per query: visible entries ordered by (higher score, lower index); keep the first k."""
+    S, Lq, E = scores.shape
+    out = torch.zeros(S, Lq, E, dtype=torch.bool)
+    for s in range(S):
+        for q in range(Lq):
+            cands = [e for e in range(E) if visible[s, q, e]]
+            cands.sort(key=lambda e: (-float(scores[s, q, e]), e))
+            for e in cands[:k]:
+                out[s, q, e] = True
+    return out
+
+
+@pytest.mark.parametrize(
+    ("S", "Lq", "E", "k"),
+    [(1, 1, 8, 1), (2, 3, 10, 4), (3, 4, 16, 7), (2, 5, 6, 6), (2, 3, 5, 9), (1, 4, 12, 12)],
+)
+def test_indexer_topk_tie_free_matches_torch_topk_among_visible(S, Lq, E, k):
+    scores = _distinct_scores(S, Lq, E, seed=S * 100 + Lq * 10 + E)
+    visible = torch.rand(S, Lq, E, generator=_gen(k)) < 0.6
+    visible[0, 0] = False  # a row with nothing visible
+    if Lq > 1:
+        visible[-1, -1] = True  # a fully visible row
+    got = ref.indexer_topk(scores, visible, k)
+    assert got.dtype == torch.bool and got.shape == (S, Lq, E)
+    assert not (got & ~visible).any(), "selected an invisible entry"
+    for s in range(S):
+        for q in range(Lq):
+            vis_idx = visible[s, q].nonzero().flatten()
+            want = torch.zeros(E, dtype=torch.bool)
+            if len(vis_idx):
+                kk = min(k, len(vis_idx))
+                want[vis_idx[torch.topk(scores[s, q, vis_idx], kk).indices]] = True
+            assert torch.equal(got[s, q], want), (s, q)
+            assert int(got[s, q].sum()) == min(k, len(vis_idx))
+    if k >= E:  # k at least the visible count: every visible entry is selected
+        assert torch.equal(got, visible)
+
+
+def test_indexer_topk_never_selects_invisible_even_with_best_scores():
+    E = 8
+    scores = torch.arange(E, dtype=torch.float32).flip(0).view(1, 1, E)  # entry 0 best, entry 7 worst
+    visible = torch.zeros(1, 1, E, dtype=torch.bool)
+    visible[..., 5:] = True  # only the three worst are visible
+    got = ref.indexer_topk(scores, visible, 2)
+    assert got[0, 0].nonzero().flatten().tolist() == [5, 6]
+    got = ref.indexer_topk(scores, visible, 5)
+    assert got[0, 0].nonzero().flatten().tolist() == [5, 6, 7]
+
+
+def test_indexer_topk_ties_go_to_lower_entry_index():
+    S, Lq, E = 2, 4, 12
+    scores = torch.randint(0, 3, (S, Lq, E), generator=_gen(3)).float()  # many exact ties
+    visible = torch.rand(S, Lq, E, generator=_gen(4)) < 0.75
+    for k in (1, 2, 3, 5, 8, 20):
+        got = ref.indexer_topk(scores, visible, k)
+        assert torch.equal(got, _naive_topk_mask(scores, visible, k)), k
+    # explicit: scores [1, 2, 2, 1, 2], k = 2 -> entries 1 and 2 (the lowest two of the tied 2s)
+    row = torch.tensor([1.0, 2.0, 2.0, 1.0, 2.0]).view(1, 1, 5)
+    assert ref.indexer_topk(row, torch.ones_like(row, dtype=torch.bool), 2)[0, 0].tolist() == [
+        False, True, True, False, False]
+    # +0.0 and -0.0 are equal scores: index order decides, not the sign bit
+    row = torch.tensor([-0.0, 0.0, -0.0, 0.0]).view(1, 1, 4)
+    assert ref.indexer_topk(row, torch.ones_like(row, dtype=torch.bool), 2)[0, 0].tolist() == [
+        True, True, False, False]
+
+
+def test_indexer_topk_all_zero_relu_scores_pick_lowest_visible_indices():
+    # every q.k is negative -> relu zeroes everything -> all scores tie at exactly 0
+    S, Lq, Hi, di, E = 2, 3, 2, 4, 9
+    q = -torch.rand(S, Lq, Hi, di, generator=_gen(5)) - 0.1
+    keys = torch.rand(S, E, di, generator=_gen(6)) + 0.1
+    w = torch.rand(S, Lq, Hi, generator=_gen(7))
+    scores = ref.indexer_scores(q, keys, w, 0.5)
+    assert torch.equal(scores, torch.zeros(S, Lq, E))
+    visible = torch.rand(S, Lq, E, generator=_gen(8)) < 0.7
+    k = 3
+    got = ref.indexer_topk(scores, visible, k)
+    for s in range(S):
+        for qi in range(Lq):
+            vis_idx = visible[s, qi].nonzero().flatten().tolist()
+            assert got[s, qi].nonzero().flatten().tolist() == vis_idx[:k]
+
+
+# ============================================================================ indexer_scores
+def test_indexer_scores_naive_sum_over_heads():
+    S, Lq, Hi, di, E = 2, 3, 4, 5, 6
+    q, keys = _randn(S, Lq, Hi, di, seed=10), _randn(S, E, di, seed=11)
+    w = _randn(S, Lq, Hi, seed=12)  # signed head weights
+    scale = 0.37
+    got = ref.indexer_scores(q, keys, w, scale)
+    assert got.dtype == torch.float32 and got.shape == (S, Lq, E)
+    ql, kl, wl = q.tolist(), keys.tolist(), w.tolist()
+    want = torch.zeros(S, Lq, E, dtype=torch.float64)
+    for s in range(S):
+        for t in range(Lq):
+            for e in range(E):
+                acc = 0.0
+                for h in range(Hi):
+                    dot = sum(ql[s][t][h][i] * kl[s][e][i] for i in range(di))
+                    acc += wl[s][t][h] * max(dot, 0.0) * scale
+                want[s, t, e] = acc
+    torch.testing.assert_close(got, want.float(), **F32)
+    # bf16 inputs are scored in fp32
+    assert ref.indexer_scores(q.bfloat16(), keys.bfloat16(), w.bfloat16(), scale).dtype == torch.float32
+
+
+# ============================================================================ sink_attention
+def _naive_sink_attention(q, kv, visible, sinks, scale):
+    S, Lq, H, d = q.shape
+    Lk = kv.shape[1]
+    out = torch.zeros(S, Lq, H, d, dtype=torch.float64)
+    for s in range(S):
+        for t in range(Lq):
+            for h in range(H):
+                logits = [scale * float(q[s, t, h].double() @ kv[s, j].double()) for j in range(Lk) if visible[s, t, j]]
+                keys = [j for j in range(Lk) if visible[s, t, j]]
+                sink = float(sinks[h])
+                m = max(logits + [sink])
+                denom = sum(math.exp(x - m) for x in logits) + math.exp(sink - m)
+                for x, j in zip(logits, keys):
+                    out[s, t, h] += math.exp(x - m) / denom * kv[s, j].double()
+    return out
+
+
+def test_sink_attention_matches_naive_loop():
+    S, Lq, Lk, H, d = 2, 3, 6, 3, 4
+    q, kv = _randn(S, Lq, H, d, seed=20), _randn(S, Lk, d, seed=21)
+    visible = torch.rand(S, Lq, Lk, generator=_gen(22)) < 0.6
+    visible[0, 0] = False
+    visible[1, 2] = True
+    sinks = torch.tensor([0.5, -1.0, 2.0])
+    got = ref.sink_attention(q, kv, visible, sinks, 0.5)
+    assert got.shape == (S, Lq, H, d) and got.dtype == torch.float32
+    torch.testing.assert_close(got, _naive_sink_attention(q, kv, visible, sinks, 0.5).float(), **F32)
+
+
+def test_sink_attention_nothing_visible_returns_exact_zero():
+    S, Lq, Lk, H, d = 2, 2, 4, 2, 3
+    q, kv = _randn(S, Lq, H, d, seed=23), _randn(S, Lk, d, seed=24) * 100
+    visible = torch.ones(S, Lq, Lk, dtype=torch.bool)
+    visible[1, 0] = False
+    got = ref.sink_attention(q, kv, visible, torch.tensor([-5.0, 3.0]), 1.0)
+    assert torch.equal(got[1, 0], torch.zeros(H, d))
+    assert (got[0].abs().sum(-1) > 0).all()
+
+
+def test_sink_attention_sink_mass_is_dropped_and_large_sinks_push_to_zero():
+    S, Lq, Lk, H, d = 1, 2, 5, 1, 4
+    q, kv = _randn(S, Lq, H, d, seed=25), _randn(S, Lk, d, seed=26)
+    visible = torch.ones(S, Lq, Lk, dtype=torch.bool)
+    norms = []
+    for sink in (-30.0, 0.0, 2.0, 5.0, 20.0):
+        out = ref.sink_attention(q, kv, visible, torch.tensor([sink]), 1.0)
+        norms.append(float(out.norm()))
+    assert all(a > b for a, b in itertools.pairwise(norms)), norms
+    assert norms[-1] < 1e-6
+    # a very negative sink leaves ordinary softmax attention
+    plain = torch.softmax(torch.einsum("sqhd,skd->shqk", q, kv), dim=-1)
+    torch.testing.assert_close(ref.sink_attention(q, kv, visible, torch.tensor([-1e4]), 1.0),
+                               torch.einsum("shqk,skd->sqhd", plain, kv), **F32)
+    # a sink equal to the only visible logit takes exactly half the mass
+    vis1 = torch.zeros(S, Lq, Lk, dtype=torch.bool)
+    vis1[..., 2] = True
+    logit = float(q[0, 0, 0] @ kv[0, 2])
+    out = ref.sink_attention(q[:, :1], kv, vis1[:, :1], torch.tensor([logit]), 1.0)
+    torch.testing.assert_close(out[0, 0, 0], 0.5 * kv[0, 2], **F32)
+
+
+# ============================================================================ rope
+def _naive_rope(x, cos, sin, inverse=False):
+    """Per-pair rotation of the trailing 2 * half channels: (a, b) -> (a c - b s, b c + a s)."""
+    half = cos.shape[-1]
+    dim = x.shape[-1]
+    nope = dim - 2 * half
+    out = x.clone().double()
+    xs = x.double().reshape(x.shape[0], -1, dim)  # [T, H', dim]
+    o = out.view(x.shape[0], -1, dim)
+    for t in range(x.shape[0]):
+        for h in range(xs.shape[1]):
+            for i in range(half):
+                c, s = float(cos[t, i]), float(sin[t, i])
+                if inverse:
+                    s = -s
+                a, b = float(xs[t, h, nope + 2 * i]), float(xs[t, h, nope + 2 * i + 1])
+                o[t, h, nope + 2 * i] = a * c - b * s
+                o[t, h, nope + 2 * i + 1] = b * c + a * s
+    return out
+
+
+def test_rope_cos_sin_shapes_and_values():
+    inv_freq = torch.tensor([1.0, 0.1, 0.01])
+    positions = torch.tensor([0, 1, 5, 1000])
+    cos, sin = ref.rope_cos_sin(positions, inv_freq, 1.25, torch.float32)
+    assert cos.shape == sin.shape == (4, 3) and cos.dtype == sin.dtype == torch.float32
+    for t, p in enumerate(positions.tolist()):
+        for i, f in enumerate(inv_freq.tolist()):
+            ang = p * float(torch.tensor(f))
+            assert cos[t, i].item() == pytest.approx(math.cos(ang) * 1.25, rel=1e-5, abs=1e-5)
+            assert sin[t, i].item() == pytest.approx(math.sin(ang) * 1.25, rel=1e-5, abs=1e-5)
+    cos2, sin2 = ref.rope_cos_sin(positions.view(2, 2), inv_freq, 1.0, torch.bfloat16)
+    assert cos2.shape == sin2.shape == (2, 2, 3) and cos2.dtype == torch.bfloat16
+    assert torch.equal(cos2[0, 0], torch.ones(3, dtype=torch.bfloat16))
+    assert torch.equal(sin2[0, 0], torch.zeros(3, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("shape", [(5, 10), (5, 3, 10), (4, 6)])
+def test_apply_rope_matches_naive_pairs_and_leaves_leading_channels(shape):
+    T, dim = shape[0], shape[-1]
+    half = 3  # (4, 6): rope on every channel
+    x = _randn(*shape, seed=30 + len(shape) + dim)
+    cos, sin = ref.rope_cos_sin(torch.arange(T) * 3 + 1, torch.tensor([1.0, 0.3, 0.05]), 1.0, torch.float32)
+    for inverse in (False, True):
+        got = ref.apply_rope(x, cos, sin, inverse=inverse)
+        assert got.shape == x.shape and got.dtype == x.dtype
+        torch.testing.assert_close(got, _naive_rope(x, cos, sin, inverse).float(), **F32)
+        assert torch.equal(got[..., : dim - 2 * half], x[..., : dim - 2 * half])
+    back = ref.apply_rope(ref.apply_rope(x, cos, sin), cos, sin, inverse=True)
+    torch.testing.assert_close(back, x, **F32)
+
+
+def test_apply_rope_pair_layout_is_interleaved():
+    # one pair (channels 2, 3) rotated by 90 degrees: (a, b) -> (-b, a); channels 0, 1 untouched
+    x = torch.tensor([[7.0, 8.0, 1.0, 2.0]])
+    cos, sin = torch.tensor([[0.0]]), torch.tensor([[1.0]])
+    assert ref.apply_rope(x, cos, sin).tolist() == [[7.0, 8.0, -2.0, 1.0]]
+    assert ref.apply_rope(x, cos, sin, inverse=True).tolist() == [[7.0, 8.0, 2.0, -1.0]]
+
+
+def test_apply_rope_bf16_keeps_dtype_and_nope_bits():
+    x = _randn(3, 2, 8, seed=33, dtype=torch.bfloat16)
+    cos, sin = ref.rope_cos_sin(torch.arange(3), torch.tensor([1.0, 0.5]), 1.0, torch.bfloat16)
+    got = ref.apply_rope(x, cos, sin)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got[..., :4], x[..., :4])
+    torch.testing.assert_close(got.float(), _naive_rope(x.float(), cos.float(), sin.float()).float(),
+                               rtol=1.6e-2, atol=1e-2)
+
+
+# ============================================================================ norms
+def test_rms_norm_naive_fp32_and_bf16():
+    x, w = _randn(4, 3, 16, seed=40), _randn(16, seed=41)
+    eps = 1e-6
+    want = torch.empty(4, 3, 16, dtype=torch.float64)
+    for i in range(4):
+        for j in range(3):
+            row = x[i, j].double()
+            ms = sum(float(v) ** 2 for v in row) / 16
+            want[i, j] = row / math.sqrt(ms + eps) * w.double()
+    torch.testing.assert_close(ref.rms_norm(x, w, eps), want.float(), **F32)
+    got = ref.rms_norm(x.bfloat16(), w, eps)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-2)
+    assert ref.rms_norm(x.bfloat16(), w.bfloat16(), eps).dtype == torch.bfloat16
+    # eps matters for tiny rows
+    tiny = torch.full((1, 4), 1e-4)
+    torch.testing.assert_close(ref.rms_norm(tiny, torch.ones(4), 1e-6),
+                               tiny / math.sqrt(1e-8 + 1e-6), **F32)
+
+
+def test_unweighted_rms_norm_naive_fp32_and_bf16():
+    x = _randn(5, 12, seed=42) * 3
+    eps = 1e-5
+    want = torch.empty(5, 12, dtype=torch.float64)
+    for i in range(5):
+        row = x[i].double()
+        want[i] = row / math.sqrt(float((row * row).sum()) / 12 + eps)
+    torch.testing.assert_close(ref.unweighted_rms_norm(x, eps), want.float(), **F32)
+    got = ref.unweighted_rms_norm(x.bfloat16(), eps)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-2)
+    tiny = torch.full((2, 4), 1e-3)  # mean square 1e-6: eps is not negligible
+    torch.testing.assert_close(ref.unweighted_rms_norm(tiny, 1e-6), tiny / math.sqrt(2e-6), **F32)
+
+
+# ============================================================================ compressor_pool
+def test_compressor_pool_softmax_over_slots_then_rms_norm():
+    N, slots, d = 3, 4, 6
+    kv, gate = _randn(N, slots, d, seed=50), _randn(N, slots, d, seed=51)
+    gate[0, 3] = float("-inf")  # a masked slot, whole window entry
+    gate[1, :2, :3] = float("-inf")  # some channels masked in two slots
+    kv[0, 3] = 1e6  # masked slots must get exactly zero weight
+    kv[1, :2, :3] = -1e6
+    w, eps = _randn(d, seed=52), 1e-6
+    want = torch.empty(N, d, dtype=torch.float64)
+    for n in range(N):
+        pooled = []
+        for c in range(d):
+            gs = [float(gate[n, s, c]) for s in range(slots)]
+            m = max(gs)
+            ex = [math.exp(g - m) for g in gs]  # exp(-inf) == 0
+            pooled.append(sum(e / sum(ex) * float(kv[n, s, c]) for s, e in enumerate(ex)))
+        rms = math.sqrt(sum(p * p for p in pooled) / d + eps)
+        want[n] = torch.tensor([p / rms for p in pooled], dtype=torch.float64) * w.double()
+    got = ref.compressor_pool(kv, gate, w, eps)
+    assert got.shape == (N, d) and torch.isfinite(got).all()
+    torch.testing.assert_close(got, want.float(), **F32)
+
+
+# ============================================================================ hyper-connections
+def _naive_hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps):
+    T, hc, D = streams.shape
+    x = streams.double()
+    fn, base, scale = fn.double(), base.double(), scale.double()
+    pre = torch.empty(T, hc, dtype=torch.float64)
+    post = torch.empty(T, hc, dtype=torch.float64)
+    comb = torch.empty(T, hc, hc, dtype=torch.float64)
+    for t in range(T):
+        flat = x[t].reshape(-1)
+        flat = flat / math.sqrt(float((flat * flat).mean()) + norm_eps)
+        mixed = [float(fn[r] @ flat) for r in range(fn.shape[0])]
+        for i in range(hc):
+            pre[t, i] = 1 / (1 + math.exp(-(mixed[i] * scale[0] + base[i]))) + hc_eps
+            post[t, i] = 2 / (1 + math.exp(-(mixed[hc + i] * scale[1] + base[hc + i])))
+        m = [[mixed[2 * hc + i * hc + j] * float(scale[2]) + float(base[2 * hc + i * hc + j]) for j in range(hc)]
+             for i in range(hc)]
+        for i in range(hc):
+            z = sum(math.exp(v) for v in m[i])
+            m[i] = [math.exp(v) / z + hc_eps for v in m[i]]
+
+        def norm_cols(m):
+            for j in range(hc):
+                c = sum(m[i][j] for i in range(hc)) + hc_eps
+                for i in range(hc):
+                    m[i][j] /= c
+
+        norm_cols(m)
+        for _ in range(iters - 1):
+            for i in range(hc):
+                r = sum(m[i]) + hc_eps
+                m[i] = [v / r for v in m[i]]
+            norm_cols(m)
+        comb[t] = torch.tensor(m, dtype=torch.float64)
+    collapsed = torch.zeros(T, D, dtype=torch.float64)
+    for t in range(T):
+        for i in range(hc):
+            collapsed[t] += pre[t, i] * x[t, i]
+    return pre, post, comb, collapsed
+
+
+def _hc_params(hc, D, seed, peak=1.0):
+    """mHC parameters; ``peak`` scales the comb logits (large -> near-one-hot rows, slow Sinkhorn)."""
+    mix = (2 + hc) * hc
+    return _randn(mix, hc * D, seed=seed) * 0.2, _randn(mix, seed=seed + 1), torch.tensor([0.8, 1.3, peak])
+
+
+@pytest.mark.parametrize("hc", [1, 2, 4])
+def test_hc_pre_matches_naive_and_comb_is_doubly_stochastic(hc):
+    T, D, iters, hc_eps, norm_eps = 3, 8, 20, 1e-6, 1e-6
+    streams = _randn(T, hc, D, seed=60 + hc) * 2
+    fn, base, scale = _hc_params(hc, D, seed=70 + hc)
+    post, comb, collapsed = ref.hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps)
+    assert post.shape == (T, hc) and comb.shape == (T, hc, hc) and collapsed.shape == (T, D)
+    assert comb.dtype == torch.float32
+    n_pre, n_post, n_comb, n_collapsed = _naive_hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps)
+    torch.testing.assert_close(post, n_post.float(), **F32)
+    torch.testing.assert_close(comb, n_comb.float(), **F32)
+    torch.testing.assert_close(collapsed, n_collapsed.float(), **F32)
+    assert ((post > 0) & (post < 2)).all()
+    assert ((n_pre > hc_eps) & (n_pre < 1 + hc_eps)).all()
+    assert (comb > 0).all()
+    torch.testing.assert_close(comb.sum(-1), torch.ones(T, hc), rtol=0, atol=1e-3)
+    torch.testing.assert_close(comb.sum(-2), torch.ones(T, hc), rtol=0, atol=1e-3)
+
+
+def test_hc_pre_sinkhorn_ends_on_columns_and_rows_converge_with_iterations():
+    # peaked comb logits: Sinkhorn converges slowly on rows, but the last step always normalises columns
+    T, hc, D = 3, 4, 8
+    streams = _randn(T, hc, D, seed=64) * 2
+    fn, base, scale = _hc_params(hc, D, seed=74, peak=5.0)
+    row_err = []
+    for iters in (1, 5, 20, 200):
+        _, comb, _ = ref.hc_pre(streams, fn, base, scale, iters, 1e-6, 1e-6)
+        _, _, n_comb, _ = _naive_hc_pre(streams, fn, base, scale, iters, 1e-6, 1e-6)
+        torch.testing.assert_close(comb, n_comb.float(), **F32)
+        torch.testing.assert_close(comb.sum(-2), torch.ones(T, hc), rtol=0, atol=1e-4)
+        row_err.append(float((comb.sum(-1) - 1).abs().max()))
+    assert all(a > b for a, b in itertools.pairwise(row_err)), row_err
+    assert row_err[0] > 0.1 and row_err[2] > 1e-3 and row_err[-1] < 1e-3  # 20 iterations are not enough here
+
+
+def test_hc_pre_bf16_streams_keep_dtype():
+    T, hc, D = 2, 4, 8
+    streams = _randn(T, hc, D, seed=80, dtype=torch.bfloat16)
+    fn, base, scale = _hc_params(hc, D, seed=81)
+    post, comb, collapsed = ref.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
+    assert collapsed.dtype == torch.bfloat16 and comb.dtype == torch.float32 and post.dtype == torch.float32
+    *_, n_collapsed = _naive_hc_pre(streams.float(), fn, base, scale, 20, 1e-6, 1e-6)
+    torch.testing.assert_close(collapsed.float(), n_collapsed.float(), rtol=1.6e-2, atol=2e-2)
+
+
+def test_hc_post_naive_loop():
+    T, hc, D = 3, 4, 5
+    streams, block = _randn(T, hc, D, seed=90), _randn(T, D, seed=91)
+    post, comb = torch.rand(T, hc, generator=_gen(92)) * 2, torch.rand(T, hc, hc, generator=_gen(93))
+    got = ref.hc_post(streams, block, post, comb)
+    want = torch.zeros(T, hc, D, dtype=torch.float64)
+    for t in range(T):
+        for k in range(hc):
+            want[t, k] = float(post[t, k]) * block[t].double()
+            for j in range(hc):
+                want[t, k] += float(comb[t, j, k]) * streams[t, j].double()  # comb[j, k]: stream j -> k
+    assert got.shape == (T, hc, D)
+    torch.testing.assert_close(got, want.float(), **F32)
+    # an asymmetric comb distinguishes comb[j, k] from comb[k, j]
+    eye_shift = torch.zeros(1, 2, 2)
+    eye_shift[0, 0, 1] = 1.0  # stream 0 feeds output 1 only
+    out = ref.hc_post(streams[:1, :2], torch.zeros(1, D), torch.zeros(1, 2), eye_shift)
+    torch.testing.assert_close(out[0, 1], streams[0, 0], **F32)
+    assert torch.equal(out[0, 0], torch.zeros(D))
+
+
+def test_hc_head_naive():
+    T, hc, D, hc_eps, norm_eps = 3, 4, 6, 1e-6, 1e-6
+    streams = _randn(T, hc, D, seed=100)
+    fn, base, scale = _randn(hc, hc * D, seed=101), _randn(hc, seed=102), torch.tensor([0.7])
+    got = ref.hc_head(streams, fn, base, scale, hc_eps, norm_eps)
+    want = torch.zeros(T, D, dtype=torch.float64)
+    for t in range(T):
+        flat = streams[t].double().reshape(-1)
+        flat = flat / math.sqrt(float((flat * flat).mean()) + norm_eps)
+        for i in range(hc):
+            pre = 1 / (1 + math.exp(-(float(fn[i].double() @ flat) * 0.7 + float(base[i])))) + hc_eps
+            want[t] += pre * streams[t, i].double()
+    assert got.shape == (T, D)
+    torch.testing.assert_close(got, want.float(), **F32)
+
+
+# ============================================================================ MoE routing
+def _naive_score(v: float, scoring: str, row: list[float]) -> float:
+    if scoring == "sqrtsoftplus":
+        return math.sqrt(math.log1p(math.exp(v)))
+    if scoring == "sigmoid":
+        return 1 / (1 + math.exp(-v))
+    return math.exp(v) / sum(math.exp(u) for u in row)
+
+
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])
+def test_moe_route_topk_selection_and_weights(scoring):
+    T, E, k, scaling = 5, 12, 3, 2.5
+    logits = _distinct_scores(T, E, seed=110) * 8
+    bias = _distinct_scores(E, seed=111) * 0.05  # small and distinct: tie-free biased scores
+    weights, ids = ref.moe_route_topk(logits, bias, k, scaling, scoring)
+    assert ids.shape == weights.shape == (T, k) and ids.dtype == torch.long
+    for t in range(T):
+        row = logits[t].tolist()
+        scores = [_naive_score(v, scoring, row) for v in row]
+        biased = [s + float(b) for s, b in zip(scores, bias.tolist())]
+        want_ids = sorted(range(E), key=lambda e: -biased[e])[:k]
+        assert ids[t].tolist() == want_ids  # ordered by biased score, best first
+        sel = [scores[e] for e in want_ids]  # unbiased scores of the selected experts
+        want_w = torch.tensor([s / sum(sel) * scaling for s in sel])
+        torch.testing.assert_close(weights[t], want_w, **F32)
+    torch.testing.assert_close(weights.sum(-1), torch.full((T,), scaling), **F32)
+
+
+def test_moe_route_topk_bias_changes_selection_not_weight_formula():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    k, scaling = 2, 1.0
+    _, ids0 = ref.moe_route_topk(logits, torch.zeros(4), k, scaling, "sqrtsoftplus")
+    assert ids0.tolist() == [[0, 1]]
+    bias = torch.tensor([0.0, 0.0, 0.0, 10.0])
+    weights, ids = ref.moe_route_topk(logits, bias, k, scaling, "sqrtsoftplus")
+    assert ids.tolist() == [[3, 0]]
+    s = [math.sqrt(math.log1p(math.exp(v))) for v in (0.0, 3.0)]  # unbiased scores of experts 3 and 0
+    torch.testing.assert_close(weights[0], torch.tensor([s[0] / sum(s), s[1] / sum(s)]), **F32)
+
+
+def test_moe_route_topk_ties_go_to_lower_expert_id():
+    logits = torch.tensor([[1.0, 2.0, 1.0, 2.0, 2.0, 0.0], [0.5] * 6])
+    weights, ids = ref.moe_route_topk(logits, torch.zeros(6), 2, 1.0, "sqrtsoftplus")
+    assert ids.tolist() == [[1, 3], [0, 1]]
+    torch.testing.assert_close(weights, torch.full((2, 2), 0.5), **F32)
+    # equal scores: the bias lifts expert 5 first, the remaining ties go to the lowest ids
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 1.0])
+    _, ids = ref.moe_route_topk(torch.zeros(1, 6), bias, 3, 1.0, "sigmoid")
+    assert ids.tolist() == [[5, 0, 1]]
+
+
+def test_moe_route_hash_uses_tid2eid_rows():
+    T, E, k, vocab, scaling = 4, 8, 2, 10, 1.5
+    logits = _randn(T, E, seed=120)
+    tid2eid = torch.randint(0, E, (vocab, k), generator=_gen(121))
+    tid2eid[7] = torch.tensor([6, 1])
+    token_ids = torch.tensor([7, 0, 9, 7])
+    weights, ids = ref.moe_route_hash(logits, token_ids, tid2eid.int(), scaling, "sqrtsoftplus")
+    assert ids.dtype == torch.long
+    assert ids.tolist() == [tid2eid[t].tolist() for t in token_ids.tolist()]
+    for t in range(T):
+        sel = [math.sqrt(math.log1p(math.exp(float(logits[t, e])))) for e in ids[t].tolist()]
+        torch.testing.assert_close(weights[t], torch.tensor([s / sum(sel) * scaling for s in sel]), **F32)
+
+
+# ============================================================================ experts
+def _naive_swiglu(xt, w1, w2, w3, limit):
+    """One token: w2 @ (silu(min(w1 x, limit)) * clip(w3 x, -limit, limit)), element by element."""
+    I = w1.shape[0]
+    h = torch.empty(I, dtype=torch.float64)
+    for i in range(I):
+        g = min(float(w1[i].double() @ xt.double()), limit)
+        u = max(min(float(w3[i].double() @ xt.double()), limit), -limit)
+        h[i] = g / (1 + math.exp(-g)) * u
+    return w2.double() @ h
+
+
+def test_moe_experts_matches_naive_per_token_loop_and_skips_unselected():
+    T, D, I, E, k, limit = 5, 6, 4, 6, 2, 7.0
+    x = _randn(T, D, seed=130)
+    w1, w2, w3 = _randn(E, I, D, seed=131), _randn(E, D, I, seed=132), _randn(E, I, D, seed=133)
+    ids = torch.tensor([[0, 3], [3, 0], [5, 0], [3, 3], [0, 5]])  # experts 1, 2, 4 never selected; a duplicate
+    weights = torch.rand(T, k, generator=_gen(134))
+    for e in (1, 2, 4):
+        w1[e], w2[e], w3[e] = float("nan"), float("nan"), float("nan")
+    got = ref.moe_experts(x, ids, weights, w1, w2, w3, limit)
+    assert got.shape == (T, D) and torch.isfinite(got).all()
+    want = torch.zeros(T, D, dtype=torch.float64)
+    for t in range(T):
+        for j in range(k):
+            e = int(ids[t, j])
+            want[t] += float(weights[t, j]) * _naive_swiglu(x[t], w1[e], w2[e], w3[e], limit)
+    torch.testing.assert_close(got, want.float(), **F32)
+
+
+def test_swiglu_mlp_naive_and_clamps():
+    T, D, I, limit = 3, 5, 4, 2.0
+    x = _randn(T, D, seed=140) * 3
+    w1, w2, w3 = _randn(I, D, seed=141), _randn(D, I, seed=142), _randn(I, D, seed=143)
+    want = torch.stack([_naive_swiglu(x[t], w1, w2, w3, limit) for t in range(T)])
+    torch.testing.assert_close(ref.swiglu_mlp(x, w1, w2, w3, limit), want.float(), **F32)
+    # identity projections expose the clamps: gate clamps only above (max=limit), up clamps to +-limit
+    limit = 7.0
+    eye = torch.eye(4)
+    g = torch.tensor([[100.0, -8.0, 3.0, 100.0]])
+    u = torch.tensor([[100.0, -100.0, -3.0, -9.0]])
+    x = torch.cat([g, u], dim=-1)  # [1, 8]
+    w1 = torch.cat([eye, torch.zeros(4, 4)], dim=1)
+    w3 = torch.cat([torch.zeros(4, 4), eye], dim=1)
+    got = ref.swiglu_mlp(x, w1, eye, w3, limit)
+
+    def silu(v):
+        return v / (1 + math.exp(-v))
+
+    want = torch.tensor([[silu(7.0) * 7.0, silu(-8.0) * -7.0, silu(3.0) * -3.0, silu(7.0) * -7.0]])
+    torch.testing.assert_close(got, want, **F32)
+    assert abs(float(got[0, 1]) - silu(-7.0) * -7.0) > 1e-2  # the gate is not clamped from below
+
+
+# ============================================================================ linear / head / embed
+def test_grouped_linear_per_group_matmul():
+    T, G, i_per, o_per = 3, 4, 5, 2
+    x, w = _randn(T, G, i_per, seed=150), _randn(G * o_per, i_per, seed=151)
+    got = ref.grouped_linear(x, w, G)
+    assert got.shape == (T, G, o_per)
+    want = torch.empty(T, G, o_per)
+    for g in range(G):
+        want[:, g] = x[:, g] @ w[g * o_per : (g + 1) * o_per].T
+    torch.testing.assert_close(got, want, **F32)
+
+
+def test_linear_logits_embed():
+    x, w = _randn(3, 6, seed=160), _randn(4, 6, seed=161)
+    torch.testing.assert_close(ref.linear(x, w), x @ w.T, **F32)
+    out = ref.logits(x.bfloat16(), w.bfloat16())
+    assert out.dtype == torch.float32 and out.shape == (3, 4)
+    torch.testing.assert_close(out, x @ w.T, rtol=3e-2, atol=3e-2)
+    assert ref.logits(x, w).dtype == torch.float32
+    table = _randn(10, 4, seed=162, dtype=torch.bfloat16)
+    ids = torch.tensor([3, 0, 9, 3])
+    emb = ref.embed(ids, table)
+    assert emb.dtype == torch.bfloat16 and emb.shape == (4, 4)
+    for t, i in enumerate(ids.tolist()):
+        assert torch.equal(emb[t], table[i])
+
+
+# ============================================================================ OpTable
+def test_op_table_reference_defaults_and_override():
+    names = set(reference_ops())
+    assert {"rms_norm", "unweighted_rms_norm", "rope_cos_sin", "apply_rope", "linear", "grouped_linear",
+            "sink_attention", "compressor_pool", "indexer_scores", "indexer_topk", "hc_pre", "hc_post",
+            "hc_head", "moe_route_topk", "moe_route_hash", "swiglu_mlp", "moe_experts", "logits",
+            "embed"} <= names
+    table = OpTable()
+    assert table.rms_norm is ref.rms_norm
+    assert set(table.sources().values()) == {"reference"}
+
+    def fast_rms_norm(x, weight, eps):
+        return x
+
+    table = OpTable({"rms_norm": fast_rms_norm}, source="nvidia")
+    assert table.rms_norm is fast_rms_norm
+    assert table.sources()["rms_norm"] == "nvidia"
+    assert table.sources()["linear"] == "reference" and table.linear is ref.linear
+    table.override("embed", fast_rms_norm, "plugin-x")
+    assert table.sources()["embed"] == "plugin-x" and table.embed is fast_rms_norm
+    assert OpTable().rms_norm is ref.rms_norm  # overrides do not leak into other tables
+    with pytest.raises(AttributeError, match="no_such_op"):
+        table.no_such_op  # noqa: B018
+
+
+def test_op_table_rejects_unknown_and_non_callable():
+    with pytest.raises(UnknownOpError) as err:
+        OpTable({"rms_nrom": ref.rms_norm}, source="nvidia")
+    msg = str(err.value)
+    assert "rms_nrom" in msg and "nvidia" in msg and "rms_norm" in msg and "sink_attention" in msg
+    assert isinstance(err.value, KeyError)
+    with pytest.raises(TypeError, match="rms_norm"):
+        OpTable({"rms_norm": 3}, source="nvidia")
+    table = OpTable()
+    with pytest.raises(UnknownOpError):
+        table.override("bogus", ref.linear, "x")
+    with pytest.raises(TypeError):
+        table.override("linear", None, "x")
+    assert table.linear is ref.linear and table.sources()["linear"] == "reference"
