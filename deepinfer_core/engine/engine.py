@@ -118,11 +118,11 @@ class Engine:
         self._record_logprobs(result)
         finished = self.scheduler.update(scheduled, result.sampled)
         outputs = []
-        for request in finished:
-            group = self.groups[request.group_id]
+        for group_id in dict.fromkeys(r.group_id for r in finished):
+            group = self.groups[group_id]
             if all(r.is_finished for r in group):
                 outputs.append(self._group_output(group))
-                del self.groups[request.group_id]
+                del self.groups[group_id]
         return outputs
 
     def _append_token(self, request: Request, token: int) -> bool:

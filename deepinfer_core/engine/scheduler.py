@@ -91,6 +91,7 @@ class FcfsScheduler(Scheduler):
         self.finish_check = finish_check
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -134,11 +135,11 @@ class FcfsScheduler(Scheduler):
         hit = len(cached) * self.state.block_size
         start = self.replay_start(request, hit) if hit else 0
         num = min(request.num_tokens - start, budget)
-        new_blocks = self.state.blocks_needed(request, start + num) - len(cached)
-        if not self.state.can_admit(new_blocks):
+        if not self.state.can_admit(cached, start + num):
             return None
         self.state.admit(request, cached)
-        self.state.allocate(request, start + num)
+        if not self.state.allocate(request, start + num):
+            raise RuntimeError(f"state manager admitted {request.request_id} but could not allocate its blocks")
         request.num_computed_tokens = start
         request.replay_until = hit
         request.sliding_floor = start
@@ -154,6 +155,7 @@ class FcfsScheduler(Scheduler):
         request.num_computed_tokens = 0
         request.replay_until = request.sliding_floor = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         position = 0  # back into the queue in arrival order
         while position < len(self.waiting) and self.waiting[position].arrival < request.arrival:
             position += 1

@@ -60,8 +60,14 @@ class StateManager:
         """New blocks ``request`` needs to hold ``num_tokens`` computed tokens."""
         return max(0, -(-num_tokens // self.block_size) - len(request.block_ids))
 
-    def can_admit(self, num_new_blocks: int) -> bool:
-        return bool(self.free_slots) and num_new_blocks <= self.num_free_blocks
+    def can_admit(self, cached_blocks: list[int], num_tokens: int) -> bool:
+        """Whether a slot and the blocks for ``num_tokens`` tokens are free, given its cached prefix.
+
+        Cached blocks nobody references sit in the free list: taking them uses up free blocks too.
+        """
+        new = max(0, -(-num_tokens // self.block_size) - len(cached_blocks))
+        revived = sum(1 for b in cached_blocks if self.refcount[b] == 0)
+        return bool(self.free_slots) and new + revived <= self.num_free_blocks
 
     def match_prefix(self, request: Request) -> list[int]:
         """Cached blocks covering the longest prefix of the request (leaving >= 1 token to compute)."""

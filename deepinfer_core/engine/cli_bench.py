@@ -1,0 +1,67 @@
+"""``deepinfer bench``: offline throughput and latency of the engine, optionally against HF ``generate``.
+
+Examples::
+
+    deepinfer bench --preset tiny --input-len 128 --output-len 64 --num-prompts 16 --max-num-seqs 16 --compare-hf
+    deepinfer bench --model /path/to/checkpoint --json result.json
+    deepinfer bench --preset v4-flash-8l64e --input-len 1024 --output-len 128 --num-prompts 64   # GPU only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HELP = "benchmark offline throughput and latency (optionally against HF transformers)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``deepinfer bench`` options."""
+    from deepinfer_core.bench.presets import PRESETS
+
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", help="checkpoint folder or cached hub id (default: the embedded default model)")
+    source.add_argument("--preset", choices=sorted(PRESETS),
+                        help="random-weight checkpoint of a named shape, written once to a cache folder")
+    parser.add_argument("--cache-dir", help="where presets are written (default $DEEPINFER_BENCH_CACHE or "
+                                            "~/.cache/deepinfer/bench)")
+    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default 128)")
+    parser.add_argument("--output-len", type=int, default=64, help="generated tokens per request (default 64)")
+    parser.add_argument("--num-prompts", type=int, default=16, help="requests (default 16)")
+    parser.add_argument("--max-num-seqs", type=int, default=16, help="engine batch; HF batch size too (default 16)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="engine token budget per step")
+    parser.add_argument("--backend", help="engine backend (default: automatic)")
+    parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on accelerators), "
+                                                        "float32, bfloat16, float16")
+    parser.add_argument("--compare-hf", action="store_true",
+                        help="also time HF transformers DeepseekV4ForCausalLM.generate (greedy) in this process")
+    parser.add_argument("--warmup", type=int, default=1, help="warmup runs before timing, each side (default 1)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and preset weights (default 0)")
+    parser.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; print the table (and write JSON). Exit 2 for bad arguments, 1 if it fails."""
+    from deepinfer_core.bench.presets import PresetError
+    from deepinfer_core.bench.report import format_report
+    from deepinfer_core.bench.runner import BenchConfig, run_bench
+    from deepinfer_core.errors import DeepInferError
+
+    config = BenchConfig(
+        model=args.model, preset=args.preset, input_len=args.input_len, output_len=args.output_len,
+        num_prompts=args.num_prompts, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, backend=args.backend, dtype=args.dtype,
+        compare_hf=args.compare_hf, warmup=args.warmup, seed=args.seed, cache_dir=args.cache_dir,
+    )
+    try:
+        result = run_bench(config, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    except (DeepInferError, PresetError, ValueError) as exc:
+        print(f"deepinfer bench: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_report(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"\nwrote {args.json}")
+    return 0

@@ -1,0 +1,148 @@
+"""``deepinfer generate``: complete prompts from the command line with the offline ``LLM`` API.
+
+Examples::
+
+    deepinfer generate "def fibonacci(n):"                        # the embedded default model
+    deepinfer generate --model ./ckpt --max-tokens 32 --temperature 0 "first prompt" "second prompt"
+    deepinfer generate --chat --n 2 --stop "return" "Write a function that adds two numbers"
+    deepinfer generate --json "def f(x):" | jq '.[0].outputs[0].text'
+
+Sampling defaults (temperature, top-p, top-k) come from the checkpoint's ``generation_config.json`` when it
+has them, else from ``SamplingParams``; the flags override both. Exit codes: 0 done, 2 bad arguments or model
+(invalid sampling values, unknown backend, model not found, a prompt the engine refuses).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+HELP = "generate completions for prompts with the offline engine"
+DEFAULT_MAX_TOKENS = 64
+_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k")
+_RULE = "=" * 72
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``deepinfer generate`` options."""
+    parser.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text (one completion set per prompt)")
+    parser.add_argument("--model", help="checkpoint folder or cached hub id (default: $DEEPINFER_HF_MODEL_DIR or the "
+                                        "embedded default model)")
+    parser.add_argument("--backend", help="backend name (default: $DEEPINFER_ACCELERATOR or automatic)")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default auto)")
+    parser.add_argument("--max-model-len", type=int, help="longest prompt + output in tokens")
+    parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                        help=f"tokens to generate per completion (default {DEFAULT_MAX_TOKENS})")
+    parser.add_argument("--temperature", type=float, help="0 is greedy (default: the model's, else 1.0)")
+    parser.add_argument("--top-p", type=float, help="nucleus mass in (0, 1] (default: the model's, else 1.0)")
+    parser.add_argument("--top-k", type=int, help="keep the k most likely tokens; 0 or -1 is off")
+    parser.add_argument("--seed", type=int, default=0, help="base random seed (default 0)")
+    parser.add_argument("--n", type=int, default=1, help="completions per prompt (default 1)")
+    parser.add_argument("--stop", action="append", metavar="STR",
+                        help="stop string; repeat the flag for several")
+    parser.add_argument("--chat", action="store_true",
+                        help="treat each prompt as a user message and apply the model's chat template")
+    parser.add_argument("--json", action="store_true", help="print RequestOutput-like JSON (one object per prompt)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the model, generate, print. Returns 0, or 2 with a message on stderr for bad input."""
+    from deepinfer_core.errors import DeepInferError
+
+    try:
+        _check_sampling_flags(args)  # fail fast, before loading anything
+        llm = _load(args)
+        params = sampling_params(args, generation_defaults(llm.model_dir))
+        outputs = _generate(llm, args, params)
+    except (DeepInferError, ValueError, TypeError) as exc:
+        return _fail(exc, args)
+    print(json.dumps([output_dict(o) for o in outputs], indent=2) if args.json else format_outputs(outputs, args.prompts))
+    refused = [o for o in outputs if o.error]
+    for o in refused:
+        print(f"deepinfer generate: error: prompt {o.request_id}: {o.error}", file=sys.stderr)
+    return 2 if refused else 0
+
+
+def _fail(exc: Exception, args: argparse.Namespace) -> int:
+    print(f"deepinfer generate: error: {exc}", file=sys.stderr)
+    if getattr(args, "verbose", 0):
+        import traceback
+
+        traceback.print_exc()
+    return 2
+
+
+def _check_sampling_flags(args: argparse.Namespace) -> None:
+    from deepinfer_core.sampling.params import SamplingParams
+
+    SamplingParams(**_explicit_params(args))
+
+
+def _explicit_params(args: argparse.Namespace) -> dict[str, Any]:
+    """SamplingParams keyword arguments given on the command line."""
+    values = {"n": args.n, "max_tokens": args.max_tokens, "stop": args.stop,
+              "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def generation_defaults(model_dir: str | Path) -> dict[str, Any]:
+    """Temperature / top-p / top-k from the checkpoint's ``generation_config.json`` (empty if none)."""
+    path = Path(model_dir) / "generation_config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    if config.get("do_sample") is False:
+        return {"temperature": 0.0}
+    return {k: config[k] for k in _GENERATION_DEFAULTS if config.get(k) is not None}
+
+
+def sampling_params(args: argparse.Namespace, defaults: dict[str, Any]):
+    """The SamplingParams of the run: the model's defaults, overridden by the flags given."""
+    from deepinfer_core.sampling.params import SamplingParams
+
+    return SamplingParams(**{**defaults, **_explicit_params(args)})
+
+
+def _load(args: argparse.Namespace):
+    from deepinfer_core.llm import LLM
+
+    return LLM(args.model, backend=args.backend, dtype=args.dtype, max_model_len=args.max_model_len,
+               max_num_seqs=max(1, min(64, len(args.prompts) * args.n)), seed=args.seed)
+
+
+def _generate(llm, args: argparse.Namespace, params) -> list:
+    if args.chat:
+        conversations = [[{"role": "user", "content": p}] for p in args.prompts]
+        return llm.chat(conversations, params, use_tqdm=False)
+    return llm.generate(list(args.prompts), params, use_tqdm=False)
+
+
+# ------------------------------------------------------------------------------------------------ output
+def format_outputs(outputs: list, prompts: list[str] | None = None) -> str:
+    """Each prompt (as given, else the output's text or ids) followed by its completion(s), ruled off."""
+    blocks = []
+    for i, output in enumerate(outputs):
+        lines = [f"{_RULE}\nprompt {i + 1} of {len(outputs)}:" if len(outputs) > 1 else f"{_RULE}\nprompt:"]
+        shown = prompts[i] if prompts is not None else output.prompt
+        lines.append(shown if shown is not None else str(output.prompt_token_ids))
+        if output.error:
+            lines.append(f"--- refused: {output.error}")
+        for c in output.outputs:
+            label = f"completion {c.index + 1} of {len(output.outputs)}" if len(output.outputs) > 1 else "completion"
+            lines.append(f"--- {label} (finish: {c.finish_reason}, {len(c.token_ids)} tokens):")
+            lines.append(c.text)
+        blocks.append("\n".join(lines))
+    return "\n".join(blocks) + f"\n{_RULE}"
+
+
+def output_dict(output) -> dict[str, Any]:
+    """A RequestOutput as plain JSON-able data (same field names as vLLM's RequestOutput)."""
+    data = dataclasses.asdict(output)
+    for completion in data["outputs"]:
+        completion["token_ids"] = list(completion["token_ids"])
+    return data
