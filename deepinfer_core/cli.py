@@ -21,8 +21,8 @@ from typing import Any
 
 SUBCOMMAND_MODULES: dict[str, str] = {
     # name -> module exposing HELP, add_arguments(parser), run(args) -> int. Planned:
-    # "generate": "deepinfer_core.engine.cli_generate",
-    # "bench": "deepinfer_core.engine.cli_bench",
+    "generate": "deepinfer_core.engine.cli_generate",
+    "bench": "deepinfer_core.engine.cli_bench",
 }
 
 

@@ -1,0 +1,267 @@
+"""Named benchmark model shapes, written as random-weight checkpoints that load through the normal path.
+
+A preset is an HF ``DeepseekV4Config`` dict. :func:`ensure_preset` writes it once into a cache folder as a
+real checkpoint (``config.json``, ``model.safetensors`` shards through
+:func:`deepinfer_core.checkpoint.write_checkpoint` under the names HF ``save_pretrained`` uses, and a
+word-level ``tokenizer.json``), so both the engine and HF transformers load it from disk like any other
+model. Weights follow /work/shared/design/BENCHMARKS.md: matrices normal(0, 0.02), norms and scales 1,
+biases 0, hash-routing tables (``tid2eid``) random distinct experts per token.
+
+Presets:
+
+* ``tiny``: the embedded default model's shape (``tools/train_tiny.py``: 4 layers, hidden 256, vocab 4096,
+  about 5 M parameters), random weights. Fine on CPU.
+* ``v4-flash-8l64e``: DeepSeek-V4-Flash per-layer shapes with 8 layers and 64 experts (15.08 B parameters,
+  30 GB in bf16). GPU only; never create it in tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepinfer_core.models.deepseek_v4 import weights as v4_weights
+from deepinfer_core.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
+
+CACHE_ENV = "DEEPINFER_BENCH_CACHE"
+MARKER_FILE = "bench_preset.json"  # written last: a folder without it is incomplete and is rebuilt
+WEIGHT_STD = 0.02
+_HF_TOP_LEVEL = {
+    "embed.weight": "model.embed_tokens.weight",
+    "head.weight": "head.weight",
+    "norm.weight": "model.norm.weight",
+    "hc_head_fn": "model.hc_head.hc_fn",
+    "hc_head_base": "model.hc_head.hc_base",
+    "hc_head_scale": "model.hc_head.hc_scale",
+}
+
+
+class PresetError(ValueError):
+    """An unknown preset name, or a preset that cannot be built here."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A named benchmark model: its HF config dict, weight dtype on disk and where it can run."""
+
+    name: str
+    description: str
+    config: Mapping[str, Any]
+    weight_dtype: torch.dtype = torch.bfloat16
+    gpu_only: bool = False
+
+    def config_dict(self, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The config.json content (a deep copy) with ``overrides`` applied on top."""
+        config = json.loads(json.dumps(dict(self.config)))
+        config.update(json.loads(json.dumps(dict(overrides or {}))))
+        return config
+
+
+def _common(vocab_size: int, max_positions: int) -> dict[str, Any]:
+    """Config fields every preset spells out, so HF and the engine parse config.json identically."""
+    return {
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_positions,
+        "num_key_value_heads": 1,
+        "n_shared_experts": 1,
+        "scoring_func": "sqrtsoftplus",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.5,
+        "swiglu_limit": 10.0,
+        "hc_sinkhorn_iters": 20,
+        "hc_eps": 1.0e-6,
+        "rms_norm_eps": 1.0e-6,
+        "hidden_act": "silu",
+        "rope_theta": 10000.0,
+        "compress_rope_theta": 160000.0,
+        "rope_parameters": {
+            "main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 64 / 512},
+            "compress": {"rope_type": "default", "rope_theta": 160000.0, "partial_rotary_factor": 64 / 512},
+        },
+        "num_nextn_predict_layers": 0,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+        "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+    }
+
+
+def _tiny_config() -> dict[str, Any]:
+    """``tools/train_tiny.py``'s ``model_config_kwargs(4096)`` (tests check the two agree)."""
+    config = _common(vocab_size=4096, max_positions=1024)
+    config["rope_parameters"]["main"]["partial_rotary_factor"] = 0.25
+    config["rope_parameters"]["compress"]["partial_rotary_factor"] = 0.25
+    config.update(
+        hidden_size=256, num_hidden_layers=4, layer_types=[SLIDING, CSA, HCA, CSA],
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"], compress_rates={CSA: 4, HCA: 128},
+        sliding_window=128, num_attention_heads=4, head_dim=64, partial_rotary_factor=0.25, q_lora_rank=128,
+        o_groups=2, o_lora_rank=128, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+        index_n_heads=4, index_head_dim=32, index_topk=256, hc_mult=4,
+    )
+    return config
+
+
+def _flash_8l64e_config() -> dict[str, Any]:
+    """BENCHMARKS.md ``v4-flash-8l64e``: V4-Flash per-layer shapes, 8 layers, 64 routed experts."""
+    config = _common(vocab_size=129280, max_positions=65536)
+    config.update(
+        hidden_size=4096, num_hidden_layers=8, layer_types=[SLIDING, SLIDING] + [CSA, HCA] * 3,
+        mlp_layer_types=["hash_moe"] + ["moe"] * 7, compress_rates={CSA: 4, HCA: 128}, sliding_window=128,
+        num_attention_heads=64, head_dim=512, partial_rotary_factor=64 / 512, q_lora_rank=1024, o_groups=8,
+        o_lora_rank=1024, n_routed_experts=64, num_experts_per_tok=6, moe_intermediate_size=2048,
+        index_n_heads=64, index_head_dim=128, index_topk=512, hc_mult=4,
+    )
+    return config
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset("tiny", "the embedded default model's shape (~5 M params), random weights", _tiny_config()),
+    "v4-flash-8l64e": Preset("v4-flash-8l64e", "V4-Flash layer shapes, 8 layers, 64 experts (15.08 B params, GPU)",
+                             _flash_8l64e_config(), gpu_only=True),
+}
+
+
+def get_preset(name: str) -> Preset:
+    """The preset called ``name``; raises PresetError listing the known names."""
+    if name not in PRESETS:
+        raise PresetError(f"unknown bench preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]
+
+
+def count_parameters(config_dict: Mapping[str, Any]) -> int:
+    """Parameters of a checkpoint of this config (from the expected tensor shapes; nothing is allocated)."""
+    config = DeepseekV4Config.from_dict(dict(config_dict))
+    return sum(math.prod(shape) for shape, _ in v4_weights.expected_tensors(config).values())
+
+
+def hf_saved_name(canonical: str) -> str:
+    """The tensor name HF ``save_pretrained`` writes for a canonical (DeepSeek) name."""
+    if canonical in _HF_TOP_LEVEL:
+        return _HF_TOP_LEVEL[canonical]
+    return f"model.{canonical}"
+
+
+# ------------------------------------------------------------------------------------------------ cache
+def default_cache_dir() -> Path:
+    """``$DEEPINFER_BENCH_CACHE``, else ``$XDG_CACHE_HOME/deepinfer/bench``, else ``~/.cache/deepinfer/bench``."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "deepinfer" / "bench"
+
+
+def preset_folder(name: str, config_dict: Mapping[str, Any], seed: int, cache_dir: Path) -> Path:
+    """The cache folder of one (preset, config, seed): the name plus a hash of what determines the bytes."""
+    key = json.dumps({"config": config_dict, "seed": seed, "std": WEIGHT_STD}, sort_keys=True)
+    return cache_dir / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def ensure_preset(
+    name: str,
+    cache_dir: str | os.PathLike | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+) -> Path:
+    """Return the checkpoint folder of preset ``name``, writing it first if the cache does not hold it.
+
+    ``overrides`` change config fields (tests shrink the tiny preset); ``device`` is where the random
+    weights are drawn (a GPU is much faster for the big preset; the bytes depend on the device's
+    generator). Raises PresetError for unknown names and for a GPU-only preset when no GPU is present.
+    """
+    preset = get_preset(name)
+    if preset.gpu_only and not torch.cuda.is_available():
+        raise PresetError(f"preset {name!r} ({preset.description}) needs a GPU; use --preset tiny on CPU")
+    config = preset.config_dict(overrides)
+    device = torch.device(device or ("cuda" if preset.gpu_only else "cpu"))
+    folder = preset_folder(name, {**config, "_device": device.type}, seed, Path(cache_dir or default_cache_dir()))
+    if (folder / MARKER_FILE).is_file():
+        return folder
+    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_random_checkpoint(tmp, config, seed=seed, weight_dtype=preset.weight_dtype, device=device)
+    (tmp / MARKER_FILE).write_text(json.dumps({"preset": name, "seed": seed, "device": device.type,
+                                               "parameters": count_parameters(config)}, indent=2))
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder
+
+
+# ------------------------------------------------------------------------------------------------ writing
+def write_random_checkpoint(
+    folder: str | os.PathLike,
+    config_dict: Mapping[str, Any],
+    seed: int = 0,
+    weight_dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+) -> Path:
+    """Write a random-weight checkpoint of ``config_dict`` plus a word-level tokenizer into ``folder``."""
+    from deepinfer_core.checkpoint import write_checkpoint
+
+    folder = Path(folder)
+    config = DeepseekV4Config.from_dict(dict(config_dict))
+    tensors = random_tensors(config, seed, weight_dtype, torch.device(device))
+    write_checkpoint(folder, {hf_saved_name(name): t for name, t in tensors.items()}, config_dict)
+    del tensors
+    write_word_tokenizer(folder, config.vocab_size)
+    return folder
+
+
+def random_tensors(config: DeepseekV4Config, seed: int, weight_dtype: torch.dtype,
+                   device: torch.device) -> dict[str, torch.Tensor]:
+    """Every canonical tensor of ``config`` with BENCHMARKS.md's random values, drawn in name order."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for name, (shape, kind) in sorted(v4_weights.expected_tensors(config).items()):
+        if kind == v4_weights.INT:
+            out[name] = _random_tid2eid(shape, config.n_routed_experts, gen, device)
+        else:
+            out[name] = _random_tensor(name, shape, kind, gen, weight_dtype, device)
+    return out
+
+
+def _random_tid2eid(shape: tuple[int, ...], experts: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """Hash-routing table ``[vocab, top_k]``: ``top_k`` distinct random experts per token."""
+    order = torch.rand((shape[0], experts), generator=gen, device=device).argsort(dim=1)
+    return order[:, : shape[1]].to(torch.int64)
+
+
+def _random_tensor(name: str, shape: tuple[int, ...], kind: str, gen: torch.Generator,
+                   weight_dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Matrices normal(0, std); norms and scales 1; other vectors (biases, sinks, bases, APE) 0."""
+    dtype = weight_dtype if kind == v4_weights.WEIGHT else torch.float32
+    if name.endswith(".ape"):  # the compressors' additive position bias
+        return torch.zeros(shape, dtype=dtype, device=device)
+    if len(shape) >= 2:  # every matrix, including the fp32 hyper-connection mixers
+        return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * WEIGHT_STD).to(dtype)
+    if "norm" in name or name.endswith("_scale"):
+        return torch.ones(shape, dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=dtype, device=device)  # biases, sinks, hc bases, compressor APE
+
+
+def write_word_tokenizer(folder: str | os.PathLike, vocab_size: int) -> None:
+    """A word-level tokenizer ``<|bos|> <|eos|> <|pad|> w3 .. w{V-1}`` (benchmarks use token ids, not text)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    specials = ["<|bos|>", "<|eos|>", "<|pad|>"]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    vocab.update({f"w{i}": i for i in range(len(specials), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|eos|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(specials)
+    folder = Path(folder)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>", "add_bos_token": False}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))

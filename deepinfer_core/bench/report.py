@@ -1,0 +1,100 @@
+"""The human-readable table of a ``deepinfer bench`` result dict."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+_ROWS = (
+    # label, metric key, stat key (None for scalars), scale, unit
+    ("total time", "total_time_s", None, 1.0, "s"),
+    ("output tok/s", "output_throughput", None, 1.0, ""),
+    ("total tok/s", "total_throughput", None, 1.0, ""),
+    ("requests/s", "requests_per_s", None, 1.0, ""),
+    ("TTFT mean", "ttft_s", "mean", 1e3, "ms"),
+    ("TTFT p50", "ttft_s", "p50", 1e3, "ms"),
+    ("TTFT p99", "ttft_s", "p99", 1e3, "ms"),
+    ("TPOT mean", "tpot_s", "mean", 1e3, "ms"),
+    ("TPOT p50", "tpot_s", "p50", 1e3, "ms"),
+    ("TPOT p99", "tpot_s", "p99", 1e3, "ms"),
+    ("latency mean", "latency_s", "mean", 1.0, "s"),
+    ("steps", "steps", None, 1.0, ""),
+    ("load time", "load_time_s", None, 1.0, "s"),
+)
+
+
+def format_report(result: Mapping[str, Any]) -> str:
+    """Header lines (settings, machine), one row per metric with engine / HF / ratio columns, roofline."""
+    lines = _header(result["config"], result["engine"])
+    hf = result.get("hf")
+    lines += ["", f"{'metric':<16}{'engine':>14}" + (f"{'HF':>14}{'engine/HF':>12}" if hf else "")]
+    lines.append("-" * (30 + (26 if hf else 0)))
+    for label, key, stat, scale, unit in _ROWS:
+        lines.append(_row(label, key, stat, scale, unit, result["engine"], hf))
+    lines += ["", *_roofline_lines(result["roofline"])]
+    if result.get("agreement"):
+        a = result["agreement"]
+        lines.append(f"greedy agreement with HF: {a['identical_requests']}/{a['num_requests']} requests identical, "
+                     f"mean common prefix {100 * a['mean_prefix_fraction']:.1f}% of the output")
+    if result.get("ratio"):
+        lines.append(f"engine/HF output throughput: {result['ratio']['output_throughput']:.2f}x")
+    return "\n".join(lines)
+
+
+def _header(config: Mapping[str, Any], engine: Mapping[str, Any]) -> list[str]:
+    source = f"preset {config['preset']}" if config.get("preset") else "model"
+    return [
+        f"deepinfer bench: {source} {config['model_folder']}",
+        (f"  {config['num_prompts']} prompts x {config['input_len']} tokens in, {config['output_len']} out "
+         f"(greedy, EOS ignored); max_num_seqs {config['max_num_seqs']}, max_num_batched_tokens "
+         f"{config['max_num_batched_tokens']}, warmup {config['warmup']}"),
+        (f"  device {config['device']}, dtype {config['dtype']}, torch {config['torch']} "
+         f"({config['torch_threads']} threads), {config['date']}"),
+        f"  {engine['output_tokens']} output tokens, {engine['prompt_tokens']} prompt tokens",
+    ]
+
+
+def _row(label: str, key: str, stat: str | None, scale: float, unit: str, engine: Mapping[str, Any],
+         hf: Mapping[str, Any] | None) -> str:
+    e = _value(engine, key, stat)
+    text = f"{label + (f' ({unit})' if unit else ''):<16}{_fmt(e, scale):>14}"
+    if hf is None:
+        return text
+    h = _value(hf, key, stat)
+    ratio = _ratio(key, e, h)
+    return text + f"{_fmt(h, scale):>14}{ratio:>12}"
+
+
+def _value(metrics: Mapping[str, Any], key: str, stat: str | None) -> float | None:
+    value = metrics[key]
+    return value[stat] if stat is not None else value
+
+
+def _ratio(key: str, e: float | None, h: float | None) -> str:
+    """engine/HF for rates; HF/engine (a speed-up) for times; blank for counts."""
+    if e is None or h is None or not e or not h or key in ("steps",):
+        return ""
+    value = e / h if key.endswith(("throughput", "per_s")) else h / e
+    return f"{value:.2f}x"
+
+
+def _fmt(value: float | None, scale: float) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, int):
+        return str(value)
+    scaled = value * scale
+    return f"{scaled:,.1f}" if abs(scaled) >= 100 else f"{scaled:.3g}"
+
+
+def _roofline_lines(roofline: Mapping[str, Any]) -> list[str]:
+    lines = []
+    for side, value in roofline.items():
+        name = "engine" if side == "engine" else "HF"
+        if isinstance(value, str):
+            lines.append(f"roofline ({name}): {value}")
+        else:
+            lines.append(f"roofline ({name}): {100 * value['fraction']:.1f}% of the {value['device']} floor "
+                         f"({value['floor_s'] * 1e3:.2f} ms: prefill {value['prefill_floor_s'] * 1e3:.2f} ms, "
+                         f"decode {value['decode_floor_s'] * 1e3:.2f} ms)")
+    return lines

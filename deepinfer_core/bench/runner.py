@@ -1,0 +1,335 @@
+"""The offline benchmark: the engine (and optionally HF ``generate``) on the same checkpoint and prompts.
+
+Every prompt has exactly ``input_len`` random token ids and every request generates exactly
+``output_len`` tokens greedily (EOS ignored), so both sides do the same work. HF runs in the same
+process after the engine has been freed, in batches of ``max_num_seqs`` prompts. Its DeepSeek-V4
+compressors pool raw token windows without looking at ``attention_mask`` (and number compressed
+positions from 0 per row), so left-padded batches would be wrong; equal-length prompts need no padding.
+
+Per request the engine run records the time of its first token (TTFT, by stepping the engine and
+watching ``output_token_ids`` after each step) and of its last; TPOT is (last - first) / (tokens - 1).
+HF's times come from a logits processor that notes when each of its decoding steps starts sampling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import math
+import platform
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepinfer_core.bench import presets
+from deepinfer_core.bench.roofline import roofline
+from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer_core.models.resolve import resolve_model
+
+Log = Callable[[str], None]
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    """What to benchmark: a model folder or a preset, the request shapes and the engine's sizes."""
+
+    model: str | None = None
+    preset: str | None = None
+    input_len: int = 128
+    output_len: int = 64
+    num_prompts: int = 16
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    backend: str | None = None
+    dtype: str = "auto"
+    compare_hf: bool = False
+    warmup: int = 1
+    seed: int = 0
+    cache_dir: str | None = None
+    preset_overrides: Mapping[str, Any] | None = None
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        for name in ("input_len", "output_len", "num_prompts", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.model is not None and self.preset is not None:
+            raise ValueError("give either a model folder or a preset, not both")
+
+
+@dataclasses.dataclass
+class RunTimes:
+    """Host clock readings of one timed run: start, and per request its first and last token."""
+
+    start: float
+    first_token: dict[str, float] = dataclasses.field(default_factory=dict)
+    finished: dict[str, float] = dataclasses.field(default_factory=dict)
+    outputs: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    steps: int = 0
+
+
+# ------------------------------------------------------------------------------------------------ driver
+def run_bench(config: BenchConfig, log: Log = lambda msg: None) -> dict[str, Any]:
+    """Run the benchmark described by ``config``; returns the result dict (see ``result_keys``)."""
+    config.validate()
+    folder = model_folder(config, log)
+    model_config = DeepseekV4Config.from_file(folder / "config.json")
+    prompts = random_prompts(config.num_prompts, config.input_len, model_config.vocab_size, config.seed)
+    engine, device, dtype = run_engine(folder, config, prompts, log)
+    result: dict[str, Any] = {"config": describe(config, folder, device, dtype), "engine": engine["metrics"]}
+    result["roofline"] = {"engine": _roofline(model_config, dtype, device, engine["metrics"], config)}
+    result["hf"] = result["ratio"] = result["agreement"] = None
+    if config.compare_hf:
+        hf = run_hf(folder, config, prompts, device, dtype, log)
+        result["hf"] = hf["metrics"]
+        result["roofline"]["hf"] = _roofline(model_config, dtype, device, hf["metrics"], config)
+        result["ratio"] = ratios(engine["metrics"], hf["metrics"])
+        result["agreement"] = agreement(engine["outputs"], hf["outputs"])
+    return result
+
+
+def result_keys() -> dict[str, list[str]]:
+    """The keys a result dict and its metric dicts carry (tests and JSON consumers rely on them)."""
+    return {
+        "result": ["config", "engine", "hf", "ratio", "agreement", "roofline"],
+        "metrics": ["total_time_s", "num_requests", "prompt_tokens", "output_tokens", "output_throughput",
+                    "total_throughput", "requests_per_s", "ttft_s", "tpot_s", "latency_s", "load_time_s", "steps"],
+    }
+
+
+def model_folder(config: BenchConfig, log: Log) -> Path:
+    """The checkpoint to run: the preset's cache folder (written if needed), the model folder, or the default."""
+    if config.preset is None:
+        return resolve_model(config.model)
+    log(f"preparing preset {config.preset!r} (random weights, cached) ...")
+    folder = presets.ensure_preset(config.preset, config.cache_dir, config.preset_overrides, seed=config.seed)
+    log(f"preset checkpoint: {folder}")
+    return folder
+
+
+def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """``count`` prompts of exactly ``length`` random token ids in ``[0, vocab_size)``."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (count, length), generator=gen).tolist()
+
+
+def describe(config: BenchConfig, folder: Path, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """The run's settings and machine, for the JSON file and the table header."""
+    fields = dataclasses.asdict(config)
+    fields["preset_overrides"] = dict(config.preset_overrides or {}) or None
+    return {
+        **fields, "model_folder": str(folder), "device": _device_name(device), "dtype": str(dtype).removeprefix(
+            "torch."), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(), "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return f"{device} ({platform.processor() or platform.machine()})"
+
+
+def _roofline(model_config, dtype, device, metrics: Mapping[str, Any], config: BenchConfig):
+    return roofline(model_config, dtype, device, metrics["total_time_s"], config.num_prompts, config.input_len,
+                    config.output_len, min(config.max_num_seqs, config.num_prompts))
+
+
+# ------------------------------------------------------------------------------------------------ engine
+def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int]],
+               log: Log) -> tuple[dict[str, Any], torch.device, torch.dtype]:
+    """Load ``folder`` into ``LLM``, warm up, time one run; the engine is freed before returning."""
+    from deepinfer_core.llm import LLM
+
+    log("loading the engine ...")
+    t0 = time.perf_counter()
+    llm = LLM(folder, backend=config.backend, dtype=config.dtype, max_model_len=config.input_len + config.output_len,
+              max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed)
+    load_time = time.perf_counter() - t0
+    device, dtype = llm.backend.device, llm.dtype
+    warm = random_prompts(len(prompts), len(prompts[0]), llm.model.config.vocab_size, config.seed + 1)
+    for i in range(config.warmup):
+        log(f"engine warmup {i + 1}/{config.warmup} ...")
+        time_engine(llm, warm, min(config.output_len, 4), f"warmup{i}")
+    log("engine: timed run ...")
+    times = time_engine(llm, prompts, config.output_len, "bench")
+    metrics = summarize(times, [len(p) for p in prompts], load_time)
+    outputs = [times.outputs[f"bench-{i}"] for i in range(len(prompts))]
+    llm.engine.shutdown()
+    del llm
+    _free(device)
+    return {"metrics": metrics, "outputs": outputs}, device, dtype
+
+
+def time_engine(llm, prompts: Sequence[Sequence[int]], output_len: int, tag: str) -> RunTimes:
+    """Add every prompt at once, then step the engine to the end, noting each request's first and last token."""
+    from deepinfer_core.sampling.params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    engine = llm.engine
+    times = RunTimes(start=time.perf_counter())
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", None, list(ids), params)
+    while engine.has_unfinished():
+        finished = engine.step()
+        now = time.perf_counter()
+        times.steps += 1
+        for group_id, requests in engine.groups.items():
+            if group_id not in times.first_token and any(r.output_token_ids for r in requests):
+                times.first_token[group_id] = now
+        for output in finished:  # a group that finished this step has left engine.groups
+            times.first_token.setdefault(output.request_id, now)
+            times.finished[output.request_id] = now
+            times.outputs[output.request_id] = list(output.outputs[0].token_ids)
+    return times
+
+
+# ------------------------------------------------------------------------------------------------ HF
+def run_hf(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int]], device: torch.device,
+           dtype: torch.dtype, log: Log) -> dict[str, Any]:
+    """Load ``folder`` with HF transformers and time greedy ``generate`` in batches of ``max_num_seqs``."""
+    try:
+        from transformers import DeepseekV4ForCausalLM
+    except ImportError as exc:
+        raise RuntimeError(f"--compare-hf needs transformers with DeepSeek-V4 (pip install 'transformers==5.23.*'): "
+                           f"{exc}") from None
+    log("loading HF transformers ...")
+    t0 = time.perf_counter()
+    model = _load_hf(DeepseekV4ForCausalLM, folder, dtype, device)
+    load_time = time.perf_counter() - t0
+    batch = min(config.max_num_seqs, len(prompts))
+    warm = random_prompts(len(prompts), len(prompts[0]), model.config.vocab_size, config.seed + 1)
+    for i in range(config.warmup):
+        log(f"HF warmup {i + 1}/{config.warmup} ...")
+        time_hf(model, warm, min(config.output_len, 4), batch, device)
+    log("HF: timed run ...")
+    times = time_hf(model, prompts, config.output_len, batch, device)
+    metrics = summarize(times, [len(p) for p in prompts], load_time)
+    outputs = [times.outputs[str(i)] for i in range(len(prompts))]
+    del model
+    _free(device)
+    return {"metrics": metrics, "outputs": outputs}
+
+
+def _load_hf(model_class, folder: Path, dtype: torch.dtype, device: torch.device):
+    """``from_pretrained`` straight onto ``device`` where transformers can, else load on the host and move."""
+    if device.type != "cpu":
+        try:
+            return model_class.from_pretrained(folder, dtype=dtype, device_map=str(device)).eval()
+        except (ImportError, ValueError):  # device_map needing accelerate
+            pass
+    return model_class.from_pretrained(folder, dtype=dtype).to(device).eval()
+
+
+class _StepClock:
+    """A logits processor that records when each decoding step reaches sampling (scores unchanged)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def time_hf(model, prompts: Sequence[Sequence[int]], output_len: int, batch: int, device: torch.device) -> RunTimes:
+    """Greedy ``generate`` of exactly ``output_len`` tokens per prompt, ``batch`` prompts at a time (no padding)."""
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    gen_config = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0, use_cache=True)
+    times = RunTimes(start=time.perf_counter())
+    for start in range(0, len(prompts), batch):
+        chunk = torch.tensor([list(p) for p in prompts[start:start + batch]], device=device)
+        clock = _StepClock(device)
+        with torch.inference_mode():
+            out = model.generate(chunk, attention_mask=torch.ones_like(chunk), generation_config=gen_config,
+                                 logits_processor=LogitsProcessorList([clock]))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        times.steps += len(clock.times)
+        for row in range(chunk.shape[0]):
+            key = str(start + row)
+            times.first_token[key] = clock.times[0]
+            times.finished[key] = now
+            times.outputs[key] = out[row, chunk.shape[1]:].tolist()
+    return times
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+def summarize(times: RunTimes, prompt_lens: Sequence[int], load_time: float) -> dict[str, Any]:
+    """Throughputs and per-request latency statistics of one timed run."""
+    keys = sorted(times.finished)
+    total = max(times.finished.values()) - times.start
+    out_tokens = sum(len(times.outputs[k]) for k in keys)
+    ttft = [times.first_token[k] - times.start for k in keys]
+    tpot = [(times.finished[k] - times.first_token[k]) / (len(times.outputs[k]) - 1)
+            for k in keys if len(times.outputs[k]) > 1]
+    latency = [times.finished[k] - times.start for k in keys]
+    return {
+        "total_time_s": total, "num_requests": len(keys), "prompt_tokens": sum(prompt_lens),
+        "output_tokens": out_tokens, "output_throughput": out_tokens / total,
+        "total_throughput": (out_tokens + sum(prompt_lens)) / total, "requests_per_s": len(keys) / total,
+        "ttft_s": stats(ttft), "tpot_s": stats(tpot), "latency_s": stats(latency), "load_time_s": load_time,
+        "steps": times.steps,
+    }
+
+
+def stats(values: Sequence[float]) -> dict[str, float | None]:
+    """Mean, median, p99 (nearest rank), min and max; None everywhere for no values."""
+    if not values:
+        return {"mean": None, "p50": None, "p99": None, "min": None, "max": None}
+    ordered = sorted(values)
+    return {"mean": sum(ordered) / len(ordered), "p50": _percentile(ordered, 50), "p99": _percentile(ordered, 99),
+            "min": ordered[0], "max": ordered[-1]}
+
+
+def _percentile(ordered: Sequence[float], pct: float) -> float:
+    rank = max(1, math.ceil(pct / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def ratios(engine: Mapping[str, Any], hf: Mapping[str, Any]) -> dict[str, float | None]:
+    """Engine over HF: throughput ratios (> 1 means the engine is faster) and latency speed-ups."""
+    def speedup(key: str) -> float | None:
+        e, h = engine[key]["mean"], hf[key]["mean"]
+        return h / e if e and h is not None else None
+
+    return {
+        "output_throughput": engine["output_throughput"] / hf["output_throughput"],
+        "total_throughput": engine["total_throughput"] / hf["total_throughput"],
+        "ttft_speedup": speedup("ttft_s"), "tpot_speedup": speedup("tpot_s"),
+    }
+
+
+def agreement(engine: Sequence[Sequence[int]], hf: Sequence[Sequence[int]]) -> dict[str, float | int]:
+    """How far the engine's greedy outputs agree with HF's: identical requests and mean common-prefix share."""
+    identical = sum(list(e) == list(h) for e, h in zip(engine, hf, strict=True))
+    prefix = [_common_prefix(e, h) / max(len(h), 1) for e, h in zip(engine, hf, strict=True)]
+    return {"identical_requests": identical, "num_requests": len(hf), "mean_prefix_fraction": sum(prefix) / len(hf)}
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
