@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from v4_factory import ALL_TYPES, tiny_checkpoint
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.engine.engine import exact_replay_span
-from v4_factory import ALL_TYPES, tiny_checkpoint
 
 pytest.importorskip("transformers")
 

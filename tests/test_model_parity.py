@@ -6,11 +6,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from v4_factory import ALL_TYPES, tiny_hf_model
 
 from deepinfer_core.forward_batch import ForwardBatch
 from deepinfer_core.models.deepseek_v4.loader import load_deepseek_v4
 from deepinfer_core.ops.table import OpTable
-from v4_factory import ALL_TYPES, tiny_hf_model
 
 pytest.importorskip("transformers")
 

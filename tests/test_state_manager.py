@@ -29,7 +29,7 @@ def _request(rid: int, tokens: list[int], max_tokens: int = 3) -> Request:
 
 def _scheduler(num_blocks=16, num_slots=4, budget=64, replay=lambda r, hit: hit):
     manager = StateManager(num_blocks, num_slots, BLOCK)
-    finish = lambda request, token: request.detokenizer.append(token).finished  # noqa: E731
+    finish = lambda request, token: request.detokenizer.append(token).finished
     return manager, FcfsScheduler(manager, num_slots, budget, replay, finish)
 
 
@@ -40,7 +40,7 @@ def _step(scheduler, token=7):
 
 
 def test_fresh_allocation_takes_blocks_in_order():
-    manager, scheduler = _scheduler()
+    _, scheduler = _scheduler()
     a, b = _request(0, list(range(9))), _request(1, list(range(100, 105)))
     scheduler.add(a)
     scheduler.add(b)
@@ -72,7 +72,7 @@ def first_blocks(prompt, manager):
 
 
 def test_replay_policy_decides_the_restart_point():
-    manager, scheduler = _scheduler(replay=lambda request, hit: hit - 4)
+    _, scheduler = _scheduler(replay=lambda request, hit: hit - 4)
     prompt = list(range(20))
     scheduler.add(_request(0, prompt))
     while scheduler.has_unfinished():

@@ -12,15 +12,15 @@ def tiny_hf_config(layer_types=None, hc_mult=2, num_hash_layers=1, index_topk=64
     from transformers import DeepseekV4Config
 
     layer_types = layer_types or list(ALL_TYPES)
-    kwargs = dict(
-        vocab_size=vocab_size, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=len(layer_types),
-        num_attention_heads=4, head_dim=32, q_lora_rank=16, num_experts_per_tok=2, n_routed_experts=4,
-        o_groups=2, o_lora_rank=8, index_n_heads=2, index_head_dim=16, index_topk=index_topk, sliding_window=8,
-        layer_types=layer_types,
-        mlp_layer_types=["hash_moe"] * num_hash_layers + ["moe"] * (len(layer_types) - num_hash_layers),
-        hc_mult=hc_mult, compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
-        partial_rotary_factor=0.25, max_position_embeddings=4096,
-    )
+    kwargs = {
+        "vocab_size": vocab_size, "hidden_size": 32, "moe_intermediate_size": 16,
+        "num_hidden_layers": len(layer_types), "num_attention_heads": 4, "head_dim": 32, "q_lora_rank": 16,
+        "num_experts_per_tok": 2, "n_routed_experts": 4, "o_groups": 2, "o_lora_rank": 8, "index_n_heads": 2,
+        "index_head_dim": 16, "index_topk": index_topk, "sliding_window": 8, "layer_types": layer_types,
+        "mlp_layer_types": ["hash_moe"] * num_hash_layers + ["moe"] * (len(layer_types) - num_hash_layers),
+        "hc_mult": hc_mult, "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        "partial_rotary_factor": 0.25, "max_position_embeddings": 4096,
+    }
     kwargs.update(overrides)
     return DeepseekV4Config(**kwargs)
 

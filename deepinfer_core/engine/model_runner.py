@@ -99,7 +99,7 @@ class ModelRunner:
             request = chunk.request
             if request.request_id not in prompt_rows:
                 continue
-            first, count = prompt_rows[request.request_id]
+            first, _ = prompt_rows[request.request_id]
             # logits row i predicts token start + i + 1; keep those inside the prompt
             targets = request.all_token_ids[chunk.start + 1:min(chunk.end + 1, len(request.prompt_token_ids))]
             rows = logits[first:first + len(targets)]

@@ -8,7 +8,6 @@ attention may read, whether it comes from this step's tokens or from a sequence'
 from __future__ import annotations
 
 import dataclasses
-from functools import cached_property
 
 import torch
 
