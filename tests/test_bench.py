@@ -1,0 +1,170 @@
+"""``deepinfer bench``: presets, the engine / HF runner, roofline floors, the table and JSON (tiny sizes, CPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer_core import cli
+from deepinfer_core.bench import presets, roofline, runner
+from deepinfer_core.bench.report import format_report
+from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = {"input_len": 8, "output_len": 4, "num_prompts": 2, "max_num_seqs": 2, "warmup": 1}
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("bench_cache")
+
+
+@pytest.fixture(scope="module")
+def hf_result(cache_dir) -> dict:
+    config = runner.BenchConfig(preset="tiny", cache_dir=str(cache_dir), compare_hf=True, **SMALL)
+    return runner.run_bench(config)
+
+
+# ------------------------------------------------------------------------------------------------ presets
+def test_tiny_preset_has_the_embedded_default_shape():
+    from transformers import DeepseekV4Config as HFConfig
+
+    spec = importlib.util.spec_from_file_location("train_tiny", REPO / "tools" / "train_tiny.py")
+    train_tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_tiny)
+    ours = {k: v for k, v in presets.get_preset("tiny").config_dict().items() if k not in ("architectures", "dtype")}
+    assert HFConfig(**ours).to_dict() == HFConfig(**train_tiny.model_config_kwargs(4096)).to_dict()
+
+
+def test_flash_preset_matches_benchmarks_md_without_building_it():
+    config = presets.get_preset("v4-flash-8l64e").config_dict()
+    assert round(presets.count_parameters(config) / 1e9, 2) == 15.08
+    parsed = DeepseekV4Config.from_dict(config)
+    assert parsed.layer_types == ["sliding_attention"] * 2 + ["compressed_sparse_attention",
+                                                              "heavily_compressed_attention"] * 3
+    assert parsed.mlp_layer_types == ["hash_moe"] + ["moe"] * 7
+    assert (parsed.vocab_size, parsed.hidden_size, parsed.num_attention_heads, parsed.head_dim) == (129280, 4096, 64,
+                                                                                                   512)
+    assert (parsed.n_routed_experts, parsed.num_experts_per_tok, parsed.moe_intermediate_size) == (64, 6, 2048)
+    assert (parsed.index_n_heads, parsed.index_head_dim, parsed.index_topk, parsed.hc_mult) == (64, 128, 512, 4)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_gpu_only_preset_is_refused_on_cpu(tmp_path):
+    with pytest.raises(presets.PresetError, match="needs a GPU"):
+        presets.ensure_preset("v4-flash-8l64e", tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+def test_unknown_preset_names_the_known_ones():
+    with pytest.raises(presets.PresetError, match="known presets: tiny, v4-flash-8l64e"):
+        presets.get_preset("huge")
+
+
+def test_saved_names_are_what_hf_save_pretrained_writes(tmp_path):
+    from safetensors import safe_open
+    from v4_factory import tiny_checkpoint
+
+    from deepinfer_core.models.deepseek_v4.weights import expected_tensors
+
+    tiny_checkpoint(tmp_path)
+    config = DeepseekV4Config.from_file(tmp_path / "config.json")
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        on_disk = set(f.keys())
+    assert {presets.hf_saved_name(name) for name in expected_tensors(config)} == on_disk
+
+
+def test_preset_checkpoint_values_and_cache(cache_dir, hf_result):
+    from safetensors.torch import load_file
+
+    folder = Path(hf_result["config"]["model_folder"])
+    assert (folder / presets.MARKER_FILE).is_file() and (folder / "tokenizer.json").is_file()
+    tensors = load_file(str(folder / "model.safetensors"))
+    assert tensors["model.layers.1.attn.wq_a.weight"].dtype == torch.bfloat16
+    assert abs(tensors["model.layers.1.attn.wq_a.weight"].float().std().item() - 0.02) < 2e-3
+    assert torch.all(tensors["model.layers.1.attn_norm.weight"] == 1)
+    assert torch.all(tensors["model.layers.1.ffn.gate.bias"] == 0)
+    tid2eid = tensors["model.layers.0.ffn.gate.tid2eid"]
+    assert tid2eid.shape == (4096, 2) and torch.all(tid2eid[:, 0] != tid2eid[:, 1]) and tid2eid.max() < 4
+    mtime = (folder / "model.safetensors").stat().st_mtime_ns
+    assert presets.ensure_preset("tiny", cache_dir) == folder  # cached: not rewritten
+    assert (folder / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+# ------------------------------------------------------------------------------------------------ runner
+def _check_metrics(metrics: dict, output_tokens: int) -> None:
+    assert set(metrics) == set(runner.result_keys()["metrics"])
+    assert metrics["output_tokens"] == output_tokens and metrics["num_requests"] == SMALL["num_prompts"]
+    assert metrics["output_throughput"] > 0 and metrics["total_throughput"] > metrics["output_throughput"]
+    assert 0 < metrics["ttft_s"]["mean"] <= metrics["latency_s"]["max"] <= metrics["total_time_s"] * (1 + 1e-9)
+    assert metrics["tpot_s"]["mean"] > 0 and metrics["steps"] >= SMALL["output_len"]
+
+
+def test_bench_result_has_the_expected_keys_and_positive_numbers(hf_result):
+    assert set(hf_result) == set(runner.result_keys()["result"])
+    tokens = SMALL["num_prompts"] * SMALL["output_len"]
+    _check_metrics(hf_result["engine"], tokens)
+    _check_metrics(hf_result["hf"], tokens)
+    assert hf_result["ratio"]["output_throughput"] == pytest.approx(
+        hf_result["engine"]["output_throughput"] / hf_result["hf"]["output_throughput"])
+    agreement = hf_result["agreement"]
+    assert agreement["num_requests"] == 2 and 0 <= agreement["mean_prefix_fraction"] <= 1
+    assert hf_result["roofline"] == {"engine": "n/a (CPU)", "hf": "n/a (CPU)"}
+    assert hf_result["config"]["preset"] == "tiny" and hf_result["config"]["input_len"] == 8
+    json.dumps(hf_result)  # JSON-able as is
+
+
+def test_report_table_shows_engine_hf_and_ratio(hf_result):
+    table = format_report(hf_result)
+    for text in ("output tok/s", "TTFT mean (ms)", "TPOT mean (ms)", "engine/HF", "roofline (engine): n/a (CPU)",
+                 "greedy agreement with HF"):
+        assert text in table
+
+
+def test_cli_bench_prints_the_table_and_writes_json(cache_dir, tmp_path, capsys):
+    path = tmp_path / "out.json"
+    code = cli.main(["bench", "--preset", "tiny", "--cache-dir", str(cache_dir), "--input-len", "8", "--output-len",
+                     "3", "--num-prompts", "2", "--max-num-seqs", "2", "--warmup", "0", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "output tok/s" in out and "roofline (engine): n/a (CPU)" in out and "HF" not in out.split("metric")[1]
+    data = json.loads(path.read_text())
+    assert data["hf"] is None and data["engine"]["output_tokens"] == 6
+
+
+def test_cli_bench_bad_values_exit_2(capsys):
+    assert cli.main(["bench", "--preset", "tiny", "--num-prompts", "0"]) == 2
+    assert "num_prompts must be a positive integer" in capsys.readouterr().err
+
+
+def test_stats_and_percentiles():
+    s = runner.stats([float(i) for i in range(1, 101)])
+    assert (s["mean"], s["p50"], s["p99"], s["min"], s["max"]) == (50.5, 50.0, 99.0, 1.0, 100.0)
+    assert runner.stats([])["mean"] is None
+
+
+# ------------------------------------------------------------------------------------------------ roofline
+def test_roofline_matches_benchmarks_md_for_the_flash_preset():
+    config = DeepseekV4Config.from_dict(presets.get_preset("v4-flash-8l64e").config_dict())
+    mb = roofline.model_bytes(config, torch.bfloat16)
+    peak = roofline.KNOWN_PEAKS["H200"]
+    assert mb.weight_bytes_touched(1) / 1e9 == pytest.approx(5.8, abs=0.15)  # "~5.9 GB touched per step"
+    assert mb.weight_bytes_touched(64) / peak.bandwidth * 1e3 == pytest.approx(6.85, abs=0.05)  # floor at batch 64
+    assert mb.unique_experts(1) == pytest.approx(6) and mb.unique_experts(10_000) == pytest.approx(64)
+    floors = roofline.run_floor(mb, peak, num_prompts=1, input_len=1024, output_len=2, batch=1)
+    assert floors["prefill_floor_s"] == pytest.approx(2 * mb.active_params * 1024 / peak.flops)
+    state = (1025 * mb.state_bytes_per_token + mb.state_bytes_per_seq) / peak.bandwidth
+    assert floors["decode_floor_s"] == pytest.approx(mb.weight_bytes_touched(1) / peak.bandwidth + state)
+    assert math.isclose(floors["floor_s"], floors["prefill_floor_s"] + floors["decode_floor_s"])
+
+
+def test_roofline_is_not_applicable_on_cpu():
+    config = DeepseekV4Config.from_dict(presets.get_preset("tiny").config_dict())
+    assert roofline.roofline(config, torch.float32, "cpu", 1.0, 1, 8, 4, 1) == "n/a (CPU)"
