@@ -89,8 +89,7 @@ def deepinfer_configure(config: Any, options: Mapping[str, Any]) -> None:
     describes the engine being built.
 
     Arguments:
-    - ``config``: the engine's configuration object (model path, backend name, dtype, limits); treat it
-      as read-only.
+    - ``config``: the engine's configuration (at least the model path); treat it as read-only.
     - ``options``: a read-only mapping of every feature option the user set, by name (options not
       claimed by any plugin never get here: they are rejected first). A plugin reads its own options
       here, e.g. ``options.get("batch_invariant", False)``.
@@ -122,15 +121,17 @@ def deepinfer_register_ops(op_table: Any, backend_name: str) -> None:
 
 @hookspec
 def deepinfer_register_models(registry: Any) -> None:
-    """Register model architectures with the core's model registry.
+    """Register model loaders with the core's model registry.
 
-    Runs: once per process, the first time the engine resolves a checkpoint's architecture.
+    Runs: once per engine, when it builds its model registry, before the checkpoint is loaded.
 
     Arguments:
-    - ``registry``: the core's model registry (``deepinfer_core.models``); register a model class under
-      the architecture name a checkpoint's ``config.json`` uses, through the registry's public methods.
+    - ``registry``: the engine's ``deepinfer_core.models.registry.ModelRegistry``. Call
+      ``registry.register(model_type, loader)``: ``model_type`` is the ``model_type`` of a checkpoint's
+      ``config.json``, ``loader(folder, ops, dtype=..., device=...)`` builds the model from that folder
+      and calls only ops of the op table ``ops``.
 
-    Return: ignored. Registering a name that already exists raises, naming both providers.
+    Return: ignored. Registering a ``model_type`` the core already handles replaces the core's loader.
     """
 
 
