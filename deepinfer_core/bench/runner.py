@@ -17,6 +17,7 @@ import dataclasses
 import datetime
 import gc
 import math
+import os
 import platform
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -125,9 +126,15 @@ def describe(config: BenchConfig, folder: Path, device: torch.device, dtype: tor
     fields = dataclasses.asdict(config)
     fields["preset_overrides"] = dict(config.preset_overrides or {}) or None
     return {
-        **fields, "model_folder": str(folder), "device": _device_name(device), "dtype": str(dtype).removeprefix(
-            "torch."), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-        "platform": platform.platform(), "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **fields,
+        "model_folder": str(folder),
+        "device": _device_name(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
 
 
