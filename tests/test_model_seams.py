@@ -1,0 +1,75 @@
+"""Seams later features use: the expert map, per-expert token counts, hidden states of chosen layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from v4_factory import ALL_TYPES, tiny_hf_model
+
+from deepinfer_core.forward_batch import ForwardBatch
+from deepinfer_core.models.deepseek_v4.loader import load_deepseek_v4
+from deepinfer_core.ops.table import OpTable
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("seams") / "ckpt"
+    tiny_hf_model(path, layer_types=ALL_TYPES, hc_mult=2)
+    return path
+
+
+def _forward(model, tokens, capture=()):
+    state = model.new_state(num_slots=1, num_blocks=8, block_size=8)
+    batch = ForwardBatch.build([tokens], [0], [0], [list(range(8))], logits="all")
+    return model.forward(batch, state, capture_layers=capture)
+
+
+TOKENS = [5, 9, 3, 17, 22, 8, 41, 7, 7, 30, 2, 11, 60, 13, 4, 19, 25]
+
+
+def test_expert_map_relocates_experts_without_changing_outputs(folder):
+    model = load_deepseek_v4(folder, OpTable())
+    before = _forward(model, TOKENS).logits
+    permutation = torch.tensor([2, 0, 3, 1])  # logical expert e lives in physical slot permutation[e]
+    for layer in model.layers:
+        moe = layer.ffn
+        for stacked in (moe.w1, moe.w2, moe.w3):
+            moved = stacked.clone()
+            stacked[permutation] = moved  # physical slot permutation[e] <- logical expert e
+        moe.expert_map.logical_to_physical = permutation.clone()
+    torch.testing.assert_close(_forward(model, TOKENS).logits, before, atol=1e-6, rtol=0)
+
+
+def test_wrong_expert_map_changes_outputs(folder):
+    model = load_deepseek_v4(folder, OpTable())
+    before = _forward(model, TOKENS).logits
+    for layer in model.layers:
+        layer.ffn.expert_map.logical_to_physical = torch.tensor([1, 0, 3, 2])  # weights not moved
+    assert not torch.allclose(_forward(model, TOKENS).logits, before, atol=1e-4)
+
+
+def test_expert_load_counts_every_routed_token(folder):
+    model = load_deepseek_v4(folder, OpTable())
+    for layer in model.layers:
+        layer.ffn.record_load = True
+    _forward(model, TOKENS)
+    top_k = model.config.num_experts_per_tok
+    for layer in model.layers:
+        load = layer.ffn.expert_load
+        assert load.sum().item() == len(TOKENS) * top_k
+        assert (load >= 0).all() and load.shape == (model.config.n_routed_experts,)
+    hash_layer = model.layers[0].ffn
+    expected = torch.bincount(hash_layer.tid2eid[torch.tensor(TOKENS)].reshape(-1), minlength=4)
+    assert torch.equal(hash_layer.expert_load, expected)
+
+
+def test_hidden_states_of_chosen_layers(folder):
+    model = load_deepseek_v4(folder, OpTable())
+    out = _forward(model, TOKENS, capture=(0, 2))
+    assert sorted(out.hidden_states) == [0, 2]
+    for streams in out.hidden_states.values():
+        assert streams.shape == (len(TOKENS), model.config.hc_mult, model.config.hidden_size)
+    assert not torch.allclose(out.hidden_states[0], out.hidden_states[2])
+    assert _forward(model, TOKENS).hidden_states == {}
