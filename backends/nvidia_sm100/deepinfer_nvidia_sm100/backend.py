@@ -1,0 +1,109 @@
+"""The NVIDIA backend class: device, capabilities, memory, op overrides per path, CUDA graph capture.
+
+Imported only when the backend is selected (``ProbeResult.backend_class``); it imports Triton lazily,
+inside ``op_overrides``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from deepinfer_core.backends.base import Backend, Capabilities, MemoryInfo
+from deepinfer_nvidia_sm100.probe import NAME, arch_path, probe
+
+VERIFIED = {
+    # What ran on real hardware, by path (docs/nvidia.md says what, where and when). Only these names
+    # count as verified; everything else is implemented but unverified on that path.
+    "sm90": frozenset({"dtypes", "distributed_backend"}),  # H200, 2026-11-29: fp32 + bf16 model parity vs CPU
+    "sm100": frozenset(),  # no SM100 GPU has run this code yet
+}
+
+
+class NvidiaBackend(Backend):
+    """CUDA device backend. ``path`` is ``"sm90"`` (Hopper) or ``"sm100"`` (Blackwell) by compute capability."""
+
+    name = NAME
+    device_type = "cuda"
+    probe = staticmethod(probe)
+
+    def __init__(self, device_index: int | None = None) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"{NAME}: {probe().reason}")
+        index = torch.cuda.current_device() if device_index is None else device_index
+        super().__init__(index)
+        self.capability = torch.cuda.get_device_capability(index)
+        path = arch_path(self.capability)
+        if path is None:
+            major, minor = self.capability
+            raise RuntimeError(f"{NAME}: compute capability {major}.{minor}: needs 9.x or 10.x")
+        self.path = path
+
+    def capabilities(self) -> Capabilities:
+        """fp32 / bf16 / fp16, NCCL, CUDA graphs through ``capture_graph``; no fp8 or batch-invariant kernels yet."""
+        return Capabilities(
+            dtypes=(torch.float32, torch.bfloat16, torch.float16),
+            distributed_backend="nccl",
+            cuda_graphs=True,
+            batch_invariant=False,
+            fp8=False,
+            verified_on_hardware=VERIFIED[self.path],
+        )
+
+    def memory_info(self) -> MemoryInfo:
+        """``torch.cuda.mem_get_info`` of this backend's device."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        return MemoryInfo(free_bytes=int(free), total_bytes=int(total))
+
+    def op_overrides(self) -> Mapping[str, Callable]:
+        """The fast ops of this path (``sm90_ops`` / ``sm100_ops``); every other op is the reference op."""
+        return sm90_ops() if self.path == "sm90" else sm100_ops()
+
+    def capture_graph(self, fn: Callable[..., Any], example_inputs: tuple[Any, ...]) -> Callable[..., Any]:
+        """Capture ``fn(*example_inputs)`` in a CUDA graph; the returned callable copies its tensor arguments
+        into the captured inputs, replays, and returns the captured outputs (valid until the next call).
+
+        ``fn`` must be static in shape and free of host synchronisation for the given inputs.
+        """
+        return CudaGraphRunner(fn, example_inputs, self.device)
+
+
+def sm90_ops() -> dict[str, Callable]:
+    """Hopper overrides (Triton, verified on the H200: see docs/nvidia.md)."""
+    from deepinfer_nvidia_sm100.kernels import moe
+
+    return {"moe_experts": moe.moe_experts}
+
+
+def sm100_ops() -> dict[str, Callable]:
+    """Blackwell overrides: the same Triton kernels as SM90 for now (compiled by Triton for sm_100a);
+    unverified on hardware. tcgen05 / TMEM kernels are future work (docs/nvidia.md)."""
+    from deepinfer_nvidia_sm100.kernels import moe
+
+    return {"moe_experts": moe.moe_experts}
+
+
+class CudaGraphRunner:
+    """A captured CUDA graph with static input buffers (see ``NvidiaBackend.capture_graph``)."""
+
+    def __init__(self, fn: Callable[..., Any], example_inputs: tuple[Any, ...], device: torch.device,
+                 warmup: int = 2) -> None:
+        self.static_inputs = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in example_inputs)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(warmup):  # compile / autotune outside the capture
+                fn(*self.static_inputs)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.static_outputs = fn(*self.static_inputs)
+
+    def __call__(self, *args: Any) -> Any:
+        for dst, src in zip(self.static_inputs, args, strict=True):
+            if isinstance(dst, torch.Tensor):
+                dst.copy_(src, non_blocking=True)
+        self.graph.replay()
+        return self.static_outputs

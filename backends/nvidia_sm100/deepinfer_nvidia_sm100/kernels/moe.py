@@ -1,0 +1,159 @@
+"""Routed experts as two Triton grouped GEMMs over the token -> expert assignment (op ``moe_experts``).
+
+Matches ``deepinfer_core.ops.reference.moe_experts``: ``out[t] = sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``
+with ``expert(x) = w2 @ (silu(clamp(w1 x, max=limit)) * clamp(w3 x, -limit, limit))``.
+
+How it runs, with no host synchronisation and no weight copies (so it can be captured in a CUDA graph):
+
+1. ``align``: the T * k assignments are sorted by expert and each expert's run is padded to a multiple of
+   ``BLOCK_M`` rows (padding rows hold -1). Every block of ``BLOCK_M`` rows belongs to one expert
+   (``block_expert``; -1 for blocks past the end). All sizes are static upper bounds of T, k, E.
+2. ``_up_kernel``: per (block, tile of I): ``h = silu(clamp(x w1^T)) * clamp(x w3^T)`` (fp32 accumulate,
+   SwiGLU and clamps fused), written in sorted order. Each chosen expert's w1 / w3 tiles are read once per
+   block of its tokens (once in all at decode sizes, where an expert gets at most ``BLOCK_M`` tokens).
+3. ``_down_kernel``: per (block, tile of D): ``y = (h w2^T) * routing weight``, fp32, in sorted order.
+4. ``out[t] = sum_k y[dest[t, k]]`` in slot order (a fixed order: deterministic, batch-invariant per row).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def align(ids: torch.Tensor, num_experts: int, block_m: int):
+    """Sorted, padded assignment layout. ``ids``: ``[T, k]`` physical expert ids.
+
+    Returns ``sorted_assign [P]`` (flat assignment index t * k + j, or -1 for padding), ``block_expert
+    [P // block_m]`` (-1 past the end) and ``dest [T * k]`` (row of each assignment in the sorted layout).
+    """
+    flat = ids.reshape(-1)
+    n = flat.numel()
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # no host sync (bincount would sync on CUDA)
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = torch.cumsum(padded, 0)
+    pad_start = pad_end - padded
+    start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)  # assignments by expert, then by token
+    sorted_e = flat[order]
+    rank = torch.arange(n, device=device) - start[sorted_e]
+    dest_sorted = pad_start[sorted_e] + rank
+    rows = min(n * block_m, n + num_experts * (block_m - 1))
+    rows = (rows + block_m - 1) // block_m * block_m
+    sorted_assign = torch.full((rows,), -1, dtype=torch.long, device=device)
+    sorted_assign[dest_sorted] = order
+    dest = torch.empty_like(flat)
+    dest[order] = dest_sorted
+    block_start = torch.arange(0, rows, block_m, device=device)
+    block_expert = torch.searchsorted(pad_end, block_start, right=True)
+    block_expert = torch.where(block_expert >= num_experts, -1, block_expert)
+    return sorted_assign, block_expert, dest
+
+
+@triton.jit
+def _up_kernel(x_ptr, w1_ptr, w3_ptr, h_ptr, assign_ptr, block_expert_ptr, D, I, top_k, limit,
+               stride_xt, stride_we, stride_wi, stride_hm,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    assign = tl.load(assign_ptr + offs_m)
+    valid = assign >= 0
+    token = tl.where(valid, assign // top_k, 0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_base = expert.to(tl.int64) * stride_we
+    for k0 in range(0, D, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < D
+        a = tl.load(x_ptr + token[:, None].to(tl.int64) * stride_xt + offs_k[None, :],
+                    mask=valid[:, None] & k_mask[None, :], other=0.0)
+        w_off = w_base + offs_n[None, :].to(tl.int64) * stride_wi + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+        w_mask = n_mask[None, :] & k_mask[:, None]
+        b1 = tl.load(w1_ptr + w_off, mask=w_mask, other=0.0)
+        b3 = tl.load(w3_ptr + w_off, mask=w_mask, other=0.0)
+        acc1 = tl.dot(a, b1, acc1, input_precision=PRECISION)
+        acc3 = tl.dot(a, b3, acc3, input_precision=PRECISION)
+    gate = tl.minimum(acc1, limit)
+    up = tl.minimum(tl.maximum(acc3, -limit), limit)
+    h = gate * tl.sigmoid(gate) * up
+    tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, assign_ptr, block_expert_ptr, D, I,
+                 stride_hm, stride_we, stride_wd, stride_ym,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    assign = tl.load(assign_ptr + offs_m)
+    valid = assign >= 0
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output channels (D)
+    n_mask = offs_n < D
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_base = expert.to(tl.int64) * stride_we
+    for k0 in range(0, I, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < I
+        a = tl.load(h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_k[None, :],
+                    mask=valid[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w2_ptr + w_base + offs_n[None, :].to(tl.int64) * stride_wd + offs_k[:, None],
+                    mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    w = tl.load(weights_ptr + tl.where(valid, assign, 0), mask=valid, other=0.0).to(tl.float32)
+    acc = acc * w[:, None]
+    tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], acc,
+             mask=valid[:, None] & n_mask[None, :])
+
+
+def _config(num_assign: int, num_experts: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) by the mean tokens per expert (decode: GEMV-like)."""
+    per_expert = num_assign / max(num_experts, 1)
+    if per_expert <= 16:
+        return 16, 64, 128, 4
+    if per_expert <= 64:
+        return 64, 64, 64, 4
+    return 64, 128, 64, 8
+
+
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                w3: torch.Tensor, limit: float) -> torch.Tensor:
+    """Triton version of the reference op ``moe_experts`` (same arguments, same result within rounding)."""
+    T, top_k = ids.shape
+    E, I, D = w1.shape
+    if T == 0:
+        return torch.zeros_like(x)
+    x = x.contiguous()
+    block_m, block_n, block_k, warps = _config(T * top_k, E)
+    sorted_assign, block_expert, dest = align(ids, E, block_m)
+    rows = sorted_assign.shape[0]
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 runs exact fp32 products, no TF32
+    stages = 2 if x.dtype == torch.float32 else 3
+    h = torch.empty((rows, I), dtype=x.dtype, device=x.device)
+    y = torch.empty((rows, D), dtype=torch.float32, device=x.device)
+    w1c, w2c, w3c = w1.contiguous(), w2.contiguous(), w3.contiguous()  # views of the stacked weights: no copy
+    flat_weights = weights.reshape(-1).contiguous()
+    grid_up = (rows // block_m, triton.cdiv(I, block_n))
+    _up_kernel[grid_up](x, w1c, w3c, h, sorted_assign, block_expert, D, I, top_k, float(limit),
+                        x.stride(0), w1c.stride(0), w1c.stride(1), h.stride(0),
+                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=warps,
+                        num_stages=stages)
+    grid_down = (rows // block_m, triton.cdiv(D, block_n))
+    _down_kernel[grid_down](h, w2c, y, flat_weights, sorted_assign, block_expert, D, I,
+                            h.stride(0), w2c.stride(0), w2c.stride(1), y.stride(0),
+                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
+                            num_warps=warps, num_stages=stages)
+    return y[dest].view(T, top_k, D).sum(dim=1).to(x.dtype)  # [T, D], slots summed in a fixed order
