@@ -46,7 +46,7 @@ from pathlib import Path
 # its partner at every barrier (4x slower when loaded). Passive waiting does not change any result.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "deepinfer_core" / "assets" / "tiny_v4"
@@ -88,43 +88,43 @@ CHAT_TEMPLATE = (
 
 def model_config_kwargs(vocab_size: int) -> dict:
     """The tiny V4's hyper-parameters (HF ``DeepseekV4Config`` field names)."""
-    return dict(
-        vocab_size=vocab_size,
-        hidden_size=256,
-        num_hidden_layers=4,
-        layer_types=[
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "layer_types": [
             "sliding_attention",
             "compressed_sparse_attention",
             "heavily_compressed_attention",
             "compressed_sparse_attention",
         ],
-        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
-        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
-        sliding_window=128,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=64,
-        partial_rotary_factor=0.25,  # 16 of the 64 channels carry RoPE
-        q_lora_rank=128,
-        o_groups=2,
-        o_lora_rank=128,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        moe_intermediate_size=128,
-        index_n_heads=4,
-        index_head_dim=32,
+        "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+        "sliding_window": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "partial_rotary_factor": 0.25,  # 16 of the 64 channels carry RoPE
+        "q_lora_rank": 128,
+        "o_groups": 2,
+        "o_lora_rank": 128,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": 128,
+        "index_n_heads": 4,
+        "index_head_dim": 32,
         # >= max_position_embeddings / compress_rate(CSA): the indexer's top-k never truncates, so HF's
         # non-deterministic tie-break among ReLU-zero scores can never change the result.
-        index_topk=MAX_POSITIONS // 4,
-        max_position_embeddings=MAX_POSITIONS,
-        hc_mult=4,
-        num_nextn_predict_layers=0,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=2,
-        tie_word_embeddings=False,
-    )
+        "index_topk": MAX_POSITIONS // 4,
+        "max_position_embeddings": MAX_POSITIONS,
+        "hc_mult": 4,
+        "num_nextn_predict_layers": 0,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+        "tie_word_embeddings": False,
+    }
 
 
 def log(msg: str) -> None:
@@ -287,8 +287,8 @@ def main() -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     t_start = time.time()
 
-    from transformers import GenerationConfig
     import transformers
+    from transformers import GenerationConfig
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     rels, texts = read_texts(stdlib, corpus_files(stdlib))
@@ -443,7 +443,7 @@ def main() -> int:
 
 def write_model_card(folder: Path, *, result, curve, mid_evals, sample, corpus, versions, total_seconds,
                      config) -> None:
-    stdlib, n_train_files, n_held_files, train_bytes, held_bytes, n_train_tokens, n_held_tokens = corpus
+    _stdlib, n_train_files, n_held_files, train_bytes, held_bytes, n_train_tokens, n_held_tokens = corpus
     py, torch_v, tf_v = versions
     prompt, completion = sample
     lines = [f"| {s} | {loss:.3f} | {lr:.2e} |" for s, loss, lr in curve
