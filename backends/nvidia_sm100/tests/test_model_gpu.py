@@ -62,21 +62,37 @@ def cpu_reference(checkpoint):
     return _generate(checkpoint, "cpu", "float32")[1]
 
 
-@pytest.mark.parametrize("dtype, lp_tol, tie_gap", [("float32", 2e-3, 1e-3), ("bfloat16", 0.25, 0.25)])
-def test_greedy_and_logprobs_match_cpu(checkpoint, cpu_reference, dtype, lp_tol, tie_gap):
-    name, gpu = _generate(checkpoint, "nvidia_sm100", dtype)
-    assert name == "nvidia_sm100"
+def _compare(want, got, lp_tol, tie_gap, label):
+    """Tokens equal until a near-tie of ``want`` (then the sequences may part); logprobs within ``lp_tol``.
+    Returns (tokens compared, max |logprob difference|)."""
     compared, worst = 0, 0.0
-    for p, (want, got) in enumerate(zip(cpu_reference, gpu, strict=True)):
-        assert len(got) == STEPS
-        for step, ((w_tok, w_lp, w_gap), (g_tok, g_lp, _)) in enumerate(zip(want, got)):
+    for p, (w_steps, g_steps) in enumerate(zip(want, got, strict=True)):
+        assert len(g_steps) == STEPS
+        for step, ((w_tok, w_lp, w_gap), (g_tok, g_lp, _)) in enumerate(zip(w_steps, g_steps)):
             if w_tok != g_tok:  # allowed only at a near-tie of the CPU reference; the rest then diverges
-                assert w_gap < tie_gap, f"prompt {p} step {step}: {g_tok} != {w_tok} (CPU top-2 gap {w_gap:.4g})"
-                print(f"[{dtype}] prompt {p}: near-tie divergence at step {step} (gap {w_gap:.3g})")
+                assert w_gap < tie_gap, f"{label} prompt {p} step {step}: {g_tok} != {w_tok} (top-2 gap {w_gap:.4g})"
+                print(f"[{label}] prompt {p}: near-tie divergence at step {step} (gap {w_gap:.3g})")
                 break
             worst = max(worst, abs(w_lp - g_lp))
             compared += 1
-            assert abs(w_lp - g_lp) < lp_tol, f"prompt {p} step {step}: logprob {g_lp} vs {w_lp}"
-    print(f"[{dtype}] compared {compared} tokens, max |logprob diff| {worst:.3g}")
-    # fp32 must agree on most tokens; bf16 may leave a random tiny model's many near-ties early
-    assert compared >= (STEPS * len(PROMPTS) // 2 if dtype == "float32" else len(PROMPTS))
+            assert abs(w_lp - g_lp) < lp_tol, f"{label} prompt {p} step {step}: logprob {g_lp} vs {w_lp}"
+    print(f"[{label}] compared {compared} tokens, max |logprob diff| {worst:.3g}")
+    return compared, worst
+
+
+def test_fp32_greedy_and_logprobs_match_cpu(checkpoint, cpu_reference):
+    name, gpu = _generate(checkpoint, "nvidia_sm100", "float32")
+    assert name == "nvidia_sm100"
+    compared, _ = _compare(cpu_reference, gpu, lp_tol=2e-3, tie_gap=1e-3, label="gpu fp32 vs cpu fp32")
+    assert compared >= STEPS * len(PROMPTS) // 2
+
+
+def test_bf16_within_the_reference_ops_own_bf16_error(checkpoint, cpu_reference):
+    """bf16 tolerance is measured, not guessed: the CPU reference ops run in bf16 set the envelope
+    (this tiny random model has flat distributions, so bf16 rounding alone moves logprobs by tenths)."""
+    _, cpu_bf16 = _generate(checkpoint, "cpu", "bfloat16")
+    _, ref_err = _compare(cpu_reference, cpu_bf16, lp_tol=float("inf"), tie_gap=float("inf"), label="cpu bf16")
+    tol = 2 * ref_err + 0.05
+    _, gpu = _generate(checkpoint, "nvidia_sm100", "bfloat16")
+    compared, _ = _compare(cpu_reference, gpu, lp_tol=tol, tie_gap=tol, label=f"gpu bf16 (tol {tol:.3g})")
+    assert compared >= len(PROMPTS)

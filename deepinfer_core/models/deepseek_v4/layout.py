@@ -3,6 +3,10 @@
 Built once per step from a ``ForwardBatch`` and shared by every layer. It turns the flat,
 unpadded token axis into padded per-sequence views (``[S, Lq, ...]``) and says, for every key the
 attention may read, whether it comes from this step's tokens or from a sequence's state.
+
+Every index tensor is built on the host from the batch's Python lists and then copied to the device
+once (pinned memory, non-blocking). Building them with small device ops, or from device tensors,
+would stall the host on every ``torch.tensor(..., device=cuda)`` copy and ``nonzero()``.
 """
 
 from __future__ import annotations
@@ -55,7 +59,8 @@ class StepLayout:
         self.batch = batch
         self.window = sliding_window
         self.block_size = block_size
-        self.device = device
+        self.target_device = torch.device(device)
+        self.device = torch.device("cpu")  # where index tensors are built (see module docstring)
         self.num_seqs = batch.num_seqs
         self.query_lens = batch.query_lens
         self.max_query_len = max(self.query_lens)
@@ -68,18 +73,32 @@ class StepLayout:
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host-built index tensor on the target device (one non-blocking copy from pinned memory)."""
+        if self.target_device.type == "cpu":
+            return t
+        if self.target_device.type == "cuda":
+            t = t.pin_memory()
+        return t.to(self.target_device, non_blocking=True)
+
     def _build_queries(self) -> None:
         S, Lq = self.num_seqs, self.max_query_len
         offsets = torch.arange(Lq, device=self.device)  # [Lq]
         starts = self._tensor(self.batch.query_start[:-1])  # [S]
         lens = self._tensor(self.query_lens)
         ctx = self._tensor(self.batch.context_lens)
-        self.query_valid = offsets[None, :] < lens[:, None]  # [S, Lq]
-        self.query_rows = torch.where(self.query_valid, starts[:, None] + offsets[None, :], 0)  # [S, Lq]
-        self.query_positions = torch.where(self.query_valid, ctx[:, None] + offsets[None, :], -1)  # [S, Lq]
+        valid = offsets[None, :] < lens[:, None]  # [S, Lq]
+        self._host_query_valid = valid
+        self._host_query_positions = torch.where(valid, ctx[:, None] + offsets[None, :], -1)  # [S, Lq]
         token_seq = torch.repeat_interleave(torch.arange(S, device=self.device), lens)  # [T]
-        self.token_seq = token_seq
-        self.token_offset = torch.arange(token_seq.shape[0], device=self.device) - starts[token_seq]  # [T]
+        token_offset = torch.arange(token_seq.shape[0], device=self.device) - starts[token_seq]  # [T]
+        self._host_token_seq = token_seq
+        self._host_positions = ctx[token_seq] + token_offset  # [T] == batch.positions, on the host
+        self.query_valid = self._to_device(valid)
+        self.query_rows = self._to_device(torch.where(valid, starts[:, None] + offsets[None, :], 0))  # [S, Lq]
+        self.query_positions = self._to_device(self._host_query_positions)
+        self.token_seq = self._to_device(token_seq)
+        self.token_offset = self._to_device(token_offset)
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """Flat ``[T, ...]`` -> padded ``[S, Lq, ...]`` (padding rows repeat row 0; mask them)."""
@@ -102,18 +121,22 @@ class StepLayout:
             from_new.append(pos >= ctx)
             new_rows.append(self.batch.query_start[s] + (pos - ctx).clamp(min=0))
             slots.append(torch.full_like(pos, self.batch.slots[s]))
-        self.key_positions = _pad_stack(positions, -1)  # [S, Lk]
-        self.key_from_new = _pad_stack(from_new, False)
-        self.key_new_rows = _pad_stack(new_rows, 0)
-        self.key_slots = _pad_stack(slots, 0)
-        self.key_ring_index = self.key_positions.clamp(min=0) % W
-        kp, qp = self.key_positions[:, None, :], self.query_positions[:, :, None]  # [S, 1, Lk], [S, Lq, 1]
-        self.sliding_visible = (kp >= 0) & (kp <= qp) & (kp > qp - W) & self.query_valid[:, :, None]
+        key_positions = _pad_stack(positions, -1)  # [S, Lk]
+        self.key_positions = self._to_device(key_positions)
+        self.key_from_new = self._to_device(_pad_stack(from_new, False))
+        self.key_new_rows = self._to_device(_pad_stack(new_rows, 0))
+        self.key_slots = self._to_device(_pad_stack(slots, 0))
+        self.key_ring_index = self._to_device(key_positions.clamp(min=0) % W)
+        kp, qp = key_positions[:, None, :], self._host_query_positions[:, :, None]  # [S, 1, Lk], [S, Lq, 1]
+        visible = (kp >= 0) & (kp <= qp) & (kp > qp - W) & self._host_query_valid[:, :, None]
+        self.sliding_visible = self._to_device(visible)
         last = self._tensor([ctx + n for ctx, n in zip(self.batch.context_lens, self.query_lens)])
-        keep = self.batch.positions >= (last[self.token_seq] - W)  # [T] tokens that stay in the ring
-        self.ring_write_rows = keep.nonzero().squeeze(-1)
-        self.ring_write_slots = self._tensor(self.batch.slots)[self.token_seq[self.ring_write_rows]]
-        self.ring_write_index = self.batch.positions[self.ring_write_rows] % W
+        token_seq, token_pos = self._host_token_seq, self._host_positions
+        keep = token_pos >= (last[token_seq] - W)  # [T] tokens that stay in the ring
+        rows = keep.nonzero().squeeze(-1)
+        self.ring_write_rows = self._to_device(rows)
+        self.ring_write_slots = self._to_device(self._tensor(self.batch.slots)[token_seq[rows]])
+        self.ring_write_index = self._to_device(token_pos[rows] % W)
 
     def sliding_keys(self, ring: torch.Tensor, new_kv: torch.Tensor) -> torch.Tensor:
         """Keys ``[S, Lk, d]`` of every sequence's window: ring tokens, then this step's ``new_kv``."""
@@ -143,9 +166,10 @@ class StepLayout:
             rows.append(w % per_block)
         blocks_t = _pad_stack(blocks, -1)  # [S, E]
         entry_ids = torch.arange(blocks_t.shape[1], device=self.device)  # [E]
-        limit = (self.query_positions + 1).div(ratio, rounding_mode="floor")  # [S, Lq]
+        limit = (self._host_query_positions + 1).div(ratio, rounding_mode="floor")  # [S, Lq]
         visible = (entry_ids[None, None, :] < limit[:, :, None]) & (blocks_t[:, None, :] >= 0)
-        return EntryLayout(blocks_t.clamp(min=0), _pad_stack(rows, 0), visible & self.query_valid[:, :, None])
+        visible = visible & self._host_query_valid[:, :, None]
+        return EntryLayout(*(self._to_device(t) for t in (blocks_t.clamp(min=0), _pad_stack(rows, 0), visible)))
 
     def gather_entries(self, store: torch.Tensor, ratio: int) -> torch.Tensor:
         """Entries ``[S, E, d]`` from a paged store ``[num_blocks, rows_per_block, d]``."""
@@ -186,7 +210,7 @@ class StepLayout:
         ctx_t = torch.cat(parts["ctx"]).reshape(-1, span)
         entry = torch.cat(parts["entry"])
         from_new = pos >= ctx_t
-        return WindowPlan(
+        plan = WindowPlan(
             from_new=from_new,
             new_rows=torch.where(from_new, torch.cat(parts["start"]).reshape(-1, span) + pos - ctx_t, 0),
             carry_slots=torch.cat(parts["slot"]).reshape(-1, span),
@@ -199,6 +223,7 @@ class StepLayout:
             carry_write_slots=torch.cat(carry["slots"]),
             carry_write_index=torch.cat(carry["index"]),
         )
+        return WindowPlan(**{f.name: self._to_device(getattr(plan, f.name)) for f in dataclasses.fields(plan)})
 
 
 def _pad_stack(tensors: list[torch.Tensor], value) -> torch.Tensor:

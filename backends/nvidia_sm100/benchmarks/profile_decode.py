@@ -1,0 +1,70 @@
+"""Where a decode step's time goes on the bench preset: host wall time per step vs GPU kernel time, and the
+top kernels (torch.profiler). GPU only.
+
+    python backends/nvidia_sm100/benchmarks/profile_decode.py [--batches 1 64] [--input-len 1024]
+
+If GPU busy time per step is far below the wall time, the step is bound by the host (Python, launches,
+synchronisations): CUDA graphs and fewer, fused ops are the lever. If they are close, kernels are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from deepinfer_core.bench import presets
+from deepinfer_core.bench.runner import random_prompts
+from deepinfer_core.llm import LLM
+from deepinfer_core.sampling.params import SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--input-len", type=int, default=1024)
+    parser.add_argument("--backend", default="nvidia_sm100")
+    args = parser.parse_args()
+    folder = presets.ensure_preset("v4-flash-8l64e")
+    top = max(args.batches)
+    llm = LLM(folder, backend=args.backend, dtype="bfloat16", max_model_len=args.input_len + 64, max_num_seqs=top,
+              max_num_batched_tokens=8192)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    summary = []
+    for batch in args.batches:
+        for i, ids in enumerate(random_prompts(batch, args.input_len, llm.model.config.vocab_size, batch)):
+            engine.add_request(f"b{batch}-{i}", None, ids, params)
+        while not all(r.output_token_ids for rs in engine.groups.values() for r in rs):
+            engine.step()  # prefill
+        for _ in range(5):
+            engine.step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        n = 10
+        for _ in range(n):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / n
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                engine.step()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        gpu = sum(e.self_device_time_total for e in events) / 3 / 1e6
+        launches = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 3
+        print(f"\n=== batch {batch}: decode step wall {wall * 1e3:.2f} ms, GPU kernel time {gpu * 1e3:.2f} ms, "
+              f"{launches:.0f} kernels/step")
+        print(events.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
+        summary.append((batch, wall, gpu, launches))
+        while engine.has_unfinished():
+            engine.step()
+    print("\n| batch | step wall | GPU kernel time | kernels/step |\n|---|---|---|---|")
+    for batch, wall, gpu, launches in summary:
+        print(f"| {batch} | {wall * 1e3:.2f} ms | {gpu * 1e3:.2f} ms | {launches:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
