@@ -6,6 +6,7 @@ Registered through the core's own entry point ``cpu = "deepinfer_core.backends.c
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -27,7 +28,7 @@ def probe() -> ProbeResult:
 
 
 class CpuBackend(Backend):
-    """Runs the reference ops as they are: it has no op overrides and no graph capture."""
+    """The reference ops, with CPU fast paths for the ops that are many tiny tensor ops (``cpu_ops``)."""
 
     name = NAME
     device_type = "cpu"
@@ -45,6 +46,12 @@ class CpuBackend(Backend):
             distributed_backend="gloo",
             verified_on_hardware=frozenset({"dtypes", "distributed_backend"}),
         )
+
+    def op_overrides(self) -> Mapping[str, Callable]:
+        """Fewer-dispatch versions of norms, RoPE and mHC mixing (checked against the reference ops)."""
+        from deepinfer_core.backends.cpu_ops import OVERRIDES
+
+        return dict(OVERRIDES)
 
     def memory_info(self) -> MemoryInfo:
         """Host memory: available (``MemAvailable``) and physical total."""
