@@ -54,3 +54,17 @@ def test_hc_pre(hc, tokens):
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype
         torch.testing.assert_close(g, w, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("experts", [4, 16])
+@pytest.mark.parametrize("tokens", [1, 11])
+def test_moe_experts(experts, tokens):
+    D, I, k = 16, 8, 2
+    x = _rand(tokens, D)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
+    weights = _rand(tokens, k, seed=6).abs()
+    w1, w3 = _rand(experts, I, D, seed=7), _rand(experts, I, D, seed=8)
+    w2 = _rand(experts, D, I, seed=9)
+    got = OVERRIDES["moe_experts"](x, ids, weights, w1, w2, w3, 2.0)  # small limit: the clamps matter
+    torch.testing.assert_close(got, ref.moe_experts(x, ids, weights, w1, w2, w3, 2.0), atol=1e-5, rtol=1e-5)
