@@ -26,7 +26,14 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--backend", default="nvidia_sm100")
+    parser.add_argument("--layout-copy", choices=["pageable", "pinned"], default="pageable",
+                        help="A/B: how StepLayout moves its host-built index tensors (default: plain non-blocking "
+                             ".to(); pinned: pin_memory() first)")
     args = parser.parse_args()
+    if args.layout_copy == "pinned":
+        from deepinfer_core.models.deepseek_v4.layout import StepLayout
+
+        StepLayout._to_device = lambda self, t: t.pin_memory().to(self.target_device, non_blocking=True)
     folder = presets.ensure_preset("v4-flash-8l64e")
     top = max(args.batches)
     llm = LLM(folder, backend=args.backend, dtype="bfloat16", max_model_len=args.input_len + 64, max_num_seqs=top,

@@ -76,3 +76,35 @@ def test_backend_contract_on_device():
     assert backend.device.type == "cuda"
     table = backend.make_op_table()
     assert table.sources()["moe_experts"] == "nvidia_sm100"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_small_ops_match_reference(dtype):
+    from deepinfer_nvidia_sm100.kernels.compiled import compiled_ops
+
+    ops = compiled_ops()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd(*shape, dt=dtype):
+        return torch.randn(*shape, device="cuda", generator=gen).to(dt)
+
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    for T in (1, 7, 64):
+        hc, D = 4, 256
+        streams, fn = rnd(T, hc, D), rnd((2 + hc) * hc, hc * D, dt=torch.float32) * 0.05
+        base, scale = rnd((2 + hc) * hc, dt=torch.float32), rnd(3, dt=torch.float32)
+        cases = {
+            "rms_norm": (rnd(T, D), rnd(D, dt=torch.float32), 1e-6),
+            "unweighted_rms_norm": (rnd(T, 4, 64), 1e-6),
+            "apply_rope": (rnd(T, 4, 64), rnd(T, 8), rnd(T, 8)),
+            "hc_pre": (streams, fn, base, scale, 20, 1e-6, 1e-6),
+            "hc_post": (streams, rnd(T, D), rnd(T, hc, dt=torch.float32), rnd(T, hc, hc, dt=torch.float32)),
+            "hc_head": (streams, fn[:hc], base[:hc], scale[:1], 1e-6, 1e-6),
+            "compressor_pool": (rnd(T, 8, 64), rnd(T, 8, 64), rnd(64, dt=torch.float32), 1e-6),
+        }
+        for name, args in cases.items():
+            got, want = ops[name](*args), getattr(ref, name)(*args)
+            for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+                torch.testing.assert_close(g.float(), w.float(), **tol, msg=lambda m, n=name, t=T: f"{n} T={t}: {m}")
+        torch.testing.assert_close(ops["apply_rope"](*cases["apply_rope"], inverse=True).float(),
+                                   ref.apply_rope(*cases["apply_rope"], inverse=True).float(), **tol)

@@ -5,7 +5,7 @@ unpadded token axis into padded per-sequence views (``[S, Lq, ...]``) and says, 
 attention may read, whether it comes from this step's tokens or from a sequence's state.
 
 Every index tensor is built on the host from the batch's Python lists and then copied to the device
-once (pinned memory, non-blocking). Building them with small device ops, or from device tensors,
+once (non-blocking; pinning each small tensor first measured slower on the H200, docs/performance.md). Building them with small device ops, or from device tensors,
 would stall the host on every ``torch.tensor(..., device=cuda)`` copy and ``nonzero()``.
 """
 
@@ -74,11 +74,9 @@ class StepLayout:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A host-built index tensor on the target device (one non-blocking copy from pinned memory)."""
+        """A host-built index tensor on the target device (one non-blocking copy)."""
         if self.target_device.type == "cpu":
             return t
-        if self.target_device.type == "cuda":
-            t = t.pin_memory()
         return t.to(self.target_device, non_blocking=True)
 
     def _build_queries(self) -> None:

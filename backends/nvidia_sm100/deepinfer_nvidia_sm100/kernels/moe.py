@@ -11,8 +11,11 @@ How it runs, with no host synchronisation and no weight copies (so it can be cap
 2. ``_up_kernel``: per (block, tile of I): ``h = silu(clamp(x w1^T)) * clamp(x w3^T)`` (fp32 accumulate,
    SwiGLU and clamps fused), written in sorted order. Each chosen expert's w1 / w3 tiles are read once per
    block of its tokens (once in all at decode sizes, where an expert gets at most ``BLOCK_M`` tokens).
-3. ``_down_kernel``: per (block, tile of D): ``y = (h w2^T) * routing weight``, fp32, in sorted order.
-4. ``out[t] = sum_k y[dest[t, k]]`` in slot order (a fixed order: deterministic, batch-invariant per row).
+3. ``_down_kernel``: per (block, tile of D): ``y = (h w2^T) * routing weight`` (fp32 accumulate), in sorted order.
+4. ``out[t] = sum_k y[dest[t, k]]`` by ascending expert id, in the model dtype (the reference's order).
+
+Intermediates are rounded to the model dtype where the reference op rounds them, so bf16 runs track the
+reference's rounding too (fp32 runs are unaffected).
 """
 
 from __future__ import annotations
@@ -82,9 +85,12 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, h_ptr, assign_ptr, block_expert_ptr, D, I,
         b3 = tl.load(w3_ptr + w_off, mask=w_mask, other=0.0)
         acc1 = tl.dot(a, b1, acc1, input_precision=PRECISION)
         acc3 = tl.dot(a, b3, acc3, input_precision=PRECISION)
-    gate = tl.minimum(acc1, limit)
-    up = tl.minimum(tl.maximum(acc3, -limit), limit)
-    h = gate * tl.sigmoid(gate) * up
+    # Round where the reference op rounds (its linear outputs, silu and product are in the model dtype),
+    # so low-precision runs follow the reference's rounding, not only its math.
+    dt = h_ptr.dtype.element_ty
+    gate = tl.minimum(acc1.to(dt).to(tl.float32), limit)
+    up = tl.minimum(tl.maximum(acc3.to(dt).to(tl.float32), -limit), limit)
+    h = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up
     tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
              mask=valid[:, None] & n_mask[None, :])
 
@@ -113,8 +119,8 @@ def _down_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, assign_ptr, block_expert_ptr
         b = tl.load(w2_ptr + w_base + offs_n[None, :].to(tl.int64) * stride_wd + offs_k[:, None],
                     mask=n_mask[None, :] & k_mask[:, None], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    w = tl.load(weights_ptr + tl.where(valid, assign, 0), mask=valid, other=0.0).to(tl.float32)
-    acc = acc * w[:, None]
+    w = tl.load(weights_ptr + tl.where(valid, assign, 0), mask=valid, other=0.0)
+    acc = acc.to(y_ptr.dtype.element_ty).to(tl.float32) * w.to(y_ptr.dtype.element_ty).to(tl.float32)[:, None]
     tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], acc,
              mask=valid[:, None] & n_mask[None, :])
 
@@ -143,7 +149,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 runs exact fp32 products, no TF32
     stages = 2 if x.dtype == torch.float32 else 3
     h = torch.empty((rows, I), dtype=x.dtype, device=x.device)
-    y = torch.empty((rows, D), dtype=torch.float32, device=x.device)
+    y = torch.empty((rows, D), dtype=x.dtype, device=x.device)
     w1c, w2c, w3c = w1.contiguous(), w2.contiguous(), w3.contiguous()  # views of the stacked weights: no copy
     flat_weights = weights.reshape(-1).contiguous()
     grid_up = (rows // block_m, triton.cdiv(I, block_n))
@@ -156,4 +162,11 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
                             h.stride(0), w2c.stride(0), w2c.stride(1), y.stride(0),
                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
                             num_warps=warps, num_stages=stages)
-    return y[dest].view(T, top_k, D).sum(dim=1).to(x.dtype)  # [T, D], slots summed in a fixed order
+    # Sum each token's k expert outputs in ascending expert order, in the model dtype: the reference's order
+    # (it adds experts one after another into a zeroed output).
+    by_expert = torch.argsort(ids, dim=1, stable=True)  # [T, k]
+    parts = y[dest.view(T, top_k).gather(1, by_expert)]  # [T, k, D]
+    out = torch.zeros_like(x)
+    for j in range(top_k):
+        out = out + parts[:, j]
+    return out

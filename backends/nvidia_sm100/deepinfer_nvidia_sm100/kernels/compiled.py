@@ -1,0 +1,32 @@
+"""Small reference ops fused by TorchInductor (``torch.compile`` generates Triton kernels for them).
+
+The model's norms, RoPE and mHC ops are chains of small element-wise and reduction ops; eagerly each is
+several kernel launches (``hc_pre``'s Sinkhorn loop alone is ~100 per call), and a decode step is bound by
+launching them. Compiled, each op is one or two fused kernels. The compiled function *is* the reference op
+(same source), so semantics cannot drift; tests still check each against the eager reference on the GPU.
+
+Set ``DEEPINFER_NVIDIA_COMPILE=0`` to run these ops eagerly (the reference ops).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+from deepinfer_core.ops import reference as ref
+
+COMPILED_OPS = ("rms_norm", "unweighted_rms_norm", "apply_rope", "hc_pre", "hc_post", "hc_head", "compressor_pool")
+ENV = "DEEPINFER_NVIDIA_COMPILE"
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1").strip() not in ("0", "false", "no", "off")
+
+
+def compiled_ops() -> dict[str, Callable]:
+    """Op name -> ``torch.compile`` of its reference op (dynamic shapes: one compile serves every batch)."""
+    if not enabled():
+        return {}
+    return {name: torch.compile(getattr(ref, name), dynamic=True) for name in COMPILED_OPS}
