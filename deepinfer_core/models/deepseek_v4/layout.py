@@ -80,23 +80,23 @@ class StepLayout:
         return t.to(self.target_device, non_blocking=True)
 
     def _build_queries(self) -> None:
-        S, Lq = self.num_seqs, self.max_query_len
-        offsets = torch.arange(Lq, device=self.device)  # [Lq]
-        starts = self._tensor(self.batch.query_start[:-1])  # [S]
+        batch = self.batch
+        Lq = self.max_query_len
+        offsets = torch.arange(Lq)  # [Lq]
+        starts = self._tensor(batch.query_start[:-1])  # [S]
         lens = self._tensor(self.query_lens)
-        ctx = self._tensor(self.batch.context_lens)
+        ctx = self._tensor(batch.context_lens)
         valid = offsets[None, :] < lens[:, None]  # [S, Lq]
+        self._host_ctx, self._host_starts = ctx, starts
         self._host_query_valid = valid
         self._host_query_positions = torch.where(valid, ctx[:, None] + offsets[None, :], -1)  # [S, Lq]
-        token_seq = torch.repeat_interleave(torch.arange(S, device=self.device), lens)  # [T]
-        token_offset = torch.arange(token_seq.shape[0], device=self.device) - starts[token_seq]  # [T]
-        self._host_token_seq = token_seq
-        self._host_positions = ctx[token_seq] + token_offset  # [T] == batch.positions, on the host
+        token_seq = [s for s, n in enumerate(self.query_lens) for _ in range(n)]
+        token_offset = [i for n in self.query_lens for i in range(n)]
         self.query_valid = self._to_device(valid)
         self.query_rows = self._to_device(torch.where(valid, starts[:, None] + offsets[None, :], 0))  # [S, Lq]
         self.query_positions = self._to_device(self._host_query_positions)
-        self.token_seq = self._to_device(token_seq)
-        self.token_offset = self._to_device(token_offset)
+        self.token_seq = self._to_device(self._tensor(token_seq))  # [T]
+        self.token_offset = self._to_device(self._tensor(token_offset))  # [T]
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """Flat ``[T, ...]`` -> padded ``[S, Lq, ...]`` (padding rows repeat row 0; mask them)."""
@@ -108,33 +108,35 @@ class StepLayout:
 
     # ------------------------------------------------------------------ sliding window
     def _build_sliding_keys(self) -> None:
-        W = self.window
-        positions, from_new, new_rows, slots = [], [], [], []
-        floors = self.batch.sliding_floor or [0] * self.num_seqs
+        W, batch = self.window, self.batch
+        floors = batch.sliding_floor or [0] * self.num_seqs
+        spans = []  # per sequence: first key position (ring tokens from there, then the new tokens)
         for s in range(self.num_seqs):
-            ctx, n = self.batch.context_lens[s], self.query_lens[s]
-            first = min(ctx, max(0, ctx - (W - 1), floors[s]))
-            pos = torch.arange(first, ctx + n, device=self.device)  # ring tokens, then new tokens
-            positions.append(pos)
-            from_new.append(pos >= ctx)
-            new_rows.append(self.batch.query_start[s] + (pos - ctx).clamp(min=0))
-            slots.append(torch.full_like(pos, self.batch.slots[s]))
-        key_positions = _pad_stack(positions, -1)  # [S, Lk]
-        self.key_positions = self._to_device(key_positions)
-        self.key_from_new = self._to_device(_pad_stack(from_new, False))
-        self.key_new_rows = self._to_device(_pad_stack(new_rows, 0))
-        self.key_slots = self._to_device(_pad_stack(slots, 0))
+            ctx = batch.context_lens[s]
+            spans.append(min(ctx, max(0, ctx - (W - 1), floors[s])))
+        ends = [ctx + n for ctx, n in zip(batch.context_lens, self.query_lens)]
+        width = max(end - first for first, end in zip(spans, ends))
+        key_positions = self._tensor([list(range(first, end)) + [-1] * (width - end + first)
+                                      for first, end in zip(spans, ends)])  # [S, Lk]
+        ctx, starts = self._host_ctx[:, None], self._host_starts[:, None]
+        from_new = key_positions >= ctx  # [S, Lk]
+        self.key_from_new = self._to_device(from_new)
+        self.key_new_rows = self._to_device(torch.where(from_new, starts + key_positions - ctx, 0))
+        self.key_slots = self._to_device(self._tensor(batch.slots)[:, None].expand(-1, width))
         self.key_ring_index = self._to_device(key_positions.clamp(min=0) % W)
         kp, qp = key_positions[:, None, :], self._host_query_positions[:, :, None]  # [S, 1, Lk], [S, Lq, 1]
         visible = (kp >= 0) & (kp <= qp) & (kp > qp - W) & self._host_query_valid[:, :, None]
         self.sliding_visible = self._to_device(visible)
-        last = self._tensor([ctx + n for ctx, n in zip(self.batch.context_lens, self.query_lens)])
-        token_seq, token_pos = self._host_token_seq, self._host_positions
-        keep = token_pos >= (last[token_seq] - W)  # [T] tokens that stay in the ring
-        rows = keep.nonzero().squeeze(-1)
-        self.ring_write_rows = self._to_device(rows)
-        self.ring_write_slots = self._to_device(self._tensor(self.batch.slots)[token_seq[rows]])
-        self.ring_write_index = self._to_device(token_pos[rows] % W)
+        rows, slots, index = [], [], []  # tokens that stay in the ring: the last W of each sequence
+        for s in range(self.num_seqs):
+            ctx_s, end = batch.context_lens[s], ends[s]
+            kept = range(max(ctx_s, end - W), end)
+            rows.extend(batch.query_start[s] + p - ctx_s for p in kept)
+            slots.extend([batch.slots[s]] * len(kept))
+            index.extend(p % W for p in kept)
+        self.ring_write_rows = self._to_device(self._tensor(rows))
+        self.ring_write_slots = self._to_device(self._tensor(slots))
+        self.ring_write_index = self._to_device(self._tensor(index))
 
     def sliding_keys(self, ring: torch.Tensor, new_kv: torch.Tensor) -> torch.Tensor:
         """Keys ``[S, Lk, d]`` of every sequence's window: ring tokens, then this step's ``new_kv``."""
@@ -155,19 +157,18 @@ class StepLayout:
 
     def _build_entries(self, ratio: int) -> EntryLayout:
         per_block = self.block_size // ratio
-        blocks, rows = [], []
-        for s in range(self.num_seqs):
-            count = (self.batch.context_lens[s] + self.query_lens[s]) // ratio
-            w = torch.arange(count, device=self.device)
-            table = self._tensor(self.batch.block_tables[s] or [0])
-            blocks.append(table[w // per_block])
-            rows.append(w % per_block)
-        blocks_t = _pad_stack(blocks, -1)  # [S, E]
-        entry_ids = torch.arange(blocks_t.shape[1], device=self.device)  # [E]
+        counts = [(ctx + n) // ratio for ctx, n in zip(self.batch.context_lens, self.query_lens)]
+        width = max(counts)
+        blocks = [[table[w // per_block] for w in range(count)] + [0] * (width - count)
+                  for table, count in zip(self.batch.block_tables, counts)]
+        rows = [[w % per_block for w in range(width)]] * self.num_seqs
+        entry_ids = torch.arange(width)  # [E]
         limit = (self._host_query_positions + 1).div(ratio, rounding_mode="floor")  # [S, Lq]
-        visible = (entry_ids[None, None, :] < limit[:, :, None]) & (blocks_t[:, None, :] >= 0)
+        visible = entry_ids[None, None, :] < limit[:, :, None]  # [S, Lq, E]; limit <= count per sequence
         visible = visible & self._host_query_valid[:, :, None]
-        return EntryLayout(*(self._to_device(t) for t in (blocks_t.clamp(min=0), _pad_stack(rows, 0), visible)))
+        return EntryLayout(*(self._to_device(t) for t in (self._tensor(blocks).reshape(self.num_seqs, width),
+                                                          self._tensor(rows).reshape(self.num_seqs, width),
+                                                          visible)))
 
     def gather_entries(self, store: torch.Tensor, ratio: int) -> torch.Tensor:
         """Entries ``[S, E, d]`` from a paged store ``[num_blocks, rows_per_block, d]``."""
@@ -184,50 +185,39 @@ class StepLayout:
 
     def _build_windows(self, ratio: int, span: int) -> WindowPlan:
         per_block = self.block_size // ratio
-        write_start = self.batch.compressed_write_start
-        parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("pos", "ctx", "start", "slot", "entry", "block")}
-        carry: dict[str, list[torch.Tensor]] = {"rows": [], "slots": [], "index": []}
-        offsets = torch.arange(span, device=self.device)
+        batch = self.batch
+        write_start = batch.compressed_write_start or [0] * self.num_seqs
+        positions, ctxs, starts, slots, entries, blocks = [], [], [], [], [], []
+        carry_rows, carry_slots, carry_index = [], [], []
         for s in range(self.num_seqs):
-            ctx, n, slot = self.batch.context_lens[s], self.query_lens[s], self.batch.slots[s]
-            first_w = max(ctx // ratio, -(-(write_start[s] if write_start else 0) // ratio))
-            w = torch.arange(first_w, (ctx + n) // ratio, device=self.device)  # windows ending in this step
-            pos = (w[:, None] + 1) * ratio - span + offsets[None, :]  # [n_w, span]
-            parts["pos"].append(pos)
-            parts["ctx"].append(torch.full_like(pos, ctx))
-            parts["start"].append(torch.full_like(pos, self.batch.query_start[s]))
-            parts["slot"].append(torch.full_like(pos, slot))
-            parts["entry"].append(w)
-            table = self._tensor(self.batch.block_tables[s] or [0])
-            parts["block"].append(table[w // per_block] if w.numel() else w)
-            tail = torch.arange(max(ctx, ctx + n - span), ctx + n, device=self.device)
-            carry["rows"].append(self.batch.query_start[s] + tail - ctx)
-            carry["slots"].append(torch.full_like(tail, slot))
-            carry["index"].append(tail % span)
-        pos = torch.cat(parts["pos"]).reshape(-1, span)
-        ctx_t = torch.cat(parts["ctx"]).reshape(-1, span)
-        entry = torch.cat(parts["entry"])
+            ctx, n, slot, start = batch.context_lens[s], self.query_lens[s], batch.slots[s], batch.query_start[s]
+            first_w = max(ctx // ratio, -(-write_start[s] // ratio))
+            for w in range(first_w, (ctx + n) // ratio):  # windows that end in this step
+                positions.append([(w + 1) * ratio - span + j for j in range(span)])
+                ctxs.append(ctx)
+                starts.append(start)
+                slots.append(slot)
+                entries.append(w)
+                blocks.append(batch.block_tables[s][w // per_block])
+            kept = range(max(ctx, ctx + n - span), ctx + n)
+            carry_rows.extend(start + p - ctx for p in kept)
+            carry_slots.extend([slot] * len(kept))
+            carry_index.extend(p % span for p in kept)
+        pos = self._tensor(positions).reshape(-1, span)  # [N, span]
+        ctx_t = self._tensor(ctxs)[:, None]
+        entry = self._tensor(entries)
         from_new = pos >= ctx_t
         plan = WindowPlan(
             from_new=from_new,
-            new_rows=torch.where(from_new, torch.cat(parts["start"]).reshape(-1, span) + pos - ctx_t, 0),
-            carry_slots=torch.cat(parts["slot"]).reshape(-1, span),
+            new_rows=torch.where(from_new, self._tensor(starts)[:, None] + pos - ctx_t, 0),
+            carry_slots=self._tensor(slots)[:, None].expand(-1, span),
             carry_index=pos.clamp(min=0) % span,
             valid=pos >= 0,
             entry_positions=entry * ratio,
-            write_blocks=torch.cat(parts["block"]),
+            write_blocks=self._tensor(blocks),
             write_rows=entry % per_block,
-            carry_write_rows=torch.cat(carry["rows"]),
-            carry_write_slots=torch.cat(carry["slots"]),
-            carry_write_index=torch.cat(carry["index"]),
+            carry_write_rows=self._tensor(carry_rows),
+            carry_write_slots=self._tensor(carry_slots),
+            carry_write_index=self._tensor(carry_index),
         )
         return WindowPlan(**{f.name: self._to_device(getattr(plan, f.name)) for f in dataclasses.fields(plan)})
-
-
-def _pad_stack(tensors: list[torch.Tensor], value) -> torch.Tensor:
-    """Stack 1-D tensors of different lengths into ``[len(tensors), max_len]`` padded with ``value``."""
-    width = max((t.shape[0] for t in tensors), default=0)
-    out = torch.full((len(tensors), width), value, dtype=tensors[0].dtype, device=tensors[0].device)
-    for i, t in enumerate(tensors):
-        out[i, : t.shape[0]] = t
-    return out
