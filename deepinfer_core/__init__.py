@@ -4,7 +4,6 @@
 """
 
 from deepinfer_core.outputs import CompletionOutput, Logprob, RequestOutput
-from deepinfer_core.sampling.params import SamplingParams
 
 __version__ = "0.1.0"
 
@@ -14,6 +13,12 @@ def __getattr__(name: str):
         from deepinfer_core.llm import LLM
 
         return LLM
+    if name == "SamplingParams":
+        # Lazy too: `deepinfer_core.sampling` imports torch, and the `deepinfer` CLI must be importable when
+        # `import torch` fails (e.g. torch_npu installed without CANN) so it can print the fix (cli.main).
+        from deepinfer_core.sampling.params import SamplingParams
+
+        return SamplingParams
     raise AttributeError(f"module 'deepinfer_core' has no attribute {name!r}")
 
 

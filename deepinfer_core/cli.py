@@ -212,9 +212,52 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console-script entry point: parse ``argv`` and run the subcommand; returns its exit code."""
+    problem = torch_import_problem()
+    if problem is not None:  # say how to fix a broken `import torch` instead of dying in a traceback
+        print(problem, file=sys.stderr)
+        return 1
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.WARNING, format="%(name)s: %(message)s")
     return args.run(args)
+
+
+# --- `import torch` guard --------------------------------------------------------------------------------
+# torch auto-loads out-of-tree device extensions registered in entry-point group "torch.backends" (torch/__init__.py,
+# _import_device_backends). One that cannot load makes `import torch` itself raise, e.g. torch_npu installed
+# without CANN: "Failed to load the backend extension: torch_npu" caused by "libhccl.so: cannot open shared object
+# file". Every subcommand needs torch, so main() checks first and prints the fix (added with the ascend950 backend,
+# issue 7; see docs/ascend950.md). The cause chain names the failing extension; torch_npu is only the worked example.
+
+TORCH_AUTOLOAD_VARIABLE = "TORCH_DEVICE_BACKEND_AUTOLOAD"
+
+
+def torch_import_problem() -> str | None:
+    """None when ``import torch`` works; else what failed (the whole cause chain) and how to fix it."""
+    try:
+        import torch  # noqa: F401
+    except Exception as exc:  # noqa: BLE001  (any failure here must become a message, not a traceback)
+        chain, seen, current = [], set(), exc
+        while current is not None and id(current) not in seen:
+            seen.add(id(current))
+            chain.append(f"{type(current).__name__}: {current}")
+            current = current.__cause__ or current.__context__
+        lines = ["deepinfer: `import torch` failed, so no command can run.", *(f"  {c}" for c in chain)]
+        if "backend extension" in str(exc):
+            lines += [
+                "A torch device extension (entry-point group 'torch.backends') failed to load while torch imported.",
+                (
+                    "Fix: install and activate the runtime that extension needs (for torch_npu: CANN, then source its "
+                    "set_env.sh; docs/ascend950.md),"
+                ),
+                (
+                    f"or set {TORCH_AUTOLOAD_VARIABLE}=0 to import torch without auto-loading device extensions "
+                    "(`deepinfer env` then says why that backend is unavailable), or uninstall the extension."
+                ),
+            ]
+        else:
+            lines.append("Fix: reinstall torch (`pip install torch==2.13.0`, the CPU build) in this environment.")
+        return "\n".join(lines)
+    return None
 
 
 def _version(distribution: str) -> str:
