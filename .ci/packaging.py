@@ -8,7 +8,7 @@ one local wheel folder with the index off, its extras resolve, and its entry poi
 2. Fresh venv WORKDIR/venv: ``pip install torch==2.13.0`` first (CPU wheel from local disk), then the
    third-party runtime dependencies the wheels declare.
 3. Only the core, from the wheel folder (``--no-index --find-links``): ``deepinfer env`` and
-   ``deepinfer plugins`` must work.
+   ``deepinfer plugins`` must work, and the CPU backend must build its op table.
 4. Every distribution, same way; each extra of each distribution must resolve (extras naming only our
    own distributions are installed with the index off; others are resolved with ``--dry-run``).
 5. ``deepinfer plugins --json`` lists every ``deepinfer.plugins`` entry point as loaded, and
@@ -119,6 +119,8 @@ def main(workdir: str) -> int:
     sh(py, "-m", "pip", "install", "-q", *local, "deepinfer")
     sh(bin_dir / "deepinfer", "env")
     sh(bin_dir / "deepinfer", "plugins")
+    # The core alone must run its CPU backend: catches a runtime import the dependencies do not cover.
+    sh(py, "-c", "from deepinfer_core.backends.cpu import CpuBackend; CpuBackend().make_op_table()")
 
     sh(py, "-m", "pip", "install", "-q", *local, *sorted(ours))
     for wheel in wheels.values():
