@@ -1,7 +1,7 @@
 """Packaging check (``tox -e packaging``): every distribution in this repository builds, installs from
 one local wheel folder with the index off, its extras resolve, and its entry points work.
 
-    python .ci/packaging.py WORKDIR
+    python .ci/check_packaging.py WORKDIR
 
 1. ``pip wheel --no-deps`` the root and every folder under backends/, plugins/, examples/ that has a
    pyproject.toml into WORKDIR/wheels; check the core wheel carries every file of deepinfer_core/assets/.
@@ -126,6 +126,14 @@ def main(workdir: str) -> int:
     for wheel in wheels.values():
         for extra in wheel.extras:
             target = f"{wheel.name}[{extra}]"
+            siblings = {
+                requirement_name(r) for r in wheel.requirements(extra) if requirement_name(r).startswith("deepinfer")
+            }
+            if siblings - ours:
+                raise SystemExit(
+                    f"packaging check failed: extra {target} names {', '.join(sorted(siblings - ours))}, which no "
+                    "folder of this repository builds; add the extra only together with its distribution"
+                )
             if all(requirement_name(r) in ours for r in wheel.requirements(extra)):
                 sh(py, "-m", "pip", "install", "-q", *local, target)
             else:
