@@ -1,0 +1,38 @@
+"""Fixtures for the batch-invariant plugin's tests.
+
+Tiny checkpoints come from the core's test factory (``tests/v4_factory.py`` of this repository), put on
+``sys.path`` here, so the plugin tests build exactly the models the core's tests use.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import deepinfer_batch_invariant
+import pytest
+from deepinfer_batch_invariant.plugin import ENV, ENV_MTP_VARLEN
+
+_CORE_TESTS = Path(__file__).resolve().parents[3] / "tests"
+if (_CORE_TESTS / "v4_factory.py").is_file() and str(_CORE_TESTS) not in sys.path:
+    sys.path.append(str(_CORE_TESTS))
+
+
+@pytest.fixture(autouse=True)
+def clean_state(monkeypatch):
+    """Every test starts with the mode off and without the plugin's environment variables."""
+    for name in (ENV, ENV_MTP_VARLEN, "DEEPINFER_PLUGINS"):
+        monkeypatch.delenv(name, raising=False)
+    deepinfer_batch_invariant.reset()
+    yield
+    deepinfer_batch_invariant.reset()
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    """A tiny V4 checkpoint (sliding, CSA, HCA layers; vocab 64) whose indexer keeps only 4 entries."""
+    pytest.importorskip("transformers")
+    v4_factory = pytest.importorskip("v4_factory", reason="needs the repository's tests/v4_factory.py")
+    folder = tmp_path_factory.mktemp("batch_invariant") / "ckpt"
+    v4_factory.tiny_checkpoint(folder, index_topk=4)
+    return folder
