@@ -212,3 +212,15 @@ def test_sampling_params_count_must_match(ckpt):
     folder, _ = ckpt
     with pytest.raises(ValueError, match="2 sampling_params for 3 prompts"):
         _llm(folder).generate(["w2", "w3", "w4"], [SamplingParams(), SamplingParams()], use_tqdm=False)
+
+
+def test_prefix_hit_replay_longer_than_the_step_budget(ckpt):
+    """The replay after a hit is itself chunked; chunks ending below the hit complete no window."""
+    folder, hf = ckpt
+    llm = _llm(folder, max_num_batched_tokens=16)
+    prompt = _prompts([exact_replay_span(llm.model.config) + 30], seed=12)[0]
+    first = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
+    again = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
+    assert llm.engine.state_manager.hits == 1
+    assert first[0].outputs[0].token_ids == again[0].outputs[0].token_ids
+    _check_against_hf(hf, [prompt], again)
