@@ -239,13 +239,16 @@ def moe_experts(
     w2: torch.Tensor,
     w3: torch.Tensor,
     limit: float,
+    expert_mlp=None,
 ) -> torch.Tensor:
     """Routed experts: each token's output is ``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``.
 
     ``x``: ``[T, D]``; ``ids`` / ``weights``: ``[T, k]`` (physical expert slots); ``w1`` / ``w3``:
     ``[E, I, D]``; ``w2``: ``[E, D, I]``. Each touched expert's weights are read once; tokens are
-    combined in a fixed order (by expert, then by token).
+    combined in a fixed order (by expert, then by token). ``expert_mlp`` (default ``swiglu_mlp``) lets a
+    variant keep this combine and swap the per-expert MLP.
     """
+    expert_mlp = expert_mlp or swiglu_mlp
     out = torch.zeros_like(x)  # [T, D]
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
@@ -257,7 +260,7 @@ def moe_experts(
         picks = order[start : start + count]  # flat (token, slot) indices
         start += count
         tokens = picks // ids.shape[1]
-        expert_out = swiglu_mlp(x[tokens], w1[expert], w2[expert], w3[expert], limit)  # [count, D]
+        expert_out = expert_mlp(x[tokens], w1[expert], w2[expert], w3[expert], limit)  # [count, D]
         scale = weights.reshape(-1)[picks].unsqueeze(-1).to(expert_out.dtype)
         out.index_add_(0, tokens, (expert_out * scale).to(out.dtype))
     return out

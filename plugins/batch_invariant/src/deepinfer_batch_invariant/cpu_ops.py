@@ -227,21 +227,7 @@ def moe_experts(x, ids, weights, w1, w2, w3, limit: float) -> torch.Tensor:
     result independent of it. A token's contributions are added in ascending expert id, a function of
     the token's own routing only.
     """
-    out = torch.zeros_like(x)  # [T, D]
-    flat_ids = ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=w1.shape[0]).tolist()
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        picks = order[start:start + count]  # flat (token, slot) indices
-        start += count
-        tokens = picks // ids.shape[1]
-        expert_out = swiglu_mlp(x[tokens], w1[expert], w2[expert], w3[expert], limit)  # [count, D]
-        scale = weights.reshape(-1)[picks].unsqueeze(-1).to(expert_out.dtype)
-        out.index_add_(0, tokens, (expert_out * scale).to(out.dtype))
-    return out
+    return _ref.moe_experts(x, ids, weights, w1, w2, w3, limit, expert_mlp=swiglu_mlp)
 
 
 VARIANTS: dict[str, Callable] = {
