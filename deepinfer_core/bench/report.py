@@ -49,9 +49,15 @@ def _header(config: Mapping[str, Any], engine: Mapping[str, Any]) -> list[str]:
          f"(greedy, EOS ignored); max_num_seqs {config['max_num_seqs']}, max_num_batched_tokens "
          f"{config['max_num_batched_tokens']}, warmup {config['warmup']}"),
         (f"  device {config['device']}, dtype {config['dtype']}, torch {config['torch']} "
-         f"({config['torch_threads']} threads), {config['date']}"),
+         f"({config['torch_threads']} threads), {config['date']}{_load(config)}"),
         f"  {engine['output_tokens']} output tokens, {engine['prompt_tokens']} prompt tokens",
     ]
+
+
+def _load(config: Mapping[str, Any]) -> str:
+    """The host's 1-minute load average (CPU figures on a shared machine are noisy), or nothing if unknown."""
+    load = config.get("load_average")
+    return f", load {load[0]:.1f} on {config.get('cpu_count')} CPUs" if load else ""
 
 
 def _row(label: str, key: str, stat: str | None, scale: float, unit: str, engine: Mapping[str, Any],

@@ -134,6 +134,7 @@ def describe(config: BenchConfig, folder: Path, device: torch.device, dtype: tor
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
 
