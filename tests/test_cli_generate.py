@@ -119,3 +119,9 @@ def test_offline_inference_example_runs(checkpoint):
                             capture_output=True, text=True, env=_env(), timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("Prompt:") == 4 and result.stdout.count("Generated:") == 4
+
+
+def test_without_model_uses_the_model_dir_environment_variable(checkpoint, capsys, monkeypatch):
+    monkeypatch.setenv("DEEPINFER_HF_MODEL_DIR", str(checkpoint))
+    assert cli.main(["generate", "--json", "--max-tokens", "2", "--temperature", "0", "w5"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["prompt_token_ids"] == [5]
