@@ -224,3 +224,24 @@ def test_prefix_hit_replay_longer_than_the_step_budget(ckpt):
     assert llm.engine.state_manager.hits == 1
     assert first[0].outputs[0].token_ids == again[0].outputs[0].token_ids
     _check_against_hf(hf, [prompt], again)
+
+
+def test_prompt_logprobs_survive_preemption(ckpt):
+    folder, _ = ckpt
+    from deepinfer_core.models.deepseek_v4.state import DeepseekV4State
+
+    config = _llm(folder).model.config
+    budget = 4 * DeepseekV4State.bytes_per_slot(config, 8, torch.float32) + 10 * DeepseekV4State.bytes_per_block(
+        config, 8, torch.float32)
+    prompts = [{"prompt_token_ids": p} for p in _prompts([30, 33, 29, 31], seed=13)]
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, prompt_logprobs=1)
+    tight = _llm(folder, max_num_seqs=4, kv_cache_memory_bytes=budget, max_num_batched_tokens=16)
+    squeezed = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.engine.scheduler.num_preemptions > 0
+    roomy = _llm(folder).generate(prompts, params, use_tqdm=False)
+    for a, b in zip(squeezed, roomy):
+        assert len(a.prompt_logprobs) == len(a.prompt_token_ids)
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert x.keys() == y.keys()
+            assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)

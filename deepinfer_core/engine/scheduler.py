@@ -154,6 +154,8 @@ class FcfsScheduler(Scheduler):
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.replay_until = request.sliding_floor = 0
+        if request.prompt_logprobs is None:  # prompt logprobs are recomputed from the start
+            request.prompt_logprobs_partial = [None]
         request.num_preemptions += 1
         self.num_preemptions += 1
         position = 0  # back into the queue in arrival order
