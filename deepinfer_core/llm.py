@@ -6,6 +6,7 @@ import itertools
 import logging
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,6 +44,10 @@ class LLM:
         seed: base seed for requests without ``SamplingParams.seed``.
         block_size: tokens per state block (a multiple of every compression ratio).
         enable_prefix_caching: share full blocks of identical prefixes between requests.
+        tokenizer: a folder with tokenizer.json to use instead of the checkpoint's.
+        gpu_memory_utilization, tensor_parallel_size, enforce_eager, trust_remote_code: vLLM's names, accepted
+            so vLLM code runs: the first is ``memory_fraction``; only one device per engine for now; graphs
+            are the backend's choice; no remote code is ever executed (a checkpoint needing it is refused).
         **options: feature options claimed by plugins (e.g. ``batch_invariant=True``); an option no
             loaded plugin claims is an error.
     """
@@ -60,9 +65,24 @@ class LLM:
         block_size: int | None = None,
         enable_prefix_caching: bool = True,
         memory_fraction: float = 0.9,
+        tokenizer: str | os.PathLike | None = None,
+        gpu_memory_utilization: float | None = None,
+        tensor_parallel_size: int = 1,
+        enforce_eager: bool = False,
+        trust_remote_code: bool = False,
         **options: Any,
     ):
         _check_positive(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        if tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: this engine runs one device per engine "
+                             "for now; use tensor_parallel_size=1")
+        if gpu_memory_utilization is not None:
+            if not 0 < gpu_memory_utilization <= 1:
+                raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+            memory_fraction = gpu_memory_utilization
+        if trust_remote_code:
+            logger.warning("trust_remote_code=True is ignored: DeepInfer never executes code from a checkpoint")
+        del enforce_eager  # graph capture is the backend's decision
         self.model_dir = resolve_model(model)
         self.plugin_manager = get_plugin_manager()
         self.backend = select_backend(backend)
@@ -71,7 +91,7 @@ class LLM:
         ops = self.backend.make_op_table(self.plugin_manager)
         self.dtype = _resolve_dtype(dtype, self.backend.device.type)
         self.model = registry.load(self.model_dir, ops, self.dtype, self.backend.device)
-        self.tokenizer = Tokenizer.from_folder(self.model_dir)
+        self.tokenizer = Tokenizer.from_folder(Path(tokenizer) if tokenizer is not None else self.model_dir)
         config = self.model.config
         self.max_model_len = max_model_len or config.max_position_embeddings
         block = block_size or max(config.block_multiple, 16)

@@ -245,3 +245,19 @@ def test_prompt_logprobs_survive_preemption(ckpt):
         for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
             assert x.keys() == y.keys()
             assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+
+
+def test_vllm_constructor_arguments_are_accepted(ckpt, tmp_path):
+    folder, _ = ckpt
+    import shutil
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(folder / name, tmp_path / name)
+    llm = _llm(folder, gpu_memory_utilization=0.5, tensor_parallel_size=1, enforce_eager=True,
+               trust_remote_code=True, tokenizer=str(tmp_path))
+    out = llm.generate("w5 w6", SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 2
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        _llm(folder, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        _llm(folder, gpu_memory_utilization=1.5)
