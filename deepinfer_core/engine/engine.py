@@ -115,7 +115,7 @@ class Engine:
         return self._update(scheduled, result)
 
     def _update(self, scheduled: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
-        self._record_logprobs(result)
+        self._record_logprobs(scheduled, result)
         finished = self.scheduler.update(scheduled, result.sampled)
         outputs = []
         for group_id in dict.fromkeys(r.group_id for r in finished):
@@ -142,9 +142,9 @@ class Engine:
         return max(0, num_cached_tokens - exact_replay_span(self.model.config))
 
     # ------------------------------------------------------------------ outputs
-    def _record_logprobs(self, result: ModelRunnerOutput) -> None:
+    def _record_logprobs(self, scheduled: SchedulerOutput, result: ModelRunnerOutput) -> None:
         out = result.sampler_output
-        by_id = {r.request_id: r for g in self.groups.values() for r in g}
+        by_id = {c.request.request_id: c.request for c in scheduled.chunks}  # this step's requests only
         for row, request_id in enumerate(result.sampled_order):
             request = by_id[request_id]
             lp = float(out.sampled_logprobs[row])

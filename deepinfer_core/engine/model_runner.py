@@ -46,7 +46,7 @@ class ModelRunner:
         logits_rows: list[int] = []
         for chunk in output.chunks:
             request = chunk.request
-            tokens.extend(request.all_token_ids[chunk.start:chunk.end])
+            tokens.extend(request.token_slice(chunk.start, chunk.end))
             positions.extend(range(chunk.start, chunk.end))
             first_row = query_start[-1]
             query_start.append(first_row + chunk.num_tokens)
@@ -101,7 +101,7 @@ class ModelRunner:
                 continue
             first, _ = prompt_rows[request.request_id]
             # logits row i predicts token start + i + 1; keep those inside the prompt
-            targets = request.all_token_ids[chunk.start + 1:min(chunk.end + 1, len(request.prompt_token_ids))]
+            targets = request.token_slice(chunk.start + 1, min(chunk.end + 1, len(request.prompt_token_ids)))
             rows = logits[first:first + len(targets)]
             target_ids = torch.tensor(targets, dtype=torch.long, device=logits.device)
             result[request.request_id] = (chunk.start + 1, compute_prompt_logprobs(

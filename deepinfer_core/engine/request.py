@@ -54,6 +54,13 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without concatenating the whole prompt and output."""
+        prompt_len = len(self.prompt_token_ids)
+        head = self.prompt_token_ids[start:min(end, prompt_len)] if start < prompt_len else []
+        tail = self.output_token_ids[max(start - prompt_len, 0):max(end - prompt_len, 0)]
+        return head + tail
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -114,7 +114,7 @@ class StateManager:
         if full <= len(request.block_hashes):
             return
         parent = request.block_hashes[-1] if request.block_hashes else b""
-        tokens = request.all_token_ids[len(request.block_hashes) * self.block_size: full * self.block_size]
+        tokens = request.token_slice(len(request.block_hashes) * self.block_size, full * self.block_size)
         for index, digest in enumerate(chain_hashes(tokens, self.block_size, parent), len(request.block_hashes)):
             request.block_hashes.append(digest)
             block = request.block_ids[index]
