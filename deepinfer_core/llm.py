@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from deepinfer_core.backends.registry import select_backend
+from deepinfer_core.engine.decode_graphs import DecodeGraphs, default_sizes
 from deepinfer_core.engine.engine import Engine, EngineConfig, RequestRejectedError
 from deepinfer_core.models.registry import default_registry
 from deepinfer_core.models.resolve import resolve_model
@@ -45,9 +46,13 @@ class LLM:
         block_size: tokens per state block (a multiple of every compression ratio).
         enable_prefix_caching: share full blocks of identical prefixes between requests.
         tokenizer: a folder with tokenizer.json to use instead of the checkpoint's.
-        gpu_memory_utilization, tensor_parallel_size, enforce_eager, trust_remote_code: vLLM's names, accepted
-            so vLLM code runs: the first is ``memory_fraction``; only one device per engine for now; graphs
-            are the backend's choice; no remote code is ever executed (a checkpoint needing it is refused).
+        enforce_eager: never replay decode steps from captured graphs (as in vLLM).
+        cuda_graph_sizes: decode batch sizes to capture (vLLM's name); default ``1, 2, 4, 8, 16, 24, 32, 48, 64,
+            ...`` up to ``max_num_seqs`` on a backend with graphs, none on one without (CPU). Given explicitly on
+            CPU, decode steps take the same static-shape path, run eagerly.
+        gpu_memory_utilization, tensor_parallel_size, trust_remote_code: vLLM's names, accepted so vLLM code
+            runs: the first is ``memory_fraction``; only one device per engine for now; no remote code is ever
+            executed (a checkpoint needing it is refused).
         **options: feature options claimed by plugins (e.g. ``batch_invariant=True``); an option no
             loaded plugin claims is an error.
     """
@@ -69,6 +74,7 @@ class LLM:
         gpu_memory_utilization: float | None = None,
         tensor_parallel_size: int = 1,
         enforce_eager: bool = False,
+        cuda_graph_sizes: Sequence[int] | None = None,
         trust_remote_code: bool = False,
         **options: Any,
     ):
@@ -82,7 +88,6 @@ class LLM:
             memory_fraction = gpu_memory_utilization
         if trust_remote_code:
             logger.warning("trust_remote_code=True is ignored: DeepInfer never executes code from a checkpoint")
-        del enforce_eager  # graph capture is the backend's decision
         self.model_dir = resolve_model(model)
         self.plugin_manager = get_plugin_manager()
         self.backend = select_backend(backend)
@@ -96,11 +101,28 @@ class LLM:
         self.max_model_len = max_model_len or config.max_position_embeddings
         block = block_size or max(config.block_multiple, 16)
         num_blocks = self._num_blocks(block, max_num_seqs, kv_cache_memory_bytes, memory_fraction)
-        state = self.model.new_state(num_slots=max_num_seqs, num_blocks=num_blocks, block_size=block)
+        # one spare slot and block beyond what the state manager hands out: dummy rows of padded graph steps
+        state = self.model.new_state(num_slots=max_num_seqs + 1, num_blocks=num_blocks + 1, block_size=block)
         engine_config = EngineConfig(self.max_model_len, max_num_seqs, max_num_batched_tokens, block, num_blocks,
                                      enable_prefix_caching, seed)
-        self.engine = Engine(self.model, state, self.tokenizer, engine_config, self.plugin_manager)
+        graphs = None
+        sizes = self._graph_sizes(enforce_eager, cuda_graph_sizes, max_num_seqs)
+        if sizes:
+            graphs = DecodeGraphs(self.model, state, self.backend.capture_graph, sizes, self.max_model_len,
+                                  spare_slot=max_num_seqs, spare_block=num_blocks)
+        self.engine = Engine(self.model, state, self.tokenizer, engine_config, self.plugin_manager, graphs)
         self._ids = itertools.count()
+
+    def _graph_sizes(self, enforce_eager: bool, sizes: Sequence[int] | None, max_num_seqs: int) -> list[int]:
+        if enforce_eager:
+            return []
+        if sizes is not None:
+            bad = [n for n in sizes if not isinstance(n, int) or n < 1]
+            if bad:
+                raise ValueError(f"cuda_graph_sizes must be positive integers, got {bad}")
+            return [n for n in sizes if n <= max_num_seqs]
+        caps = self.backend.capabilities()
+        return default_sizes(max_num_seqs) if (caps.cuda_graphs or caps.acl_graphs) else []
 
     def _num_blocks(self, block_size: int, num_slots: int, budget: int | None, fraction: float) -> int:
         from deepinfer_core.models.deepseek_v4.state import DeepseekV4State

@@ -49,6 +49,7 @@ class BenchConfig:
     dtype: str = "auto"
     compare_hf: bool = False
     warmup: int = 1
+    enforce_eager: bool = False
     seed: int = 0
     cache_dir: str | None = None
     preset_overrides: Mapping[str, Any] | None = None
@@ -85,6 +86,7 @@ def run_bench(config: BenchConfig, log: Log = lambda msg: None) -> dict[str, Any
     prompts = random_prompts(config.num_prompts, config.input_len, model_config.vocab_size, config.seed)
     engine, device, dtype = run_engine(folder, config, prompts, log)
     result: dict[str, Any] = {"config": describe(config, folder, device, dtype), "engine": engine["metrics"]}
+    result["config"]["decode_graph_replays"] = engine["graph_replays"]
     result["roofline"] = {"engine": _roofline(model_config, dtype, device, engine["metrics"], config)}
     result["hf"] = result["ratio"] = result["agreement"] = None
     if config.compare_hf:
@@ -159,7 +161,8 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
     log("loading the engine ...")
     t0 = time.perf_counter()
     llm = LLM(folder, backend=config.backend, dtype=config.dtype, max_model_len=config.input_len + config.output_len,
-              max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed)
+              max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed,
+              enforce_eager=config.enforce_eager)
     load_time = time.perf_counter() - t0
     device, dtype = llm.backend.device, llm.dtype
     warm = random_prompts(len(prompts), len(prompts[0]), llm.model.config.vocab_size, config.seed + 1)
@@ -169,11 +172,13 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
     log("engine: timed run ...")
     times = time_engine(llm, prompts, config.output_len, "bench")
     metrics = summarize(times, [len(p) for p in prompts], load_time)
+    graphs = llm.engine.runner.decode_graphs
+    replays = graphs.num_replays if graphs is not None else 0  # warmup included
     outputs = [times.outputs[f"bench-{i}"] for i in range(len(prompts))]
     llm.engine.shutdown()
     del llm
     _free(device)
-    return {"metrics": metrics, "outputs": outputs}, device, dtype
+    return {"metrics": metrics, "outputs": outputs, "graph_replays": replays}, device, dtype
 
 
 def time_engine(llm, prompts: Sequence[Sequence[int]], output_len: int, tag: str) -> RunTimes:

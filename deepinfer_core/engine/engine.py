@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import logging
 
+from deepinfer_core.engine.decode_graphs import DecodeGraphs
 from deepinfer_core.engine.detokenizer import SequenceDetokenizer
 from deepinfer_core.engine.model_runner import ModelRunner, ModelRunnerOutput
 from deepinfer_core.engine.request import Request, RequestStatus
@@ -39,7 +40,8 @@ class EngineConfig:
 class Engine:
     """Owns the scheduler, state manager and model runner; ``step()`` is schedule, run, update."""
 
-    def __init__(self, model, state, tokenizer, config: EngineConfig, plugin_manager=None):
+    def __init__(self, model, state, tokenizer, config: EngineConfig, plugin_manager=None,
+                 decode_graphs: DecodeGraphs | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -51,7 +53,7 @@ class Engine:
         self.scheduler: Scheduler = FcfsScheduler(self.state_manager, config.max_num_seqs,
                                                   config.max_num_batched_tokens, self._replay_start,
                                                   self._append_token)
-        self.runner = ModelRunner(model, state, self.eos_token_id)
+        self.runner = ModelRunner(model, state, self.eos_token_id, decode_graphs)
         self.groups: dict[str, list[Request]] = {}
         self._arrivals = itertools.count()
         self._unseeded = itertools.count()

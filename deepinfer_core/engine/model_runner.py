@@ -6,6 +6,7 @@ import dataclasses
 
 import torch
 
+from deepinfer_core.engine.decode_graphs import DecodeGraphs
 from deepinfer_core.engine.scheduler import SchedulerOutput
 from deepinfer_core.forward_batch import ForwardBatch
 from deepinfer_core.sampling.sampler import (
@@ -30,11 +31,12 @@ class ModelRunnerOutput:
 class ModelRunner:
     """Owns the model and its state pools; turns a ``SchedulerOutput`` into sampled tokens."""
 
-    def __init__(self, model, state, eos_token_id: int | None):
+    def __init__(self, model, state, eos_token_id: int | None, decode_graphs: DecodeGraphs | None = None):
         self.model = model
         self.state = state
         self.eos_token_id = eos_token_id
         self.device = model.device
+        self.decode_graphs = decode_graphs
 
     def build_batch(self, output: SchedulerOutput) -> tuple[ForwardBatch, list[int], dict[str, tuple[int, int]]]:
         """The flat batch, the logits row of each sampling chunk, and prompt-logprob row ranges."""
@@ -71,8 +73,13 @@ class ModelRunner:
         return batch, sample_rows, prompt_rows
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        batch, sample_rows, prompt_rows = self.build_batch(output)
-        logits = self.model.forward(batch, self.state).logits  # [N, V] fp32
+        logits = None
+        if self.decode_graphs is not None and self.decode_graphs.accepts(output):
+            logits = self.decode_graphs.run(output)  # [S, V]: one row per sequence, all sample
+            sample_rows, prompt_rows = list(range(len(output.chunks))), {}
+        if logits is None:
+            batch, sample_rows, prompt_rows = self.build_batch(output)
+            logits = self.model.forward(batch, self.state).logits  # [N, V] fp32
         sampling = [c.request for c in output.chunks if c.samples]
         sampler_output = None
         if sampling:

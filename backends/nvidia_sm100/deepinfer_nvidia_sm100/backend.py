@@ -43,6 +43,7 @@ class NvidiaBackend(Backend):
             major, minor = self.capability
             raise RuntimeError(f"{NAME}: compute capability {major}.{minor}: needs 9.x or 10.x")
         self.path = path
+        self._graph_pool = None  # one CUDA graph memory pool shared by every capture (capture_graph)
 
     def capabilities(self) -> Capabilities:
         """fp32 / bf16 / fp16, NCCL, CUDA graphs through ``capture_graph``; no fp8 or batch-invariant kernels yet."""
@@ -68,9 +69,13 @@ class NvidiaBackend(Backend):
         """Capture ``fn(*example_inputs)`` in a CUDA graph; the returned callable copies its tensor arguments
         into the captured inputs, replays, and returns the captured outputs (valid until the next call).
 
-        ``fn`` must be static in shape and free of host synchronisation for the given inputs.
+        ``fn`` must be static in shape and free of host synchronisation for the given inputs. Every graph of
+        this backend shares one memory pool (they never run at once): a graph's outputs stay valid only
+        until another graph of the backend replays.
         """
-        return CudaGraphRunner(fn, example_inputs, self.device)
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        return CudaGraphRunner(fn, example_inputs, self.device, pool=self._graph_pool)
 
 
 def sm90_ops() -> dict[str, Callable]:
@@ -92,7 +97,7 @@ class CudaGraphRunner:
     """A captured CUDA graph with static input buffers (see ``NvidiaBackend.capture_graph``)."""
 
     def __init__(self, fn: Callable[..., Any], example_inputs: tuple[Any, ...], device: torch.device,
-                 warmup: int = 2) -> None:
+                 warmup: int = 2, pool: Any = None) -> None:
         self.static_inputs = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in example_inputs)
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
@@ -101,7 +106,7 @@ class CudaGraphRunner:
                 fn(*self.static_inputs)
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, pool=pool):
             self.static_outputs = fn(*self.static_inputs)
 
     def __call__(self, *args: Any) -> Any:

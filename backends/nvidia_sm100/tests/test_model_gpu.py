@@ -36,14 +36,19 @@ def checkpoint(tmp_path_factory) -> Path:
     return folder
 
 
-def _generate(folder, backend, dtype):
+def _generate(folder, backend, dtype, replays=None, **llm_kwargs):
+    """Greedy steps per prompt: (token, its logprob, top-2 gap). ``replays`` (a list) gets the number of
+    decode steps replayed from CUDA graphs."""
     from deepinfer_core.llm import LLM
     from deepinfer_core.sampling.params import SamplingParams
 
-    llm = LLM(model=str(folder), backend=backend, dtype=dtype, max_model_len=256, max_num_seqs=8)
+    llm = LLM(model=str(folder), backend=backend, dtype=dtype, max_model_len=256, max_num_seqs=8, **llm_kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=2)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     name = llm.backend.name
+    if replays is not None:
+        graphs = llm.engine.runner.decode_graphs
+        replays.append(graphs.num_replays if graphs is not None else 0)
     llm.engine.shutdown()
     result = []
     for out in outs:
@@ -81,9 +86,22 @@ def _compare(want, got, lp_tol, tie_gap, label):
 
 
 def test_fp32_greedy_and_logprobs_match_cpu(checkpoint, cpu_reference):
-    name, gpu = _generate(checkpoint, "nvidia_sm100", "float32")
+    replays = []
+    name, gpu = _generate(checkpoint, "nvidia_sm100", "float32", replays)
     assert name == "nvidia_sm100"
-    compared, _ = _compare(cpu_reference, gpu, lp_tol=2e-3, tie_gap=1e-3, label="gpu fp32 vs cpu fp32")
+    assert replays[0] >= STEPS - 1, "decode steps should replay CUDA graphs by default"
+    compared, _ = _compare(cpu_reference, gpu, lp_tol=2e-3, tie_gap=1e-3, label="gpu fp32 (graphs) vs cpu fp32")
+    assert compared >= STEPS * len(PROMPTS) // 2
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 2e-3), ("bfloat16", 0.05)])
+def test_cuda_graph_decode_matches_eager(checkpoint, dtype, tol):
+    """The captured static-shape decode step against the eager dynamic step on the same GPU."""
+    replays = []
+    _, eager = _generate(checkpoint, "nvidia_sm100", dtype, replays, enforce_eager=True)
+    _, graphs = _generate(checkpoint, "nvidia_sm100", dtype, replays)
+    assert replays == [0, replays[1]] and replays[1] >= STEPS - 1
+    compared, _ = _compare(eager, graphs, lp_tol=tol, tie_gap=tol, label=f"gpu {dtype}: graphs vs eager")
     assert compared >= STEPS * len(PROMPTS) // 2
 
 

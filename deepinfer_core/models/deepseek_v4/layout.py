@@ -7,6 +7,11 @@ attention may read, whether it comes from this step's tokens or from a sequence'
 Every index tensor is built on the host from the batch's Python lists and then copied to the device
 once (non-blocking; pinning each small tensor first measured slower on the H200, docs/performance.md). Building them with small device ops, or from device tensors,
 would stall the host on every ``torch.tensor(..., device=cuda)`` copy and ``nonzero()``.
+
+With a ``StaticShape`` (decode steps replayed from a CUDA graph) every tensor has a shape fixed by the
+static shape alone: keys are padded to the window, compressed entries to ``context_len // ratio``, the
+compressor windows to one per sequence (a sequence that completes none writes a dummy window into the
+spare block), and the tensors are written into the fixed buffers of a ``StaticBuffers``.
 """
 
 from __future__ import annotations
@@ -16,6 +21,55 @@ import dataclasses
 import torch
 
 from deepinfer_core.forward_batch import ForwardBatch
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticShape:
+    """Fixed sizes of a decode step (one token per sequence) whose index tensors must keep their shapes.
+
+    ``context_len`` bounds every sequence's length after the step (a multiple of every ratio), so a
+    sequence has at most ``context_len // ratio`` compressed entries. Dummy windows (sequences that
+    complete none) read the carry of ``spare_slot`` and write row 0 of ``spare_block``: state no real
+    sequence owns.
+    """
+
+    num_seqs: int
+    key_width: int  # sliding keys per sequence: the window
+    context_len: int
+    spare_slot: int
+    spare_block: int
+    windows: tuple[tuple[int, int], ...]  # (ratio, span) of every compressor, built eagerly
+    entry_ratios: tuple[int, ...]  # ratios of every compressed cache, built eagerly
+
+
+class StaticBuffers:
+    """Device tensors that keep their storage from step to step: a CUDA graph reads them at replay.
+
+    The first layout built with these buffers allocates one tensor per index tensor, in build order;
+    every later build (after ``rewind``) copies its host tensors into the same tensors, which must have
+    the same shapes (a ``StaticShape`` guarantees that).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.tensors: list[torch.Tensor] = []
+        self._next = 0
+
+    def rewind(self) -> None:
+        """Start a new build: the next ``place`` fills the first tensor again."""
+        self._next = 0
+
+    def place(self, host: torch.Tensor) -> torch.Tensor:
+        """The fixed device tensor for the next index tensor, now holding ``host``'s values."""
+        index, self._next = self._next, self._next + 1
+        if index == len(self.tensors):
+            self.tensors.append(torch.empty(host.shape, dtype=host.dtype, device=self.device))
+        target = self.tensors[index]
+        if target.shape != host.shape or target.dtype != host.dtype:
+            raise RuntimeError(f"static layout tensor {index} changed from {tuple(target.shape)} {target.dtype} "
+                               f"to {tuple(host.shape)} {host.dtype}; the static shape does not fix it")
+        target.copy_(host, non_blocking=True)
+        return target
 
 
 @dataclasses.dataclass
@@ -55,7 +109,13 @@ class EntryLayout:
 class StepLayout:
     """Index tensors for one step of a batch (see module docstring)."""
 
-    def __init__(self, batch: ForwardBatch, sliding_window: int, block_size: int, device: torch.device):
+    def __init__(self, batch: ForwardBatch, sliding_window: int, block_size: int, device: torch.device,
+                 static: StaticShape | None = None, buffers: StaticBuffers | None = None):
+        if static is not None and (batch.num_seqs != static.num_seqs or any(n != 1 for n in batch.query_lens)):
+            raise ValueError(f"a static layout takes {static.num_seqs} sequences of one token each, "
+                             f"got query lengths {batch.query_lens}")
+        self.static = static
+        self.buffers = buffers
         self.batch = batch
         self.window = sliding_window
         self.block_size = block_size
@@ -68,6 +128,11 @@ class StepLayout:
         self._build_sliding_keys()
         self._entries: dict[int, EntryLayout] = {}
         self._windows: dict[tuple[int, int], WindowPlan] = {}
+        if static is not None:  # build everything now, in a fixed order (the buffers' order)
+            for ratio in static.entry_ratios:
+                self.entries(ratio)
+            for ratio, span in static.windows:
+                self.windows(ratio, span)
 
     # ------------------------------------------------------------------ queries
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
@@ -75,6 +140,8 @@ class StepLayout:
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A host-built index tensor on the target device (one non-blocking copy)."""
+        if self.buffers is not None:
+            return self.buffers.place(t)
         if self.target_device.type == "cpu":
             return t
         return t.to(self.target_device, non_blocking=True)
@@ -115,7 +182,7 @@ class StepLayout:
             ctx = batch.context_lens[s]
             spans.append(min(ctx, max(0, ctx - (W - 1), floors[s])))
         ends = [ctx + n for ctx, n in zip(batch.context_lens, self.query_lens)]
-        width = max(end - first for first, end in zip(spans, ends))
+        width = self.static.key_width if self.static else max(end - first for first, end in zip(spans, ends))
         key_positions = self._tensor([list(range(first, end)) + [-1] * (width - end + first)
                                       for first, end in zip(spans, ends)])  # [S, Lk]
         ctx, starts = self._host_ctx[:, None], self._host_starts[:, None]
@@ -158,7 +225,7 @@ class StepLayout:
     def _build_entries(self, ratio: int) -> EntryLayout:
         per_block = self.block_size // ratio
         counts = [(ctx + n) // ratio for ctx, n in zip(self.batch.context_lens, self.query_lens)]
-        width = max(counts)
+        width = self.static.context_len // ratio if self.static else max(counts)
         blocks = [[table[w // per_block] for w in range(count)] + [0] * (width - count)
                   for table, count in zip(self.batch.block_tables, counts)]
         rows = [[w % per_block for w in range(width)]] * self.num_seqs
@@ -203,6 +270,14 @@ class StepLayout:
             carry_rows.extend(start + p - ctx for p in kept)
             carry_slots.extend([slot] * len(kept))
             carry_index.extend(p % span for p in kept)
+        if self.static is not None:  # one window per sequence: dummies read the spare slot, write the spare block
+            for _ in range(self.num_seqs - len(entries)):
+                positions.append(list(range(span)))
+                ctxs.append(span)
+                starts.append(0)
+                slots.append(self.static.spare_slot)
+                entries.append(0)
+                blocks.append(self.static.spare_block)
         pos = self._tensor(positions).reshape(-1, span)  # [N, span]
         ctx_t = self._tensor(ctxs)[:, None]
         entry = self._tensor(entries)

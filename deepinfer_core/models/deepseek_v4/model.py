@@ -14,7 +14,7 @@ import torch
 
 from deepinfer_core.forward_batch import ForwardBatch
 from deepinfer_core.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
-from deepinfer_core.models.deepseek_v4.layout import StepLayout
+from deepinfer_core.models.deepseek_v4.layout import StaticBuffers, StaticShape, StepLayout
 from deepinfer_core.models.deepseek_v4.state import CompressorCarry, DeepseekV4State, carry_span
 from deepinfer_core.ops.table import OpTable
 
@@ -323,11 +323,33 @@ class DeepseekV4Model:
         return DeepseekV4State(self.config, num_slots, num_blocks, block_size, dtype or self.dtype, self.device)
 
     # ------------------------------------------------------------------ forward
+    def step_layout(self, batch: ForwardBatch, state: DeepseekV4State, static: StaticShape | None = None,
+                    buffers: StaticBuffers | None = None) -> StepLayout:
+        """The index layout of one step over ``state`` (static: fixed shapes written into ``buffers``)."""
+        return StepLayout(batch, self.config.sliding_window, state.block_size, self.device, static, buffers)
+
+    def static_shape(self, num_seqs: int, context_len: int, spare_slot: int, spare_block: int) -> StaticShape:
+        """The static decode shape of ``num_seqs`` sequences no longer than ``context_len`` tokens."""
+        c = self.config
+        windows, ratios = [], []
+        for layer in self.layers:
+            attn = layer.attn
+            for compressor in (attn.compressor, attn.indexer.compressor if attn.indexer else None):
+                if compressor is not None:
+                    windows.append((compressor.ratio, compressor.span))
+                    ratios.append(compressor.ratio)
+        return StaticShape(num_seqs, c.sliding_window, context_len, spare_slot, spare_block,
+                           tuple(dict.fromkeys(windows)), tuple(dict.fromkeys(ratios)))
+
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, state: DeepseekV4State, capture_layers: Iterable[int] = ()) -> ModelOutput:
-        """Run one step: fold the batch's tokens into ``state`` and return the requested logits."""
+    def forward(self, batch: ForwardBatch, state: DeepseekV4State, capture_layers: Iterable[int] = (),
+                layout: StepLayout | None = None) -> ModelOutput:
+        """Run one step: fold the batch's tokens into ``state`` and return the requested logits.
+
+        ``layout``: the batch's ``StepLayout`` when the caller built it (static decode steps); else built here.
+        """
         ops, c = self.ops, self.config
-        layout = StepLayout(batch, c.sliding_window, state.block_size, self.device)
+        layout = layout or self.step_layout(batch, state)
         rope_args = {t: (self.rope_inv_freq[t], self.rope_scaling[t], self.dtype) for t in ("main", "compress")}
         rope = {t: ops.rope_cos_sin(batch.positions, *rope_args[t]) for t in rope_args}
         ctx = StepContext(layout, state, batch.input_ids, rope, rope_args)

@@ -1,0 +1,129 @@
+"""Decode steps at static shapes, captured as device graphs once per (batch size, context bucket).
+
+A step in which every scheduled sequence folds exactly one token and samples (a decode step, prompt
+logprobs aside) is padded to the next captured batch size with dummy sequences, and its layout to the
+static widths of a ``StaticShape`` (keys to the window, compressed entries to the context bucket divided
+by the ratio). Every tensor the step reads then lives in a fixed buffer: the step's index tensors are
+copied into them and the captured graph is replayed. Dummy sequences read and write only the state's
+spare slot and spare block, which the state manager never hands out.
+
+The backend captures (``Backend.capture_graph``): a CUDA graph on NVIDIA; on a backend without graphs
+the same static-shape step runs eagerly (that is how the CPU tests check this path against the dynamic one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+from deepinfer_core.engine.scheduler import ScheduledChunk, SchedulerOutput
+from deepinfer_core.forward_batch import ForwardBatch
+from deepinfer_core.models.deepseek_v4.layout import StaticBuffers, StaticShape
+
+logger = logging.getLogger("deepinfer")
+
+DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+MIN_CONTEXT_BUCKET = 256
+
+
+@dataclasses.dataclass
+class CapturedStep:
+    """One captured decode shape: its static inputs and the callable that replays it."""
+
+    shape: StaticShape
+    batch: ForwardBatch  # input_ids / positions / logits_rows are the fixed device buffers
+    buffers: StaticBuffers
+    replay: Callable[[], object]
+
+
+class DecodeGraphs:
+    """Runs decode steps through captured static-shape graphs (see module docstring)."""
+
+    def __init__(self, model, state, capture: Callable, sizes: Sequence[int], max_model_len: int,
+                 spare_slot: int, spare_block: int):
+        self.model = model
+        self.state = state
+        self.capture = capture
+        self.sizes = sorted(set(sizes))
+        if not self.sizes or self.sizes[0] < 1:
+            raise ValueError(f"graph batch sizes must be positive integers, got {list(sizes)}")
+        multiple = model.config.block_multiple
+        self.max_context = -(-max_model_len // multiple) * multiple
+        self.spare_slot = spare_slot
+        self.spare_block = spare_block
+        self.captured: dict[tuple[int, int], CapturedStep] = {}
+        self.num_replays = 0
+        self.disabled_reason: str | None = None
+
+    def accepts(self, output: SchedulerOutput) -> bool:
+        """Whether this step is a decode step small enough for a captured size."""
+        chunks = output.chunks
+        return (self.disabled_reason is None and 0 < len(chunks) <= self.sizes[-1]
+                and all(c.num_tokens == 1 and c.samples and not c.request.wants_prompt_logprobs for c in chunks))
+
+    def run(self, output: SchedulerOutput) -> torch.Tensor | None:
+        """Logits ``[S, V]`` of the step's sequences, or None when capture failed (run it eagerly)."""
+        chunks = output.chunks
+        size = next(n for n in self.sizes if n >= len(chunks))
+        key = (size, self.context_bucket(max(c.end for c in chunks)))
+        step = self.captured.get(key) or self._capture(*key)
+        if step is None:
+            return None
+        batch = self._padded_batch(chunks, size)
+        step.batch.input_ids.copy_(batch.input_ids, non_blocking=True)
+        step.batch.positions.copy_(batch.positions, non_blocking=True)
+        step.buffers.rewind()
+        self.model.step_layout(batch, self.state, step.shape, step.buffers)
+        self.num_replays += 1
+        return step.replay().logits[:len(chunks)]
+
+    def context_bucket(self, length: int) -> int:
+        """The static context length for sequences of up to ``length`` tokens: a power of two (at least
+        ``MIN_CONTEXT_BUCKET``) rounded to the block multiple, at most ``max_model_len`` rounded up."""
+        bucket = max(MIN_CONTEXT_BUCKET, 1 << max(0, length - 1).bit_length())
+        multiple = self.model.config.block_multiple
+        return min(-(-bucket // multiple) * multiple, self.max_context)
+
+    def _capture(self, size: int, context: int) -> CapturedStep | None:
+        device = self.model.device
+        shape = self.model.static_shape(size, context, self.spare_slot, self.spare_block)
+        host = self._padded_batch([], size)  # all dummies: capture touches only the spare slot and block
+        batch = dataclasses.replace(host, input_ids=host.input_ids.to(device), positions=host.positions.to(device),
+                                    logits_rows=torch.arange(size, device=device))
+        buffers = StaticBuffers(device)
+        layout = self.model.step_layout(batch, self.state, shape, buffers)
+        try:
+            replay = self.capture(lambda: self.model.forward(batch, self.state, layout=layout), ())
+        except RuntimeError as exc:  # e.g. an op that synchronises with the host cannot be captured
+            self.disabled_reason = f"decode graph capture failed at batch {size}, context {context}: {exc}"
+            logger.warning("%s; decode steps run eagerly from now on", self.disabled_reason)
+            return None
+        step = CapturedStep(shape, batch, buffers, replay)
+        self.captured[(size, context)] = step
+        logger.debug("captured decode step: batch %d, context %d", size, context)
+        return step
+
+    def _padded_batch(self, chunks: list[ScheduledChunk], size: int) -> ForwardBatch:
+        """The step's one-token sequences on the host, then dummies (token 0 at position 0, spare state)."""
+        pad = size - len(chunks)
+        starts = [c.start for c in chunks] + [0] * pad
+        tokens = [c.request.token_slice(c.start, c.end)[0] for c in chunks] + [0] * pad
+        return ForwardBatch(
+            input_ids=torch.tensor(tokens, dtype=torch.long),
+            positions=torch.tensor(starts, dtype=torch.long),
+            query_start=list(range(size + 1)),
+            context_lens=starts,
+            slots=[c.request.slot for c in chunks] + [self.spare_slot] * pad,
+            block_tables=[c.request.block_ids for c in chunks] + [[self.spare_block]] * pad,
+            logits_rows=torch.arange(size),
+            compressed_write_start=[c.request.replay_until for c in chunks] + [0] * pad,
+            sliding_floor=[c.request.sliding_floor for c in chunks] + [0] * pad,
+        )
+
+
+def default_sizes(max_num_seqs: int) -> list[int]:
+    """Captured batch sizes: the defaults up to ``max_num_seqs``, and ``max_num_seqs`` itself."""
+    return [n for n in DEFAULT_SIZES if n < max_num_seqs] + [max_num_seqs]

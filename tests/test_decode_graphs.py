@@ -1,0 +1,127 @@
+"""The static-shape decode path (what CUDA graphs replay) against the dynamic path, on CPU.
+
+On CPU ``capture_graph`` captures nothing, so ``cuda_graph_sizes`` runs the very same static-shape step
+eagerly: padded batch sizes, keys padded to the window, entries to the context bucket, dummy windows
+writing the spare block. Results must equal the dynamic path's up to summation order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.engine import decode_graphs
+from deepinfer_core.models.deepseek_v4.layout import StaticBuffers
+
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Foo:\n    def", "# a program\nprint(",
+           {"prompt_token_ids": [(7 * i) % 4000 + 50 for i in range(120)]}]  # 120 + 24 crosses the 128 bucket
+
+
+def _run(prompts, params, **kwargs):
+    llm = LLM(max_model_len=400, max_num_seqs=8, **kwargs)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return llm, outs
+
+
+def _max_logprob_diff(a, b) -> float:
+    worst = 0.0
+    for x, y in zip(a, b, strict=True):
+        for la, lb in zip(x.outputs[0].logprobs, y.outputs[0].logprobs, strict=True):
+            assert la.keys() == lb.keys()
+            worst = max(worst, *(abs(la[k].logprob - lb[k].logprob) for k in la))
+    return worst
+
+
+@pytest.fixture(scope="module")
+def greedy_pair(monkeypatch_module):
+    # a small first bucket (the tiny model's block multiple, 128) so decoding crosses into a second one
+    monkeypatch_module.setattr(decode_graphs, "MIN_CONTEXT_BUCKET", 16)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    _, dynamic = _run(PROMPTS, params)
+    llm, static = _run(PROMPTS, params, cuda_graph_sizes=[1, 2, 4, 8])
+    return llm, dynamic, static
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def test_static_decode_equals_dynamic_greedy(greedy_pair):
+    llm, dynamic, static = greedy_pair
+    graphs = llm.engine.runner.decode_graphs
+    assert graphs.num_replays >= 23  # every decode step took the static path
+    sizes = {size for size, _ in graphs.captured}
+    contexts = {context for _, context in graphs.captured}
+    assert sizes == {8}  # 5 sequences pad to 8
+    assert len(contexts) >= 2, f"decoding should cross a context bucket, captured {sorted(graphs.captured)}"
+    assert [o.outputs[0].token_ids for o in static] == [o.outputs[0].token_ids for o in dynamic]
+    assert _max_logprob_diff(dynamic, static) < 1e-4
+
+
+def test_spare_state_is_beyond_what_the_state_manager_hands_out(greedy_pair):
+    llm = greedy_pair[0]
+    graphs = llm.engine.runner.decode_graphs
+    manager = llm.engine.state_manager
+    state = llm.engine.runner.state
+    assert graphs.spare_slot == state.num_slots - 1 == llm.engine.config.max_num_seqs
+    assert graphs.spare_block == state.num_blocks - 1 == manager.num_blocks
+
+
+def test_static_decode_with_prefix_hits_and_batch_growth():
+    """Requests of one shared prefix (prefix-cache hits with a replay) decode in static steps of
+    different padded sizes (1, then 4) and match the dynamic path."""
+    prefix = "def add(a, b):\n    return a + b\n\n" * 24  # > 2 blocks of 128 tokens
+    prompts = [prefix + "def sub", prefix + "def mul", prefix + "def div"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    results = []
+    for kwargs in ({}, {"cuda_graph_sizes": [1, 4]}):
+        llm = LLM(max_model_len=600, max_num_seqs=4, **kwargs)
+        first = llm.generate(prompts[:1], params, use_tqdm=False)
+        rest = llm.generate(prompts[1:], params, use_tqdm=False)
+        results.append((llm, first + rest))
+    (_, dynamic), (llm, static) = results
+    assert llm.engine.state_manager.hits > 0
+    graphs = llm.engine.runner.decode_graphs
+    assert {size for size, _ in graphs.captured} == {1, 4}
+    assert [o.outputs[0].token_ids for o in static] == [o.outputs[0].token_ids for o in dynamic]
+    assert _max_logprob_diff(dynamic, static) < 1e-4
+
+
+def test_seeded_sampling_and_prompt_logprobs_mix_with_static_steps():
+    """A request with prompt logprobs forces its steps eager; seeded sampling gives the same tokens."""
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10, seed=7, prompt_logprobs=1)
+    _, dynamic = _run(PROMPTS[:2], params)
+    llm, static = _run(PROMPTS[:2], params, cuda_graph_sizes=[2])
+    assert llm.engine.runner.decode_graphs.num_replays >= 8
+    assert [o.outputs[0].token_ids for o in static] == [o.outputs[0].token_ids for o in dynamic]
+
+
+def test_enforce_eager_and_bad_sizes():
+    assert LLM(enforce_eager=True, cuda_graph_sizes=[1]).engine.runner.decode_graphs is None
+    assert LLM().engine.runner.decode_graphs is None  # CPU: no graphs unless sizes are given
+    with pytest.raises(ValueError, match="cuda_graph_sizes must be positive integers"):
+        LLM(cuda_graph_sizes=[0, 2])
+
+
+def test_static_buffers_refuse_a_changed_shape():
+    buffers = StaticBuffers(torch.device("cpu"))
+    first = buffers.place(torch.arange(4))
+    buffers.rewind()
+    again = buffers.place(torch.arange(4) + 1)
+    assert again is first and first.tolist() == [1, 2, 3, 4]
+    buffers.rewind()
+    with pytest.raises(RuntimeError, match="static layout tensor 0 changed"):
+        buffers.place(torch.arange(5))
+
+
+def test_context_bucket_is_a_power_of_two_within_max_model_len():
+    llm = LLM(max_model_len=1000, cuda_graph_sizes=[1])
+    graphs = llm.engine.runner.decode_graphs
+    multiple = llm.model.config.block_multiple
+    assert graphs.context_bucket(1) == max(decode_graphs.MIN_CONTEXT_BUCKET, multiple)
+    assert graphs.context_bucket(257) == 512
+    assert graphs.context_bucket(999) == -(-1000 // multiple) * multiple
+    assert all(graphs.context_bucket(n) >= n for n in (1, 255, 256, 513, 1000))
