@@ -52,7 +52,9 @@ _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 def _pass_configs(arch: str) -> dict:
     import tilelang
 
-    if arch == "sm_100a":  # the TileLang 0.1.15 tcgen05 path wants plain copies and no warp specialisation
+    # SM100: the TileLang 0.1.15 tcgen05 path wants plain copies and no warp specialisation. SM90 uses TMA and a
+    # warp-specialised producer unless DEEPINFER_TL_ATTN_NO_WS=1.
+    if arch == "sm_100a" or os.environ.get("DEEPINFER_TL_ATTN_NO_WS") == "1":
         return {tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
                 tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
     return {}
@@ -288,6 +290,11 @@ def _compiled(arch: str, dtype: str, scale: float):
     return split, combine
 
 
+@cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def num_splits(rows: int, lk: int, sms: int, block_n: int = BLOCK_N) -> int:
     """Key splits per row: enough CTAs to cover the SMs once, at least two key blocks per split."""
     env = os.environ.get("DEEPINFER_TL_ATTN_SPLITS")
@@ -314,7 +321,7 @@ def sink_attention(
     Lk = kv.shape[1]
     B = S * Lq
     split, combine = _compiled(device_arch(q.device), _DTYPES[q.dtype], float(scale))
-    ns = splits or num_splits(B, Lk, torch.cuda.get_device_properties(q.device).multi_processor_count)
+    ns = splits or num_splits(B, Lk, _sm_count(q.device.index or 0))
     qf = q.reshape(B, H, d).contiguous()  # [B, H, d]
     vis = visible.reshape(B, Lk).contiguous().view(torch.uint8)  # [B, Lk]
     sk = sinks.float().contiguous()  # [H]

@@ -1,0 +1,46 @@
+"""TileLang sink attention against the reference op on the GPU (marker ``nvidia``; needs TileLang)."""
+
+import pytest
+import torch
+
+from deepinfer_core.ops import reference as ref
+
+pytestmark = pytest.mark.nvidia
+H, D = 64, 512
+
+
+def _case(S, Lq, Lk, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(S, Lq, H, D, device="cuda", generator=g).to(dtype)  # [S, Lq, H, d]
+    kv = torch.randn(S, Lk, D, device="cuda", generator=g).to(dtype)  # [S, Lk, d]
+    visible = torch.rand(S, Lq, Lk, device="cuda", generator=g) < 0.7  # [S, Lq, Lk]
+    visible[0, 0] = False  # a row with nothing visible must give 0
+    sinks = torch.randn(H, device="cuda", generator=g)  # [H]
+    return q, kv, visible, sinks
+
+
+@pytest.mark.parametrize("S, Lq, Lk", [(1, 1, 128), (16, 1, 640), (64, 1, 2048), (4, 1, 200), (2, 33, 300)])
+@pytest.mark.parametrize("splits", [None, 1, 4])
+def test_sink_attention_bf16_matches_fp32_reference(S, Lq, Lk, splits):
+    pytest.importorskip("tilelang")
+    from deepinfer_nvidia_sm100.kernels import tl_attention as tla
+
+    q, kv, visible, sinks = _case(S, Lq, Lk, torch.bfloat16)
+    assert tla.supported(q, kv)
+    got = tla.sink_attention(q, kv, visible, sinks, D**-0.5, splits=splits)
+    want = ref.sink_attention(q.float(), kv.float(), visible, sinks, D**-0.5)  # same bf16 inputs, fp32 math
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    assert got[0, 0].abs().max().item() == 0.0
+
+
+def test_sink_attention_fp32_and_odd_heads_take_the_reference():
+    pytest.importorskip("tilelang")
+    from deepinfer_nvidia_sm100.kernels import tl_attention as tla
+
+    q, kv, visible, sinks = _case(2, 1, 96, torch.float32)
+    assert not tla.supported(q, kv)
+    torch.testing.assert_close(tla.sink_attention(q, kv, visible, sinks, 0.1),
+                               ref.sink_attention(q, kv, visible, sinks, 0.1), atol=0, rtol=0)
+    q4 = q[:, :, :4].to(torch.bfloat16)
+    assert not tla.supported(q4, kv.to(torch.bfloat16))
