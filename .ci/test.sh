@@ -26,7 +26,10 @@ if [ "${SKIP_INSTALL:-0}" != 1 ] || [ ! -x "$PY" ]; then
     [ -x "$PY" ] || "$PYTHON" -m venv "$VENV"
     "$PY" -m pip install --quiet torch==2.13.0
     editable=()
-    for pkg in "${packages[@]}"; do editable+=(-e "$pkg"); done
+    for pkg in "${packages[@]}"; do
+        # With the package's `test` extra where it defines one (e.g. TileLang for the NVIDIA compile-only checks).
+        if grep -q '^test *=' "$pkg/pyproject.toml"; then editable+=(-e "$pkg[test]"); else editable+=(-e "$pkg"); fi
+    done
     "$PY" -m pip install --quiet -e '.[dev]' "${editable[@]}"
 fi
 
