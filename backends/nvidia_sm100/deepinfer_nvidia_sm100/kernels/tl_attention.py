@@ -253,6 +253,146 @@ def combine_kernel(dtype: str, dim: int = HEAD_DIM):
     return sink_attn_combine
 
 
+# ----------------------------------------------------------------------------- CPU variant (CI runs the logic)
+def split_kernel_cpu(dtype: str, scale: float, dim: int = HEAD_DIM, block_h: int = BLOCK_H, block_n: int = BLOCK_N):
+    """The split kernel's algorithm for TileLang's CPU target (``target="c"``): same arguments, grid, masking,
+    sink floor, online softmax and partial outputs as ``split_kernel``, with thread-private buffers, serial loops
+    and TileLang's scalar CPU GEMM. CI runs it (with ``combine_kernel_cpu``) against the reference op; it is a
+    check of the kernel logic, not a fast CPU path."""
+    import tilelang.language as T
+
+    accum = "float32"
+    scale_log2 = float(scale) * LOG2E
+    B, S, Lk, H, NS = T.dynamic("B"), T.dynamic("S"), T.dynamic("Lk"), T.dynamic("H"), T.dynamic("NS")
+    BH, BN = block_h, block_n
+
+    @T.prim_func
+    def sink_attn_split_cpu(
+        Q: T.Tensor((B, H, dim), dtype),
+        KV: T.Tensor((S, Lk, dim), dtype),
+        Vis: T.Tensor((B, Lk), "uint8"),
+        Sinks: T.Tensor((H,), accum),
+        Opart: T.Tensor((B, NS, H, dim), accum),
+        Mpart: T.Tensor((B, NS, H), accum),
+        Lpart: T.Tensor((B, NS, H), accum),
+    ):
+        with T.Kernel(NS, T.ceildiv(H, BH), B) as (split, hb, b):
+            seq = b // (B // S)
+            Q_s = T.alloc_local((BH, dim), dtype)
+            KV_s = T.alloc_local((BN, dim), dtype)
+            P_s = T.alloc_local((BH, BN), dtype)
+            acc_s = T.alloc_local((BH, BN), accum)
+            acc_o = T.alloc_local((BH, dim), accum)
+            m = T.alloc_local((BH,), accum)
+            m_prev = T.alloc_local((BH,), accum)
+            alpha = T.alloc_local((BH,), accum)
+            rowsum = T.alloc_local((BH,), accum)
+            den = T.alloc_local((BH,), accum)
+
+            T.copy(Q[b, hb * BH:(hb + 1) * BH, :], Q_s)
+            T.fill(acc_o, 0)
+            T.fill(den, 0)
+            for i in T.serial(BH):
+                m[i] = Sinks[hb * BH + i] * LOG2E
+            n_blocks = T.ceildiv(Lk, BN)
+            per_split = T.ceildiv(n_blocks, NS)
+            first = split * per_split
+            count = T.max(T.min(per_split, n_blocks - first), 0)
+            for kb in T.serial(count):
+                k0 = (first + kb) * BN
+                for j, c in T.grid(BN, dim):  # zero-filled past Lk, like the GPU copies
+                    KV_s[j, c] = T.if_then_else(k0 + j < Lk, KV[seq, T.min(k0 + j, Lk - 1), c], T.cast(0, dtype))
+                T.gemm(Q_s, KV_s, acc_s, transpose_B=True, clear_accum=True)
+                for i, j in T.grid(BH, BN):
+                    acc_s[i, j] = T.if_then_else(
+                        k0 + j < Lk and Vis[b, T.min(k0 + j, Lk - 1)] != 0, acc_s[i, j] * scale_log2, -T.infinity(accum))
+                T.copy(m, m_prev)
+                T.reduce_max(acc_s, m, dim=1, clear=False)
+                for i in T.serial(BH):
+                    alpha[i] = T.exp2(m_prev[i] - m[i])
+                for i, j in T.grid(BH, BN):
+                    acc_s[i, j] = T.exp2(acc_s[i, j] - m[i])
+                T.reduce_sum(acc_s, rowsum, dim=1)
+                for i in T.serial(BH):
+                    den[i] = den[i] * alpha[i] + rowsum[i]
+                T.copy(acc_s, P_s)
+                for i, j in T.grid(BH, dim):
+                    acc_o[i, j] *= alpha[i]
+                T.gemm(P_s, KV_s, acc_o)
+            T.copy(acc_o, Opart[b, split, hb * BH:(hb + 1) * BH, :])
+            T.copy(m, Mpart[b, split, hb * BH:(hb + 1) * BH])
+            T.copy(den, Lpart[b, split, hb * BH:(hb + 1) * BH])
+
+    return sink_attn_split_cpu
+
+
+def combine_kernel_cpu(dtype: str, dim: int = HEAD_DIM):
+    """``combine_kernel`` for TileLang's CPU target (same arguments and math, serial loops)."""
+    import tilelang.language as T
+
+    accum = "float32"
+    B, H, NS = T.dynamic("B"), T.dynamic("H"), T.dynamic("NS")
+
+    @T.prim_func
+    def sink_attn_combine_cpu(
+        Opart: T.Tensor((B, NS, H, dim), accum),
+        Mpart: T.Tensor((B, NS, H), accum),
+        Lpart: T.Tensor((B, NS, H), accum),
+        Sinks: T.Tensor((H,), accum),
+        Out: T.Tensor((B, H, dim), dtype),
+    ):
+        with T.Kernel(H, B) as (h, b):
+            o = T.alloc_local((dim,), accum)
+            mx = T.alloc_var(accum)
+            total = T.alloc_var(accum)
+            w = T.alloc_var(accum)
+            sink = Sinks[h] * LOG2E
+            mx = sink
+            for s in T.serial(NS):
+                mx = T.max(mx, Mpart[b, s, h])
+            total = T.exp2(sink - mx)
+            for s in T.serial(NS):
+                total += Lpart[b, s, h] * T.exp2(Mpart[b, s, h] - mx)
+            T.fill(o, 0)
+            for s in T.serial(NS):
+                w = T.exp2(Mpart[b, s, h] - mx) / total
+                for d in T.serial(dim):
+                    o[d] += Opart[b, s, h, d] * w
+            for d in T.serial(dim):
+                Out[b, h, d] = o[d]
+
+    return sink_attn_combine_cpu
+
+
+@cache
+def _compiled_cpu(dtype: str, scale: float, dim: int, block_h: int, block_n: int):
+    import tilelang
+
+    return (tilelang.compile(split_kernel_cpu(dtype, scale, dim, block_h, block_n), target="c"),
+            tilelang.compile(combine_kernel_cpu(dtype, dim), target="c"))
+
+
+def sink_attention_cpu(
+    q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor, scale: float,
+    splits: int = 1, block_h: int | None = None, block_n: int = BLOCK_N,
+) -> torch.Tensor:
+    """Run the kernel logic on the CPU through TileLang's C target (``split_kernel_cpu`` + ``combine_kernel_cpu``).
+    fp32 inputs; ``block_h`` defaults to H. For tests only (scalar loops: slow)."""
+    S, Lq, H, d = q.shape
+    Lk = kv.shape[1]
+    B = S * Lq
+    split, combine = _compiled_cpu("float32", float(scale), d, block_h or H, block_n)
+    sk = sinks.float().contiguous()
+    opart = torch.empty(B, splits, H, d)
+    mpart = torch.empty(B, splits, H)
+    lpart = torch.empty(B, splits, H)
+    split(q.float().reshape(B, H, d).contiguous(), kv.float().contiguous(),
+          visible.reshape(B, Lk).contiguous().view(torch.uint8), sk, opart, mpart, lpart)
+    out = torch.empty(B, H, d)
+    combine(opart, mpart, lpart, sk, out)
+    return out.view(S, Lq, H, d)
+
+
 # ----------------------------------------------------------------------------- generated source / compile checks
 def generated_source(arch: str, dtype: str = "bfloat16", which: str = "split") -> str:
     """Lower a kernel for ``arch`` without a GPU and return the generated CUDA source (for the source checks)."""
