@@ -277,3 +277,41 @@ def row_cases(dtype=torch.float32, seed: int = 1234) -> list[RowCase]:
                 lambda op, r: op(r[0], table)),
     ]
     return cases
+
+
+# ----------------------------------------------------------------------------- end to end
+def record(output, vocab: int):
+    """Tokens, per-step log-probability rows ``[steps, vocab]`` and prompt rows ``[P - 1, vocab]`` of a
+    ``RequestOutput`` generated with ``logprobs = prompt_logprobs = vocab``."""
+    completion = output.outputs[0]
+    steps = torch.tensor([[entry[t].logprob for t in range(vocab)] for entry in completion.logprobs])
+    prompt = torch.tensor([[entry[t].logprob for t in range(vocab)] for entry in output.prompt_logprobs[1:]])
+    return list(completion.token_ids), steps, prompt
+
+
+def outputs_equal(a, b) -> bool:
+    """Two ``record`` results are the same tokens and bitwise the same log-probabilities."""
+    return a[0] == b[0] and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+
+
+def random_batch(gen, num_others: int, needles, vocab: int, max_tokens: tuple[int, int] = (1, 12)):
+    """``num_others`` random requests (random prompts, greedy or seeded sampling, random lengths) with the
+    ``needles`` (``(prompt ids, params)``) inserted at random positions; returns prompts, params and the
+    needles' indices."""
+    from deepinfer_core import SamplingParams
+
+    prompts, params = [], []
+    for _ in range(num_others):
+        prompts.append(torch.randint(2, vocab, (int(torch.randint(1, 50, (1,), generator=gen)),), generator=gen).tolist())
+        greedy = bool(torch.rand(1, generator=gen) < 0.3)
+        params.append(SamplingParams(
+            temperature=0.0 if greedy else float(torch.rand(1, generator=gen)) + 0.2,
+            seed=int(torch.randint(0, 10**6, (1,), generator=gen)), max_tokens=int(torch.randint(*max_tokens, (1,), generator=gen)),
+            ignore_eos=True))
+    where = []
+    for prompt, p in needles:
+        at = int(torch.randint(0, len(prompts) + 1, (1,), generator=gen))
+        where = [w + (w >= at) for w in where] + [at]
+        prompts.insert(at, prompt)
+        params.insert(at, p)
+    return [{"prompt_token_ids": p} for p in prompts], params, where

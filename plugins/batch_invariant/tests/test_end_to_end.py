@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bi_harness import outputs_equal as _equal
+from bi_harness import random_batch, record
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.hookspecs import hookimpl
@@ -43,34 +45,11 @@ def _llm(folder, **kwargs) -> LLM:
 
 
 def _record(output):
-    """Tokens, per-step log-probability rows [steps, V] and prompt log-probability rows [P - 1, V]."""
-    completion = output.outputs[0]
-    steps = torch.tensor([[entry[t].logprob for t in range(VOCAB)] for entry in completion.logprobs])
-    prompt = torch.tensor([[entry[t].logprob for t in range(VOCAB)] for entry in output.prompt_logprobs[1:]])
-    return list(completion.token_ids), steps, prompt
-
-
-def _equal(a, b) -> bool:
-    return a[0] == b[0] and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+    return record(output, VOCAB)
 
 
 def _random_batch(gen, num_others: int, max_tokens: tuple[int, int] = (1, 12)):
-    """Random requests with the needles inserted at random positions; returns prompts, params, needle indices."""
-    prompts, params = [], []
-    for _ in range(num_others):
-        prompts.append(torch.randint(2, VOCAB, (int(torch.randint(1, 50, (1,), generator=gen)),), generator=gen).tolist())
-        greedy = bool(torch.rand(1, generator=gen) < 0.3)
-        params.append(SamplingParams(
-            temperature=0.0 if greedy else float(torch.rand(1, generator=gen)) + 0.2,
-            seed=int(torch.randint(0, 10**6, (1,), generator=gen)), max_tokens=int(torch.randint(*max_tokens, (1,), generator=gen)),
-            ignore_eos=True))
-    where = []
-    for prompt, p in NEEDLES:
-        at = int(torch.randint(0, len(prompts) + 1, (1,), generator=gen))
-        where = [w + (w >= at) for w in where] + [at]
-        prompts.insert(at, prompt)
-        params.insert(at, p)
-    return [{"prompt_token_ids": p} for p in prompts], params, where
+    return random_batch(gen, num_others, NEEDLES, VOCAB, max_tokens)
 
 
 def _alone(llm):

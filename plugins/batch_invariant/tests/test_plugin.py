@@ -38,7 +38,7 @@ def _all_ours(table) -> bool:
 class _OtherBackend(Backend):
     """Stands in for an accelerator backend: the plugin must refuse it."""
 
-    name = "nvidia_sm100"
+    name = "ascend950"
     device_type = "cpu"
 
     def capabilities(self):
@@ -125,16 +125,16 @@ def test_late_registration_replays_configure_calls_in_order():
 
 
 def test_core_refuses_another_backend_when_the_option_is_set(pm):
-    with pytest.raises(UnsupportedBackendError, match=r"batch_invariant.*nvidia_sm100.*cpu"):
-        configure_plugins(pm, None, {"batch_invariant": True}, "nvidia_sm100")
-    configure_plugins(pm, None, {}, "nvidia_sm100")  # off: the plugin does not block other backends
+    with pytest.raises(UnsupportedBackendError, match=r"batch_invariant.*ascend950.*cpu, nvidia_sm100"):
+        configure_plugins(pm, None, {"batch_invariant": True}, "ascend950")
+    configure_plugins(pm, None, {}, "ascend950")  # off: the plugin does not block other backends
     assert SOURCE not in _table(pm, _OtherBackend()).sources().values()
 
 
 def test_plugin_refuses_another_backend_when_enabled_by_the_environment(pm, monkeypatch):
     monkeypatch.setenv(bi.ENV, "1")
-    configure_plugins(pm, None, {}, "nvidia_sm100")  # the core's check only sees options the user passed
-    with pytest.raises(UnsupportedBackendError, match=r"DEEPINFER_BATCH_INVARIANT.*nvidia_sm100.*cpu"):
+    configure_plugins(pm, None, {}, "ascend950")  # the core's check only sees options the user passed
+    with pytest.raises(UnsupportedBackendError, match=r"DEEPINFER_BATCH_INVARIANT.*ascend950.*cpu, nvidia_sm100"):
         _table(pm, _OtherBackend())
 
 

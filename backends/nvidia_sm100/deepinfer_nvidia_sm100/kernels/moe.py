@@ -136,14 +136,19 @@ def _config(num_assign: int, num_experts: int) -> tuple[int, int, int, int]:
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                w3: torch.Tensor, limit: float) -> torch.Tensor:
-    """Triton version of the reference op ``moe_experts`` (same arguments, same result within rounding)."""
+                w3: torch.Tensor, limit: float, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """Triton version of the reference op ``moe_experts`` (same arguments, same result within rounding).
+
+    ``config`` = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps) fixes the tiles; by default they follow the mean tokens
+    per expert (``_config``). A fixed config makes a token's result independent of the batch (every row of a
+    tile is computed alike): the batch-invariant plugin passes one.
+    """
     T, top_k = ids.shape
     E, I, D = w1.shape
     if T == 0:
         return torch.zeros_like(x)
     x = x.contiguous()
-    block_m, block_n, block_k, warps = _config(T * top_k, E)
+    block_m, block_n, block_k, warps = config or _config(T * top_k, E)
     sorted_assign, block_expert, dest = align(ids, E, block_m)
     rows = sorted_assign.shape[0]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 runs exact fp32 products, no TF32

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from deepinfer_batch_invariant.forms import ROW_FORMS, InvariantOps, Kit, reference_sinkhorn
 from deepinfer_batch_invariant.primitives import KV_CHUNK, chunks_for, fold, matmul_nt, sigmoid, silu, softplus
 from deepinfer_core.ops import reference as _ref
 
@@ -23,21 +24,26 @@ QUERY_BLOCK = 256
 """Queries per attention / indexer block (bounds memory; blocks never change a query's result)."""
 
 
-# ----------------------------------------------------------------------------- linear
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` in fixed row tiles (``primitives.matmul_nt``)."""
-    return matmul_nt(x, weight)
+# ----------------------------------------------------------------------------- the CPU kit
+def _pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Softmax over slots taken along the last axis, the weighted sum folded in slot order.
+
+    The reference's softmax over a middle axis and its sum over slots are per-window invariant when the
+    channel count is a multiple of the SIMD width (V4's 512 / 128), but not in general (measured: 100
+    channels, 3 slots); this form is invariant for any width.
+    """
+    weights = gate.float().transpose(1, 2).softmax(dim=-1).transpose(1, 2).to(kv.dtype)  # [N, slots, d]
+    return fold(kv * weights, dim=1)
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
-    """Block-diagonal projection, one fixed-tile GEMM per group. ``x [T, g, i]`` -> ``[T, g, o]``."""
-    w = weight.view(groups, -1, weight.shape[-1])  # [g, o, i]
-    return torch.stack([matmul_nt(x[:, g], w[g]) for g in range(groups)], dim=1)
-
-
-def logits(hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-    """Vocabulary logits in fp32, fixed row tiles."""
-    return matmul_nt(hidden, head).float()
+CPU_KIT = Kit(
+    matmul_nt=matmul_nt, sigmoid=sigmoid, silu=silu, softplus=softplus,
+    row_sum=lambda x: x.sum(dim=-1, keepdim=True),  # a short contiguous row: one scalar loop per row
+    collapse=lambda w, streams: fold(w.unsqueeze(-1) * streams, dim=1),
+    sinkhorn=reference_sinkhorn, pool=_pool, rms_norm=_ref.rms_norm, unweighted_rms_norm=_ref.unweighted_rms_norm,
+)
+CPU_OPS = InvariantOps(CPU_KIT)
+"""The shared forms (``forms.InvariantOps``) over the CPU primitives."""
 
 
 # ----------------------------------------------------------------------------- attention
@@ -101,19 +107,7 @@ def _attend(q: torch.Tensor, kv: torch.Tensor, zero_key: int, seq: torch.Tensor,
     return acc / denom[..., None]  # [Q, H, d]
 
 
-# ----------------------------------------------------------------------------- compressors / indexer
-def compressor_pool(kv: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Reference ``compressor_pool`` with the softmax over slots taken along the last axis and the
-    weighted sum folded in slot order.
-
-    The reference's softmax over a middle axis and its sum over slots are per-window invariant when the
-    channel count is a multiple of the SIMD width (V4's 512 / 128), but not in general (measured: 100
-    channels, 3 slots); this form is invariant for any width.
-    """
-    weights = gate.float().transpose(1, 2).softmax(dim=-1).transpose(1, 2).to(kv.dtype)  # [N, slots, d]
-    return _ref.rms_norm(fold(kv * weights, dim=1), norm_weight, eps)
-
-
+# ----------------------------------------------------------------------------- indexer
 def indexer_scores(q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, scale: float) -> torch.Tensor:
     """Reference ``indexer_scores`` with the entry axis split into fixed ``KV_CHUNK`` chunks.
 
@@ -146,104 +140,10 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tens
     return out
 
 
-# ----------------------------------------------------------------------------- hyper-connections
-def hc_pre(streams, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
-    """Reference ``hc_pre`` with a fixed-tile GEMM, an exp-based sigmoid and a folded stream collapse."""
-    tokens, hc, _ = streams.shape
-    flat = _ref.unweighted_rms_norm(streams.reshape(tokens, -1).float(), norm_eps)  # [T, hc * D]
-    mixed = matmul_nt(flat, fn.float())  # [T, (2 + hc) * hc]
-    pre_w, post_w, comb_w = mixed.split([hc, hc, hc * hc], dim=-1)
-    pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
-    pre_s, post_s, comb_s = scale.float().unbind(0)
-    pre = sigmoid(pre_w * pre_s + pre_b) + hc_eps  # [T, hc]
-    post = 2 * sigmoid(post_w * post_s + post_b)  # [T, hc]
-    comb = torch.softmax(comb_w.view(tokens, hc, hc) * comb_s + comb_b.view(hc, hc), dim=-1) + hc_eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    for _ in range(sinkhorn_iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    collapsed = fold(pre.unsqueeze(-1) * streams, dim=1).to(streams.dtype)  # [T, D]
-    return post, comb, collapsed
-
-
-def hc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """Reference ``hc_post`` with the ``hc x hc`` mixing as a fold over source streams (no batched GEMM)."""
-    dtype = streams.dtype
-    c = comb.to(dtype)  # [T, j, k]
-    mixed = c[:, 0, :, None] * streams[:, 0, None, :]  # [T, k, D]
-    for j in range(1, streams.shape[1]):
-        mixed = mixed + c[:, j, :, None] * streams[:, j, None, :]
-    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mixed
-
-
-def hc_head(streams, fn, base, scale, hc_eps: float, norm_eps: float) -> torch.Tensor:
-    """Reference ``hc_head`` with a fixed-tile GEMM, an exp-based sigmoid and a folded collapse."""
-    flat = _ref.unweighted_rms_norm(streams.flatten(1).float(), norm_eps)  # [T, hc * D]
-    mixes = matmul_nt(flat, fn.float())  # [T, hc]
-    pre = sigmoid(mixes * scale.float() + base.float()) + hc_eps
-    return fold(pre.unsqueeze(-1) * streams, dim=1).to(streams.dtype)
-
-
-# ----------------------------------------------------------------------------- MoE
-def _score(router_logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
-    if scoring_func == "sqrtsoftplus":
-        return softplus(router_logits).sqrt()
-    if scoring_func == "sigmoid":
-        return sigmoid(router_logits)
-    return router_logits.softmax(dim=-1)
-
-
-def _normalise(scores: torch.Tensor, ids: torch.Tensor, scaling: float) -> torch.Tensor:
-    weights = scores.gather(1, ids)  # [T, k]
-    return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * scaling
-
-
-def moe_route_topk(router_logits, correction_bias, top_k: int, scaling: float, scoring_func: str):
-    """Reference ``moe_route_topk`` with position-independent scoring functions."""
-    scores = _score(router_logits, scoring_func)  # [T, E]
-    biased = scores + correction_bias.to(scores.dtype)
-    ids = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :top_k]  # [T, k]
-    return _normalise(scores, ids, scaling), ids
-
-
-def moe_route_hash(router_logits, token_ids, tid2eid, scaling: float, scoring_func: str):
-    """Reference ``moe_route_hash`` with position-independent scoring functions."""
-    scores = _score(router_logits, scoring_func)  # [T, E]
-    ids = tid2eid[token_ids].long()  # [T, k]
-    return _normalise(scores, ids, scaling), ids
-
-
-def swiglu_mlp(x, w1, w2, w3, limit: float) -> torch.Tensor:
-    """Reference ``swiglu_mlp``: three fixed-tile GEMMs and an exp-based SiLU (in fp32)."""
-    gate = matmul_nt(x, w1).clamp(max=limit)  # [T, I]
-    up = matmul_nt(x, w3).clamp(min=-limit, max=limit)
-    return matmul_nt(silu(gate.float()).to(gate.dtype) * up, w2)
-
-
-def moe_experts(x, ids, weights, w1, w2, w3, limit: float) -> torch.Tensor:
-    """Reference ``moe_experts`` (combine by expert id, then token) over batch-invariant experts.
-
-    An expert sees a row count that follows the batch's routing; ``swiglu_mlp`` makes each row's
-    result independent of it. A token's contributions are added in ascending expert id, a function of
-    the token's own routing only.
-    """
-    return _ref.moe_experts(x, ids, weights, w1, w2, w3, limit, expert_mlp=swiglu_mlp)
-
-
 VARIANTS: dict[str, Callable] = {
-    "linear": linear,
-    "grouped_linear": grouped_linear,
-    "logits": logits,
+    **CPU_OPS.table(ROW_FORMS),
     "sink_attention": sink_attention,
     "indexer_scores": indexer_scores,
-    "compressor_pool": compressor_pool,
-    "hc_pre": hc_pre,
-    "hc_post": hc_post,
-    "hc_head": hc_head,
-    "moe_route_topk": moe_route_topk,
-    "moe_route_hash": moe_route_hash,
-    "swiglu_mlp": swiglu_mlp,
-    "moe_experts": moe_experts,
 }
 
 REFERENCE_KEPT: dict[str, str] = {

@@ -19,16 +19,25 @@ def implementations(backend_name: str) -> dict[str, Callable]:
     a backend's own fast path (which may not be invariant) is replaced too. An op this plugin has not
     reviewed (added to the core later) also gets its reference op, with a warning.
     """
-    if backend_name != "cpu":
-        raise ValueError(f"no batch-invariant ops for backend {backend_name!r}")
-    from deepinfer_batch_invariant.cpu_ops import REFERENCE_KEPT, VARIANTS
-
+    variants, kept = variant_tables(backend_name)
     chosen = {}
     for name, reference in reference_ops().items():
-        if name not in VARIANTS and name not in REFERENCE_KEPT:
+        if name not in variants and name not in kept:
             log.warning("op %r is not reviewed for batch invariance; using its reference implementation", name)
-        chosen[name] = VARIANTS.get(name, reference)
+        chosen[name] = variants.get(name, reference)
     return chosen
+
+
+def variant_tables(backend_name: str) -> tuple[dict[str, Callable], dict[str, str]]:
+    """``(VARIANTS, REFERENCE_KEPT)`` of ``backend_name``'s module: ``cpu_ops`` for ``cpu``, ``cuda_ops``
+    (Triton, imported here and only here) for ``nvidia_sm100``."""
+    if backend_name == "cpu":
+        from deepinfer_batch_invariant import cpu_ops as module
+    elif backend_name == "nvidia_sm100":
+        from deepinfer_batch_invariant import cuda_ops as module
+    else:
+        raise ValueError(f"no batch-invariant ops for backend {backend_name!r}")
+    return module.VARIANTS, module.REFERENCE_KEPT
 
 
 def install(op_table: Any, backend_name: str) -> None:

@@ -13,8 +13,8 @@ manager runs configure again, so a batch-invariant engine never leaks the mode i
 the other way round). A plugin registered after some configure calls gets them replayed in order, so it
 too ends in the latest engine's state.
 
-Backends: ``deepinfer_supported_backends`` returns ``["cpu"]`` (the NVIDIA variants come later), so the
-core refuses ``batch_invariant=True`` on any other backend before loading weights. When the mode comes
+Backends: ``deepinfer_supported_backends`` returns ``["cpu", "nvidia_sm100"]``, so the core refuses
+``batch_invariant=True`` on any other backend before loading weights. When the mode comes
 from the environment variable the core's check does not see it (it only looks at options the user
 passed), so ``deepinfer_register_ops`` raises the same ``UnsupportedBackendError`` itself; that too
 happens before any weight is loaded.
@@ -41,7 +41,7 @@ OPTION = "batch_invariant"
 ENV = "DEEPINFER_BATCH_INVARIANT"
 ENV_MTP_VARLEN = "DEEPINFER_ENABLE_MTP_VARLEN"
 SOURCE = "batch_invariant"
-SUPPORTED_BACKENDS = ("cpu",)
+SUPPORTED_BACKENDS = ("cpu", "nvidia_sm100")
 
 log = logging.getLogger("deepinfer.batch_invariant")
 
@@ -100,7 +100,7 @@ def resolve(options: Mapping[str, Any], environ: Mapping[str, str] | None = None
 # ----------------------------------------------------------------------------- hooks
 @hookimpl
 def deepinfer_feature_options() -> dict[str, str]:
-    return {OPTION: f"bitwise identical logits whatever the batch (also {ENV}=1); CPU backend for now"}
+    return {OPTION: f"bitwise identical logits whatever the batch (also {ENV}=1); backends cpu and nvidia_sm100"}
 
 
 @hookimpl

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One H200 session for the batch-invariant plugin: the GPU tests, then `deepinfer bench` with and without
+# DEEPINFER_BATCH_INVARIANT=1 (docs/performance.md, "Batch-invariant mode"). For a machine where the packages
+# are not installed (the lent H200: no package index): entry points come from hand-made dist-info folders.
+# Run from the repository root. OUT (default /tmp/bi-out) receives the logs and JSON results.
+set -u
+OUT=${OUT:-/tmp/bi-out}; mkdir -p "$OUT"
+DEADLINE=$(( $(date +%s) + ${BUDGET_S:-330} ))
+S=/tmp/site-di
+mkdir -p $S/deepinfer-0.1.0.dist-info $S/deepinfer_nvidia_sm100-0.1.0.dist-info \
+         $S/deepinfer_batch_invariant-0.1.0.dist-info
+for d in deepinfer deepinfer_nvidia_sm100 deepinfer_batch_invariant; do
+    printf 'Metadata-Version: 2.1\nName: %s\nVersion: 0.1.0\n' "${d//_/-}" > $S/$d-0.1.0.dist-info/METADATA
+done
+printf '[deepinfer.backends]\ncpu = deepinfer_core.backends.cpu:probe\n' > $S/deepinfer-0.1.0.dist-info/entry_points.txt
+printf '[deepinfer.backends]\nnvidia_sm100 = deepinfer_nvidia_sm100.probe:probe\n' \
+    > $S/deepinfer_nvidia_sm100-0.1.0.dist-info/entry_points.txt
+printf '[deepinfer.plugins]\nbatch_invariant = deepinfer_batch_invariant.plugin\n' \
+    > $S/deepinfer_batch_invariant-0.1.0.dist-info/entry_points.txt
+export PYTHONPATH=$S:$PWD:$PWD/backends/nvidia_sm100:$PWD/plugins/batch_invariant/src PYTHONUNBUFFERED=1
+left() { echo $(( DEADLINE - $(date +%s) )); }
+
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c \
+  "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; date -u; } > "$OUT/machine.txt" 2>&1
+
+timeout 130 python3 -m pytest -q -p no:cacheprovider -rs plugins/batch_invariant/tests/test_cuda.py \
+    > "$OUT/pytest_cuda.log" 2>&1
+echo "pytest rc=$?" >> "$OUT/pytest_cuda.log"
+
+B="python3 -m deepinfer_core.cli bench --preset v4-flash-8l64e --backend nvidia_sm100 --dtype bfloat16 --input-len 1024 --output-len 128"
+run() {  # name, env value, extra args
+    local budget; budget=$(left)
+    if [ "$budget" -lt 30 ]; then echo "$1: skipped (no time left)" >> "$OUT/bench.log"; return; fi
+    echo "== $1: DEEPINFER_BATCH_INVARIANT=$2 $B ${*:3}" >> "$OUT/bench.log"
+    DEEPINFER_BATCH_INVARIANT=$2 timeout "$budget" $B "${@:3}" --json "$OUT/$1.json" >> "$OUT/bench.log" 2>&1
+    echo "rc=$?" >> "$OUT/bench.log"
+}
+run b1_plain 0 --num-prompts 1 --max-num-seqs 1
+run b1_bi 1 --num-prompts 1 --max-num-seqs 1
+run b64_plain 0 --num-prompts 64 --max-num-seqs 64
+run b64_bi 1 --num-prompts 64 --max-num-seqs 64
+
+tail -n 15 "$OUT/pytest_cuda.log"
+grep -E "^==|rc=|output tok/s|TPOT|TTFT|skipped|Error|error" "$OUT/bench.log" | head -n 60
+python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+for p in sorted(Path(sys.argv[1]).glob("*.json")):
+    r = json.loads(p.read_text())
+    m = r["engine"]
+    print(f"{p.stem}: total {m['total_time_s']:.2f} s, output {m['output_throughput']:.1f} tok/s, "
+          f"TTFT mean {m['ttft_s']['mean']:.3f} s, TPOT mean {1e3 * (m['tpot_s']['mean'] or 0):.1f} ms, "
+          f"graph replays {r.get('graph_replays', r['engine'].get('graph_replays'))}")
+PY

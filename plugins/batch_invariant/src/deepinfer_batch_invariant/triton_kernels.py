@@ -1,0 +1,405 @@
+"""Triton kernels with fixed configurations for the batch-invariant CUDA ops (``cuda_ops``).
+
+The rule every kernel here follows: the reduction that produces one output element runs in an order that
+depends only on that element's own row (token, window, query) and on shapes fixed by the model (hidden
+size, head count, head dim, weight shape), never on the number of rows, their order or the batch's
+padding. Concretely:
+
+* one fixed configuration per kernel and model shape (block sizes, ``num_warps``, ``num_stages``): no
+  autotuning, no split-K, nothing chosen from the row count; the row count ``M`` is not specialised
+  (``do_not_specialize``), so one compiled kernel serves every batch;
+* a row's reduction runs inside one program, over blocks of a length fixed by the model; a matmul row's
+  K loop is the same for every row of every tile (``tl.dot`` computes each output element from its own
+  row and column only);
+* attention reduces over each query's *own* visible keys, compacted in key order and split in fixed
+  ``KV_CHUNK`` chunks from the first of them, so the batch's padding of the key axis never moves a chunk
+  boundary (the same rule as ``cpu_ops.sink_attention``).
+
+No launcher synchronises with the host (no ``.item()``, ``.tolist()``, ``nonzero`` or data-dependent
+shapes), so the ops can be captured in CUDA graphs.
+
+The kernels also run under Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors, which is how CI
+checks their logic (indexing, masking, chunking, loop bounds, fold orders). The interpreter's ``tl.dot`` is
+NumPy's BLAS matmul, whose result for a row changes with the row's place in the tile (measured), and it
+computes bf16 operands wrongly (Triton 3.9). So under the interpreter ``_dot`` is an explicit fp32
+multiply-and-sum over K in index order (``EMULATE``); on a GPU it is ``tl.dot`` (tensor cores for bf16 /
+fp16, exact fp32 FMA for fp32), whose per-element result does not depend on the rest of the tile: that
+property is checked by the tests marked ``nvidia``, not by the interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_batch_invariant.primitives import KV_CHUNK
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_EMULATE = INTERPRET
+
+# GEMM tile: fixed for every call (a row's K loop does not depend on M).
+MM_BLOCK_M, MM_BLOCK_N, MM_BLOCK_K = 64, 64, 64
+MM_WARPS, MM_STAGES = 4, 3
+ROW_BLOCK_MAX = 4096
+"""Largest block of a row reduction; longer rows are reduced block by block in a fixed loop."""
+ATTN_BLOCK_H = 16
+"""Query heads per attention program (``tl.dot`` needs M >= 16; fewer heads are masked)."""
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """fp32 operands: exact fp32 products (``ieee``), as the CPU path; no TF32."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _row_block(n: int) -> int:
+    return max(16, min(triton.next_power_of_2(max(n, 1)), ROW_BLOCK_MAX))
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, triton.next_power_of_2(max(n, 1)))
+
+
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+    """``acc + a @ b`` (``a [M, K]``, ``b [K, N]``, fp32 ``acc``): ``tl.dot``, or under the interpreter an
+    explicit multiply-and-sum over K."""
+    if EMULATE:
+        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    else:
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+# ----------------------------------------------------------------------------- matmul
+@triton.jit(do_not_specialize=["M"])
+def _matmul_nt_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sxm, sxk, swn, swk, som, son,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_mask = rk < K
+        a = tl.load(x_ptr + rm[:, None].to(tl.int64) * sxm + rk[None, :] * sxk,
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        b = tl.load(w_ptr + rn[None, :].to(tl.int64) * swn + rk[:, None] * swk,
+                    mask=n_mask[None, :] & k_mask[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
+        acc = _dot(a, b, acc, PRECISION, EMULATE)
+    tl.store(out_ptr + rm[:, None].to(tl.int64) * som + rn[None, :] * son, acc.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def matmul_nt(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for ``x [..., K]``, ``weight [N, K]`` (same dtype), fp32 accumulation, result in
+    ``x.dtype``. One fixed tile (``MM_BLOCK_*``) and a full K loop per output element: no split-K."""
+    if x.dtype != weight.dtype:
+        raise TypeError(f"matmul_nt: x is {x.dtype}, weight is {weight.dtype}")
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = weight.shape[0]
+    rows = x.reshape(-1, k)  # [M, K] (a view where possible)
+    m = rows.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
+    if m == 0 or n == 0:
+        return out.reshape(*lead, n)
+    grid = (triton.cdiv(m, MM_BLOCK_M), triton.cdiv(n, MM_BLOCK_N))
+    _matmul_nt_kernel[grid](rows, weight, out, m, n, k, rows.stride(0), rows.stride(1), weight.stride(0),
+                            weight.stride(1), out.stride(0), out.stride(1),
+                            BLOCK_M=MM_BLOCK_M, BLOCK_N=MM_BLOCK_N, BLOCK_K=MM_BLOCK_K,
+                            PRECISION=_precision(x.dtype), EMULATE=_EMULATE, num_warps=MM_WARPS,
+                            num_stages=MM_STAGES if x.dtype != torch.float32 else 2)
+    return out.reshape(*lead, n)
+
+
+# ----------------------------------------------------------------------------- row reductions
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, sx, so, eps,
+                     HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK):
+        x = tl.load(x_ptr + row * sx + n0 + cols, mask=n0 + cols < N, other=0.0).to(tl.float32)
+        acc += x * x
+    scale = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N + eps)
+    dt = out_ptr.dtype.element_ty
+    if not HAS_WEIGHT:
+        scale = scale.to(dt).to(tl.float32)  # the reference scales in x's dtype
+    for n0 in range(0, N, BLOCK):
+        mask = n0 + cols < N
+        x = tl.load(x_ptr + row * sx + n0 + cols, mask=mask, other=0.0).to(tl.float32)
+        y = x * scale
+        if HAS_WEIGHT:
+            y = tl.load(w_ptr + n0 + cols, mask=mask, other=0.0).to(tl.float32) * y
+        tl.store(out_ptr + row * so + n0 + cols, y.to(dt), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).contiguous()  # [rows, N]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Reference ``rms_norm``: one program per row, the sum of squares over fixed blocks of the row."""
+    rows = _rows(x)
+    out = torch.empty_like(rows)
+    n = rows.shape[1]
+    if rows.shape[0]:
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, n, rows.stride(0), out.stride(0), float(eps),
+                                           HAS_WEIGHT=True, BLOCK=_row_block(n), num_warps=4)
+    return out.view(x.shape)
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Reference ``unweighted_rms_norm`` (scale rounded to ``x.dtype`` first), one program per row."""
+    rows = _rows(x)
+    out = torch.empty_like(rows)
+    n = rows.shape[1]
+    if rows.shape[0]:
+        _rms_norm_kernel[(rows.shape[0],)](rows, rows, out, n, rows.stride(0), out.stride(0), float(eps),
+                                           HAS_WEIGHT=False, BLOCK=_row_block(n), num_warps=4)
+    return out.view(x.shape)
+
+
+@triton.jit
+def _row_sum_kernel(x_ptr, out_ptr, N, sx, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK):
+        acc += tl.load(x_ptr + row * sx + n0 + cols, mask=n0 + cols < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty))
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last axis, keeping it (``x.sum(-1, keepdim=True)``), one program per row, fp32 accumulate."""
+    rows = _rows(x)
+    out = torch.empty(rows.shape[0], dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        _row_sum_kernel[(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0), BLOCK=_row_block(rows.shape[1]))
+    return out.view(*x.shape[:-1], 1)
+
+
+# ----------------------------------------------------------------------------- small-axis folds
+@triton.jit
+def _weighted_fold_kernel(w_ptr, x_ptr, out_ptr, L, B, swa, swl, swb, sxa, sxl, sxb,
+                          ROUND: tl.constexpr, BLOCK_B: tl.constexpr):
+    a = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    mask = cols < B
+    acc = tl.zeros((BLOCK_B,), dtype=tl.float32)
+    for l in range(L):  # a left fold in slot order
+        w = tl.load(w_ptr + a * swa + l * swl + cols * swb, mask=mask, other=0.0)
+        x = tl.load(x_ptr + a * sxa + l * sxl + cols * sxb, mask=mask, other=0.0)
+        if ROUND:  # the product in the inputs' dtype (as the reference multiplies in it)
+            p = (w.to(tl.float32) * x.to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            p = w.to(tl.float32) * x.to(tl.float32)
+        acc += p
+    tl.store(out_ptr + a * B + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def weighted_fold(w: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype, round_product: bool) -> torch.Tensor:
+    """``sum_l w[a, l, b] * x[a, l, b]`` over ``l`` in index order, fp32 accumulation: ``[A, L, B] -> [A, B]``.
+
+    ``w`` may broadcast (a stride-0 axis). ``round_product`` rounds each product to ``x.dtype`` first.
+    """
+    w = w.expand_as(x)
+    A, L, B = x.shape
+    out = torch.empty(A, B, dtype=out_dtype, device=x.device)
+    if A and B:
+        block = min(_pow2(B), 1024)
+        _weighted_fold_kernel[(A, triton.cdiv(B, block))](w, x, out, L, B, *w.stride(), *x.stride(),
+                                                          ROUND=round_product, BLOCK_B=block, num_warps=4)
+    return out
+
+
+# ----------------------------------------------------------------------------- compressor pooling
+@triton.jit
+def _pool_kernel(kv_ptr, gate_ptr, out_ptr, L, C, sk_n, sk_l, sg_n, sg_l,
+                 BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    slots = tl.arange(0, BLOCK_L)
+    mask = (slots[:, None] < L) & (cols[None, :] < C)
+    gate = tl.load(gate_ptr + n * sg_n + slots[:, None] * sg_l + cols[None, :], mask=mask,
+                   other=float("-inf")).to(tl.float32)  # [BLOCK_L, BLOCK_C]
+    e = tl.exp(gate - tl.max(gate, axis=0)[None, :])
+    weights = e / tl.sum(e, axis=0)[None, :]
+    dt = out_ptr.dtype.element_ty
+    kv = tl.load(kv_ptr + n * sk_n + slots[:, None] * sk_l + cols[None, :], mask=mask, other=0.0)
+    prod = (kv.to(tl.float32) * weights.to(dt).to(tl.float32)).to(dt).to(tl.float32)  # in kv's dtype
+    prod = tl.where(mask, prod, 0.0)
+    tl.store(out_ptr + n * C + cols, tl.sum(prod, axis=0).to(dt), mask=cols < C)
+
+
+def pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``(kv * softmax_slots(gate).to(kv.dtype)).sum(slots)``: ``[N, slots, d] -> [N, d]``, one program per
+    (window, channel block); the softmax and the sum reduce over the window's slots only."""
+    kv, gate = kv.contiguous(), gate.contiguous()
+    N, L, C = kv.shape
+    out = torch.empty(N, C, dtype=kv.dtype, device=kv.device)
+    if N and C:
+        block_c = 64 if L > 64 else 128
+        _pool_kernel[(N, triton.cdiv(C, block_c))](kv, gate, out, L, C, kv.stride(0), kv.stride(1), gate.stride(0),
+                                                   gate.stride(1), BLOCK_L=_pow2(L, 2), BLOCK_C=block_c,
+                                                   num_warps=4)
+    return out
+
+
+# ----------------------------------------------------------------------------- mHC Sinkhorn
+@triton.jit
+def _sinkhorn_kernel(x_ptr, out_ptr, HC, iters, eps, HCP: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, HCP)
+    mask = (i[:, None] < HC) & (i[None, :] < HC)
+    offs = t * HC * HC + i[:, None] * HC + i[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=float("-inf"))  # [HCP, HCP] logits of one token
+    e = tl.exp(x - tl.max(x, axis=1)[:, None])
+    c = tl.where(mask, e / tl.sum(e, axis=1)[:, None] + eps, 0.0)  # softmax over the last axis, + eps
+    c = c / (tl.sum(c, axis=0)[None, :] + eps)
+    for _ in range(1, iters):
+        c = c / (tl.sum(c, axis=1)[:, None] + eps)
+        c = c / (tl.sum(c, axis=0)[None, :] + eps)
+    tl.store(out_ptr + offs, c, mask=mask)
+
+
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """The reference ``hc_pre`` mixing matrix from its logits ``[T, hc, hc]`` (fp32): softmax over the last
+    axis plus ``eps``, then ``iters`` Sinkhorn normalisations; one program per token."""
+    logits = logits.float().contiguous()
+    T, hc, _ = logits.shape
+    out = torch.empty_like(logits)
+    if T:
+        _sinkhorn_kernel[(T,)](logits, out, hc, int(iters), float(eps), HCP=_pow2(hc, 2), num_warps=1)
+    return out
+
+
+# ----------------------------------------------------------------------------- attention
+@triton.jit
+def _sink_attention_kernel(q_ptr, kv_ptr, idx_ptr, count_ptr, sink_ptr, out_ptr, Lq, H, D, scale,
+                           sq_s, sq_q, sq_h, sk_s, sk_k, si_q, so_s, so_q, so_h,
+                           BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+                           PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)  # s * Lq + t
+    s = pid // Lq
+    t = pid % Lq
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    h_mask = heads < H
+    d_mask = dims < D
+    q = tl.load(q_ptr + s * sq_s + t * sq_q + heads[:, None] * sq_h + dims[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+    count = tl.load(count_ptr + pid)  # this query's visible keys
+    m = tl.load(sink_ptr + heads, mask=h_mask, other=0.0).to(tl.float32)  # running max, started at the sink
+    sink = m
+    denom = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+    chunk = tl.arange(0, CHUNK)
+    for c0 in range(0, count, CHUNK):  # this query's own keys, CHUNK at a time, in key order
+        valid = c0 + chunk < count
+        key = tl.load(idx_ptr + pid * si_q + c0 + chunk, mask=valid, other=0).to(tl.int64)
+        k = tl.load(kv_ptr + s * sk_s + key[:, None] * sk_k + dims[None, :],
+                    mask=valid[:, None] & d_mask[None, :], other=0.0)  # [CHUNK, BLOCK_D]
+        zero = tl.zeros((BLOCK_H, CHUNK), dtype=tl.float32)
+        scores = _dot(q, tl.trans(k), zero, PRECISION, EMULATE) * scale  # [BLOCK_H, CHUNK]
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        denom = denom * alpha + tl.sum(p, axis=1)
+        acc = _dot(p.to(k.dtype), k, acc * alpha[:, None], PRECISION, EMULATE)
+        m = m_new
+    denom = denom + tl.exp(sink - m)  # the sink's mass is in the denominator only
+    out = acc / denom[:, None]
+    tl.store(out_ptr + s * so_s + t * so_q + heads[:, None] * so_h + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
+
+
+def compact_visible(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's visible key indices in key order, and their number, without host synchronisation.
+
+    ``visible [S, Lq, Lk]`` -> ``idx [S * Lq, Lk + 1]`` int32 (entries past a query's count are junk) and
+    ``counts [S * Lq]`` int32.
+    """
+    S, Lq, Lk = visible.shape
+    flat = visible.reshape(S * Lq, Lk)
+    rank = torch.cumsum(flat, dim=-1, dtype=torch.int32)  # [S * Lq, Lk]: exact integer prefix sums
+    counts = rank[:, -1].contiguous() if Lk else torch.zeros(S * Lq, dtype=torch.int32, device=visible.device)
+    target = torch.where(flat, rank - 1, Lk).long()  # invisible keys all land in the spare column Lk
+    idx = torch.zeros(S * Lq, Lk + 1, dtype=torch.int32, device=visible.device)
+    keys = torch.arange(Lk, dtype=torch.int32, device=visible.device).expand(S * Lq, Lk)
+    idx.scatter_(1, target, keys)
+    return idx, counts
+
+
+def sink_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """Reference ``sink_attention`` over each query's own visible keys in fixed ``KV_CHUNK`` chunks.
+
+    ``q [S, Lq, H, d]``, ``kv [S, Lk, d]``, ``visible [S, Lq, Lk]``, ``sinks [H]``; returns ``[S, Lq, H, d]`` in
+    ``q.dtype``. One program per (query, block of ``ATTN_BLOCK_H`` heads) runs an online softmax over the
+    query's chunks in order (the running max starts at the sink logit; a query without keys gets 0).
+    """
+    S, Lq, H, d = q.shape
+    q = q.contiguous()
+    kv = kv.to(q.dtype).contiguous()
+    out = torch.empty_like(q)
+    if S * Lq == 0:
+        return out
+    idx, counts = compact_visible(visible)
+    grid = (S * Lq, triton.cdiv(H, ATTN_BLOCK_H))
+    _sink_attention_kernel[grid](q, kv, idx, counts, sinks.float().contiguous(), out, Lq, H, d, float(scale),
+                                 q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), idx.stride(0),
+                                 out.stride(0), out.stride(1), out.stride(2),
+                                 BLOCK_H=ATTN_BLOCK_H, BLOCK_D=_pow2(d), CHUNK=KV_CHUNK,
+                                 PRECISION=_precision(q.dtype), EMULATE=_EMULATE,
+                                 num_warps=4 if d <= 128 else 8, num_stages=2)
+    return out
+
+
+# ----------------------------------------------------------------------------- indexer
+@triton.jit
+def _indexer_kernel(q_ptr, k_ptr, w_ptr, out_ptr, Lq, E, Hi, Di, scale,
+                    sq_s, sq_q, sq_h, sk_s, sk_e, sw_s, sw_q, so_s, so_q,
+                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, EMULATE: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)  # s * Lq + t
+    s = pid // Lq
+    t = pid % Lq
+    ents = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    h_mask = heads < Hi
+    e_mask = ents < E
+    d_mask = dims < Di
+    q = tl.load(q_ptr + s * sq_s + t * sq_q + heads[:, None] * sq_h + dims[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_D]
+    k = tl.load(k_ptr + s * sk_s + ents[:, None] * sk_e + dims[None, :],
+                mask=e_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # [BLOCK_E, BLOCK_D]
+    w = tl.load(w_ptr + s * sw_s + t * sw_q + heads, mask=h_mask, other=0.0).to(tl.float32)
+    dots = _dot(q, tl.trans(k), tl.zeros((BLOCK_H, BLOCK_E), dtype=tl.float32), "ieee", EMULATE)  # [BLOCK_H, BLOCK_E]
+    terms = tl.maximum(dots, 0.0) * scale * w[:, None]
+    tl.store(out_ptr + s * so_s + t * so_q + ents, tl.sum(terms, axis=0), mask=e_mask)
+
+
+def indexer_scores(q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, scale: float) -> torch.Tensor:
+    """Reference ``indexer_scores`` in fp32: one program per (query, block of 64 entries); an entry's score
+    reduces over its own query's heads and dims only (no reduction runs along the padded entry axis)."""
+    S, Lq, Hi, di = q.shape
+    E = keys.shape[1]
+    q, keys, head_weights = q.contiguous(), keys.contiguous(), head_weights.contiguous()
+    out = torch.empty(S, Lq, E, dtype=torch.float32, device=q.device)
+    if S * Lq == 0 or E == 0:
+        return out
+    grid = (S * Lq, triton.cdiv(E, KV_CHUNK))
+    _indexer_kernel[grid](q, keys, head_weights, out, Lq, E, Hi, di, float(scale),
+                          q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1),
+                          head_weights.stride(0), head_weights.stride(1), out.stride(0), out.stride(1),
+                          BLOCK_H=_pow2(Hi), BLOCK_D=_pow2(di), BLOCK_E=KV_CHUNK, EMULATE=_EMULATE,
+                          num_warps=4)
+    return out

@@ -1,0 +1,140 @@
+"""Batch invariance on an NVIDIA GPU (marker ``nvidia``; skipped with the probe's reason elsewhere).
+
+Op level: every CUDA variant gives a needle's rows the same bits alone and among random rows (the harness's
+CPU-built inputs are moved to the GPU), at the test sizes and at DeepSeek-V4 sizes. End to end: the shipped
+checkpoint (``deepinfer_core/assets/tiny_v4``) through ``LLM(..., backend="nvidia_sm100",
+batch_invariant=True)``, a greedy and a seeded needle alone vs inside random batches of 2 to 64 requests
+with chunked prefill, in bf16 and fp32: tokens and whole log-probability rows ``torch.equal``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from bi_harness import (
+    check_attention,
+    check_indexer_scores,
+    check_rows,
+    close,
+    outputs_equal,
+    random_batch,
+    record,
+    row_cases,
+)
+
+pytestmark = pytest.mark.nvidia
+
+TINY_V4 = Path(__file__).resolve().parents[3] / "deepinfer_core" / "assets" / "tiny_v4"
+VOCAB = 4096
+
+
+def _to(obj, device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, tuple | list):
+        return type(obj)(_to(o, device) for o in obj)
+    return obj
+
+
+def on_cuda(op):
+    """``op`` with its tensor arguments moved to the GPU and its results back (for the CPU-built harness)."""
+
+    def run(*args, **kwargs):
+        return _to(op(*_to(args, "cuda"), **kwargs), "cpu")
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def bi():
+    from deepinfer_batch_invariant.ops import implementations
+
+    return implementations("nvidia_sm100")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_ops_bitwise_invariant_on_gpu(bi, dtype):
+    failures = {case.name: check_rows(case, on_cuda(bi[case.op]), sizes=(0, 1, 2, 7, 17, 64, 100, 300))
+                for case in row_cases(dtype)}
+    assert {name: f for name, f in failures.items() if f} == {}
+
+
+def test_row_ops_close_to_reference_on_gpu(bi):
+    from deepinfer_core.ops.table import reference_ops
+
+    ref = reference_ops()
+    for case in row_cases():
+        inputs = case.rows(37, torch.Generator().manual_seed(7))
+        close(case.call(on_cuda(bi[case.op]), inputs), case.call(ref[case.op], inputs), atol=3e-5, rtol=3e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_and_indexer_invariant_on_gpu(bi, dtype):
+    assert check_attention(on_cuda(bi["sink_attention"]), trials=12, dtype=dtype) == []
+    assert check_indexer_scores(on_cuda(bi["indexer_scores"]), trials=8) == []
+
+
+def test_v4_sizes_invariant_on_gpu(bi):
+    """DeepSeek-V4-Flash shapes: a 4096 -> 1024 bf16 projection with up to 2048 other rows, attention with
+    64 heads x 512 and up to 5 other sequences, the indexer with 64 heads x 128."""
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(1024, 4096, generator=gen) * 0.02).bfloat16().cuda()
+    needle = torch.randn(3, 4096, generator=gen).bfloat16().cuda()
+    alone = bi["linear"](needle, w)
+    for m in (1, 15, 63, 64, 200, 2048):
+        x = torch.randn(m + 3, 4096, generator=gen).bfloat16().cuda()
+        at = torch.randperm(m + 3, generator=gen)[:3].cuda()
+        x[at] = needle
+        assert torch.equal(bi["linear"](x, w)[at], alone), m
+    assert check_attention(on_cuda(bi["sink_attention"]), trials=4, H=64, d=512, dtype=torch.bfloat16) == []
+    assert check_indexer_scores(on_cuda(bi["indexer_scores"]), trials=4, Hi=64, di=128) == []
+
+
+def test_sampler_row_ops_invariant_on_gpu():
+    """The sampler's log_softmax / softmax (core code, plain torch) give a row the same bits in any batch."""
+    gen = torch.Generator().manual_seed(0)
+    needle = torch.randn(1, VOCAB, generator=gen).cuda() * 4
+    for fn in (torch.log_softmax, torch.softmax):
+        alone = fn(needle, dim=-1)
+        for m in (1, 7, 64, 255):
+            x = torch.randn(m + 1, VOCAB, generator=gen).cuda()
+            x[m // 2] = needle[0]
+            assert torch.equal(fn(x, dim=-1)[m // 2], alone[0]), (fn.__name__, m)
+
+
+# ----------------------------------------------------------------------------- end to end
+def _needles():
+    from deepinfer_core import SamplingParams
+
+    gen = torch.Generator().manual_seed(2024)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=VOCAB, prompt_logprobs=VOCAB)
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seq_seed=1234, max_tokens=8, ignore_eos=True,
+                            logprobs=VOCAB, prompt_logprobs=VOCAB)
+    return [(torch.randint(3, VOCAB, (45,), generator=gen).tolist(), greedy),
+            (torch.randint(3, VOCAB, (30,), generator=gen).tolist(), seeded)]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_needles_bitwise_identical_in_random_batches_on_gpu(dtype):
+    from deepinfer_core import LLM
+
+    needles = _needles()
+
+    def llm(**kwargs):
+        return LLM(str(TINY_V4), backend="nvidia_sm100", dtype=dtype, batch_invariant=True, block_size=8,
+                   max_num_seqs=64, enable_prefix_caching=False, **kwargs)
+
+    solo = llm(max_num_batched_tokens=512)
+    assert set(solo.model.ops.sources().values()) == {"batch_invariant"}
+    alone = [record(solo.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0], VOCAB) for p, sp in needles]
+    del solo
+    batched = llm(max_num_batched_tokens=128)  # chunked prefill: prompts split, mixed with decode tokens
+    gen = torch.Generator().manual_seed(0)
+    for num_others in (0, 1, 6, 21, 62):  # batches of 2 .. 64 requests
+        prompts, params, where = random_batch(gen, num_others, needles, VOCAB,
+                                              max_tokens=(24, 48) if num_others > 21 else (1, 12))
+        outputs = batched.generate(prompts, params, use_tqdm=False)
+        for needle, at in enumerate(where):
+            assert outputs_equal(record(outputs[at], VOCAB), alone[needle]), (dtype, needle, len(prompts))

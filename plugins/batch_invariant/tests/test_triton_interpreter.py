@@ -1,0 +1,124 @@
+"""The CUDA variants' Triton kernels run on CPU tensors under Triton's interpreter (no GPU needed).
+
+What this checks: the kernels' logic (indexing, masks, the compaction of each query's keys, chunk loops,
+fold orders, the launchers' shapes and strides) gives a needle the same bits alone and inside random
+batches, and agrees with the reference ops. What it cannot check: that ``tl.dot`` on the GPU computes a
+row independently of the rest of its tile. Under the interpreter ``_dot`` is an explicit multiply-and-sum
+(``triton_kernels`` says why); the GPU property is tested by ``test_cuda.py`` (marker ``nvidia``). The
+backend's MoE kernels call ``tl.dot`` directly, so ``moe_experts`` is only compared with the reference here.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="the test extra installs triton")
+if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("Triton's interpreter is for machines without a GPU (conftest sets TRITON_INTERPRET=1 there)",
+                allow_module_level=True)
+
+from bi_harness import (
+    attention_batch,
+    check_attention,
+    check_indexer_scores,
+    check_rows,
+    close,
+    row_cases,
+)
+from deepinfer_batch_invariant import cuda_ops, triton_kernels
+from deepinfer_batch_invariant.ops import implementations
+
+from deepinfer_core.ops.table import reference_ops
+
+REF = reference_ops()
+BI = implementations("nvidia_sm100")
+SIZES = (0, 1, 7, 17, 64, 100)  # 64 + 3 needle rows cross a 64-row tile
+CASES = {case.name: case for case in row_cases()}
+BF16_CASES = {case.name: case for case in row_cases(torch.bfloat16)}
+TILED = sorted(name for name, case in CASES.items() if case.op != "moe_experts")
+
+
+def test_kernels_run_interpreted():
+    assert triton_kernels.INTERPRET
+    assert type(triton_kernels._matmul_nt_kernel).__name__ == "InterpretedFunction"
+
+
+def test_every_op_is_classified_and_installed():
+    assert set(cuda_ops.VARIANTS) | set(cuda_ops.REFERENCE_KEPT) == set(REF)
+    assert not set(cuda_ops.VARIANTS) & set(cuda_ops.REFERENCE_KEPT)
+    for name, fn in BI.items():
+        assert fn is cuda_ops.VARIANTS.get(name, REF[name])
+
+
+@pytest.mark.parametrize("name", TILED)
+def test_row_op_is_bitwise_invariant(name):
+    case = CASES[name]
+    assert check_rows(case, BI[case.op], sizes=SIZES) == []
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_row_op_matches_reference(name):
+    case = CASES[name]
+    inputs = case.rows(37, torch.Generator().manual_seed(7))
+    close(case.call(BI[case.op], inputs), case.call(REF[case.op], inputs), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("name", ["linear 256->96", "logits", "grouped_linear", "swiglu_mlp", "compressor_pool",
+                                  "rms_norm", "unweighted_rms_norm"])
+def test_bf16_row_op_invariant_and_close(name):
+    case = BF16_CASES[name]
+    assert check_rows(case, BI[case.op], sizes=(0, 1, 17, 64)) == []
+    inputs = case.rows(21, torch.Generator().manual_seed(3))
+    close(case.call(BI[case.op], inputs), case.call(REF[case.op], inputs), atol=3e-2, rtol=3e-2)
+
+
+def test_sink_attention_invariant_to_padding_batch_and_chunking():
+    assert triton_kernels.KV_CHUNK < 150  # the random sequences have up to 150 keys: several chunks
+    assert check_attention(BI["sink_attention"], trials=8) == []
+
+
+def test_sink_attention_bf16_invariant():
+    assert check_attention(BI["sink_attention"], trials=4, seed=1, dtype=torch.bfloat16) == []
+
+
+def test_sink_attention_matches_reference():
+    for seed in range(2):
+        args = attention_batch(torch.Generator().manual_seed(seed))
+        # the extra queries see junk keys of magnitude ~100: outputs up to ~1e2, online-softmax rounding
+        close(BI["sink_attention"](*args), REF["sink_attention"](*args), atol=3e-3, rtol=1e-4)
+
+
+def test_sink_attention_row_without_visible_keys_is_zero():
+    q, kv = torch.randn(1, 2, 4, 32), torch.randn(1, 5, 32)
+    visible = torch.zeros(1, 2, 5, dtype=torch.bool)
+    visible[0, 0, 1] = True
+    sinks = torch.randn(4)
+    out = BI["sink_attention"](q, kv, visible, sinks, 0.2)
+    assert torch.equal(out[0, 1], torch.zeros(4, 32))
+    close(out, REF["sink_attention"](q, kv, visible, sinks, 0.2), atol=1e-6, rtol=1e-5)
+
+
+def test_compact_visible_lists_each_querys_keys_in_order():
+    visible = torch.rand(2, 3, 40, generator=torch.Generator().manual_seed(0)) < 0.4
+    idx, counts = triton_kernels.compact_visible(visible)
+    for row, vis in enumerate(visible.reshape(6, 40)):
+        expected = vis.nonzero().flatten().to(torch.int32)
+        assert int(counts[row]) == expected.numel()
+        assert torch.equal(idx[row, : expected.numel()], expected)
+
+
+def test_indexer_scores_invariant_and_matches_reference():
+    assert check_indexer_scores(BI["indexer_scores"], trials=8) == []
+    gen = torch.Generator().manual_seed(5)
+    q, keys, w = torch.randn(3, 7, 2, 16, generator=gen), torch.randn(3, 90, 16, generator=gen), torch.randn(3, 7, 2)
+    close(BI["indexer_scores"](q, keys, w, 0.25), REF["indexer_scores"](q, keys, w, 0.25), atol=1e-5, rtol=1e-5)
+
+
+def test_sinkhorn_matches_the_reference_form():
+    logits = torch.randn(9, 4, 4, generator=torch.Generator().manual_seed(2)) * 3
+    from deepinfer_batch_invariant.forms import reference_sinkhorn
+
+    close(triton_kernels.sinkhorn(logits, 20, 1e-6), reference_sinkhorn(logits, 20, 1e-6), atol=1e-6, rtol=1e-5)
