@@ -153,6 +153,17 @@ def attention_batch(gen, S=5, H=4, d=32, dtype=torch.float32):
             torch.stack([p[2] for p in placed]), _randn(gen, H), d**-0.5)
 
 
+def check_empty_attention_row(op: Callable, reference: Callable) -> None:
+    """A query without visible keys gets exact zeros; the rest matches the reference op."""
+    q, kv = torch.randn(1, 2, 4, 32), torch.randn(1, 5, 32)
+    visible = torch.zeros(1, 2, 5, dtype=torch.bool)
+    visible[0, 0, 1] = True
+    sinks = torch.randn(4)
+    out = op(q, kv, visible, sinks, 0.2)
+    assert torch.equal(out[0, 1], torch.zeros(4, 32))
+    close(out, reference(q, kv, visible, sinks, 0.2), atol=1e-6, rtol=1e-5)
+
+
 # ----------------------------------------------------------------------------- indexer
 def _indexer_sequence(gen, Hi, di, max_q=10, max_e=150):
     n_q = int(torch.randint(1, max_q + 1, (1,), generator=gen))
@@ -179,6 +190,13 @@ def check_indexer_scores(op: Callable, trials: int = 25, Hi: int = 2, di: int = 
         if not torch.equal(got, alone[:, :n_e]):
             failures.append(trial)
     return failures
+
+
+def check_indexer_close(op: Callable, reference: Callable) -> None:
+    """``indexer_scores`` matches the reference op on a padded 3-sequence batch."""
+    gen = torch.Generator().manual_seed(5)
+    q, keys, w = torch.randn(3, 7, 2, 16, generator=gen), torch.randn(3, 90, 16, generator=gen), torch.randn(3, 7, 2)
+    close(op(q, keys, w, 0.25), reference(q, keys, w, 0.25), atol=1e-5, rtol=1e-5)
 
 
 def check_indexer_topk(op: Callable, trials: int = 25, k: int = 5, seed: int = 0) -> list[int]:

@@ -144,26 +144,25 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()  # [rows, N]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Reference ``rms_norm``: one program per row, the sum of squares over fixed blocks of the row."""
+def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     rows = _rows(x)
     out = torch.empty_like(rows)
     n = rows.shape[1]
     if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, n, rows.stride(0), out.stride(0), float(eps),
-                                           HAS_WEIGHT=True, BLOCK=_row_block(n), num_warps=4)
+        _rms_norm_kernel[(rows.shape[0],)](rows, rows if weight is None else weight, out, n, rows.stride(0),
+                                           out.stride(0), float(eps), HAS_WEIGHT=weight is not None,
+                                           BLOCK=_row_block(n), num_warps=4)
     return out.view(x.shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Reference ``rms_norm``: one program per row, the sum of squares over fixed blocks of the row."""
+    return _rms(x, weight, eps)
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Reference ``unweighted_rms_norm`` (scale rounded to ``x.dtype`` first), one program per row."""
-    rows = _rows(x)
-    out = torch.empty_like(rows)
-    n = rows.shape[1]
-    if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](rows, rows, out, n, rows.stride(0), out.stride(0), float(eps),
-                                           HAS_WEIGHT=False, BLOCK=_row_block(n), num_warps=4)
-    return out.view(x.shape)
+    return _rms(x, None, eps)
 
 
 @triton.jit
