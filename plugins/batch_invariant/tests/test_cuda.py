@@ -123,7 +123,7 @@ def test_needles_bitwise_identical_in_random_batches_on_gpu(dtype):
     needles = _needles()
 
     def llm(**kwargs):
-        return LLM(str(TINY_V4), backend="nvidia_sm100", dtype=dtype, batch_invariant=True, block_size=8,
+        return LLM(str(TINY_V4), backend="nvidia_sm100", dtype=dtype, batch_invariant=True,
                    max_num_seqs=64, enable_prefix_caching=False, **kwargs)
 
     solo = llm(max_num_batched_tokens=512)
