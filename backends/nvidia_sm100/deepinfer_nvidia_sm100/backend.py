@@ -79,10 +79,14 @@ class NvidiaBackend(Backend):
 
 
 def sm90_ops() -> dict[str, Callable]:
-    """Hopper overrides (Triton, verified on the H200: see docs/nvidia.md)."""
-    from deepinfer_nvidia_sm100.kernels import compiled, moe
+    """Hopper overrides (Triton; TileLang ``sink_attention`` where TileLang is installed; verified on the H200:
+    see docs/nvidia.md)."""
+    from deepinfer_nvidia_sm100.kernels import compiled, moe, tl_attention
 
-    return {**compiled.compiled_ops(), "moe_experts": moe.moe_experts}
+    ops = {**compiled.compiled_ops(), "moe_experts": moe.moe_experts}
+    if tl_attention.available():  # bf16 / fp16 with H % 64 == 0, d = 512; other inputs run the reference op
+        ops["sink_attention"] = tl_attention.sink_attention
+    return ops
 
 
 def sm100_ops() -> dict[str, Callable]:

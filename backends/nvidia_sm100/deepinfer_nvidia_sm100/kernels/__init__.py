@@ -1,1 +1,1 @@
-"""Triton kernels of the NVIDIA backend. Imported only when the backend is selected (imports Triton)."""
+"""Kernels of the NVIDIA backend (Triton; TileLang in tl_attention.py). Imported only when the backend is selected."""

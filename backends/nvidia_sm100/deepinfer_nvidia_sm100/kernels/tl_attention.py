@@ -33,6 +33,7 @@ CPU tensors), to the reference op. TileLang is imported lazily, inside the build
 
 # No `from __future__ import annotations`: TileLang evaluates the T.Tensor annotations of the prim_funcs.
 
+import importlib.util
 import math
 import os
 from functools import cache
@@ -436,12 +437,18 @@ def _sm_count(index: int) -> int:
 
 
 def num_splits(rows: int, lk: int, sms: int, block_n: int = BLOCK_N) -> int:
-    """Key splits per row: enough CTAs to cover the SMs once, at least two key blocks per split."""
+    """Key splits per row: at most one wave of CTAs (one CTA per SM: ~200 KB of shared memory each), at least two
+    key blocks per split. H200 sweep (docs/performance.md): a second partial wave costs ~30% at S=64, Lk=2048."""
     env = os.environ.get("DEEPINFER_TL_ATTN_SPLITS")
     n_blocks = max(1, math.ceil(lk / block_n))
     if env:
         return max(1, min(int(env), n_blocks))
-    return max(1, min(math.ceil(sms / rows), math.ceil(n_blocks / 2)))
+    return max(1, min(sms // rows, math.ceil(n_blocks / 2)))
+
+
+def available() -> bool:
+    """TileLang importable (without importing it) and not switched off by ``DEEPINFER_NVIDIA_TILELANG=0``."""
+    return os.environ.get("DEEPINFER_NVIDIA_TILELANG", "1") != "0" and importlib.util.find_spec("tilelang") is not None
 
 
 def supported(q: torch.Tensor, kv: torch.Tensor) -> bool:
