@@ -84,7 +84,7 @@ def sm90_ops() -> dict[str, Callable]:
     from deepinfer_nvidia_sm100.kernels import compiled, moe, tl_attention
 
     ops = {**compiled.compiled_ops(), "moe_experts": moe.moe_experts}
-    if tl_attention.available():  # bf16 / fp16 with H % 64 == 0, d = 512; other inputs run the reference op
+    if tl_attention.available():  # bf16 with H % 64 == 0, d = 512; other inputs run the reference op
         ops["sink_attention"] = tl_attention.sink_attention
     return ops
 

@@ -26,8 +26,8 @@ Arch variants (``arch`` = ``"sm_90a"`` or ``"sm_100a"``):
   each CTA produces one half of d (grid dimension doubled); ``O`` is rescaled and accumulated in registers.
   Compile-checked for tcgen05 only: no SM100 GPU has run it (docs/nvidia.md).
 
-fp32 inputs are not run by the kernel (wgmma would use tf32, and tf32 cannot take V as an MN-major operand);
-``sink_attention`` sends them, and any shape the kernel does not cover (H not a multiple of 64, d not 512,
+Only bf16 runs the kernel. fp32 does not (wgmma would use tf32, and tf32 cannot take V as an MN-major operand),
+and fp16 never ran on hardware; ``sink_attention`` sends them, and any shape the kernel does not cover (H not a multiple of 64, d not 512,
 CPU tensors), to the reference op. TileLang is imported lazily, inside the builders.
 """
 
@@ -47,7 +47,7 @@ BLOCK_H = 64  # heads per CTA: the GEMM M
 BLOCK_N = 64  # keys per block
 HEAD_DIM = 512
 SM100_DV = 256  # output columns per CTA on SM100 (TMEM budget: 64 score + 256 PV columns of 512)
-_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_DTYPES = {torch.bfloat16: "bfloat16"}  # fp16 would build the same way, but it never ran on hardware: reference
 
 
 def _pass_configs(arch: str) -> dict:
