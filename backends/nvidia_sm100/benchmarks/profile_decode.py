@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--layout-copy", choices=["pageable", "pinned"], default="pageable",
                         help="A/B: how StepLayout moves its host-built index tensors (default: plain non-blocking "
                              ".to(); pinned: pin_memory() first)")
+    parser.add_argument("--enforce-eager", action="store_true", help="profile eager steps instead of graph replays")
     args = parser.parse_args()
     if args.layout_copy == "pinned":
         from deepinfer_core.models.deepseek_v4.layout import StepLayout
@@ -37,7 +38,7 @@ def main() -> None:
     folder = presets.ensure_preset("v4-flash-8l64e")
     top = max(args.batches)
     llm = LLM(folder, backend=args.backend, dtype="bfloat16", max_model_len=args.input_len + 64, max_num_seqs=top,
-              max_num_batched_tokens=8192)
+              max_num_batched_tokens=8192, enforce_eager=args.enforce_eager)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     summary = []

@@ -128,6 +128,7 @@ class StepLayout:
         self._build_sliding_keys()
         self._entries: dict[int, EntryLayout] = {}
         self._windows: dict[tuple[int, int], WindowPlan] = {}
+        self._tables: torch.Tensor | None = None
         if static is not None:  # build everything now, in a fixed order (the buffers' order)
             for ratio in static.entry_ratios:
                 self.entries(ratio)
@@ -183,8 +184,9 @@ class StepLayout:
             spans.append(min(ctx, max(0, ctx - (W - 1), floors[s])))
         ends = [ctx + n for ctx, n in zip(batch.context_lens, self.query_lens)]
         width = self.static.key_width if self.static else max(end - first for first, end in zip(spans, ends))
-        key_positions = self._tensor([list(range(first, end)) + [-1] * (width - end + first)
-                                      for first, end in zip(spans, ends)])  # [S, Lk]
+        first, end = self._tensor(spans)[:, None], self._tensor(ends)[:, None]  # [S, 1]
+        key_positions = first + torch.arange(width)[None, :]  # [S, Lk]
+        key_positions = torch.where(key_positions < end, key_positions, -1)
         ctx, starts = self._host_ctx[:, None], self._host_starts[:, None]
         from_new = key_positions >= ctx  # [S, Lk]
         self.key_from_new = self._to_device(from_new)
@@ -226,16 +228,24 @@ class StepLayout:
         per_block = self.block_size // ratio
         counts = [(ctx + n) // ratio for ctx, n in zip(self.batch.context_lens, self.query_lens)]
         width = self.static.context_len // ratio if self.static else max(counts)
-        blocks = [[table[w // per_block] for w in range(count)] + [0] * (width - count)
-                  for table, count in zip(self.batch.block_tables, counts)]
-        rows = [[w % per_block for w in range(width)]] * self.num_seqs
         entry_ids = torch.arange(width)  # [E]
+        tables = self._block_tables()  # [S, max blocks]
+        table_index = (entry_ids // per_block).clamp(max=tables.shape[1] - 1)[None, :].expand(self.num_seqs, -1)
+        real = entry_ids[None, :] < self._tensor(counts)[:, None]  # [S, E]
+        blocks = torch.where(real, tables.gather(1, table_index), 0)  # [S, E]
+        rows = (entry_ids % per_block)[None, :].expand(self.num_seqs, -1)  # [S, E]
         limit = (self._host_query_positions + 1).div(ratio, rounding_mode="floor")  # [S, Lq]
         visible = entry_ids[None, None, :] < limit[:, :, None]  # [S, Lq, E]; limit <= count per sequence
         visible = visible & self._host_query_valid[:, :, None]
-        return EntryLayout(*(self._to_device(t) for t in (self._tensor(blocks).reshape(self.num_seqs, width),
-                                                          self._tensor(rows).reshape(self.num_seqs, width),
-                                                          visible)))
+        return EntryLayout(*(self._to_device(t) for t in (blocks, rows, visible)))
+
+    def _block_tables(self) -> torch.Tensor:
+        """Every sequence's block table, padded with block 0: ``[S, max blocks]`` (built once per step)."""
+        if self._tables is None:
+            tables = self.batch.block_tables
+            longest = max(1, max(len(t) for t in tables))
+            self._tables = self._tensor([list(t) + [0] * (longest - len(t)) for t in tables])
+        return self._tables
 
     def gather_entries(self, store: torch.Tensor, ratio: int) -> torch.Tensor:
         """Entries ``[S, E, d]`` from a paged store ``[num_blocks, rows_per_block, d]``."""
@@ -254,13 +264,12 @@ class StepLayout:
         per_block = self.block_size // ratio
         batch = self.batch
         write_start = batch.compressed_write_start or [0] * self.num_seqs
-        positions, ctxs, starts, slots, entries, blocks = [], [], [], [], [], []
+        ctxs, starts, slots, entries, blocks = [], [], [], [], []
         carry_rows, carry_slots, carry_index = [], [], []
         for s in range(self.num_seqs):
             ctx, n, slot, start = batch.context_lens[s], self.query_lens[s], batch.slots[s], batch.query_start[s]
             first_w = max(ctx // ratio, -(-write_start[s] // ratio))
             for w in range(first_w, (ctx + n) // ratio):  # windows that end in this step
-                positions.append([(w + 1) * ratio - span + j for j in range(span)])
                 ctxs.append(ctx)
                 starts.append(start)
                 slots.append(slot)
@@ -272,15 +281,14 @@ class StepLayout:
             carry_index.extend(p % span for p in kept)
         if self.static is not None:  # one window per sequence: dummies read the spare slot, write the spare block
             for _ in range(self.num_seqs - len(entries)):
-                positions.append(list(range(span)))
-                ctxs.append(span)
+                ctxs.append(span)  # window 0 of a sequence whose tokens are all in the carry
                 starts.append(0)
                 slots.append(self.static.spare_slot)
                 entries.append(0)
                 blocks.append(self.static.spare_block)
-        pos = self._tensor(positions).reshape(-1, span)  # [N, span]
+        entry = self._tensor(entries)  # [N]
+        pos = ((entry + 1) * ratio - span)[:, None] + torch.arange(span)[None, :]  # [N, span]
         ctx_t = self._tensor(ctxs)[:, None]
-        entry = self._tensor(entries)
         from_new = pos >= ctx_t
         plan = WindowPlan(
             from_new=from_new,
