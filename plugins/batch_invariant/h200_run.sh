@@ -23,9 +23,15 @@ left() { echo $(( DEADLINE - $(date +%s) )); }
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c \
   "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; date -u; } > "$OUT/machine.txt" 2>&1
 
-timeout 130 python3 -m pytest -q -p no:cacheprovider -rs plugins/batch_invariant/tests/test_cuda.py \
-    > "$OUT/pytest_cuda.log" 2>&1
-echo "pytest rc=$?" >> "$OUT/pytest_cuda.log"
+# STEPS: what to run, in order (default: every GPU test, then the four bench runs).
+STEPS=${STEPS:-"tests b1_plain b1_bi b64_plain b64_bi"}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+if want tests || want optests; then
+    select=(); want tests || select=(-k "not needles")  # optests: the op-level tests only
+    timeout 130 python3 -m pytest -q -p no:cacheprovider -rs "${select[@]}" plugins/batch_invariant/tests/test_cuda.py \
+        > "$OUT/pytest_cuda.log" 2>&1
+    echo "pytest rc=$?" >> "$OUT/pytest_cuda.log"
+fi
 
 # The preset (30 GB) may already be on this machine (another run wrote it): reuse its cache folder. Remove
 # half-written preset folders (*.tmp-PID) whose writer is gone: a full disk leaves them behind.
@@ -44,12 +50,18 @@ run() {  # name, env value, extra args
     DEEPINFER_BATCH_INVARIANT=$2 timeout "$budget" $B "${@:3}" --json "$OUT/$1.json" >> "$OUT/bench.log" 2>&1
     echo "rc=$?" >> "$OUT/bench.log"
 }
-run b1_plain 0 --num-prompts 1 --max-num-seqs 1
-run b1_bi 1 --num-prompts 1 --max-num-seqs 1
-run b64_plain 0 --num-prompts 64 --max-num-seqs 64
-run b64_bi 1 --num-prompts 64 --max-num-seqs 64
+if want profile_b1; then  # GPU kernel time of an eager batch-invariant decode step at batch 1, top kernels
+    DEEPINFER_BENCH_CACHE=${CACHE:-} DEEPINFER_BATCH_INVARIANT=1 timeout "$(left)" python3 \
+        backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 --enforce-eager > "$OUT/profile_b1.log" 2>&1
+    echo "profile rc=$?" >> "$OUT/profile_b1.log"
+fi
+want b1_plain && run b1_plain 0 --num-prompts 1 --max-num-seqs 1
+want b1_bi && run b1_bi 1 --num-prompts 1 --max-num-seqs 1
+want b64_plain && run b64_plain 0 --num-prompts 64 --max-num-seqs 64
+want b64_bi && run b64_bi 1 --num-prompts 64 --max-num-seqs 64
 
-cat "$OUT/machine.txt"; tail -n 15 "$OUT/pytest_cuda.log"
+cat "$OUT/machine.txt"; tail -n 3 "$OUT/pytest_cuda.log" 2>/dev/null
+grep -A 22 "=== batch" "$OUT/profile_b1.log" 2>/dev/null | cut -c 1-150
 grep -E "^==|rc=|output tok/s|TPOT|TTFT|skipped|Error|error" "$OUT/bench.log" | head -n 60
 python3 - "$OUT" <<'PY'
 import json, sys

@@ -40,9 +40,11 @@ from deepinfer_batch_invariant.primitives import KV_CHUNK
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _EMULATE = INTERPRET
 
-# GEMM tile: fixed for every call (a row's K loop does not depend on M).
-MM_BLOCK_M, MM_BLOCK_N, MM_BLOCK_K = 64, 64, 64
-MM_WARPS, MM_STAGES = 4, 3
+# GEMM tiles (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by operand dtype, never by the row count.
+# bf16 / fp16: 64-row tiles (one Hopper wgmma M); fp32 (exact fp32 FMA products: the model's mHC mixing GEMMs,
+# N <= 24 and K = hc * hidden): small tiles, since an FMA tile's cost grows with its padded rows.
+MM_CONFIGS = {torch.bfloat16: (64, 64, 64, 4, 3), torch.float16: (64, 64, 64, 4, 3),
+              torch.float32: (16, 32, 32, 4, 2)}
 ROW_BLOCK_MAX = 4096
 """Largest block of a row reduction; longer rows are reduced block by block in a fixed loop."""
 ATTN_BLOCK_H = 16
@@ -98,7 +100,7 @@ def _matmul_nt_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sxm, sxk, swn, swk, som, s
 
 def matmul_nt(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for ``x [..., K]``, ``weight [N, K]`` (same dtype), fp32 accumulation, result in
-    ``x.dtype``. One fixed tile (``MM_BLOCK_*``) and a full K loop per output element: no split-K."""
+    ``x.dtype``. One fixed tile per dtype (``MM_CONFIGS``) and a full K loop per output element: no split-K."""
     if x.dtype != weight.dtype:
         raise TypeError(f"matmul_nt: x is {x.dtype}, weight is {weight.dtype}")
     lead, k = x.shape[:-1], x.shape[-1]
@@ -108,12 +110,12 @@ def matmul_nt(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
     if m == 0 or n == 0:
         return out.reshape(*lead, n)
-    grid = (triton.cdiv(m, MM_BLOCK_M), triton.cdiv(n, MM_BLOCK_N))
+    block_m, block_n, block_k, warps, stages = MM_CONFIGS[x.dtype]
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _matmul_nt_kernel[grid](rows, weight, out, m, n, k, rows.stride(0), rows.stride(1), weight.stride(0),
                             weight.stride(1), out.stride(0), out.stride(1),
-                            BLOCK_M=MM_BLOCK_M, BLOCK_N=MM_BLOCK_N, BLOCK_K=MM_BLOCK_K,
-                            PRECISION=_precision(x.dtype), EMULATE=_EMULATE, num_warps=MM_WARPS,
-                            num_stages=MM_STAGES if x.dtype != torch.float32 else 2)
+                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                            PRECISION=_precision(x.dtype), EMULATE=_EMULATE, num_warps=warps, num_stages=stages)
     return out.reshape(*lead, n)
 
 
