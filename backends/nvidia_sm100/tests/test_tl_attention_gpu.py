@@ -44,3 +44,18 @@ def test_sink_attention_fp32_and_odd_heads_take_the_reference():
                                ref.sink_attention(q, kv, visible, sinks, 0.1), atol=0, rtol=0)
     q4 = q[:, :, :4].to(torch.bfloat16)
     assert not tla.supported(q4, kv.to(torch.bfloat16))
+
+
+def test_more_query_rows_than_one_grid_launch_holds(monkeypatch):
+    """Mixed prefill + decode steps pad every sequence to the longest chunk (64 x 1024 rows on the bench): past
+    the grid's 65535 rows the op launches per group of sequences. Checked with the limit lowered."""
+    pytest.importorskip("tilelang")
+    from deepinfer_nvidia_sm100.kernels import tl_attention as tla
+
+    q, kv, visible, sinks = _case(5, 24, 300, torch.bfloat16, seed=3)
+    whole = tla.sink_attention(q, kv, visible, sinks, D**-0.5)
+    monkeypatch.setattr(tla, "MAX_ROWS", 50)  # 2 sequences (48 rows) per launch
+    grouped = tla.sink_attention(q, kv, visible, sinks, D**-0.5)
+    want = ref.sink_attention(q.float(), kv.float(), visible, sinks, D**-0.5)
+    torch.testing.assert_close(grouped.float(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(grouped, whole, atol=0, rtol=0)

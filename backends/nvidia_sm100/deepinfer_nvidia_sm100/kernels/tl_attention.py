@@ -431,6 +431,10 @@ def _compiled(arch: str, dtype: str, scale: float):
     return split, combine
 
 
+MAX_ROWS = 65535
+"""Most query rows (sequences x queries) per launch: the split kernel's grid z is the row index."""
+
+
 @cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -467,6 +471,10 @@ def sink_attention(
     S, Lq, H, d = q.shape
     Lk = kv.shape[1]
     B = S * Lq
+    if B > MAX_ROWS:  # the split kernel puts query rows on grid z (at most 65535): launch per group of sequences
+        per = max(1, MAX_ROWS // Lq)
+        return torch.cat([sink_attention(q[s:s + per], kv[s:s + per], visible[s:s + per], sinks, scale, splits)
+                          for s in range(0, S, per)])
     split, combine = _compiled(device_arch(q.device), _DTYPES[q.dtype], float(scale))
     ns = splits or num_splits(B, Lk, _sm_count(q.device.index or 0))
     qf = q.reshape(B, H, d).contiguous()  # [B, H, d]
