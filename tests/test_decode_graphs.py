@@ -125,3 +125,18 @@ def test_context_bucket_is_a_power_of_two_within_max_model_len():
     assert graphs.context_bucket(257) == 512
     assert graphs.context_bucket(999) == -(-1000 // multiple) * multiple
     assert all(graphs.context_bucket(n) >= n for n in (1, 255, 256, 513, 1000))
+
+
+def test_decodes_replay_beside_an_eager_prefill_in_one_step():
+    """A long prompt prefilled in chunks while short ones decode: each such step runs the decodes in the static
+    graph path and the prompt chunk eagerly; results equal the all-dynamic run."""
+    prompts = PROMPTS[:3] + [{"prompt_token_ids": [(11 * i) % 4000 + 60 for i in range(300)]}]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
+    runs = []
+    for kwargs in ({}, {"cuda_graph_sizes": [1, 2, 4]}):
+        llm = LLM(max_model_len=400, max_num_seqs=4, max_num_batched_tokens=40, **kwargs)
+        runs.append((llm, llm.generate(prompts, params, use_tqdm=False)))
+    (_, dynamic), (llm, mixed) = runs
+    assert llm.engine.runner.num_mixed_steps >= 3
+    assert [o.outputs[0].token_ids for o in mixed] == [o.outputs[0].token_ids for o in dynamic]
+    assert _max_logprob_diff(dynamic, mixed) < 1e-4

@@ -1,9 +1,9 @@
 """Decode steps at static shapes, captured as device graphs once per (batch size, context bucket).
 
-A step in which every scheduled sequence folds exactly one token and samples (a decode step, prompt
-logprobs aside) is padded to the next captured batch size with dummy sequences, and its layout to the
-static widths of a ``StaticShape`` (keys to the window, compressed entries to the context bucket divided
-by the ratio). Every tensor the step reads then lives in a fixed buffer: the step's index tensors are
+The chunks of a step that fold exactly one token and sample (decode chunks, prompt logprobs aside) are
+padded to the next captured batch size with dummy sequences, and their layout to the static widths of a
+``StaticShape`` (keys to the window, compressed entries to the context bucket divided by the ratio); the
+step's other chunks (prefill) run eagerly beside them, so a long prompt chunk never pads the decodes. Every tensor the step reads then lives in a fixed buffer: the step's index tensors are
 copied into them and the captured graph is replayed. Dummy sequences read and write only the state's
 spare slot and spare block, which the state manager never hands out.
 
@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from deepinfer_core.engine.scheduler import ScheduledChunk, SchedulerOutput
+from deepinfer_core.engine.scheduler import ScheduledChunk
 from deepinfer_core.forward_batch import ForwardBatch
 from deepinfer_core.models.deepseek_v4.layout import StaticBuffers, StaticShape
 
@@ -58,15 +58,16 @@ class DecodeGraphs:
         self.num_replays = 0
         self.disabled_reason: str | None = None
 
-    def accepts(self, output: SchedulerOutput) -> bool:
-        """Whether this step is a decode step small enough for a captured size."""
-        chunks = output.chunks
-        return (self.disabled_reason is None and 0 < len(chunks) <= self.sizes[-1]
-                and all(c.num_tokens == 1 and c.samples and not c.request.wants_prompt_logprobs for c in chunks))
+    def select(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+        """The chunks of a step that a captured graph runs: one-token chunks that sample and want no prompt
+        logprobs (decode), at most the largest captured size of them; the engine runs the rest eagerly."""
+        if self.disabled_reason is not None:
+            return []
+        decode = [c for c in chunks if c.num_tokens == 1 and c.samples and not c.request.wants_prompt_logprobs]
+        return decode[:self.sizes[-1]]
 
-    def run(self, output: SchedulerOutput) -> torch.Tensor | None:
-        """Logits ``[S, V]`` of the step's sequences, or None when capture failed (run it eagerly)."""
-        chunks = output.chunks
+    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
+        """Logits ``[S, V]`` of these one-token chunks, or None when capture failed (run them eagerly)."""
         size = next(n for n in self.sizes if n >= len(chunks))
         key = (size, self.context_bucket(max(c.end for c in chunks)))
         step = self.captured.get(key) or self._capture(*key)

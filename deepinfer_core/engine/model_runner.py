@@ -37,6 +37,7 @@ class ModelRunner:
         self.eos_token_id = eos_token_id
         self.device = model.device
         self.decode_graphs = decode_graphs
+        self.num_mixed_steps = 0  # steps that replayed a graph for their decodes and ran their prefill eagerly
 
     def build_batch(self, output: SchedulerOutput) -> tuple[ForwardBatch, list[int], dict[str, tuple[int, int]]]:
         """The flat batch, the logits row of each sampling chunk, and prompt-logprob row ranges."""
@@ -73,31 +74,46 @@ class ModelRunner:
         return batch, sample_rows, prompt_rows
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        logits = None
-        if self.decode_graphs is not None and self.decode_graphs.accepts(output):
-            logits = self.decode_graphs.run(output)  # [S, V]: one row per sequence, all sample
-            sample_rows, prompt_rows = list(range(len(output.chunks))), {}
-        if logits is None:
-            batch, sample_rows, prompt_rows = self.build_batch(output)
+        """Run the step: its decode chunks through the captured graphs (when there are), the rest eagerly
+        in one forward; then sample every chunk that samples, in the step's order."""
+        graphed = self.decode_graphs.select(output.chunks) if self.decode_graphs is not None else []
+        graph_logits = self.decode_graphs.run(graphed) if graphed else None  # [G, V]
+        if graph_logits is None:
+            graphed = []
+        in_graph = {id(c) for c in graphed}
+        eager = SchedulerOutput([c for c in output.chunks if id(c) not in in_graph], output.preempted)
+        parts = [graph_logits] if graphed else []
+        row_of = {id(c): i for i, c in enumerate(graphed)}  # chunk -> row of the stacked sampling logits
+        prompt_logprobs = {}
+        if eager.chunks:
+            self.num_mixed_steps += bool(graphed)
+            batch, sample_rows, prompt_rows = self.build_batch(eager)
             logits = self.model.forward(batch, self.state).logits  # [N, V] fp32
+            parts.append(logits[sample_rows])
+            row_of.update({id(c): len(graphed) + i for i, c in enumerate(c for c in eager.chunks if c.samples)})
+            prompt_logprobs = self._prompt_logprobs(eager, logits, prompt_rows)
         sampling = [c.request for c in output.chunks if c.samples]
         sampler_output = None
         if sampling:
+            stacked = parts[0] if len(parts) == 1 else torch.cat(parts)
+            order = [row_of[id(c)] for c in output.chunks if c.samples]
+            if order != list(range(len(order))):
+                stacked = stacked[torch.tensor(order, device=stacked.device)]
             metadata = SamplingMetadata.from_params(
                 [r.params for r in sampling],
                 seeds=[r.seed for r in sampling],
                 prompt_token_ids=[r.prompt_token_ids for r in sampling],
                 output_token_ids=[r.output_token_ids for r in sampling],
                 eos_token_id=self.eos_token_id,
-                device=logits.device,
+                device=stacked.device,
             )
-            sampler_output = sample(logits[sample_rows], metadata)
+            sampler_output = sample(stacked, metadata)
         sampled_ids = sampler_output.sampled_token_ids.tolist() if sampler_output is not None else []
         return ModelRunnerOutput(
             sampled={r.request_id: t for r, t in zip(sampling, sampled_ids)},
             sampler_output=sampler_output,
             sampled_order=[r.request_id for r in sampling],
-            prompt_logprobs=self._prompt_logprobs(output, logits, prompt_rows),
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _prompt_logprobs(self, output, logits, prompt_rows) -> dict[str, tuple[int, PromptLogprobsOutput]]:
