@@ -1,0 +1,60 @@
+"""Host time to build one step's index layout (``StepLayout``), static (graph replay) and dynamic, on the CPU.
+
+    python tools/bench_step_layout.py [--seqs 64] [--context 1100]
+
+V4-Flash geometry: window 128, compression ratios 4 (CSA, carry span 8) and 128 (HCA), block 128, context
+bucket 2048. Prints the median over 5 rounds of 20 builds each. This is host work the GPU waits for around
+every decode graph replay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from deepinfer_core.forward_batch import ForwardBatch
+from deepinfer_core.models.deepseek_v4.layout import StaticBuffers, StaticShape, StepLayout
+
+WINDOW, BLOCK, BUCKET = 128, 128, 2048
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seqs", type=int, default=64)
+    parser.add_argument("--context", type=int, default=1100)
+    args = parser.parse_args()
+    S, ctx = args.seqs, args.context
+    shape = StaticShape(S, WINDOW, BUCKET, spare_slot=S, spare_block=S * 20, windows=((4, 8), (128, 128)),
+                        entry_ratios=(4, 128))
+    batch = ForwardBatch(
+        input_ids=torch.zeros(S, dtype=torch.long), positions=torch.tensor([ctx + s for s in range(S)]),
+        query_start=list(range(S + 1)), context_lens=[ctx + s for s in range(S)], slots=list(range(S)),
+        block_tables=[[s * 20 + i for i in range(BUCKET // BLOCK)] for s in range(S)],
+        logits_rows=torch.arange(S), compressed_write_start=[0] * S, sliding_floor=[0] * S)
+    buffers = StaticBuffers(torch.device("cpu"))
+
+    def static() -> None:
+        buffers.rewind()
+        StepLayout(batch, WINDOW, BLOCK, "cpu", shape, buffers)
+
+    def dynamic() -> None:
+        layout = StepLayout(batch, WINDOW, BLOCK, "cpu")
+        for ratio, span in shape.windows:
+            layout.entries(ratio)
+            layout.windows(ratio, span)
+
+    for name, build in (("static", static), ("dynamic", dynamic)):
+        rounds = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(20):
+                build()
+            rounds.append((time.perf_counter() - start) / 20)
+        print(f"{name:8} {S} sequences, context {ctx}: {statistics.median(rounds) * 1e3:.2f} ms per layout")
+
+
+if __name__ == "__main__":
+    main()
