@@ -19,7 +19,8 @@ VERIFIED = {
     # count as verified; everything else is implemented but unverified on that path.
     # H200, 2026-11-29: fp32 end-to-end parity with the CPU reference (64 greedy steps, logprobs to 5e-6), bf16
     # runs (parity open, docs/nvidia.md), CUDA graph capture of moe_experts. NCCL was not exercised (one GPU).
-    # fp16 never ran, so "dtypes" is not claimed; "cuda_graphs" = capture_graph ran (an op, not a whole step).
+    # fp16 never ran, so "dtypes" is not claimed; "cuda_graphs": whole decode steps replayed from CUDA graphs
+    # (deepinfer_core/engine/decode_graphs.py) matched eager and the CPU path on the H200, 2026-11-29.
     "sm90": frozenset({"cuda_graphs"}),
     "sm100": frozenset(),  # no SM100 GPU has run this code yet
 }
@@ -46,7 +47,8 @@ class NvidiaBackend(Backend):
         self._graph_pool = None  # one CUDA graph memory pool shared by every capture (capture_graph)
 
     def capabilities(self) -> Capabilities:
-        """fp32 / bf16 / fp16, NCCL, CUDA graphs through ``capture_graph``; no fp8 or batch-invariant kernels yet."""
+        """fp32 / bf16 / fp16, NCCL, CUDA graphs through ``capture_graph``; no fp8. Batch invariance comes from the
+        plugin ``deepinfer-batch-invariant``, not from this backend's own kernels."""
         return Capabilities(
             dtypes=(torch.float32, torch.bfloat16, torch.float16),
             distributed_backend="nccl",
