@@ -10,29 +10,13 @@ FLOPs / 799 TFLOP/s) (BENCHMARKS.md ceilings).
 
 from __future__ import annotations
 
-import statistics
-
 import torch
+from cuda_timing import cuda_time, graphed
 
 from deepinfer_core.ops import reference as ref
 
 E, K, D, I = 64, 6, 4096, 2048
 BW, FLOPS = 4.25e12, 799e12
-
-
-def timed(fn, repeats=20, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -54,19 +38,11 @@ def main() -> None:
         unique = ids.unique().numel()
         floor = max(unique * 3 * I * D * 2 / BW, T * K * 3 * 2 * D * I / FLOPS)
         args = (x, ids, weights, w1, w2, w3, 10.0)
-        t_ref = timed(lambda a=args: ref.moe_experts(*a), repeats=5 if T > 256 else 20)
-        t_tri = timed(lambda a=args: moe_experts(*a))
+        t_ref = cuda_time(lambda a=args: ref.moe_experts(*a), reps=5 if T > 256 else 20)
+        t_tri = cuda_time(lambda a=args: moe_experts(*a))
         t_graph = None
         if T <= 256:
-            graph = torch.cuda.CUDAGraph()
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                moe_experts(x, ids, weights, w1, w2, w3, 10.0)
-            torch.cuda.current_stream().wait_stream(s)
-            with torch.cuda.graph(graph):
-                moe_experts(x, ids, weights, w1, w2, w3, 10.0)
-            t_graph = timed(graph.replay)
+            t_graph = cuda_time(graphed(lambda a=args: moe_experts(*a)))
         rows.append((T, unique, err, floor, t_ref, t_tri, t_graph))
     print("\nmoe_experts, E=64 top-6 D=4096 I=2048 bf16, one layer (H200)")
     print("| tokens | experts touched | max rel err vs ref | floor | reference | triton | % floor | triton+graph | % floor |")

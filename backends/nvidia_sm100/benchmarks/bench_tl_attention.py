@@ -16,11 +16,12 @@ Writes ``tl_attention_bench.md`` / ``.json`` and the generated CUDA source to ``
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
 import torch
+from cuda_timing import cuda_time as cuda_seconds
+from cuda_timing import graphed as capture
 from deepinfer_nvidia_sm100.kernels import tl_attention as tla
 
 from deepinfer_core.ops import reference as ref
@@ -53,37 +54,12 @@ def make_case(S, Lq, Lk, dtype, seed=0, prefill=False):
 
 def cuda_time(fn, reps=30, inner=10):
     """Median milliseconds per call: ``reps`` event pairs around ``inner`` back-to-back calls, after warm-up."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(inner):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / inner)
-    return statistics.median(times)
+    return 1e3 * cuda_seconds(fn, reps=reps, inner=inner)
 
 
 def graphed(fn):
     """``fn`` captured in a CUDA graph (its inputs are fixed); returns the replay callable, or None on failure."""
-    try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return g.replay
-    except Exception as exc:  # noqa: BLE001 - reported in the table
-        print(f"graph capture failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return None
+    return capture(fn, strict=False)
 
 
 def time_shape(S, Lq, Lk, pre, sms):

@@ -13,37 +13,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 
 import torch
+from cuda_timing import cuda_time, graphed
 
 from deepinfer_core.ops import reference as ref
 
 E, K, D, I = 64, 6, 4096, 2048
 BW = 4.25e12
-
-
-def graph_time(fn, repeats=20) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 def candidates(tokens: int):
@@ -81,7 +58,7 @@ def main() -> None:
                 if err > 2e-2:
                     raise AssertionError(f"max rel err {err:.2e}")
                 args_ = (x, ids, weights, w1, w2, w3, 10.0)
-                t = graph_time(lambda c=cfg, a=args_: moe.moe_experts(*a, config=c))
+                t = cuda_time(graphed(lambda c=cfg, a=args_: moe.moe_experts(*a, config=c)))
             except Exception as exc:  # noqa: BLE001 - a config that does not compile or fit is skipped
                 table.append({"tokens": T, "config": cfg, "error": str(exc)[:200]})
                 continue

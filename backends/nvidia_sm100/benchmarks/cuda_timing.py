@@ -1,0 +1,50 @@
+"""CUDA timing shared by the benchmark scripts in this folder (run them as scripts: this folder is on sys.path).
+
+Method (BENCHMARKS.md): warm up, time with CUDA events, median of repeats.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from collections.abc import Callable
+
+import torch
+
+
+def cuda_time(fn: Callable[[], object], reps: int = 20, inner: int = 1, warmup: int = 3) -> float:
+    """Median seconds per call of ``fn``: ``reps`` event pairs, each around ``inner`` back-to-back calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / inner)
+    return statistics.median(times)
+
+
+def graphed(fn: Callable[[], object], strict: bool = True) -> Callable[[], None] | None:
+    """``fn`` captured in a CUDA graph (its inputs stay fixed) after two warm-up calls on a side stream; returns
+    the replay callable. With ``strict=False`` a failed capture is printed and None is returned."""
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph.replay
+    except Exception as exc:  # any capture failure is reported, not raised, when strict is off
+        if strict:
+            raise
+        print(f"graph capture failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
