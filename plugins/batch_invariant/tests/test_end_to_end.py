@@ -7,9 +7,8 @@ the needle's whole log-probability row (``logprobs`` = vocabulary size) and ever
 row must be bitwise equal to the needle alone, and so must its tokens. The plain path (no mode) fails
 the same comparison.
 
-Prefix caching is off here: a prefix-cache hit whose replay is longer than the step budget crashes the
-core's ``StepLayout._build_windows`` (an empty window range built as a backwards ``arange``), with or
-without this plugin; see the plugin's README.
+Prefix caching is on: the needles repeat across batches, so later runs hit the cache and rebuild the sliding
+window by replay (with a step budget smaller than the replay in the second test); the bits must not change.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ NEEDLES = _needles()
 
 def _llm(folder, **kwargs) -> LLM:
     kwargs.setdefault("max_num_batched_tokens", BUDGET)
-    return LLM(str(folder), block_size=8, max_num_seqs=64, enable_prefix_caching=False, **kwargs)
+    return LLM(str(folder), block_size=8, max_num_seqs=64, **kwargs)
 
 
 def _record(output):
@@ -110,14 +109,34 @@ def test_needles_are_bitwise_identical_alone_and_in_random_batches(tiny_ckpt, al
 
 def test_needles_in_other_engine_sizes(tiny_ckpt, alone):
     """Fewer running sequences (requests queue) and a budget below the needle's prompt: still the same bits."""
-    llm = LLM(str(tiny_ckpt), block_size=8, max_num_seqs=5, max_num_batched_tokens=23, enable_prefix_caching=False,
-              batch_invariant=True)
+    llm = LLM(str(tiny_ckpt), block_size=8, max_num_seqs=5, max_num_batched_tokens=23, batch_invariant=True)
     assert all(_equal(a, b) for a, b in zip(_alone(llm), alone))  # alone, prompt in 2-3 chunks: same as one
     gen = torch.Generator().manual_seed(1)
     prompts, params, where = _random_batch(gen, 12)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     for needle, at in enumerate(where):
         assert _equal(_record(outputs[at]), alone[needle])
+
+
+def _decode_rows(output):
+    """Tokens and per-step log-probability rows ``[steps, VOCAB]`` (no prompt logprobs: those skip the cache)."""
+    completion = output.outputs[0]
+    return completion.token_ids, torch.tensor([[e[t].logprob for t in range(VOCAB)] for e in completion.logprobs])
+
+
+def test_needle_after_a_prefix_cache_hit_keeps_its_bits(tiny_ckpt):
+    """The needle's prompt is cached by an earlier run, so in the batch it hits the cache and rebuilds its
+    sliding window by replaying more tokens than one step's budget holds: its bits must not change."""
+    prompt = NEEDLES[0][0]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=VOCAB)
+    fresh = _llm(tiny_ckpt, batch_invariant=True, max_num_batched_tokens=512)
+    want_tokens, want_rows = _decode_rows(fresh.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0])
+    llm = LLM(str(tiny_ckpt), block_size=8, max_num_seqs=8, max_num_batched_tokens=23, batch_invariant=True)
+    llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)  # fills the prefix cache
+    prompts, batch_params, where = random_batch(torch.Generator().manual_seed(3), 6, [(prompt, params)], VOCAB)
+    tokens, rows = _decode_rows(llm.generate(prompts, batch_params, use_tqdm=False)[where[0]])
+    assert llm.engine.state_manager.hits > 0
+    assert tokens == want_tokens and torch.equal(rows, want_rows)
 
 
 def test_without_the_mode_the_needle_changes_and_the_mode_stays_close(tiny_ckpt, alone):
@@ -137,3 +156,20 @@ def test_without_the_mode_the_needle_changes_and_the_mode_stays_close(tiny_ckpt,
         torch.testing.assert_close(ours[2], theirs[2], atol=1e-4, rtol=0)  # prompt rows: same inputs
         if ours[0] == theirs[0]:
             torch.testing.assert_close(ours[1], theirs[1], atol=1e-4, rtol=0)
+
+
+def test_needles_through_the_static_decode_path(tiny_ckpt):
+    """Decode chunks replayed through the static-shape graph path (padded batch, keys and entries; run eagerly on
+    CPU), next to eager prefill chunks in the same steps: the needles keep the bits they have alone on the
+    dynamic path. (No prompt logprobs here: a request that wants them always runs eagerly.)"""
+    needles = [(prompt, SamplingParams(temperature=p.temperature, top_p=p.top_p, seq_seed=p.seed, max_tokens=8,
+                                       ignore_eos=True, logprobs=VOCAB)) for prompt, p in NEEDLES]
+    fresh = _llm(tiny_ckpt, batch_invariant=True, max_num_batched_tokens=512)
+    want = [_decode_rows(fresh.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0]) for p, sp in needles]
+    llm = _llm(tiny_ckpt, batch_invariant=True, cuda_graph_sizes=[1, 2, 4, 8, 16])
+    prompts, params, where = random_batch(torch.Generator().manual_seed(5), 9, needles, VOCAB)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.runner.decode_graphs.num_replays > 0 and llm.engine.runner.num_mixed_steps > 0
+    for (tokens, rows), at in zip(want, where, strict=True):
+        got_tokens, got_rows = _decode_rows(outputs[at])
+        assert got_tokens == tokens and torch.equal(got_rows, rows)
