@@ -116,3 +116,19 @@ def test_sinkhorn_matches_the_reference_form():
     from deepinfer_batch_invariant.forms import reference_sinkhorn
 
     close(triton_kernels.sinkhorn(logits, 20, 1e-6), reference_sinkhorn(logits, 20, 1e-6), atol=1e-6, rtol=1e-5)
+
+
+def test_split_k_depends_on_the_weight_only_and_keeps_rows_invariant():
+    """A decode-sized GEMM is split along K by the weight's shape (never the row count); the split partial sums
+    fold in a fixed order, so a row keeps its bits among any number of other rows, close to an unsplit GEMM."""
+    assert triton_kernels.split_k(1024, 4096, 64, 64) == 16  # 16 N tiles x 16 splits = 256 programs
+    assert triton_kernels.split_k(32768, 1024, 64, 64) == 1  # wide weights fill the GPU without splitting
+    assert triton_kernels.split_k(24, 64, 32, 32) == 1  # too short to split
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(40, 512, generator=gen)  # fp32 tiles (16, 32, 32): 2 N tiles, 4 K splits
+    assert triton_kernels.split_k(40, 512, 32, 32) == 4
+    x = torch.randn(70, 512, generator=gen)
+    alone = triton_kernels.matmul_nt(x[:1], w)
+    for rows in (2, 17, 70):
+        assert torch.equal(triton_kernels.matmul_nt(x[:rows], w)[:1], alone)
+    torch.testing.assert_close(triton_kernels.matmul_nt(x, w), x @ w.T, atol=1e-4, rtol=1e-4)

@@ -75,32 +75,68 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
 
 
 # ----------------------------------------------------------------------------- matmul
+SPLIT_K_PROGRAMS = 256
+"""Split-K target: (N tiles x K splits) programs per row tile, about two per SM of an H200 (132 SMs), so a
+decode-sized GEMM (one row tile) reads its weight with the whole GPU. The split count is a function of the
+weight's shape and dtype only (``split_k``), never of the row count: each output element is the same fixed-order
+fold of the same partial sums whatever the batch."""
+MIN_SPLIT_BLOCKS = 4
+"""Fewest BLOCK_K steps per K split."""
+
+
+def split_k(n: int, k: int, block_n: int, block_k: int) -> int:
+    """K splits for a ``[n, k]`` weight: enough programs to fill the GPU from one row tile, each split at least
+    ``MIN_SPLIT_BLOCKS`` K blocks long."""
+    n_tiles = triton.cdiv(n, block_n)
+    longest = max(1, k // (MIN_SPLIT_BLOCKS * block_k))
+    return max(1, min(longest, SPLIT_K_PROGRAMS // n_tiles))
+
+
 @triton.jit(do_not_specialize=["M"])
-def _matmul_nt_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sxm, sxk, swn, swk, som, son,
+def _matmul_nt_kernel(x_ptr, w_ptr, out_ptr, M, N, K, K_SPLIT, sxm, sxk, swn, swk, som, son, sos,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+    """One ``[BLOCK_M, BLOCK_N]`` tile of ``x @ w.T`` over the K range of split ``program_id(2)`` (``K_SPLIT``
+    long), fp32 accumulation; written to ``out`` (split ``s`` at offset ``s * sos``)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < M
     n_mask = rn < N
+    k_start = pid_k * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        k_mask = rk < K
+        k_mask = rk < k_end
         a = tl.load(x_ptr + rm[:, None].to(tl.int64) * sxm + rk[None, :] * sxk,
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         b = tl.load(w_ptr + rn[None, :].to(tl.int64) * swn + rk[:, None] * swk,
                     mask=n_mask[None, :] & k_mask[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
         acc = _dot(a, b, acc, PRECISION, EMULATE)
-    tl.store(out_ptr + rm[:, None].to(tl.int64) * som + rn[None, :] * son, acc.to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+    out = out_ptr + pid_k.to(tl.int64) * sos + rm[:, None].to(tl.int64) * som + rn[None, :] * son
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["SIZE"])
+def _fold_splits_kernel(part_ptr, out_ptr, SIZE, SPLITS, BLOCK: tl.constexpr):
+    """``out = ((part[0] + part[1]) + part[2]) + ...`` element by element, in split order (fp32), cast to out."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < SIZE
+    ptrs = part_ptr + offs
+    acc = tl.load(ptrs, mask=mask, other=0.0)
+    for _ in range(1, SPLITS):
+        ptrs += SIZE  # pointer arithmetic: no int32 overflow of split * SIZE
+        acc += tl.load(ptrs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def matmul_nt(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for ``x [..., K]``, ``weight [N, K]`` (same dtype), fp32 accumulation, result in
-    ``x.dtype``. One fixed tile per dtype (``MM_CONFIGS``) and a full K loop per output element: no split-K."""
+    ``x.dtype``. One fixed tile per dtype (``MM_CONFIGS``) and a K split fixed by the weight's shape
+    (``split_k``): partial sums in fp32, folded in split order. Nothing depends on the row count."""
     if x.dtype != weight.dtype:
         raise TypeError(f"matmul_nt: x is {x.dtype}, weight is {weight.dtype}")
     lead, k = x.shape[:-1], x.shape[-1]
@@ -111,11 +147,18 @@ def matmul_nt(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if m == 0 or n == 0:
         return out.reshape(*lead, n)
     block_m, block_n, block_k, warps, stages = MM_CONFIGS[x.dtype]
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _matmul_nt_kernel[grid](rows, weight, out, m, n, k, rows.stride(0), rows.stride(1), weight.stride(0),
-                            weight.stride(1), out.stride(0), out.stride(1),
+    splits = split_k(n, k, block_n, block_k)
+    k_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    splits = triton.cdiv(k, k_split)  # every split non-empty
+    target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)  # [S, M, N]
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)
+    _matmul_nt_kernel[grid](rows, weight, target, m, n, k, k_split, rows.stride(0), rows.stride(1),
+                            weight.stride(0), weight.stride(1), n, 1, m * n,
                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                             PRECISION=_precision(x.dtype), EMULATE=_EMULATE, num_warps=warps, num_stages=stages)
+    if splits > 1:
+        size = m * n
+        _fold_splits_kernel[(triton.cdiv(size, 1024),)](target, out, size, splits, BLOCK=1024, num_warps=4)
     return out.reshape(*lead, n)
 
 
