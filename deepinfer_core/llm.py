@@ -100,13 +100,16 @@ class LLM:
         config = self.model.config
         self.max_model_len = max_model_len or config.max_position_embeddings
         block = block_size or max(config.block_multiple, 16)
-        num_blocks = self._num_blocks(block, max_num_seqs, kv_cache_memory_bytes, memory_fraction)
-        # one spare slot and block beyond what the state manager hands out: dummy rows of padded graph steps
-        state = self.model.new_state(num_slots=max_num_seqs + 1, num_blocks=num_blocks + 1, block_size=block)
+        sizes = self._graph_sizes(enforce_eager, cuda_graph_sizes, max_num_seqs)
+        spare = 1 if sizes else 0  # a slot and a block the state manager never hands out: padded graph rows
+        num_blocks = self._num_blocks(block, max_num_seqs + spare, kv_cache_memory_bytes, memory_fraction) - spare
+        if num_blocks < 1:
+            raise ValueError("the state budget holds no block beside the graphs' spare block; raise "
+                             "kv_cache_memory_bytes or pass enforce_eager=True")
+        state = self.model.new_state(num_slots=max_num_seqs + spare, num_blocks=num_blocks + spare, block_size=block)
         engine_config = EngineConfig(self.max_model_len, max_num_seqs, max_num_batched_tokens, block, num_blocks,
                                      enable_prefix_caching, seed)
         graphs = None
-        sizes = self._graph_sizes(enforce_eager, cuda_graph_sizes, max_num_seqs)
         if sizes:
             graphs = DecodeGraphs(self.model, state, self.backend.capture_graph, sizes, self.max_model_len,
                                   spare_slot=max_num_seqs, spare_block=num_blocks)
