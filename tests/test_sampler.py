@@ -408,3 +408,21 @@ def test_large_vocab_is_vectorised_and_finite():
     assert out.sampled_token_ids.shape == (4,)
     assert math.isfinite(out.sampled_logprobs.sum().item())
     assert out.sampled_token_ids[3].item() == logits[3].argmax().item()
+
+
+def test_top_n_equals_the_first_n_of_a_stable_descending_sort():
+    """top-n logprobs without sorting the vocabulary: same values and ids as the stable sort, ties included
+    (coarse score levels, rows of -inf, n above the vocabulary size)."""
+    from deepinfer_core.sampling.sampler import top_n
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        rows, vocab = int(torch.randint(1, 6, (1,), generator=gen)), int(torch.randint(1, 300, (1,), generator=gen))
+        levels = int(torch.randint(1, 20, (1,), generator=gen))
+        scores = torch.randint(0, levels, (rows, vocab), generator=gen).float() / 3 - 2
+        if trial % 4 == 0:
+            scores[0] = float("-inf")
+        n = int(torch.randint(1, 25, (1,), generator=gen))
+        want_values, want_ids = scores.sort(dim=-1, descending=True, stable=True)
+        values, ids = top_n(scores, n)
+        assert torch.equal(ids, want_ids[:, :min(n, vocab)]) and torch.equal(values, want_values[:, :min(n, vocab)])

@@ -367,10 +367,31 @@ def _logprob_output(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, num_log
     ranks = (raw_logprobs >= token_logprobs).sum(dim=-1)  # [num_rows]
     top_ids = top_lps = None
     if num_logprobs is not None:
-        n = min(num_logprobs, raw_logprobs.shape[1])
-        top_lps, top_ids = raw_logprobs.sort(dim=-1, descending=True, stable=True)  # [num_rows, vocab] x2
-        top_lps, top_ids = top_lps[:, :n], top_ids[:, :n]  # [num_rows, n] x2
+        top_lps, top_ids = top_n(raw_logprobs, num_logprobs)
     return SamplerOutput(token_ids, token_logprobs[:, 0], ranks, top_ids, top_lps)
+
+
+def top_n(scores: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``n`` best of each row, best first, equal scores by ascending id (a stable descending sort's first
+    ``n``), without sorting the vocabulary: values and ids ``[num_rows, n]``.
+
+    ``topk`` finds each row's n-th best value; every score above it is in, and of the scores equal to it the
+    lowest ids fill the remaining places. The chosen ids, taken in ascending order, are then sorted stably.
+    """
+    rows, vocab = scores.shape
+    n = min(n, vocab)
+    if n == 0:
+        return scores.new_empty(rows, 0), torch.empty(rows, 0, dtype=torch.int64, device=scores.device)
+    nth = scores.topk(n, dim=-1).values[:, -1:]  # [num_rows, 1]
+    above = scores > nth  # [num_rows, vocab]
+    tied = scores == nth
+    room = n - above.sum(dim=-1, keepdim=True)  # [num_rows, 1]: places left for the tied ids
+    chosen = above | (tied & (tied.cumsum(dim=-1) <= room))  # exactly n per row
+    ids = torch.arange(vocab, device=scores.device).expand(rows, vocab)
+    ascending = torch.where(chosen, ids, vocab).topk(n, dim=-1, largest=False).values.sort(dim=-1).values
+    values = scores.gather(1, ascending)  # [num_rows, n], by ascending id
+    order = values.sort(dim=-1, descending=True, stable=True).indices
+    return values.gather(1, order), ascending.gather(1, order)
 
 
 __all__ = [
