@@ -140,7 +140,8 @@ def test_tilelang_attention_inside_the_model_matches_the_reference_attention(tmp
     sys.path.insert(0, str(REPO / "tests"))
     from v4_factory import tiny_checkpoint
 
-    tiny_checkpoint(tmp_path, seed=0, hc_mult=4, num_attention_heads=64, head_dim=512, o_groups=8)
+    tiny_checkpoint(tmp_path, seed=0, hc_mult=4, num_attention_heads=64, head_dim=512, o_groups=8,
+                    partial_rotary_factor=0.125, index_head_dim=64)  # V4: RoPE on 64 of 512 dims
     assert sm90_ops()["sink_attention"] is tl_attention.sink_attention
     replays = []
     _, with_kernel = _generate(tmp_path, "nvidia_sm100", "bfloat16", replays)
