@@ -138,7 +138,12 @@ class LLM:
             wanted = slots + per_block * num_slots * -(-self.max_model_len // block_size)
             cap = _CPU_DEFAULT_BUDGET if self.backend.device.type == "cpu" else int(free * fraction)
             budget = min(wanted, cap, int(free * fraction))
-        num_blocks = (budget - slots) // max(per_block, 1)
+        if per_block == 0:  # no paged state (sliding-window layers only): blocks only count tokens
+            if budget < slots:
+                raise ValueError(f"kv_cache_memory_bytes={budget} cannot hold {num_slots} sequence slots "
+                                 f"({slots} bytes); raise it or lower max_num_seqs")
+            return num_slots * -(-self.max_model_len // block_size)
+        num_blocks = (budget - slots) // per_block
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory_bytes={budget} cannot hold {num_slots} sequence slots ({slots} bytes) plus one "

@@ -140,3 +140,31 @@ def test_decodes_replay_beside_an_eager_prefill_in_one_step():
     assert llm.engine.runner.num_mixed_steps >= 3
     assert [o.outputs[0].token_ids for o in mixed] == [o.outputs[0].token_ids for o in dynamic]
     assert _max_logprob_diff(dynamic, mixed) < 1e-4
+
+
+@pytest.mark.parametrize("layer_types", [
+    ["sliding_attention", "sliding_attention"],  # no compressor: the static shape has no windows or entries
+    ["compressed_sparse_attention", "compressed_sparse_attention"],
+    ["heavily_compressed_attention", "sliding_attention", "compressed_sparse_attention"],
+])
+def test_static_decode_equals_dynamic_for_each_layer_mix(tmp_path, layer_types):
+    """Tiny random checkpoints (CSA ratio 4, HCA 8, window 8, block 8): decode crosses many compressor windows
+    and context buckets; the static path equals the dynamic one."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from v4_factory import tiny_checkpoint
+
+    tiny_checkpoint(tmp_path, seed=1, layer_types=layer_types, hc_mult=2)
+    prompts = [{"prompt_token_ids": [(5 * i + s) % 60 + 2 for i in range(n)]} for s, n in ((0, 3), (1, 17), (2, 9))]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=2)
+    runs = []
+    for kwargs in ({}, {"cuda_graph_sizes": [1, 2, 4]}):
+        llm = LLM(str(tmp_path), block_size=8, max_model_len=64, max_num_seqs=4, **kwargs)
+        runs.append((llm, llm.generate(prompts, params, use_tqdm=False)))
+    (_, dynamic), (llm, static) = runs
+    graphs = llm.engine.runner.decode_graphs
+    assert graphs.num_replays >= 29 and len({context for _, context in graphs.captured}) >= 1
+    assert [o.outputs[0].token_ids for o in static] == [o.outputs[0].token_ids for o in dynamic]
+    assert _max_logprob_diff(dynamic, static) < 1e-4
