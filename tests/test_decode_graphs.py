@@ -168,3 +168,19 @@ def test_static_decode_equals_dynamic_for_each_layer_mix(tmp_path, layer_types):
     assert graphs.num_replays >= 29 and len({context for _, context in graphs.captured}) >= 1
     assert [o.outputs[0].token_ids for o in static] == [o.outputs[0].token_ids for o in dynamic]
     assert _max_logprob_diff(dynamic, static) < 1e-4
+
+
+def test_n_samples_and_stop_strings_through_the_static_path():
+    """n > 1 completions (their slots copied from the prompt's) and per-request stops decode in static steps
+    whose batch shrinks as requests finish: the same as the dynamic path."""
+    params = [SamplingParams(temperature=0.7, seed=3, n=3, max_tokens=20, logprobs=1),
+              SamplingParams(temperature=0.0, max_tokens=25, stop=["\n\n"], logprobs=1)]
+    results = []
+    for kwargs in ({}, {"cuda_graph_sizes": [1, 2, 4, 8]}):
+        llm = LLM(max_model_len=400, max_num_seqs=8, **kwargs)
+        results.append((llm, llm.generate(PROMPTS[:2], params, use_tqdm=False)))
+    (_, dynamic), (llm, static) = results
+    assert llm.engine.runner.decode_graphs.num_replays > 10
+    for a, b in zip(dynamic, static, strict=True):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+        assert [c.finish_reason for c in a.outputs] == [c.finish_reason for c in b.outputs]
