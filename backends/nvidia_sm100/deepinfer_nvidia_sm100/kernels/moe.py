@@ -125,14 +125,24 @@ def _down_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, assign_ptr, block_expert_ptr
              mask=valid[:, None] & n_mask[None, :])
 
 
+TILES = {
+    # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps) by the mean tokens per expert; within 1-7% of the best of a sweep
+    # on the H200 (docs/performance.md 4.5). 16-row tiles run mma.sync (decode is weight-bandwidth bound);
+    # 64-row tiles compile to wgmma on sm_90a and tcgen05 on sm_100a (tests/test_triton_compile.py).
+    "decode": (16, 64, 128, 4),  # <= 16 tokens per expert
+    "mid": (64, 64, 64, 4),  # <= 64
+    "prefill": (64, 128, 64, 8),
+}
+
+
 def _config(num_assign: int, num_experts: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) by the mean tokens per expert (decode: GEMV-like)."""
     per_expert = num_assign / max(num_experts, 1)
     if per_expert <= 16:
-        return 16, 64, 128, 4
+        return TILES["decode"]
     if per_expert <= 64:
-        return 64, 64, 64, 4
-    return 64, 128, 64, 8
+        return TILES["mid"]
+    return TILES["prefill"]
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,

@@ -1,0 +1,64 @@
+"""Every Triton kernel of the backend compiles for sm_90a and sm_100a on a machine without a GPU (CI).
+
+Triton compiles ahead of time for a named target (``GPUTarget("cuda", 90 | 100, 32)``) with its own ptxas, so
+this runs on the CPU CI machine. Each MoE tile the backend can pick is compiled in bf16 and the PTX is checked
+for the tensor-core path: 64-row tiles use wgmma on sm_90a and tcgen05 on sm_100a; the 16-row decode tile uses
+mma.sync on both (wgmma and tcgen05 need at least 64 rows, and decode reads weights, it barely multiplies).
+Only compilation is checked here; the kernels' results are checked on the GPU (test_kernels_gpu.py).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+triton = pytest.importorskip("triton", reason="the test extra installs triton")
+from deepinfer_nvidia_sm100.kernels import moe
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+ARCHS = {90: ("sm_90a", "wgmma"), 100: ("sm_100a", "tcgen05.mma")}
+INDEX_POINTERS = {"assign_ptr", "block_expert_ptr"}
+
+
+def _signature(fn) -> dict[str, str]:
+    """Argument types of a MoE kernel for bf16 activations and weights."""
+    types = {}
+    for i, name in enumerate(fn.arg_names):
+        if i in fn.constexprs:
+            types[name] = "constexpr"
+        elif name in INDEX_POINTERS:
+            types[name] = "*i64"
+        elif name == "weights_ptr":
+            types[name] = "*fp32"
+        elif name.endswith("_ptr"):
+            types[name] = "*bf16"
+        else:
+            types[name] = "fp32" if name == "limit" else "i32"
+    return types
+
+
+def _compile(fn, tile, capability):
+    block_m, block_n, block_k, warps = tile
+    constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "PRECISION": "tf32"}
+    source = ASTSource(fn, _signature(fn), constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32),
+                          options={"num_warps": warps, "num_stages": 3})
+
+
+@pytest.mark.parametrize("capability", sorted(ARCHS))
+@pytest.mark.parametrize("tile_name", sorted(moe.TILES))
+@pytest.mark.parametrize("kernel", ["_up_kernel", "_down_kernel"])
+def test_moe_kernel_compiles_to_the_architectures_tensor_core_path(kernel, tile_name, capability):
+    tile = moe.TILES[tile_name]
+    compiled = _compile(getattr(moe, kernel), tile, capability)
+    arch, tensor_core = ARCHS[capability]
+    ptx = compiled.asm["ptx"]
+    assert re.search(r"^\.target (\S+)", ptx, re.MULTILINE).group(1) == arch
+    assert len(compiled.asm["cubin"]) > 0
+    if tile[0] >= 64:
+        assert tensor_core in ptx, f"{kernel} {tile} on {arch}: no {tensor_core}"
+        assert "mma.sync" not in ptx
+    else:
+        assert "mma.sync" in ptx and "wgmma" not in ptx and "tcgen05.mma" not in ptx
