@@ -2,8 +2,11 @@
 # One lease on the lent GPU machine: correctness first, then the bench matrix; results under $OUT (or ./h200-out).
 # The machine has the repo's tree but no installed packages and no hatchling, so entry points come from
 # hand-made dist-info folders on PYTHONPATH; TileLang (for sink_attention) comes from /tmp/site when
-# ../shared/tools/gpu-wheels.sh put it there. Usage (repo root):
-#   bash backends/nvidia_sm100/benchmarks/h200_session.sh [tests|bench|all|quick]
+# ../shared/tools/gpu-wheels.sh put it there (transformers too, for --compare-hf). Usage (repo root):
+#   bash backends/nvidia_sm100/benchmarks/h200_session.sh MODE     (each mode fits one 10-minute call)
+#   tests    every GPU test of the backend            quick   b1, b64, then the graph / attention tests
+#   bench    b1 b64 b256 b16 + --enforce-eager A/B    hf      b1 and b64 with --compare-hf (HF in the same run)
+#   prefill  8 x 1K prompts in one step, one 8K prompt
 set -uo pipefail
 OUT=${OUT:-$PWD/h200-out}; mkdir -p "$OUT"
 S=/tmp/site-di
@@ -26,10 +29,20 @@ bench() {  # name, then deepinfer bench arguments
   python -m deepinfer_core.cli bench --preset v4-flash-8l64e --backend nvidia_sm100 --dtype bfloat16 \
     --json "$OUT/$name.json" "$@" > "$OUT/$name.txt" 2> "$OUT/$name.log" || echo "bench $name failed: $(tail -3 "$OUT/$name.log")"
 }
-if [[ $what == bench || $what == all || $what == quick ]]; then
-  bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
-  bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
-  if [[ $what != quick ]]; then
+if [[ $what == hf ]]; then
+  bench b1-hf --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --compare-hf
+  bench b64-hf --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64 --compare-hf
+fi
+if [[ $what == prefill ]]; then
+  bench prefill-8x1k --input-len 1024 --output-len 1 --num-prompts 8 --max-num-seqs 8 --max-num-batched-tokens 8192
+  bench prefill-8k --input-len 8192 --output-len 1 --num-prompts 1 --max-num-seqs 1 --max-num-batched-tokens 8192
+fi
+if [[ $what == bench || $what == all || $what == quick || $what == hf || $what == prefill ]]; then
+  if [[ $what != hf && $what != prefill ]]; then
+    bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
+    bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
+  fi
+  if [[ $what == bench || $what == all ]]; then
     bench b256 --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256 --max-num-batched-tokens 8192
     bench b16 --input-len 1024 --output-len 128 --num-prompts 16 --max-num-seqs 16
     bench b1-eager --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --enforce-eager
@@ -38,13 +51,20 @@ if [[ $what == bench || $what == all || $what == quick ]]; then
   python - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
+
+def ms(stats):
+    return f"{1e3 * stats['p50']:.2f}" if stats and stats.get("p50") is not None else "-"
+
 out = Path(sys.argv[1])
-print(f"{'run':10} {'out tok/s':>10} {'tpot ms':>8} {'ttft ms':>8} {'roofline':>9} {'replays':>8}")
+print(f"{'run':14} {'out tok/s':>10} {'total tok/s':>11} {'tpot ms':>8} {'ttft ms':>9} {'roofline':>9} {'vs HF':>6} {'replays':>8}")
 for f in sorted(out.glob("*.json")):
     r = json.loads(f.read_text()); e = r["engine"]; roof = r["roofline"]["engine"]
     frac = roof.get("fraction") if isinstance(roof, dict) else None
-    print(f"{f.stem:10} {e['output_throughput']:10.1f} {1e3 * e['tpot_s']['p50']:8.2f} {1e3 * e['ttft_s']['p50']:8.1f} "
-          f"{str(frac)[:8]:>9} {r['config'].get('decode_graph_replays')!s:>8}")
+    frac = f"{100 * frac:.1f}%" if isinstance(frac, float) else "-"
+    ratio = (r.get("ratio") or {}).get("output_throughput")
+    ratio = f"{ratio:.2f}x" if ratio else "-"
+    print(f"{f.stem:14} {e['output_throughput']:10.1f} {e['total_throughput']:11.1f} {ms(e['tpot_s']):>8} "
+          f"{ms(e['ttft_s']):>9} {frac:>9} {ratio:>6} {r['config'].get('decode_graph_replays')!s:>8}")
 PY
 fi
 if [[ $what == quick ]]; then  # the graph and attention tests only
