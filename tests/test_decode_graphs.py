@@ -184,3 +184,19 @@ def test_n_samples_and_stop_strings_through_the_static_path():
     for a, b in zip(dynamic, static, strict=True):
         assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
         assert [c.finish_reason for c in a.outputs] == [c.finish_reason for c in b.outputs]
+
+
+def test_every_captured_step_writes_one_shared_logits_buffer():
+    """Captured graphs keep no logits of their own (a graph's outputs stay allocated in its memory pool): what
+    a replay returns is a view of the engine's single ``[largest size, vocab]`` buffer, whatever the size."""
+    llm = LLM(max_model_len=400, max_num_seqs=4, cuda_graph_sizes=[1, 2, 4])
+    graphs = llm.engine.runner.decode_graphs
+    assert graphs.logits.shape == (4, llm.model.config.vocab_size)
+    returned = []
+    run = graphs.run
+    graphs.run = lambda chunks: returned.append(run(chunks)) or returned[-1]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 6, 9)]
+    llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    assert {size for size, _ in graphs.captured} == {1, 2, 4}
+    assert {t.shape[0] for t in returned} == {1, 2, 3}
+    assert all(t.data_ptr() == graphs.logits.data_ptr() for t in returned)

@@ -36,7 +36,7 @@ class CapturedStep:
     shape: StaticShape
     batch: ForwardBatch  # input_ids / positions / logits_rows are the fixed device buffers
     buffers: StaticBuffers
-    replay: Callable[[], object]
+    replay: Callable[[], None]  # runs the step; its logits land in ``DecodeGraphs.logits``
 
 
 class DecodeGraphs:
@@ -55,6 +55,8 @@ class DecodeGraphs:
         self.spare_slot = spare_slot
         self.spare_block = spare_block
         self.captured: dict[tuple[int, int], CapturedStep] = {}
+        # every graph writes its logits here: one [largest size, vocab] buffer instead of one per captured graph
+        self.logits = torch.empty(self.sizes[-1], model.config.vocab_size, dtype=torch.float32, device=model.device)
         self.num_replays = 0
         self.disabled_reason: str | None = None
 
@@ -79,7 +81,8 @@ class DecodeGraphs:
         step.buffers.rewind()
         self.model.step_layout(batch, self.state, step.shape, step.buffers)
         self.num_replays += 1
-        return step.replay().logits[:len(chunks)]
+        step.replay()
+        return self.logits[:len(chunks)]
 
     def context_bucket(self, length: int) -> int:
         """The static context length for sequences of up to ``length`` tokens: a power of two (at least
@@ -96,8 +99,13 @@ class DecodeGraphs:
                                     logits_rows=torch.arange(size, device=device))
         buffers = StaticBuffers(device)
         layout = self.model.step_layout(batch, self.state, shape, buffers)
+        logits = self.logits[:size]
+
+        def step_fn() -> None:
+            logits.copy_(self.model.forward(batch, self.state, layout=layout).logits)
+
         try:
-            replay = self.capture(lambda: self.model.forward(batch, self.state, layout=layout), ())
+            replay = self.capture(step_fn, ())
         except RuntimeError as exc:  # e.g. an op that synchronises with the host cannot be captured
             self.disabled_reason = f"decode graph capture failed at batch {size}, context {context}: {exc}"
             logger.warning("%s; decode steps run eagerly from now on", self.disabled_reason)
