@@ -1,23 +1,13 @@
 #!/usr/bin/env bash
 # One H200 session for the batch-invariant plugin: the GPU tests, then `deepinfer bench` with and without
 # DEEPINFER_BATCH_INVARIANT=1 (docs/performance.md, "Batch-invariant mode"). For a machine where the packages
-# are not installed (the lent H200: no package index): entry points come from hand-made dist-info folders.
+# are not installed (the lent H200: no package index): entry points come from tools/gpu_site.sh.
 # Run from the repository root. OUT (default /tmp/bi-out) receives the logs and JSON results.
 set -u
 OUT=${OUT:-/tmp/bi-out}; mkdir -p "$OUT"
 DEADLINE=$(( $(date +%s) + ${BUDGET_S:-330} ))
-S=/tmp/site-di
-mkdir -p $S/deepinfer-0.1.0.dist-info $S/deepinfer_nvidia_sm100-0.1.0.dist-info \
-         $S/deepinfer_batch_invariant-0.1.0.dist-info
-for d in deepinfer deepinfer_nvidia_sm100 deepinfer_batch_invariant; do
-    printf 'Metadata-Version: 2.1\nName: %s\nVersion: 0.1.0\n' "${d//_/-}" > $S/$d-0.1.0.dist-info/METADATA
-done
-printf '[deepinfer.backends]\ncpu = deepinfer_core.backends.cpu:probe\n' > $S/deepinfer-0.1.0.dist-info/entry_points.txt
-printf '[deepinfer.backends]\nnvidia_sm100 = deepinfer_nvidia_sm100.probe:probe\n' \
-    > $S/deepinfer_nvidia_sm100-0.1.0.dist-info/entry_points.txt
-printf '[deepinfer.plugins]\nbatch_invariant = deepinfer_batch_invariant.plugin\n' \
-    > $S/deepinfer_batch_invariant-0.1.0.dist-info/entry_points.txt
-export PYTHONPATH=$S:$PWD:$PWD/backends/nvidia_sm100:$PWD/plugins/batch_invariant/src PYTHONUNBUFFERED=1
+source tools/gpu_site.sh  # entry points without installing (dist-info folders on PYTHONPATH)
+export PYTHONUNBUFFERED=1
 left() { echo $(( DEADLINE - $(date +%s) )); }
 
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c \

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One lease on the lent GPU machine: correctness first, then the bench matrix; results under $OUT (or ./h200-out).
 # The machine has the repo's tree but no installed packages and no hatchling, so entry points come from
-# hand-made dist-info folders on PYTHONPATH; TileLang (for sink_attention) comes from /tmp/site when
+# dist-info folders written by tools/gpu_site.sh; TileLang (for sink_attention) comes from /tmp/site when
 # ../shared/tools/gpu-wheels.sh put it there (transformers too, for --compare-hf). Usage (repo root):
 #   bash backends/nvidia_sm100/benchmarks/h200_session.sh MODE     (each mode fits one 10-minute call)
 #   tests    every GPU test of the backend            quick   b1, b64, then the graph / attention tests
@@ -9,13 +9,7 @@
 #   prefill  8 x 1K prompts in one step, one 8K prompt
 set -uo pipefail
 OUT=${OUT:-$PWD/h200-out}; mkdir -p "$OUT"
-S=/tmp/site-di
-mkdir -p $S/deepinfer-0.1.0.dist-info $S/deepinfer_nvidia_sm100-0.1.0.dist-info
-printf 'Metadata-Version: 2.1\nName: deepinfer\nVersion: 0.1.0\n' > $S/deepinfer-0.1.0.dist-info/METADATA
-printf '[deepinfer.backends]\ncpu = deepinfer_core.backends.cpu:probe\n' > $S/deepinfer-0.1.0.dist-info/entry_points.txt
-printf 'Metadata-Version: 2.1\nName: deepinfer-nvidia-sm100\nVersion: 0.1.0\n' > $S/deepinfer_nvidia_sm100-0.1.0.dist-info/METADATA
-printf '[deepinfer.backends]\nnvidia_sm100 = deepinfer_nvidia_sm100.probe:probe\n' > $S/deepinfer_nvidia_sm100-0.1.0.dist-info/entry_points.txt
-export PYTHONPATH=/tmp/site:$S:$PWD:$PWD/backends/nvidia_sm100${PYTHONPATH:+:$PYTHONPATH}
+source tools/gpu_site.sh  # entry points without installing
 existing=$(ls -d /tmp/deepinfer-bench/v4-* /tmp/db/v4-* 2>/dev/null | head -1)  # a preset already written here
 export DEEPINFER_BENCH_CACHE=${DEEPINFER_BENCH_CACHE:-$( [[ -n $existing ]] && dirname "$existing" || echo /tmp/deepinfer-bench)}
 what=${1:-all}
