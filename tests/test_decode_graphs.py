@@ -18,10 +18,18 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Foo:\n    def"
            {"prompt_token_ids": [(7 * i) % 4000 + 50 for i in range(120)]}]  # 120 + 24 crosses the 128 bucket
 
 
-def _run(prompts, params, **kwargs):
-    llm = LLM(max_model_len=400, max_num_seqs=8, **kwargs)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return llm, outs
+def _both_paths(prompts, params, sizes, generate=None, **llm_kwargs):
+    """The same requests through an engine without static decode steps and one with them (``sizes``):
+    (dynamic outputs, the static engine, its outputs). ``generate(llm)`` replaces one ``llm.generate`` call."""
+    llm_kwargs = {"max_model_len": 400, "max_num_seqs": 8, **llm_kwargs}
+    generate = generate or (lambda llm: llm.generate(prompts, params, use_tqdm=False))
+    static_llm = LLM(cuda_graph_sizes=sizes, **llm_kwargs)
+    return generate(LLM(**llm_kwargs)), static_llm, generate(static_llm)
+
+
+def _assert_same_greedy(dynamic, static) -> None:
+    assert [o.outputs[0].token_ids for o in static] == [o.outputs[0].token_ids for o in dynamic]
+    assert _max_logprob_diff(dynamic, static) < 1e-4
 
 
 def _max_logprob_diff(a, b) -> float:
@@ -38,8 +46,7 @@ def greedy_pair(monkeypatch_module):
     # a small first bucket (the tiny model's block multiple, 128) so decoding crosses into a second one
     monkeypatch_module.setattr(decode_graphs, "MIN_CONTEXT_BUCKET", 16)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
-    _, dynamic = _run(PROMPTS, params)
-    llm, static = _run(PROMPTS, params, cuda_graph_sizes=[1, 2, 4, 8])
+    dynamic, llm, static = _both_paths(PROMPTS, params, [1, 2, 4, 8])
     return llm, dynamic, static
 
 
@@ -57,8 +64,7 @@ def test_static_decode_equals_dynamic_greedy(greedy_pair):
     contexts = {context for _, context in graphs.captured}
     assert sizes == {8}  # 5 sequences pad to 8
     assert len(contexts) >= 2, f"decoding should cross a context bucket, captured {sorted(graphs.captured)}"
-    assert [o.outputs[0].token_ids for o in static] == [o.outputs[0].token_ids for o in dynamic]
-    assert _max_logprob_diff(dynamic, static) < 1e-4
+    _assert_same_greedy(dynamic, static)
 
 
 def test_spare_state_is_beyond_what_the_state_manager_hands_out(greedy_pair):
@@ -76,25 +82,20 @@ def test_static_decode_with_prefix_hits_and_batch_growth():
     prefix = "def add(a, b):\n    return a + b\n\n" * 24  # > 2 blocks of 128 tokens
     prompts = [prefix + "def sub", prefix + "def mul", prefix + "def div"]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
-    results = []
-    for kwargs in ({}, {"cuda_graph_sizes": [1, 4]}):
-        llm = LLM(max_model_len=600, max_num_seqs=4, **kwargs)
-        first = llm.generate(prompts[:1], params, use_tqdm=False)
-        rest = llm.generate(prompts[1:], params, use_tqdm=False)
-        results.append((llm, first + rest))
-    (_, dynamic), (llm, static) = results
+    dynamic, llm, static = _both_paths(
+        prompts, params, [1, 4], max_model_len=600, max_num_seqs=4,
+        generate=lambda llm: llm.generate(prompts[:1], params, use_tqdm=False) + llm.generate(
+            prompts[1:], params, use_tqdm=False))
     assert llm.engine.state_manager.hits > 0
     graphs = llm.engine.runner.decode_graphs
     assert {size for size, _ in graphs.captured} == {1, 4}
-    assert [o.outputs[0].token_ids for o in static] == [o.outputs[0].token_ids for o in dynamic]
-    assert _max_logprob_diff(dynamic, static) < 1e-4
+    _assert_same_greedy(dynamic, static)
 
 
 def test_seeded_sampling_and_prompt_logprobs_mix_with_static_steps():
     """A request with prompt logprobs forces its steps eager; seeded sampling gives the same tokens."""
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10, seed=7, prompt_logprobs=1)
-    _, dynamic = _run(PROMPTS[:2], params)
-    llm, static = _run(PROMPTS[:2], params, cuda_graph_sizes=[2])
+    dynamic, llm, static = _both_paths(PROMPTS[:2], params, [2])
     assert llm.engine.runner.decode_graphs.num_replays >= 8
     assert [o.outputs[0].token_ids for o in static] == [o.outputs[0].token_ids for o in dynamic]
 
@@ -132,14 +133,9 @@ def test_decodes_replay_beside_an_eager_prefill_in_one_step():
     graph path and the prompt chunk eagerly; results equal the all-dynamic run."""
     prompts = PROMPTS[:3] + [{"prompt_token_ids": [(11 * i) % 4000 + 60 for i in range(300)]}]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
-    runs = []
-    for kwargs in ({}, {"cuda_graph_sizes": [1, 2, 4]}):
-        llm = LLM(max_model_len=400, max_num_seqs=4, max_num_batched_tokens=40, **kwargs)
-        runs.append((llm, llm.generate(prompts, params, use_tqdm=False)))
-    (_, dynamic), (llm, mixed) = runs
+    dynamic, llm, mixed = _both_paths(prompts, params, [1, 2, 4], max_num_seqs=4, max_num_batched_tokens=40)
     assert llm.engine.runner.num_mixed_steps >= 3
-    assert [o.outputs[0].token_ids for o in mixed] == [o.outputs[0].token_ids for o in dynamic]
-    assert _max_logprob_diff(dynamic, mixed) < 1e-4
+    _assert_same_greedy(dynamic, mixed)
 
 
 @pytest.mark.parametrize("layer_types", [
@@ -159,15 +155,11 @@ def test_static_decode_equals_dynamic_for_each_layer_mix(tmp_path, layer_types):
     tiny_checkpoint(tmp_path, seed=1, layer_types=layer_types, hc_mult=2)
     prompts = [{"prompt_token_ids": [(5 * i + s) % 60 + 2 for i in range(n)]} for s, n in ((0, 3), (1, 17), (2, 9))]
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=2)
-    runs = []
-    for kwargs in ({}, {"cuda_graph_sizes": [1, 2, 4]}):
-        llm = LLM(str(tmp_path), block_size=8, max_model_len=64, max_num_seqs=4, **kwargs)
-        runs.append((llm, llm.generate(prompts, params, use_tqdm=False)))
-    (_, dynamic), (llm, static) = runs
+    dynamic, llm, static = _both_paths(prompts, params, [1, 2, 4], model=str(tmp_path), block_size=8,
+                                       max_model_len=64, max_num_seqs=4)
     graphs = llm.engine.runner.decode_graphs
     assert graphs.num_replays >= 29 and len({context for _, context in graphs.captured}) >= 1
-    assert [o.outputs[0].token_ids for o in static] == [o.outputs[0].token_ids for o in dynamic]
-    assert _max_logprob_diff(dynamic, static) < 1e-4
+    _assert_same_greedy(dynamic, static)
 
 
 def test_n_samples_and_stop_strings_through_the_static_path():
@@ -175,11 +167,7 @@ def test_n_samples_and_stop_strings_through_the_static_path():
     whose batch shrinks as requests finish: the same as the dynamic path."""
     params = [SamplingParams(temperature=0.7, seed=3, n=3, max_tokens=20, logprobs=1),
               SamplingParams(temperature=0.0, max_tokens=25, stop=["\n\n"], logprobs=1)]
-    results = []
-    for kwargs in ({}, {"cuda_graph_sizes": [1, 2, 4, 8]}):
-        llm = LLM(max_model_len=400, max_num_seqs=8, **kwargs)
-        results.append((llm, llm.generate(PROMPTS[:2], params, use_tqdm=False)))
-    (_, dynamic), (llm, static) = results
+    dynamic, llm, static = _both_paths(PROMPTS[:2], params, [1, 2, 4, 8])
     assert llm.engine.runner.decode_graphs.num_replays > 10
     for a, b in zip(dynamic, static, strict=True):
         assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
