@@ -92,11 +92,12 @@ class ModelRunner:
             parts.append(logits[sample_rows])
             row_of.update({id(c): len(graphed) + i for i, c in enumerate(c for c in eager.chunks if c.samples)})
             prompt_logprobs = self._prompt_logprobs(eager, logits, prompt_rows)
-        sampling = [c.request for c in output.chunks if c.samples]
+        sampling_chunks = [c for c in output.chunks if c.samples]
+        sampling = [c.request for c in sampling_chunks]
         sampler_output = None
         if sampling:
             stacked = parts[0] if len(parts) == 1 else torch.cat(parts)
-            order = [row_of[id(c)] for c in output.chunks if c.samples]
+            order = [row_of[id(c)] for c in sampling_chunks]
             if order != list(range(len(order))):
                 stacked = stacked[torch.tensor(order, device=stacked.device)]
             metadata = SamplingMetadata.from_params(
