@@ -148,9 +148,22 @@ def hc_pre(
     ``streams``: ``[T, hc, D]``; ``fn``: ``[(2 + hc) * hc, hc * D]``. Returns ``post [T, hc]``,
     ``comb [T, hc, hc]`` (doubly stochastic after Sinkhorn, fp32) and ``collapsed [T, D]``.
     """
-    tokens, hc, _ = streams.shape
-    flat = unweighted_rms_norm(streams.reshape(tokens, -1).float(), norm_eps)  # [T, hc * D]
-    mixed = F.linear(flat, fn.float())  # [T, (2 + hc) * hc]
+    mixed = hc_mix_logits(streams, fn, norm_eps)  # [T, (2 + hc) * hc]
+    pre, post, comb = hc_weights(mixed, base, scale, streams.shape[1], sinkhorn_iters, hc_eps)
+    return post, comb, hc_collapse(pre, streams)
+
+
+def hc_mix_logits(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """``hc_pre``'s first part: the RMS-normed flattened streams ``[T, hc * D]`` times ``fn``, in fp32."""
+    flat = unweighted_rms_norm(streams.flatten(1).float(), norm_eps)  # [T, hc * D]
+    return F.linear(flat, fn.float())  # [T, (2 + hc) * hc]
+
+
+def hc_weights(mixed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, sinkhorn_iters: int,
+               hc_eps: float):
+    """``hc_pre``'s second part: ``pre [T, hc]``, ``post [T, hc]`` and the Sinkhorn-normalised ``comb [T, hc, hc]``
+    from the mixing logits ``mixed [T, (2 + hc) * hc]`` (fp32)."""
+    tokens = mixed.shape[0]
     pre_w, post_w, comb_w = mixed.split([hc, hc, hc * hc], dim=-1)
     pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
     pre_s, post_s, comb_s = scale.float().unbind(0)
@@ -161,8 +174,12 @@ def hc_pre(
     for _ in range(sinkhorn_iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)  # [T, D]
-    return post, comb, collapsed
+    return pre, post, comb
+
+
+def hc_collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """``hc_pre``'s last part: the block input ``sum_k pre[t, k] * streams[t, k]``, ``[T, D]`` in the streams' dtype."""
+    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
 
 
 @reference_op

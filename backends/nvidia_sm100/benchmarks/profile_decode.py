@@ -66,12 +66,22 @@ def main() -> None:
         print(f"\n=== batch {batch}: decode step wall {wall * 1e3:.2f} ms, GPU kernel time {gpu * 1e3:.2f} ms, "
               f"{launches:.0f} kernels/step")
         print(events.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
+        print_kernels_by_count(events, steps=3)
         summary.append((batch, wall, gpu, launches))
         while engine.has_unfinished():
             engine.step()
     print("\n| batch | step wall | GPU kernel time | kernels/step |\n|---|---|---|---|")
     for batch, wall, gpu, launches in summary:
         print(f"| {batch} | {wall * 1e3:.2f} ms | {gpu * 1e3:.2f} ms | {launches:.0f} |")
+
+
+def print_kernels_by_count(events, steps: int, limit: int = 40) -> None:
+    """GPU kernels per step by launch count (where the launches of a step come from), with their time."""
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: e.count, reverse=True)
+    print(f"{'launches/step':>13} {'us/step':>9}  kernel")
+    for e in kernels[:limit]:
+        print(f"{e.count / steps:13.1f} {e.self_device_time_total / steps:9.1f}  {e.key[:110]}")
 
 
 if __name__ == "__main__":

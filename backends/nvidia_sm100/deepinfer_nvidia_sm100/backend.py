@@ -83,9 +83,9 @@ class NvidiaBackend(Backend):
 def sm90_ops() -> dict[str, Callable]:
     """Hopper overrides (Triton; TileLang ``sink_attention`` where TileLang is installed; verified on the H200:
     see docs/nvidia.md)."""
-    from deepinfer_nvidia_sm100.kernels import compiled, moe, tl_attention
+    from deepinfer_nvidia_sm100.kernels import tl_attention
 
-    ops = {**compiled.compiled_ops(), "moe_experts": moe.moe_experts}
+    ops = triton_ops()
     if tl_attention.available():  # bf16 with H % 64 == 0, d = 512; other inputs run the reference op
         ops["sink_attention"] = tl_attention.sink_attention
     return ops
@@ -94,9 +94,15 @@ def sm90_ops() -> dict[str, Callable]:
 def sm100_ops() -> dict[str, Callable]:
     """Blackwell overrides: the same Triton kernels as SM90 for now (compiled by Triton for sm_100a);
     unverified on hardware. tcgen05 / TMEM kernels are future work (docs/nvidia.md)."""
-    from deepinfer_nvidia_sm100.kernels import compiled, moe
+    return triton_ops()
 
-    return {**compiled.compiled_ops(), "moe_experts": moe.moe_experts}
+
+def triton_ops() -> dict[str, Callable]:
+    """The overrides both paths share: Triton kernels (``moe_experts``, ``hc_pre``) and the small ops that
+    TorchInductor compiles to Triton."""
+    from deepinfer_nvidia_sm100.kernels import compiled, hc, moe
+
+    return {**compiled.compiled_ops(), "moe_experts": moe.moe_experts, "hc_pre": hc.hc_pre}
 
 
 class CudaGraphRunner:

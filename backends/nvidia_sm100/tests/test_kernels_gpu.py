@@ -97,7 +97,7 @@ def test_compiled_small_ops_match_reference(dtype):
             "rms_norm": (rnd(T, D), rnd(D, dt=torch.float32), 1e-6),
             "unweighted_rms_norm": (rnd(T, 4, 64), 1e-6),
             "apply_rope": (rnd(T, 4, 64), rnd(T, 8), rnd(T, 8)),
-            "hc_pre": (streams, fn, base, scale, 20, 1e-6, 1e-6),
+            "rope_cos_sin": (torch.arange(T, device="cuda") * 37, rnd(8, dt=torch.float32).abs(), 1.25, dtype),
             "hc_post": (streams, rnd(T, D), rnd(T, hc, dt=torch.float32), rnd(T, hc, hc, dt=torch.float32)),
             "hc_head": (streams, fn[:hc], base[:hc], scale[:1], 1e-6, 1e-6),
             "compressor_pool": (rnd(T, 8, 64), rnd(T, 8, 64), rnd(64, dt=torch.float32), 1e-6),

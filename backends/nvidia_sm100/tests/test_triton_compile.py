@@ -4,7 +4,8 @@ Triton compiles ahead of time for a named target (``GPUTarget("cuda", 90 | 100, 
 this runs on the CPU CI machine. Each MoE tile the backend can pick is compiled in bf16 and the PTX is checked
 for the tensor-core path: 64-row tiles use wgmma on sm_90a and tcgen05 on sm_100a; the 16-row decode tile uses
 mma.sync on both (wgmma and tcgen05 need at least 64 rows, and decode reads weights, it barely multiplies).
-Only compilation is checked here; the kernels' results are checked on the GPU (test_kernels_gpu.py).
+Only compilation is checked here; the kernels' results are checked on the GPU (test_kernels_gpu.py,
+test_hc_kernel.py). The mHC weights kernel (no matrix multiply) is checked to compile for both targets.
 """
 
 from __future__ import annotations
@@ -62,3 +63,18 @@ def test_moe_kernel_compiles_to_the_architectures_tensor_core_path(kernel, tile_
         assert "mma.sync" not in ptx
     else:
         assert "mma.sync" in ptx and "wgmma" not in ptx and "tcgen05.mma" not in ptx
+
+
+@pytest.mark.parametrize("capability", sorted(ARCHS))
+def test_hc_weights_kernel_compiles(capability):
+    from deepinfer_nvidia_sm100.kernels import hc
+
+    fn = hc._hc_weights_kernel
+    signature = {name: ("constexpr" if i in fn.constexprs else "*fp32" if name.endswith("_ptr")
+                        else "i32" if name == "sinkhorn_iters" else "fp32") for i, name in enumerate(fn.arg_names)}
+    constants = {"HC": 4, "HC_P2": 4}
+    source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": 1})
+    ptx = compiled.asm["ptx"]
+    assert re.search(r"^\.target (\S+)", ptx, re.MULTILINE).group(1) == ARCHS[capability][0]
+    assert len(compiled.asm["cubin"]) > 0

@@ -1,9 +1,10 @@
 """Small reference ops fused by TorchInductor (``torch.compile`` generates Triton kernels for them).
 
-The model's norms, RoPE and mHC ops are chains of small element-wise and reduction ops; eagerly each is
-several kernel launches (``hc_pre``'s Sinkhorn loop alone is ~100 per call), and a decode step is bound by
-launching them. Compiled, each op is one or two fused kernels. The compiled function *is* the reference op
-(same source), so semantics cannot drift; tests still check each against the eager reference on the GPU.
+The model's norms, RoPE tables and mHC ops are chains of small element-wise and reduction ops; eagerly each is
+several kernel launches, and a decode step is bound by launching them. Compiled, each op is one or two fused
+kernels. The compiled function *is* the reference op (same source), so semantics cannot drift; tests still
+check each against the eager reference on the GPU. (``hc_pre`` is not here: its Sinkhorn loop compiled to one
+kernel per normalisation; ``kernels/hc.py`` runs it as one Triton kernel and compiles the parts around it.)
 
 Set ``DEEPINFER_NVIDIA_COMPILE=0`` to run these ops eagerly (the reference ops).
 """
@@ -17,7 +18,8 @@ import torch
 
 from deepinfer_core.ops import reference as ref
 
-COMPILED_OPS = ("rms_norm", "unweighted_rms_norm", "apply_rope", "hc_pre", "hc_post", "hc_head", "compressor_pool")
+COMPILED_OPS = ("rms_norm", "unweighted_rms_norm", "apply_rope", "rope_cos_sin", "hc_post", "hc_head",
+                "compressor_pool")
 ENV = "DEEPINFER_NVIDIA_COMPILE"
 
 
@@ -29,4 +31,16 @@ def compiled_ops() -> dict[str, Callable]:
     """Op name -> ``torch.compile`` of its reference op (dynamic shapes: one compile serves every batch)."""
     if not enabled():
         return {}
-    return {name: torch.compile(getattr(ref, name), dynamic=True) for name in COMPILED_OPS}
+    return {name: maybe_compile(getattr(ref, name)) for name in COMPILED_OPS}
+
+
+_COMPILED: dict[Callable, Callable] = {}
+
+
+def maybe_compile(fn: Callable) -> Callable:
+    """``torch.compile(fn, dynamic=True)``, made once per function; ``fn`` itself when compiling is switched off."""
+    if not enabled():
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=True)
+    return _COMPILED[fn]

@@ -1,0 +1,67 @@
+"""The ``hc_pre`` op of ``kernels/hc.py`` against the reference op: on the GPU where there is one; without a GPU,
+in a child pytest process on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` must be set before
+Triton is imported, and it would break the ahead-of-time compiles of test_triton_compile.py in this process).
+The interpreter checks the kernel's logic: indexing, the masks for an hc that is not a power of two, the
+Sinkhorn loop bounds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the test extra installs triton")
+from deepinfer_nvidia_sm100.kernels import hc
+
+from deepinfer_core.ops import reference as ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+kernel_runs_here = pytest.mark.skipif(
+    DEVICE == "cpu" and not INTERPRETED,
+    reason="no GPU: runs in a child process under Triton's interpreter (test_kernel_under_triton_interpreter)")
+
+
+@pytest.mark.skipif(DEVICE == "cuda" or INTERPRETED, reason="the kernel runs directly on the GPU / in this process")
+def test_kernel_under_triton_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "DEEPINFER_NVIDIA_COMPILE": "0"}
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                            "-k", "not under_triton_interpreter"],
+                           check=False, env=env, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-2000:]
+    assert " passed" in child.stdout and "skipped" not in child.stdout, child.stdout[-2000:]
+
+
+def _case(tokens, hc_mult, width, dtype, seed=0):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+
+    def rnd(*shape, dt=torch.float32):
+        return torch.randn(*shape, device=DEVICE, generator=gen).to(dt)
+
+    mix = (2 + hc_mult) * hc_mult
+    return (rnd(tokens, hc_mult, width, dt=dtype), rnd(mix, hc_mult * width) * 0.05, rnd(mix), rnd(3) + 1.0)
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, hc_mult, iters", [(1, 4, 20), (7, 4, 1), (64, 4, 20), (5, 3, 7), (0, 4, 20)])
+def test_hc_pre_matches_reference(tokens, hc_mult, iters, dtype):
+    streams, fn, base, scale = _case(tokens, hc_mult, 64, dtype)
+    got = hc.hc_pre(streams, fn, base, scale, iters, 1e-6, 1e-6)
+    want = ref.hc_pre(streams, fn, base, scale, iters, 1e-6, 1e-6)
+    for name, g, w in zip(("post", "comb", "collapsed"), got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        tol = {"atol": 1e-5, "rtol": 1e-5} if g.dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+        torch.testing.assert_close(g, w, **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@kernel_runs_here
+def test_comb_is_doubly_stochastic_after_many_iterations():
+    streams, fn, base, scale = _case(9, 4, 32, torch.float32, seed=3)
+    _, comb, _ = hc.hc_pre(streams, fn, base, scale, 60, 1e-6, 1e-6)
+    ones = torch.ones(9, 4, device=DEVICE)
+    torch.testing.assert_close(comb.sum(dim=-1), ones, atol=1e-4, rtol=0)
+    torch.testing.assert_close(comb.sum(dim=-2), ones, atol=1e-4, rtol=0)
