@@ -107,15 +107,27 @@ def test_enforce_eager_and_bad_sizes():
         LLM(cuda_graph_sizes=[0, 2])
 
 
-def test_static_buffers_refuse_a_changed_shape():
+def test_static_buffers_keep_their_storage_and_refuse_a_changed_shape():
     buffers = StaticBuffers(torch.device("cpu"))
-    first = buffers.place(torch.arange(4))
-    buffers.rewind()
-    again = buffers.place(torch.arange(4) + 1)
-    assert again is first and first.tolist() == [1, 2, 3, 4]
+    sized = [buffers.place(torch.arange(3)), buffers.place(torch.tensor([True, False]))]  # sizing build
+    assert [t.tolist() for t in sized] == [[0, 1, 2], [True, False]]
+    buffers.seal()
+    builds = []
+    for step in range(2):
+        buffers.rewind()
+        builds.append([buffers.place(torch.arange(3) + step), buffers.place(torch.tensor([step == 1, True]))])
+        buffers.upload()
+        assert builds[-1][0].tolist() == [step, step + 1, step + 2]
+        assert builds[-1][1].tolist() == [step == 1, True]
+    assert all(a is b for a, b in zip(*builds, strict=True))  # the same tensors every step
     buffers.rewind()
     with pytest.raises(RuntimeError, match="static layout tensor 0 changed"):
         buffers.place(torch.arange(5))
+    buffers.rewind()
+    buffers.place(torch.arange(3))
+    buffers.place(torch.tensor([True, True]))
+    with pytest.raises(RuntimeError, match="more tensors than the 2 it was sealed with"):
+        buffers.place(torch.arange(3))
 
 
 def test_context_bucket_is_a_power_of_two_within_max_model_len():

@@ -75,11 +75,7 @@ class DecodeGraphs:
         step = self.captured.get(key) or self._capture(*key)
         if step is None:
             return None
-        batch = self._padded_batch(chunks, size)
-        step.batch.input_ids.copy_(batch.input_ids, non_blocking=True)
-        step.batch.positions.copy_(batch.positions, non_blocking=True)
-        step.buffers.rewind()
-        self.model.step_layout(batch, self.state, step.shape, step.buffers)
+        self._place_inputs(self._padded_batch(chunks, size), step.shape, step.buffers)
         self.num_replays += 1
         step.replay()
         return self.logits[:len(chunks)]
@@ -95,10 +91,10 @@ class DecodeGraphs:
         device = self.model.device
         shape = self.model.static_shape(size, context, self.spare_slot, self.spare_block)
         host = self._padded_batch([], size)  # all dummies: capture touches only the spare slot and block
-        batch = dataclasses.replace(host, input_ids=host.input_ids.to(device), positions=host.positions.to(device),
-                                    logits_rows=torch.arange(size, device=device))
         buffers = StaticBuffers(device)
-        layout = self.model.step_layout(batch, self.state, shape, buffers)
+        self._place_inputs(host, shape, buffers)  # learns the static tensors' shapes
+        buffers.seal()
+        batch, layout = self._place_inputs(host, shape, buffers)  # now in the buffers' fixed storage
         logits = self.logits[:size]
 
         def step_fn() -> None:
@@ -114,6 +110,16 @@ class DecodeGraphs:
         self.captured[(size, context)] = step
         logger.debug("captured decode step: batch %d, context %d", size, context)
         return step
+
+    def _place_inputs(self, host: ForwardBatch, shape: StaticShape, buffers: StaticBuffers):
+        """Write a padded host batch's token ids, positions and layout into ``buffers`` and upload them in one
+        copy. Returns the batch and layout over the buffers' device tensors."""
+        buffers.rewind()
+        batch = dataclasses.replace(host, input_ids=buffers.place(host.input_ids),
+                                    positions=buffers.place(host.positions), logits_rows=buffers.place(host.logits_rows))
+        layout = self.model.step_layout(batch, self.state, shape, buffers)
+        buffers.upload()
+        return batch, layout
 
     def _padded_batch(self, chunks: list[ScheduledChunk], size: int) -> ForwardBatch:
         """The step's one-token sequences on the host, then dummies (token 0 at position 0, spare state)."""

@@ -10,6 +10,8 @@ synchronisations): CUDA graphs and fewer, fused ops are the lever. If they are c
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 
 import torch
@@ -40,7 +42,7 @@ def main() -> None:
     llm = LLM(folder, backend=args.backend, dtype="bfloat16", max_model_len=args.input_len + 64, max_num_seqs=top,
               max_num_batched_tokens=8192, enforce_eager=args.enforce_eager)
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     summary = []
     for batch in args.batches:
         for i, ids in enumerate(random_prompts(batch, args.input_len, llm.model.config.vocab_size, batch)):
@@ -56,6 +58,14 @@ def main() -> None:
             engine.step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / n
+        host = cProfile.Profile()  # where the host's share of a step goes (Python, launches, copies, syncs)
+        host.enable()
+        for _ in range(5):
+            engine.step()
+        torch.cuda.synchronize()
+        host.disable()
+        print(f"\n=== batch {batch}: host functions over 5 steps (cumulative, top 22)")
+        pstats.Stats(host).sort_stats("cumulative").print_stats(22)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
                 engine.step()

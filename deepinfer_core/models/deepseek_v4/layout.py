@@ -45,31 +45,75 @@ class StaticShape:
 class StaticBuffers:
     """Device tensors that keep their storage from step to step: a CUDA graph reads them at replay.
 
-    The first layout built with these buffers allocates one tensor per index tensor, in build order;
-    every later build (after ``rewind``) copies its host tensors into the same tensors, which must have
-    the same shapes (a ``StaticShape`` guarantees that).
+    The first build with these buffers only learns the index tensors' shapes and dtypes, in build order
+    (``place`` returns a plain copy). ``seal`` then lays them out in one device arena with a host twin (pinned
+    on CUDA); every later build (after ``rewind``) writes its host tensors into the twin, which must have the
+    same shapes (a ``StaticShape`` guarantees that), and ``upload`` moves the whole layout in one copy instead of
+    one small pageable copy per tensor.
     """
+
+    ALIGN = 64  # bytes between tensors in the arena (any dtype's alignment)
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
-        self.tensors: list[torch.Tensor] = []
+        self.specs: list[tuple[torch.Size, torch.dtype]] = []
+        self.tensors: list[torch.Tensor] = []  # views into the device arena, after seal
+        self._staging: list[torch.Tensor] = []  # views into the host twin
+        self._host_arena: torch.Tensor | None = None
+        self._device_arena: torch.Tensor | None = None
+        self._uploaded = None  # event of the last upload (the host twin is reused only after it)
         self._next = 0
+
+    @property
+    def sealed(self) -> bool:
+        return self._device_arena is not None
 
     def rewind(self) -> None:
         """Start a new build: the next ``place`` fills the first tensor again."""
         self._next = 0
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
 
     def place(self, host: torch.Tensor) -> torch.Tensor:
-        """The fixed device tensor for the next index tensor, now holding ``host``'s values."""
+        """The fixed device tensor for the next index tensor; it holds ``host``'s values after ``upload``
+        (before ``seal``: a plain copy of ``host`` on the device)."""
         index, self._next = self._next, self._next + 1
-        if index == len(self.tensors):
-            self.tensors.append(torch.empty(host.shape, dtype=host.dtype, device=self.device))
+        if not self.sealed:
+            self.specs.append((host.shape, host.dtype))
+            return host.to(self.device)
+        if index >= len(self.tensors):
+            raise RuntimeError(f"static layout has more tensors than the {len(self.tensors)} it was sealed with")
         target = self.tensors[index]
         if target.shape != host.shape or target.dtype != host.dtype:
             raise RuntimeError(f"static layout tensor {index} changed from {tuple(target.shape)} {target.dtype} "
                                f"to {tuple(host.shape)} {host.dtype}; the static shape does not fix it")
-        target.copy_(host, non_blocking=True)
+        self._staging[index].copy_(host)
         return target
+
+    def seal(self) -> None:
+        """Lay the tensors seen so far out in one arena (device) plus its host twin."""
+        offsets, total = [], 0
+        for shape, dtype in self.specs:
+            offsets.append(total)
+            nbytes = shape.numel() * dtype.itemsize
+            total += -(-nbytes // self.ALIGN) * self.ALIGN
+        on_host = self.device.type == "cpu"
+        self._host_arena = torch.zeros(max(total, 1), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        self._device_arena = self._host_arena if on_host else torch.zeros_like(self._host_arena, device=self.device)
+
+        def views(arena: torch.Tensor) -> list[torch.Tensor]:
+            return [arena[o:o + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+                    for o, (shape, dtype) in zip(offsets, self.specs, strict=True)]
+
+        self._staging, self.tensors = views(self._host_arena), views(self._device_arena)
+
+    def upload(self) -> None:
+        """One copy of everything placed since ``rewind`` to the device (non-blocking from pinned memory)."""
+        if self._device_arena is self._host_arena:
+            return
+        self._device_arena.copy_(self._host_arena, non_blocking=True)
+        self._uploaded = torch.Event(device=self.device)
+        self._uploaded.record()
 
 
 @dataclasses.dataclass
