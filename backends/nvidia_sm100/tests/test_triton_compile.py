@@ -5,7 +5,8 @@ this runs on the CPU CI machine. Each MoE tile the backend can pick is compiled 
 for the tensor-core path: 64-row tiles use wgmma on sm_90a and tcgen05 on sm_100a; the 16-row decode tile uses
 mma.sync on both (wgmma and tcgen05 need at least 64 rows, and decode reads weights, it barely multiplies).
 Only compilation is checked here; the kernels' results are checked on the GPU (test_kernels_gpu.py,
-test_hc_kernel.py). The mHC weights kernel (no matrix multiply) is checked to compile for both targets.
+test_triton_kernels.py). The kernels without a matrix multiply (mHC weights, MoE align and combine) are checked
+to compile for both targets.
 """
 
 from __future__ import annotations
@@ -65,16 +66,33 @@ def test_moe_kernel_compiles_to_the_architectures_tensor_core_path(kernel, tile_
         assert "mma.sync" in ptx and "wgmma" not in ptx and "tcgen05.mma" not in ptx
 
 
-@pytest.mark.parametrize("capability", sorted(ARCHS))
-def test_hc_weights_kernel_compiles(capability):
-    from deepinfer_nvidia_sm100.kernels import hc
+SMALL_KERNELS = {  # kernel -> (pointer types by argument name, constexprs) as the ops launch them
+    "hc._hc_weights_kernel": ({}, {"HC": 4, "HC_P2": 4}),
+    "moe._align_kernel": ({"ids_ptr": "*i64", "sorted_assign_ptr": "*i64", "block_expert_ptr": "*i64",
+                           "dest_ptr": "*i64"}, {"BLOCK_M": 16, "E_P2": 64, "CHUNK": 64}),
+    "moe._combine_kernel": ({"y_ptr": "*bf16", "out_ptr": "*bf16", "ids_ptr": "*i64", "dest_ptr": "*i64"},
+                            {"K_P2": 8, "BLOCK_D": 1024}),
+}
 
-    fn = hc._hc_weights_kernel
-    signature = {name: ("constexpr" if i in fn.constexprs else "*fp32" if name.endswith("_ptr")
-                        else "i32" if name == "sinkhorn_iters" else "fp32") for i, name in enumerate(fn.arg_names)}
-    constants = {"HC": 4, "HC_P2": 4}
+
+@pytest.mark.parametrize("capability", sorted(ARCHS))
+@pytest.mark.parametrize("name", sorted(SMALL_KERNELS))
+def test_small_kernels_compile(name, capability):
+    from deepinfer_nvidia_sm100.kernels import hc, moe
+
+    module, kernel = name.split(".")
+    fn = getattr({"hc": hc, "moe": moe}[module], kernel)
+    pointers, constants = SMALL_KERNELS[name]
+    signature = {}
+    for i, arg in enumerate(fn.arg_names):
+        if i in fn.constexprs:
+            signature[arg] = "constexpr"
+        elif arg.endswith("_ptr"):
+            signature[arg] = pointers.get(arg, "*fp32")
+        else:
+            signature[arg] = "fp32" if arg.endswith("eps") else "i32"
     source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
-    compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": 1})
+    compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": 4})
     ptx = compiled.asm["ptx"]
     assert re.search(r"^\.target (\S+)", ptx, re.MULTILINE).group(1) == ARCHS[capability][0]
     assert len(compiled.asm["cubin"]) > 0

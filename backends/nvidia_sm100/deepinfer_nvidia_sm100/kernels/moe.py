@@ -12,7 +12,8 @@ How it runs, with no host synchronisation and no weight copies (so it can be cap
    SwiGLU and clamps fused), written in sorted order. Each chosen expert's w1 / w3 tiles are read once per
    block of its tokens (once in all at decode sizes, where an expert gets at most ``BLOCK_M`` tokens).
 3. ``_down_kernel``: per (block, tile of D): ``y = (h w2^T) * routing weight`` (fp32 accumulate), in sorted order.
-4. ``out[t] = sum_k y[dest[t, k]]`` by ascending expert id, in the model dtype (the reference's order).
+4. ``_combine_kernel``: ``out[t] = sum_k y[dest[t, k]]`` by ascending expert id, in the model dtype (the
+   reference's order).
 
 Intermediates are rounded to the model dtype where the reference op rounds them, so bf16 runs track the
 reference's rounding too (fp32 runs are unaffected).
@@ -25,12 +26,76 @@ import triton
 import triton.language as tl
 
 
+ALIGN_KERNEL_MAX_EXPERTS = 256  # the one-program align kernel holds per-expert counters in registers
+
+
 def align(ids: torch.Tensor, num_experts: int, block_m: int):
     """Sorted, padded assignment layout. ``ids``: ``[T, k]`` physical expert ids.
 
     Returns ``sorted_assign [P]`` (flat assignment index t * k + j, or -1 for padding), ``block_expert
     [P // block_m]`` (-1 past the end) and ``dest [T * k]`` (row of each assignment in the sorted layout).
+    Up to ``ALIGN_KERNEL_MAX_EXPERTS`` experts and ``ALIGN_KERNEL_MAX_ASSIGN`` assignments (decode) this is
+    one launch of ``_align_kernel``; otherwise ``align_torch`` (~20 small torch ops).
     """
+    flat = ids.reshape(-1)
+    n = flat.numel()
+    rows = _aligned_rows(n, num_experts, block_m)
+    if n > ALIGN_KERNEL_MAX_ASSIGN or num_experts > ALIGN_KERNEL_MAX_EXPERTS:
+        return align_torch(ids, num_experts, block_m)
+    sorted_assign = torch.empty(rows, dtype=torch.long, device=flat.device)
+    block_expert = torch.empty(rows // block_m, dtype=torch.long, device=flat.device)
+    dest = torch.empty_like(flat)
+    _align_kernel[(1,)](flat, sorted_assign, block_expert, dest, n, num_experts, rows, BLOCK_M=block_m,
+                        E_P2=triton.next_power_of_2(num_experts), CHUNK=64, num_warps=4)
+    return sorted_assign, block_expert, dest
+
+
+ALIGN_KERNEL_MAX_ASSIGN = 8192
+
+
+def _aligned_rows(n: int, num_experts: int, block_m: int) -> int:
+    """Rows of the padded layout: every expert's run rounded up to ``block_m`` (a static bound)."""
+    rows = min(n * block_m, n + num_experts * (block_m - 1))
+    return (rows + block_m - 1) // block_m * block_m
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_assign_ptr, block_expert_ptr, dest_ptr, n, num_experts, rows,
+                  BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr):
+    """``align`` in one program: count per expert, pad each run to ``BLOCK_M``, then place every assignment
+    (stable: by expert, then by assignment index) in chunks of ``CHUNK`` assignments."""
+    experts = tl.arange(0, E_P2)  # [E_P2]
+    lane = tl.arange(0, CHUNK)  # [CHUNK]
+    counts = tl.zeros((E_P2,), dtype=tl.int64)
+    for start in range(0, n, CHUNK):
+        idx = start + lane
+        e = tl.load(ids_ptr + idx, mask=idx < n, other=-1)
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int64), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, axis=0)  # [E_P2]
+    pad_start = pad_end - padded
+    for start in range(0, rows, CHUNK):  # padding rows stay -1
+        r = start + lane
+        tl.store(sorted_assign_ptr + r, tl.full((CHUNK,), -1, tl.int64), mask=r < rows)
+    for start in range(0, rows // BLOCK_M, CHUNK):  # block b belongs to the expert whose run holds row b * BLOCK_M
+        b = start + lane
+        owner = tl.sum((pad_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int64), axis=1)
+        tl.store(block_expert_ptr + b, tl.where(owner >= num_experts, -1, owner), mask=b < rows // BLOCK_M)
+    tl.debug_barrier()  # the -1 fill above lands before the placements below
+    placed = tl.zeros((E_P2,), dtype=tl.int64)  # assignments of each expert placed by earlier chunks
+    for start in range(0, n, CHUNK):
+        idx = start + lane
+        e = tl.load(ids_ptr + idx, mask=idx < n, other=-1)
+        one_hot = (e[:, None] == experts[None, :]).to(tl.int64)  # [CHUNK, E_P2]
+        rank = tl.cumsum(one_hot, axis=0) - one_hot  # earlier assignments of the same expert in this chunk
+        row = tl.sum(one_hot * (pad_start + placed)[None, :] + one_hot * rank, axis=1)  # [CHUNK]
+        tl.store(dest_ptr + idx, row, mask=idx < n)
+        tl.store(sorted_assign_ptr + row, idx.to(tl.int64), mask=idx < n)
+        placed += tl.sum(one_hot, axis=0)
+
+
+def align_torch(ids: torch.Tensor, num_experts: int, block_m: int):
+    """``align`` with torch ops (any size); the fused kernel's reference in the tests."""
     flat = ids.reshape(-1)
     n = flat.numel()
     device = flat.device
@@ -44,8 +109,7 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int):
     sorted_e = flat[order]
     rank = torch.arange(n, device=device) - start[sorted_e]
     dest_sorted = pad_start[sorted_e] + rank
-    rows = min(n * block_m, n + num_experts * (block_m - 1))
-    rows = (rows + block_m - 1) // block_m * block_m
+    rows = _aligned_rows(n, num_experts, block_m)
     sorted_assign = torch.full((rows,), -1, dtype=torch.long, device=device)
     sorted_assign[dest_sorted] = order
     dest = torch.empty_like(flat)
@@ -177,11 +241,33 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
                             h.stride(0), w2c.stride(0), w2c.stride(1), y.stride(0),
                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
                             num_warps=warps, num_stages=stages)
-    # Sum each token's k expert outputs in ascending expert order, in the model dtype: the reference's order
-    # (it adds experts one after another into a zeroed output).
-    by_expert = torch.argsort(ids, dim=1, stable=True)  # [T, k]
-    parts = y[dest.view(T, top_k).gather(1, by_expert)]  # [T, k, D]
-    out = torch.zeros_like(x)
-    for j in range(top_k):
-        out = out + parts[:, j]
+    out = torch.empty_like(x)
+    _combine_kernel[(T, triton.cdiv(D, COMBINE_BLOCK_D))](y, ids, dest, out, D, top_k, y.stride(0), out.stride(0),
+                                                          K_P2=triton.next_power_of_2(top_k), BLOCK_D=COMBINE_BLOCK_D)
     return out
+
+
+COMBINE_BLOCK_D = 1024
+
+
+@triton.jit
+def _combine_kernel(y_ptr, ids_ptr, dest_ptr, out_ptr, D, top_k, stride_ym, stride_ot,
+                    K_P2: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``out[t] = sum_k y[dest[t, k]]``, added in ascending expert id (stable) and rounded to the model dtype
+    after every addition: the reference's order (it adds experts one after another into a zeroed output)."""
+    token = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    j = tl.arange(0, K_P2)
+    in_k = j < top_k
+    e = tl.load(ids_ptr + token * top_k + j, mask=in_k, other=0)
+    before = (e[None, :] < e[:, None]) | ((e[None, :] == e[:, None]) & (j[None, :] < j[:, None]))  # [K_P2, K_P2]
+    rank = tl.sum((before & in_k[None, :]).to(tl.int32), axis=1)  # position of pick j in expert order
+    dest = tl.load(dest_ptr + token * top_k + j, mask=in_k, other=0)
+    dt = out_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for r in range(0, top_k):
+        row = tl.sum(tl.where((rank == r) & in_k, dest, 0), axis=0)
+        part = tl.load(y_ptr + row * stride_ym + offs_d, mask=d_mask, other=0.0)
+        acc = (acc + part.to(tl.float32)).to(dt).to(tl.float32)
+    tl.store(out_ptr + token * stride_ot + offs_d, acc.to(dt), mask=d_mask)

@@ -1,8 +1,10 @@
-"""The ``hc_pre`` op of ``kernels/hc.py`` against the reference op: on the GPU where there is one; without a GPU,
+"""The small Triton kernels against their references: ``hc_pre`` (``kernels/hc.py``) against the reference op,
+the MoE ``align`` kernel against its torch version and the MoE combine inside ``moe_experts`` against the
+reference op. On the GPU where there is one; without a GPU,
 in a child pytest process on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` must be set before
 Triton is imported, and it would break the ahead-of-time compiles of test_triton_compile.py in this process).
-The interpreter checks the kernel's logic: indexing, the masks for an hc that is not a power of two, the
-Sinkhorn loop bounds."""
+The interpreter checks the kernels' logic: indexing, masks (an hc that is not a power of two, assignments
+past a chunk), loop bounds, the placement order."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="the test extra installs triton")
-from deepinfer_nvidia_sm100.kernels import hc
+from deepinfer_nvidia_sm100.kernels import hc, moe
 
 from deepinfer_core.ops import reference as ref
 
@@ -22,11 +24,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 kernel_runs_here = pytest.mark.skipif(
     DEVICE == "cpu" and not INTERPRETED,
-    reason="no GPU: runs in a child process under Triton's interpreter (test_kernel_under_triton_interpreter)")
+    reason="no GPU: runs in a child process under Triton's interpreter (test_kernels_under_triton_interpreter)")
 
 
 @pytest.mark.skipif(DEVICE == "cuda" or INTERPRETED, reason="the kernel runs directly on the GPU / in this process")
-def test_kernel_under_triton_interpreter():
+def test_kernels_under_triton_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "DEEPINFER_NVIDIA_COMPILE": "0"}
     child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
                             "-k", "not under_triton_interpreter"],
@@ -65,3 +67,33 @@ def test_comb_is_doubly_stochastic_after_many_iterations():
     ones = torch.ones(9, 4, device=DEVICE)
     torch.testing.assert_close(comb.sum(dim=-1), ones, atol=1e-4, rtol=0)
     torch.testing.assert_close(comb.sum(dim=-2), ones, atol=1e-4, rtol=0)
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("tokens, top_k, experts, block_m", [
+    (1, 6, 64, 16), (5, 2, 4, 16), (64, 6, 64, 16), (70, 6, 64, 64), (3, 4, 7, 64), (40, 6, 300, 16)])
+def test_align_kernel_matches_torch_align(tokens, top_k, experts, block_m):
+    gen = torch.Generator(device=DEVICE).manual_seed(tokens)
+    ids = torch.randint(0, experts, (tokens, top_k), device=DEVICE, generator=gen)
+    ids[0] = ids[0, 0]  # one token picks an expert several times (hash routing can)
+    got = moe.align(ids, experts, block_m)
+    want = moe.align_torch(ids, experts, block_m)
+    for name, g, w in zip(("sorted_assign", "block_expert", "dest"), got, want, strict=True):
+        assert torch.equal(g, w), f"{name}: {g.tolist()} != {w.tolist()}"
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("tokens, top_k", [(1, 6), (9, 2), (33, 3)])
+def test_moe_experts_combine_matches_reference_fp32(tokens, top_k):
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    E, D, inter = 8, 48, 32
+
+    def rnd(*shape):
+        return torch.randn(*shape, device=DEVICE, generator=gen)
+
+    x, w1, w2, w3 = rnd(tokens, D), rnd(E, inter, D) * 0.2, rnd(E, D, inter) * 0.2, rnd(E, inter, D) * 0.2
+    ids = torch.stack([torch.randperm(E, device=DEVICE, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, device=DEVICE, generator=gen)
+    got = moe.moe_experts(x, ids, weights, w1, w2, w3, 0.7)
+    want = ref.moe_experts(x, ids, weights, w1, w2, w3, 0.7)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
