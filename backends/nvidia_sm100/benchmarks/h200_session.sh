@@ -6,7 +6,7 @@
 #   bash backends/nvidia_sm100/benchmarks/h200_session.sh MODE     (each mode fits one 10-minute call)
 #   tests    every GPU test of the backend            quick   b1, b64, then the graph / attention tests
 #   bench    b1 b64 b256 b16 + --enforce-eager A/B    hf      b1 and b64 with --compare-hf (HF in the same run)
-#   prefill  8 x 1K prompts in one step, one 8K prompt
+#   decode   b1 b64 b256 b16 (graphs only)             prefill 8 x 1K prompts in one step, one 8K prompt
 set -uo pipefail
 OUT=${OUT:-$PWD/h200-out}; mkdir -p "$OUT"
 source tools/gpu_site.sh  # entry points without installing
@@ -31,14 +31,16 @@ if [[ $what == prefill ]]; then
   bench prefill-8x1k --input-len 1024 --output-len 1 --num-prompts 8 --max-num-seqs 8 --max-num-batched-tokens 8192
   bench prefill-8k --input-len 8192 --output-len 1 --num-prompts 1 --max-num-seqs 1 --max-num-batched-tokens 8192
 fi
-if [[ $what == bench || $what == all || $what == quick || $what == hf || $what == prefill ]]; then
+if [[ $what == bench || $what == all || $what == quick || $what == hf || $what == prefill || $what == decode ]]; then
   if [[ $what != hf && $what != prefill ]]; then
     bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
     bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
   fi
-  if [[ $what == bench || $what == all ]]; then
+  if [[ $what == bench || $what == all || $what == decode ]]; then
     bench b256 --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256 --max-num-batched-tokens 8192
     bench b16 --input-len 1024 --output-len 128 --num-prompts 16 --max-num-seqs 16
+  fi
+  if [[ $what == bench || $what == all ]]; then
     bench b1-eager --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --enforce-eager
     bench b64-eager --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64 --enforce-eager
   fi
