@@ -169,12 +169,19 @@ def hc_weights(mixed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc:
     pre_s, post_s, comb_s = scale.float().unbind(0)
     pre = torch.sigmoid(pre_w * pre_s + pre_b) + hc_eps  # [T, hc]
     post = 2 * torch.sigmoid(post_w * post_s + post_b)  # [T, hc]
-    comb = torch.softmax(comb_w.view(tokens, hc, hc) * comb_s + comb_b.view(hc, hc), dim=-1) + hc_eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    for _ in range(sinkhorn_iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    comb = hc_sinkhorn(comb_w.view(tokens, hc, hc) * comb_s + comb_b.view(hc, hc), sinkhorn_iters, hc_eps)
     return pre, post, comb
+
+
+def hc_sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """The mixing matrix ``[T, hc, hc]`` from its logits: softmax over the last axis plus ``eps``, then
+    normalised over columns, and ``iters - 1`` more times over rows then columns (fp32)."""
+    comb = torch.softmax(logits, dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
 
 
 def hc_collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:

@@ -82,11 +82,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from deepinfer_batch_invariant import triton_kernels
-from deepinfer_nvidia_sm100.kernels import moe
+from deepinfer_nvidia_sm100.kernels import hc, moe
 
 results = []
 for launch in json.load(sys.stdin):
-    kernel = getattr(triton_kernels, launch["name"], None) or getattr(moe, launch["name"])
+    kernel = next(getattr(m, launch["name"]) for m in (triton_kernels, moe, hc) if hasattr(m, launch["name"]))
     types = iter(launch["types"])
     signature = {n: "constexpr" if i in kernel.constexprs else next(types) for i, n in enumerate(kernel.arg_names)}
     constants = {(kernel.arg_names.index(k),): v for k, v in launch["constants"].items()}
@@ -119,10 +119,11 @@ def _compile_all(capability: int) -> list[tuple[str, tuple, dict]]:
 
 
 def test_every_kernel_of_the_cuda_variants_was_launched():
-    """The plugin's kernels, plus the backend's MoE kernels at the plugin's fixed tile."""
+    """The plugin's kernels, plus the backend's kernels it launches (MoE at the plugin's fixed tile, mHC weights)."""
     launched = {key[0] for key in LAUNCHES}
     defined = {name for name in dir(triton_kernels) if name.endswith("_kernel")}
-    assert defined <= launched and {"_up_kernel", "_down_kernel"} <= launched
+    backend = {"_up_kernel", "_down_kernel", "_align_kernel", "_combine_kernel", "_hc_weights_kernel"}
+    assert defined <= launched and backend <= launched, sorted((defined | backend) - launched)
 
 
 @pytest.mark.parametrize("capability", sorted(ARCHS))

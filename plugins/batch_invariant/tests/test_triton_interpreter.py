@@ -111,11 +111,16 @@ def test_indexer_scores_invariant_and_matches_reference():
     check_indexer_close(BI["indexer_scores"], REF["indexer_scores"])
 
 
-def test_sinkhorn_matches_the_reference_form():
-    logits = torch.randn(9, 4, 4, generator=torch.Generator().manual_seed(2)) * 3
-    from deepinfer_batch_invariant.forms import reference_sinkhorn
+def test_cuda_hc_weights_match_the_cpu_form():
+    """The CUDA kit's mHC weights (the backend's kernel) against the CPU kit's torch form."""
+    from deepinfer_batch_invariant import cpu_ops
 
-    close(triton_kernels.sinkhorn(logits, 20, 1e-6), reference_sinkhorn(logits, 20, 1e-6), atol=1e-6, rtol=1e-5)
+    gen = torch.Generator().manual_seed(2)
+    mixed, base, scale = torch.randn(9, 24, generator=gen) * 3, torch.randn(24, generator=gen), torch.rand(3) + 0.5
+    got = cuda_ops.CUDA_KIT.hc_weights(mixed, base, scale, 4, 20, 1e-6)
+    want = cpu_ops.CPU_KIT.hc_weights(mixed, base, scale, 4, 20, 1e-6)
+    for g, w in zip(got, want, strict=True):
+        close(g, w, atol=1e-6, rtol=1e-5)
 
 
 def test_split_k_depends_on_the_weight_only_and_keeps_rows_invariant():

@@ -25,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-
 ALIGN_KERNEL_MAX_EXPERTS = 256  # the one-program align kernel holds per-expert counters in registers
 
 
@@ -266,7 +265,7 @@ def _combine_kernel(y_ptr, ids_ptr, dest_ptr, out_ptr, D, top_k, stride_ym, stri
     dest = tl.load(dest_ptr + token * top_k + j, mask=in_k, other=0)
     dt = out_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for r in range(0, top_k):
+    for r in range(top_k):
         row = tl.sum(tl.where((rank == r) & in_k, dest, 0), axis=0)
         part = tl.load(y_ptr + row * stride_ym + offs_d, mask=d_mask, other=0.0)
         acc = (acc + part.to(tl.float32)).to(dt).to(tl.float32)

@@ -53,10 +53,17 @@ def _pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return tk.pool(kv, gate)
 
 
+def _hc_weights(mixed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int, eps: float):
+    """The backend's one-launch ``hc_weights`` kernel: one program per token, a fixed order inside it."""
+    from deepinfer_nvidia_sm100.kernels.hc import hc_weights
+
+    return hc_weights(mixed, base, scale, hc, iters, eps)
+
+
 CUDA_KIT = Kit(
     matmul_nt=tk.matmul_nt, sigmoid=_elementwise(torch.sigmoid, primitives.sigmoid),
     silu=_elementwise(F.silu, primitives.silu), softplus=_elementwise(F.softplus, primitives.softplus), row_sum=tk.row_sum,
-    collapse=_collapse, sinkhorn=tk.sinkhorn, pool=_pool, rms_norm=tk.rms_norm,
+    collapse=_collapse, hc_weights=_hc_weights, pool=_pool, rms_norm=tk.rms_norm,
     unweighted_rms_norm=tk.unweighted_rms_norm,
 )
 CUDA_OPS = InvariantOps(CUDA_KIT)

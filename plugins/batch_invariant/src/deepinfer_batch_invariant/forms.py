@@ -28,20 +28,11 @@ class Kit:
     softplus: Callable
     row_sum: Callable  # x [..., n] -> [..., 1]
     collapse: Callable  # (w [T, hc] fp32, streams [T, hc, D]) -> sum_l w[:, l, None] * streams[:, l] in fp32
-    sinkhorn: Callable  # (logits [T, hc, hc] fp32, iters, eps) -> the doubly stochastic mixing matrix
+    hc_weights: Callable  # (mixed [T, (2 + hc) * hc] fp32, base, scale, hc, iters, eps) -> pre, post, comb
+    #                       (``reference.hc_weights``'s contract: sigmoids, softmax, Sinkhorn; per token)
     pool: Callable  # (kv [N, slots, d], gate [N, slots, d]) -> (kv * softmax_slots(gate)).sum(slots) [N, d]
     rms_norm: Callable  # reference signature
     unweighted_rms_norm: Callable  # reference signature
-
-
-def reference_sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """The reference ``hc_pre``'s Sinkhorn in plain torch (per-token; invariant on CPU)."""
-    comb = torch.softmax(logits, dim=-1) + eps  # [T, hc, hc]
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return comb
 
 
 class InvariantOps:
@@ -72,17 +63,11 @@ class InvariantOps:
 
     # ------------------------------------------------------------------------- hyper-connections
     def hc_pre(self, streams, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
-        """Reference ``hc_pre`` over the kit: row-invariant norm and GEMM, Sinkhorn and stream collapse."""
+        """Reference ``hc_pre`` over the kit: row-invariant norm and GEMM, per-token weights, stream collapse."""
         kit = self.kit
-        tokens, hc, _ = streams.shape
-        flat = kit.unweighted_rms_norm(streams.reshape(tokens, -1).float(), norm_eps)  # [T, hc * D]
+        flat = kit.unweighted_rms_norm(streams.flatten(1).float(), norm_eps)  # [T, hc * D]
         mixed = kit.matmul_nt(flat, fn.float())  # [T, (2 + hc) * hc]
-        pre_w, post_w, comb_w = mixed.split([hc, hc, hc * hc], dim=-1)
-        pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
-        pre_s, post_s, comb_s = scale.float().unbind(0)
-        pre = kit.sigmoid(pre_w * pre_s + pre_b) + hc_eps  # [T, hc]
-        post = 2 * kit.sigmoid(post_w * post_s + post_b)  # [T, hc]
-        comb = kit.sinkhorn(comb_w.view(tokens, hc, hc) * comb_s + comb_b.view(hc, hc), sinkhorn_iters, hc_eps)
+        pre, post, comb = kit.hc_weights(mixed, base, scale, streams.shape[1], sinkhorn_iters, hc_eps)
         collapsed = kit.collapse(pre, streams).to(streams.dtype)  # [T, D]
         return post, comb, collapsed
 

@@ -297,33 +297,6 @@ def pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- mHC Sinkhorn
-@triton.jit
-def _sinkhorn_kernel(x_ptr, out_ptr, HC, iters, eps, HCP: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, HCP)
-    mask = (i[:, None] < HC) & (i[None, :] < HC)
-    offs = t * HC * HC + i[:, None] * HC + i[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=float("-inf"))  # [HCP, HCP] logits of one token
-    e = tl.exp(x - tl.max(x, axis=1)[:, None])
-    c = tl.where(mask, e / tl.sum(e, axis=1)[:, None] + eps, 0.0)  # softmax over the last axis, + eps
-    c = c / (tl.sum(c, axis=0)[None, :] + eps)
-    for _ in range(1, iters):
-        c = c / (tl.sum(c, axis=1)[:, None] + eps)
-        c = c / (tl.sum(c, axis=0)[None, :] + eps)
-    tl.store(out_ptr + offs, c, mask=mask)
-
-
-def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """The reference ``hc_pre`` mixing matrix from its logits ``[T, hc, hc]`` (fp32): softmax over the last
-    axis plus ``eps``, then ``iters`` Sinkhorn normalisations; one program per token."""
-    logits = logits.float().contiguous()
-    T, hc, _ = logits.shape
-    out = torch.empty_like(logits)
-    if T:
-        _sinkhorn_kernel[(T,)](logits, out, hc, int(iters), float(eps), HCP=_pow2(hc, 2), num_warps=1)
-    return out
-
-
 # ----------------------------------------------------------------------------- attention
 @triton.jit
 def _sink_attention_kernel(q_ptr, kv_ptr, idx_ptr, count_ptr, sink_ptr, out_ptr, Lq, H, D, scale,
