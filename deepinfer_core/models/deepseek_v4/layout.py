@@ -109,7 +109,7 @@ class StaticBuffers:
 
     def upload(self) -> None:
         """One copy of everything placed since ``rewind`` to the device (non-blocking from pinned memory)."""
-        if self._device_arena is self._host_arena:
+        if not self.sealed or self._device_arena is self._host_arena:  # sizing build, or on the host already
             return
         self._device_arena.copy_(self._host_arena, non_blocking=True)
         self._uploaded = torch.Event(device=self.device)

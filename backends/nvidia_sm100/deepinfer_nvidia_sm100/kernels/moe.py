@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 ALIGN_KERNEL_MAX_EXPERTS = 256  # the one-program align kernel holds per-expert counters in registers
+ALIGN_KERNEL_MAX_ASSIGN = 8192  # beyond it (prefill) the torch ops run: one program would loop over every assignment
 
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int):
@@ -47,9 +48,6 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int):
     _align_kernel[(1,)](flat, sorted_assign, block_expert, dest, n, num_experts, rows, BLOCK_M=block_m,
                         E_P2=triton.next_power_of_2(num_experts), CHUNK=64, num_warps=4)
     return sorted_assign, block_expert, dest
-
-
-ALIGN_KERNEL_MAX_ASSIGN = 8192
 
 
 def _aligned_rows(n: int, num_experts: int, block_m: int) -> int:
