@@ -73,3 +73,35 @@ def test_hidden_states_of_chosen_layers(folder):
         assert streams.shape == (len(TOKENS), model.config.hc_mult, model.config.hidden_size)
     assert not torch.allclose(out.hidden_states[0], out.hidden_states[2])
     assert _forward(model, TOKENS).hidden_states == {}
+
+
+def test_input_projections_load_into_one_fused_weight(folder):
+    """Each layer's projections of its input (wq_a, wkv, the compressors' wkv / wgate, the indexer's weights)
+    are row blocks of one fused weight: every name loads into its block, and the fused GEMM's column blocks
+    equal the separate projections."""
+    model = load_deepseek_v4(folder, OpTable())
+    x = torch.randn(5, model.config.hidden_size)
+    for layer in model.layers:
+        attn = layer.attn
+        prefix = f"layers.{attn.layer_idx}.attn"
+        names = [f"{prefix}.wq_a.weight", f"{prefix}.wkv.weight"]
+        if attn.compressor is not None:
+            names += [f"{prefix}.compressor.wkv.weight", f"{prefix}.compressor.wgate.weight"]
+        if attn.indexer is not None:
+            names += [f"{prefix}.indexer.weights_proj.weight", f"{prefix}.indexer.compressor.wkv.weight",
+                      f"{prefix}.indexer.compressor.wgate.weight"]
+        blocks = [model.parameters[n] for n in names]
+        assert all(b.untyped_storage().data_ptr() == attn.w_input.untyped_storage().data_ptr() for b in blocks)
+        assert torch.equal(torch.cat(blocks), attn.w_input) and attn.w_input.abs().sum() > 0
+        for got, block in zip(attn.project(model.ops, x).values(), blocks, strict=True):
+            torch.testing.assert_close(got, x @ block.T, atol=1e-5, rtol=1e-5)
+
+
+def test_a_fused_block_refuses_another_shape():
+    from deepinfer_core.models.deepseek_v4.model import ParameterRegistry
+
+    registry = ParameterRegistry(torch.float32, torch.device("cpu"))
+    fused = registry.add_fused({"a.weight": 3, "b.weight": 2}, 4)
+    assert registry.add("b.weight", (2, 4)).data_ptr() == fused[3:].data_ptr()
+    with pytest.raises(ValueError, match="was allocated as"):
+        registry.add("a.weight", (4, 4))

@@ -36,11 +36,26 @@ class ParameterRegistry:
         self.slots: dict[str, torch.Tensor] = {}
 
     def add(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Allocate a parameter; fp32-kept names stay fp32 whatever the model dtype."""
+        """Allocate a parameter (or return its view in a fused tensor from ``add_fused``); fp32-kept names stay
+        fp32 whatever the model dtype."""
         dtype = dtype or (torch.float32 if keeps_fp32(name) else self.dtype)
+        if name in self.slots:
+            tensor = self.slots[name]
+            if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+                raise ValueError(f"parameter {name!r} was allocated as {tuple(tensor.shape)} {tensor.dtype}, "
+                                 f"now asked for {tuple(shape)} {dtype}")
+            return tensor
         tensor = torch.zeros(shape, dtype=dtype, device=self.device)
         self.slots[name] = tensor
         return tensor
+
+    def add_fused(self, rows: dict[str, int], cols: int) -> torch.Tensor:
+        """One ``[sum(rows), cols]`` tensor whose row blocks are the named weights (in order): projections of
+        the same input then run as one GEMM, and each name still loads into its own block."""
+        fused = torch.zeros((sum(rows.values()), cols), dtype=self.dtype, device=self.device)
+        for name, block in zip(rows, fused.split(list(rows.values())), strict=True):
+            self.slots[name] = block
+        return fused
 
     def add_stacked(self, pattern: str, count: int, shape: tuple[int, ...]) -> torch.Tensor:
         """Allocate ``[count, *shape]``; ``pattern.format(i)`` names slice ``i``."""
@@ -60,6 +75,12 @@ class ExpertMap:
         return self.logical_to_physical[logical_ids]
 
 
+def _compressor_input_rows(prefix: str, layer_type: str, dim: int) -> dict[str, int]:
+    """A compressor's projections of the layer input (``wkv``, ``wgate``): name -> output rows."""
+    width = 2 * dim if layer_type == CSA else dim
+    return {f"{prefix}.wkv.weight": width, f"{prefix}.wgate.weight": width}
+
+
 class Compressor:
     """Pools every ``ratio`` tokens into one entry (CSA: overlapping windows of 2 * ratio slots)."""
 
@@ -76,11 +97,10 @@ class Compressor:
         self.ape = reg.add(f"{prefix}.ape", (self.ratio, width))
         self.norm = reg.add(f"{prefix}.norm.weight", (dim,))
 
-    def step(self, ops: OpTable, x: torch.Tensor, layout: StepLayout, store: torch.Tensor,
-             carry: CompressorCarry, rope: tuple) -> None:
-        """Fold this step's tokens ``x [T, D]`` in: write completed entries to ``store``, update carry."""
-        raw_kv = ops.linear(x, self.wkv)  # [T, width]
-        raw_gate = ops.linear(x, self.wgate)
+    def step(self, ops: OpTable, raw_kv: torch.Tensor, raw_gate: torch.Tensor, layout: StepLayout,
+             store: torch.Tensor, carry: CompressorCarry, rope: tuple) -> None:
+        """Fold this step's tokens in (``raw_kv`` / ``raw_gate [T, width]``: the layer input times ``wkv`` /
+        ``wgate``): write completed entries to ``store``, update carry."""
         plan = layout.windows(self.ratio, self.span)
         if plan.num_windows:
             kv, gate = self._window_slots(raw_kv, raw_gate, plan, carry)  # [N, span, dim]
@@ -117,9 +137,11 @@ class Indexer:
         self.weights_proj = reg.add(f"{prefix}.weights_proj.weight", (self.heads, config.hidden_size))
         self.compressor = Compressor(reg, f"{prefix}.compressor", config, CSA, self.dim)
 
-    def select(self, ops: OpTable, x, q_residual, layout: StepLayout, keys_store, carry, rope, query_rope):
-        """Bool ``[S, Lq, E]``: which compressed entries each query attends to."""
-        self.compressor.step(ops, x, layout, keys_store, carry, rope)
+    def select(self, ops: OpTable, inputs: dict[str, torch.Tensor], q_residual, layout: StepLayout, keys_store, carry,
+               rope, query_rope):
+        """Bool ``[S, Lq, E]``: which compressed entries each query attends to (``inputs``: the layer input's
+        projections by role, ``Attention.project``)."""
+        self.compressor.step(ops, inputs["index_kv"], inputs["index_gate"], layout, keys_store, carry, rope)
         ratio = self.compressor.ratio
         visible = layout.entries(ratio).visible  # [S, Lq, E]
         if visible.shape[-1] == 0:
@@ -127,7 +149,7 @@ class Indexer:
         keys = layout.gather_entries(keys_store, ratio)  # [S, E, di]
         q = ops.linear(q_residual, self.wq_b).view(-1, self.heads, self.dim)  # [T, Hi, di]
         q = ops.apply_rope(q, *query_rope)
-        head_weights = ops.linear(x, self.weights_proj).float() * self.heads**-0.5  # [T, Hi]
+        head_weights = inputs["index_weights"].float() * self.heads**-0.5  # [T, Hi]
         scores = ops.indexer_scores(layout.pad(q), keys, layout.pad(head_weights), self.dim**-0.5)
         return ops.indexer_topk(scores, visible, self.topk)
 
@@ -142,6 +164,10 @@ class Attention:
         self.rope_type = "main" if self.layer_type == SLIDING else "compress"
         self.heads, self.head_dim, self.groups = c.num_attention_heads, c.head_dim, c.o_groups
         self.eps = c.rms_norm_eps
+        rows = self._input_rows(prefix, c)
+        self.input_roles = [role for role, _ in rows]
+        self.input_rows = [n for _, (_, n) in rows]
+        self.w_input = reg.add_fused(dict(name_rows for _, name_rows in rows), c.hidden_size)  # [sum rows, D]
         self.wq_a = reg.add(f"{prefix}.wq_a.weight", (c.q_lora_rank, c.hidden_size))
         self.q_norm = reg.add(f"{prefix}.q_norm.weight", (c.q_lora_rank,))
         self.wq_b = reg.add(f"{prefix}.wq_b.weight", (self.heads * self.head_dim, c.q_lora_rank))
@@ -158,18 +184,36 @@ class Attention:
         if self.layer_type == CSA:
             self.indexer = Indexer(reg, f"{prefix}.indexer", c)
 
+    def _input_rows(self, prefix: str, c: DeepseekV4Config) -> list[tuple[str, tuple[str, int]]]:
+        """Every projection of the layer input ``x``, as (role, (weight name, output rows)), in fused order."""
+        rows = [("q", (f"{prefix}.wq_a.weight", c.q_lora_rank)), ("kv", (f"{prefix}.wkv.weight", c.head_dim))]
+        if self.layer_type != SLIDING:
+            compressor = _compressor_input_rows(f"{prefix}.compressor", self.layer_type, c.head_dim)
+            rows += zip(("compress_kv", "compress_gate"), compressor.items(), strict=True)
+        if self.layer_type == CSA:
+            rows.append(("index_weights", (f"{prefix}.indexer.weights_proj.weight", c.index_n_heads)))
+            index = _compressor_input_rows(f"{prefix}.indexer.compressor", CSA, c.index_head_dim)
+            rows += zip(("index_kv", "index_gate"), index.items(), strict=True)
+        return rows
+
+    def project(self, ops: OpTable, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every projection of ``x [T, D]`` in one GEMM with the fused weight: role -> ``[T, rows]``."""
+        projected = ops.linear(x, self.w_input).split(self.input_rows, dim=-1)  # [T, sum rows] in column blocks
+        return dict(zip(self.input_roles, projected, strict=True))
+
     def __call__(self, ops: OpTable, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         T = x.shape[0]
         rope = ctx.rope[self.rope_type]  # (cos, sin) [T, rope_dim // 2]
-        q_residual = ops.rms_norm(ops.linear(x, self.wq_a), self.q_norm, self.eps)  # [T, q_lora]
+        inputs = self.project(ops, x)
+        q_residual = ops.rms_norm(inputs["q"], self.q_norm, self.eps)  # [T, q_lora]
         q = ops.linear(q_residual, self.wq_b).view(T, self.heads, self.head_dim)  # [T, H, hd]
         q = ops.apply_rope(ops.unweighted_rms_norm(q, self.eps), *rope)
-        kv = ops.apply_rope(ops.rms_norm(ops.linear(x, self.wkv), self.norm, self.eps), *rope)  # [T, hd]
+        kv = ops.apply_rope(ops.rms_norm(inputs["kv"], self.norm, self.eps), *rope)  # [T, hd]
         layout, state = ctx.layout, ctx.state
         keys = layout.sliding_keys(state.swa[self.layer_idx], kv)  # [S, Lk, hd]
         visible = layout.sliding_visible  # [S, Lq, Lk]
         if self.compressor is not None:
-            entries, entry_visible = self._compressed(ops, x, q_residual, ctx)
+            entries, entry_visible = self._compressed(ops, inputs, q_residual, ctx)
             keys = torch.cat([keys, entries], dim=1)
             visible = torch.cat([visible, entry_visible], dim=-1)
         out = ops.sink_attention(layout.pad(q), keys, visible, self.sinks, self.head_dim**-0.5)  # [S, Lq, H, hd]
@@ -178,15 +222,16 @@ class Attention:
         grouped = ops.grouped_linear(out.reshape(T, self.groups, -1), self.wo_a, self.groups)  # [T, g, o_lora]
         return ops.linear(grouped.flatten(1), self.wo_b)  # [T, D]
 
-    def _compressed(self, ops, x, q_residual, ctx: StepContext):
+    def _compressed(self, ops, inputs, q_residual, ctx: StepContext):
         layer, layout, state = self.layer_idx, ctx.layout, ctx.state
         rope_args = ctx.rope_args["compress"]
-        self.compressor.step(ops, x, layout, state.compressed[layer], state.carry[layer], rope_args)
+        self.compressor.step(ops, inputs["compress_kv"], inputs["compress_gate"], layout, state.compressed[layer],
+                             state.carry[layer], rope_args)
         ratio = self.compressor.ratio
-        entries = layout.gather_entries(state.compressed[layer], ratio).to(x.dtype)  # [S, E, hd]
+        entries = layout.gather_entries(state.compressed[layer], ratio).to(q_residual.dtype)  # [S, E, hd]
         visible = layout.entries(ratio).visible
         if self.indexer is not None:
-            visible = self.indexer.select(ops, x, q_residual, layout, state.index_keys[layer],
+            visible = self.indexer.select(ops, inputs, q_residual, layout, state.index_keys[layer],
                                           state.index_carry[layer], rope_args, ctx.rope["compress"])
         return entries, visible
 
