@@ -647,3 +647,33 @@ def test_op_table_rejects_unknown_and_non_callable():
     with pytest.raises(TypeError):
         table.override("linear", None, "x")
     assert table.linear is ref.linear and table.sources()["linear"] == "reference"
+
+
+# ============================================================================ compressor windows
+@pytest.mark.parametrize("overlap", [False, True])
+def test_compressor_window_takes_new_rows_and_carry_and_masks_before_position_zero(overlap):
+    ratio, d = 2, 3
+    width, span = (2 * d, 2 * ratio) if overlap else (d, ratio)
+    raw_kv, raw_gate = torch.randn(4, width), torch.randn(4, width)  # this step's 4 token rows
+    carry_kv, carry_gate = torch.randn(3, span, width), torch.randn(3, span, width)  # 3 slots
+    ape = torch.randn(ratio, width)
+    # two windows: window 0 mixes carry (slot 2) and new rows; window 1's first slot lies before position 0
+    from_new = torch.tensor([[False] * (span - 1) + [True], [False] + [True] * (span - 1)])
+    new_rows = torch.tensor([[0] * (span - 1) + [3], [0] + list(range(span - 1))])
+    carry_slots = torch.full((2, span), 2)
+    carry_index = torch.arange(span).repeat(2, 1)
+    valid = torch.tensor([[True] * span, [False] + [True] * (span - 1)])
+    kv, gate = ref.compressor_window(raw_kv, raw_gate, carry_kv, carry_gate, from_new, new_rows, carry_slots,
+                                     carry_index, valid, ape, ratio, overlap)
+    assert kv.shape == gate.shape == (2, span, d)
+    for n in range(2):
+        for j in range(span):
+            src_kv = raw_kv[new_rows[n, j]] if from_new[n, j] else carry_kv[2, j]
+            src_gate = raw_gate[new_rows[n, j]] if from_new[n, j] else carry_gate[2, j]
+            channels = slice(0, d) if not overlap or j < ratio else slice(d, 2 * d)
+            bias = ape[j % ratio, channels]
+            if valid[n, j]:
+                assert torch.equal(kv[n, j], src_kv[channels])
+                assert torch.equal(gate[n, j], src_gate[channels] + bias)
+            else:
+                assert torch.equal(kv[n, j], torch.zeros(d)) and torch.isneginf(gate[n, j]).all()

@@ -106,6 +106,44 @@ def compressor_pool(kv: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Ten
 
 
 @reference_op
+def compressor_window(
+    raw_kv: torch.Tensor,
+    raw_gate: torch.Tensor,
+    carry_kv: torch.Tensor,
+    carry_gate: torch.Tensor,
+    from_new: torch.Tensor,
+    new_rows: torch.Tensor,
+    carry_slots: torch.Tensor,
+    carry_index: torch.Tensor,
+    valid: torch.Tensor,
+    ape: torch.Tensor,
+    ratio: int,
+    overlap: bool,
+):
+    """The input slots of every window a compressor completes this step: ``kv``, ``gate [N, slots, d]``.
+
+    Slot ``j`` of window ``n`` is row ``new_rows[n, j]`` of this step's ``raw_kv`` / ``raw_gate [T, width]`` where
+    ``from_new [N, span]``, else the carry's ``[carry_slots, carry_index]`` (``carry_kv`` / ``carry_gate
+    [slots, span, width]``: the sequence's earlier tokens). The gate gets the position bias ``ape [ratio, width]``;
+    slots before position 0 (``~valid``) get kv 0 and gate -inf. With ``overlap`` (CSA: width = 2 d, span = 2
+    ratio) slots ``[0, ratio)`` take the first d channels (the previous window's half) and ``[ratio, 2 ratio)``
+    the last d; otherwise d = width.
+    """
+    new_mask = from_new[..., None]  # [N, span, 1]
+    kv = torch.where(new_mask, raw_kv[new_rows], carry_kv[carry_slots, carry_index].to(raw_kv.dtype))
+    gate = torch.where(new_mask, raw_gate[new_rows], carry_gate[carry_slots, carry_index].to(raw_gate.dtype))
+    ape = ape.to(gate.dtype)  # [ratio, width]
+    if overlap:
+        d, r = kv.shape[-1] // 2, ratio
+        kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], dim=1)  # [N, 2r, d]
+        gate = torch.cat([gate[:, :r, :d] + ape[:, :d], gate[:, r:, d:] + ape[:, d:]], dim=1)
+    else:
+        gate = gate + ape
+    valid = valid[..., None]
+    return kv.masked_fill(~valid, 0.0), gate.masked_fill(~valid, float("-inf"))
+
+
+@reference_op
 def indexer_scores(
     q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, scale: float
 ) -> torch.Tensor:

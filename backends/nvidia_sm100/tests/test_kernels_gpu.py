@@ -101,6 +101,13 @@ def test_compiled_small_ops_match_reference(dtype):
             "hc_post": (streams, rnd(T, D), rnd(T, hc, dt=torch.float32), rnd(T, hc, hc, dt=torch.float32)),
             "hc_head": (streams, fn[:hc], base[:hc], scale[:1], 1e-6, 1e-6),
             "compressor_pool": (rnd(T, 8, 64), rnd(T, 8, 64), rnd(64, dt=torch.float32), 1e-6),
+            "compressor_window": (  # T windows of 8 slots (CSA: ratio 4, width 2 x 64) over 3 carry slots
+                rnd(T, 128), rnd(T, 128), rnd(3, 8, 128), rnd(3, 8, 128),
+                torch.rand(T, 8, device="cuda", generator=gen) > 0.5,
+                torch.randint(0, T, (T, 8), device="cuda", generator=gen),
+                torch.randint(0, 3, (T, 8), device="cuda", generator=gen),
+                torch.arange(8, device="cuda").expand(T, -1), torch.rand(T, 8, device="cuda", generator=gen) > 0.2,
+                rnd(4, 128, dt=torch.float32), 4, True),
         }
         for name, args in cases.items():
             got, want = ops[name](*args), getattr(ref, name)(*args)

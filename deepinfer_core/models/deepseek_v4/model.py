@@ -103,29 +103,15 @@ class Compressor:
         ``wgate``): write completed entries to ``store``, update carry."""
         plan = layout.windows(self.ratio, self.span)
         if plan.num_windows:
-            kv, gate = self._window_slots(raw_kv, raw_gate, plan, carry)  # [N, span, dim]
+            kv, gate = ops.compressor_window(raw_kv, raw_gate, carry.kv, carry.gate, plan.from_new, plan.new_rows,
+                                             plan.carry_slots, plan.carry_index, plan.valid, self.ape, self.ratio,
+                                             self.overlap)  # [N, slots, dim]
             pooled = ops.compressor_pool(kv, gate, self.norm, self.eps)  # [N, dim]
             cos, sin = ops.rope_cos_sin(plan.entry_positions, *rope)
             store[plan.write_blocks, plan.write_rows] = ops.apply_rope(pooled, cos, sin).to(store.dtype)
         carry.kv[plan.carry_write_slots, plan.carry_write_index] = raw_kv[plan.carry_write_rows].to(carry.kv.dtype)
         carry.gate[plan.carry_write_slots, plan.carry_write_index] = raw_gate[plan.carry_write_rows].to(
             carry.gate.dtype)
-
-    def _window_slots(self, raw_kv, raw_gate, plan, carry):
-        new_mask = plan.from_new[..., None]  # [N, span, 1]
-        kv = torch.where(new_mask, raw_kv[plan.new_rows], carry.kv[plan.carry_slots, plan.carry_index].to(raw_kv.dtype))
-        gate = torch.where(new_mask, raw_gate[plan.new_rows],
-                           carry.gate[plan.carry_slots, plan.carry_index].to(raw_gate.dtype))
-        ape = self.ape.to(gate.dtype)  # [ratio, width]
-        if self.overlap:  # slots [0, r): previous window's first half; [r, 2r): this window's second half
-            d, r = self.dim, self.ratio
-            kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], dim=1)  # [N, 2r, d]
-            gate = torch.cat([gate[:, :r, :d] + ape[:, :d], gate[:, r:, d:] + ape[:, d:]], dim=1)
-        else:
-            gate = gate + ape
-        valid = plan.valid[..., None]
-        return kv.masked_fill(~valid, 0.0), gate.masked_fill(~valid, float("-inf"))
-
 
 class Indexer:
     """Lightning indexer: picks the top ``index_topk`` CSA entries for every query."""

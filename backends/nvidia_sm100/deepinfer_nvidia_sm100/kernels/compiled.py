@@ -19,7 +19,7 @@ import torch
 from deepinfer_core.ops import reference as ref
 
 COMPILED_OPS = ("rms_norm", "unweighted_rms_norm", "apply_rope", "rope_cos_sin", "hc_post", "hc_head",
-                "compressor_pool")
+                "compressor_window", "compressor_pool")
 ENV = "DEEPINFER_NVIDIA_COMPILE"
 
 

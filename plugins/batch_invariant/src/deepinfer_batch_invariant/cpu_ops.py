@@ -164,5 +164,6 @@ REFERENCE_KEPT: dict[str, str] = {
     "rope_cos_sin": "elementwise cos / sin, same bits wherever an element sits",
     "apply_rope": "elementwise IEEE arithmetic only",
     "indexer_topk": "a stable sort per query row; padding entries are -inf and never outrank visible ones",
+    "compressor_window": "gathers, selects, concatenation and one IEEE addition per element: no reduction",
     "embed": "a gather",
 }

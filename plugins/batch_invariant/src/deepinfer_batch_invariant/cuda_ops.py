@@ -93,5 +93,6 @@ REFERENCE_KEPT: dict[str, str] = {
     "apply_rope": "elementwise arithmetic, slicing and concatenation only",
     "indexer_topk": "a stable sort per query row (a permutation: no arithmetic), padding entries are -inf and "
                     "never outrank visible ones; the scatter writes True only",
+    "compressor_window": "gathers, selects, concatenation and one addition per element: no reduction",
     "embed": "a gather",
 }
