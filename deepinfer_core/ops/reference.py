@@ -198,15 +198,16 @@ def hc_mix_logits(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> t
 
 
 def hc_weights(mixed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, sinkhorn_iters: int,
-               hc_eps: float):
+               hc_eps: float, sigmoid=torch.sigmoid):
     """``hc_pre``'s second part: ``pre [T, hc]``, ``post [T, hc]`` and the Sinkhorn-normalised ``comb [T, hc, hc]``
-    from the mixing logits ``mixed [T, (2 + hc) * hc]`` (fp32)."""
+    from the mixing logits ``mixed [T, (2 + hc) * hc]`` (fp32). ``sigmoid`` lets a variant keep this form and swap
+    the elementwise sigmoid."""
     tokens = mixed.shape[0]
     pre_w, post_w, comb_w = mixed.split([hc, hc, hc * hc], dim=-1)
     pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
     pre_s, post_s, comb_s = scale.float().unbind(0)
-    pre = torch.sigmoid(pre_w * pre_s + pre_b) + hc_eps  # [T, hc]
-    post = 2 * torch.sigmoid(post_w * post_s + post_b)  # [T, hc]
+    pre = sigmoid(pre_w * pre_s + pre_b) + hc_eps  # [T, hc]
+    post = 2 * sigmoid(post_w * post_s + post_b)  # [T, hc]
     comb = hc_sinkhorn(comb_w.view(tokens, hc, hc) * comb_s + comb_b.view(hc, hc), sinkhorn_iters, hc_eps)
     return pre, post, comb
 

@@ -388,7 +388,7 @@ def top_n(scores: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     room = n - above.sum(dim=-1, keepdim=True)  # [num_rows, 1]: places left for the tied ids
     chosen = above | (tied & (tied.cumsum(dim=-1) <= room))  # exactly n per row
     ids = torch.arange(vocab, device=scores.device).expand(rows, vocab)
-    ascending = torch.where(chosen, ids, vocab).topk(n, dim=-1, largest=False).values.sort(dim=-1).values
+    ascending = torch.where(chosen, ids, vocab).topk(n, dim=-1, largest=False).values  # sorted: smallest first
     values = scores.gather(1, ascending)  # [num_rows, n], by ascending id
     order = values.sort(dim=-1, descending=True, stable=True).indices
     return values.gather(1, order), ascending.gather(1, order)

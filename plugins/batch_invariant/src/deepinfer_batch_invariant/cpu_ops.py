@@ -11,6 +11,7 @@ See ``primitives`` for what breaks invariance on CPU and the building blocks use
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -36,22 +37,12 @@ def _pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return fold(kv * weights, dim=1)
 
 
-def _hc_weights(mixed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int, eps: float):
-    """``reference.hc_weights`` with the invariant ``sigmoid`` (torch's CPU sigmoid is not: ``primitives``)."""
-    tokens = mixed.shape[0]
-    pre_w, post_w, comb_w = mixed.split([hc, hc, hc * hc], dim=-1)
-    pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
-    pre_s, post_s, comb_s = scale.float().unbind(0)
-    pre = sigmoid(pre_w * pre_s + pre_b) + eps  # [T, hc]
-    post = 2 * sigmoid(post_w * post_s + post_b)  # [T, hc]
-    return pre, post, _ref.hc_sinkhorn(comb_w.view(tokens, hc, hc) * comb_s + comb_b.view(hc, hc), iters, eps)
-
-
 CPU_KIT = Kit(
     matmul_nt=matmul_nt, sigmoid=sigmoid, silu=silu, softplus=softplus,
     row_sum=lambda x: x.sum(dim=-1, keepdim=True),  # a short contiguous row: one scalar loop per row
     collapse=lambda w, streams: fold(w.unsqueeze(-1) * streams, dim=1),
-    hc_weights=_hc_weights, pool=_pool, rms_norm=_ref.rms_norm, unweighted_rms_norm=_ref.unweighted_rms_norm,
+    hc_weights=functools.partial(_ref.hc_weights, sigmoid=sigmoid),  # torch's CPU sigmoid is not invariant
+    pool=_pool, rms_norm=_ref.rms_norm, unweighted_rms_norm=_ref.unweighted_rms_norm,
 )
 CPU_OPS = InvariantOps(CPU_KIT)
 """The shared forms (``forms.InvariantOps``) over the CPU primitives."""
