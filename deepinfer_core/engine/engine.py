@@ -145,18 +145,17 @@ class Engine:
 
     # ------------------------------------------------------------------ outputs
     def _record_logprobs(self, scheduled: SchedulerOutput, result: ModelRunnerOutput) -> None:
-        out = result.sampler_output
+        rows = result.rows
         by_id = {c.request.request_id: c.request for c in scheduled.chunks}  # this step's requests only
         for row, request_id in enumerate(result.sampled_order):
             request = by_id[request_id]
-            lp = float(out.sampled_logprobs[row])
+            lp = rows.logprobs[row]
             request.cumulative_logprob += lp
             if request.logprobs is not None:
                 n = request.params.logprobs
-                top_ids = out.top_token_ids[row, :n].tolist() if n and out.top_token_ids is not None else []
-                top_lps = out.top_logprobs[row, :n].tolist() if n and out.top_logprobs is not None else []
                 request.logprobs.append(sample_logprobs_dict(
-                    int(out.sampled_token_ids[row]), lp, int(out.sampled_ranks[row]), top_ids, top_lps, self._decode))
+                    rows.token_ids[row], lp, rows.ranks[row], rows.top_token_ids[row][:n],
+                    rows.top_logprobs[row][:n], self._decode))
         for request_id, (first, plp) in result.prompt_logprobs.items():
             request = by_id[request_id]
             entries = _prompt_entries(request, first, plp, self._decode)

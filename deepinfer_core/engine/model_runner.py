@@ -19,6 +19,31 @@ from deepinfer_core.sampling.sampler import (
 
 
 @dataclasses.dataclass
+class SampledRows:
+    """The sampler's per-row results on the host (row order of ``SamplerOutput``), read in one device copy."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+    top_token_ids: list[list[int]]  # [num_rows][n]; empty rows when no logprobs were asked for
+    top_logprobs: list[list[float]]
+
+    @classmethod
+    def read(cls, out: SamplerOutput) -> SampledRows:
+        rows = out.sampled_token_ids.shape[0]
+        n = out.top_token_ids.shape[1] if out.top_token_ids is not None else 0
+        parts = [out.sampled_token_ids, out.sampled_logprobs, out.sampled_ranks]
+        if n:
+            parts += [out.top_token_ids.flatten(), out.top_logprobs.flatten()]
+        flat = torch.cat([p.to(torch.float64) for p in parts]).tolist()  # exact for int64 ids and float32
+        ids, lps, ranks = flat[:rows], flat[rows:2 * rows], flat[2 * rows:3 * rows]
+        top_ids, top_lps = flat[3 * rows:3 * rows + rows * n], flat[3 * rows + rows * n:]
+        return cls([int(t) for t in ids], lps, [int(r) for r in ranks],
+                   [[int(t) for t in top_ids[i * n:(i + 1) * n]] for i in range(rows)],
+                   [top_lps[i * n:(i + 1) * n] for i in range(rows)])
+
+
+@dataclasses.dataclass
 class ModelRunnerOutput:
     """What a step produced: sampled tokens (request id -> token) and their log-probabilities."""
 
@@ -26,6 +51,7 @@ class ModelRunnerOutput:
     sampler_output: SamplerOutput | None
     sampled_order: list[str]  # request ids, row order of sampler_output
     prompt_logprobs: dict[str, tuple[int, PromptLogprobsOutput]]  # request id -> (first position, output)
+    rows: SampledRows | None = None  # sampler_output on the host
 
 
 class ModelRunner:
@@ -109,12 +135,13 @@ class ModelRunner:
                 device=stacked.device,
             )
             sampler_output = sample(stacked, metadata)
-        sampled_ids = sampler_output.sampled_token_ids.tolist() if sampler_output is not None else []
+        rows = SampledRows.read(sampler_output) if sampler_output is not None else None
         return ModelRunnerOutput(
-            sampled={r.request_id: t for r, t in zip(sampling, sampled_ids)},
+            sampled={r.request_id: t for r, t in zip(sampling, rows.token_ids if rows else [])},
             sampler_output=sampler_output,
             sampled_order=[r.request_id for r in sampling],
             prompt_logprobs=prompt_logprobs,
+            rows=rows,
         )
 
     def _prompt_logprobs(self, output, logits, prompt_rows) -> dict[str, tuple[int, PromptLogprobsOutput]]:

@@ -51,6 +51,8 @@ class SamplingMetadata:
         stop_token_ids: per row, the ids masked by ``min_tokens`` (stop ids plus EOS unless ignored).
         allowed_token_mask: optional bool ``[num_rows, vocab]``; False entries can never be sampled.
         num_logprobs: how many top log-probabilities to return per row (the max over rows), or None.
+        kinds: which features the rows use, known on the host (``from_params`` sets it); None makes the
+            sampler find out from the tensors, which waits for the device.
     """
 
     temperature: torch.Tensor
@@ -68,11 +70,23 @@ class SamplingMetadata:
     stop_token_ids: Sequence[Sequence[int]]
     allowed_token_mask: torch.Tensor | None = None
     num_logprobs: int | None = None
+    kinds: RowKinds | None = None
 
     @property
     def num_rows(self) -> int:
         """Number of rows (requests sampled this step)."""
         return int(self.temperature.shape[0])
+
+    def row_kinds(self) -> RowKinds:
+        """``kinds``, or (hand-built metadata) the same flags read from the tensors."""
+        if self.kinds is not None:
+            return self.kinds
+        greedy = self.temperature == 0
+        return RowKinds(
+            all_greedy=bool(greedy.all()), any_greedy=bool(greedy.any()),
+            penalties=bool(((self.repetition_penalty != 1) | (self.presence_penalty != 0)
+                            | (self.frequency_penalty != 0)).any()),
+            top_k_top_p=bool(((self.top_k > 0) | (self.top_p < 1)).any()), min_p=bool((self.min_p > 0).any()))
 
     @classmethod
     def from_params(
@@ -107,27 +121,57 @@ class SamplingMetadata:
         if positions is None:
             positions = [len(p) + len(o) for p, o in zip(prompt_token_ids, output_token_ids)]
 
-        def floats(name: str) -> torch.Tensor:
-            return torch.tensor([float(getattr(p, name)) for p in params], dtype=torch.float32, device=device)
-
+        floats = torch.tensor([[float(getattr(p, name)) for p in params] for name in _FLOAT_FIELDS],
+                              dtype=torch.float32).reshape(len(_FLOAT_FIELDS), rows)  # [fields, num_rows]
+        ints = torch.tensor([[p.top_k for p in params], [to_int64_seed(s) for s in seeds], list(positions)],
+                            dtype=torch.int64).reshape(3, rows)  # [3, num_rows]: top_k, seeds, positions
+        floats, ints = _to_device(floats, device), _to_device(ints, device)
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
-            temperature=floats("temperature"),
-            top_p=floats("top_p"),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-            min_p=floats("min_p"),
-            repetition_penalty=floats("repetition_penalty"),
-            presence_penalty=floats("presence_penalty"),
-            frequency_penalty=floats("frequency_penalty"),
-            seeds=torch.tensor([to_int64_seed(s) for s in seeds], dtype=torch.int64, device=device),
-            positions=torch.tensor(list(positions), dtype=torch.int64, device=device),
+            **dict(zip(_FLOAT_FIELDS, floats, strict=True)),
+            top_k=ints[0],
+            seeds=ints[1],
+            positions=ints[2],
             prompt_token_ids=prompt_token_ids,
             output_token_ids=output_token_ids,
             min_tokens=[p.min_tokens for p in params],
             stop_token_ids=[sorted(p.all_stop_token_ids(eos_token_id)) for p in params],
             allowed_token_mask=allowed_token_mask,
             num_logprobs=max(logprobs) if logprobs else None,
+            kinds=RowKinds.of(params),
         )
+
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def _to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A small host tensor on ``device`` without waiting for the device's queued work (pinned, non-blocking)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowKinds:
+    """Which sampling features any row of a step uses, known on the host: the sampler skips what no row needs
+    without reading a device tensor (each such read would wait for the step's forward pass)."""
+
+    all_greedy: bool
+    any_greedy: bool
+    penalties: bool
+    top_k_top_p: bool
+    min_p: bool
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams]) -> RowKinds:
+        greedy = [p.temperature == 0 for p in params]
+        return cls(
+            all_greedy=all(greedy), any_greedy=any(greedy),
+            penalties=any(p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+                          for p in params),
+            top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in params), min_p=any(p.min_p > 0 for p in params))
 
 
 @dataclasses.dataclass
@@ -253,11 +297,11 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
     For a token seen in the prompt or the output, repetition penalty r gives ``l / r`` if ``l > 0``
     else ``l * r``. Then ``l -= frequency * count_in_output + presence * (count_in_output > 0)``.
     """
+    if not metadata.row_kinds().penalties:
+        return logits
     rep = metadata.repetition_penalty  # [num_rows]
     pres = metadata.presence_penalty  # [num_rows]
     freq = metadata.frequency_penalty  # [num_rows]
-    if not bool(((rep != 1) | (pres != 0) | (freq != 0)).any()):
-        return logits
     vocab = logits.shape[1]
     out_counts = token_counts(metadata.output_token_ids, vocab, logits.device)  # [num_rows, vocab]
     seen_out = out_counts > 0  # [num_rows, vocab]
@@ -335,18 +379,19 @@ def _filtered_scaled_logits(logits: torch.Tensor, metadata: SamplingMetadata) ->
     """Temperature, then top-k / top-p, then min-p (each only if some row uses it)."""
     temperature = torch.where(metadata.temperature == 0, 1.0, metadata.temperature)  # [num_rows]
     scaled = logits / temperature[:, None]  # [num_rows, vocab]
-    if bool(((metadata.top_k > 0) | (metadata.top_p < 1)).any()):
+    kinds = metadata.row_kinds()
+    if kinds.top_k_top_p:
         scaled = apply_top_k_top_p(scaled, metadata.top_k, metadata.top_p)
-    if bool((metadata.min_p > 0).any()):
+    if kinds.min_p:
         scaled = apply_min_p(scaled, metadata.min_p)
     return scaled  # [num_rows, vocab]
 
 
 def _sample_ids(processed: torch.Tensor, greedy: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Greedy argmax for greedy rows, seeded Gumbel-max for the others; int64 ``[num_rows]``."""
-    all_greedy = bool(greedy.all())
-    greedy_ids = argmax_lowest(processed) if bool(greedy.any()) else None  # [num_rows]
-    if all_greedy:
+    kinds = metadata.row_kinds()
+    greedy_ids = argmax_lowest(processed) if kinds.any_greedy else None  # [num_rows]
+    if kinds.all_greedy:
         return greedy_ids
     scaled = _filtered_scaled_logits(processed, metadata)  # [num_rows, vocab]
     gumbel = gumbel_noise(metadata.seeds, metadata.positions, processed.shape[1])  # [num_rows, vocab], float64
@@ -396,6 +441,7 @@ def top_n(scores: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 __all__ = [
     "PromptLogprobsOutput",
+    "RowKinds",
     "SamplerOutput",
     "SamplingMetadata",
     "apply_min_p",
