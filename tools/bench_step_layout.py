@@ -1,10 +1,12 @@
-"""Host time to build one step's index layout (``StepLayout``), static (graph replay) and dynamic, on the CPU.
+"""Host time to build one step's index layout on the CPU: the inputs a decode graph replay uploads
+(``DecodeInputs``), the ``DecodeLayout`` computed from them (on the GPU that runs inside the graph), and the
+host-built ``StepLayout`` of an eager step.
 
     python tools/bench_step_layout.py [--seqs 64] [--context 1100]
 
 V4-Flash geometry: window 128, compression ratios 4 (CSA, carry span 8) and 128 (HCA), block 128, context
-bucket 2048. Prints the median over 5 rounds of 20 builds each. This is host work the GPU waits for around
-every decode graph replay.
+bucket 2048. Prints the median over 5 rounds of 20 builds each. ``inputs`` is the host work the GPU waits for
+around every decode graph replay.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 import torch
 
 from deepinfer_core.forward_batch import ForwardBatch
-from deepinfer_core.models.deepseek_v4.layout import StaticBuffers, StaticShape, StepLayout
+from deepinfer_core.models.deepseek_v4.layout import DecodeInputs, DecodeLayout, StaticBuffers, StaticShape, StepLayout
 
 WINDOW, BLOCK, BUCKET = 128, 128, 2048
 
@@ -35,10 +37,17 @@ def main() -> None:
         block_tables=[[s * 20 + i for i in range(BUCKET // BLOCK)] for s in range(S)],
         logits_rows=torch.arange(S), compressed_write_start=[0] * S, sliding_floor=[0] * S)
     buffers = StaticBuffers(torch.device("cpu"))
+    DecodeInputs.from_batch(batch, shape, BLOCK).place(buffers)
+    buffers.seal()
 
-    def static() -> None:
+    def inputs() -> DecodeInputs:
         buffers.rewind()
-        StepLayout(batch, WINDOW, BLOCK, "cpu", shape, buffers)
+        return DecodeInputs.from_batch(batch, shape, BLOCK).place(buffers)
+
+    placed = inputs()
+
+    def decode_layout() -> None:
+        DecodeLayout(placed, WINDOW, BLOCK, shape)
 
     def dynamic() -> None:
         layout = StepLayout(batch, WINDOW, BLOCK, "cpu")
@@ -46,7 +55,7 @@ def main() -> None:
             layout.entries(ratio)
             layout.windows(ratio, span)
 
-    for name, build in (("static", static), ("dynamic", dynamic)):
+    for name, build in (("inputs", inputs), ("decode", decode_layout), ("dynamic", dynamic)):
         rounds = []
         for _ in range(5):
             start = time.perf_counter()

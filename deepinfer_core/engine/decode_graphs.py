@@ -3,9 +3,11 @@
 The chunks of a step that fold exactly one token and sample (decode chunks, prompt logprobs aside) are
 padded to the next captured batch size with dummy sequences, and their layout to the static widths of a
 ``StaticShape`` (keys to the window, compressed entries to the context bucket divided by the ratio); the
-step's other chunks (prefill) run eagerly beside them, so a long prompt chunk never pads the decodes. Every tensor the step reads then lives in a fixed buffer: the step's index tensors are
-copied into them and the captured graph is replayed. Dummy sequences read and write only the state's
-spare slot and spare block, which the state manager never hands out.
+step's other chunks (prefill) run eagerly beside them, so a long prompt chunk never pads the decodes. The host
+uploads the step's token ids, positions and per-sequence inputs (context lengths, slots, block tables) into fixed
+buffers in one copy and replays the graph, which computes the step's index layout from them on the device
+(``DecodeLayout``) and runs the model. Dummy sequences read and write only the state's spare slot and spare
+block, which the state manager never hands out.
 
 The backend captures (``Backend.capture_graph``): a CUDA graph on NVIDIA; on a backend without graphs
 the same static-shape step runs eagerly (that is how the CPU tests check this path against the dynamic one).
@@ -21,7 +23,7 @@ import torch
 
 from deepinfer_core.engine.scheduler import ScheduledChunk
 from deepinfer_core.forward_batch import ForwardBatch
-from deepinfer_core.models.deepseek_v4.layout import StaticBuffers, StaticShape
+from deepinfer_core.models.deepseek_v4.layout import DecodeInputs, StaticBuffers, StaticShape
 
 logger = logging.getLogger("deepinfer")
 
@@ -35,6 +37,7 @@ class CapturedStep:
 
     shape: StaticShape
     batch: ForwardBatch  # input_ids / positions / logits_rows are the fixed device buffers
+    inputs: DecodeInputs  # the layout's inputs, in fixed device buffers too
     buffers: StaticBuffers
     replay: Callable[[], None]  # runs the step; its logits land in ``DecodeGraphs.logits``
 
@@ -94,10 +97,11 @@ class DecodeGraphs:
         buffers = StaticBuffers(device)
         self._place_inputs(host, shape, buffers)  # learns the static tensors' shapes
         buffers.seal()
-        batch, layout = self._place_inputs(host, shape, buffers)  # now in the buffers' fixed storage
+        batch, inputs = self._place_inputs(host, shape, buffers)  # now in the buffers' fixed storage
         logits = self.logits[:size]
 
         def step_fn() -> None:
+            layout = self.model.decode_layout(inputs, self.state, shape)
             logits.copy_(self.model.forward(batch, self.state, layout=layout).logits)
 
         try:
@@ -106,20 +110,20 @@ class DecodeGraphs:
             self.disabled_reason = f"decode graph capture failed at batch {size}, context {context}: {exc}"
             logger.warning("%s; decode steps run eagerly from now on", self.disabled_reason)
             return None
-        step = CapturedStep(shape, batch, buffers, replay)
+        step = CapturedStep(shape, batch, inputs, buffers, replay)
         self.captured[(size, context)] = step
         logger.debug("captured decode step: batch %d, context %d", size, context)
         return step
 
     def _place_inputs(self, host: ForwardBatch, shape: StaticShape, buffers: StaticBuffers):
-        """Write a padded host batch's token ids, positions and layout into ``buffers`` and upload them in one
-        copy. Returns the batch and layout over the buffers' device tensors."""
+        """Write a padded host batch's token ids, positions and layout inputs into ``buffers`` and upload them in
+        one copy. Returns the batch and the layout inputs over the buffers' device tensors."""
         buffers.rewind()
         batch = dataclasses.replace(host, input_ids=buffers.place(host.input_ids),
                                     positions=buffers.place(host.positions), logits_rows=buffers.place(host.logits_rows))
-        layout = self.model.step_layout(batch, self.state, shape, buffers)
+        inputs = self.model.decode_inputs(host, self.state, shape).place(buffers)
         buffers.upload()
-        return batch, layout
+        return batch, inputs
 
     def _padded_batch(self, chunks: list[ScheduledChunk], size: int) -> ForwardBatch:
         """The step's one-token sequences on the host, then dummies (token 0 at position 0, spare state)."""

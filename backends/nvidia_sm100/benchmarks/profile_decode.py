@@ -36,9 +36,8 @@ def main() -> None:
     if args.layout_copy == "pinned":
         from deepinfer_core.models.deepseek_v4.layout import StepLayout
 
-        plain = StepLayout._to_device  # static (graph) layouts keep their buffers: only eager layouts change
-        StepLayout._to_device = lambda self, t: (plain(self, t) if self.buffers is not None
-                                                 else t.pin_memory().to(self.target_device, non_blocking=True))
+        # eager layouts only: graph replays compute theirs on the device (DecodeLayout)
+        StepLayout._to_device = lambda self, t: t.pin_memory().to(self.target_device, non_blocking=True)
     folder = presets.ensure_preset("v4-flash-8l64e")
     top = max(args.batches)
     llm = LLM(folder, backend=args.backend, dtype="bfloat16", max_model_len=args.input_len + 64, max_num_seqs=top,

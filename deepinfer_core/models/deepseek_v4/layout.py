@@ -8,10 +8,11 @@ Every index tensor is built on the host from the batch's Python lists and then c
 once (non-blocking; pinning each small tensor first measured slower on the H200, docs/performance.md). Building them with small device ops, or from device tensors,
 would stall the host on every ``torch.tensor(..., device=cuda)`` copy and ``nonzero()``.
 
-With a ``StaticShape`` (decode steps replayed from a CUDA graph) every tensor has a shape fixed by the
-static shape alone: keys are padded to the window, compressed entries to ``context_len // ratio``, the
-compressor windows to one per sequence (a sequence that completes none writes a dummy window into the
-spare block), and the tensors are written into the fixed buffers of a ``StaticBuffers``.
+Decode steps replayed from a CUDA graph use ``DecodeLayout`` instead: the same tensors at shapes fixed by a
+``StaticShape`` alone (keys padded to the window, compressed entries to ``context_len // ratio``, one compressor
+window per sequence, a dummy one writing the spare block where a sequence completes none), computed with
+device ops from a few per-sequence tensors (``DecodeInputs``) inside the graph. The host then only uploads those
+(one copy through a ``StaticBuffers``) instead of building every index tensor each step.
 """
 
 from __future__ import annotations
@@ -153,13 +154,7 @@ class EntryLayout:
 class StepLayout:
     """Index tensors for one step of a batch (see module docstring)."""
 
-    def __init__(self, batch: ForwardBatch, sliding_window: int, block_size: int, device: torch.device,
-                 static: StaticShape | None = None, buffers: StaticBuffers | None = None):
-        if static is not None and (batch.num_seqs != static.num_seqs or any(n != 1 for n in batch.query_lens)):
-            raise ValueError(f"a static layout takes {static.num_seqs} sequences of one token each, "
-                             f"got query lengths {batch.query_lens}")
-        self.static = static
-        self.buffers = buffers
+    def __init__(self, batch: ForwardBatch, sliding_window: int, block_size: int, device: torch.device):
         self.batch = batch
         self.window = sliding_window
         self.block_size = block_size
@@ -173,11 +168,6 @@ class StepLayout:
         self._entries: dict[int, EntryLayout] = {}
         self._windows: dict[tuple[int, int], WindowPlan] = {}
         self._tables: torch.Tensor | None = None
-        if static is not None:  # build everything now, in a fixed order (the buffers' order)
-            for ratio in static.entry_ratios:
-                self.entries(ratio)
-            for ratio, span in static.windows:
-                self.windows(ratio, span)
 
     # ------------------------------------------------------------------ queries
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
@@ -185,8 +175,6 @@ class StepLayout:
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A host-built index tensor on the target device (one non-blocking copy)."""
-        if self.buffers is not None:
-            return self.buffers.place(t)
         if self.target_device.type == "cpu":
             return t
         return t.to(self.target_device, non_blocking=True)
@@ -227,7 +215,7 @@ class StepLayout:
             ctx = batch.context_lens[s]
             spans.append(min(ctx, max(0, ctx - (W - 1), floors[s])))
         ends = [ctx + n for ctx, n in zip(batch.context_lens, self.query_lens)]
-        width = self.static.key_width if self.static else max(end - first for first, end in zip(spans, ends))
+        width = max(end - first for first, end in zip(spans, ends))
         first, end = self._tensor(spans)[:, None], self._tensor(ends)[:, None]  # [S, 1]
         key_positions = first + torch.arange(width)[None, :]  # [S, Lk]
         key_positions = torch.where(key_positions < end, key_positions, -1)
@@ -271,7 +259,7 @@ class StepLayout:
     def _build_entries(self, ratio: int) -> EntryLayout:
         per_block = self.block_size // ratio
         counts = [(ctx + n) // ratio for ctx, n in zip(self.batch.context_lens, self.query_lens)]
-        width = self.static.context_len // ratio if self.static else max(counts)
+        width = max(counts)
         entry_ids = torch.arange(width)  # [E]
         tables = self._block_tables()  # [S, max blocks]
         table_index = (entry_ids // per_block).clamp(max=tables.shape[1] - 1)[None, :].expand(self.num_seqs, -1)
@@ -323,13 +311,6 @@ class StepLayout:
             carry_rows.extend(start + p - ctx for p in kept)
             carry_slots.extend([slot] * len(kept))
             carry_index.extend(p % span for p in kept)
-        if self.static is not None:  # one window per sequence: dummies read the spare slot, write the spare block
-            for _ in range(self.num_seqs - len(entries)):
-                ctxs.append(span)  # window 0 of a sequence whose tokens are all in the carry
-                starts.append(0)
-                slots.append(self.static.spare_slot)
-                entries.append(0)
-                blocks.append(self.static.spare_block)
         entry = self._tensor(entries)  # [N]
         pos = ((entry + 1) * ratio - span)[:, None] + torch.arange(span)[None, :]  # [N, span]
         ctx_t = self._tensor(ctxs)[:, None]
@@ -348,3 +329,115 @@ class StepLayout:
             carry_write_index=self._tensor(carry_index),
         )
         return WindowPlan(**{f.name: self._to_device(getattr(plan, f.name)) for f in dataclasses.fields(plan)})
+
+
+@dataclasses.dataclass
+class DecodeInputs:
+    """What a static decode step's layout is computed from: per-sequence values as ``[S]`` int64 tensors (block
+    tables ``[S, blocks]``, padded with 0), the fields of a one-token-per-sequence ``ForwardBatch``."""
+
+    context_lens: torch.Tensor  # [S]: tokens already in each sequence's state (the new token's position)
+    slots: torch.Tensor  # [S]
+    block_tables: torch.Tensor  # [S, ceil(context_len / block_size)]
+    sliding_floor: torch.Tensor  # [S]
+    compressed_write_start: torch.Tensor  # [S]
+
+    @classmethod
+    def from_batch(cls, batch: ForwardBatch, static: StaticShape, block_size: int) -> DecodeInputs:
+        """The host tensors of a padded one-token batch (``static.num_seqs`` sequences)."""
+        if batch.num_seqs != static.num_seqs or batch.query_start != list(range(static.num_seqs + 1)):
+            raise ValueError(f"a decode layout takes {static.num_seqs} sequences of one token each, "
+                             f"got query lengths {batch.query_lens}")
+        width = -(-static.context_len // block_size)
+        tables = [list(t[:width]) + [0] * (width - len(t[:width])) for t in batch.block_tables]
+        zeros = [0] * static.num_seqs
+        return cls(*(torch.tensor(v, dtype=torch.long) for v in (
+            batch.context_lens, batch.slots, tables, batch.sliding_floor or zeros, batch.compressed_write_start or zeros)))
+
+    def place(self, buffers: StaticBuffers) -> DecodeInputs:
+        """These tensors in ``buffers``' fixed device storage (in field order)."""
+        return DecodeInputs(*(buffers.place(getattr(self, f.name)) for f in dataclasses.fields(self)))
+
+
+class DecodeLayout(StepLayout):
+    """``StepLayout`` of a static decode step, computed by device ops from ``DecodeInputs`` (so a CUDA graph
+    computes it at replay). Shapes depend on the ``StaticShape`` only; values equal ``StepLayout``'s where that has
+    them: keys padded to the window and entries to ``context_len // ratio`` are invisible, and the compressor plan
+    has one window per sequence, in sequence order, a dummy (reading the spare slot's carry, writing the spare
+    block) where a sequence completes none."""
+
+    def __init__(self, inputs: DecodeInputs, sliding_window: int, block_size: int, static: StaticShape):
+        ctx = inputs.context_lens  # [S]
+        device = ctx.device
+        self.static, self.inputs = static, inputs
+        self.window, self.block_size = sliding_window, block_size
+        self.target_device = self.device = device
+        self.num_seqs, self.max_query_len = static.num_seqs, 1
+        self.query_lens = [1] * static.num_seqs
+        self._seq = torch.arange(static.num_seqs, device=device)  # [S]: token row s is sequence s
+        self.query_valid = torch.ones(static.num_seqs, 1, dtype=torch.bool, device=device)  # [S, 1]
+        self.query_rows = self._seq[:, None]  # [S, 1]
+        self.query_positions = ctx[:, None]  # [S, 1]
+        self.token_seq, self.token_offset = self._seq, torch.zeros_like(self._seq)  # [T]
+        self._build_decode_keys()
+        self._entries = {ratio: self._decode_entries(ratio) for ratio in static.entry_ratios}
+        self._windows = {(ratio, span): self._decode_windows(ratio, span) for ratio, span in static.windows}
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, ...]`` -> ``[S, 1, ...]``: one token per sequence, so a view."""
+        return x.unsqueeze(1)
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """``[S, 1, ...]`` -> ``[T, ...]`` (a view)."""
+        return x.squeeze(1)
+
+    def _build_decode_keys(self) -> None:
+        W, ctx = self.window, self.inputs.context_lens
+        first = torch.minimum(ctx, torch.maximum((ctx - (W - 1)).clamp(min=0), self.inputs.sliding_floor))  # [S]
+        offsets = torch.arange(W, device=ctx.device)
+        key_positions = first[:, None] + offsets[None, :]  # [S, W]
+        key_positions = torch.where(key_positions <= ctx[:, None], key_positions, -1)  # up to the new token
+        self.key_from_new = key_positions == ctx[:, None]  # [S, W]: only the new token comes from this step
+        self.key_new_rows = torch.where(self.key_from_new, self._seq[:, None], 0)  # [S, W]
+        self.key_slots = self.inputs.slots[:, None].expand(-1, W)  # [S, W]
+        self.key_ring_index = key_positions.clamp(min=0) % W  # [S, W]
+        self.sliding_visible = ((key_positions >= 0) & (key_positions > ctx[:, None] - W))[:, None, :]  # [S, 1, W]
+        self.ring_write_rows, self.ring_write_slots = self._seq, self.inputs.slots  # [S]
+        self.ring_write_index = ctx % W  # [S]
+
+    def _decode_entries(self, ratio: int) -> EntryLayout:
+        per_block = self.block_size // ratio
+        tables = self.inputs.block_tables  # [S, B]
+        entry_ids = torch.arange(self.static.context_len // ratio, device=tables.device)  # [E]
+        counts = (self.inputs.context_lens + 1) // ratio  # [S]: entries after this step
+        table_index = (entry_ids // per_block).clamp(max=tables.shape[1] - 1)[None, :].expand(self.num_seqs, -1)
+        real = entry_ids[None, :] < counts[:, None]  # [S, E]
+        blocks = torch.where(real, tables.gather(1, table_index), 0)  # [S, E]
+        rows = (entry_ids % per_block)[None, :].expand(self.num_seqs, -1)  # [S, E]
+        return EntryLayout(blocks, rows, real[:, None, :])  # visible [S, 1, E]: the new token sees every entry
+
+    def _decode_windows(self, ratio: int, span: int) -> WindowPlan:
+        per_block, static, inputs = self.block_size // ratio, self.static, self.inputs
+        ctx = inputs.context_lens  # [S]
+        window = ctx // ratio  # [S]: the window the new token ends, if it ends one
+        real = ((ctx + 1) % ratio == 0) & (window * ratio >= inputs.compressed_write_start)  # [S]
+        tables = inputs.block_tables
+        table_block = tables.gather(1, (window // per_block).clamp(max=tables.shape[1] - 1)[:, None])[:, 0]  # [S]
+        entry = torch.where(real, window, 0)  # [S]; a dummy is window 0 of a sequence whose tokens are all carried
+        ctxs = torch.where(real, ctx, span)
+        pos = ((entry + 1) * ratio - span)[:, None] + torch.arange(span, device=ctx.device)[None, :]  # [S, span]
+        from_new = pos >= ctxs[:, None]  # [S, span]
+        slots = torch.where(real, inputs.slots, static.spare_slot)  # [S]
+        return WindowPlan(
+            from_new=from_new,
+            new_rows=torch.where(from_new, self._seq[:, None] + pos - ctxs[:, None], 0),
+            carry_slots=slots[:, None].expand(-1, span),
+            carry_index=pos.clamp(min=0) % span,
+            valid=pos >= 0,
+            entry_positions=entry * ratio,
+            write_blocks=torch.where(real, table_block, static.spare_block),
+            write_rows=entry % per_block,
+            carry_write_rows=self._seq,
+            carry_write_slots=inputs.slots,
+            carry_write_index=ctx % span,
+        )

@@ -14,7 +14,7 @@ import torch
 
 from deepinfer_core.forward_batch import ForwardBatch
 from deepinfer_core.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
-from deepinfer_core.models.deepseek_v4.layout import StaticBuffers, StaticShape, StepLayout
+from deepinfer_core.models.deepseek_v4.layout import DecodeInputs, DecodeLayout, StaticShape, StepLayout
 from deepinfer_core.models.deepseek_v4.state import CompressorCarry, DeepseekV4State, carry_span
 from deepinfer_core.ops.table import OpTable
 
@@ -354,10 +354,17 @@ class DeepseekV4Model:
         return DeepseekV4State(self.config, num_slots, num_blocks, block_size, dtype or self.dtype, self.device)
 
     # ------------------------------------------------------------------ forward
-    def step_layout(self, batch: ForwardBatch, state: DeepseekV4State, static: StaticShape | None = None,
-                    buffers: StaticBuffers | None = None) -> StepLayout:
-        """The index layout of one step over ``state`` (static: fixed shapes written into ``buffers``)."""
-        return StepLayout(batch, self.config.sliding_window, state.block_size, self.device, static, buffers)
+    def step_layout(self, batch: ForwardBatch, state: DeepseekV4State) -> StepLayout:
+        """The index layout of one step over ``state``, built on the host."""
+        return StepLayout(batch, self.config.sliding_window, state.block_size, self.device)
+
+    def decode_inputs(self, batch: ForwardBatch, state: DeepseekV4State, static: StaticShape) -> DecodeInputs:
+        """The host tensors a static decode step's layout is computed from (``batch``: one token per sequence)."""
+        return DecodeInputs.from_batch(batch, static, state.block_size)
+
+    def decode_layout(self, inputs: DecodeInputs, state: DeepseekV4State, static: StaticShape) -> DecodeLayout:
+        """The layout of a static decode step, computed by ops on ``inputs``' device (inside a captured graph)."""
+        return DecodeLayout(inputs, self.config.sliding_window, state.block_size, static)
 
     def static_shape(self, num_seqs: int, context_len: int, spare_slot: int, spare_block: int) -> StaticShape:
         """The static decode shape of ``num_seqs`` sequences no longer than ``context_len`` tokens."""
