@@ -68,6 +68,8 @@ def test_moe_kernel_compiles_to_the_architectures_tensor_core_path(kernel, tile_
 
 SMALL_KERNELS = {  # kernel -> (pointer types by argument name, constexprs) as the ops launch them
     "hc._hc_weights_kernel": ({}, {"HC": 4, "HC_P2": 4}),
+    "hc._hc_mix_partial_kernel": ({"x_ptr": "*bf16"}, {"BLOCK_T": 1, "BLOCK_K": 128, "N_P2": 32}),
+    "hc._hc_mix_finish_kernel": ({}, {"N_P2": 32}),
     "moe._align_kernel": ({"ids_ptr": "*i64", "sorted_assign_ptr": "*i64", "block_expert_ptr": "*i64",
                            "dest_ptr": "*i64"}, {"BLOCK_M": 16, "E_P2": 64, "CHUNK": 64}),
     "moe._combine_kernel": ({"y_ptr": "*bf16", "out_ptr": "*bf16", "ids_ptr": "*i64", "dest_ptr": "*i64"},

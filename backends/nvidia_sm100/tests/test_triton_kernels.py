@@ -61,6 +61,20 @@ def test_hc_pre_matches_reference(tokens, hc_mult, iters, dtype):
 
 
 @kernel_runs_here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, hc_mult, width", [(1, 4, 1024), (3, 4, 100), (6, 3, 300), (64, 4, 64),
+                                                     (hc.MIX_KERNEL_MAX_TOKENS + 1, 2, 32)])
+def test_hc_mix_logits_matches_reference(tokens, hc_mult, width, dtype):
+    """Split rows (the split past the row's end masked, 3 x 300 = 900 elements), token blocks past the batch, an
+    output width that is not a power of two (hc 3: 15), and the compiled fallback above the token limit."""
+    streams, fn, _, _ = _case(tokens, hc_mult, width, dtype, seed=tokens)
+    got = hc.hc_mix_logits(streams, fn, 1e-6)
+    want = ref.hc_mix_logits(streams, fn, 1e-6)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@kernel_runs_here
 def test_comb_is_doubly_stochastic_after_many_iterations():
     streams, fn, base, scale = _case(9, 4, 32, torch.float32, seed=3)
     _, comb, _ = hc.hc_pre(streams, fn, base, scale, 60, 1e-6, 1e-6)

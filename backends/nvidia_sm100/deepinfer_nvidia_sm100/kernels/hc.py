@@ -5,7 +5,14 @@
 token) and the collapse of the streams. Compiled by TorchInductor, the weights part still became one kernel
 per normalisation (~39 launches per call, 16 calls per decode step of the bench preset: ~600 launches), because
 each normalisation reduces along another axis. ``_hc_weights_kernel`` keeps each token's ``hc x hc`` matrix in
-registers for the whole loop: one launch per call. The two other parts are the reference functions, compiled.
+registers for the whole loop: one launch per call. The collapse is the reference function, compiled.
+
+The mixing logits of a few tokens (decode) come from ``_hc_mix_partial_kernel``: compiled, the RMS norm of one
+``hc * D``-wide row (16,384 on V4-Flash) ran in one program (16.8 us on the H200) and the fp32 GEMV after it in
+two cuBLAS kernels. The row is split over many programs instead, each returning its share of the sum of squares
+and of the ``fn`` dot products, and ``_hc_mix_finish_kernel`` adds the shares in a fixed order and scales by the
+norm (the norm is a per-row scalar, so it can follow the dot products). Longer batches (prefill) keep the
+compiled reference, whose GEMM reads ``fn`` once rather than once per block of tokens.
 """
 
 from __future__ import annotations
@@ -16,6 +23,70 @@ import triton.language as tl
 
 from deepinfer_core.ops import reference as ref
 from deepinfer_nvidia_sm100.kernels.compiled import maybe_compile
+
+MIX_KERNEL_MAX_TOKENS = 256  # above this, hc_mix_logits is the compiled reference (see module docstring)
+MIX_K_PER_SPLIT = 256  # row elements per program
+
+
+@triton.jit
+def _hc_mix_partial_kernel(x_ptr, fn_ptr, dots_ptr, squares_ptr, tokens, K, N, K_PER_SPLIT,
+                           BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, N_P2: tl.constexpr):
+    """Program (token block, split): ``dots[split, t, n] = x[t, ks] . fn[n, ks]`` and ``squares[split, t]`` over
+    the split's ``K_PER_SPLIT`` row elements ``ks`` (fp32)."""
+    split = tl.program_id(1)
+    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
+    outs = tl.arange(0, N_P2)  # [NP]
+    acc = tl.zeros([BLOCK_T, N_P2], dtype=tl.float32)
+    squares = tl.zeros([BLOCK_T], dtype=tl.float32)
+    start = split * K_PER_SPLIT
+    for k in range(start, start + K_PER_SPLIT, BLOCK_K):
+        ks = k + tl.arange(0, BLOCK_K)  # [BK]
+        in_k = ks < K
+        x = tl.load(x_ptr + toks[:, None].to(tl.int64) * K + ks[None, :],
+                    mask=(toks[:, None] < tokens) & in_k[None, :], other=0.0).to(tl.float32)  # [BT, BK]
+        w = tl.load(fn_ptr + outs[:, None] * K + ks[None, :], mask=(outs[:, None] < N) & in_k[None, :],
+                    other=0.0)  # [NP, BK]
+        squares += tl.sum(x * x, axis=1)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)  # [BT, NP]
+    row = split * tokens + toks  # [BT]
+    tl.store(dots_ptr + row[:, None] * N_P2 + outs[None, :], acc, mask=toks[:, None] < tokens)
+    tl.store(squares_ptr + row, squares, mask=toks < tokens)
+
+
+@triton.jit
+def _hc_mix_finish_kernel(dots_ptr, squares_ptr, out_ptr, tokens, K, N, splits, norm_eps, N_P2: tl.constexpr):
+    """One program per token: the splits' shares added in split order, scaled by ``rsqrt(mean(x^2) + eps)``."""
+    token = tl.program_id(0)
+    outs = tl.arange(0, N_P2)
+    dots = tl.zeros([N_P2], dtype=tl.float32)
+    squares = 0.0
+    for split in range(splits):
+        dots += tl.load(dots_ptr + (split * tokens + token) * N_P2 + outs)
+        squares += tl.load(squares_ptr + split * tokens + token)
+    scale = 1.0 / tl.sqrt(squares / K + norm_eps)
+    tl.store(out_ptr + token * N + outs, dots * scale, mask=outs < N)
+
+
+def hc_mix_logits(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """``reference.hc_mix_logits``: ``[T, (2 + hc) * hc]`` fp32; split-row kernels up to ``MIX_KERNEL_MAX_TOKENS``
+    tokens, else the compiled reference."""
+    tokens = streams.shape[0]
+    if tokens == 0 or tokens > MIX_KERNEL_MAX_TOKENS:
+        return maybe_compile(ref.hc_mix_logits)(streams, fn, norm_eps)
+    x = streams.reshape(tokens, -1).contiguous()  # [T, K]
+    fn = fn.float().contiguous()  # [N, K]
+    n, k = fn.shape
+    n_p2 = triton.next_power_of_2(n)
+    splits = triton.cdiv(k, MIX_K_PER_SPLIT)
+    block_t = min(4, triton.next_power_of_2(tokens))
+    dots = torch.empty(splits, tokens, n_p2, dtype=torch.float32, device=x.device)
+    squares = torch.empty(splits, tokens, dtype=torch.float32, device=x.device)
+    _hc_mix_partial_kernel[(triton.cdiv(tokens, block_t), splits)](
+        x, fn, dots, squares, tokens, k, n, MIX_K_PER_SPLIT, BLOCK_T=block_t, BLOCK_K=256 // max(2, block_t), N_P2=n_p2,
+        num_warps=4)
+    out = torch.empty(tokens, n, dtype=torch.float32, device=x.device)
+    _hc_mix_finish_kernel[(tokens,)](dots, squares, out, tokens, k, n, splits, norm_eps, N_P2=n_p2, num_warps=1)
+    return out
 
 
 @triton.jit
@@ -67,8 +138,8 @@ def hc_weights(mixed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc:
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int,
            hc_eps: float, norm_eps: float):
-    """Op ``hc_pre`` (same contract as the reference op): compiled mixing logits, the Triton weights kernel,
+    """Op ``hc_pre`` (same contract as the reference op): the mixing logits, the Triton weights kernel, the
     compiled collapse."""
-    mixed = maybe_compile(ref.hc_mix_logits)(streams, fn, norm_eps)  # [T, (2 + hc) * hc] fp32
+    mixed = hc_mix_logits(streams, fn, norm_eps)  # [T, (2 + hc) * hc] fp32
     pre, post, comb = hc_weights(mixed, base, scale, streams.shape[1], sinkhorn_iters, hc_eps)
     return post, comb, maybe_compile(ref.hc_collapse)(pre, streams)
