@@ -2,6 +2,7 @@
 top kernels (torch.profiler). GPU only.
 
     python backends/nvidia_sm100/benchmarks/profile_decode.py [--batches 1 64] [--input-len 1024]
+    python backends/nvidia_sm100/benchmarks/profile_decode.py --prefill 8 [--input-len 1024]   (one prefill step)
 
 If GPU busy time per step is far below the wall time, the step is bound by the host (Python, launches,
 synchronisations): CUDA graphs and fewer, fused ops are the lever. If they are close, kernels are.
@@ -32,6 +33,8 @@ def main() -> None:
                         help="A/B: how StepLayout moves its host-built index tensors (default: plain non-blocking "
                              ".to(); pinned: pin_memory() first)")
     parser.add_argument("--enforce-eager", action="store_true", help="profile eager steps instead of graph replays")
+    parser.add_argument("--prefill", type=int, default=0, metavar="N",
+                        help="profile one step that prefills N prompts of --input-len tokens instead of decode")
     args = parser.parse_args()
     if args.layout_copy == "pinned":
         from deepinfer_core.models.deepseek_v4.layout import StepLayout
@@ -43,6 +46,9 @@ def main() -> None:
     llm = LLM(folder, backend=args.backend, dtype="bfloat16", max_model_len=args.input_len + 64, max_num_seqs=top,
               max_num_batched_tokens=8192, enforce_eager=args.enforce_eager)
     engine = llm.engine
+    if args.prefill:
+        profile_prefill(llm, args.prefill, args.input_len)
+        return
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     summary = []
     for batch in args.batches:
@@ -84,6 +90,35 @@ def main() -> None:
     print("\n| batch | step wall | GPU kernel time | kernels/step |\n|---|---|---|---|")
     for batch, wall, gpu, launches in summary:
         print(f"| {batch} | {wall * 1e3:.2f} ms | {gpu * 1e3:.2f} ms | {launches:.0f} |")
+
+
+def profile_prefill(llm, prompts: int, length: int) -> None:
+    """One step that prefills ``prompts`` prompts of ``length`` tokens (after one such warm-up step): wall time,
+    tokens/s and the kernels by time."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def one_step(tag: str) -> float:
+        for i, ids in enumerate(random_prompts(prompts, length, llm.model.config.vocab_size, len(tag))):
+            engine.add_request(f"{tag}-{i}", None, ids, params)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        while engine.has_unfinished():
+            engine.step()
+        return seconds
+
+    one_step("warm")
+    wall = one_step("timed")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        one_step("profiled")
+    events = prof.key_averages()
+    gpu = sum(e.self_device_time_total for e in events) / 1e6
+    print(f"\n=== prefill {prompts} x {length} tokens in one step: wall {wall * 1e3:.1f} ms "
+          f"({prompts * length / wall:,.0f} tok/s), GPU kernel time {gpu * 1e3:.1f} ms")
+    print(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
 
 
 def print_kernels_by_count(events, steps: int, limit: int = 40) -> None:
