@@ -98,11 +98,12 @@ def sm100_ops() -> dict[str, Callable]:
 
 
 def triton_ops() -> dict[str, Callable]:
-    """The overrides both paths share: Triton kernels (``moe_experts``, ``hc_pre``) and the small ops that
-    TorchInductor compiles to Triton."""
-    from deepinfer_nvidia_sm100.kernels import compiled, hc, moe
+    """The overrides both paths share: Triton kernels (``moe_experts``, ``hc_pre``, ``hc_post``, ``apply_rope``)
+    and the small ops that TorchInductor compiles to Triton."""
+    from deepinfer_nvidia_sm100.kernels import compiled, hc, moe, rope
 
-    return {**compiled.compiled_ops(), "moe_experts": moe.moe_experts, "hc_pre": hc.hc_pre}
+    return {**compiled.compiled_ops(), "moe_experts": moe.moe_experts, "hc_pre": hc.hc_pre, "hc_post": hc.hc_post,
+            "apply_rope": rope.apply_rope}
 
 
 class CudaGraphRunner:

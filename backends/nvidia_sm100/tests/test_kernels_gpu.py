@@ -79,10 +79,11 @@ def test_backend_contract_on_device():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_small_ops_match_reference(dtype):
-    from deepinfer_nvidia_sm100.kernels.compiled import compiled_ops
+def test_small_ops_match_reference(dtype):
+    """The compiled reference ops and the hand-written small Triton kernels (``backend.triton_ops``)."""
+    from deepinfer_nvidia_sm100.backend import triton_ops
 
-    ops = compiled_ops()
+    ops = triton_ops()
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def rnd(*shape, dt=dtype):

@@ -66,10 +66,15 @@ def test_moe_kernel_compiles_to_the_architectures_tensor_core_path(kernel, tile_
         assert "mma.sync" in ptx and "wgmma" not in ptx and "tcgen05.mma" not in ptx
 
 
-SMALL_KERNELS = {  # kernel -> (pointer types by argument name, constexprs) as the ops launch them
+SMALL_KERNELS = {  # kernel -> (argument types where not the default, constexprs) as the ops launch them
+    # defaults: pointers (*_ptr) *fp32, *eps fp32, other scalars i32
     "hc._hc_weights_kernel": ({}, {"HC": 4, "HC_P2": 4}),
     "hc._hc_mix_partial_kernel": ({"x_ptr": "*bf16"}, {"BLOCK_T": 1, "BLOCK_K": 128, "N_P2": 32}),
-    "hc._hc_mix_finish_kernel": ({}, {"N_P2": 32}),
+    "hc._hc_mix_finish_kernel": ({}, {"N_P2": 32, "SPLITS_P2": 64}),
+    "hc._hc_post_kernel": ({"streams_ptr": "*bf16", "block_ptr": "*bf16", "out_ptr": "*bf16"},
+                           {"HC": 4, "HC_P2": 4, "BLOCK_D": 512}),
+    "rope._rope_kernel": ({"x_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16", "sign": "fp32"},
+                          {"BLOCK_R": 4, "NOPE_P2": 512, "HALF_P2": 32}),
     "moe._align_kernel": ({"ids_ptr": "*i64", "sorted_assign_ptr": "*i64", "block_expert_ptr": "*i64",
                            "dest_ptr": "*i64"}, {"BLOCK_M": 16, "E_P2": 64, "CHUNK": 64}),
     "moe._combine_kernel": ({"y_ptr": "*bf16", "out_ptr": "*bf16", "ids_ptr": "*i64", "dest_ptr": "*i64"},
@@ -80,19 +85,17 @@ SMALL_KERNELS = {  # kernel -> (pointer types by argument name, constexprs) as t
 @pytest.mark.parametrize("capability", sorted(ARCHS))
 @pytest.mark.parametrize("name", sorted(SMALL_KERNELS))
 def test_small_kernels_compile(name, capability):
-    from deepinfer_nvidia_sm100.kernels import hc, moe
+    from deepinfer_nvidia_sm100.kernels import hc, moe, rope
 
     module, kernel = name.split(".")
-    fn = getattr({"hc": hc, "moe": moe}[module], kernel)
-    pointers, constants = SMALL_KERNELS[name]
+    fn = getattr({"hc": hc, "moe": moe, "rope": rope}[module], kernel)
+    types, constants = SMALL_KERNELS[name]
     signature = {}
     for i, arg in enumerate(fn.arg_names):
         if i in fn.constexprs:
             signature[arg] = "constexpr"
-        elif arg.endswith("_ptr"):
-            signature[arg] = pointers.get(arg, "*fp32")
         else:
-            signature[arg] = "fp32" if arg.endswith("eps") else "i32"
+            signature[arg] = types.get(arg, "*fp32" if arg.endswith("_ptr") else "fp32" if arg.endswith("eps") else "i32")
     source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
     compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": 4})
     ptx = compiled.asm["ptx"]

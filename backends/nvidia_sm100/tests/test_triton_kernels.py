@@ -16,7 +16,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="the test extra installs triton")
-from deepinfer_nvidia_sm100.kernels import hc, moe
+from deepinfer_nvidia_sm100.kernels import hc, moe, rope
 
 from deepinfer_core.ops import reference as ref
 
@@ -72,6 +72,41 @@ def test_hc_mix_logits_matches_reference(tokens, hc_mult, width, dtype):
     want = ref.hc_mix_logits(streams, fn, 1e-6)
     assert got.shape == want.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, hc_mult, width", [(1, 4, 1024), (5, 4, 700), (3, 3, 64), (0, 4, 64)])
+def test_hc_post_matches_reference(tokens, hc_mult, width, dtype):
+    """Channel blocks past the row's end (700 = 512 + 188) and an hc that is not a power of two."""
+    streams, _, _, _ = _case(tokens, hc_mult, width, dtype, seed=tokens + 1)
+    gen = torch.Generator(device=DEVICE).manual_seed(tokens)
+    block_out = torch.randn(tokens, width, device=DEVICE, generator=gen).to(dtype)
+    post = torch.rand(tokens, hc_mult, device=DEVICE, generator=gen) * 2
+    comb = torch.rand(tokens, hc_mult, hc_mult, device=DEVICE, generator=gen)
+    got, want = hc.hc_post(streams, block_out, post, comb), ref.hc_post(streams, block_out, post, comb)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    # bf16: three roundings of terms up to ~16 (unit in the last place 0.0625) and another order inside the
+    # matmul; a wrong index would be off by O(1)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.125, "rtol": 0}
+    torch.testing.assert_close(got, want, **tol)
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape, half", [((3, 4, 512), 32), ((2, 64), 32), ((5, 2, 3, 40), 4), ((4, 6), 3)])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_apply_rope_matches_reference(shape, half, inverse, dtype):
+    """Several middle dims per token, only rotary channels (64 = 2 x 32), pass-through widths that are not powers
+    of two."""
+    gen = torch.Generator(device=DEVICE).manual_seed(len(shape) + half)
+    x = torch.randn(*shape, device=DEVICE, generator=gen).to(dtype)
+    angles = torch.rand(shape[0], half, device=DEVICE, generator=gen) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    got, want = rope.apply_rope(x, cos, sin, inverse), ref.apply_rope(x, cos, sin, inverse)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(got, want, **tol)
 
 
 @kernel_runs_here

@@ -3,8 +3,9 @@
 The model's norms, RoPE tables and mHC ops are chains of small element-wise and reduction ops; eagerly each is
 several kernel launches, and a decode step is bound by launching them. Compiled, each op is one or two fused
 kernels. The compiled function *is* the reference op (same source), so semantics cannot drift; tests still
-check each against the eager reference on the GPU. (``hc_pre`` is not here: its Sinkhorn loop compiled to one
-kernel per normalisation; ``kernels/hc.py`` runs it as one Triton kernel and compiles the parts around it.)
+check each against the eager reference on the GPU. (``hc_pre``, ``hc_post`` and ``apply_rope`` are not here: compiled,
+they kept a kernel per Sinkhorn normalisation, a cuBLAS bmm of 4 x 4 tiles and a slow copy; ``kernels/hc.py`` and
+``kernels/rope.py`` are hand-written Triton.)
 
 Set ``DEEPINFER_NVIDIA_COMPILE=0`` to run these ops eagerly (the reference ops).
 """
@@ -18,8 +19,7 @@ import torch
 
 from deepinfer_core.ops import reference as ref
 
-COMPILED_OPS = ("rms_norm", "unweighted_rms_norm", "apply_rope", "rope_cos_sin", "hc_post", "hc_head",
-                "compressor_window", "compressor_pool")
+COMPILED_OPS = ("rms_norm", "unweighted_rms_norm", "rope_cos_sin", "hc_head", "compressor_window", "compressor_pool")
 ENV = "DEEPINFER_NVIDIA_COMPILE"
 
 

@@ -1,0 +1,56 @@
+"""Op ``apply_rope`` as one Triton kernel: the pass-through channels copied, the trailing rotary pairs rotated.
+
+Compiled by TorchInductor, the reference's stack / flatten / concatenate became a kernel that moved the whole
+tensor at ~0.8 TB/s (1.3 ms per call on 8K-token prefill queries of 64 x 512 on the H200). Here every row is
+read and written once, in contiguous runs; the rotation is the reference's in fp32, rounded once to the
+tensor's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, rows, rows_per_token, DIM, NOPE, HALF, sign,
+                 BLOCK_R: tl.constexpr, NOPE_P2: tl.constexpr, HALF_P2: tl.constexpr):
+    """Rows ``[BLOCK_R]`` of ``x [rows, DIM]``: channels ``< NOPE`` copied, pairs ``(NOPE + 2i, NOPE + 2i + 1)``
+    rotated by the angle of row's token (``cos`` / ``sin [tokens, HALF]``; ``sign`` -1 rotates backwards)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
+    in_r = r < rows
+    row = r.to(tl.int64)[:, None] * DIM  # [BR, 1]
+    token = (r // rows_per_token).to(tl.int64)[:, None] * HALF  # [BR, 1]
+    ch = tl.arange(0, NOPE_P2)[None, :]  # [1, NP]
+    keep = in_r[:, None] & (ch < NOPE)
+    tl.store(out_ptr + row + ch, tl.load(x_ptr + row + ch, mask=keep), mask=keep)
+    pair = tl.arange(0, HALF_P2)[None, :]  # [1, HP]
+    rot = in_r[:, None] & (pair < HALF)
+    even_at = row + NOPE + 2 * pair
+    even = tl.load(x_ptr + even_at, mask=rot, other=0.0).to(tl.float32)  # [BR, HP]
+    odd = tl.load(x_ptr + even_at + 1, mask=rot, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + token + pair, mask=rot, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + token + pair, mask=rot, other=0.0).to(tl.float32) * sign
+    out_ty = out_ptr.dtype.element_ty
+    tl.store(out_ptr + even_at, (even * cos - odd * sin).to(out_ty), mask=rot)
+    tl.store(out_ptr + even_at + 1, (odd * cos + even * sin).to(out_ty), mask=rot)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """``reference.apply_rope``: interleaved RoPE on the trailing ``2 * cos.shape[-1]`` channels of ``x [T, ..., dim]``
+    (``cos`` / ``sin``: ``[T, rope_dim // 2]``); a new tensor."""
+    dim, half = x.shape[-1], cos.shape[-1]
+    tokens = cos.shape[0]
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    rows = x.numel() // dim
+    if rows == 0:
+        return out
+    nope = dim - 2 * half
+    nope_p2 = triton.next_power_of_2(max(nope, 1))
+    block_r = max(1, min(16, 2048 // nope_p2))
+    _rope_kernel[(triton.cdiv(rows, block_r),)](
+        x, cos.contiguous(), sin.contiguous(), out, rows, rows // tokens, dim, nope, half, -1.0 if inverse else 1.0,
+        BLOCK_R=block_r, NOPE_P2=nope_p2, HALF_P2=triton.next_power_of_2(half), num_warps=4)
+    return out
