@@ -54,10 +54,13 @@ def test_attention_compiles_with_nvcc(sources, arch, which):
     assert (e_flags >> 8) & 0xFF == int(arch[3:-1])
 
 
-@pytest.mark.parametrize("S, Lq, Lk, H, splits", [(1, 1, 40, 4, 1), (3, 1, 70, 4, 3), (2, 5, 33, 8, 2)])
-def test_kernel_logic_on_tilelang_cpu_target(S, Lq, Lk, H, splits):
+@pytest.mark.parametrize("S, Lq, Lk, H, splits, sparse", [(1, 1, 40, 4, 1, False), (3, 1, 70, 4, 3, False),
+                                                         (2, 5, 33, 8, 2, False), (2, 6, 150, 4, 2, True),
+                                                         (1, 3, 100, 4, 1, True)])
+def test_kernel_logic_on_tilelang_cpu_target(S, Lq, Lk, H, splits, sparse):
     """The split + combine algorithm (mask, zero fill past Lk, sink once in the denominator, split merge, empty
-    splits, fully masked rows) through TileLang's C target, against the reference op."""
+    splits, fully masked rows, rows that see only some key blocks: the visible-block lists) through TileLang's C
+    target, against the reference op."""
     import torch
     from deepinfer_nvidia_sm100.kernels import tl_attention as tla
 
@@ -68,6 +71,9 @@ def test_kernel_logic_on_tilelang_cpu_target(S, Lq, Lk, H, splits):
     q = torch.randn(S, Lq, H, d, generator=g)
     kv = torch.randn(S, Lk, d, generator=g)
     visible = torch.rand(S, Lq, Lk, generator=g) < 0.6
+    if sparse:  # each row sees ~30% of the 16-key blocks
+        blocks = torch.rand(S, Lq, -(-Lk // 16), generator=g) < 0.3
+        visible &= blocks.repeat_interleave(16, dim=-1)[..., :Lk]
     visible[0, 0] = False  # nothing visible -> 0
     sinks = torch.randn(H, generator=g) * 2
     got = tla.sink_attention_cpu(q, kv, visible, sinks, d**-0.5, splits=splits, block_n=16)

@@ -9,11 +9,14 @@ pytestmark = pytest.mark.nvidia
 H, D = 64, 512
 
 
-def _case(S, Lq, Lk, dtype, seed=0):
+def _case(S, Lq, Lk, dtype, seed=0, sparse=False):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(S, Lq, H, D, device="cuda", generator=g).to(dtype)  # [S, Lq, H, d]
     kv = torch.randn(S, Lk, D, device="cuda", generator=g).to(dtype)  # [S, Lk, d]
     visible = torch.rand(S, Lq, Lk, device="cuda", generator=g) < 0.7  # [S, Lq, Lk]
+    if sparse:  # each row sees ~25% of the 64-key blocks (prefill: a window plus selected entries)
+        blocks = torch.rand(S, Lq, -(-Lk // 64), device="cuda", generator=g) < 0.25
+        visible &= blocks.repeat_interleave(64, dim=-1)[..., :Lk]
     visible[0, 0] = False  # a row with nothing visible must give 0
     sinks = torch.randn(H, device="cuda", generator=g)  # [H]
     return q, kv, visible, sinks
@@ -32,6 +35,18 @@ def test_sink_attention_bf16_matches_fp32_reference(S, Lq, Lk, splits):
     assert got.shape == want.shape and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
     assert got[0, 0].abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("S, Lq, Lk", [(1, 70, 1300), (3, 16, 640)])
+def test_rows_that_see_some_key_blocks_read_only_those(S, Lq, Lk):
+    """Block-sparse visibility (the prefill case): the kernel walks each row's visible-block list."""
+    pytest.importorskip("tilelang")
+    from deepinfer_nvidia_sm100.kernels import tl_attention as tla
+
+    q, kv, visible, sinks = _case(S, Lq, Lk, torch.bfloat16, seed=Lk, sparse=True)
+    got = tla.sink_attention(q, kv, visible, sinks, D**-0.5)
+    want = ref.sink_attention(q.float(), kv.float(), visible, sinks, D**-0.5)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
 def test_sink_attention_fp32_and_odd_heads_take_the_reference():

@@ -75,6 +75,8 @@ SMALL_KERNELS = {  # kernel -> (argument types where not the default, constexprs
                            {"HC": 4, "HC_P2": 4, "BLOCK_D": 512}),
     "rope._rope_kernel": ({"x_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16", "sign": "fp32"},
                           {"BLOCK_R": 4, "NOPE_P2": 512, "HALF_P2": 32}),
+    "key_blocks._visible_blocks_kernel": ({"vis_ptr": "*u8", "blocks_ptr": "*i32", "counts_ptr": "*i32"},
+                                          {"BLOCK_N": 64, "CHUNK": 64}),
     "moe._align_kernel": ({"ids_ptr": "*i64", "sorted_assign_ptr": "*i64", "block_expert_ptr": "*i64",
                            "dest_ptr": "*i64"}, {"BLOCK_M": 16, "E_P2": 64, "CHUNK": 64}),
     "moe._combine_kernel": ({"y_ptr": "*bf16", "out_ptr": "*bf16", "ids_ptr": "*i64", "dest_ptr": "*i64"},
@@ -85,10 +87,10 @@ SMALL_KERNELS = {  # kernel -> (argument types where not the default, constexprs
 @pytest.mark.parametrize("capability", sorted(ARCHS))
 @pytest.mark.parametrize("name", sorted(SMALL_KERNELS))
 def test_small_kernels_compile(name, capability):
-    from deepinfer_nvidia_sm100.kernels import hc, moe, rope
+    from deepinfer_nvidia_sm100.kernels import hc, key_blocks, moe, rope
 
     module, kernel = name.split(".")
-    fn = getattr({"hc": hc, "moe": moe, "rope": rope}[module], kernel)
+    fn = getattr({"hc": hc, "key_blocks": key_blocks, "moe": moe, "rope": rope}[module], kernel)
     types, constants = SMALL_KERNELS[name]
     signature = {}
     for i, arg in enumerate(fn.arg_names):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="the test extra installs triton")
-from deepinfer_nvidia_sm100.kernels import hc, moe, rope
+from deepinfer_nvidia_sm100.kernels import hc, key_blocks, moe, rope
 
 from deepinfer_core.ops import reference as ref
 
@@ -107,6 +107,20 @@ def test_apply_rope_matches_reference(shape, half, inverse, dtype):
     assert got.shape == want.shape and got.dtype == want.dtype
     tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
     torch.testing.assert_close(got, want, **tol)
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("rows, lk, block_n, density", [(3, 200, 64, 0.1), (2, 64 * 70 + 5, 64, 0.02),
+                                                        (4, 33, 16, 0.0), (0, 64, 64, 0.5), (5, 100, 16, 1.0)])
+def test_visible_blocks_kernel_matches_torch(rows, lk, block_n, density):
+    """More blocks than one loop chunk (70), a partial last block, rows with no visible key and all visible."""
+    gen = torch.Generator(device=DEVICE).manual_seed(lk)
+    vis = (torch.rand(rows, lk, device=DEVICE, generator=gen) < density).to(torch.uint8)
+    blocks, counts = key_blocks.visible_blocks(vis, block_n)
+    want_blocks, want_counts = key_blocks.visible_blocks_torch(vis, block_n)
+    assert torch.equal(counts, want_counts)
+    listed = torch.arange(blocks.shape[1], device=DEVICE)[None, :] < counts[:, None].long()
+    assert torch.equal(torch.where(listed, blocks, 0), want_blocks)
 
 
 @kernel_runs_here

@@ -7,7 +7,8 @@ one sink logit whose probability mass is dropped; a row with nothing visible ret
 In V4 all H query heads of one token share the single KV head, so per (sequence, query row) the work is two
 GEMMs with M = heads: ``S = Q [H, d] @ K^T [d, BN]`` and ``O += P [H, BN] @ V [BN, d]`` (d = 512). One CTA
 takes 64 heads of one query row (M = 64: one wgmma warpgroup tile on SM90, the M64 tcgen05 atom on SM100)
-and a contiguous split of the key blocks; the online softmax runs in base 2 in fp32.
+and a contiguous split of the row's *visible* key blocks (``kernels/key_blocks.py`` lists them: a prefill row of
+an 8K prompt sees ~35 of 160 blocks); the online softmax runs in base 2 in fp32.
 
 Two kernels per call (both with dynamic sizes, so one compilation serves every batch / length / split count):
 
@@ -41,6 +42,7 @@ from functools import cache
 import torch
 
 from deepinfer_core.ops import reference as ref
+from deepinfer_nvidia_sm100.kernels.key_blocks import visible_blocks, visible_blocks_torch
 
 LOG2E = 1.4426950408889634
 BLOCK_H = 64  # heads per CTA: the GEMM M
@@ -64,7 +66,8 @@ def _pass_configs(arch: str) -> dict:
 def split_kernel(arch: str, dtype: str, scale: float, dim: int = HEAD_DIM, block_n: int = BLOCK_N):
     """The split-KV attention PrimFunc for ``arch``; sizes B (= S * Lq), S, Lk, H, NS are dynamic.
 
-    Arguments: ``Q [B, H, dim]``, ``KV [S, Lk, dim]``, ``Vis [B, Lk]`` uint8, ``Sinks [H]`` fp32 (natural log
+    Arguments: ``Q [B, H, dim]``, ``KV [S, Lk, dim]``, ``Vis [B, Lk]`` uint8, ``Blocks [B, NB]`` / ``Counts [B]``
+    int32 (each row's visible key blocks, ``key_blocks.visible_blocks``), ``Sinks [H]`` fp32 (natural log
     units, like the logits), outputs ``Opart [B, NS, H, dim]``, ``Mpart [B, NS, H]``, ``Lpart [B, NS, H]`` fp32
     (``Mpart`` in base-2 units).
     """
@@ -75,6 +78,7 @@ def split_kernel(arch: str, dtype: str, scale: float, dim: int = HEAD_DIM, block
     accum = "float32"
     scale_log2 = float(scale) * LOG2E
     B, S, Lk, H, NS = T.dynamic("B"), T.dynamic("S"), T.dynamic("Lk"), T.dynamic("H"), T.dynamic("NS")
+    NB = T.dynamic("NB")
     BH, BN = BLOCK_H, block_n
 
     if arch == "sm_90a":
@@ -84,6 +88,8 @@ def split_kernel(arch: str, dtype: str, scale: float, dim: int = HEAD_DIM, block
             Q: T.Tensor((B, H, dim), dtype),
             KV: T.Tensor((S, Lk, dim), dtype),
             Vis: T.Tensor((B, Lk), "uint8"),
+            Blocks: T.Tensor((B, NB), "int32"),
+            Counts: T.Tensor((B,), "int32"),
             Sinks: T.Tensor((H,), accum),
             Opart: T.Tensor((B, NS, H, dim), accum),
             Mpart: T.Tensor((B, NS, H), accum),
@@ -107,12 +113,12 @@ def split_kernel(arch: str, dtype: str, scale: float, dim: int = HEAD_DIM, block
                 T.fill(den, 0)
                 for i in T.Parallel(BH):
                     m[i] = Sinks[hb * BH + i] * LOG2E  # the sink is a floor for the running max
-                n_blocks = T.ceildiv(Lk, BN)
+                n_blocks = Counts[b]  # this row's visible key blocks, listed in Blocks
                 per_split = T.ceildiv(n_blocks, NS)
                 first = split * per_split
                 count = T.max(T.min(per_split, n_blocks - first), 0)
                 for kb in T.Pipelined(count, num_stages=2):
-                    k0 = (first + kb) * BN
+                    k0 = Blocks[b, first + kb] * BN
                     T.copy(KV[seq, k0:k0 + BN, :], KV_s)
                     T.gemm(Q_s, KV_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
                     for i, j in T.Parallel(BH, BN):
@@ -145,6 +151,8 @@ def split_kernel(arch: str, dtype: str, scale: float, dim: int = HEAD_DIM, block
         Q: T.Tensor((B, H, dim), dtype),
         KV: T.Tensor((S, Lk, dim), dtype),
         Vis: T.Tensor((B, Lk), "uint8"),
+        Blocks: T.Tensor((B, NB), "int32"),
+        Counts: T.Tensor((B,), "int32"),
         Sinks: T.Tensor((H,), accum),
         Opart: T.Tensor((B, NS, H, dim), accum),
         Mpart: T.Tensor((B, NS, H), accum),
@@ -176,12 +184,12 @@ def split_kernel(arch: str, dtype: str, scale: float, dim: int = HEAD_DIM, block
             T.fill(den, 0)
             for i in T.Parallel(BH):
                 m[i] = Sinks[hb * BH + i] * LOG2E
-            n_blocks = T.ceildiv(Lk, BN)
+            n_blocks = Counts[b]  # this row's visible key blocks, listed in Blocks
             per_split = T.ceildiv(n_blocks, NS)
             first = split * per_split
             count = T.max(T.min(per_split, n_blocks - first), 0)
             for kb in T.serial(count):
-                k0 = (first + kb) * BN
+                k0 = Blocks[b, first + kb] * BN
                 T.copy(KV[seq, k0:k0 + BN, :], K_s)
                 T.copy(KV[seq, k0:k0 + BN, dh * DV:(dh + 1) * DV], V_s)
                 for j in T.Parallel(BN):
@@ -265,6 +273,7 @@ def split_kernel_cpu(dtype: str, scale: float, dim: int = HEAD_DIM, block_h: int
     accum = "float32"
     scale_log2 = float(scale) * LOG2E
     B, S, Lk, H, NS = T.dynamic("B"), T.dynamic("S"), T.dynamic("Lk"), T.dynamic("H"), T.dynamic("NS")
+    NB = T.dynamic("NB")
     BH, BN = block_h, block_n
 
     @T.prim_func
@@ -272,6 +281,8 @@ def split_kernel_cpu(dtype: str, scale: float, dim: int = HEAD_DIM, block_h: int
         Q: T.Tensor((B, H, dim), dtype),
         KV: T.Tensor((S, Lk, dim), dtype),
         Vis: T.Tensor((B, Lk), "uint8"),
+        Blocks: T.Tensor((B, NB), "int32"),
+        Counts: T.Tensor((B,), "int32"),
         Sinks: T.Tensor((H,), accum),
         Opart: T.Tensor((B, NS, H, dim), accum),
         Mpart: T.Tensor((B, NS, H), accum),
@@ -295,12 +306,12 @@ def split_kernel_cpu(dtype: str, scale: float, dim: int = HEAD_DIM, block_h: int
             T.fill(den, 0)
             for i in T.serial(BH):
                 m[i] = Sinks[hb * BH + i] * LOG2E
-            n_blocks = T.ceildiv(Lk, BN)
+            n_blocks = Counts[b]  # this row's visible key blocks, listed in Blocks
             per_split = T.ceildiv(n_blocks, NS)
             first = split * per_split
             count = T.max(T.min(per_split, n_blocks - first), 0)
             for kb in T.serial(count):
-                k0 = (first + kb) * BN
+                k0 = Blocks[b, first + kb] * BN
                 for j, c in T.grid(BN, dim):  # zero-filled past Lk, like the GPU copies
                     KV_s[j, c] = T.if_then_else(k0 + j < Lk, KV[seq, T.min(k0 + j, Lk - 1), c], T.cast(0, dtype))
                 T.gemm(Q_s, KV_s, acc_s, transpose_B=True, clear_accum=True)
@@ -387,8 +398,10 @@ def sink_attention_cpu(
     opart = torch.empty(B, splits, H, d)
     mpart = torch.empty(B, splits, H)
     lpart = torch.empty(B, splits, H)
-    split(q.float().reshape(B, H, d).contiguous(), kv.float().contiguous(),
-          visible.reshape(B, Lk).contiguous().view(torch.uint8), sk, opart, mpart, lpart)
+    vis = visible.reshape(B, Lk).contiguous().view(torch.uint8)
+    blocks, counts = visible_blocks_torch(vis, block_n)
+    split(q.float().reshape(B, H, d).contiguous(), kv.float().contiguous(), vis, blocks, counts, sk, opart, mpart,
+          lpart)
     out = torch.empty(B, H, d)
     combine(opart, mpart, lpart, sk, out)
     return out.view(S, Lq, H, d)
@@ -479,11 +492,12 @@ def sink_attention(
     ns = splits or num_splits(B, Lk, _sm_count(q.device.index or 0))
     qf = q.reshape(B, H, d).contiguous()  # [B, H, d]
     vis = visible.reshape(B, Lk).contiguous().view(torch.uint8)  # [B, Lk]
+    blocks, counts = visible_blocks(vis, BLOCK_N)  # [B, NB], [B]
     sk = sinks.float().contiguous()  # [H]
     opart = torch.empty(B, ns, H, d, device=q.device, dtype=torch.float32)
     mpart = torch.empty(B, ns, H, device=q.device, dtype=torch.float32)
     lpart = torch.empty_like(mpart)
-    split(qf, kv.contiguous(), vis, sk, opart, mpart, lpart)
+    split(qf, kv.contiguous(), vis, blocks, counts, sk, opart, mpart, lpart)
     out = torch.empty(B, H, d, device=q.device, dtype=q.dtype)
     combine(opart, mpart, lpart, sk, out)
     return out.view(S, Lq, H, d)
