@@ -18,6 +18,7 @@ device ops from a few per-sequence tensors (``DecodeInputs``) inside the graph. 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -198,12 +199,21 @@ class StepLayout:
         self.token_seq = self._to_device(self._tensor(token_seq))  # [T]
         self.token_offset = self._to_device(self._tensor(token_offset))  # [T]
 
+    @functools.cached_property
+    def uniform(self) -> bool:
+        """Every sequence folds ``max_query_len`` tokens: padded and flat layouts are views of each other."""
+        return all(n == self.max_query_len for n in self.query_lens)
+
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """Flat ``[T, ...]`` -> padded ``[S, Lq, ...]`` (padding rows repeat row 0; mask them)."""
+        if self.uniform:
+            return x.reshape(self.num_seqs, self.max_query_len, *x.shape[1:])
         return x[self.query_rows]
 
     def unpad(self, x: torch.Tensor) -> torch.Tensor:
         """Padded ``[S, Lq, ...]`` -> flat ``[T, ...]``."""
+        if self.uniform:
+            return x.reshape(-1, *x.shape[2:])
         return x[self.token_seq, self.token_offset]
 
     # ------------------------------------------------------------------ sliding window
@@ -382,14 +392,6 @@ class DecodeLayout(StepLayout):
         self._build_decode_keys()
         self._entries = {ratio: self._decode_entries(ratio) for ratio in static.entry_ratios}
         self._windows = {(ratio, span): self._decode_windows(ratio, span) for ratio, span in static.windows}
-
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, ...]`` -> ``[S, 1, ...]``: one token per sequence, so a view."""
-        return x.unsqueeze(1)
-
-    def unpad(self, x: torch.Tensor) -> torch.Tensor:
-        """``[S, 1, ...]`` -> ``[T, ...]`` (a view)."""
-        return x.squeeze(1)
 
     def _build_decode_keys(self) -> None:
         W, ctx = self.window, self.inputs.context_lens
