@@ -94,6 +94,19 @@ def test_hc_post_matches_reference(tokens, hc_mult, width, dtype):
 
 @kernel_runs_here
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, hc_mult, width", [(1, 4, 4096), (6, 4, 1500), (3, 3, 64), (0, 4, 64)])
+def test_hc_collapse_matches_reference(tokens, hc_mult, width, dtype):
+    """A channel block past the row's end (1500 = 1024 + 476), an hc that is not a power of two, no tokens."""
+    streams, _, _, _ = _case(tokens, hc_mult, width, dtype, seed=tokens + 2)
+    pre = torch.rand(tokens, hc_mult, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(5))
+    got, want = hc.hc_collapse(pre, streams), ref.hc_collapse(pre, streams)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(got, want, **tol)
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape, half", [((3, 4, 512), 32), ((2, 64), 32), ((5, 2, 3, 40), 4), ((4, 6), 3)])
 @pytest.mark.parametrize("inverse", [False, True])
 def test_apply_rope_matches_reference(shape, half, inverse, dtype):
