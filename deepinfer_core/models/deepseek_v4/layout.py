@@ -384,11 +384,11 @@ class DecodeLayout(StepLayout):
         self.target_device = self.device = device
         self.num_seqs, self.max_query_len = static.num_seqs, 1
         self.query_lens = [1] * static.num_seqs
-        self._seq = torch.arange(static.num_seqs, device=device)  # [S]: token row s is sequence s
-        self.query_valid = torch.ones(static.num_seqs, 1, dtype=torch.bool, device=device)  # [S, 1]
+        self._seq = _arange(static.num_seqs, device)  # [S]: token row s is sequence s
+        self.query_valid = _constant("true_column", static.num_seqs, device)  # [S, 1]
         self.query_rows = self._seq[:, None]  # [S, 1]
         self.query_positions = ctx[:, None]  # [S, 1]
-        self.token_seq, self.token_offset = self._seq, torch.zeros_like(self._seq)  # [T]
+        self.token_seq, self.token_offset = self._seq, _constant("zeros", static.num_seqs, device)  # [T]
         self._build_decode_keys()
         self._entries = {ratio: self._decode_entries(ratio) for ratio in static.entry_ratios}
         self._windows = {(ratio, span): self._decode_windows(ratio, span) for ratio, span in static.windows}
@@ -396,7 +396,7 @@ class DecodeLayout(StepLayout):
     def _build_decode_keys(self) -> None:
         W, ctx = self.window, self.inputs.context_lens
         first = torch.minimum(ctx, torch.maximum((ctx - (W - 1)).clamp(min=0), self.inputs.sliding_floor))  # [S]
-        offsets = torch.arange(W, device=ctx.device)
+        offsets = _arange(W, ctx.device)
         key_positions = first[:, None] + offsets[None, :]  # [S, W]
         key_positions = torch.where(key_positions <= ctx[:, None], key_positions, -1)  # up to the new token
         self.key_from_new = key_positions == ctx[:, None]  # [S, W]: only the new token comes from this step
@@ -410,7 +410,7 @@ class DecodeLayout(StepLayout):
     def _decode_entries(self, ratio: int) -> EntryLayout:
         per_block = self.block_size // ratio
         tables = self.inputs.block_tables  # [S, B]
-        entry_ids = torch.arange(self.static.context_len // ratio, device=tables.device)  # [E]
+        entry_ids = _arange(self.static.context_len // ratio, tables.device)  # [E]
         counts = (self.inputs.context_lens + 1) // ratio  # [S]: entries after this step
         table_index = (entry_ids // per_block).clamp(max=tables.shape[1] - 1)[None, :].expand(self.num_seqs, -1)
         real = entry_ids[None, :] < counts[:, None]  # [S, E]
@@ -427,7 +427,7 @@ class DecodeLayout(StepLayout):
         table_block = tables.gather(1, (window // per_block).clamp(max=tables.shape[1] - 1)[:, None])[:, 0]  # [S]
         entry = torch.where(real, window, 0)  # [S]; a dummy is window 0 of a sequence whose tokens are all carried
         ctxs = torch.where(real, ctx, span)
-        pos = ((entry + 1) * ratio - span)[:, None] + torch.arange(span, device=ctx.device)[None, :]  # [S, span]
+        pos = ((entry + 1) * ratio - span)[:, None] + _arange(span, ctx.device)[None, :]  # [S, span]
         from_new = pos >= ctxs[:, None]  # [S, span]
         slots = torch.where(real, inputs.slots, static.spare_slot)  # [S]
         return WindowPlan(
@@ -443,3 +443,19 @@ class DecodeLayout(StepLayout):
             carry_write_slots=inputs.slots,
             carry_write_index=ctx % span,
         )
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    return _constant("arange", n, device)
+
+
+@functools.lru_cache(maxsize=256)
+def _constant(kind: str, n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)``, ``n`` int64 zeros or an ``[n, 1]`` column of True on ``device``, made once: a graph captured
+    after the first (warm-up) build reads it instead of launching a kernel to make it at every replay. Callers
+    never write to it."""
+    if kind == "arange":
+        return torch.arange(n, device=device)
+    if kind == "zeros":
+        return torch.zeros(n, dtype=torch.long, device=device)
+    return torch.ones(n, 1, dtype=torch.bool, device=device)

@@ -25,7 +25,7 @@ from deepinfer_core.ops import reference as ref
 from deepinfer_nvidia_sm100.kernels.compiled import maybe_compile
 
 MIX_KERNEL_MAX_TOKENS = 256  # above this, hc_mix_logits is the compiled reference (see module docstring)
-MIX_K_PER_SPLIT = 256  # row elements per program
+MIX_K_PER_SPLIT = 128  # row elements per program (128 programs for one token of V4-Flash)
 
 
 @triton.jit
@@ -81,10 +81,11 @@ def hc_mix_logits(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> t
     n_p2 = triton.next_power_of_2(n)
     splits = triton.cdiv(k, MIX_K_PER_SPLIT)
     block_t = min(4, triton.next_power_of_2(tokens))
+    block_k = MIX_K_PER_SPLIT // max(1, block_t // 2)  # [block_t, n_p2, block_k] products stay 64 registers a thread
     dots = torch.empty(splits, tokens, n_p2, dtype=torch.float32, device=x.device)
     squares = torch.empty(splits, tokens, dtype=torch.float32, device=x.device)
     _hc_mix_partial_kernel[(triton.cdiv(tokens, block_t), splits)](
-        x, fn, dots, squares, tokens, k, n, MIX_K_PER_SPLIT, BLOCK_T=block_t, BLOCK_K=256 // max(2, block_t), N_P2=n_p2,
+        x, fn, dots, squares, tokens, k, n, MIX_K_PER_SPLIT, BLOCK_T=block_t, BLOCK_K=block_k, N_P2=n_p2,
         num_warps=4)
     out = torch.empty(tokens, n, dtype=torch.float32, device=x.device)
     _hc_mix_finish_kernel[(tokens,)](dots, squares, out, tokens, k, n, splits, norm_eps, N_P2=n_p2,
