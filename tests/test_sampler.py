@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -400,6 +401,20 @@ def test_metadata_from_params():
     assert md.num_logprobs == 4
     with pytest.raises(ValueError, match="seeds has 1 rows but params has 3"):
         SamplingMetadata.from_params(params, seeds=[1], prompt_token_ids=[[]] * 3, output_token_ids=[[]] * 3)
+
+
+def test_row_kinds_from_params_equal_the_kinds_read_from_the_tensors():
+    """``from_params`` knows on the host which features the rows use; hand-built metadata finds out from its
+    tensors. Both must agree, or the sampler would skip a filter or a penalty some row asked for."""
+    variants = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7), SamplingParams(top_k=5),
+                SamplingParams(top_p=0.9), SamplingParams(min_p=0.1), SamplingParams(repetition_penalty=1.2),
+                SamplingParams(presence_penalty=0.5), SamplingParams(frequency_penalty=-0.3)]
+    for rows in ([0], [1], [0, 1], [2, 6], [3, 4, 5], [7, 0], list(range(8))):
+        params = [variants[i] for i in rows]
+        md = SamplingMetadata.from_params(params, seeds=[0] * len(params), prompt_token_ids=[[1]] * len(params),
+                                          output_token_ids=[[]] * len(params))
+        assert md.kinds is not None
+        assert md.kinds == dataclasses.replace(md, kinds=None).row_kinds(), rows
 
 
 def test_large_vocab_is_vectorised_and_finite():

@@ -396,12 +396,12 @@ class DecodeLayout(StepLayout):
     def _build_decode_keys(self) -> None:
         W, ctx = self.window, self.inputs.context_lens
         first = torch.minimum(ctx, torch.maximum((ctx - (W - 1)).clamp(min=0), self.inputs.sliding_floor))  # [S]
-        offsets = _arange(W, ctx.device)
+        offsets = _arange(self.static.key_width, ctx.device)  # the window's keys at most
         key_positions = first[:, None] + offsets[None, :]  # [S, W]
         key_positions = torch.where(key_positions <= ctx[:, None], key_positions, -1)  # up to the new token
         self.key_from_new = key_positions == ctx[:, None]  # [S, W]: only the new token comes from this step
         self.key_new_rows = torch.where(self.key_from_new, self._seq[:, None], 0)  # [S, W]
-        self.key_slots = self.inputs.slots[:, None].expand(-1, W)  # [S, W]
+        self.key_slots = self.inputs.slots[:, None].expand_as(key_positions)  # [S, W]
         self.key_ring_index = key_positions.clamp(min=0) % W  # [S, W]
         self.sliding_visible = ((key_positions >= 0) & (key_positions > ctx[:, None] - W))[:, None, :]  # [S, 1, W]
         self.ring_write_rows, self.ring_write_slots = self._seq, self.inputs.slots  # [S]
