@@ -35,7 +35,7 @@ def visible_blocks(vis: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch
     """``vis [B, Lk]`` uint8 -> ``Blocks [B, ceil(Lk / block_n)]`` int32, ``Counts [B]`` int32 (module docstring)."""
     rows, lk = vis.shape
     nb = triton.cdiv(lk, block_n)
-    blocks = torch.zeros(rows, nb, dtype=torch.int32, device=vis.device)
+    blocks = torch.empty(rows, nb, dtype=torch.int32, device=vis.device)
     counts = torch.empty(rows, dtype=torch.int32, device=vis.device)
     if rows:
         _visible_blocks_kernel[(rows,)](vis, blocks, counts, lk, nb, BLOCK_N=block_n, CHUNK=CHUNK_BLOCKS, num_warps=4)
