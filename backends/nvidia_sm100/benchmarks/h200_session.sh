@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# One lease on the lent GPU machine: correctness first, then the bench matrix; results under $OUT (or ./h200-out).
+# One lease on the lent GPU machine: correctness first, then the bench matrix. Results go to $RES (default
+# /tmp/h200-results) and, after every step, into one archive $OUT/h200-results.tgz (the lent machine returns at most
+# 8 files from $OUT, and a run cut by the time limit keeps what was archived).
 # The machine has the repo's tree but no installed packages and no hatchling, so entry points come from
 # dist-info folders written by tools/gpu_site.sh; TileLang (for sink_attention) comes from /tmp/site when
 # ../shared/tools/gpu-wheels.sh put it there (transformers too, for --compare-hf). Usage (repo root):
@@ -8,20 +10,23 @@
 #   bench    b1 b64 b256 b16 + --enforce-eager A/B    hf      b1 and b64 with --compare-hf (HF in the same run)
 #   decode   b1 b64 b256 b16 (graphs only)             prefill 8 x 1K prompts in one step, one 8K prompt
 set -uo pipefail
-OUT=${OUT:-$PWD/h200-out}; mkdir -p "$OUT"
+OUT=${OUT:-$PWD/h200-out}; RES=${RES:-/tmp/h200-results}; mkdir -p "$OUT" "$RES"
+save() { tar -czf "$OUT/h200-results.tgz" -C "$RES" .; }
 source tools/gpu_site.sh  # entry points without installing
 existing=$(ls -d /tmp/deepinfer-bench/v4-* /tmp/db/v4-* 2>/dev/null | head -1)  # a preset already written here
 export DEEPINFER_BENCH_CACHE=${DEEPINFER_BENCH_CACHE:-$( [[ -n $existing ]] && dirname "$existing" || echo /tmp/deepinfer-bench)}
 what=${1:-all}
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$RES/gpu.txt"
 python -c "import tilelang" 2>/dev/null && echo "tilelang: yes" || echo "tilelang: no (sink_attention takes the reference op)"
 if [[ $what == tests || $what == all ]]; then
-  python -m pytest -q -p no:cacheprovider backends/nvidia_sm100/tests -x -rs 2>&1 | tail -25 | tee "$OUT/tests.txt"
+  python -m pytest -q -p no:cacheprovider backends/nvidia_sm100/tests -x -rs 2>&1 | tail -25 | tee "$RES/tests.txt"
+  save
 fi
 bench() {  # name, then deepinfer bench arguments
   local name=$1; shift
   python -m deepinfer_core.cli bench --preset v4-flash-8l64e --backend nvidia_sm100 --dtype bfloat16 \
-    --json "$OUT/$name.json" "$@" > "$OUT/$name.txt" 2> "$OUT/$name.log" || echo "bench $name failed: $(tail -3 "$OUT/$name.log")"
+    --json "$RES/$name.json" "$@" > "$RES/$name.txt" 2> "$RES/$name.log" || echo "bench $name failed: $(tail -3 "$RES/$name.log")"
+  save
 }
 if [[ $what == hf ]]; then
   bench b1-hf --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --compare-hf
@@ -44,7 +49,7 @@ if [[ $what == bench || $what == all || $what == quick || $what == hf || $what =
     bench b1-eager --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --enforce-eager
     bench b64-eager --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64 --enforce-eager
   fi
-  python - "$OUT" <<'PY'
+  python - "$RES" <<'PY'
 import json, sys
 from pathlib import Path
 
@@ -66,5 +71,6 @@ fi
 if [[ $what == quick ]]; then  # the graph and attention tests only
   python -m pytest -q -p no:cacheprovider backends/nvidia_sm100/tests/test_tl_attention_gpu.py \
     "backends/nvidia_sm100/tests/test_model_gpu.py::test_cuda_graph_decode_matches_eager" \
-    "backends/nvidia_sm100/tests/test_model_gpu.py::test_fp32_greedy_and_logprobs_match_cpu" 2>&1 | tail -4 | tee "$OUT/tests.txt"
+    "backends/nvidia_sm100/tests/test_model_gpu.py::test_fp32_greedy_and_logprobs_match_cpu" 2>&1 | tail -4 | tee "$RES/tests.txt"
 fi
+save
