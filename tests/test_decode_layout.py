@@ -93,3 +93,12 @@ def test_decode_inputs_refuse_a_batch_that_is_not_one_token_per_sequence():
     static = StaticShape(2, WINDOW, CONTEXT, SPARE_SLOT, SPARE_BLOCK, WINDOWS, (4, 8))
     with pytest.raises(ValueError, match="one token each"):
         DecodeInputs.from_batch(batch, static, BLOCK)
+
+
+def test_the_visibility_masks_are_computed_on_the_target_device():
+    """The ``[S, Lq, Lk]`` / ``[S, Lq, E]`` masks grow with the square of a prefill's tokens: they are broadcast on the
+    model's device from small copied tensors, not built on the host (meta tensors stand in for a GPU here)."""
+    batch = ForwardBatch.build([[1] * 40, [2] * 40], [0, 8], [0, 1], [[0, 1, 2], [3, 4, 5]])
+    layout = StepLayout(batch, WINDOW, BLOCK, torch.device("meta"))
+    assert layout.sliding_visible.device.type == "meta" and layout.sliding_visible.shape == (2, 40, 47)
+    assert layout.entries(4).visible.device.type == "meta" and layout.entries(4).visible.shape == (2, 40, 12)

@@ -3,6 +3,7 @@
 host-built ``StepLayout`` of an eager step.
 
     python tools/bench_step_layout.py [--seqs 64] [--context 1100]
+    python tools/bench_step_layout.py --prefill 8 1024     (one prefill step of 8 prompts of 1024 tokens)
 
 V4-Flash geometry: window 128, compression ratios 4 (CSA, carry span 8) and 128 (HCA), block 128, context
 bucket 2048. Prints the median over 5 rounds of 20 builds each. ``inputs`` is the host work the GPU waits for
@@ -27,7 +28,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seqs", type=int, default=64)
     parser.add_argument("--context", type=int, default=1100)
+    parser.add_argument("--prefill", type=int, nargs=2, metavar=("PROMPTS", "LENGTH"),
+                        help="time the host work of a prefill step's layout instead (device target: meta tensors, "
+                             "so what would run on the GPU is not timed)")
     args = parser.parse_args()
+    if args.prefill:
+        return time_prefill(*args.prefill)
     S, ctx = args.seqs, args.context
     shape = StaticShape(S, WINDOW, BUCKET, spare_slot=S, spare_block=S * 20, windows=((4, 8), (128, 128)),
                         entry_ratios=(4, 128))
@@ -56,13 +62,30 @@ def main() -> None:
             layout.windows(ratio, span)
 
     for name, build in (("inputs", inputs), ("decode", decode_layout), ("dynamic", dynamic)):
-        rounds = []
-        for _ in range(5):
-            start = time.perf_counter()
-            for _ in range(20):
-                build()
-            rounds.append((time.perf_counter() - start) / 20)
-        print(f"{name:8} {S} sequences, context {ctx}: {statistics.median(rounds) * 1e3:.2f} ms per layout")
+        print(f"{name:8} {S} sequences, context {ctx}: {median_ms(build):.2f} ms per layout")
+
+
+def time_prefill(prompts: int, length: int) -> None:
+    batch = ForwardBatch.build([[1] * length for _ in range(prompts)], [0] * prompts, list(range(prompts)),
+                               [[s * 100 + i for i in range(length // BLOCK + 1)] for s in range(prompts)])
+
+    def build() -> None:
+        layout = StepLayout(batch, WINDOW, BLOCK, torch.device("meta"))
+        for ratio, span in ((4, 8), (128, 128)):
+            layout.entries(ratio)
+            layout.windows(ratio, span)
+
+    print(f"prefill {prompts} x {length}: {median_ms(build, repeats=2):.1f} ms of host work per layout")
+
+
+def median_ms(build, repeats: int = 20) -> float:
+    rounds = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            build()
+        rounds.append((time.perf_counter() - start) / repeats)
+    return statistics.median(rounds) * 1e3
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@ attention may read, whether it comes from this step's tokens or from a sequence'
 
 Every index tensor is built on the host from the batch's Python lists and then copied to the device
 once (non-blocking; pinning each small tensor first measured slower on the H200, docs/performance.md). Building them with small device ops, or from device tensors,
-would stall the host on every ``torch.tensor(..., device=cuda)`` copy and ``nonzero()``.
+would stall the host on every ``torch.tensor(..., device=cuda)`` copy and ``nonzero()``. The two visibility masks
+(``[S, Lq, Lk]`` and ``[S, Lq, E]``, the only ones that grow with the square of the step's tokens) are the
+exception: they are broadcast comparisons of small per-row / per-key tensors already copied, so they are computed
+where the model runs (on the 2-core sandbox, building them on the host took 0.5 s for one 8K-token prompt).
 
 Decode steps replayed from a CUDA graph use ``DecodeLayout`` instead: the same tensors at shapes fixed by a
 ``StaticShape`` alone (keys padded to the window, compressed entries to ``context_len // ratio``, one compressor
@@ -189,13 +192,11 @@ class StepLayout:
         ctx = self._tensor(batch.context_lens)
         valid = offsets[None, :] < lens[:, None]  # [S, Lq]
         self._host_ctx, self._host_starts = ctx, starts
-        self._host_query_valid = valid
-        self._host_query_positions = torch.where(valid, ctx[:, None] + offsets[None, :], -1)  # [S, Lq]
         token_seq = [s for s, n in enumerate(self.query_lens) for _ in range(n)]
         token_offset = [i for n in self.query_lens for i in range(n)]
         self.query_valid = self._to_device(valid)
         self.query_rows = self._to_device(torch.where(valid, starts[:, None] + offsets[None, :], 0))  # [S, Lq]
-        self.query_positions = self._to_device(self._host_query_positions)
+        self.query_positions = self._to_device(torch.where(valid, ctx[:, None] + offsets[None, :], -1))  # [S, Lq]
         self.token_seq = self._to_device(self._tensor(token_seq))  # [T]
         self.token_offset = self._to_device(self._tensor(token_offset))  # [T]
 
@@ -235,9 +236,9 @@ class StepLayout:
         self.key_new_rows = self._to_device(torch.where(from_new, starts + key_positions - ctx, 0))
         self.key_slots = self._to_device(self._tensor(batch.slots)[:, None].expand(-1, width))
         self.key_ring_index = self._to_device(key_positions.clamp(min=0) % W)
-        kp, qp = key_positions[:, None, :], self._host_query_positions[:, :, None]  # [S, 1, Lk], [S, Lq, 1]
-        visible = (kp >= 0) & (kp <= qp) & (kp > qp - W) & self._host_query_valid[:, :, None]
-        self.sliding_visible = self._to_device(visible)
+        kp = self._to_device(key_positions)[:, None, :]  # [S, 1, Lk]
+        qp = self.query_positions[:, :, None]  # [S, Lq, 1]
+        self.sliding_visible = (kp >= 0) & (kp <= qp) & (kp > qp - W) & self.query_valid[:, :, None]  # [S, Lq, Lk]
         rows, slots, index = [], [], []  # tokens that stay in the ring: the last W of each sequence
         for s in range(self.num_seqs):
             ctx_s, end = batch.context_lens[s], ends[s]
@@ -276,10 +277,10 @@ class StepLayout:
         real = entry_ids[None, :] < self._tensor(counts)[:, None]  # [S, E]
         blocks = torch.where(real, tables.gather(1, table_index), 0)  # [S, E]
         rows = (entry_ids % per_block)[None, :].expand(self.num_seqs, -1)  # [S, E]
-        limit = (self._host_query_positions + 1).div(ratio, rounding_mode="floor")  # [S, Lq]
-        visible = entry_ids[None, None, :] < limit[:, :, None]  # [S, Lq, E]; limit <= count per sequence
-        visible = visible & self._host_query_valid[:, :, None]
-        return EntryLayout(*(self._to_device(t) for t in (blocks, rows, visible)))
+        limit = (self.query_positions + 1).div(ratio, rounding_mode="floor")  # [S, Lq]; <= count per sequence
+        ids = torch.arange(width, device=limit.device)  # [E]
+        visible = (ids[None, None, :] < limit[:, :, None]) & self.query_valid[:, :, None]  # [S, Lq, E]
+        return EntryLayout(self._to_device(blocks), self._to_device(rows), visible)
 
     def _block_tables(self) -> torch.Tensor:
         """Every sequence's block table, padded with block 0: ``[S, max blocks]`` (built once per step)."""
