@@ -240,11 +240,11 @@ def hc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, 
 def hc_head(
     streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float, norm_eps: float
 ) -> torch.Tensor:
-    """Final collapse of the hc streams ``[T, hc, D]`` into ``[T, D]``."""
-    flat = unweighted_rms_norm(streams.flatten(1).float(), norm_eps)  # [T, hc * D]
-    mixes = F.linear(flat, fn.float())  # [T, hc]
-    pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
-    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    """Final collapse of the hc streams ``[T, hc, D]`` into ``[T, D]``: ``hc_pre``'s mixing logits and collapse with
+    one sigmoid weight per stream."""
+    mixes = hc_mix_logits(streams, fn, norm_eps)  # [T, hc]
+    pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps  # [T, hc]
+    return hc_collapse(pre, streams)
 
 
 # ----------------------------------------------------------------------------- MoE
