@@ -9,6 +9,8 @@
 #   tests    every GPU test of the backend            quick   b1, b64, then the graph / attention tests
 #   bench    b1 b64 b256 b16 + --enforce-eager A/B    hf      b1 and b64 with --compare-hf (HF in the same run)
 #   decode   b1 b64 b256 b16 (graphs only)             prefill 8 x 1K prompts in one step, one 8K prompt
+#   compile  decode steps compiled whole before capture (DEEPINFER_NVIDIA_COMPILE_STEP=1): the graph tests,
+#            the decode profile at batch 1 and 64, then b1 and b64
 set -uo pipefail
 OUT=${OUT:-$PWD/h200-out}; RES=${RES:-/tmp/h200-results}; mkdir -p "$OUT" "$RES"
 save() { tar -czf "$OUT/h200-results.tgz" -C "$RES" .; }
@@ -18,6 +20,15 @@ export DEEPINFER_BENCH_CACHE=${DEEPINFER_BENCH_CACHE:-$( [[ -n $existing ]] && d
 what=${1:-all}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$RES/gpu.txt"
 python -c "import tilelang" 2>/dev/null && echo "tilelang: yes" || echo "tilelang: no (sink_attention takes the reference op)"
+if [[ $what == compile ]]; then
+  export DEEPINFER_NVIDIA_COMPILE_STEP=1 TORCHDYNAMO_VERBOSE=1  # a failed compile logs its internal stack
+  timeout 300 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 64 > "$RES/profile-compile.txt" 2>&1
+  grep -E "^=== |graph breaks|^\|" "$RES/profile-compile.txt"; save
+  timeout 200 python -m pytest -q -rxX -p no:cacheprovider \
+    "backends/nvidia_sm100/tests/test_model_gpu.py::test_compiled_decode_step_matches_eager" 2>&1 | tail -6 | tee "$RES/tests-compile.txt"
+  save
+  what=quick-bench
+fi
 if [[ $what == tests || $what == all ]]; then
   python -m pytest -q -p no:cacheprovider backends/nvidia_sm100/tests -x -rs 2>&1 | tail -25 | tee "$RES/tests.txt"
   save
@@ -36,7 +47,7 @@ if [[ $what == prefill ]]; then
   bench prefill-8x1k --input-len 1024 --output-len 1 --num-prompts 8 --max-num-seqs 8 --max-num-batched-tokens 8192
   bench prefill-8k --input-len 8192 --output-len 1 --num-prompts 1 --max-num-seqs 1 --max-num-batched-tokens 8192
 fi
-if [[ $what == bench || $what == all || $what == quick || $what == hf || $what == prefill || $what == decode ]]; then
+if [[ $what == bench || $what == all || $what == quick || $what == quick-bench || $what == hf || $what == prefill || $what == decode ]]; then
   if [[ $what != hf && $what != prefill ]]; then
     bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
     bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64

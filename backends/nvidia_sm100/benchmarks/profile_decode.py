@@ -56,9 +56,12 @@ def main() -> None:
             engine.add_request(f"b{batch}-{i}", None, ids, params)
         while not all(r.output_token_ids for rs in engine.groups.values() for r in rs):
             engine.step()  # prefill
+        start = time.perf_counter()
         for _ in range(5):
             engine.step()
         torch.cuda.synchronize()
+        print(f"\n=== batch {batch}: first 5 decode steps (graph capture, compiles) {time.perf_counter() - start:.1f} s")
+        print_graph_breaks()
         t0 = time.perf_counter()
         n = 10
         for _ in range(n):
@@ -119,6 +122,17 @@ def profile_prefill(llm, prompts: int, length: int) -> None:
     print(f"\n=== prefill {prompts} x {length} tokens in one step: wall {wall * 1e3:.1f} ms "
           f"({prompts * length / wall:,.0f} tok/s), GPU kernel time {gpu * 1e3:.1f} ms")
     print(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
+
+
+def print_graph_breaks(limit: int = 12) -> None:
+    """Why TorchDynamo split the compiled decode step (``DEEPINFER_NVIDIA_COMPILE_STEP=1``), most frequent first."""
+    from torch._dynamo.utils import counters
+
+    breaks = counters["graph_break"]
+    if breaks:
+        print(f"graph breaks: {sum(breaks.values())}")
+        for reason, count in breaks.most_common(limit):
+            print(f"{count:6d}  {reason[:160]}")
 
 
 def print_kernels_by_count(events, steps: int, limit: int = 40) -> None:

@@ -75,8 +75,12 @@ class NvidiaBackend(Backend):
         this backend shares one memory pool (they never run at once): a graph's outputs stay valid only
         until another graph of the backend replays.
         """
+        from deepinfer_nvidia_sm100.kernels import compiled
+
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
+        if compiled.step_enabled():
+            fn = compiled.compile_step(fn)
         return CudaGraphRunner(fn, example_inputs, self.device, pool=self._graph_pool)
 
 

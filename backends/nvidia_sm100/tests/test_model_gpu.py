@@ -106,6 +106,20 @@ def test_cuda_graph_decode_matches_eager(checkpoint, dtype, tol):
 
 
 @pytest.mark.xfail(strict=False, reason=(
+    "open (docs/nvidia.md, 'Decode steps compiled whole'): on the H200 (torch 2.11) TorchInductor stops with "
+    "\"ValueError: The argument '(((-128))//32)' is not comparable\" and the graphs fall back to eager steps"))
+def test_compiled_decode_step_matches_eager(checkpoint, monkeypatch):
+    """DEEPINFER_NVIDIA_COMPILE_STEP=1: decode steps compiled by TorchInductor, then captured, against eager steps."""
+    replays = []
+    _, eager = _generate(checkpoint, "nvidia_sm100", "bfloat16", replays, enforce_eager=True)
+    monkeypatch.setenv("DEEPINFER_NVIDIA_COMPILE_STEP", "1")
+    _, compiled = _generate(checkpoint, "nvidia_sm100", "bfloat16", replays)
+    assert replays == [0, replays[1]] and replays[1] >= STEPS - 1
+    compared, _ = _compare(eager, compiled, lp_tol=0.05, tie_gap=0.05, label="gpu bf16: compiled graphs vs eager")
+    assert compared >= STEPS * len(PROMPTS) // 2
+
+
+@pytest.mark.xfail(strict=False, reason=(
     "open (docs/nvidia.md): on the H200 the bf16 run with the Triton moe_experts leaves the reference ops' "
     "bf16 envelope once (prompt 2, decode step 5: logprob -2.03 vs -1.60, tol 0.22) while fp32 matches to 5e-6; "
     "suspected an internal near-tie (expert / indexer top-k) flipped by GEMM accumulation order; not yet shown"))

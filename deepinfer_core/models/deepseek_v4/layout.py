@@ -450,11 +450,21 @@ def _arange(n: int, device: torch.device) -> torch.Tensor:
     return _constant("arange", n, device)
 
 
-@functools.lru_cache(maxsize=256)
 def _constant(kind: str, n: int, device: torch.device) -> torch.Tensor:
     """``arange(n)``, ``n`` int64 zeros or an ``[n, 1]`` column of True on ``device``, made once: a graph captured
     after the first (warm-up) build reads it instead of launching a kernel to make it at every replay. Callers
-    never write to it."""
+    never write to it. Under ``torch.compile`` it is made in the compiled graph (a constant the compiler folds)."""
+    if torch.compiler.is_compiling():
+        return _make_constant(kind, n, device)
+    return _cached_constant(kind, n, device)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_constant(kind: str, n: int, device: torch.device) -> torch.Tensor:
+    return _make_constant(kind, n, device)
+
+
+def _make_constant(kind: str, n: int, device: torch.device) -> torch.Tensor:
     if kind == "arange":
         return torch.arange(n, device=device)
     if kind == "zeros":

@@ -8,6 +8,7 @@ The model holds plain tensors named by their canonical checkpoint names (DeepSee
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -288,6 +289,21 @@ def _hc_shapes(hc: int, D: int):
     return (("fn", (mix, hc * D)), ("base", (mix,)), ("scale", (3,)))
 
 
+def _inference(fn):
+    """Run ``fn`` under ``torch.inference_mode``, except while ``torch.compile`` traces it: the compiled decode step
+    runs under ``no_grad`` instead (TorchInductor in torch 2.11 fails on inference mode around ordinary tensors,
+    pytorch/pytorch#169477)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        with torch.inference_mode():
+            return fn(*args, **kwargs)
+
+    return run
+
+
 @dataclasses.dataclass
 class StepContext:
     """What every layer of one step shares: layout, state, RoPE tables, token ids."""
@@ -379,7 +395,7 @@ class DeepseekV4Model:
         return StaticShape(num_seqs, c.sliding_window, context_len, spare_slot, spare_block,
                            tuple(dict.fromkeys(windows)), tuple(dict.fromkeys(ratios)))
 
-    @torch.inference_mode()
+    @_inference
     def forward(self, batch: ForwardBatch, state: DeepseekV4State, capture_layers: Iterable[int] = (),
                 layout: StepLayout | None = None) -> ModelOutput:
         """Run one step: fold the batch's tokens into ``state`` and return the requested logits.

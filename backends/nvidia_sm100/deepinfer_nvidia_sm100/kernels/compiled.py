@@ -8,10 +8,15 @@ they kept a kernel per Sinkhorn normalisation, a cuBLAS bmm of 4 x 4 tiles and a
 ``kernels/rope.py`` are hand-written Triton.)
 
 Set ``DEEPINFER_NVIDIA_COMPILE=0`` to run these ops eagerly (the reference ops).
+
+``DEEPINFER_NVIDIA_COMPILE_STEP=1`` compiles whole decode steps before their CUDA graph is captured
+(``compile_step``): TorchInductor then fuses the layout's index ops, casts and norms across op boundaries; the
+backend's own Triton kernels are traced as they are and TileLang calls stay opaque.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
@@ -21,10 +26,38 @@ from deepinfer_core.ops import reference as ref
 
 COMPILED_OPS = ("rms_norm", "unweighted_rms_norm", "rope_cos_sin", "hc_head", "compressor_window", "compressor_pool")
 ENV = "DEEPINFER_NVIDIA_COMPILE"
+STEP_ENV = "DEEPINFER_NVIDIA_COMPILE_STEP"
+
+
+def _flag(name: str, default: str) -> bool:
+    return os.environ.get(name, default).strip() not in ("0", "false", "no", "off", "")
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1").strip() not in ("0", "false", "no", "off")
+    return _flag(ENV, "1")
+
+
+def step_enabled() -> bool:
+    """Whether decode steps are compiled whole before capture (``DEEPINFER_NVIDIA_COMPILE_STEP``, off by default)."""
+    return enabled() and _flag(STEP_ENV, "0")
+
+
+def compile_step(fn: Callable) -> Callable:
+    """``fn`` (a static-shape decode step) compiled by TorchInductor, run under ``no_grad`` (not inference mode:
+    TorchInductor in torch 2.11 fails on inference mode around ordinary tensors, pytorch/pytorch#169477).
+
+    One compile per static shape: every captured (batch size, context bucket) is its own compiled graph, so the
+    recompile limit is raised to cover the captured shapes."""
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
+    compiled = torch.compile(fn, dynamic=False)
+
+    def step(*args):
+        with torch.inference_mode(False), torch.no_grad():
+            return compiled(*args)
+
+    return step
 
 
 def compiled_ops() -> dict[str, Callable]:
@@ -42,5 +75,13 @@ def maybe_compile(fn: Callable) -> Callable:
     if not enabled():
         return fn
     if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, dynamic=True)
+        compiled = torch.compile(fn, dynamic=True)
+
+        @functools.wraps(fn)
+        def op(*args, **kwargs):
+            if torch.compiler.is_compiling():  # inside a compiled decode step: traced as part of it
+                return fn(*args, **kwargs)
+            return compiled(*args, **kwargs)
+
+        _COMPILED[fn] = op
     return _COMPILED[fn]

@@ -488,6 +488,28 @@ def sink_attention(
         per = max(1, MAX_ROWS // Lq)
         return torch.cat([sink_attention(q[s:s + per], kv[s:s + per], visible[s:s + per], sinks, scale, splits)
                           for s in range(0, S, per)])
+    if torch.compiler.is_compiling():  # one opaque op to TorchDynamo (decode steps compiled whole: compile_step)
+        return torch.ops.deepinfer_nvidia.tl_sink_attention(q, kv, visible, sinks, float(scale), splits)
+    return _launch(q, kv, visible, sinks, scale, splits)
+
+
+@torch.library.custom_op("deepinfer_nvidia::tl_sink_attention", mutates_args=())
+def _tl_sink_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor,
+                       scale: float, splits: int | None) -> torch.Tensor:
+    return _launch(q, kv, visible, sinks, scale, splits)
+
+
+@_tl_sink_attention.register_fake
+def _tl_sink_attention_fake(q, kv, visible, sinks, scale, splits):
+    return torch.empty_like(q)
+
+
+def _launch(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor, scale: float,
+            splits: int | None) -> torch.Tensor:
+    """The split and combine kernels on ``supported`` inputs of at most ``MAX_ROWS`` query rows."""
+    S, Lq, H, d = q.shape
+    Lk = kv.shape[1]
+    B = S * Lq
     split, combine = _compiled(device_arch(q.device), _DTYPES[q.dtype], float(scale))
     ns = splits or num_splits(B, Lk, _sm_count(q.device.index or 0))
     qf = q.reshape(B, H, d).contiguous()  # [B, H, d]
