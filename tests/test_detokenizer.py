@@ -284,3 +284,52 @@ def test_logprobs_dict_and_completion_output():
     assert not out.finished()
     out.finish_reason = "stop"
     assert out.finished()
+
+
+# ---------------------------------------------------------------------------------------------
+# deferred text (the engine decodes it while the device computes the next step)
+
+_PIECES = [*"ab €é你好🙂\n", "hello", " world", "END"]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.one_of(st.sampled_from(_PIECES).map(lambda p: TOK.encode(p).ids), st.just([EOS]), st.just([STOP])),
+             max_size=25).map(lambda parts: [i for p in parts for i in p]),
+    st.fixed_dictionaries({
+        "stop": st.sampled_from([[], ["END"]]), "stop_token_ids": st.sampled_from([[], [STOP]]),
+        "include_stop_str_in_output": st.booleans(), "skip_special_tokens": st.booleans(),
+        "ignore_eos": st.booleans(), "min_tokens": st.integers(0, 3), "max_tokens": st.integers(3, 40),
+    }),
+    st.sets(st.integers(0, 40)),
+)
+def test_deferred_text_matches_immediate_text(token_ids, params, catch_up_after):
+    """Whatever tokens arrive and whenever the engine catches up, a deferred sequence ends with the same tokens,
+    text, finish and stop reasons as one detokenized token by token, and its streamed deltas add up to its text."""
+    params = SamplingParams(**params)
+    want, _, used = run(token_ids, params, prompt=ids("hello"))
+    got = SequenceDetokenizer(TOK, params, ids("hello"), eos_token_id=EOS)
+    streamed = []
+    for n, token in enumerate(token_ids[:used]):
+        update = got.append(token, defer_text=True)
+        streamed.append(update.delta_text)
+        if update.finished:
+            assert not got.has_deferred_text  # a finished sequence has its whole text
+            break
+        assert got.has_deferred_text == (not params.stop)  # deferred exactly when no stop string can end it
+        if n in catch_up_after:
+            streamed.append(got.catch_up())
+            assert not got.has_deferred_text
+    streamed.append(got.catch_up())
+    assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == (
+        want.token_ids, want.text, want.finish_reason, want.stop_reason)
+    assert "".join(streamed) == got.output_text
+
+
+def test_text_is_deferred_only_without_stop_strings():
+    seq = SequenceDetokenizer(TOK, SamplingParams(max_tokens=10), eos_token_id=EOS)
+    assert seq.append(ids("a")[0], defer_text=True).delta_text == "" and seq.has_deferred_text and seq.text == ""
+    assert seq.catch_up() == "a" and seq.text == "a" and not seq.has_deferred_text
+    with_stop = SequenceDetokenizer(TOK, SamplingParams(stop=["x"], max_tokens=10), eos_token_id=EOS)
+    with_stop.append(ids("a")[0], defer_text=True)
+    assert not with_stop.has_deferred_text and with_stop.text == "a"  # a stop string needs the text at once

@@ -7,6 +7,7 @@ import torch
 from v4_factory import ALL_TYPES, tiny_checkpoint
 
 from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.engine.detokenizer import SequenceDetokenizer
 from deepinfer_core.engine.engine import exact_replay_span
 
 pytest.importorskip("transformers")
@@ -173,6 +174,40 @@ def test_text_prompts_stop_strings_and_chat(ckpt):
                     use_tqdm=False)[0]
     assert chat.prompt_token_ids == llm.get_tokenizer().encode("w2 w9 w10 w3", add_special_tokens=False)
     assert len(chat.outputs[0].token_ids) <= 3
+
+
+def test_text_decoded_while_the_next_step_runs_and_whole_at_finish(ckpt):
+    """A running request's last token is decoded during the next step (``while_device_runs``); every finished
+    output has the whole text of its tokens."""
+    folder, _ = ckpt
+    llm = _llm(folder)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for i, prompt in enumerate(_prompts([5, 9, 3])):
+        engine.add_request(f"r{i}", None, prompt, params)
+    caught_up = []
+    runner_execute = engine.runner.execute
+
+    def execute(scheduled, while_device_runs=None):
+        def spy():
+            caught_up.append(len(engine._deferred_text))
+            while_device_runs()
+        return runner_execute(scheduled, while_device_runs=spy)
+
+    engine.runner.execute = execute
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+        running = [r for rs in engine.groups.values() for r in rs if not r.is_finished]
+        assert all(r.detokenizer.has_deferred_text for r in running if r.output_token_ids)
+    assert max(caught_up) == 3 and not engine._deferred_text
+    for out in outputs:
+        completion = out.outputs[0]
+        token_by_token = SequenceDetokenizer(engine.tokenizer, params, out.prompt_token_ids)
+        for token in completion.token_ids:
+            token_by_token.append(token)
+        assert len(completion.token_ids) == 6 and token_by_token.finish_reason == completion.finish_reason
+        assert completion.text == token_by_token.text and completion.text.strip()
 
 
 def test_long_prompt_refused_alone_batch_mates_complete(ckpt):

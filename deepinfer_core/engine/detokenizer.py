@@ -196,6 +196,7 @@ class SequenceDetokenizer:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self._emitted = 0
+        self._deferred: list[int] = []  # tokens whose text append(defer_text=True) left for catch_up
         self._detok = (
             IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
             if params.detokenize
@@ -212,8 +213,18 @@ class SequenceDetokenizer:
         """Text safe to show now: all of ``text`` once finished, else without the held-back suffix."""
         return self.text if self.finished else self.text[: self._emitted]
 
-    def append(self, token_id: int) -> SequenceUpdate:
-        """Add one generated token; return the streamable new text and whether the sequence ended."""
+    @property
+    def has_deferred_text(self) -> bool:
+        """Whether tokens wait for ``catch_up`` to add their text."""
+        return bool(self._deferred)
+
+    def append(self, token_id: int, defer_text: bool = False) -> SequenceUpdate:
+        """Add one generated token; return the streamable new text and whether the sequence ended.
+
+        ``defer_text``: when no stop string can end the sequence, only the token-level rules run now (they alone
+        decide whether it ends) and the token's text waits for ``catch_up``; a token that ends the sequence
+        catches up at once, so a finished sequence always has its whole text. The engine decodes the deferred
+        text while the device computes the next step."""
         if self.finished:
             raise RuntimeError(f"sequence already finished ({self.finish_reason}); cannot append token {token_id}")
         self.token_ids.append(int(token_id))
@@ -221,10 +232,24 @@ class SequenceDetokenizer:
             self.token_ids, self.params, self.eos_token_id, self.num_prompt_tokens, self.max_model_len
         )
         if self._detok is not None:
+            if defer_text and reason is None and not self.params.stop:
+                self._deferred.append(int(token_id))
+                return SequenceUpdate("")
+            self._add_deferred_text()
             reason = self._add_text(int(token_id), reason)
         if reason is not None:
             self.finish_reason, self.stop_reason = reason
         return SequenceUpdate(self._take_delta(), self.finish_reason, self.stop_reason)
+
+    def catch_up(self) -> str:
+        """Add the text of the tokens ``append(defer_text=True)`` deferred; returns the new streamable text."""
+        self._add_deferred_text()
+        return self._take_delta()
+
+    def _add_deferred_text(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for token_id in deferred:  # never the last token, and no stop strings: text only, no finish
+            self._add_text(token_id, None)
 
     def _add_text(self, token_id: int, reason: tuple[str, int | None] | None) -> tuple[str, int | str | None] | None:
         """Decode the token (unless it is an excluded stop token), then look for stop strings."""

@@ -55,6 +55,7 @@ class Engine:
                                                   self._append_token)
         self.runner = ModelRunner(model, state, self.eos_token_id, decode_graphs)
         self.groups: dict[str, list[Request]] = {}
+        self._deferred_text: list[Request] = []  # requests whose last token's text waits for the next step
         self._arrivals = itertools.count()
         self._unseeded = itertools.count()
         self.num_steps = 0
@@ -110,7 +111,7 @@ class Engine:
         hook = self.plugin_manager.hook if self.plugin_manager is not None else None
         if hook is not None:
             hook.deepinfer_before_step(engine=self, scheduler_output=scheduled)
-        result = self.runner.execute(scheduled)
+        result = self.runner.execute(scheduled, while_device_runs=self._catch_up_text)
         if hook is not None:
             hook.deepinfer_after_step(engine=self, scheduler_output=scheduled, model_output=result)
         self.num_steps += 1
@@ -128,8 +129,19 @@ class Engine:
         return outputs
 
     def _append_token(self, request: Request, token: int) -> bool:
-        """Detokenize a new token and apply the stop rules; True when the request is finished."""
-        return request.detokenizer.append(token).finished
+        """Apply the stop rules to a new token; True when the request is finished. Its text is decoded now when a
+        stop string could end the request or the token ends it, else during the next step (``_catch_up_text``)."""
+        finished = request.detokenizer.append(token, defer_text=True).finished
+        if request.detokenizer.has_deferred_text:
+            self._deferred_text.append(request)
+        return finished
+
+    def _catch_up_text(self) -> None:
+        """Decode the text the last step deferred, while the device computes this step (host work off the
+        critical path: ~10 us per token, ~1 ms per step at batch 64)."""
+        deferred, self._deferred_text = self._deferred_text, []
+        for request in deferred:
+            request.detokenizer.catch_up()
 
     def _replay_start(self, request: Request, num_cached_tokens: int) -> int:
         """Where to start recomputing after a prefix hit: a plugin's choice, else the exact rebuild."""

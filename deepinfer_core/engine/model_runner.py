@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -99,9 +100,10 @@ class ModelRunner:
         )
         return batch, sample_rows, prompt_rows
 
-    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, output: SchedulerOutput, while_device_runs: Callable[[], None] | None = None) -> ModelRunnerOutput:
         """Run the step: its decode chunks through the captured graphs (when there are), the rest eagerly
-        in one forward; then sample every chunk that samples, in the step's order."""
+        in one forward; then sample every chunk that samples, in the step's order. ``while_device_runs``: host
+        work called once the step is launched, before the host waits for the sampled tokens."""
         graphed = self.decode_graphs.select(output.chunks) if self.decode_graphs is not None else []
         graph_logits = self.decode_graphs.run(graphed) if graphed else None  # [G, V]
         if graph_logits is None:
@@ -135,6 +137,8 @@ class ModelRunner:
                 device=stacked.device,
             )
             sampler_output = sample(stacked, metadata)
+        if while_device_runs is not None:
+            while_device_runs()
         rows = SampledRows.read(sampler_output) if sampler_output is not None else None
         return ModelRunnerOutput(
             sampled={r.request_id: t for r, t in zip(sampling, rows.token_ids if rows else [])},

@@ -9,8 +9,9 @@
 #   tests    every GPU test of the backend            quick   b1, b64, then the graph / attention tests
 #   bench    b1 b64 b256 b16 + --enforce-eager A/B    hf      b1 and b64 with --compare-hf (HF in the same run)
 #   decode   b1 b64 b256 b16 (graphs only)             prefill 8 x 1K prompts in one step, one 8K prompt
-#   compile  decode steps compiled whole before capture (DEEPINFER_NVIDIA_COMPILE_STEP=1): the graph tests,
-#            the decode profile at batch 1 and 64, then b1 and b64
+#   compile  decode steps compiled whole before capture (DEEPINFER_NVIDIA_COMPILE_STEP=1): the decode profile at
+#            batch 1 and 64, the compiled-step test, then b1 and b64
+#   kernels  op benchmarks: hc_mix_logits variants by batch (bench_hc_mix.py)
 set -uo pipefail
 OUT=${OUT:-$PWD/h200-out}; RES=${RES:-/tmp/h200-results}; mkdir -p "$OUT" "$RES"
 save() { tar -czf "$OUT/h200-results.tgz" -C "$RES" .; }
@@ -28,6 +29,9 @@ if [[ $what == compile ]]; then
     "backends/nvidia_sm100/tests/test_model_gpu.py::test_compiled_decode_step_matches_eager" 2>&1 | tail -6 | tee "$RES/tests-compile.txt"
   save
   what=quick-bench
+fi
+if [[ $what == kernels ]]; then
+  (cd backends/nvidia_sm100/benchmarks && python bench_hc_mix.py) 2>&1 | tail -12 | tee "$RES/bench-hc-mix.txt"; save
 fi
 if [[ $what == tests || $what == all ]]; then
   python -m pytest -q -p no:cacheprovider backends/nvidia_sm100/tests -x -rs 2>&1 | tail -25 | tee "$RES/tests.txt"

@@ -76,6 +76,19 @@ def test_hc_mix_logits_matches_reference(tokens, hc_mult, width, dtype):
 
 @kernel_runs_here
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, hc_mult, width", [(1, 4, 1024), (70, 4, 100), (1030, 2, 520), (65, 3, 64)])
+def test_hc_mix_logits_dot_tiles_match_reference(tokens, hc_mult, width, dtype):
+    """The ``tl.dot`` variant: a token tile past the batch (70, 65), rows that end inside a split (400 of 1024 and
+    1040 of 2 x 1024 elements), outputs padded to 16 (hc 2: 8; hc 3: 15) and the long-batch split (1030 tokens)."""
+    streams, fn, _, _ = _case(tokens, hc_mult, width, dtype, seed=tokens)
+    got = hc.hc_mix_logits(streams, fn, 1e-6, tiles="dot")
+    want = ref.hc_mix_logits(streams, fn, 1e-6)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens, hc_mult, width", [(1, 4, 1024), (5, 4, 700), (3, 3, 64), (0, 4, 64)])
 def test_hc_post_matches_reference(tokens, hc_mult, width, dtype):
     """Channel blocks past the row's end (700 = 512 + 188) and an hc that is not a power of two."""

@@ -67,6 +67,28 @@ def compiled_ops() -> dict[str, Callable]:
     return {name: maybe_compile(getattr(ref, name)) for name in COMPILED_OPS}
 
 
+def opaque_under_compile(name: str, fake: Callable) -> Callable[[Callable], Callable]:
+    """Decorator for a kernel wrapper: an eager call runs it as it is; under ``torch.compile`` (a decode step
+    compiled whole, ``compile_step``) it is the custom op ``deepinfer_nvidia::<name>``, one opaque node whose output
+    shapes come from ``fake``, so TorchDynamo never traces into the kernel launches (TileLang's FFI, Triton grids).
+    The wrapper's arguments must be annotated with types ``torch.library`` knows, outputs must be new tensors."""
+
+    def wrap(fn: Callable) -> Callable:
+        op = torch.library.custom_op(f"deepinfer_nvidia::{name}", fn, mutates_args=())
+        op.register_fake(fake)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if torch.compiler.is_compiling():
+                return op(*args, **kwargs)
+            return fn(*args, **kwargs)
+
+        call.custom_op = op
+        return call
+
+    return wrap
+
+
 _COMPILED: dict[Callable, Callable] = {}
 
 

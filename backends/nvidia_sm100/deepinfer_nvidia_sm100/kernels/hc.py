@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.ops import reference as ref
-from deepinfer_nvidia_sm100.kernels.compiled import maybe_compile
+from deepinfer_nvidia_sm100.kernels.compiled import maybe_compile, opaque_under_compile
 
 MIX_KERNEL_MAX_TOKENS = 16  # above this, hc_mix_logits is the compiled reference (H200: 49.7 vs 21 us at 64 tokens)
 MIX_K_PER_SPLIT = 128  # row elements per program (128 programs for one token of V4-Flash)
@@ -31,9 +31,10 @@ MIX_K_PER_SPLIT = 128  # row elements per program (128 programs for one token of
 
 @triton.jit
 def _hc_mix_partial_kernel(x_ptr, fn_ptr, dots_ptr, squares_ptr, tokens, K, N, K_PER_SPLIT,
-                           BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, N_P2: tl.constexpr):
+                           BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, N_P2: tl.constexpr, DOT: tl.constexpr):
     """Program (token block, split): ``dots[split, t, n] = x[t, ks] . fn[n, ks]`` and ``squares[split, t]`` over
-    the split's ``K_PER_SPLIT`` row elements ``ks`` (fp32)."""
+    the split's ``K_PER_SPLIT`` row elements ``ks`` (fp32). ``DOT``: the products as ``tl.dot`` tiles in IEEE fp32
+    (no TF32; blocks of at least 16 tokens and 16 outputs), else element-wise products summed."""
     split = tl.program_id(1)
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
     outs = tl.arange(0, N_P2)  # [NP]
@@ -48,7 +49,10 @@ def _hc_mix_partial_kernel(x_ptr, fn_ptr, dots_ptr, squares_ptr, tokens, K, N, K
         w = tl.load(fn_ptr + outs[:, None] * K + ks[None, :], mask=(outs[:, None] < N) & in_k[None, :],
                     other=0.0)  # [NP, BK]
         squares += tl.sum(x * x, axis=1)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)  # [BT, NP]
+        if DOT:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")  # [BT, NP]
+        else:
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)  # [BT, NP]
     row = split * tokens + toks  # [BT]
     tl.store(dots_ptr + row[:, None] * N_P2 + outs[None, :], acc, mask=toks[:, None] < tokens)
     tl.store(squares_ptr + row, squares, mask=toks < tokens)
@@ -70,23 +74,31 @@ def _hc_mix_finish_kernel(dots_ptr, squares_ptr, out_ptr, tokens, K, N, splits, 
     tl.store(out_ptr + token * N + outs, dots * scale, mask=outs < N)
 
 
-def hc_mix_logits(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+def hc_mix_logits(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float, tiles: str | None = None) -> torch.Tensor:
     """``reference.hc_mix_logits``: ``[T, (2 + hc) * hc]`` fp32; the split-row kernels up to
-    ``MIX_KERNEL_MAX_TOKENS`` tokens, else the compiled reference."""
+    ``MIX_KERNEL_MAX_TOKENS`` tokens, else the compiled reference. ``tiles`` forces a variant at any batch:
+    ``"split"`` (the split-row kernel) or ``"dot"`` (its ``tl.dot`` tiles, a candidate for longer batches not yet
+    timed on a GPU: ``benchmarks/bench_hc_mix.py``)."""
+    if tiles not in (None, "split", "dot"):
+        raise ValueError(f"tiles must be None, 'split' or 'dot', got {tiles!r}")
     tokens = streams.shape[0]
-    if tokens == 0 or tokens > MIX_KERNEL_MAX_TOKENS:
+    if tokens == 0 or (tiles is None and tokens > MIX_KERNEL_MAX_TOKENS):
         return maybe_compile(ref.hc_mix_logits)(streams, fn, norm_eps)
     x = streams.reshape(tokens, -1).contiguous()  # [T, K]
     fn = fn.float().contiguous()  # [N, K]
     n, k = fn.shape
-    n_p2 = triton.next_power_of_2(n)
-    splits = triton.cdiv(k, MIX_K_PER_SPLIT)
-    block_t = min(4, triton.next_power_of_2(tokens))
-    block_k = MIX_K_PER_SPLIT // max(1, block_t // 2)  # [block_t, n_p2, block_k] products stay 64 registers a thread
+    dot = tiles == "dot"
+    n_p2 = max(16, triton.next_power_of_2(n)) if dot else triton.next_power_of_2(n)
+    if dot:  # 64-token tiles; rows split in 1024 (long batches) or 256 elements (more programs for short ones)
+        block_t, block_k, per_split = 64, 32, 1024 if tokens >= 1024 else 256
+    else:
+        block_t, per_split = min(4, triton.next_power_of_2(tokens)), MIX_K_PER_SPLIT
+        block_k = per_split // max(1, block_t // 2)  # [block_t, n_p2, block_k] products: 64 registers a thread
+    splits = triton.cdiv(k, per_split)
     dots = torch.empty(splits, tokens, n_p2, dtype=torch.float32, device=x.device)
     squares = torch.empty(splits, tokens, dtype=torch.float32, device=x.device)
     _hc_mix_partial_kernel[(triton.cdiv(tokens, block_t), splits)](
-        x, fn, dots, squares, tokens, k, n, MIX_K_PER_SPLIT, BLOCK_T=block_t, BLOCK_K=block_k, N_P2=n_p2,
+        x, fn, dots, squares, tokens, k, n, per_split, BLOCK_T=block_t, BLOCK_K=block_k, N_P2=n_p2, DOT=dot,
         num_warps=4)
     out = torch.empty(tokens, n, dtype=torch.float32, device=x.device)
     _hc_mix_finish_kernel[(tokens,)](dots, squares, out, tokens, k, n, splits, norm_eps, N_P2=n_p2,
@@ -165,6 +177,7 @@ def _hc_post_kernel(streams_ptr, block_ptr, post_ptr, comb_ptr, out_ptr, D,
              mask=in_hc[:, None] & in_d[None, :])
 
 
+@opaque_under_compile("hc_post", lambda streams, block_out, post, comb: streams.new_empty(streams.shape))
 def hc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """Op ``hc_post`` (``reference.hc_post``) in one launch: new streams ``[T, hc, D]`` from ``streams [T, hc, D]``,
     ``block_out [T, D]``, ``post [T, hc]`` and ``comb [T, hc, hc]``. (Compiled, the reference's batched
@@ -208,8 +221,15 @@ def hc_collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _hc_pre_fake(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps):
+    tokens, hc, dim = streams.shape
+    return (streams.new_empty(tokens, hc, dtype=torch.float32), streams.new_empty(tokens, hc, hc, dtype=torch.float32),
+            streams.new_empty(tokens, dim))
+
+
+@opaque_under_compile("hc_pre", _hc_pre_fake)
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int,
-           hc_eps: float, norm_eps: float):
+           hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Op ``hc_pre`` (same contract as the reference op): the mixing logits, the weights and the collapse
     kernels."""
     mixed = hc_mix_logits(streams, fn, norm_eps)  # [T, (2 + hc) * hc] fp32

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
+
 ALIGN_KERNEL_MAX_EXPERTS = 256  # the one-program align kernel holds per-expert counters in registers
 ALIGN_KERNEL_MAX_ASSIGN = 512  # one program loops over them: 27 us at 384 (H200, batch 64 x top-6); torch ops beyond
 
@@ -214,6 +216,18 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
     per expert (``_config``). A fixed config makes a token's result independent of the batch (every row of a
     tile is computed alike): the batch-invariant plugin passes one.
     """
+    if config is None:
+        return _moe_experts_default(x, ids, weights, w1, w2, w3, limit)
+    return _moe_experts(x, ids, weights, w1, w2, w3, limit, config)
+
+
+@opaque_under_compile("moe_experts", lambda x, ids, weights, w1, w2, w3, limit: x.new_empty(x.shape))
+def _moe_experts_default(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
+                         w2: torch.Tensor, w3: torch.Tensor, limit: float) -> torch.Tensor:
+    return _moe_experts(x, ids, weights, w1, w2, w3, limit, None)
+
+
+def _moe_experts(x, ids, weights, w1, w2, w3, limit, config):
     T, top_k = ids.shape
     E, I, D = w1.shape
     if T == 0:

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
+
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, rows, rows_per_token, DIM, NOPE, HALF, sign,
@@ -37,6 +39,7 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, rows, rows_per_token, DIM, NO
     tl.store(out_ptr + even_at + 1, (odd * cos + even * sin).to(out_ty), mask=rot)
 
 
+@opaque_under_compile("apply_rope", lambda x, cos, sin, inverse=False: x.new_empty(x.shape))
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """``reference.apply_rope``: interleaved RoPE on the trailing ``2 * cos.shape[-1]`` channels of ``x [T, ..., dim]``
     (``cos`` / ``sin``: ``[T, rope_dim // 2]``); a new tensor."""

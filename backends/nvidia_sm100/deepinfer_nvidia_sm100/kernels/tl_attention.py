@@ -42,6 +42,7 @@ from functools import cache
 import torch
 
 from deepinfer_core.ops import reference as ref
+from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 from deepinfer_nvidia_sm100.kernels.key_blocks import visible_blocks, visible_blocks_torch
 
 LOG2E = 1.4426950408889634
@@ -481,29 +482,15 @@ def sink_attention(
     """Drop-in for ``reference.sink_attention`` (see the module docstring); ``splits`` overrides the split count."""
     if not supported(q, kv):
         return ref.sink_attention(q, kv, visible, sinks, scale)
-    S, Lq, H, d = q.shape
-    Lk = kv.shape[1]
-    B = S * Lq
-    if B > MAX_ROWS:  # the split kernel puts query rows on grid z (at most 65535): launch per group of sequences
+    S, Lq = q.shape[:2]
+    if S * Lq > MAX_ROWS:  # the split kernel puts query rows on grid z (at most 65535): launch per group of sequences
         per = max(1, MAX_ROWS // Lq)
         return torch.cat([sink_attention(q[s:s + per], kv[s:s + per], visible[s:s + per], sinks, scale, splits)
                           for s in range(0, S, per)])
-    if torch.compiler.is_compiling():  # one opaque op to TorchDynamo (decode steps compiled whole: compile_step)
-        return torch.ops.deepinfer_nvidia.tl_sink_attention(q, kv, visible, sinks, float(scale), splits)
-    return _launch(q, kv, visible, sinks, scale, splits)
+    return _launch(q, kv, visible, sinks, float(scale), splits)
 
 
-@torch.library.custom_op("deepinfer_nvidia::tl_sink_attention", mutates_args=())
-def _tl_sink_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor,
-                       scale: float, splits: int | None) -> torch.Tensor:
-    return _launch(q, kv, visible, sinks, scale, splits)
-
-
-@_tl_sink_attention.register_fake
-def _tl_sink_attention_fake(q, kv, visible, sinks, scale, splits):
-    return torch.empty_like(q)
-
-
+@opaque_under_compile("tl_sink_attention", lambda q, kv, visible, sinks, scale, splits: q.new_empty(q.shape))
 def _launch(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor, scale: float,
             splits: int | None) -> torch.Tensor:
     """The split and combine kernels on ``supported`` inputs of at most ``MAX_ROWS`` query rows."""

@@ -1,0 +1,80 @@
+"""The kernel wrappers are single opaque custom ops to ``torch.compile`` (``compiled.opaque_under_compile``).
+
+A decode step compiled whole (``DEEPINFER_NVIDIA_COMPILE_STEP=1``) must see each Triton / TileLang wrapper as one
+node whose fake implementation gives the real output's shape and dtype. Runs on the CPU: TorchDynamo traces with
+``fullgraph=True`` (any graph break fails) into a backend that only records the graph, so no kernel launches;
+the fake outputs are checked against the reference op's outputs on the same inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the test extra installs triton")
+from deepinfer_nvidia_sm100.kernels import hc, moe, rope, tl_attention
+
+from deepinfer_core.ops import reference as ref
+
+T, HC, D, H, HD, E, I, TOP_K = 3, 4, 32, 64, 512, 4, 16, 2
+
+
+def _cases():
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    streams = rand(T, HC, D, dtype=torch.bfloat16)
+    mix = (2 + HC) * HC
+    cos, sin = rand(T, 8), rand(T, 8)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2]])
+    q, kv = rand(1, T, H, HD, dtype=torch.bfloat16), rand(1, 5, HD, dtype=torch.bfloat16)
+    visible = torch.ones(1, T, 5, dtype=torch.bool)
+    return {
+        "apply_rope": (rope.apply_rope, ref.apply_rope, (rand(T, H, 64, dtype=torch.bfloat16), cos, sin, True)),
+        "hc_pre": (hc.hc_pre, ref.hc_pre, (streams, rand(mix, HC * D), rand(mix), rand(3), 3, 1e-6, 1e-6)),
+        "hc_post": (hc.hc_post, ref.hc_post, (streams, rand(T, D, dtype=torch.bfloat16), rand(T, HC),
+                                              rand(T, HC, HC))),
+        "moe_experts": (moe.moe_experts, ref.moe_experts, (rand(T, D, dtype=torch.bfloat16), ids, rand(T, TOP_K),
+                                                           rand(E, I, D, dtype=torch.bfloat16),
+                                                           rand(E, D, I, dtype=torch.bfloat16),
+                                                           rand(E, I, D, dtype=torch.bfloat16), 7.0)),
+        "tl_sink_attention": (tl_attention._launch, lambda *a: ref.sink_attention(*a[:5]),
+                              (q, kv, visible, rand(H), 0.05, None)),
+    }
+
+
+CASES = _cases()
+
+
+def _flat(out):
+    return list(out) if isinstance(out, tuple) else [out]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_wrapper_is_one_custom_op_under_compile_with_the_reference_shapes(name):
+    wrapper, reference, args = CASES[name]
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return _never
+
+    torch._dynamo.reset()
+    with pytest.raises(_NotRun):
+        torch.compile(wrapper, backend=record, fullgraph=True)(*args)
+    (gm,) = graphs
+    ops = [n for n in gm.graph.nodes if n.op == "call_function" and "deepinfer_nvidia" in str(n.target)]
+    assert [str(n.target) for n in ops] == [f"deepinfer_nvidia.{name}.default"]
+    fake = _flat(ops[0].meta["example_value"])
+    want = _flat(reference(*args))
+    assert [(tuple(t.shape), t.dtype) for t in fake] == [(tuple(t.shape), t.dtype) for t in want]
+
+
+class _NotRun(Exception):
+    pass
+
+
+def _never(*args):
+    raise _NotRun("the recorded graph is not run: its kernels need a GPU")
