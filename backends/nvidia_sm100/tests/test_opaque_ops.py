@@ -12,7 +12,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="the test extra installs triton")
-from deepinfer_nvidia_sm100.kernels import hc, moe, rope, tl_attention
+from deepinfer_nvidia_sm100.kernels import gemv, hc, moe, rope, tl_attention
 
 from deepinfer_core.ops import reference as ref
 
@@ -40,6 +40,10 @@ def _cases():
                                                            rand(E, I, D, dtype=torch.bfloat16),
                                                            rand(E, D, I, dtype=torch.bfloat16),
                                                            rand(E, I, D, dtype=torch.bfloat16), 7.0)),
+        "gemv_linear": (gemv.linear, ref.linear, (rand(T, 1, D, dtype=torch.bfloat16),
+                                                  rand(2048, D, dtype=torch.bfloat16))),
+        "gemv_grouped_linear": (gemv.grouped_linear, ref.grouped_linear, (rand(T, 2, D, dtype=torch.bfloat16),
+                                                                          rand(2 * 1024, D, dtype=torch.bfloat16), 2)),
         "tl_sink_attention": (tl_attention._launch, lambda *a: ref.sink_attention(*a[:5]),
                               (q, kv, visible, rand(H), 0.05, None)),
     }

@@ -77,6 +77,8 @@ SMALL_KERNELS = {  # kernel -> (argument types where not the default, constexprs
                            {"HC": 4, "HC_P2": 4, "BLOCK_D": 512}),
     "rope._rope_kernel": ({"x_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16", "sign": "fp32"},
                           {"BLOCK_R": 4, "NOPE_P2": 512, "HALF_P2": 32}),
+    "gemv._gemv_kernel": ({"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"},
+                          {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256}),
     "key_blocks._visible_blocks_kernel": ({"vis_ptr": "*u8", "blocks_ptr": "*i32", "counts_ptr": "*i32"},
                                           {"BLOCK_N": 64, "CHUNK": 64}),
     "moe._align_kernel": ({"ids_ptr": "*i64", "sorted_assign_ptr": "*i64", "block_expert_ptr": "*i64",
@@ -89,10 +91,10 @@ SMALL_KERNELS = {  # kernel -> (argument types where not the default, constexprs
 @pytest.mark.parametrize("capability", sorted(ARCHS))
 @pytest.mark.parametrize("name", sorted(SMALL_KERNELS))
 def test_small_kernels_compile(name, capability):
-    from deepinfer_nvidia_sm100.kernels import hc, key_blocks, moe, rope
+    from deepinfer_nvidia_sm100.kernels import gemv, hc, key_blocks, moe, rope
 
     module, kernel = name.split(":")[0].split(".")
-    fn = getattr({"hc": hc, "key_blocks": key_blocks, "moe": moe, "rope": rope}[module], kernel)
+    fn = getattr({"gemv": gemv, "hc": hc, "key_blocks": key_blocks, "moe": moe, "rope": rope}[module], kernel)
     types, constants = SMALL_KERNELS[name]
     signature = {}
     for i, arg in enumerate(fn.arg_names):

@@ -186,3 +186,43 @@ def test_moe_experts_combine_matches_reference_fp32(tokens, top_k):
     got = moe.moe_experts(x, ids, weights, w1, w2, w3, 0.7)
     want = ref.moe_experts(x, ids, weights, w1, w2, w3, 0.7)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+GEMV_DTYPES = [torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.float16]
+"""Triton's interpreter multiplies bf16 ``tl.dot`` tiles wrongly (numpy has no bf16): bf16 runs on the GPU only."""
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("dtype", GEMV_DTYPES)
+@pytest.mark.parametrize("rows, n, k", [(1, 2048, 300), (5, 2080, 512), (16, 2048, 64)])
+def test_gemv_linear_matches_reference(rows, n, k, dtype):
+    """Column blocks past ``N`` (2080 = 65 x 32), ``K`` not a multiple of the 256-element block (300), rows past the
+    batch in the 16-row tile; more rows than the tile, and narrow outputs, take the reference op."""
+    from deepinfer_nvidia_sm100.kernels import gemv
+
+    gen = torch.Generator(device=DEVICE).manual_seed(rows)
+    x = torch.randn(rows, k, device=DEVICE, generator=gen).to(dtype)
+    w = (torch.randn(n, k, device=DEVICE, generator=gen) * 0.05).to(dtype)
+    assert gemv._covered(x, w, rows, n)
+    got = gemv.linear(x.view(rows, 1, k), w)  # leading dims kept
+    want = ref.linear(x.float(), w.float()).to(dtype).view(rows, 1, n)
+    assert got.shape == want.shape and got.dtype == dtype
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    assert not gemv._covered(torch.empty(17, k, dtype=dtype), w, 17, n)
+    assert not gemv._covered(x, w[:64], rows, 64)
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("dtype", GEMV_DTYPES)
+@pytest.mark.parametrize("tokens, groups, per_group, k", [(1, 8, 256, 300), (3, 2, 1040, 128)])
+def test_gemv_grouped_linear_matches_reference(tokens, groups, per_group, k, dtype):
+    """Groups on the grid's second axis (each reads its own block of the weight) and a strided input."""
+    from deepinfer_nvidia_sm100.kernels import gemv
+
+    gen = torch.Generator(device=DEVICE).manual_seed(groups)
+    x = torch.randn(tokens, k, groups, device=DEVICE, generator=gen).to(dtype).transpose(1, 2)
+    w = (torch.randn(groups * per_group, k, device=DEVICE, generator=gen) * 0.05).to(dtype)
+    got = gemv.grouped_linear(x, w, groups)
+    want = ref.grouped_linear(x.float(), w.float(), groups).to(dtype)
+    assert got.shape == (tokens, groups, per_group)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)

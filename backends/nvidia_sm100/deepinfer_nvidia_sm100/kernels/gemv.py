@@ -1,0 +1,94 @@
+"""Ops ``linear`` and ``grouped_linear`` for decode-sized inputs (at most 16 rows) as one Triton kernel: a candidate.
+
+At batch 1 the attention projections read ~1.8 GB of bf16 weights per step of the bench preset (floor ~0.41 ms on
+the H200) and cuBLAS took ~0.66 ms for them plus ~75 split-K reduce / copy launches (docs/performance.md 4.7, 4.8).
+Here each program owns ``BLOCK_N`` output columns over the whole ``K`` (no split-K, so one launch and no partials)
+and multiplies 16-row tiles of the inputs (rows past the batch masked) with ``tl.dot``, fp32 accumulation, one
+rounding to the output dtype, as ``F.linear``. ``grouped_linear`` runs the groups on the grid's second axis.
+
+Off by default: ``DEEPINFER_NVIDIA_GEMV=1`` puts it in the op table, once ``benchmarks/bench_gemv.py`` shows it
+faster than cuBLAS on the GPU (not yet run). Narrow outputs (fewer than ``MIN_COLUMNS``: too few programs to read
+the weight at full bandwidth) and other inputs keep the reference op.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_core.ops import reference as ref
+from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
+
+ENV = "DEEPINFER_NVIDIA_GEMV"
+MAX_ROWS = 16  # the tl.dot tile's M: decode batches up to 16 rows
+MIN_COLUMNS = 2048  # at BLOCK_N 32, at least 64 programs stream the weight
+BLOCK_N, BLOCK_K = 32, 256
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "0").strip() not in ("0", "false", "no", "off", "")
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xg, stride_wn, stride_om, stride_og,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (column block, group g): ``out[m, g, n] = sum_k x[m, g, k] * w[g * N + n, k]`` for the ``M`` rows."""
+    group = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    rows = tl.arange(0, BLOCK_M)  # [BM]
+    in_n, in_m = cols < N, rows < M
+    x_base = x_ptr + group * stride_xg + rows[:, None].to(tl.int64) * stride_xm  # [BM, 1]
+    w_base = w_ptr + (group * N + cols[:, None].to(tl.int64)) * stride_wn  # [BN, 1]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        ks = k + tl.arange(0, BLOCK_K)  # [BK]
+        in_k = ks < K
+        x = tl.load(x_base + ks[None, :], mask=in_m[:, None] & in_k[None, :], other=0.0)  # [BM, BK]
+        w = tl.load(w_base + ks[None, :], mask=in_n[:, None] & in_k[None, :], other=0.0)  # [BN, BK]
+        acc = tl.dot(x, tl.trans(w), acc)  # [BM, BN]
+    out = out_ptr + group * stride_og + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
+
+
+def _covered(x: torch.Tensor, weight: torch.Tensor, rows: int, columns: int) -> bool:
+    return (x.dtype in _DTYPES and weight.dtype == x.dtype and weight.is_contiguous()
+            and 0 < rows <= MAX_ROWS and columns >= MIN_COLUMNS)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, groups: int) -> None:
+    """``x [M, groups, K]`` (last dim contiguous), ``weight [groups * N, K]`` -> ``out [M, groups, N]``."""
+    rows, _, k = x.shape
+    n = out.shape[-1]
+    _gemv_kernel[(triton.cdiv(n, BLOCK_N), groups)](
+        x, weight, out, rows, n, k, x.stride(0), x.stride(1), weight.stride(0), out.stride(0), out.stride(1),
+        BLOCK_M=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4, num_stages=4)
+
+
+@opaque_under_compile("gemv_linear", lambda x, weight: x.new_empty(*x.shape[:-1], weight.shape[0]))
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``reference.linear`` (``x [..., K] @ weight[N, K].T``): the kernel for at most 16 rows, else ``F.linear``."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not _covered(x, weight, rows, weight.shape[0]):
+        return ref.linear(x, weight)
+    flat = x.reshape(rows, 1, x.shape[-1]).contiguous()  # [M, 1, K]
+    out = torch.empty(rows, 1, weight.shape[0], dtype=x.dtype, device=x.device)  # [M, 1, N]
+    _launch(flat, weight, out, 1)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@opaque_under_compile("gemv_grouped_linear",
+                      lambda x, weight, groups: x.new_empty(x.shape[0], groups, weight.shape[0] // groups))
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """``reference.grouped_linear`` (``x [T, groups, K]``, ``weight [groups * N, K]`` -> ``[T, groups, N]``): the
+    kernel for at most 16 tokens, else the reference op."""
+    per_group = weight.shape[0] // groups
+    if not _covered(x, weight, x.shape[0], per_group * groups):
+        return ref.grouped_linear(x, weight, groups)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(x.shape[0], groups, per_group, dtype=x.dtype, device=x.device)
+    _launch(x, weight, out, groups)
+    return out
