@@ -49,9 +49,15 @@ def compile_step(fn: Callable) -> Callable:
     One compile per static shape: every captured (batch size, context bucket) is its own compiled graph, so the
     recompile limit is raised to cover the captured shapes."""
     import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
 
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
-    compiled = torch.compile(fn, dynamic=False)
+    # Every concatenation a copy (ConcatKernel): on CUDA Inductor otherwise lowers small cats as pointwise kernels
+    # whose index arithmetic (``Identity(i - start)`` then ``// n``) fails its own range checks in torch 2.11
+    # ("ValueError: The argument '(((-128))//32)' is not comparable", the H200's first compiled capture).
+    options = {key: 0 for key in ("max_pointwise_cat_inputs", "max_complex_pointwise_cat_inputs")
+               if hasattr(inductor_config, key)}
+    compiled = torch.compile(fn, dynamic=False, options=options)
 
     def step(*args):
         with torch.inference_mode(False), torch.no_grad():
