@@ -11,7 +11,7 @@ Set ``DEEPINFER_NVIDIA_COMPILE=0`` to run these ops eagerly (the reference ops).
 
 ``DEEPINFER_NVIDIA_COMPILE_STEP=1`` compiles whole decode steps before their CUDA graph is captured
 (``compile_step``): TorchInductor then fuses the layout's index ops, casts and norms across op boundaries; the
-backend's own Triton kernels are traced as they are and TileLang calls stay opaque.
+backend's Triton and TileLang kernel wrappers stay opaque custom ops (``opaque_under_compile``).
 """
 
 from __future__ import annotations
@@ -29,17 +29,18 @@ ENV = "DEEPINFER_NVIDIA_COMPILE"
 STEP_ENV = "DEEPINFER_NVIDIA_COMPILE_STEP"
 
 
-def _flag(name: str, default: str) -> bool:
+def env_flag(name: str, default: str) -> bool:
+    """Whether the environment variable ``name`` (``default`` when unset) is on: anything but 0 / false / no / off."""
     return os.environ.get(name, default).strip() not in ("0", "false", "no", "off", "")
 
 
 def enabled() -> bool:
-    return _flag(ENV, "1")
+    return env_flag(ENV, "1")
 
 
 def step_enabled() -> bool:
     """Whether decode steps are compiled whole before capture (``DEEPINFER_NVIDIA_COMPILE_STEP``, off by default)."""
-    return enabled() and _flag(STEP_ENV, "0")
+    return enabled() and env_flag(STEP_ENV, "0")
 
 
 def compile_step(fn: Callable) -> Callable:
@@ -89,7 +90,6 @@ def opaque_under_compile(name: str, fake: Callable) -> Callable[[Callable], Call
                 return op(*args, **kwargs)
             return fn(*args, **kwargs)
 
-        call.custom_op = op
         return call
 
     return wrap

@@ -13,14 +13,12 @@ the weight at full bandwidth) and other inputs keep the reference op.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from deepinfer_core.ops import reference as ref
-from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
+from deepinfer_nvidia_sm100.kernels.compiled import env_flag, opaque_under_compile
 
 ENV = "DEEPINFER_NVIDIA_GEMV"
 MAX_ROWS = 16  # the tl.dot tile's M: decode batches up to 16 rows
@@ -30,7 +28,8 @@ _DTYPES = (torch.bfloat16, torch.float16)
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "0").strip() not in ("0", "false", "no", "off", "")
+    """Whether ``DEEPINFER_NVIDIA_GEMV`` puts these ops in the op table (off by default)."""
+    return env_flag(ENV, "0")
 
 
 @triton.jit
