@@ -191,14 +191,23 @@ class StepLayout:
         lens = self._tensor(self.query_lens)
         ctx = self._tensor(batch.context_lens)
         valid = offsets[None, :] < lens[:, None]  # [S, Lq]
-        self._host_ctx, self._host_starts = ctx, starts
-        token_seq = [s for s, n in enumerate(self.query_lens) for _ in range(n)]
-        token_offset = [i for n in self.query_lens for i in range(n)]
+        self._host_ctx, self._host_starts, self._host_lens = ctx, starts, lens
+        token_seq, token_offset = _segments(lens)  # [T]: each token's sequence and offset in its chunk
         self.query_valid = self._to_device(valid)
         self.query_rows = self._to_device(torch.where(valid, starts[:, None] + offsets[None, :], 0))  # [S, Lq]
         self.query_positions = self._to_device(torch.where(valid, ctx[:, None] + offsets[None, :], -1))  # [S, Lq]
-        self.token_seq = self._to_device(self._tensor(token_seq))  # [T]
-        self.token_offset = self._to_device(self._tensor(token_offset))  # [T]
+        self.token_seq = self._to_device(token_seq)  # [T]
+        self.token_offset = self._to_device(token_offset)  # [T]
+
+    def _tail_writes(self, span: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's tokens among the last ``span`` of each sequence: their rows, slots and ``position % span``
+        (what a ring of ``span`` entries per slot keeps)."""
+        ctx, starts, lens = self._host_ctx, self._host_starts, self._host_lens
+        end = ctx + lens
+        first = torch.maximum(ctx, end - span)  # [S]
+        seq, offset = _segments(end - first)  # [M]
+        positions = first[seq] + offset
+        return starts[seq] + positions - ctx[seq], self._tensor(self.batch.slots)[seq], positions % span
 
     @functools.cached_property
     def uniform(self) -> bool:
@@ -239,16 +248,10 @@ class StepLayout:
         kp = self._to_device(key_positions)[:, None, :]  # [S, 1, Lk]
         qp = self.query_positions[:, :, None]  # [S, Lq, 1]
         self.sliding_visible = (kp >= 0) & (kp <= qp) & (kp > qp - W) & self.query_valid[:, :, None]  # [S, Lq, Lk]
-        rows, slots, index = [], [], []  # tokens that stay in the ring: the last W of each sequence
-        for s in range(self.num_seqs):
-            ctx_s, end = batch.context_lens[s], ends[s]
-            kept = range(max(ctx_s, end - W), end)
-            rows.extend(batch.query_start[s] + p - ctx_s for p in kept)
-            slots.extend([batch.slots[s]] * len(kept))
-            index.extend(p % W for p in kept)
-        self.ring_write_rows = self._to_device(self._tensor(rows))
-        self.ring_write_slots = self._to_device(self._tensor(slots))
-        self.ring_write_index = self._to_device(self._tensor(index))
+        rows, slots, index = self._tail_writes(W)  # tokens that stay in the ring: the last W of each sequence
+        self.ring_write_rows = self._to_device(rows)
+        self.ring_write_slots = self._to_device(slots)
+        self.ring_write_index = self._to_device(index)
 
     def sliding_keys(self, ring: torch.Tensor, new_kv: torch.Tensor) -> torch.Tensor:
         """Keys ``[S, Lk, d]`` of every sequence's window: ring tokens, then this step's ``new_kv``."""
@@ -305,39 +308,27 @@ class StepLayout:
 
     def _build_windows(self, ratio: int, span: int) -> WindowPlan:
         per_block = self.block_size // ratio
-        batch = self.batch
-        write_start = batch.compressed_write_start or [0] * self.num_seqs
-        ctxs, starts, slots, entries, blocks = [], [], [], [], []
-        carry_rows, carry_slots, carry_index = [], [], []
-        for s in range(self.num_seqs):
-            ctx, n, slot, start = batch.context_lens[s], self.query_lens[s], batch.slots[s], batch.query_start[s]
-            first_w = max(ctx // ratio, -(-write_start[s] // ratio))
-            for w in range(first_w, (ctx + n) // ratio):  # windows that end in this step
-                ctxs.append(ctx)
-                starts.append(start)
-                slots.append(slot)
-                entries.append(w)
-                blocks.append(batch.block_tables[s][w // per_block])
-            kept = range(max(ctx, ctx + n - span), ctx + n)
-            carry_rows.extend(start + p - ctx for p in kept)
-            carry_slots.extend([slot] * len(kept))
-            carry_index.extend(p % span for p in kept)
-        entry = self._tensor(entries)  # [N]
+        ctx, starts = self._host_ctx, self._host_starts  # [S]
+        write_start = self._tensor(self.batch.compressed_write_start or [0] * self.num_seqs)
+        first_w = torch.maximum(ctx // ratio, -((-write_start) // ratio))  # [S]: nothing before the write start
+        seq, offset = _segments(((ctx + self._host_lens) // ratio - first_w).clamp(min=0))  # windows ending now
+        entry = first_w[seq] + offset  # [N]
         pos = ((entry + 1) * ratio - span)[:, None] + torch.arange(span)[None, :]  # [N, span]
-        ctx_t = self._tensor(ctxs)[:, None]
+        ctx_t = ctx[seq][:, None]
         from_new = pos >= ctx_t
+        carry_rows, carry_slots, carry_index = self._tail_writes(span)
         plan = WindowPlan(
             from_new=from_new,
-            new_rows=torch.where(from_new, self._tensor(starts)[:, None] + pos - ctx_t, 0),
-            carry_slots=self._tensor(slots)[:, None].expand(-1, span),
+            new_rows=torch.where(from_new, starts[seq][:, None] + pos - ctx_t, 0),
+            carry_slots=self._tensor(self.batch.slots)[seq][:, None].expand(-1, span),
             carry_index=pos.clamp(min=0) % span,
             valid=pos >= 0,
             entry_positions=entry * ratio,
-            write_blocks=self._tensor(blocks),
+            write_blocks=self._block_tables()[seq, entry // per_block],
             write_rows=entry % per_block,
-            carry_write_rows=self._tensor(carry_rows),
-            carry_write_slots=self._tensor(carry_slots),
-            carry_write_index=self._tensor(carry_index),
+            carry_write_rows=carry_rows,
+            carry_write_slots=carry_slots,
+            carry_write_index=carry_index,
         )
         return WindowPlan(**{f.name: self._to_device(getattr(plan, f.name)) for f in dataclasses.fields(plan)})
 
@@ -444,6 +435,14 @@ class DecodeLayout(StepLayout):
             carry_write_slots=inputs.slots,
             carry_write_index=ctx % span,
         )
+
+
+def _segments(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For ``counts [S]``: the segment of every element of the concatenated segments and its offset inside it
+    (``[sum(counts)]`` each): ``[2, 0, 3]`` gives ``[0, 0, 2, 2, 2]`` and ``[0, 1, 0, 1, 2]``."""
+    seq = torch.repeat_interleave(torch.arange(counts.shape[0]), counts)
+    first = torch.cumsum(counts, 0) - counts  # [S]: where each segment starts
+    return seq, torch.arange(seq.shape[0]) - first[seq]
 
 
 def _arange(n: int, device: torch.device) -> torch.Tensor:
