@@ -12,7 +12,7 @@
 #   compile  decode steps compiled whole before capture (DEEPINFER_NVIDIA_COMPILE_STEP=1): the decode profile at
 #            batch 1 and 64, the compiled-step test, then b1 and b64
 #   kernels  op benchmarks of the untimed candidates: hc_mix_logits variants by batch (bench_hc_mix.py), the
-#            decode projections' Triton gemv against cuBLAS (bench_gemv.py)
+#            decode projections' Triton gemv against cuBLAS (bench_gemv.py), the RMS norm kernel (bench_norm.py)
 set -uo pipefail
 OUT=${OUT:-$PWD/h200-out}; RES=${RES:-/tmp/h200-results}; mkdir -p "$OUT" "$RES"
 save() { tar -czf "$OUT/h200-results.tgz" -C "$RES" .; }
@@ -34,6 +34,7 @@ fi
 if [[ $what == kernels ]]; then
   (cd backends/nvidia_sm100/benchmarks && python bench_hc_mix.py) 2>&1 | tail -12 | tee "$RES/bench-hc-mix.txt"; save
   (cd backends/nvidia_sm100/benchmarks && python bench_gemv.py) 2>&1 | tail -22 | tee "$RES/bench-gemv.txt"; save
+  (cd backends/nvidia_sm100/benchmarks && python bench_norm.py) 2>&1 | tail -20 | tee "$RES/bench-norm.txt"; save
 fi
 if [[ $what == tests || $what == all ]]; then
   python -m pytest -q -p no:cacheprovider backends/nvidia_sm100/tests -x -rs 2>&1 | tail -25 | tee "$RES/tests.txt"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="the test extra installs triton")
-from deepinfer_nvidia_sm100.kernels import gemv, hc, moe, rope, tl_attention
+from deepinfer_nvidia_sm100.kernels import gemv, hc, moe, norm, rope, tl_attention
 
 from deepinfer_core.ops import reference as ref
 
@@ -44,6 +44,8 @@ def _cases():
                                                   rand(2048, D, dtype=torch.bfloat16))),
         "gemv_grouped_linear": (gemv.grouped_linear, ref.grouped_linear, (rand(T, 2, D, dtype=torch.bfloat16),
                                                                           rand(2 * 1024, D, dtype=torch.bfloat16), 2)),
+        "rms_norm": (norm.rms_norm, ref.rms_norm, (streams, rand(D), 1e-6)),
+        "unweighted_rms_norm": (norm.unweighted_rms_norm, ref.unweighted_rms_norm, (streams, 1e-6)),
         "tl_sink_attention": (tl_attention._launch, lambda *a: ref.sink_attention(*a[:5]),
                               (q, kv, visible, rand(H), 0.05, None)),
     }

@@ -79,6 +79,10 @@ SMALL_KERNELS = {  # kernel -> (argument types where not the default, constexprs
                           {"BLOCK_R": 4, "NOPE_P2": 512, "HALF_P2": 32}),
     "gemv._gemv_kernel": ({"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"},
                           {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256}),
+    "norm._rms_norm_kernel": ({"x_ptr": "*bf16", "out_ptr": "*bf16"},
+                              {"ROWS": 1, "BLOCK_D": 4096, "WEIGHTED": True}),
+    "norm._rms_norm_kernel:unweighted": ({"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"},
+                                         {"ROWS": 4, "BLOCK_D": 512, "WEIGHTED": False}),
     "key_blocks._visible_blocks_kernel": ({"vis_ptr": "*u8", "blocks_ptr": "*i32", "counts_ptr": "*i32"},
                                           {"BLOCK_N": 64, "CHUNK": 64}),
     "moe._align_kernel": ({"ids_ptr": "*i64", "sorted_assign_ptr": "*i64", "block_expert_ptr": "*i64",
@@ -91,10 +95,10 @@ SMALL_KERNELS = {  # kernel -> (argument types where not the default, constexprs
 @pytest.mark.parametrize("capability", sorted(ARCHS))
 @pytest.mark.parametrize("name", sorted(SMALL_KERNELS))
 def test_small_kernels_compile(name, capability):
-    from deepinfer_nvidia_sm100.kernels import gemv, hc, key_blocks, moe, rope
+    from deepinfer_nvidia_sm100.kernels import gemv, hc, key_blocks, moe, norm, rope
 
     module, kernel = name.split(":")[0].split(".")
-    fn = getattr({"gemv": gemv, "hc": hc, "key_blocks": key_blocks, "moe": moe, "rope": rope}[module], kernel)
+    fn = getattr({"gemv": gemv, "hc": hc, "key_blocks": key_blocks, "moe": moe, "norm": norm, "rope": rope}[module], kernel)
     types, constants = SMALL_KERNELS[name]
     signature = {}
     for i, arg in enumerate(fn.arg_names):

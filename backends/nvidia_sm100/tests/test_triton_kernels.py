@@ -226,3 +226,22 @@ def test_gemv_grouped_linear_matches_reference(tokens, groups, per_group, k, dty
     want = ref.grouped_linear(x.float(), w.float(), groups).to(dtype)
     assert got.shape == (tokens, groups, per_group)
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 4096), (5, 7, 512), (2, 300), (40, 64)])
+def test_rms_norms_match_reference(shape, dtype):
+    """Rows past the batch in a program's row block (5 x 7, 40 rows of 64), a width that is not a power of two (300);
+    weighted in fp32 then rounded once, unweighted with the scale rounded to the input dtype, as the references."""
+    from deepinfer_nvidia_sm100.kernels import norm
+
+    gen = torch.Generator(device=DEVICE).manual_seed(shape[-1])
+    x = (torch.randn(*shape, device=DEVICE, generator=gen) * 3).to(dtype)
+    weight = torch.randn(shape[-1], device=DEVICE, generator=gen)  # fp32, as the model keeps norm weights
+    # bf16: the sum of squares in another order can round a value (or the unweighted scale) the other way: 2 ulps
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2 * 2**-7}
+    for got, want in ((norm.rms_norm(x, weight, 1e-6), ref.rms_norm(x, weight, 1e-6)),
+                      (norm.unweighted_rms_norm(x, 1e-6), ref.unweighted_rms_norm(x, 1e-6))):
+        assert got.shape == want.shape and got.dtype == want.dtype == dtype
+        torch.testing.assert_close(got, want, **tol)

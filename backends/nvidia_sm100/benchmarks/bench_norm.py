@@ -1,0 +1,57 @@
+"""RMS norms on the bench preset's decode shapes (bf16): the compiled reference against the candidate Triton kernel
+of ``kernels/norm.py``.
+
+    python backends/nvidia_sm100/benchmarks/bench_norm.py      # on a GPU; prints one table
+
+Checks the kernel against the reference op first, then times both in CUDA graphs (CUDA events, median of repeats,
+after warmup). Floor = bytes read and written / 4.25 TB/s (BENCHMARKS.md ceilings). Decides whether
+``DEEPINFER_NVIDIA_NORM=1`` (the kernel in the op table) becomes the default.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from cuda_timing import cuda_time, graphed
+
+from deepinfer_core.ops import reference as ref
+
+BW = 4.25e12
+SHAPES = {  # name -> (row shape, weighted): a decode step's norms per token
+    "attn / ffn norm (D 4096)": ((4096,), True),
+    "q_norm (q_lora 1024)": ((1024,), True),
+    "kv norm (head_dim 512)": ((512,), True),
+    "per-head q norm (64 x 512)": ((64, 512), False),
+}
+
+
+def main() -> None:
+    from deepinfer_nvidia_sm100.kernels import compiled, norm
+
+    torch.manual_seed(0)
+    rows = []
+    for name, (row, weighted) in SHAPES.items():
+        weight = torch.randn(row[-1], device="cuda")
+        for tokens in (1, 64, 256, 8192):
+            x = torch.randn(tokens, *row, device="cuda").to(torch.bfloat16)
+            if weighted:
+                reference = partial(compiled.maybe_compile(ref.rms_norm), x, weight, 1e-6)
+                kernel = partial(norm.rms_norm, x, weight, 1e-6)
+            else:
+                reference = partial(compiled.maybe_compile(ref.unweighted_rms_norm), x, 1e-6)
+                kernel = partial(norm.unweighted_rms_norm, x, 1e-6)
+            err = ((kernel().float() - reference().float()).abs().max() / reference().float().abs().max()).item()
+            assert err < 2e-2, f"{name} at {tokens} tokens: max relative error {err:.1e}"
+            floor = 2 * x.numel() * 2 / BW
+            rows.append((name, tokens, floor, cuda_time(graphed(reference)), cuda_time(graphed(kernel))))
+    print("\nRMS norms, bf16, CUDA graph replays (H200); % = floor / time")
+    print("| norm | tokens | floor | compiled reference | Triton kernel | faster |")
+    print("|---|---|---|---|---|---|")
+    for name, tokens, floor, a, b in rows:
+        print(f"| {name} | {tokens} | {floor * 1e6:.2f} us | {a * 1e6:.1f} us ({100 * floor / a:.0f}%) | "
+              f"{b * 1e6:.1f} us ({100 * floor / b:.0f}%) | {'Triton' if b < a else 'compiled'} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Ops ``rms_norm`` and ``unweighted_rms_norm`` as one Triton kernel: a candidate.
+
+Compiled by TorchInductor with dynamic shapes, the norms took 8.6 us per call at batch 64 (41 calls per decode
+step of the bench preset, 355 us; plus 17 calls of 12.8 us) on rows of at most 4,096 elements
+(docs/performance.md 4.8). Here a program normalises ``ROWS`` whole rows held in registers, with the reference's
+arithmetic: fp32 sum of squares, ``rms_norm`` scales by the weight in fp32 and rounds once, ``unweighted_rms_norm``
+rounds the scale to the input dtype first (as the reference multiplies in that dtype).
+
+Off by default: ``DEEPINFER_NVIDIA_NORM=1`` puts it in the op table, once ``benchmarks/bench_norm.py`` shows it faster
+than the compiled reference on the GPU (not yet run).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_core.ops import reference as ref
+from deepinfer_nvidia_sm100.kernels.compiled import env_flag, opaque_under_compile
+
+ENV = "DEEPINFER_NVIDIA_NORM"
+MAX_WIDTH = 16384  # a row lives in registers
+
+
+def enabled() -> bool:
+    """Whether ``DEEPINFER_NVIDIA_NORM`` puts these ops in the op table (off by default)."""
+    return env_flag(ENV, "0")
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, rows, D, eps, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                     WEIGHTED: tl.constexpr):
+    """Rows ``[ROWS]`` of ``x [rows, D]``: ``x * rsqrt(mean(x^2) + eps)``, times ``w [D]`` when ``WEIGHTED``."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [R]
+    cols = tl.arange(0, BLOCK_D)  # [BD]
+    mask = (r[:, None] < rows) & (cols[None, :] < D)
+    at = r[:, None].to(tl.int64) * D + cols[None, :]
+    x = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)  # [R, BD]
+    scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)  # [R]
+    out_ty = out_ptr.dtype.element_ty
+    if WEIGHTED:
+        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)  # [BD]
+        y = w[None, :] * (x * scale[:, None])
+    else:
+        y = x * scale.to(out_ty).to(tl.float32)[:, None]
+    tl.store(out_ptr + at, y.to(out_ty), mask=mask)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    dim = x.shape[-1]
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    rows = x.numel() // dim if dim else 0
+    if rows == 0:
+        return out
+    block_d = triton.next_power_of_2(dim)
+    per_program = max(1, min(16, 2048 // block_d))
+    warps = 4 if block_d <= 2048 else 8 if block_d <= 8192 else 16
+    _rms_norm_kernel[(triton.cdiv(rows, per_program),)](
+        x, weight if weight is not None else x, out, rows, dim, eps, ROWS=per_program, BLOCK_D=block_d,
+        WEIGHTED=weight is not None, num_warps=warps)
+    return out
+
+
+def covered(x: torch.Tensor) -> bool:
+    """Whether the kernel takes these rows (else the reference op runs)."""
+    return 0 < x.shape[-1] <= MAX_WIDTH
+
+
+@opaque_under_compile("rms_norm", lambda x, weight, eps: x.new_empty(x.shape))
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``reference.rms_norm``: RMSNorm over the last dim in fp32, scaled by ``weight``, in ``x``'s dtype."""
+    if not covered(x):
+        return ref.rms_norm(x, weight, eps)
+    return _launch(x, weight.contiguous(), eps)
+
+
+@opaque_under_compile("unweighted_rms_norm", lambda x, eps: x.new_empty(x.shape))
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``reference.unweighted_rms_norm``: the fp32 RMS scale rounded to ``x``'s dtype, times ``x``."""
+    if not covered(x):
+        return ref.unweighted_rms_norm(x, eps)
+    return _launch(x, None, eps)
