@@ -13,7 +13,7 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from cuda_timing import cuda_time, graphed
+from cuda_timing import ab_row, print_ab_table
 
 from deepinfer_core.ops import reference as ref
 
@@ -43,16 +43,9 @@ def main() -> None:
                 cublas, triton_op = partial(ref.linear, x, w), partial(gemv.linear, x, w)
             else:
                 cublas, triton_op = partial(ref.grouped_linear, x, w, groups), partial(gemv.grouped_linear, x, w, groups)
-            want, got = cublas().float(), triton_op().float()
-            err = ((got - want).abs().max() / want.abs().max()).item()
-            assert err < 2e-2, f"{name} at {m} rows: max relative error {err:.1e}"
-            rows.append((name, m, floor, cuda_time(graphed(cublas)), cuda_time(graphed(triton_op))))
-    print("\nDecode projections, bf16, CUDA graph replays (H200); % = floor / time")
-    print("| projection | rows | floor | cuBLAS | Triton gemv | faster |")
-    print("|---|---|---|---|---|---|")
-    for name, m, floor, a, b in rows:
-        print(f"| {name} | {m} | {floor * 1e6:.1f} us | {a * 1e6:.1f} us ({100 * floor / a:.0f}%) | "
-              f"{b * 1e6:.1f} us ({100 * floor / b:.0f}%) | {'Triton' if b < a else 'cuBLAS'} |")
+            rows.append(ab_row(name, m, floor, cublas, triton_op))
+    print_ab_table("Decode projections, bf16, CUDA graph replays (H200)", ("projection", "rows", "cuBLAS", "Triton gemv"),
+                   rows)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from cuda_timing import cuda_time, graphed
+from cuda_timing import ab_row, print_ab_table
 
 from deepinfer_core.ops import reference as ref
 
@@ -41,16 +41,8 @@ def main() -> None:
             else:
                 reference = partial(compiled.maybe_compile(ref.unweighted_rms_norm), x, 1e-6)
                 kernel = partial(norm.unweighted_rms_norm, x, 1e-6)
-            err = ((kernel().float() - reference().float()).abs().max() / reference().float().abs().max()).item()
-            assert err < 2e-2, f"{name} at {tokens} tokens: max relative error {err:.1e}"
-            floor = 2 * x.numel() * 2 / BW
-            rows.append((name, tokens, floor, cuda_time(graphed(reference)), cuda_time(graphed(kernel))))
-    print("\nRMS norms, bf16, CUDA graph replays (H200); % = floor / time")
-    print("| norm | tokens | floor | compiled reference | Triton kernel | faster |")
-    print("|---|---|---|---|---|---|")
-    for name, tokens, floor, a, b in rows:
-        print(f"| {name} | {tokens} | {floor * 1e6:.2f} us | {a * 1e6:.1f} us ({100 * floor / a:.0f}%) | "
-              f"{b * 1e6:.1f} us ({100 * floor / b:.0f}%) | {'Triton' if b < a else 'compiled'} |")
+            rows.append(ab_row(name, tokens, 2 * x.numel() * 2 / BW, reference, kernel))
+    print_ab_table("RMS norms, bf16, CUDA graph replays (H200)", ("norm", "tokens", "compiled", "Triton"), rows)
 
 
 if __name__ == "__main__":

@@ -48,3 +48,24 @@ def graphed(fn: Callable[[], object], strict: bool = True) -> Callable[[], None]
             raise
         print(f"graph capture failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
+
+
+def ab_row(label: str, size: int, floor: float, baseline: Callable[[], torch.Tensor],
+           candidate: Callable[[], torch.Tensor], tol: float = 2e-2) -> tuple:
+    """Check ``candidate`` against ``baseline`` (max error relative to the largest value below ``tol``), then time
+    both replayed from CUDA graphs: ``(label, size, floor, baseline seconds, candidate seconds)``."""
+    want, got = baseline().float(), candidate().float()
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < tol, f"{label} at {size}: max relative error {err:.1e}"
+    return label, size, floor, cuda_time(graphed(baseline)), cuda_time(graphed(candidate))
+
+
+def print_ab_table(title: str, columns: tuple[str, str, str, str], rows: list[tuple]) -> None:
+    """The ``ab_row`` rows as a markdown table; ``columns`` = (label, size, baseline, candidate) headers."""
+    label, size, base, cand = columns
+    print(f"\n{title}; % = floor / time")
+    print(f"| {label} | {size} | floor | {base} | {cand} | faster |")
+    print("|---|---|---|---|---|---|")
+    for name, n, floor, a, b in rows:
+        print(f"| {name} | {n} | {floor * 1e6:.2f} us | {a * 1e6:.1f} us ({100 * floor / a:.0f}%) | "
+              f"{b * 1e6:.1f} us ({100 * floor / b:.0f}%) | {cand if b < a else base} |")
