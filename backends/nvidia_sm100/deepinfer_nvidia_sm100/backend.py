@@ -73,7 +73,8 @@ class NvidiaBackend(Backend):
 
         ``fn`` must be static in shape and free of host synchronisation for the given inputs. Every graph of
         this backend shares one memory pool (they never run at once): a graph's outputs stay valid only
-        until another graph of the backend replays.
+        until another graph of the backend replays. With ``DEEPINFER_NVIDIA_COMPILE_STEP=1`` (experimental) ``fn`` is
+        compiled by TorchInductor first (``kernels/compiled.py: compile_step``).
         """
         from deepinfer_nvidia_sm100.kernels import compiled
 
