@@ -192,6 +192,7 @@ class StepLayout:
         ctx = self._tensor(batch.context_lens)
         valid = offsets[None, :] < lens[:, None]  # [S, Lq]
         self._host_ctx, self._host_starts, self._host_lens = ctx, starts, lens
+        self._host_slots = self._tensor(batch.slots)  # [S]
         token_seq, token_offset = _segments(lens)  # [T]: each token's sequence and offset in its chunk
         self.query_valid = self._to_device(valid)
         self.query_rows = self._to_device(torch.where(valid, starts[:, None] + offsets[None, :], 0))  # [S, Lq]
@@ -207,7 +208,7 @@ class StepLayout:
         first = torch.maximum(ctx, end - span)  # [S]
         seq, offset = _segments(end - first)  # [M]
         positions = first[seq] + offset
-        return starts[seq] + positions - ctx[seq], self._tensor(self.batch.slots)[seq], positions % span
+        return starts[seq] + positions - ctx[seq], self._host_slots[seq], positions % span
 
     @functools.cached_property
     def uniform(self) -> bool:
@@ -243,7 +244,7 @@ class StepLayout:
         from_new = key_positions >= ctx  # [S, Lk]
         self.key_from_new = self._to_device(from_new)
         self.key_new_rows = self._to_device(torch.where(from_new, starts + key_positions - ctx, 0))
-        self.key_slots = self._to_device(self._tensor(batch.slots)[:, None].expand(-1, width))
+        self.key_slots = self._to_device(self._host_slots[:, None].expand(-1, width))
         self.key_ring_index = self._to_device(key_positions.clamp(min=0) % W)
         kp = self._to_device(key_positions)[:, None, :]  # [S, 1, Lk]
         qp = self.query_positions[:, :, None]  # [S, Lq, 1]
@@ -274,12 +275,7 @@ class StepLayout:
         per_block = self.block_size // ratio
         counts = [(ctx + n) // ratio for ctx, n in zip(self.batch.context_lens, self.query_lens)]
         width = max(counts)
-        entry_ids = torch.arange(width)  # [E]
-        tables = self._block_tables()  # [S, max blocks]
-        table_index = (entry_ids // per_block).clamp(max=tables.shape[1] - 1)[None, :].expand(self.num_seqs, -1)
-        real = entry_ids[None, :] < self._tensor(counts)[:, None]  # [S, E]
-        blocks = torch.where(real, tables.gather(1, table_index), 0)  # [S, E]
-        rows = (entry_ids % per_block)[None, :].expand(self.num_seqs, -1)  # [S, E]
+        blocks, rows, _ = _entry_places(self._block_tables(), torch.arange(width), self._tensor(counts), per_block)
         limit = (self.query_positions + 1).div(ratio, rounding_mode="floor")  # [S, Lq]; <= count per sequence
         ids = torch.arange(width, device=limit.device)  # [E]
         visible = (ids[None, None, :] < limit[:, :, None]) & self.query_valid[:, :, None]  # [S, Lq, E]
@@ -313,23 +309,9 @@ class StepLayout:
         first_w = torch.maximum(ctx // ratio, -((-write_start) // ratio))  # [S]: nothing before the write start
         seq, offset = _segments(((ctx + self._host_lens) // ratio - first_w).clamp(min=0))  # windows ending now
         entry = first_w[seq] + offset  # [N]
-        pos = ((entry + 1) * ratio - span)[:, None] + torch.arange(span)[None, :]  # [N, span]
-        ctx_t = ctx[seq][:, None]
-        from_new = pos >= ctx_t
-        carry_rows, carry_slots, carry_index = self._tail_writes(span)
-        plan = WindowPlan(
-            from_new=from_new,
-            new_rows=torch.where(from_new, starts[seq][:, None] + pos - ctx_t, 0),
-            carry_slots=self._tensor(self.batch.slots)[seq][:, None].expand(-1, span),
-            carry_index=pos.clamp(min=0) % span,
-            valid=pos >= 0,
-            entry_positions=entry * ratio,
-            write_blocks=self._block_tables()[seq, entry // per_block],
-            write_rows=entry % per_block,
-            carry_write_rows=carry_rows,
-            carry_write_slots=carry_slots,
-            carry_write_index=carry_index,
-        )
+        plan = _window_plan(entry, ctx[seq], starts[seq], self._host_slots[seq],
+                            self._block_tables()[seq, entry // per_block], self._tail_writes(span), ratio, span,
+                            per_block, torch.arange(span))
         return WindowPlan(**{f.name: self._to_device(getattr(plan, f.name)) for f in dataclasses.fields(plan)})
 
 
@@ -404,10 +386,7 @@ class DecodeLayout(StepLayout):
         tables = self.inputs.block_tables  # [S, B]
         entry_ids = _arange(self.static.context_len // ratio, tables.device)  # [E]
         counts = (self.inputs.context_lens + 1) // ratio  # [S]: entries after this step
-        table_index = (entry_ids // per_block).clamp(max=tables.shape[1] - 1)[None, :].expand(self.num_seqs, -1)
-        real = entry_ids[None, :] < counts[:, None]  # [S, E]
-        blocks = torch.where(real, tables.gather(1, table_index), 0)  # [S, E]
-        rows = (entry_ids % per_block)[None, :].expand(self.num_seqs, -1)  # [S, E]
+        blocks, rows, real = _entry_places(tables, entry_ids, counts, per_block)
         return EntryLayout(blocks, rows, real[:, None, :])  # visible [S, 1, E]: the new token sees every entry
 
     def _decode_windows(self, ratio: int, span: int) -> WindowPlan:
@@ -418,23 +397,46 @@ class DecodeLayout(StepLayout):
         tables = inputs.block_tables
         table_block = tables.gather(1, (window // per_block).clamp(max=tables.shape[1] - 1)[:, None])[:, 0]  # [S]
         entry = torch.where(real, window, 0)  # [S]; a dummy is window 0 of a sequence whose tokens are all carried
-        ctxs = torch.where(real, ctx, span)
-        pos = ((entry + 1) * ratio - span)[:, None] + _arange(span, ctx.device)[None, :]  # [S, span]
-        from_new = pos >= ctxs[:, None]  # [S, span]
-        slots = torch.where(real, inputs.slots, static.spare_slot)  # [S]
-        return WindowPlan(
-            from_new=from_new,
-            new_rows=torch.where(from_new, self._seq[:, None] + pos - ctxs[:, None], 0),
-            carry_slots=slots[:, None].expand(-1, span),
-            carry_index=pos.clamp(min=0) % span,
-            valid=pos >= 0,
-            entry_positions=entry * ratio,
-            write_blocks=torch.where(real, table_block, static.spare_block),
-            write_rows=entry % per_block,
-            carry_write_rows=self._seq,
-            carry_write_slots=inputs.slots,
-            carry_write_index=ctx % span,
-        )
+        return _window_plan(entry, torch.where(real, ctx, span), self._seq,
+                            torch.where(real, inputs.slots, static.spare_slot),
+                            torch.where(real, table_block, static.spare_block),
+                            (self._seq, inputs.slots, ctx % span), ratio, span, per_block,
+                            _arange(span, ctx.device))
+
+
+def _entry_places(tables: torch.Tensor, entry_ids: torch.Tensor, counts: torch.Tensor, per_block: int):
+    """Where each sequence's compressed entries live in the paged store: ``blocks [S, E]`` (0 past a sequence's
+    ``counts``), ``rows [S, E]`` inside the block, and ``real [S, E]`` (the entry exists), from the block tables
+    ``[S, max blocks]`` and the entry ids ``[E]``."""
+    table_index = (entry_ids // per_block).clamp(max=tables.shape[1] - 1)[None, :].expand(tables.shape[0], -1)
+    real = entry_ids[None, :] < counts[:, None]  # [S, E]
+    blocks = torch.where(real, tables.gather(1, table_index), 0)  # [S, E]
+    rows = (entry_ids % per_block)[None, :].expand(tables.shape[0], -1)  # [S, E]
+    return blocks, rows, real
+
+
+def _window_plan(entry: torch.Tensor, ctx: torch.Tensor, first_row: torch.Tensor, slots: torch.Tensor,
+                 write_blocks: torch.Tensor, carry_writes: tuple, ratio: int, span: int, per_block: int,
+                 offsets: torch.Tensor) -> WindowPlan:
+    """The plan of compressor windows ``entry [N]`` (written to ``write_blocks [N]``) of sequences with ``ctx [N]``
+    tokens in state, whose step rows start at ``first_row [N]`` and whose carry is slot ``slots [N]``; ``offsets``
+    is ``arange(span)``; ``carry_writes`` = (rows, slots, position % span) of the tokens that stay in the carry."""
+    pos = ((entry + 1) * ratio - span)[:, None] + offsets[None, :]  # [N, span]
+    from_new = pos >= ctx[:, None]  # [N, span]
+    carry_rows, carry_slots, carry_index = carry_writes
+    return WindowPlan(
+        from_new=from_new,
+        new_rows=torch.where(from_new, first_row[:, None] + pos - ctx[:, None], 0),
+        carry_slots=slots[:, None].expand(-1, span),
+        carry_index=pos.clamp(min=0) % span,
+        valid=pos >= 0,
+        entry_positions=entry * ratio,
+        write_blocks=write_blocks,
+        write_rows=entry % per_block,
+        carry_write_rows=carry_rows,
+        carry_write_slots=carry_slots,
+        carry_write_index=carry_index,
+    )
 
 
 def _segments(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
