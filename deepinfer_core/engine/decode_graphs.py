@@ -108,7 +108,7 @@ class DecodeGraphs:
             replay = self.capture(step_fn, ())
         except RuntimeError as exc:  # e.g. an op that synchronises with the host cannot be captured
             self.disabled_reason = f"decode graph capture failed at batch {size}, context {context}: {exc}"
-            logger.warning("%s; decode steps run eagerly from now on", self.disabled_reason)
+            logger.warning("%s; decode steps run eagerly from now on", self.disabled_reason, exc_info=True)
             return None
         step = CapturedStep(shape, batch, inputs, buffers, replay)
         self.captured[(size, context)] = step

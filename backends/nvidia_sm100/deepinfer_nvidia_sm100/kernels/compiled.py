@@ -16,6 +16,7 @@ backend's Triton and TileLang kernel wrappers stay opaque custom ops (``opaque_u
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable
@@ -50,21 +51,34 @@ def compile_step(fn: Callable) -> Callable:
     One compile per static shape: every captured (batch size, context bucket) is its own compiled graph, so the
     recompile limit is raised to cover the captured shapes."""
     import torch._dynamo.config as dynamo_config
-    import torch._inductor.config as inductor_config
 
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
-    # Every concatenation a copy (ConcatKernel): on CUDA Inductor otherwise lowers small cats as pointwise kernels
-    # whose index arithmetic (``Identity(i - start)`` then ``// n``) fails its own range checks in torch 2.11
-    # ("ValueError: The argument '(((-128))//32)' is not comparable", the H200's first compiled capture).
-    options = {key: 0 for key in ("max_pointwise_cat_inputs", "max_complex_pointwise_cat_inputs")
-               if hasattr(inductor_config, key)}
-    compiled = torch.compile(fn, dynamic=False, options=options)
+    compiled = torch.compile(fn, dynamic=False)
 
     def step(*args):
-        with torch.inference_mode(False), torch.no_grad():
+        with torch.inference_mode(False), torch.no_grad(), _concatenations_copied():
             return compiled(*args)
 
     return step
+
+
+@contextlib.contextmanager
+def _concatenations_copied():
+    """While a step compiles, every ``torch.cat`` is lowered as copies into one buffer (Inductor's
+    ``ConcatKernel``), never as a masked pointwise kernel. On CUDA, Inductor's pointwise cat indexes each input with
+    ``Identity(i - start)``; fused with the layout's integer divisions, its loop-reordering check substitutes 0 and
+    builds ``Max(FloorDiv(Identity(-128), 32), ...)``, which sympy rejects ("ValueError: The argument
+    '(((-128))//32)' is not comparable", torch 2.11 on the H200). Its ``max_pointwise_cat_inputs=0`` setting did
+    not avoid it there; replacing the lowering did (``benchmarks/diagnose_compile_step.py --variant
+    concat-kernel``). Compiles happen inside the first call per shape, so the replacement is scoped to the call."""
+    from torch._inductor import ir, lowering
+
+    original = lowering.pointwise_cat
+    lowering.pointwise_cat = lambda inputs, dim=0: lowering.TensorBox(ir.ConcatKernel.create(inputs, dim))
+    try:
+        yield
+    finally:
+        lowering.pointwise_cat = original
 
 
 def compiled_ops() -> dict[str, Callable]:
