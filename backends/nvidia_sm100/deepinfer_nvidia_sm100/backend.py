@@ -103,15 +103,15 @@ def sm100_ops() -> dict[str, Callable]:
 
 
 def triton_ops() -> dict[str, Callable]:
-    """The overrides both paths share: Triton kernels (``moe_experts``, ``hc_pre``, ``hc_post``, ``apply_rope``)
-    and the small ops that TorchInductor compiles to Triton."""
+    """The overrides both paths share: Triton kernels (``moe_experts``, ``hc_pre``, ``hc_post``, ``apply_rope``,
+    the RMS norms) and the small ops that TorchInductor compiles to Triton."""
     from deepinfer_nvidia_sm100.kernels import compiled, gemv, hc, moe, norm, rope
 
     ops = {**compiled.compiled_ops(), "moe_experts": moe.moe_experts, "hc_pre": hc.hc_pre, "hc_post": hc.hc_post,
            "apply_rope": rope.apply_rope}
     if gemv.enabled():  # a candidate until timed against cuBLAS on the GPU (kernels/gemv.py)
         ops.update(linear=gemv.linear, grouped_linear=gemv.grouped_linear)
-    if norm.enabled():  # likewise, against the compiled reference (kernels/norm.py)
+    if norm.enabled():  # measured faster than the compiled reference (kernels/norm.py); traced when compiling
         ops.update(rms_norm=norm.rms_norm, unweighted_rms_norm=norm.unweighted_rms_norm)
     return ops
 

@@ -44,8 +44,6 @@ def _cases():
                                                   rand(2048, D, dtype=torch.bfloat16))),
         "gemv_grouped_linear": (gemv.grouped_linear, ref.grouped_linear, (rand(T, 2, D, dtype=torch.bfloat16),
                                                                           rand(2 * 1024, D, dtype=torch.bfloat16), 2)),
-        "rms_norm": (norm.rms_norm, ref.rms_norm, (streams, rand(D), 1e-6)),
-        "unweighted_rms_norm": (norm.unweighted_rms_norm, ref.unweighted_rms_norm, (streams, 1e-6)),
         "tl_sink_attention": (tl_attention._launch, lambda *a: ref.sink_attention(*a[:5]),
                               (q, kv, visible, rand(H), 0.05, None)),
     }
@@ -76,6 +74,27 @@ def test_wrapper_is_one_custom_op_under_compile_with_the_reference_shapes(name):
     fake = _flat(ops[0].meta["example_value"])
     want = _flat(reference(*args))
     assert [(tuple(t.shape), t.dtype) for t in fake] == [(tuple(t.shape), t.dtype) for t in want]
+
+
+@pytest.mark.parametrize("kernel,reference,weighted", [(norm.rms_norm, ref.rms_norm, True),
+                                                        (norm.unweighted_rms_norm, ref.unweighted_rms_norm, False)])
+def test_norm_kernels_trace_the_reference_under_compile(kernel, reference, weighted):
+    """The Triton norms step aside inside a compiled step: Dynamo traces the reference op (no custom op, no
+    Triton launch, so Inductor can fuse it), and the traced graph computes the reference's result on the CPU."""
+    x = torch.randn(T, HC, D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    args = (x, torch.rand(D) + 0.5, 1e-6) if weighted else (x, 1e-6)
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    got = torch.compile(kernel, backend=record, fullgraph=True)(*args)
+    (gm,) = graphs
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets and not any("deepinfer_nvidia" in t for t in targets)
+    torch.testing.assert_close(got, reference(*args), rtol=0, atol=0)
 
 
 class _NotRun(Exception):

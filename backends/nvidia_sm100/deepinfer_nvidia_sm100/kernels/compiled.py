@@ -109,6 +109,23 @@ def opaque_under_compile(name: str, fake: Callable) -> Callable[[Callable], Call
     return wrap
 
 
+def reference_under_compile(reference: Callable) -> Callable[[Callable], Callable]:
+    """Decorator for a kernel wrapper that TorchInductor does better inside a compiled step: an eager call runs the
+    kernel; under ``torch.compile`` the plain ``reference`` op is traced instead, so Inductor fuses it with its
+    neighbours (a norm with the casts, residual adds and RoPE around it) rather than launching it alone."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if torch.compiler.is_compiling():
+                return reference(*args, **kwargs)
+            return fn(*args, **kwargs)
+
+        return call
+
+    return wrap
+
+
 _COMPILED: dict[Callable, Callable] = {}
 
 
