@@ -1,12 +1,11 @@
 """mHC mixing logits (``hc_mix_logits``) on the bench preset's shape (hc 4, D 4096: rows of 16,384, 24 outputs):
-the compiled reference, the split-row kernel and its ``tl.dot`` variant, by batch.
+the compiled reference and the split-row kernels, by batch.
 
     python backends/nvidia_sm100/benchmarks/bench_hc_mix.py      # on a GPU; prints one table
 
 Checks each variant against the reference op first (fp32 results, max relative error), then times each in a CUDA
 graph (CUDA events, median of repeats, after warmup). Floor = bf16 stream bytes / 4.25 TB/s (BENCHMARKS.md
-ceilings; the 24 x 16,384 fp32 weight is read once more per program). Decides ``MIX_KERNEL_MAX_TOKENS`` and
-whether the ``dot`` tiles replace the compiled reference for longer batches (decode at batch 64 / 256, prefill).
+ceilings; the 24 x 16,384 fp32 weight is read once more per program). Decides ``MIX_KERNEL_MAX_TOKENS``.
 """
 
 from __future__ import annotations
@@ -26,11 +25,10 @@ def main() -> None:
     fn = torch.randn((2 + HC) * HC, HC * D, device="cuda") * 0.02
     variants = {
         "compiled": lambda s: hc.maybe_compile(ref.hc_mix_logits)(s, fn, 1e-6),
-        "split": lambda s: hc.hc_mix_logits(s, fn, 1e-6, tiles="split"),
-        "dot": lambda s: hc.hc_mix_logits(s, fn, 1e-6, tiles="dot"),
+        "split": lambda s: hc.hc_mix_logits(s, fn, 1e-6, split=True),
     }
     rows = []
-    for T in (1, 4, 16, 64, 256, 1024, 8192):
+    for T in (1, 4, 16, 64, 256):
         streams = torch.randn(T, HC, D, device="cuda").to(torch.bfloat16)
         want = ref.hc_mix_logits(streams, fn, 1e-6)
         floor = streams.numel() * 2 / BW
@@ -41,11 +39,11 @@ def main() -> None:
                 continue
             err = ((run(streams) - want).abs().max() / want.abs().max()).item()
             assert err < 1e-4, f"{name} at {T} tokens: max relative error {err:.1e}"
-            row.append(cuda_time(graphed(lambda r=run, s=streams: r(s)), reps=10 if T >= 1024 else 20))
+            row.append(cuda_time(graphed(lambda r=run, s=streams: r(s)), reps=20))
         rows.append(row)
     print(f"\nhc_mix_logits, hc {HC}, D {D} (rows of {HC * D}), bf16 streams, fp32 fn; CUDA graph replays (H200)")
-    print("| tokens | floor | compiled reference | split rows | dot tiles | best |")
-    print("|---|---|---|---|---|---|")
+    print("| tokens | floor | compiled reference | split rows | best |")
+    print("|---|---|---|---|---|")
     for T, floor, *times in rows:
         cells = [f"{t * 1e6:.1f} us ({100 * floor / t:.0f}%)" if t is not None else "-" for t in times]
         best = min((t, name) for t, name in zip(times, variants, strict=True) if t is not None)[1]

@@ -105,10 +105,6 @@ def test_cuda_graph_decode_matches_eager(checkpoint, dtype, tol):
     assert compared >= STEPS * len(PROMPTS) // 2
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "open (docs/nvidia.md, 'Decode steps compiled whole'): on the H200 (torch 2.11) TorchInductor stopped with "
-    "\"ValueError: The argument '(((-128))//32)' is not comparable\" (its pointwise torch.cat lowering); the fix "
-    "(concatenations copied) has not run on a GPU yet"))
 def test_compiled_decode_step_matches_eager(checkpoint, monkeypatch):
     """DEEPINFER_NVIDIA_COMPILE_STEP=1: decode steps compiled by TorchInductor, then captured, against eager steps."""
     replays = []

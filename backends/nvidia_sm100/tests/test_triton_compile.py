@@ -69,8 +69,7 @@ def test_moe_kernel_compiles_to_the_architectures_tensor_core_path(kernel, tile_
 SMALL_KERNELS = {  # kernel -> (argument types where not the default, constexprs) as the ops launch them
     # defaults: pointers (*_ptr) *fp32, *eps fp32, other scalars i32
     "hc._hc_weights_kernel": ({}, {"HC": 4, "HC_P2": 4}),
-    "hc._hc_mix_partial_kernel": ({"x_ptr": "*bf16"}, {"BLOCK_T": 1, "BLOCK_K": 128, "N_P2": 32, "DOT": False}),
-    "hc._hc_mix_partial_kernel:dot": ({"x_ptr": "*bf16"}, {"BLOCK_T": 64, "BLOCK_K": 32, "N_P2": 32, "DOT": True}),
+    "hc._hc_mix_partial_kernel": ({"x_ptr": "*bf16"}, {"BLOCK_T": 1, "BLOCK_K": 128, "N_P2": 32}),
     "hc._hc_mix_finish_kernel": ({}, {"N_P2": 32, "SPLITS_P2": 64}),
     "hc._hc_collapse_kernel": ({"streams_ptr": "*bf16", "out_ptr": "*bf16"}, {"HC": 4, "HC_P2": 4, "BLOCK_D": 1024}),
     "hc._hc_post_kernel": ({"streams_ptr": "*bf16", "block_ptr": "*bf16", "out_ptr": "*bf16"},

@@ -62,17 +62,15 @@ def test_hc_pre_matches_reference(tokens, hc_mult, iters, dtype):
 
 @kernel_runs_here
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tiles, tokens, hc_mult, width", [
+@pytest.mark.parametrize("split, tokens, hc_mult, width", [
     (None, 1, 4, 1024), (None, 3, 4, 100), (None, 6, 3, 300), (None, 64, 4, 64),
-    (None, hc.MIX_KERNEL_MAX_TOKENS + 1, 2, 32),
-    ("dot", 1, 4, 1024), ("dot", 70, 4, 100), ("dot", 1030, 2, 520), ("dot", 65, 3, 64)])
-def test_hc_mix_logits_matches_reference(tiles, tokens, hc_mult, width, dtype):
-    """Default tiles: split rows (the split past the row's end masked, 3 x 300 = 900 elements), token blocks past the
-    batch, an output width that is not a power of two (hc 3: 15), and the compiled fallback above the token limit.
-    ``tl.dot`` tiles: a token tile past the batch (70, 65), rows that end inside a split (400 of 1024 and 1040 of
-    2 x 1024 elements), outputs padded to 16 (hc 2: 8; hc 3: 15) and the long-batch split (1030 tokens)."""
+    (None, hc.MIX_KERNEL_MAX_TOKENS + 1, 2, 32), (True, 70, 4, 100), (True, 65, 3, 64)])
+def test_hc_mix_logits_matches_reference(split, tokens, hc_mult, width, dtype):
+    """Split rows (the split past the row's end masked, 3 x 300 = 900 elements), token blocks past the batch, an
+    output width that is not a power of two (hc 3: 15), the compiled fallback above the token limit, and the
+    kernels forced above it (``split=True``: the last token block partial, 70 and 65 tokens)."""
     streams, fn, _, _ = _case(tokens, hc_mult, width, dtype, seed=tokens)
-    got = hc.hc_mix_logits(streams, fn, 1e-6, tiles=tiles)
+    got = hc.hc_mix_logits(streams, fn, 1e-6, split=split)
     want = ref.hc_mix_logits(streams, fn, 1e-6)
     assert got.shape == want.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)

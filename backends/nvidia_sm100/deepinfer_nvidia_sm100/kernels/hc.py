@@ -13,7 +13,9 @@ two cuBLAS kernels. The row is split over many programs instead, each returning 
 and of the ``fn`` dot products, and ``_hc_mix_finish_kernel`` adds the shares in a fixed order and scales by the
 norm (the norm is a per-row scalar, so it can follow the dot products). Longer batches (prefill) keep the
 compiled reference, whose GEMM reads ``fn`` once rather than once per block of tokens (at 64 tokens the split
-kernel took 49.7 us on the H200, the compiled pair 21 us; at one token 6.5 against 21 us).
+kernel took 49.7 us on the H200, the compiled pair 21 us; at one token 6.5 against 21 us). A ``tl.dot``-tiled
+variant for longer batches lost to the compiled pair at every size from 64 to 8K tokens (docs/performance.md 4.9:
+29.9 vs 27.4 us at 64 tokens, 1300 vs 682 us at 8K) and was removed.
 """
 
 from __future__ import annotations
@@ -31,10 +33,9 @@ MIX_K_PER_SPLIT = 128  # row elements per program (128 programs for one token of
 
 @triton.jit
 def _hc_mix_partial_kernel(x_ptr, fn_ptr, dots_ptr, squares_ptr, tokens, K, N, K_PER_SPLIT,
-                           BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, N_P2: tl.constexpr, DOT: tl.constexpr):
+                           BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, N_P2: tl.constexpr):
     """Program (token block, split): ``dots[split, t, n] = x[t, ks] . fn[n, ks]`` and ``squares[split, t]`` over
-    the split's ``K_PER_SPLIT`` row elements ``ks`` (fp32). ``DOT``: the products as ``tl.dot`` tiles in IEEE fp32
-    (no TF32; blocks of at least 16 tokens and 16 outputs), else element-wise products summed."""
+    the split's ``K_PER_SPLIT`` row elements ``ks`` (fp32 element-wise products, summed)."""
     split = tl.program_id(1)
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
     outs = tl.arange(0, N_P2)  # [NP]
@@ -49,10 +50,7 @@ def _hc_mix_partial_kernel(x_ptr, fn_ptr, dots_ptr, squares_ptr, tokens, K, N, K
         w = tl.load(fn_ptr + outs[:, None] * K + ks[None, :], mask=(outs[:, None] < N) & in_k[None, :],
                     other=0.0)  # [NP, BK]
         squares += tl.sum(x * x, axis=1)
-        if DOT:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")  # [BT, NP]
-        else:
-            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)  # [BT, NP]
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)  # [BT, NP]
     row = split * tokens + toks  # [BT]
     tl.store(dots_ptr + row[:, None] * N_P2 + outs[None, :], acc, mask=toks[:, None] < tokens)
     tl.store(squares_ptr + row, squares, mask=toks < tokens)
@@ -74,32 +72,24 @@ def _hc_mix_finish_kernel(dots_ptr, squares_ptr, out_ptr, tokens, K, N, splits, 
     tl.store(out_ptr + token * N + outs, dots * scale, mask=outs < N)
 
 
-def hc_mix_logits(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float, tiles: str | None = None) -> torch.Tensor:
+def hc_mix_logits(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float, split: bool | None = None) -> torch.Tensor:
     """``reference.hc_mix_logits``: ``[T, (2 + hc) * hc]`` fp32; the split-row kernels up to
-    ``MIX_KERNEL_MAX_TOKENS`` tokens, else the compiled reference. ``tiles`` forces a variant at any batch:
-    ``"split"`` (the split-row kernel) or ``"dot"`` (its ``tl.dot`` tiles, a candidate for longer batches not yet
-    timed on a GPU: ``benchmarks/bench_hc_mix.py``)."""
-    if tiles not in (None, "split", "dot"):
-        raise ValueError(f"tiles must be None, 'split' or 'dot', got {tiles!r}")
+    ``MIX_KERNEL_MAX_TOKENS`` tokens, else the compiled reference. ``split=True`` forces the kernels at any batch
+    (``benchmarks/bench_hc_mix.py``)."""
     tokens = streams.shape[0]
-    if tokens == 0 or (tiles is None and tokens > MIX_KERNEL_MAX_TOKENS):
+    if tokens == 0 or (not split and tokens > MIX_KERNEL_MAX_TOKENS):
         return maybe_compile(ref.hc_mix_logits)(streams, fn, norm_eps)
     x = streams.reshape(tokens, -1).contiguous()  # [T, K]
     fn = fn.float().contiguous()  # [N, K]
     n, k = fn.shape
-    dot = tiles == "dot"
-    n_p2 = max(16, triton.next_power_of_2(n)) if dot else triton.next_power_of_2(n)
-    if dot:  # 64-token tiles; rows split in 1024 (long batches) or 256 elements (more programs for short ones)
-        block_t, block_k, per_split = 64, 32, 1024 if tokens >= 1024 else 256
-    else:
-        block_t, per_split = min(4, triton.next_power_of_2(tokens)), MIX_K_PER_SPLIT
-        block_k = per_split // max(1, block_t // 2)  # [block_t, n_p2, block_k] products: 64 registers a thread
+    n_p2 = triton.next_power_of_2(n)
+    block_t, per_split = min(4, triton.next_power_of_2(tokens)), MIX_K_PER_SPLIT
+    block_k = per_split // max(1, block_t // 2)  # [block_t, n_p2, block_k] products: 64 registers a thread
     splits = triton.cdiv(k, per_split)
     dots = torch.empty(splits, tokens, n_p2, dtype=torch.float32, device=x.device)
     squares = torch.empty(splits, tokens, dtype=torch.float32, device=x.device)
     _hc_mix_partial_kernel[(triton.cdiv(tokens, block_t), splits)](
-        x, fn, dots, squares, tokens, k, n, per_split, BLOCK_T=block_t, BLOCK_K=block_k, N_P2=n_p2, DOT=dot,
-        num_warps=4)
+        x, fn, dots, squares, tokens, k, n, per_split, BLOCK_T=block_t, BLOCK_K=block_k, N_P2=n_p2, num_warps=4)
     out = torch.empty(tokens, n, dtype=torch.float32, device=x.device)
     _hc_mix_finish_kernel[(tokens,)](dots, squares, out, tokens, k, n, splits, norm_eps, N_P2=n_p2,
                                      SPLITS_P2=triton.next_power_of_2(splits), num_warps=4)
