@@ -39,7 +39,8 @@ class LLM:
         backend: backend name (``cpu``, ``nvidia_sm100``, ...); default ``$DEEPINFER_ACCELERATOR`` or automatic.
         dtype: ``"auto"`` (float32 on CPU, bfloat16 on accelerators), or a torch dtype / name.
         max_model_len: longest prompt + output in tokens (default: the model's max_position_embeddings).
-        max_num_seqs: most sequences running at once. max_num_batched_tokens: token budget per step.
+        max_num_seqs: most sequences running at once. max_num_batched_tokens: token budget per step (default: the
+            backend's ``default_max_num_batched_tokens``: 2048 on CPU, 8192 on NVIDIA GPUs).
         kv_cache_memory_bytes: bytes for the model state (paged blocks and per-sequence slots); default
             a fraction (``memory_fraction``) of free device memory, or up to 2 GiB on CPU.
         seed: base seed for requests without ``SamplingParams.seed``.
@@ -64,7 +65,7 @@ class LLM:
         dtype: str | torch.dtype = "auto",
         max_model_len: int | None = None,
         max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int | None = None,
         kv_cache_memory_bytes: int | None = None,
         seed: int = 0,
         block_size: int | None = None,
@@ -78,7 +79,9 @@ class LLM:
         trust_remote_code: bool = False,
         **options: Any,
     ):
-        _check_positive(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        _check_positive(max_num_seqs=max_num_seqs)
+        if max_num_batched_tokens is not None:
+            _check_positive(max_num_batched_tokens=max_num_batched_tokens)
         if tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: this engine runs one device per engine "
                              "for now; use tensor_parallel_size=1")
@@ -91,6 +94,7 @@ class LLM:
         self.model_dir = resolve_model(model)
         self.plugin_manager = get_plugin_manager()
         self.backend = select_backend(backend)
+        self.max_num_batched_tokens = max_num_batched_tokens or self.backend.default_max_num_batched_tokens
         registry = default_registry(self.plugin_manager)
         configure_plugins(self.plugin_manager, {"model": str(self.model_dir)}, options, self.backend.name)
         ops = self.backend.make_op_table(self.plugin_manager)
@@ -107,7 +111,7 @@ class LLM:
             raise ValueError("the state budget holds no block beside the graphs' spare block; raise "
                              "kv_cache_memory_bytes or pass enforce_eager=True")
         state = self.model.new_state(num_slots=max_num_seqs + spare, num_blocks=num_blocks + spare, block_size=block)
-        engine_config = EngineConfig(self.max_model_len, max_num_seqs, max_num_batched_tokens, block, num_blocks,
+        engine_config = EngineConfig(self.max_model_len, max_num_seqs, self.max_num_batched_tokens, block, num_blocks,
                                      enable_prefix_caching, seed)
         graphs = None
         if sizes:

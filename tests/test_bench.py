@@ -118,6 +118,7 @@ def test_bench_result_has_the_expected_keys_and_positive_numbers(hf_result):
     assert agreement["num_requests"] == 2 and 0 <= agreement["mean_prefix_fraction"] <= 1
     assert hf_result["roofline"] == {"engine": "n/a (CPU)", "hf": "n/a (CPU)"}
     assert hf_result["config"]["preset"] == "tiny" and hf_result["config"]["input_len"] == 8
+    assert hf_result["config"]["max_num_batched_tokens"] == 2048  # unset: the CPU backend's default, as run
     json.dumps(hf_result)  # JSON-able as is
 
 

@@ -296,3 +296,21 @@ def test_vllm_constructor_arguments_are_accepted(ckpt, tmp_path):
         _llm(folder, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         _llm(folder, gpu_memory_utilization=1.5)
+
+
+def test_token_budget_defaults_to_the_backends_and_an_explicit_one_wins(ckpt, monkeypatch):
+    """``max_num_batched_tokens`` unset: the backend's ``default_max_num_batched_tokens`` (a GPU backend prefills in
+    longer steps than the CPU); given, it is used as is; zero or negative is refused by name."""
+    from deepinfer_core.backends.cpu import CpuBackend
+
+    folder, _ = ckpt
+    assert _llm(folder).engine.scheduler.max_num_batched_tokens == CpuBackend.default_max_num_batched_tokens == 2048
+    monkeypatch.setattr(CpuBackend, "default_max_num_batched_tokens", 24)
+    llm = _llm(folder)
+    assert llm.max_num_batched_tokens == llm.engine.scheduler.max_num_batched_tokens == 24
+    out = llm.generate([{"prompt_token_ids": _prompts([40])[0]}], SamplingParams(max_tokens=2, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2  # the 40-token prompt prefilled in 24-token chunks, not refused
+    assert _llm(folder, max_num_batched_tokens=16).engine.scheduler.max_num_batched_tokens == 16
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be a positive integer"):
+        _llm(folder, max_num_batched_tokens=0)

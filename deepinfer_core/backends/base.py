@@ -77,6 +77,9 @@ class Backend:
 
     name: ClassVar[str] = ""
     device_type: ClassVar[str] = ""
+    #: tokens one engine step may take when the user gives no ``max_num_batched_tokens``: small on a CPU (a step's
+    #: latency grows with it), larger on an accelerator, where long prefill steps run nearer the compute peak
+    default_max_num_batched_tokens: ClassVar[int] = 2048
 
     def __init__(self, device_index: int | None = None) -> None:
         self.device_index = device_index

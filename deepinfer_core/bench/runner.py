@@ -44,7 +44,7 @@ class BenchConfig:
     output_len: int = 64
     num_prompts: int = 16
     max_num_seqs: int = 16
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # None: the backend's default
     backend: str | None = None
     dtype: str = "auto"
     compare_hf: bool = False
@@ -58,6 +58,8 @@ class BenchConfig:
         """Raise ValueError naming the first bad field."""
         for name in ("input_len", "output_len", "num_prompts", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
+            if name == "max_num_batched_tokens" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.warmup < 0:
@@ -87,6 +89,7 @@ def run_bench(config: BenchConfig, log: Log = lambda msg: None) -> dict[str, Any
     engine, device, dtype = run_engine(folder, config, prompts, log)
     result: dict[str, Any] = {"config": describe(config, folder, device, dtype), "engine": engine["metrics"]}
     result["config"]["decode_graph_replays"] = engine["graph_replays"]
+    result["config"]["max_num_batched_tokens"] = engine["max_num_batched_tokens"]  # the backend's default if unset
     result["roofline"] = {"engine": _roofline(model_config, dtype, device, engine["metrics"], config)}
     result["hf"] = result["ratio"] = result["agreement"] = None
     if config.compare_hf:
@@ -175,10 +178,12 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
     graphs = llm.engine.runner.decode_graphs
     replays = graphs.num_replays if graphs is not None else 0  # warmup included
     outputs = [times.outputs[f"bench-{i}"] for i in range(len(prompts))]
+    budget = llm.max_num_batched_tokens
     llm.engine.shutdown()
     del llm
     _free(device)
-    return {"metrics": metrics, "outputs": outputs, "graph_replays": replays}, device, dtype
+    return {"metrics": metrics, "outputs": outputs, "graph_replays": replays,
+            "max_num_batched_tokens": budget}, device, dtype
 
 
 def time_engine(llm, prompts: Sequence[Sequence[int]], output_len: int, tag: str) -> RunTimes:

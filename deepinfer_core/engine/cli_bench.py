@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=64, help="generated tokens per request (default 64)")
     parser.add_argument("--num-prompts", type=int, default=16, help="requests (default 16)")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="engine batch; HF batch size too (default 16)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="engine token budget per step")
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        help="engine token budget per step (default: the backend's, 2048 on CPU, 8192 on NVIDIA)")
     parser.add_argument("--backend", help="engine backend (default: automatic)")
     parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on accelerators), "
                                                         "float32, bfloat16, float16")

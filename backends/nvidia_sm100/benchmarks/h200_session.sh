@@ -8,7 +8,7 @@
 #   bash backends/nvidia_sm100/benchmarks/h200_session.sh MODE     (each mode fits one 10-minute call)
 #   tests    every GPU test of the backend            quick   b1, b64, then the graph / attention tests
 #   bench    b1 b64 b256 b16 + --enforce-eager A/B    hf      b1 and b64 with --compare-hf (HF in the same run)
-#   decode   b1 b64 b256 b64-8k b16 (graphs only)      prefill 8 x 1K prompts in one step, one 8K prompt
+#   decode   b1 b64 b256 b64-2k b16 (graphs only)      prefill 8 x 1K prompts in one step, one 8K prompt
 #   compile  decode steps compiled whole before capture (DEEPINFER_NVIDIA_COMPILE_STEP=1): the decode profile at
 #            batch 1 and 64, the compiled-step test, then b1 and b64
 #   kernels  op benchmarks of the untimed candidates: hc_mix_logits variants by batch (bench_hc_mix.py), the
@@ -61,7 +61,7 @@ if [[ $what == bench || $what == all || $what == quick || $what == quick-bench |
   fi
   if [[ $what == bench || $what == all || $what == decode ]]; then
     bench b256 --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256 --max-num-batched-tokens 8192
-    bench b64-8k --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64 --max-num-batched-tokens 8192
+    bench b64-2k --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64 --max-num-batched-tokens 2048
     bench b16 --input-len 1024 --output-len 128 --num-prompts 16 --max-num-seqs 16
   fi
   if [[ $what == bench || $what == all ]]; then
