@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 pytest.importorskip("triton", reason="the test extra installs triton")
 from deepinfer_nvidia_sm100.kernels import compiled
@@ -51,11 +52,14 @@ def _compiled(fn, example_inputs):
         return fn()
 
     step = compiled.compile_step(traced_step)
+    before = counters["stats"]["unique_graphs"]
     step()  # compile outside the timed steps, as the CUDA graph runner's warm-up does
+    STEP_GRAPHS.append(counters["stats"]["unique_graphs"] - before)
     return step
 
 
 STEP_TRACED: list[bool] = []
+STEP_GRAPHS: list[int] = []  # graphs TorchDynamo made of each captured step: 1 unless the step graph-breaks
 
 
 @pytest.mark.skipif(not ASSET.is_dir(), reason="the tiny checkpoint ships with the source tree only")
@@ -65,6 +69,7 @@ def test_compiled_static_decode_steps_match_eager(monkeypatch):
     torch._dynamo.reset()
     got, replays = _generate(_compiled)
     assert len(STEP_TRACED) > replays and all(STEP_TRACED)  # every replayed step ran compiled
+    assert STEP_GRAPHS == [1], f"a graph break split the compiled step into {STEP_GRAPHS} graphs (TORCH_LOGS=graph_breaks)"
     assert replays == eager_replays >= STEPS - 1
     for p, (want_steps, got_steps) in enumerate(zip(eager, got, strict=True)):
         assert [t for t, _ in got_steps] == [t for t, _ in want_steps], f"prompt {p}"

@@ -167,6 +167,8 @@ class StepLayout:
         self.num_seqs = batch.num_seqs
         self.query_lens = batch.query_lens
         self.max_query_len = max(self.query_lens)
+        # every sequence folds max_query_len tokens: padded and flat layouts are views of each other
+        self.uniform = all(n == self.max_query_len for n in self.query_lens)
         self._build_queries()
         self._build_sliding_keys()
         self._entries: dict[int, EntryLayout] = {}
@@ -209,11 +211,6 @@ class StepLayout:
         seq, offset = _segments(end - first)  # [M]
         positions = first[seq] + offset
         return starts[seq] + positions - ctx[seq], self._host_slots[seq], positions % span
-
-    @functools.cached_property
-    def uniform(self) -> bool:
-        """Every sequence folds ``max_query_len`` tokens: padded and flat layouts are views of each other."""
-        return all(n == self.max_query_len for n in self.query_lens)
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """Flat ``[T, ...]`` -> padded ``[S, Lq, ...]`` (padding rows repeat row 0; mask them)."""
@@ -358,6 +355,7 @@ class DecodeLayout(StepLayout):
         self.target_device = self.device = device
         self.num_seqs, self.max_query_len = static.num_seqs, 1
         self.query_lens = [1] * static.num_seqs
+        self.uniform = True
         self._seq = _arange(static.num_seqs, device)  # [S]: token row s is sequence s
         self.query_valid = _constant("true_column", static.num_seqs, device)  # [S, 1]
         self.query_rows = self._seq[:, None]  # [S, 1]
