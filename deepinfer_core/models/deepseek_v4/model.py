@@ -404,10 +404,8 @@ class DeepseekV4Model:
         """
         ops, c = self.ops, self.config
         layout = layout or self.step_layout(batch, state)
-        rope_args, rope = {}, {}
-        for table in ("main", "compress"):  # a loop, not a comprehension: Python 3.11's graph-break TorchDynamo
-            rope_args[table] = (self.rope_inv_freq[table], self.rope_scaling[table], self.dtype)
-            rope[table] = ops.rope_cos_sin(batch.positions, *rope_args[table])
+        rope_args = {t: (self.rope_inv_freq[t], self.rope_scaling[t], self.dtype) for t in ("main", "compress")}
+        rope = {t: ops.rope_cos_sin(batch.positions, *rope_args[t]) for t in rope_args}
         ctx = StepContext(layout, state, batch.input_ids, rope, rope_args)
         hidden = ops.embed(batch.input_ids, self.embed)  # [T, D]
         streams = hidden.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()  # [T, hc, D]
