@@ -1,6 +1,7 @@
 """Why a compiled decode step (``DEEPINFER_NVIDIA_COMPILE_STEP=1``) fails: compiles the tiny checkpoint's decode
-steps and, on failure, names the FX node TorchInductor was lowering (op, shapes, the model's source line) and
-prints the full traceback. ``--variant`` re-runs with one Inductor setting changed, to test a diagnosis. GPU only.
+steps and, on failure, names the FX node TorchInductor lowered last (op, shapes, the model's source line; the output
+node when the failure came after lowering) beside the warning's full traceback (the step is then captured uncompiled,
+``compiled.StepCompiler``). ``--variant`` re-runs with one Inductor setting changed, to test a diagnosis. GPU only.
 
     python backends/nvidia_sm100/benchmarks/diagnose_compile_step.py [--model tiny|preset] [--variant VARIANT]
 """
@@ -12,7 +13,6 @@ import contextlib
 import logging
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -74,22 +74,14 @@ def main() -> int:
     llm = LLM(model=str(folder), backend="nvidia_sm100", dtype="bfloat16",
               max_model_len=len(prompt) + 64, max_num_seqs=4)
     graphs = llm.engine.runner.decode_graphs
-    original_capture = graphs.capture
-
-    def capture(fn, args_):
-        try:
-            return original_capture(fn, args_)
-        except Exception:
-            print("=== capture failed; full traceback:\n" + traceback.format_exc()[-6000:])
-            if trail:
-                print("=== last FX node lowered:\n" + describe(trail[-1]))
-            raise
-
-    graphs.capture = capture
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-    print(f"=== variant {args.variant}: replays {graphs.num_replays}, disabled: {graphs.disabled_reason}")
-    return 0 if graphs.num_replays else 1
+    failure = llm.backend._step_compiler.failure  # the warning above has its traceback
+    if failure and trail:
+        print("=== last FX node lowered:\n" + describe(trail[-1]))
+    print(f"=== variant {args.variant}: compile {'failed: ' + failure if failure else 'succeeded'}; "
+          f"replays {graphs.num_replays}, graphs disabled: {graphs.disabled_reason}")
+    return 1 if failure else 0
 
 
 if __name__ == "__main__":

@@ -37,6 +37,8 @@ class NvidiaBackend(Backend):
     default_max_num_batched_tokens = 8192
 
     def __init__(self, device_index: int | None = None) -> None:
+        from deepinfer_nvidia_sm100.kernels.compiled import StepCompiler
+
         if not torch.cuda.is_available():
             raise RuntimeError(f"{NAME}: {probe().reason}")
         index = torch.cuda.current_device() if device_index is None else device_index
@@ -48,6 +50,7 @@ class NvidiaBackend(Backend):
             raise RuntimeError(f"{NAME}: compute capability {major}.{minor}: needs 9.x or 10.x")
         self.path = path
         self._graph_pool = None  # one CUDA graph memory pool shared by every capture (capture_graph)
+        self._step_compiler = StepCompiler()
 
     def capabilities(self) -> Capabilities:
         """fp32 / bf16 / fp16, NCCL, CUDA graphs through ``capture_graph``; no fp8. Batch invariance comes from the
@@ -76,16 +79,13 @@ class NvidiaBackend(Backend):
 
         ``fn`` must be static in shape and free of host synchronisation for the given inputs. Every graph of
         this backend shares one memory pool (they never run at once): a graph's outputs stay valid only
-        until another graph of the backend replays. With ``DEEPINFER_NVIDIA_COMPILE_STEP=1`` (experimental) ``fn`` is
-        compiled by TorchInductor first (``kernels/compiled.py: compile_step``).
+        until another graph of the backend replays. With ``DEEPINFER_NVIDIA_COMPILE_STEP=1`` ``fn`` is compiled by
+        TorchInductor first, unless a compile already failed (``kernels/compiled.py: StepCompiler``).
         """
-        from deepinfer_nvidia_sm100.kernels import compiled
-
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
-        if compiled.step_enabled():
-            fn = compiled.compile_step(fn)
-        return CudaGraphRunner(fn, example_inputs, self.device, pool=self._graph_pool)
+        return self._step_compiler.capture(
+            fn, lambda step: CudaGraphRunner(step, example_inputs, self.device, pool=self._graph_pool))
 
 
 def sm90_ops() -> dict[str, Callable]:

@@ -36,9 +36,9 @@ def checkpoint(tmp_path_factory) -> Path:
     return folder
 
 
-def _generate(folder, backend, dtype, replays=None, **llm_kwargs):
+def _generate(folder, backend, dtype, replays=None, backends=None, **llm_kwargs):
     """Greedy steps per prompt: (token, its logprob, top-2 gap). ``replays`` (a list) gets the number of
-    decode steps replayed from CUDA graphs."""
+    decode steps replayed from CUDA graphs, ``backends`` (a list) the engine's backend."""
     from deepinfer_core.llm import LLM
     from deepinfer_core.sampling.params import SamplingParams
 
@@ -46,6 +46,8 @@ def _generate(folder, backend, dtype, replays=None, **llm_kwargs):
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=2)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     name = llm.backend.name
+    if backends is not None:
+        backends.append(llm.backend)
     if replays is not None:
         graphs = llm.engine.runner.decode_graphs
         replays.append(graphs.num_replays if graphs is not None else 0)
@@ -110,7 +112,9 @@ def test_compiled_decode_step_matches_eager(checkpoint, monkeypatch):
     replays = []
     _, eager = _generate(checkpoint, "nvidia_sm100", "bfloat16", replays, enforce_eager=True)
     monkeypatch.setenv("DEEPINFER_NVIDIA_COMPILE_STEP", "1")
-    _, compiled = _generate(checkpoint, "nvidia_sm100", "bfloat16", replays)
+    backends = []
+    _, compiled = _generate(checkpoint, "nvidia_sm100", "bfloat16", replays, backends)
+    assert backends[0]._step_compiler.failure is None  # a failed compile would replay uncompiled steps
     assert replays == [0, replays[1]] and replays[1] >= STEPS - 1
     compared, _ = _compare(eager, compiled, lp_tol=0.05, tie_gap=0.05, label="gpu bf16: compiled graphs vs eager")
     assert compared >= STEPS * len(PROMPTS) // 2

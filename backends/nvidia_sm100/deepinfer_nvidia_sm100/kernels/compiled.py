@@ -18,12 +18,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch._dynamo.exc import TorchDynamoException
 
 from deepinfer_core.ops import reference as ref
+
+logger = logging.getLogger("deepinfer")
 
 COMPILED_OPS = ("rms_norm", "unweighted_rms_norm", "rope_cos_sin", "hc_head", "compressor_window", "compressor_pool")
 ENV = "DEEPINFER_NVIDIA_COMPILE"
@@ -44,22 +49,44 @@ def step_enabled() -> bool:
     return enabled() and env_flag(STEP_ENV, "0")
 
 
-def compile_step(fn: Callable) -> Callable:
+def compile_step(fn: Callable, backend: str | Callable = "inductor") -> Callable:
     """``fn`` (a static-shape decode step) compiled by TorchInductor, run under ``no_grad`` (not inference mode:
     TorchInductor in torch 2.11 fails on inference mode around ordinary tensors, pytorch/pytorch#169477).
 
     One compile per static shape: every captured (batch size, context bucket) is its own compiled graph, so the
-    recompile limit is raised to cover the captured shapes."""
+    recompile limit is raised to cover the captured shapes. The compile happens in the first call."""
     import torch._dynamo.config as dynamo_config
 
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
-    compiled = torch.compile(fn, dynamic=False)
+    compiled = torch.compile(fn, dynamic=False, backend=backend)
 
     def step(*args):
         with torch.inference_mode(False), torch.no_grad(), _concatenations_copied():
             return compiled(*args)
 
     return step
+
+
+class StepCompiler:
+    """Compiles decode steps before their capture while that works: the first step TorchDynamo or TorchInductor
+    cannot compile is captured as it is, with a warning and its traceback, and so is every later one (a compiler
+    failure costs that compile's time, never the CUDA graphs)."""
+
+    def __init__(self, backend: str | Callable = "inductor") -> None:
+        self.backend = backend
+        self.failure: str | None = None  # why compiling was given up, once it was
+
+    def capture(self, fn: Callable, capture: Callable[[Callable], Any]) -> Any:
+        """``capture(step)`` of the compiled ``fn`` when compiling is on and has not failed, else of ``fn``.
+        ``capture`` must call the step before capturing it (the compile happens in that first call)."""
+        if self.failure is None and step_enabled():
+            try:
+                return capture(compile_step(fn, self.backend))
+            except TorchDynamoException as exc:
+                self.failure = f"{type(exc).__name__}: {exc}".strip()
+                logger.warning("compiling the decode step failed; decode steps are captured uncompiled from now on "
+                               "(%s=0 skips compiling)", STEP_ENV, exc_info=True)
+        return capture(fn)
 
 
 @contextlib.contextmanager
