@@ -63,8 +63,8 @@ def test_hc_pre_matches_reference(tokens, hc_mult, iters, dtype):
 @kernel_runs_here
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("split, tokens, hc_mult, width", [
-    (None, 1, 4, 1024), (None, 3, 4, 100), (None, 6, 3, 300), (None, 64, 4, 64),
-    (None, hc.MIX_KERNEL_MAX_TOKENS + 1, 2, 32), (True, 70, 4, 100), (True, 65, 3, 64)])
+    (False, 1, 4, 1024), (False, 3, 4, 100), (False, 6, 3, 300), (False, 64, 4, 64),
+    (False, hc.MIX_KERNEL_MAX_TOKENS + 1, 2, 32), (True, 70, 4, 100), (True, 65, 3, 64)])
 def test_hc_mix_logits_matches_reference(split, tokens, hc_mult, width, dtype):
     """Split rows (the split past the row's end masked, 3 x 300 = 900 elements), token blocks past the batch, an
     output width that is not a power of two (hc 3: 15), the compiled fallback above the token limit, and the

@@ -97,7 +97,8 @@ def _concatenations_copied():
     builds ``Max(FloorDiv(Identity(-128), 32), ...)``, which sympy rejects ("ValueError: The argument
     '(((-128))//32)' is not comparable", torch 2.11 on the H200). Its ``max_pointwise_cat_inputs=0`` setting did
     not avoid it there; replacing the lowering did (``benchmarks/diagnose_compile_step.py --variant
-    concat-kernel``). Compiles happen inside the first call per shape, so the replacement is scoped to the call."""
+    pointwise-cat`` runs without the replacement). Compiles happen inside the first call per shape, so the
+    replacement is scoped to the call."""
     from torch._inductor import ir, lowering
 
     original = lowering.pointwise_cat

@@ -72,7 +72,7 @@ def _hc_mix_finish_kernel(dots_ptr, squares_ptr, out_ptr, tokens, K, N, splits, 
     tl.store(out_ptr + token * N + outs, dots * scale, mask=outs < N)
 
 
-def hc_mix_logits(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float, split: bool | None = None) -> torch.Tensor:
+def hc_mix_logits(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float, split: bool = False) -> torch.Tensor:
     """``reference.hc_mix_logits``: ``[T, (2 + hc) * hc]`` fp32; the split-row kernels up to
     ``MIX_KERNEL_MAX_TOKENS`` tokens, else the compiled reference. ``split=True`` forces the kernels at any batch
     (``benchmarks/bench_hc_mix.py``)."""
