@@ -10,7 +10,8 @@
 #   bench    b1 b64 b256 b16 + --enforce-eager A/B    hf      b1 and b64 with --compare-hf (HF in the same run)
 #   decode   b1 b64 b256 b64-2k b16 (graphs only)      prefill 8 x 1K prompts in one step, one 8K prompt
 #   compile  decode steps compiled whole before capture (DEEPINFER_NVIDIA_COMPILE_STEP=1): the decode profile at
-#            batch 1 and 64, the compiled-step test, then b1 and b64
+#            batch 1 and 64, the compiled-step test, then b1 and b64 (prompts prefilled in one step, so one compile
+#            per run) and b64 uncompiled alike
 #   kernels  op benchmarks of the untimed candidates: hc_mix_logits variants by batch (bench_hc_mix.py), the
 #            decode projections' Triton gemv against cuBLAS (bench_gemv.py), the RMS norm kernel (bench_norm.py)
 set -uo pipefail
@@ -22,14 +23,27 @@ export DEEPINFER_BENCH_CACHE=${DEEPINFER_BENCH_CACHE:-$( [[ -n $existing ]] && d
 what=${1:-all}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$RES/gpu.txt"
 python -c "import tilelang" 2>/dev/null && echo "tilelang: yes" || echo "tilelang: no (sink_attention takes the reference op)"
-if [[ $what == compile ]]; then
+bench() {  # name, then deepinfer bench arguments
+  local name=$1; shift
+  python -m deepinfer_core.cli bench --preset v4-flash-8l64e --backend nvidia_sm100 --dtype bfloat16 \
+    --json "$RES/$name.json" "$@" > "$RES/$name.txt" 2> "$RES/$name.log" || echo "bench $name failed: $(tail -3 "$RES/$name.log")"
+  save
+}
+if [[ $what == compile ]]; then  # every prompt prefilled in one step: decode meets one batch size, one compile
   export DEEPINFER_NVIDIA_COMPILE_STEP=1 TORCHDYNAMO_VERBOSE=1  # a failed compile logs its internal stack
-  timeout 300 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 64 > "$RES/profile-compile.txt" 2>&1
-  grep -E "^=== |graph breaks|^\|" "$RES/profile-compile.txt"; save
+  for b in 1 64; do
+    timeout 200 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches $b \
+      --max-num-batched-tokens $((b * 1024)) > "$RES/profile-compile-b$b.txt" 2>&1
+    grep -E "^=== |compiling the decode step failed|^\|" "$RES/profile-compile-b$b.txt"; save
+  done
   timeout 200 python -m pytest -q -rxX -p no:cacheprovider \
     "backends/nvidia_sm100/tests/test_model_gpu.py::test_compiled_decode_step_matches_eager" 2>&1 | tail -6 | tee "$RES/tests-compile.txt"
   save
-  what=quick-bench
+  bench b1-compiled --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
+  bench b64-compiled --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64 --max-num-batched-tokens 65536
+  unset DEEPINFER_NVIDIA_COMPILE_STEP
+  bench b64-1step --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64 --max-num-batched-tokens 65536
+  what=summary
 fi
 if [[ $what == kernels ]]; then
   (cd backends/nvidia_sm100/benchmarks && python bench_hc_mix.py) 2>&1 | tail -12 | tee "$RES/bench-hc-mix.txt"; save
@@ -40,12 +54,6 @@ if [[ $what == tests || $what == all ]]; then
   python -m pytest -q -p no:cacheprovider backends/nvidia_sm100/tests -x -rs 2>&1 | tail -25 | tee "$RES/tests.txt"
   save
 fi
-bench() {  # name, then deepinfer bench arguments
-  local name=$1; shift
-  python -m deepinfer_core.cli bench --preset v4-flash-8l64e --backend nvidia_sm100 --dtype bfloat16 \
-    --json "$RES/$name.json" "$@" > "$RES/$name.txt" 2> "$RES/$name.log" || echo "bench $name failed: $(tail -3 "$RES/$name.log")"
-  save
-}
 if [[ $what == hf ]]; then
   bench b1-hf --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --compare-hf
   bench b64-hf --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64 --compare-hf
@@ -54,8 +62,8 @@ if [[ $what == prefill ]]; then
   bench prefill-8x1k --input-len 1024 --output-len 1 --num-prompts 8 --max-num-seqs 8 --max-num-batched-tokens 8192
   bench prefill-8k --input-len 8192 --output-len 1 --num-prompts 1 --max-num-seqs 1 --max-num-batched-tokens 8192
 fi
-if [[ $what == bench || $what == all || $what == quick || $what == quick-bench || $what == hf || $what == prefill || $what == decode ]]; then
-  if [[ $what != hf && $what != prefill ]]; then
+if [[ $what == bench || $what == all || $what == quick || $what == summary || $what == hf || $what == prefill || $what == decode ]]; then
+  if [[ $what != hf && $what != prefill && $what != summary ]]; then
     bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
     bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
   fi

@@ -33,6 +33,9 @@ def main() -> None:
                         help="A/B: how StepLayout moves its host-built index tensors (default: plain non-blocking "
                              ".to(); pinned: pin_memory() first)")
     parser.add_argument("--enforce-eager", action="store_true", help="profile eager steps instead of graph replays")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                        help="token budget per step; batch x input-len prefills every prompt in one step, so decode "
+                             "meets one batch size only (what a compiled step, ~1 min per size, wants)")
     parser.add_argument("--prefill", type=int, default=0, metavar="N",
                         help="profile one step that prefills N prompts of --input-len tokens instead of decode")
     args = parser.parse_args()
@@ -44,7 +47,7 @@ def main() -> None:
     folder = presets.ensure_preset("v4-flash-8l64e")
     top = max(args.batches)
     llm = LLM(folder, backend=args.backend, dtype="bfloat16", max_model_len=args.input_len + 64, max_num_seqs=top,
-              max_num_batched_tokens=8192, enforce_eager=args.enforce_eager)
+              max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager)
     engine = llm.engine
     if args.prefill:
         profile_prefill(llm, args.prefill, args.input_len)
