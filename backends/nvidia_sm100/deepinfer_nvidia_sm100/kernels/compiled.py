@@ -125,14 +125,7 @@ def opaque_under_compile(name: str, fake: Callable) -> Callable[[Callable], Call
     def wrap(fn: Callable) -> Callable:
         op = torch.library.custom_op(f"deepinfer_nvidia::{name}", fn, mutates_args=())
         op.register_fake(fake)
-
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
-            if torch.compiler.is_compiling():
-                return op(*args, **kwargs)
-            return fn(*args, **kwargs)
-
-        return call
+        return _under_compile(fn, op)
 
     return wrap
 
@@ -141,17 +134,19 @@ def reference_under_compile(reference: Callable) -> Callable[[Callable], Callabl
     """Decorator for a kernel wrapper that TorchInductor does better inside a compiled step: an eager call runs the
     kernel; under ``torch.compile`` the plain ``reference`` op is traced instead, so Inductor fuses it with its
     neighbours (a norm with the casts, residual adds and RoPE around it) rather than launching it alone."""
+    return lambda fn: _under_compile(fn, reference)
 
-    def wrap(fn: Callable) -> Callable:
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
-            if torch.compiler.is_compiling():
-                return reference(*args, **kwargs)
-            return fn(*args, **kwargs)
 
-        return call
+def _under_compile(fn: Callable, traced: Callable) -> Callable:
+    """``fn``, except that a call while TorchDynamo traces calls ``traced``."""
 
-    return wrap
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return traced(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return call
 
 
 _COMPILED: dict[Callable, Callable] = {}
