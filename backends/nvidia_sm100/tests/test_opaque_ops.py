@@ -3,7 +3,8 @@
 A decode step compiled whole (``DEEPINFER_NVIDIA_COMPILE_STEP=1``) must see each Triton / TileLang wrapper as one
 node whose fake implementation gives the real output's shape and dtype. Runs on the CPU: TorchDynamo traces with
 ``fullgraph=True`` (any graph break fails) into a backend that only records the graph, so no kernel launches;
-the fake outputs are checked against the reference op's outputs on the same inputs.
+the fake outputs are checked against the reference op's outputs on the same inputs. The RMS norm kernels are the
+exception: under ``torch.compile`` they trace the reference op (``compiled.reference_under_compile``).
 """
 
 from __future__ import annotations
