@@ -11,7 +11,8 @@ Set ``DEEPINFER_NVIDIA_COMPILE=0`` to run these ops eagerly (the reference ops).
 
 ``DEEPINFER_NVIDIA_COMPILE_STEP=1`` compiles whole decode steps before their CUDA graph is captured
 (``compile_step``): TorchInductor then fuses the layout's index ops, casts and norms across op boundaries; the
-backend's Triton and TileLang kernel wrappers stay opaque custom ops (``opaque_under_compile``).
+backend's Triton and TileLang kernel wrappers stay opaque custom ops (``opaque_under_compile``), except the RMS
+norms, which trace their reference op (``reference_under_compile``).
 """
 
 from __future__ import annotations
@@ -156,14 +157,6 @@ def maybe_compile(fn: Callable) -> Callable:
     """``torch.compile(fn, dynamic=True)``, made once per function; ``fn`` itself when compiling is switched off."""
     if not enabled():
         return fn
-    if fn not in _COMPILED:
-        compiled = torch.compile(fn, dynamic=True)
-
-        @functools.wraps(fn)
-        def op(*args, **kwargs):
-            if torch.compiler.is_compiling():  # inside a compiled decode step: traced as part of it
-                return fn(*args, **kwargs)
-            return compiled(*args, **kwargs)
-
-        _COMPILED[fn] = op
+    if fn not in _COMPILED:  # inside a compiled decode step, ``fn`` is traced as part of it
+        _COMPILED[fn] = _under_compile(torch.compile(fn, dynamic=True), fn)
     return _COMPILED[fn]

@@ -1,4 +1,4 @@
-"""Ops ``linear`` and ``grouped_linear`` for decode-sized inputs (at most 16 rows) as one Triton kernel: a candidate.
+"""Ops ``linear`` and ``grouped_linear`` for decode-sized inputs (at most 16 rows) as one Triton kernel (off by default).
 
 At batch 1 the attention projections read ~1.8 GB of bf16 weights per step of the bench preset (floor ~0.41 ms on
 the H200) and cuBLAS took ~0.66 ms for them plus ~75 split-K reduce / copy launches (docs/performance.md 4.7, 4.8).
@@ -6,8 +6,9 @@ Here each program owns ``BLOCK_N`` output columns over the whole ``K`` (no split
 and multiplies 16-row tiles of the inputs (rows past the batch masked) with ``tl.dot``, fp32 accumulation, one
 rounding to the output dtype, as ``F.linear``. ``grouped_linear`` runs the groups on the grid's second axis.
 
-Off by default: ``DEEPINFER_NVIDIA_GEMV=1`` puts it in the op table, once ``benchmarks/bench_gemv.py`` shows it
-faster than cuBLAS on the GPU (not yet run). Narrow outputs (fewer than ``MIN_COLUMNS``: too few programs to read
+Off by default: ``DEEPINFER_NVIDIA_GEMV=1`` puts it in the op table. On the H200 (``benchmarks/bench_gemv.py``,
+docs/performance.md 4.9) it was within 10% of cuBLAS either way (faster on ``wo_b`` and the CSA ``w_input``, slower
+on ``wq_b``), so cuBLAS stays the default. Narrow outputs (fewer than ``MIN_COLUMNS``: too few programs to read
 the weight at full bandwidth) and other inputs keep the reference op.
 """
 
