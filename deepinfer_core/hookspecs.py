@@ -169,7 +169,9 @@ def deepinfer_before_step(engine: Any, scheduler_output: Any) -> None:
 def deepinfer_after_step(engine: Any, scheduler_output: Any, model_output: Any) -> None:
     """A batch has run; its outputs are about to update the scheduler.
 
-    Runs: every engine step, after the model and the sampler, before ``Scheduler.update()``.
+    Runs: every engine step, once the step's sampled tokens are read, before ``Scheduler.update()``. With
+    asynchronous scheduling (``LLM(async_scheduling=True)``, the NVIDIA default) the next step has already been
+    scheduled and launched by then: ``deepinfer_before_step`` of step N + 1 runs before this hook of step N.
 
     Arguments:
     - ``engine``: the engine.

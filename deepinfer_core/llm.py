@@ -48,6 +48,9 @@ class LLM:
         enable_prefix_caching: share full blocks of identical prefixes between requests.
         tokenizer: a folder with tokenizer.json to use instead of the checkpoint's.
         enforce_eager: never replay decode steps from captured graphs (as in vLLM).
+        async_scheduling: plan and launch each step before the previous step's tokens are read, so the host's
+            per-step work (stop checks, text, scheduling) overlaps the device's (vLLM's ``async_scheduling``); the
+            outputs are the same. Default: the backend's ``default_async_scheduling`` (on for NVIDIA, off on CPU).
         cuda_graph_sizes: decode batch sizes to capture (vLLM's name); default ``1, 2, 4, 8, 16, 24, 32, 48, 64,
             ...`` up to ``max_num_seqs`` on a backend with graphs, none on one without (CPU). Given explicitly on
             CPU, decode steps take the same static-shape path, run eagerly.
@@ -76,6 +79,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         enforce_eager: bool = False,
         cuda_graph_sizes: Sequence[int] | None = None,
+        async_scheduling: bool | None = None,
         trust_remote_code: bool = False,
         **options: Any,
     ):
@@ -95,6 +99,8 @@ class LLM:
         self.plugin_manager = get_plugin_manager()
         self.backend = select_backend(backend)
         self.max_num_batched_tokens = max_num_batched_tokens or self.backend.default_max_num_batched_tokens
+        self.async_scheduling = (self.backend.default_async_scheduling if async_scheduling is None
+                                 else bool(async_scheduling))
         registry = default_registry(self.plugin_manager)
         configure_plugins(self.plugin_manager, {"model": str(self.model_dir)}, options, self.backend.name)
         ops = self.backend.make_op_table(self.plugin_manager)
@@ -112,7 +118,7 @@ class LLM:
                              "kv_cache_memory_bytes or pass enforce_eager=True")
         state = self.model.new_state(num_slots=max_num_seqs + spare, num_blocks=num_blocks + spare, block_size=block)
         engine_config = EngineConfig(self.max_model_len, max_num_seqs, self.max_num_batched_tokens, block, num_blocks,
-                                     enable_prefix_caching, seed)
+                                     enable_prefix_caching, seed, self.async_scheduling)
         graphs = None
         if sizes:
             graphs = DecodeGraphs(self.model, state, self.backend.capture_graph, sizes, self.max_model_len,

@@ -194,7 +194,7 @@ def test_every_captured_step_writes_one_shared_logits_buffer():
     assert graphs.logits.shape == (4, llm.model.config.vocab_size)
     returned = []
     run = graphs.run
-    graphs.run = lambda chunks: returned.append(run(chunks)) or returned[-1]
+    graphs.run = lambda chunks, fill=None: returned.append(run(chunks, fill)) or returned[-1]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 6, 9)]
     llm.generate(PROMPTS[:3], params, use_tqdm=False)
     assert {size for size, _ in graphs.captured} == {1, 2, 4}

@@ -177,30 +177,27 @@ def test_text_prompts_stop_strings_and_chat(ckpt):
 
 
 def test_text_decoded_while_the_next_step_runs_and_whole_at_finish(ckpt):
-    """A running request's last token is decoded during the next step (``while_device_runs``); every finished
-    output has the whole text of its tokens."""
+    """A running request's last token is decoded during the next step (after it is launched, before its tokens
+    are read); every finished output has the whole text of its tokens."""
     folder, _ = ckpt
     llm = _llm(folder)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     for i, prompt in enumerate(_prompts([5, 9, 3])):
         engine.add_request(f"r{i}", None, prompt, params)
-    caught_up = []
-    runner_execute = engine.runner.execute
-
-    def execute(scheduled, while_device_runs=None):
-        def spy():
-            caught_up.append(len(engine._deferred_text))
-            while_device_runs()
-        return runner_execute(scheduled, while_device_runs=spy)
-
-    engine.runner.execute = execute
+    events = []
+    launch, collect, catch_up = engine.runner.launch, engine.runner.collect, engine._catch_up_text
+    engine.runner.launch = lambda *args: events.append("launch") or launch(*args)
+    engine.runner.collect = lambda launched: events.append("collect") or collect(launched)
+    engine._catch_up_text = lambda: events.append(len(engine._deferred_text)) or catch_up()
     outputs = []
     while engine.has_unfinished():
         outputs += engine.step()
         running = [r for rs in engine.groups.values() for r in rs if not r.is_finished]
         assert all(r.detokenizer.has_deferred_text for r in running if r.output_token_ids)
-    assert max(caught_up) == 3 and not engine._deferred_text
+    assert max(e for e in events if isinstance(e, int)) == 3 and not engine._deferred_text
+    assert len(events) % 3 == 0 and events[0::3] == ["launch"] * (len(events) // 3)
+    assert events[2::3] == ["collect"] * (len(events) // 3)  # every catch-up between a launch and its read
     for out in outputs:
         completion = out.outputs[0]
         token_by_token = SequenceDetokenizer(engine.tokenizer, params, out.prompt_token_ids)

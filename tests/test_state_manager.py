@@ -91,8 +91,7 @@ def test_lru_evicts_the_oldest_unreferenced_block_first():
     for request in (a, b):
         manager.admit(request, [])
         manager.allocate(request, request.num_tokens)
-        request.num_computed_tokens = request.num_tokens
-        manager.commit(request)
+        manager.commit(request, request.num_tokens)
     manager.release(a)  # blocks 1 then 0 become free (tail first)
     manager.release(b)  # then block 2
     assert list(manager.free_blocks) == [1, 0, 2]

@@ -80,6 +80,10 @@ class Backend:
     #: tokens one engine step may take when the user gives no ``max_num_batched_tokens``: small on a CPU (a step's
     #: latency grows with it), larger on an accelerator, where long prefill steps run nearer the compute peak
     default_max_num_batched_tokens: ClassVar[int] = 2048
+    #: whether the engine plans and launches a step before reading the previous step's tokens when the user does
+    #: not say (``LLM(async_scheduling=None)``): worth it where the device runs behind the host (GPUs), not on a
+    #: CPU, whose ops finish before the host moves on
+    default_async_scheduling: ClassVar[bool] = False
 
     def __init__(self, device_index: int | None = None) -> None:
         self.device_index = device_index

@@ -47,7 +47,8 @@ def _header(config: Mapping[str, Any], engine: Mapping[str, Any]) -> list[str]:
         f"deepinfer bench: {source} {config['model_folder']}",
         (f"  {config['num_prompts']} prompts x {config['input_len']} tokens in, {config['output_len']} out "
          f"(greedy, EOS ignored); max_num_seqs {config['max_num_seqs']}, max_num_batched_tokens "
-         f"{config['max_num_batched_tokens']}, warmup {config['warmup']}"),
+         f"{config['max_num_batched_tokens']}, async scheduling {_on(config.get('async_scheduling'))}, "
+         f"warmup {config['warmup']}"),
         (f"  device {config['device']}, dtype {config['dtype']}, torch {config['torch']} "
          f"({config['torch_threads']} threads), {config['date']}{_load(config)}"),
         f"  {engine['output_tokens']} output tokens, {engine['prompt_tokens']} prompt tokens",
@@ -104,3 +105,7 @@ def _roofline_lines(roofline: Mapping[str, Any]) -> list[str]:
                          f"({value['floor_s'] * 1e3:.2f} ms: prefill {value['prefill_floor_s'] * 1e3:.2f} ms, "
                          f"decode {value['decode_floor_s'] * 1e3:.2f} ms)")
     return lines
+
+
+def _on(flag: bool | None) -> str:
+    return {True: "on", False: "off"}.get(flag, "-")

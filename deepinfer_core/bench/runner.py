@@ -50,6 +50,7 @@ class BenchConfig:
     compare_hf: bool = False
     warmup: int = 1
     enforce_eager: bool = False
+    async_scheduling: bool | None = None  # None: the backend's default
     seed: int = 0
     cache_dir: str | None = None
     preset_overrides: Mapping[str, Any] | None = None
@@ -90,6 +91,7 @@ def run_bench(config: BenchConfig, log: Log = lambda msg: None) -> dict[str, Any
     result: dict[str, Any] = {"config": describe(config, folder, device, dtype), "engine": engine["metrics"]}
     result["config"]["decode_graph_replays"] = engine["graph_replays"]
     result["config"]["max_num_batched_tokens"] = engine["max_num_batched_tokens"]  # the backend's default if unset
+    result["config"]["async_scheduling"] = engine["async_scheduling"]
     result["roofline"] = {"engine": _roofline(model_config, dtype, device, engine["metrics"], config)}
     result["hf"] = result["ratio"] = result["agreement"] = None
     if config.compare_hf:
@@ -165,7 +167,7 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
     t0 = time.perf_counter()
     llm = LLM(folder, backend=config.backend, dtype=config.dtype, max_model_len=config.input_len + config.output_len,
               max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed,
-              enforce_eager=config.enforce_eager)
+              enforce_eager=config.enforce_eager, async_scheduling=config.async_scheduling)
     load_time = time.perf_counter() - t0
     device, dtype = llm.backend.device, llm.dtype
     warm = random_prompts(len(prompts), len(prompts[0]), llm.model.config.vocab_size, config.seed + 1)
@@ -178,12 +180,12 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
     graphs = llm.engine.runner.decode_graphs
     replays = graphs.num_replays if graphs is not None else 0  # warmup included
     outputs = [times.outputs[f"bench-{i}"] for i in range(len(prompts))]
-    budget = llm.max_num_batched_tokens
+    budget, overlapped = llm.max_num_batched_tokens, llm.async_scheduling
     llm.engine.shutdown()
     del llm
     _free(device)
     return {"metrics": metrics, "outputs": outputs, "graph_replays": replays,
-            "max_num_batched_tokens": budget}, device, dtype
+            "max_num_batched_tokens": budget, "async_scheduling": overlapped}, device, dtype
 
 
 def time_engine(llm, prompts: Sequence[Sequence[int]], output_len: int, tag: str) -> RunTimes:

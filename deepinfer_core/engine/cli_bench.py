@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="warmup runs before timing, each side (default 1)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="never replay decode steps from captured graphs (A/B against graphs)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="launch each step before reading the last one's tokens (default: the backend's, "
+                             "on for NVIDIA, off on CPU)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and preset weights (default 0)")
     parser.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
 
@@ -56,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
         model=args.model, preset=args.preset, input_len=args.input_len, output_len=args.output_len,
         num_prompts=args.num_prompts, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, backend=args.backend, dtype=args.dtype,
-        compare_hf=args.compare_hf, warmup=args.warmup, enforce_eager=args.enforce_eager, seed=args.seed, cache_dir=args.cache_dir,
+        compare_hf=args.compare_hf, warmup=args.warmup, enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling, seed=args.seed, cache_dir=args.cache_dir,
     )
     try:
         result = run_bench(config, log=lambda msg: print(msg, file=sys.stderr, flush=True))

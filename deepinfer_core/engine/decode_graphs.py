@@ -71,14 +71,19 @@ class DecodeGraphs:
         decode = [c for c in chunks if c.num_tokens == 1 and c.samples and not c.request.wants_prompt_logprobs]
         return decode[:self.sizes[-1]]
 
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
-        """Logits ``[S, V]`` of these one-token chunks, or None when capture failed (run them eagerly)."""
+    def run(self, chunks: list[ScheduledChunk],
+            fill_inputs: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:
+        """Logits ``[S, V]`` of these one-token chunks, or None when capture failed (run them eagerly).
+        ``fill_inputs`` gets the graph's input ids (device, row ``i`` for chunk ``i``) after the host's inputs
+        are uploaded and before the replay: it writes the tokens still in flight."""
         size = next(n for n in self.sizes if n >= len(chunks))
         key = (size, self.context_bucket(max(c.end for c in chunks)))
         step = self.captured.get(key) or self._capture(*key)
         if step is None:
             return None
         self._place_inputs(self._padded_batch(chunks, size), step.shape, step.buffers)
+        if fill_inputs is not None:
+            fill_inputs(step.batch.input_ids)
         self.num_replays += 1
         step.replay()
         return self.logits[:len(chunks)]
@@ -129,7 +134,7 @@ class DecodeGraphs:
         """The step's one-token sequences on the host, then dummies (token 0 at position 0, spare state)."""
         pad = size - len(chunks)
         starts = [c.start for c in chunks] + [0] * pad
-        tokens = [c.request.token_slice(c.start, c.end)[0] for c in chunks] + [0] * pad
+        tokens = [c.request.input_tokens(c.start, c.end)[0] for c in chunks] + [0] * pad
         return ForwardBatch(
             input_ids=torch.tensor(tokens, dtype=torch.long),
             positions=torch.tensor(starts, dtype=torch.long),

@@ -8,7 +8,7 @@ import logging
 
 from deepinfer_core.engine.decode_graphs import DecodeGraphs
 from deepinfer_core.engine.detokenizer import SequenceDetokenizer
-from deepinfer_core.engine.model_runner import ModelRunner, ModelRunnerOutput
+from deepinfer_core.engine.model_runner import LaunchedStep, ModelRunner, ModelRunnerOutput
 from deepinfer_core.engine.request import Request, RequestStatus
 from deepinfer_core.engine.scheduler import FcfsScheduler, Scheduler, SchedulerOutput
 from deepinfer_core.engine.state_manager import StateManager
@@ -35,10 +35,19 @@ class EngineConfig:
     num_blocks: int
     enable_prefix_caching: bool = True
     seed: int = 0
+    async_scheduling: bool = False
 
 
 class Engine:
-    """Owns the scheduler, state manager and model runner; ``step()`` is schedule, run, update."""
+    """Owns the scheduler, state manager and model runner; ``step()`` is schedule, run, update.
+
+    With ``config.async_scheduling`` a step is planned and launched before the previous step's tokens are read:
+    the host reads and applies step N's results (stop checks, text, freeing finished requests) while the device
+    computes step N + 1, whose decode inputs come from step N's samples on the device. A request that step N
+    ends computes one token too many in step N + 1, which is dropped. Outputs are the same as without it; a step
+    whose requests use repetition, presence or frequency penalties (they need the previous token's id on the
+    host) waits for the step before, as without it.
+    """
 
     def __init__(self, model, state, tokenizer, config: EngineConfig, plugin_manager=None,
                  decode_graphs: DecodeGraphs | None = None):
@@ -58,7 +67,9 @@ class Engine:
         self._deferred_text: list[Request] = []  # requests whose last token's text waits for the next step
         self._arrivals = itertools.count()
         self._unseeded = itertools.count()
+        self._in_flight: LaunchedStep | None = None  # launched, results not read yet (asynchronous scheduling)
         self.num_steps = 0
+        self.num_overlapped_steps = 0  # steps launched before the previous step's tokens were read
         if plugin_manager is not None:
             plugin_manager.hook.deepinfer_engine_start(engine=self)
 
@@ -100,22 +111,50 @@ class Engine:
                 f"{self.config.num_blocks}; raise kv_cache_memory_bytes or lower max_tokens / max_model_len")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns the outputs of request groups that finished in it."""
+        """Run one step; returns the outputs of request groups that finished in it (with asynchronous scheduling:
+        whose last tokens were read in it)."""
+        outputs = []
+        if self._in_flight is not None and not self._may_overlap():
+            outputs = self._finish(self._in_flight)
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
-            raise RuntimeError("the scheduler planned nothing while requests are pending (state too small?)")
-        hook = self.plugin_manager.hook if self.plugin_manager is not None else None
-        if hook is not None:
-            hook.deepinfer_before_step(engine=self, scheduler_output=scheduled)
-        result = self.runner.execute(scheduled, while_device_runs=self._catch_up_text)
-        if hook is not None:
-            hook.deepinfer_after_step(engine=self, scheduler_output=scheduled, model_output=result)
+            if self._in_flight is not None:  # every running request ends with the tokens in flight
+                return outputs + self._finish(self._in_flight)
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler planned nothing while requests are pending (state too small?)")
+            return outputs
+        if self.plugin_manager is not None:
+            self.plugin_manager.hook.deepinfer_before_step(engine=self, scheduler_output=scheduled)
+        previous = self._in_flight
+        launched = self.runner.launch(scheduled, previous)
         self.num_steps += 1
-        return self._update(scheduled, result)
+        self.num_overlapped_steps += previous is not None
+        self._in_flight = launched
+        self._catch_up_text()  # while the device computes
+        if previous is not None:
+            return outputs + self._finish(previous)
+        return outputs if self.config.async_scheduling else outputs + self._finish(launched)
+
+    def _may_overlap(self) -> bool:
+        """Whether the next step may be launched before the tokens in flight are read: asynchronous scheduling
+        is on and no running request needs the previous token's id on the host (penalties)."""
+        return self.config.async_scheduling and not any(
+            r.params.repetition_penalty != 1 or r.params.presence_penalty != 0 or r.params.frequency_penalty != 0
+            for r in self.scheduler.running)
+
+    def _finish(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Read a launched step's results and apply them; returns the request groups that finished."""
+        if launched is self._in_flight:
+            self._in_flight = None
+        result = self.runner.collect(launched)
+        if self.plugin_manager is not None:
+            self.plugin_manager.hook.deepinfer_after_step(engine=self, scheduler_output=launched.scheduled,
+                                                          model_output=result)
+        return self._update(launched.scheduled, result)
 
     def _update(self, scheduled: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
         self._record_logprobs(scheduled, result)
@@ -161,6 +200,8 @@ class Engine:
         by_id = {c.request.request_id: c.request for c in scheduled.chunks}  # this step's requests only
         for row, request_id in enumerate(result.sampled_order):
             request = by_id[request_id]
+            if request.is_finished:  # ended by the step before (asynchronous scheduling): this token is dropped
+                continue
             lp = rows.logprobs[row]
             request.cumulative_logprob += lp
             if request.logprobs is not None:
@@ -170,6 +211,8 @@ class Engine:
                     rows.top_logprobs[row][:n], self._decode))
         for request_id, (first, plp) in result.prompt_logprobs.items():
             request = by_id[request_id]
+            if request.status != RequestStatus.RUNNING:  # preempted since: its prompt logprobs start over
+                continue
             entries = _prompt_entries(request, first, plp, self._decode)
             request.prompt_logprobs_partial.extend(entries)
             if first + len(entries) >= len(request.prompt_token_ids):

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import torch
 
+from deepinfer_core.device_copy import to_device
 from deepinfer_core.engine.decode_graphs import DecodeGraphs
-from deepinfer_core.engine.scheduler import SchedulerOutput
+from deepinfer_core.engine.scheduler import ScheduledChunk, SchedulerOutput
 from deepinfer_core.forward_batch import ForwardBatch
 from deepinfer_core.sampling.sampler import (
     PromptLogprobsOutput,
@@ -55,6 +55,26 @@ class ModelRunnerOutput:
     rows: SampledRows | None = None  # sampler_output on the host
 
 
+@dataclasses.dataclass
+class LaunchedStep:
+    """A step queued on the device, its results not read yet (``ModelRunner.collect`` reads them)."""
+
+    scheduled: SchedulerOutput
+    sampler_output: SamplerOutput | None
+    sampled_order: list[str]  # request ids, row order of sampler_output
+    prompt_logprobs: dict[str, tuple[int, PromptLogprobsOutput]]
+
+    def feed(self, input_ids: torch.Tensor, rows: list[int], chunks: list[ScheduledChunk]) -> None:
+        """Write the tokens this step sampled into ``input_ids`` (device) of the next step: ``rows[i]`` is the
+        row of chunk ``i``'s last input token; only chunks whose last token is in flight are written."""
+        order = {request_id: i for i, request_id in enumerate(self.sampled_order)}
+        pairs = [[row, order[c.request.request_id]] for row, c in zip(rows, chunks) if c.reads_inflight_token]
+        if not pairs:
+            return
+        index = to_device(torch.tensor(pairs, dtype=torch.long).T.contiguous(), input_ids.device)  # [2, n]
+        input_ids[index[0]] = self.sampler_output.sampled_token_ids[index[1]]
+
+
 class ModelRunner:
     """Owns the model and its state pools; turns a ``SchedulerOutput`` into sampled tokens."""
 
@@ -67,7 +87,8 @@ class ModelRunner:
         self.num_mixed_steps = 0  # steps that replayed a graph for their decodes and ran their prefill eagerly
 
     def build_batch(self, output: SchedulerOutput) -> tuple[ForwardBatch, list[int], dict[str, tuple[int, int]]]:
-        """The flat batch, the logits row of each sampling chunk, and prompt-logprob row ranges."""
+        """The flat batch, the logits row of each sampling chunk, and prompt-logprob row ranges. A token still in
+        flight reads a placeholder here (``LaunchedStep.feed`` writes it on the device)."""
         tokens: list[int] = []
         positions: list[int] = []
         query_start = [0]
@@ -76,7 +97,7 @@ class ModelRunner:
         logits_rows: list[int] = []
         for chunk in output.chunks:
             request = chunk.request
-            tokens.extend(request.token_slice(chunk.start, chunk.end))
+            tokens.extend(request.input_tokens(chunk.start, chunk.end))
             positions.extend(range(chunk.start, chunk.end))
             first_row = query_start[-1]
             query_start.append(first_row + chunk.num_tokens)
@@ -88,24 +109,28 @@ class ModelRunner:
             if chunk.samples:
                 sample_rows.append(len(logits_rows) - 1)
         batch = ForwardBatch(
-            input_ids=torch.tensor(tokens, dtype=torch.long, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            input_ids=to_device(torch.tensor(tokens, dtype=torch.long), self.device),
+            positions=to_device(torch.tensor(positions, dtype=torch.long), self.device),
             query_start=query_start,
             context_lens=[c.start for c in output.chunks],
             slots=[c.request.slot for c in output.chunks],
             block_tables=[c.request.block_ids for c in output.chunks],
-            logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+            logits_rows=to_device(torch.tensor(logits_rows, dtype=torch.long), self.device),
             compressed_write_start=[c.request.replay_until for c in output.chunks],
             sliding_floor=[c.request.sliding_floor for c in output.chunks],
         )
         return batch, sample_rows, prompt_rows
 
-    def execute(self, output: SchedulerOutput, while_device_runs: Callable[[], None] | None = None) -> ModelRunnerOutput:
-        """Run the step: its decode chunks through the captured graphs (when there are), the rest eagerly
-        in one forward; then sample every chunk that samples, in the step's order. ``while_device_runs``: host
-        work called once the step is launched, before the host waits for the sampled tokens."""
+    def launch(self, output: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step on the device without waiting for it: its decode chunks through the captured graphs
+        (when there are), the rest eagerly in one forward; then sampling of every chunk that samples, in the step's
+        order. A chunk whose last input token is in flight reads it from ``previous`` (the step before) on the
+        device."""
+        if previous is None and any(c.reads_inflight_token for c in output.chunks):
+            raise RuntimeError("a chunk reads a token still in flight, but no launched step was given to read it from")
         graphed = self.decode_graphs.select(output.chunks) if self.decode_graphs is not None else []
-        graph_logits = self.decode_graphs.run(graphed) if graphed else None  # [G, V]
+        fill = (lambda input_ids: previous.feed(input_ids, list(range(len(graphed))), graphed)) if previous else None
+        graph_logits = self.decode_graphs.run(graphed, fill) if graphed else None  # [G, V]
         if graph_logits is None:
             graphed = []
         in_graph = {id(c) for c in graphed}
@@ -116,35 +141,45 @@ class ModelRunner:
         if eager.chunks:
             self.num_mixed_steps += bool(graphed)
             batch, sample_rows, prompt_rows = self.build_batch(eager)
+            if previous is not None:
+                previous.feed(batch.input_ids, [end - 1 for end in batch.query_start[1:]], eager.chunks)
             logits = self.model.forward(batch, self.state).logits  # [N, V] fp32
             parts.append(logits[sample_rows])
             row_of.update({id(c): len(graphed) + i for i, c in enumerate(c for c in eager.chunks if c.samples)})
             prompt_logprobs = self._prompt_logprobs(eager, logits, prompt_rows)
         sampling_chunks = [c for c in output.chunks if c.samples]
-        sampling = [c.request for c in sampling_chunks]
-        sampler_output = None
-        if sampling:
-            stacked = parts[0] if len(parts) == 1 else torch.cat(parts)
-            order = [row_of[id(c)] for c in sampling_chunks]
-            if order != list(range(len(order))):
-                stacked = stacked[torch.tensor(order, device=stacked.device)]
-            metadata = SamplingMetadata.from_params(
-                [r.params for r in sampling],
-                seeds=[r.seed for r in sampling],
-                prompt_token_ids=[r.prompt_token_ids for r in sampling],
-                output_token_ids=[r.output_token_ids for r in sampling],
-                eos_token_id=self.eos_token_id,
-                device=stacked.device,
-            )
-            sampler_output = sample(stacked, metadata)
-        if while_device_runs is not None:
-            while_device_runs()
-        rows = SampledRows.read(sampler_output) if sampler_output is not None else None
+        sampler_output = self._sample(sampling_chunks, parts, [row_of[id(c)] for c in sampling_chunks])
+        return LaunchedStep(output, sampler_output, [c.request.request_id for c in sampling_chunks], prompt_logprobs)
+
+    def _sample(self, chunks: list[ScheduledChunk], parts: list[torch.Tensor], order: list[int]) -> SamplerOutput | None:
+        """Sample the chunks' tokens from their logits (``parts`` stacked, row ``order[i]`` for chunk ``i``)."""
+        if not chunks:
+            return None
+        stacked = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if order != list(range(len(order))):
+            stacked = stacked[to_device(torch.tensor(order), stacked.device)]
+        requests = [c.request for c in chunks]
+        metadata = SamplingMetadata.from_params(
+            [r.params for r in requests],
+            seeds=[r.seed for r in requests],
+            prompt_token_ids=[r.prompt_token_ids for r in requests],
+            output_token_ids=[r.output_token_ids for r in requests],
+            eos_token_id=self.eos_token_id,
+            positions=[c.end for c in chunks],
+            num_output_tokens=[c.end - len(r.prompt_token_ids) for c, r in zip(chunks, requests)],
+            device=stacked.device,
+        )
+        return sample(stacked, metadata)
+
+    def collect(self, launched: LaunchedStep) -> ModelRunnerOutput:
+        """Wait for a launched step and read its sampled tokens to the host."""
+        out = launched.sampler_output
+        rows = SampledRows.read(out) if out is not None else None
         return ModelRunnerOutput(
-            sampled={r.request_id: t for r, t in zip(sampling, rows.token_ids if rows else [])},
-            sampler_output=sampler_output,
-            sampled_order=[r.request_id for r in sampling],
-            prompt_logprobs=prompt_logprobs,
+            sampled=dict(zip(launched.sampled_order, rows.token_ids if rows else [])),
+            sampler_output=out,
+            sampled_order=launched.sampled_order,
+            prompt_logprobs=launched.prompt_logprobs,
             rows=rows,
         )
 

@@ -9,6 +9,8 @@ from deepinfer_core.engine.detokenizer import SequenceDetokenizer
 from deepinfer_core.outputs import PromptLogprobs, SampleLogprobs
 from deepinfer_core.sampling.params import SamplingParams
 
+INFLIGHT_PLACEHOLDER = 0  # host-side id of an in-flight token; never reaches the model (the runner fills it)
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -24,6 +26,10 @@ class Request:
     into the request's state; the step computes the next chunk. Tokens below ``replay_until`` are
     recomputed only to rebuild the sliding-window state after a prefix-cache hit (their compressed
     entries come from the cache); ``sliding_floor`` is the first token such a replay started from.
+
+    ``num_inflight_tokens`` counts tokens a launched step samples that the host has not read yet (with
+    asynchronous scheduling, the next step is planned before the last one's tokens are back): they count in
+    ``num_tokens``, and a step that takes one as input reads it on the device (``input_tokens``).
     """
 
     request_id: str
@@ -49,6 +55,7 @@ class Request:
     prompt_logprobs_partial: PromptLogprobs = dataclasses.field(default_factory=lambda: [None])
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
+    num_inflight_tokens: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -61,9 +68,21 @@ class Request:
         tail = self.output_token_ids[max(start - prompt_len, 0):max(end - prompt_len, 0)]
         return head + tail
 
+    def input_tokens(self, start: int, end: int) -> list[int]:
+        """Token ids at positions ``[start, end)``; a position whose token is still on the device (in flight)
+        reads ``INFLIGHT_PLACEHOLDER``, which the model runner overwrites on the device before the step runs."""
+        known = self.token_slice(start, end)
+        return known + [INFLIGHT_PLACEHOLDER] * (end - start - len(known))
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host has (prompt and read outputs)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """All tokens, in-flight ones included: what the scheduler plans with."""
+        return self.num_known_tokens + self.num_inflight_tokens
 
     @property
     def num_pending_tokens(self) -> int:

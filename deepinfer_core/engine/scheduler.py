@@ -23,15 +23,20 @@ class ScheduledChunk:
     request: Request
     start: int
     num_tokens: int
+    #: whether this chunk reaches the end of the request's tokens when planned, so a new token is sampled
+    samples: bool = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples = self.end == self.request.num_tokens
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
 
     @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the request's tokens, so a new token is sampled."""
-        return self.end == self.request.num_tokens
+    def reads_inflight_token(self) -> bool:
+        """Whether the chunk's last input token is still on the device (sampled by the step before)."""
+        return self.end > self.request.num_known_tokens
 
 
 @dataclasses.dataclass
@@ -59,11 +64,14 @@ class Scheduler(abc.ABC):
 
     @abc.abstractmethod
     def schedule(self) -> SchedulerOutput:
-        """Plan the next step. Allocates the state the planned chunks need."""
+        """Plan the next step. Allocates the state the planned chunks need and advances each planned request's
+        ``num_computed_tokens`` past its chunk; a chunk that samples adds an in-flight token to its request."""
 
     @abc.abstractmethod
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance the scheduled requests (``sampled``: request id -> new token); return those finished."""
+        """Take a step's results (``sampled``: request id -> new token): append the tokens, commit the computed
+        blocks, finish requests; return those finished. With asynchronous scheduling the next step has already
+        been planned: a request that finished or was preempted since keeps no later result of this step."""
 
     @abc.abstractmethod
     def has_unfinished(self) -> bool:
@@ -105,7 +113,7 @@ class FcfsScheduler(Scheduler):
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
         for request in list(self.running):
-            if request.status != RequestStatus.RUNNING or budget == 0:
+            if request.status != RequestStatus.RUNNING or budget == 0 or self._ends_in_flight(request):
                 continue
             num = min(request.num_pending_tokens, budget)
             if not self._allocate_or_preempt(request, num, preempted):
@@ -113,13 +121,28 @@ class FcfsScheduler(Scheduler):
             chunks.append(ScheduledChunk(request, request.num_computed_tokens, num))
             budget -= num
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            if self.waiting[0].num_inflight_tokens:  # preempted while its token was in flight: wait for it
+                break
             chunk = self._admit(self.waiting[0], budget)
             if chunk is None:
                 break
             self.waiting.popleft()
             chunks.append(chunk)
             budget -= chunk.num_tokens
+        for chunk in chunks:
+            chunk.request.num_computed_tokens = chunk.end
+            chunk.request.num_inflight_tokens += chunk.samples
         return SchedulerOutput(chunks, preempted)
+
+    def _ends_in_flight(self, request: Request) -> bool:
+        """Whether the request's in-flight token is certain to end it (its length limit): no step is planned
+        for a request that will have finished when the step's results are read."""
+        if not request.num_inflight_tokens:
+            return False
+        max_tokens, max_len = request.params.max_tokens, request.detokenizer.max_model_len
+        num_output = len(request.output_token_ids) + request.num_inflight_tokens
+        return ((max_tokens is not None and num_output >= max_tokens)
+                or (max_len is not None and request.num_tokens >= max_len))
 
     def _allocate_or_preempt(self, request: Request, num: int, preempted: list[Request]) -> bool:
         while not self.state.allocate(request, request.num_computed_tokens + num):
@@ -168,15 +191,24 @@ class FcfsScheduler(Scheduler):
         finished = []
         for chunk in output.chunks:
             request = chunk.request
-            request.num_computed_tokens = chunk.end
-            self.state.commit(request)
+            if request.status == RequestStatus.FINISHED:  # ended by an earlier step's token: drop this result
+                continue
+            if request.status == RequestStatus.RUNNING:  # not preempted since the step was planned
+                self.state.commit(request, chunk.end)
             token = sampled.get(request.request_id)
             if token is None:
                 continue
+            request.num_inflight_tokens -= 1
             request.output_token_ids.append(token)
             if self.finish_check(request, token):
-                request.status = RequestStatus.FINISHED
-                self.state.release(request)
-                self.running.remove(request)
+                self._finish(request)
                 finished.append(request)
         return finished
+
+    def _finish(self, request: Request) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.state.release(request)
+            self.running.remove(request)
+        else:  # preempted while its last token was in flight: its state is released already
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED

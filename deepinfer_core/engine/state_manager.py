@@ -106,11 +106,12 @@ class StateManager:
             request.block_ids.append(block)
         return True
 
-    def commit(self, request: Request) -> None:
-        """Register the request's newly completed full blocks in the prefix cache."""
+    def commit(self, request: Request, num_computed: int) -> None:
+        """Register the request's full blocks among its first ``num_computed`` tokens (those a finished step
+        computed) in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        full = request.num_computed_tokens // self.block_size
+        full = num_computed // self.block_size
         if full <= len(request.block_hashes):
             return
         parent = request.block_hashes[-1] if request.block_hashes else b""

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
+from deepinfer_core.device_copy import to_device
 from deepinfer_core.sampling.noise import derive_seed, gumbel_noise, to_int64_seed
 from deepinfer_core.sampling.params import SamplingParams
 
@@ -47,10 +48,12 @@ class SamplingMetadata:
         positions: int64 index of the token being generated within its sequence (prompt included).
         prompt_token_ids: per row, the prompt ids (repetition penalty counts them, as vLLM).
         output_token_ids: per row, the ids generated so far (all penalties; min_tokens count).
-        min_tokens: per row, stop ids are masked while ``len(output_token_ids[i]) < min_tokens[i]``.
+        min_tokens: per row, stop ids are masked while ``num_output_tokens[i] < min_tokens[i]``.
         stop_token_ids: per row, the ids masked by ``min_tokens`` (stop ids plus EOS unless ignored).
         allowed_token_mask: optional bool ``[num_rows, vocab]``; False entries can never be sampled.
         num_logprobs: how many top log-probabilities to return per row (the max over rows), or None.
+        num_output_tokens: per row, tokens generated before this one, including any whose id is still on the
+            device (asynchronous scheduling); None means ``len(output_token_ids[i])``.
         kinds: which features the rows use, known on the host (``from_params`` sets it); None makes the
             sampler find out from the tensors, which waits for the device.
     """
@@ -70,6 +73,7 @@ class SamplingMetadata:
     stop_token_ids: Sequence[Sequence[int]]
     allowed_token_mask: torch.Tensor | None = None
     num_logprobs: int | None = None
+    num_output_tokens: Sequence[int] | None = None
     kinds: RowKinds | None = None
 
     @property
@@ -98,6 +102,7 @@ class SamplingMetadata:
         output_token_ids: Sequence[Sequence[int]],
         eos_token_id: int | None = None,
         positions: Sequence[int] | None = None,
+        num_output_tokens: Sequence[int] | None = None,
         allowed_token_mask: torch.Tensor | None = None,
         device: torch.device | str = "cpu",
     ) -> SamplingMetadata:
@@ -110,6 +115,8 @@ class SamplingMetadata:
             eos_token_id: the model's EOS id, masked under ``min_tokens`` unless ``ignore_eos``.
             positions: per row, the index of the token being generated; defaults to
                 ``len(prompt) + len(output)``.
+            num_output_tokens: per row, tokens generated before this one when some are still on the device
+                (``SamplingMetadata.num_output_tokens``); None: ``len(output)``.
             allowed_token_mask: optional bool ``[num_rows, vocab]``.
             device: where to put the per-row tensors (the logits' device).
         """
@@ -125,7 +132,7 @@ class SamplingMetadata:
                               dtype=torch.float32).reshape(len(_FLOAT_FIELDS), rows)  # [fields, num_rows]
         ints = torch.tensor([[p.top_k for p in params], [to_int64_seed(s) for s in seeds], list(positions)],
                             dtype=torch.int64).reshape(3, rows)  # [3, num_rows]: top_k, seeds, positions
-        floats, ints = _to_device(floats, device), _to_device(ints, device)
+        floats, ints = to_device(floats, device), to_device(ints, device)
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             **dict(zip(_FLOAT_FIELDS, floats, strict=True)),
@@ -138,19 +145,12 @@ class SamplingMetadata:
             stop_token_ids=[sorted(p.all_stop_token_ids(eos_token_id)) for p in params],
             allowed_token_mask=allowed_token_mask,
             num_logprobs=max(logprobs) if logprobs else None,
+            num_output_tokens=num_output_tokens,
             kinds=RowKinds.of(params),
         )
 
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-
-
-def _to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A small host tensor on ``device`` without waiting for the device's queued work (pinned, non-blocking)."""
-    device = torch.device(device)
-    if device.type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,10 +316,11 @@ def _apply_masks(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tens
     """Set min_tokens-blocked stop ids and disallowed tokens to -inf; returns a new tensor."""
     rows: list[int] = []
     cols: list[int] = []
-    for i, (min_tokens, out, stops) in enumerate(
-        zip(metadata.min_tokens, metadata.output_token_ids, metadata.stop_token_ids)
-    ):
-        if len(out) < min_tokens:
+    counts = metadata.num_output_tokens
+    if counts is None:
+        counts = [len(out) for out in metadata.output_token_ids]
+    for i, (min_tokens, count, stops) in enumerate(zip(metadata.min_tokens, counts, metadata.stop_token_ids)):
+        if count < min_tokens:
             rows.extend([i] * len(stops))
             cols.extend(stops)
     mask = metadata.allowed_token_mask
@@ -327,8 +328,8 @@ def _apply_masks(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tens
         return logits
     logits = logits.clone()  # [num_rows, vocab]
     if rows:
-        index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
-        logits.index_put_(index, torch.tensor(NEG_INF, device=logits.device))
+        index = to_device(torch.tensor([rows, cols], dtype=torch.long), logits.device)  # [2, num_masked]
+        logits.index_put_((index[0], index[1]), logits.new_full((), NEG_INF))
     if mask is not None:
         if not bool(mask.any(dim=-1).all()):
             bad = (~mask.any(dim=-1)).nonzero().flatten().tolist()

@@ -8,7 +8,9 @@
 #   bash backends/nvidia_sm100/benchmarks/h200_session.sh MODE     (each mode fits one 10-minute call)
 #   tests    every GPU test of the backend            quick   b1, b64, then the graph / attention tests
 #   bench    b1 b64 b256 b16 + --enforce-eager A/B    hf      b1 and b64 with --compare-hf (HF in the same run)
-#   decode   b1 b64 b256 b64-2k b16 (graphs only)      prefill 8 x 1K prompts in one step, one 8K prompt
+#   decode   b1 b64 b256 b16 (graphs, the backend's defaults: 8192-token steps, async scheduling), then b1 and
+#            b64 with --no-async-scheduling (A/B)          prefill 8 x 1K prompts in one step, one 8K prompt
+#   compiled b1 and b64 with decode steps compiled whole (prompts prefilled in one step: one compile per run)
 #   compile  decode steps compiled whole before capture (DEEPINFER_NVIDIA_COMPILE_STEP=1): the decode profile at
 #            batch 1 and 64, the compiled-step test, then b1 and b64 (prompts prefilled in one step, so one compile
 #            per run) and b64 uncompiled alike
@@ -50,9 +52,16 @@ if [[ $what == kernels ]]; then
   (cd backends/nvidia_sm100/benchmarks && python bench_gemv.py) 2>&1 | tail -22 | tee "$RES/bench-gemv.txt"; save
   (cd backends/nvidia_sm100/benchmarks && python bench_norm.py) 2>&1 | tail -20 | tee "$RES/bench-norm.txt"; save
 fi
-if [[ $what == tests || $what == all ]]; then
-  python -m pytest -q -p no:cacheprovider backends/nvidia_sm100/tests -x -rs 2>&1 | tail -25 | tee "$RES/tests.txt"
+if [[ $what == tests || $what == all ]]; then  # every failure's name and error line in the kept tail
+  python -m pytest -q -p no:cacheprovider backends/nvidia_sm100/tests -rfEs 2>&1 | tail -40 | tee "$RES/tests.txt"
   save
+fi
+if [[ $what == compiled ]]; then
+  export DEEPINFER_NVIDIA_COMPILE_STEP=1
+  bench b1-compiled --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
+  bench b64-compiled --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64 --max-num-batched-tokens 65536
+  unset DEEPINFER_NVIDIA_COMPILE_STEP
+  what=summary
 fi
 if [[ $what == hf ]]; then
   bench b1-hf --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --compare-hf
@@ -68,9 +77,12 @@ if [[ $what == bench || $what == all || $what == quick || $what == summary || $w
     bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
   fi
   if [[ $what == bench || $what == all || $what == decode ]]; then
-    bench b256 --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256 --max-num-batched-tokens 8192
-    bench b64-2k --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64 --max-num-batched-tokens 2048
+    bench b256 --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256
     bench b16 --input-len 1024 --output-len 128 --num-prompts 16 --max-num-seqs 16
+  fi
+  if [[ $what == decode ]]; then
+    bench b1-sync --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --no-async-scheduling
+    bench b64-sync --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64 --no-async-scheduling
   fi
   if [[ $what == bench || $what == all ]]; then
     bench b1-eager --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --enforce-eager
@@ -84,7 +96,8 @@ def ms(stats):
     return f"{1e3 * stats['p50']:.2f}" if stats and stats.get("p50") is not None else "-"
 
 out = Path(sys.argv[1])
-print(f"{'run':14} {'out tok/s':>10} {'total tok/s':>11} {'tpot ms':>8} {'ttft ms':>9} {'roofline':>9} {'vs HF':>6} {'replays':>8}")
+print(f"{'run':14} {'out tok/s':>10} {'total tok/s':>11} {'tpot ms':>8} {'ttft ms':>9} {'roofline':>9} {'vs HF':>6} "
+      f"{'replays':>8} {'budget':>7} {'async':>6}")
 for f in sorted(out.glob("*.json")):
     r = json.loads(f.read_text()); e = r["engine"]; roof = r["roofline"]["engine"]
     frac = roof.get("fraction") if isinstance(roof, dict) else None
@@ -92,7 +105,8 @@ for f in sorted(out.glob("*.json")):
     ratio = (r.get("ratio") or {}).get("output_throughput")
     ratio = f"{ratio:.2f}x" if ratio else "-"
     print(f"{f.stem:14} {e['output_throughput']:10.1f} {e['total_throughput']:11.1f} {ms(e['tpot_s']):>8} "
-          f"{ms(e['ttft_s']):>9} {frac:>9} {ratio:>6} {r['config'].get('decode_graph_replays')!s:>8}")
+          f"{ms(e['ttft_s']):>9} {frac:>9} {ratio:>6} {r['config'].get('decode_graph_replays')!s:>8} "
+          f"{r['config'].get('max_num_batched_tokens')!s:>7} {r['config'].get('async_scheduling')!s:>6}")
 PY
 fi
 if [[ $what == quick ]]; then  # the graph and attention tests only

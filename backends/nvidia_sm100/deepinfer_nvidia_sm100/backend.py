@@ -35,6 +35,8 @@ class NvidiaBackend(Backend):
     # SGLang's chunked-prefill size on H100 / H200, vLLM's server default: at 2048 tokens per step the bench's batch
     # of 64 x 1K prompts ran at 28.9% of the roofline, prefilled in one step 50.6% (docs/performance.md 4.9)
     default_max_num_batched_tokens = 8192
+    # the host reads step N's tokens while the GPU computes step N + 1 (docs/performance.md 4.10)
+    default_async_scheduling = True
 
     def __init__(self, device_index: int | None = None) -> None:
         from deepinfer_nvidia_sm100.kernels.compiled import StepCompiler
