@@ -29,19 +29,44 @@ class SampledRows:
     top_token_ids: list[list[int]]  # [num_rows][n]; empty rows when no logprobs were asked for
     top_logprobs: list[list[float]]
 
+
+@dataclasses.dataclass
+class SampledRowsCopy:
+    """A step's sampled rows on their way to the host: one non-blocking copy queued right behind the sampler,
+    so reading them waits for that step only. (A ``.tolist()`` at read time would queue its copy behind every
+    step launched since, and with asynchronous scheduling wait for the next step too.)"""
+
+    flat: torch.Tensor  # [3 * rows + 2 * rows * n] float64 on the host (pinned when copied from a device)
+    rows: int
+    n: int
+    done: torch.Event | None  # recorded after the copy; None when the rows were on the host already
+
     @classmethod
-    def read(cls, out: SamplerOutput) -> SampledRows:
+    def start(cls, out: SamplerOutput) -> SampledRowsCopy:
         rows = out.sampled_token_ids.shape[0]
         n = out.top_token_ids.shape[1] if out.top_token_ids is not None else 0
         parts = [out.sampled_token_ids, out.sampled_logprobs, out.sampled_ranks]
         if n:
             parts += [out.top_token_ids.flatten(), out.top_logprobs.flatten()]
-        flat = torch.cat([p.to(torch.float64) for p in parts]).tolist()  # exact for int64 ids and float32
+        flat = torch.cat([p.to(torch.float64) for p in parts])  # exact for int64 ids and float32
+        if flat.device.type == "cpu":
+            return cls(flat, rows, n, None)
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        done = torch.Event(device=flat.device)
+        done.record()
+        return cls(host, rows, n, done)
+
+    def wait(self) -> SampledRows:
+        """The rows, once the copy is done."""
+        if self.done is not None:
+            self.done.synchronize()
+        rows, n, flat = self.rows, self.n, self.flat.tolist()
         ids, lps, ranks = flat[:rows], flat[rows:2 * rows], flat[2 * rows:3 * rows]
         top_ids, top_lps = flat[3 * rows:3 * rows + rows * n], flat[3 * rows + rows * n:]
-        return cls([int(t) for t in ids], lps, [int(r) for r in ranks],
-                   [[int(t) for t in top_ids[i * n:(i + 1) * n]] for i in range(rows)],
-                   [top_lps[i * n:(i + 1) * n] for i in range(rows)])
+        return SampledRows([int(t) for t in ids], lps, [int(r) for r in ranks],
+                           [[int(t) for t in top_ids[i * n:(i + 1) * n]] for i in range(rows)],
+                           [top_lps[i * n:(i + 1) * n] for i in range(rows)])
 
 
 @dataclasses.dataclass
@@ -63,16 +88,22 @@ class LaunchedStep:
     sampler_output: SamplerOutput | None
     sampled_order: list[str]  # request ids, row order of sampler_output
     prompt_logprobs: dict[str, tuple[int, PromptLogprobsOutput]]
+    rows: SampledRowsCopy | None  # sampler_output on its way to the host
 
     def feed(self, input_ids: torch.Tensor, rows: list[int], chunks: list[ScheduledChunk]) -> None:
         """Write the tokens this step sampled into ``input_ids`` (device) of the next step: ``rows[i]`` is the
         row of chunk ``i``'s last input token; only chunks whose last token is in flight are written."""
         order = {request_id: i for i, request_id in enumerate(self.sampled_order)}
-        pairs = [[row, order[c.request.request_id]] for row, c in zip(rows, chunks) if c.reads_inflight_token]
+        pairs = [(row, order[c.request.request_id]) for row, c in zip(rows, chunks) if c.reads_inflight_token]
         if not pairs:
             return
+        sampled = self.sampler_output.sampled_token_ids  # [num_sampled]
+        (row, source), n = pairs[0], len(pairs)
+        if pairs == [(row + i, source + i) for i in range(n)]:  # the usual decode step: one slice copy
+            input_ids[row:row + n].copy_(sampled[source:source + n])
+            return
         index = to_device(torch.tensor(pairs, dtype=torch.long).T.contiguous(), input_ids.device)  # [2, n]
-        input_ids[index[0]] = self.sampler_output.sampled_token_ids[index[1]]
+        input_ids[index[0]] = sampled[index[1]]
 
 
 class ModelRunner:
@@ -149,7 +180,9 @@ class ModelRunner:
             prompt_logprobs = self._prompt_logprobs(eager, logits, prompt_rows)
         sampling_chunks = [c for c in output.chunks if c.samples]
         sampler_output = self._sample(sampling_chunks, parts, [row_of[id(c)] for c in sampling_chunks])
-        return LaunchedStep(output, sampler_output, [c.request.request_id for c in sampling_chunks], prompt_logprobs)
+        rows = SampledRowsCopy.start(sampler_output) if sampler_output is not None else None
+        return LaunchedStep(output, sampler_output, [c.request.request_id for c in sampling_chunks], prompt_logprobs,
+                            rows)
 
     def _sample(self, chunks: list[ScheduledChunk], parts: list[torch.Tensor], order: list[int]) -> SamplerOutput | None:
         """Sample the chunks' tokens from their logits (``parts`` stacked, row ``order[i]`` for chunk ``i``)."""
@@ -173,11 +206,10 @@ class ModelRunner:
 
     def collect(self, launched: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step and read its sampled tokens to the host."""
-        out = launched.sampler_output
-        rows = SampledRows.read(out) if out is not None else None
+        rows = launched.rows.wait() if launched.rows is not None else None
         return ModelRunnerOutput(
             sampled=dict(zip(launched.sampled_order, rows.token_ids if rows else [])),
-            sampler_output=out,
+            sampler_output=launched.sampler_output,
             sampled_order=launched.sampled_order,
             prompt_logprobs=launched.prompt_logprobs,
             rows=rows,
