@@ -11,6 +11,7 @@
 #   decode   b1 b64 b256 b16 (graphs, the backend's defaults: 8192-token steps, async scheduling), then b1 and
 #            b64 with --no-async-scheduling (A/B)          prefill 8 x 1K prompts in one step, one 8K prompt
 #   compiled b1 and b64 with decode steps compiled whole (prompts prefilled in one step: one compile per run)
+#   async    b1 and b64 with and without asynchronous scheduling, then b1 compiled
 #   compile  decode steps compiled whole before capture (DEEPINFER_NVIDIA_COMPILE_STEP=1): the decode profile at
 #            batch 1 and 64, the compiled-step test, then b1 and b64 (prompts prefilled in one step, so one compile
 #            per run) and b64 uncompiled alike
@@ -55,6 +56,14 @@ fi
 if [[ $what == tests || $what == all ]]; then  # every failure's name and error line in the kept tail
   python -m pytest -q -p no:cacheprovider backends/nvidia_sm100/tests -rfEs 2>&1 | tail -40 | tee "$RES/tests.txt"
   save
+fi
+if [[ $what == async ]]; then  # A/B of asynchronous scheduling (the NVIDIA default) at batch 1 and 64, then compiled b1
+  bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
+  bench b1-sync --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --no-async-scheduling
+  bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
+  bench b64-sync --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64 --no-async-scheduling
+  DEEPINFER_NVIDIA_COMPILE_STEP=1 bench b1-compiled --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
+  what=summary
 fi
 if [[ $what == compiled ]]; then
   export DEEPINFER_NVIDIA_COMPILE_STEP=1
