@@ -13,3 +13,23 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if device.type == "cpu":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of a device tensor in pinned host memory, queued on the current stream without waiting: read it
+    only once an event recorded after it (``record_event``) has completed. A host tensor is returned as it is."""
+    if tensor.device.type == "cpu":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
+
+
+def record_event(device: torch.device | str) -> torch.Event | None:
+    """An event recorded now on ``device``'s current stream (None on the CPU, whose copies are done on return)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return None
+    event = torch.Event(device=device)
+    event.record()
+    return event

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from deepinfer_core.device_copy import to_device
+from deepinfer_core.device_copy import record_event, to_device, to_host
 from deepinfer_core.engine.decode_graphs import DecodeGraphs
 from deepinfer_core.engine.scheduler import ScheduledChunk, SchedulerOutput
 from deepinfer_core.forward_batch import ForwardBatch
@@ -32,14 +32,13 @@ class SampledRows:
 
 @dataclasses.dataclass
 class SampledRowsCopy:
-    """A step's sampled rows on their way to the host: one non-blocking copy queued right behind the sampler,
-    so reading them waits for that step only. (A ``.tolist()`` at read time would queue its copy behind every
-    step launched since, and with asynchronous scheduling wait for the next step too.)"""
+    """A step's sampled rows on their way to the host: one non-blocking copy queued right behind the sampler, so
+    reading them waits for that step only (``LaunchedStep.ready``). A ``.tolist()`` at read time would queue its
+    copy behind every step launched since: with asynchronous scheduling it waited for the next step too."""
 
-    flat: torch.Tensor  # [3 * rows + 2 * rows * n] float64 on the host (pinned when copied from a device)
+    flat: torch.Tensor  # [3 * rows + 2 * rows * n] float64 on the host
     rows: int
     n: int
-    done: torch.Event | None  # recorded after the copy; None when the rows were on the host already
 
     @classmethod
     def start(cls, out: SamplerOutput) -> SampledRowsCopy:
@@ -49,18 +48,10 @@ class SampledRowsCopy:
         if n:
             parts += [out.top_token_ids.flatten(), out.top_logprobs.flatten()]
         flat = torch.cat([p.to(torch.float64) for p in parts])  # exact for int64 ids and float32
-        if flat.device.type == "cpu":
-            return cls(flat, rows, n, None)
-        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-        host.copy_(flat, non_blocking=True)
-        done = torch.Event(device=flat.device)
-        done.record()
-        return cls(host, rows, n, done)
+        return cls(to_host(flat), rows, n)
 
-    def wait(self) -> SampledRows:
-        """The rows, once the copy is done."""
-        if self.done is not None:
-            self.done.synchronize()
+    def read(self) -> SampledRows:
+        """The rows (call once the copy is done)."""
         rows, n, flat = self.rows, self.n, self.flat.tolist()
         ids, lps, ranks = flat[:rows], flat[rows:2 * rows], flat[2 * rows:3 * rows]
         top_ids, top_lps = flat[3 * rows:3 * rows + rows * n], flat[3 * rows + rows * n:]
@@ -87,8 +78,9 @@ class LaunchedStep:
     scheduled: SchedulerOutput
     sampler_output: SamplerOutput | None
     sampled_order: list[str]  # request ids, row order of sampler_output
-    prompt_logprobs: dict[str, tuple[int, PromptLogprobsOutput]]
+    prompt_logprobs: dict[str, tuple[int, PromptLogprobsOutput]]  # on their way to the host
     rows: SampledRowsCopy | None  # sampler_output on its way to the host
+    ready: torch.Event | None  # recorded after the copies to the host (None: done already)
 
     def feed(self, input_ids: torch.Tensor, rows: list[int], chunks: list[ScheduledChunk]) -> None:
         """Write the tokens this step sampled into ``input_ids`` (device) of the next step: ``rows[i]`` is the
@@ -175,14 +167,14 @@ class ModelRunner:
             if previous is not None:
                 previous.feed(batch.input_ids, [end - 1 for end in batch.query_start[1:]], eager.chunks)
             logits = self.model.forward(batch, self.state).logits  # [N, V] fp32
-            parts.append(logits[sample_rows])
+            parts.append(logits[to_device(torch.tensor(sample_rows, dtype=torch.long), logits.device)])
             row_of.update({id(c): len(graphed) + i for i, c in enumerate(c for c in eager.chunks if c.samples)})
             prompt_logprobs = self._prompt_logprobs(eager, logits, prompt_rows)
         sampling_chunks = [c for c in output.chunks if c.samples]
         sampler_output = self._sample(sampling_chunks, parts, [row_of[id(c)] for c in sampling_chunks])
         rows = SampledRowsCopy.start(sampler_output) if sampler_output is not None else None
         return LaunchedStep(output, sampler_output, [c.request.request_id for c in sampling_chunks], prompt_logprobs,
-                            rows)
+                            rows, record_event(self.device))
 
     def _sample(self, chunks: list[ScheduledChunk], parts: list[torch.Tensor], order: list[int]) -> SamplerOutput | None:
         """Sample the chunks' tokens from their logits (``parts`` stacked, row ``order[i]`` for chunk ``i``)."""
@@ -206,7 +198,9 @@ class ModelRunner:
 
     def collect(self, launched: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step and read its sampled tokens to the host."""
-        rows = launched.rows.wait() if launched.rows is not None else None
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        rows = launched.rows.read() if launched.rows is not None else None
         return ModelRunnerOutput(
             sampled=dict(zip(launched.sampled_order, rows.token_ids if rows else [])),
             sampler_output=launched.sampler_output,
@@ -225,7 +219,8 @@ class ModelRunner:
             # logits row i predicts token start + i + 1; keep those inside the prompt
             targets = request.token_slice(chunk.start + 1, min(chunk.end + 1, len(request.prompt_token_ids)))
             rows = logits[first:first + len(targets)]
-            target_ids = torch.tensor(targets, dtype=torch.long, device=logits.device)
-            result[request.request_id] = (chunk.start + 1, compute_prompt_logprobs(
-                rows, target_ids, request.params.prompt_logprobs))
+            target_ids = to_device(torch.tensor(targets, dtype=torch.long), logits.device)
+            plp = compute_prompt_logprobs(rows, target_ids, request.params.prompt_logprobs)
+            result[request.request_id] = (chunk.start + 1, PromptLogprobsOutput(
+                *(to_host(getattr(plp, f.name)) for f in dataclasses.fields(plp))))
         return result
