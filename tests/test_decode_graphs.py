@@ -200,3 +200,26 @@ def test_every_captured_step_writes_one_shared_logits_buffer():
     assert {size for size, _ in graphs.captured} == {1, 2, 4}
     assert {t.shape[0] for t in returned} == {1, 2, 3}
     assert all(t.data_ptr() == graphs.logits.data_ptr() for t in returned)
+
+
+def test_sparse_indexer_selection_through_the_static_path(tmp_path, monkeypatch_module):
+    """``index_topk`` below the entries a sequence has: the indexer scores and selects (below that it is skipped,
+    every visible entry being selected), in the dynamic and in the padded static layout alike."""
+    pytest.importorskip("transformers")
+    from v4_factory import ALL_TYPES, tiny_checkpoint
+
+    monkeypatch_module.setattr(decode_graphs, "MIN_CONTEXT_BUCKET", 16)
+    folder = tmp_path / "sparse"
+    tiny_checkpoint(folder, layer_types=ALL_TYPES * 2, index_topk=3)  # CSA ratio 4: sparse beyond 12 tokens
+    prompts = [{"prompt_token_ids": [(5 * i + j) % 60 + 2 for i in range(n)]} for j, n in enumerate((30, 45, 9))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    scored = []
+    outputs = []
+    for sizes in (None, [1, 2, 4]):
+        llm = LLM(str(folder), max_model_len=128, max_num_seqs=4, block_size=8, cuda_graph_sizes=sizes)
+        score = llm.model.ops.indexer_scores
+        llm.model.ops.override("indexer_scores", lambda *a, score=score: scored.append(a[1].shape[1]) or score(*a),
+                               "test spy")
+        outputs.append(llm.generate(prompts, params, use_tqdm=False))
+    assert max(scored) > 3 and llm.engine.runner.decode_graphs.num_replays >= 10
+    _assert_same_greedy(*outputs)

@@ -118,6 +118,19 @@ def test_indexer_topk_all_zero_relu_scores_pick_lowest_visible_indices():
             assert got[s, qi].nonzero().flatten().tolist() == vis_idx[:k]
 
 
+@pytest.mark.parametrize("k", [9, 10, 64])
+def test_indexer_topk_with_a_budget_of_every_entry_selects_exactly_the_visible_ones(k):
+    """What lets the model skip the indexer while a step has at most ``index_topk`` entries: any scores, ties and
+    -inf included, select exactly ``visible``."""
+    S, Lq, E = 2, 5, 9
+    scores = torch.randn(S, Lq, E, generator=_gen(11)).round()  # many ties
+    scores[0, 0, 3] = float("-inf")
+    visible = torch.rand(S, Lq, E, generator=_gen(12)) < 0.6
+    got = ref.indexer_topk(scores, visible, k)
+    for s, qi in itertools.product(range(S), range(Lq)):
+        assert got[s, qi].tolist() == visible[s, qi].tolist()
+
+
 # ============================================================================ indexer_scores
 def test_indexer_scores_naive_sum_over_heads():
     S, Lq, Hi, di, E = 2, 3, 4, 5, 6

@@ -115,7 +115,9 @@ class Compressor:
             carry.gate.dtype)
 
 class Indexer:
-    """Lightning indexer: picks the top ``index_topk`` CSA entries for every query."""
+    """Lightning indexer: picks the top ``index_topk`` CSA entries for every query. While a step has at most
+    ``index_topk`` entries per sequence (contexts up to ``index_topk * ratio`` tokens) every visible entry is selected,
+    and the scores are not computed (``indexer_topk`` returns ``visible`` then, whatever the scores)."""
 
     def __init__(self, reg: ParameterRegistry, prefix: str, config: DeepseekV4Config):
         self.heads, self.dim = config.index_n_heads, config.index_head_dim
@@ -131,7 +133,7 @@ class Indexer:
         self.compressor.step(ops, inputs["index_kv"], inputs["index_gate"], layout, keys_store, carry, rope)
         ratio = self.compressor.ratio
         visible = layout.entries(ratio).visible  # [S, Lq, E]
-        if visible.shape[-1] == 0:
+        if visible.shape[-1] <= self.topk:  # the budget covers every entry: top-k selects all visible ones, unscored
             return visible
         keys = layout.gather_entries(keys_store, ratio)  # [S, E, di]
         q = ops.linear(q_residual, self.wq_b).view(-1, self.heads, self.dim)  # [T, Hi, di]
