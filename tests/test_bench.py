@@ -119,6 +119,7 @@ def test_bench_result_has_the_expected_keys_and_positive_numbers(hf_result):
     assert hf_result["roofline"] == {"engine": "n/a (CPU)", "hf": "n/a (CPU)"}
     assert hf_result["config"]["preset"] == "tiny" and hf_result["config"]["input_len"] == 8
     assert hf_result["config"]["max_num_batched_tokens"] == 2048  # unset: the CPU backend's default, as run
+    assert hf_result["config"]["async_scheduling"] is False  # unset: the CPU backend's default, as run
     json.dumps(hf_result)  # JSON-able as is
 
 
@@ -132,12 +133,15 @@ def test_report_table_shows_engine_hf_and_ratio(hf_result):
 def test_cli_bench_prints_the_table_and_writes_json(cache_dir, tmp_path, capsys):
     path = tmp_path / "out.json"
     code = cli.main(["bench", "--preset", "tiny", "--cache-dir", str(cache_dir), "--input-len", "8", "--output-len",
-                     "3", "--num-prompts", "2", "--max-num-seqs", "2", "--warmup", "0", "--json", str(path)])
+                     "3", "--num-prompts", "2", "--max-num-seqs", "2", "--warmup", "0", "--async-scheduling",
+                     "--json", str(path)])
     out = capsys.readouterr().out
     assert code == 0
     assert "output tok/s" in out and "roofline (engine): n/a (CPU)" in out and "HF" not in out.split("metric")[1]
+    assert "async scheduling on" in out
     data = json.loads(path.read_text())
     assert data["hf"] is None and data["engine"]["output_tokens"] == 6
+    assert data["config"]["async_scheduling"] is True and data["engine"]["steps"] >= 3
 
 
 def test_cli_bench_bad_values_exit_2(capsys):
