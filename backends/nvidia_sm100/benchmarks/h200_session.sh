@@ -54,7 +54,8 @@ if [[ $what == kernels ]]; then
   (cd backends/nvidia_sm100/benchmarks && python bench_norm.py) 2>&1 | tail -20 | tee "$RES/bench-norm.txt"; save
 fi
 if [[ $what == tests || $what == all ]]; then  # every failure's name and error line in the kept tail
-  python -m pytest -q -p no:cacheprovider backends/nvidia_sm100/tests -rfEs 2>&1 | tail -40 | tee "$RES/tests.txt"
+  python -m pytest -q -p no:cacheprovider backends/nvidia_sm100/tests -rfEs 2>&1 | tee "$RES/tests-full.txt" \
+    | tail -40 | tee "$RES/tests.txt"  # the full log (tracebacks) travels in the archive
   save
 fi
 if [[ $what == async ]]; then  # A/B of asynchronous scheduling (the NVIDIA default) at batch 1 and 64, then compiled b1
