@@ -99,8 +99,11 @@ class LLM:
         self.plugin_manager = get_plugin_manager()
         self.backend = select_backend(backend)
         self.max_num_batched_tokens = max_num_batched_tokens or self.backend.default_max_num_batched_tokens
+        if async_scheduling is not None and not isinstance(async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True, False or None (the backend's default), "
+                             f"got {async_scheduling!r}")
         self.async_scheduling = (self.backend.default_async_scheduling if async_scheduling is None
-                                 else bool(async_scheduling))
+                                 else async_scheduling)
         registry = default_registry(self.plugin_manager)
         configure_plugins(self.plugin_manager, {"model": str(self.model_dir)}, options, self.backend.name)
         ops = self.backend.make_op_table(self.plugin_manager)

@@ -174,3 +174,8 @@ def test_prefix_hits_and_static_decode_steps():
 def test_the_default_comes_from_the_backend(value, expected):
     llm = LLM(max_model_len=64, async_scheduling=value)
     assert llm.async_scheduling is expected and llm.engine.config.async_scheduling is expected
+
+
+def test_a_non_boolean_setting_is_refused():
+    with pytest.raises(ValueError, match="async_scheduling must be True, False or None"):
+        LLM(max_model_len=64, async_scheduling="yes")
