@@ -142,11 +142,16 @@ def check_stop_token(
             return FINISH_STOP, None
         if last in params.stop_token_ids:
             return FINISH_STOP, last
-    if params.max_tokens is not None and num_output >= params.max_tokens:
-        return FINISH_LENGTH, None
-    if max_model_len is not None and num_prompt_tokens + num_output >= max_model_len:
+    if reaches_length_limit(params, num_prompt_tokens, num_output, max_model_len):
         return FINISH_LENGTH, None
     return None
+
+
+def reaches_length_limit(params: SamplingParams, num_prompt_tokens: int, num_output: int,
+                         max_model_len: int | None) -> bool:
+    """Whether ``num_output`` generated tokens end the sequence by length (``max_tokens`` or ``max_model_len``)."""
+    return ((params.max_tokens is not None and num_output >= params.max_tokens)
+            or (max_model_len is not None and num_prompt_tokens + num_output >= max_model_len))
 
 
 @dataclasses.dataclass

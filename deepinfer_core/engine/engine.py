@@ -142,9 +142,7 @@ class Engine:
     def _may_overlap(self) -> bool:
         """Whether the next step may be launched before the tokens in flight are read: asynchronous scheduling
         is on and no running request needs the previous token's id on the host (penalties)."""
-        return self.config.async_scheduling and not any(
-            r.params.repetition_penalty != 1 or r.params.presence_penalty != 0 or r.params.frequency_penalty != 0
-            for r in self.scheduler.running)
+        return self.config.async_scheduling and not any(r.params.uses_penalties for r in self.scheduler.running)
 
     def _finish(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Read a launched step's results and apply them; returns the request groups that finished."""

@@ -12,6 +12,7 @@ import dataclasses
 from collections import deque
 from collections.abc import Callable
 
+from deepinfer_core.engine.detokenizer import reaches_length_limit
 from deepinfer_core.engine.request import Request, RequestStatus
 from deepinfer_core.engine.state_manager import StateManager
 
@@ -137,12 +138,9 @@ class FcfsScheduler(Scheduler):
     def _ends_in_flight(self, request: Request) -> bool:
         """Whether the request's in-flight token is certain to end it (its length limit): no step is planned
         for a request that will have finished when the step's results are read."""
-        if not request.num_inflight_tokens:
-            return False
-        max_tokens, max_len = request.params.max_tokens, request.detokenizer.max_model_len
-        num_output = len(request.output_token_ids) + request.num_inflight_tokens
-        return ((max_tokens is not None and num_output >= max_tokens)
-                or (max_len is not None and request.num_tokens >= max_len))
+        return request.num_inflight_tokens > 0 and reaches_length_limit(
+            request.params, len(request.prompt_token_ids), len(request.output_token_ids) + request.num_inflight_tokens,
+            request.detokenizer.max_model_len)
 
     def _allocate_or_preempt(self, request: Request, num: int, preempted: list[Request]) -> bool:
         while not self.state.allocate(request, request.num_computed_tokens + num):

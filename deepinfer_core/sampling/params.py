@@ -154,6 +154,11 @@ class SamplingParams:
         """``"greedy"`` when temperature is 0, else ``"random"`` (seeded or not)."""
         return "greedy" if self.temperature == 0 else "random"
 
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether a repetition, presence or frequency penalty is on (they need the ids generated so far)."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
     def clone(self) -> SamplingParams:
         """A deep copy (lists are not shared with the original)."""
         return copy.deepcopy(self)

@@ -169,8 +169,7 @@ class RowKinds:
         greedy = [p.temperature == 0 for p in params]
         return cls(
             all_greedy=all(greedy), any_greedy=any(greedy),
-            penalties=any(p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
-                          for p in params),
+            penalties=any(p.uses_penalties for p in params),
             top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in params), min_p=any(p.min_p > 0 for p in params))
 
 

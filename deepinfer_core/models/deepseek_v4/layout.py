@@ -25,6 +25,7 @@ import functools
 
 import torch
 
+from deepinfer_core.device_copy import record_event
 from deepinfer_core.forward_batch import ForwardBatch
 
 
@@ -117,8 +118,7 @@ class StaticBuffers:
         if not self.sealed or self._device_arena is self._host_arena:  # sizing build, or on the host already
             return
         self._device_arena.copy_(self._host_arena, non_blocking=True)
-        self._uploaded = torch.Event(device=self.device)
-        self._uploaded.record()
+        self._uploaded = record_event(self.device)
 
 
 @dataclasses.dataclass
