@@ -2,9 +2,10 @@
 
     python backends/nvidia_sm100/benchmarks/bench_moe.py      # on a GPU; prints one table
 
-Checks the Triton op against the reference op first, then times (CUDA events, median of repeats, after
-warmup; weights normal(0, 0.02), never zeros) the reference op (eager), the Triton op (eager) and the
-Triton op replayed from a CUDA graph. Floor = max(unique experts' weight bytes / 4.25 TB/s,
+Checks the Triton kernels and the grouped-GEMM path (``torch._grouped_mm``, expert runs padded to 16 rows or
+unpadded) against the reference op first, then times (CUDA events, median of repeats, after warmup; weights
+normal(0, 0.02), never zeros) the reference op (eager), the op as the backend runs it, the Triton kernels, the
+grouped-GEMM path, and the op replayed from a CUDA graph. Floor = max(unique experts' weight bytes / 4.25 TB/s,
 FLOPs / 799 TFLOP/s) (BENCHMARKS.md ceilings).
 """
 
@@ -20,38 +21,46 @@ BW, FLOPS = 4.25e12, 799e12
 
 
 def main() -> None:
-    from deepinfer_nvidia_sm100.kernels.moe import moe_experts
+    from deepinfer_nvidia_sm100.kernels import moe
 
     torch.manual_seed(0)
     dt = torch.bfloat16
     w1 = (torch.randn(E, I, D, device="cuda") * 0.02).to(dt)
     w2 = (torch.randn(E, D, I, device="cuda") * 0.02).to(dt)
     w3 = (torch.randn(E, I, D, device="cuda") * 0.02).to(dt)
+    variants = {
+        "op": lambda *a: moe.moe_experts(*a),
+        "triton": lambda *a: moe._moe_experts(*a, moe._config(a[1].numel(), E)),
+        "grouped/16": lambda *a: moe.moe_experts_grouped(*a, group_align=16),
+        "grouped/1": lambda *a: moe.moe_experts_grouped(*a, group_align=1),
+    }
     rows = []
-    for T in (1, 16, 64, 256, 1024, 4096):
+    for T in (1, 16, 64, 256, 1024, 2048, 4096, 8192):
         x = torch.randn(T, D, device="cuda").to(dt)
         ids = torch.rand(T, E, device="cuda").topk(K, dim=-1).indices
         weights = torch.rand(T, K, device="cuda")
-        got = moe_experts(x, ids, weights, w1, w2, w3, 10.0)
-        want = ref.moe_experts(x, ids, weights, w1, w2, w3, 10.0)
-        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        args = (x, ids, weights, w1, w2, w3, 10.0)
+        want = ref.moe_experts(*args).float()
+        errs = {name: ((fn(*args).float() - want).abs().max() / want.abs().max()).item() for name, fn in variants.items()}
         unique = ids.unique().numel()
         floor = max(unique * 3 * I * D * 2 / BW, T * K * 3 * 2 * D * I / FLOPS)
-        args = (x, ids, weights, w1, w2, w3, 10.0)
-        t_ref = cuda_time(lambda a=args: ref.moe_experts(*a), reps=5 if T > 256 else 20)
-        t_tri = cuda_time(lambda a=args: moe_experts(*a))
-        t_graph = None
-        if T <= 256:
-            t_graph = cuda_time(graphed(lambda a=args: moe_experts(*a)))
-        rows.append((T, unique, err, floor, t_ref, t_tri, t_graph))
-    print("\nmoe_experts, E=64 top-6 D=4096 I=2048 bf16, one layer (H200)")
-    print("| tokens | experts touched | max rel err vs ref | floor | reference | triton | % floor | triton+graph | % floor |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for T, u, err, floor, a, b, c in rows:
-        pct_c = f"{100 * floor / c:.0f}%" if c is not None else "-"
-        tc = f"{c * 1e3:.3f} ms" if c is not None else "-"
-        print(f"| {T} | {u} | {err:.1e} | {floor * 1e3:.3f} ms | {a * 1e3:.3f} ms | {b * 1e3:.3f} ms | "
-              f"{100 * floor / b:.0f}% | {tc} | {pct_c} |")
+        times = {"reference": cuda_time(lambda a=args: ref.moe_experts(*a), reps=5 if T > 256 else 20)}
+        times.update({name: cuda_time(lambda a=args, f=fn: f(*a), reps=10 if T > 1024 else 20)
+                      for name, fn in variants.items()})
+        times["op+graph"] = cuda_time(graphed(lambda a=args: moe.moe_experts(*a))) if T <= 256 else None
+        rows.append((T, unique, errs, floor, times))
+    names = ["reference", *variants, "op+graph"]
+    print("\nmoe_experts, E=64 top-6 D=4096 I=2048 bf16, one layer (H200); time (% of floor); max rel err vs reference")
+    print("| tokens | experts | floor | " + " | ".join(names) + " | " + " | ".join(f"err {n}" for n in variants) + " |")
+    print("|" + "---|" * (3 + len(names) + len(variants)))
+    for T, unique, errs, floor, times in rows:
+        cells = [f"{times[n] * 1e3:.3f} ms ({100 * floor / times[n]:.0f}%)" if times[n] else "-" for n in names]
+        print(f"| {T} | {unique} | {floor * 1e3:.3f} ms | " + " | ".join(cells) + " | "
+              + " | ".join(f"{errs[n]:.1e}" for n in variants) + " |")
+    print("\nSummary (best variant per size):")
+    for T, _, _, floor, times in rows:
+        best = min(variants, key=lambda n: times[n])
+        print(f"  {T:5d} tokens: {best} {times[best] * 1e3:.3f} ms = {100 * floor / times[best]:.0f}% of floor")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,24 @@ def test_moe_experts_matches_reference(T, E, k, D, I, hot, dtype):
     torch.testing.assert_close(got.float(), want.float(), **tol)
 
 
+@pytest.mark.parametrize("group_align", [1, 16])
+@pytest.mark.parametrize("T, E, k, D, I, hot", [
+    (300, 8, 2, 128, 96, 3), (2048, 64, 6, 4096, 2048, None), (1000, 16, 2, 256, 128, 5), (4100, 64, 6, 512, 256, 0),
+])
+def test_moe_experts_grouped_gemm_matches_reference(T, E, k, D, I, hot, group_align):
+    """The prefill path through ``torch._grouped_mm`` (bf16 only), with skewed loads (``hot``: every token on one
+    expert, some experts empty) and unpadded / padded expert runs; ``moe_experts`` takes it at these sizes."""
+    from deepinfer_nvidia_sm100.kernels import moe
+
+    x, ids, weights, w1, w2, w3 = _moe_case(T, E, k, D, I, torch.bfloat16, hot=hot)
+    assert moe.uses_grouped_gemm(x, T * k, E)
+    got = moe.moe_experts_grouped(x, ids, weights, w1, w2, w3, 0.5, group_align=group_align)
+    want = ref.moe_experts(x, ids, weights, w1, w2, w3, 0.5)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(moe.moe_experts(x, ids, weights, w1, w2, w3, 0.5).float(), want.float(),
+                               atol=2e-2, rtol=2e-2)
+
+
 def test_moe_align_layout():
     from deepinfer_nvidia_sm100.kernels.moe import align
 
@@ -52,14 +70,15 @@ def test_moe_align_layout():
     assert (block_expert[block_expert >= 0].diff() >= 0).all()
 
 
-def test_moe_experts_in_cuda_graph_has_no_host_sync():
+@pytest.mark.parametrize("T", [16, 1024])  # Triton kernels; grouped GEMM (prefill sizes)
+def test_moe_experts_in_cuda_graph_has_no_host_sync(T):
     from deepinfer_nvidia_sm100.backend import NvidiaBackend
     from deepinfer_nvidia_sm100.kernels.moe import moe_experts
 
     backend = NvidiaBackend()
-    x, ids, weights, w1, w2, w3 = _moe_case(16, 16, 4, 256, 128, torch.bfloat16)
+    x, ids, weights, w1, w2, w3 = _moe_case(T, 16, 4, 256, 128, torch.bfloat16)
     run = backend.capture_graph(lambda a, b, c: moe_experts(a, b, c, w1, w2, w3, 1.0), (x, ids, weights))
-    x2, ids2, weights2, *_ = _moe_case(16, 16, 4, 256, 128, torch.bfloat16, seed=1)
+    x2, ids2, weights2, *_ = _moe_case(T, 16, 4, 256, 128, torch.bfloat16, seed=1)
     got = run(x2, ids2, weights2)
     want = ref.moe_experts(x2, ids2, weights2, w1, w2, w3, 1.0)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)

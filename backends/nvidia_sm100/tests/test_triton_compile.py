@@ -5,7 +5,7 @@ this runs on the CPU CI machine. Each MoE tile the backend can pick is compiled 
 for the tensor-core path: 64-row tiles use wgmma on sm_90a and tcgen05 on sm_100a; the 16-row decode tile uses
 mma.sync on both (wgmma and tcgen05 need at least 64 rows, and decode reads weights, it barely multiplies).
 Only compilation is checked here; the kernels' results are checked on the GPU (test_kernels_gpu.py,
-test_triton_kernels.py). The kernels without a matrix multiply (mHC weights, MoE align and combine) are checked
+test_triton_kernels.py). The kernels without a matrix multiply (mHC weights, MoE align, SwiGLU and combine) are checked
 to compile for both targets.
 """
 
@@ -87,7 +87,10 @@ SMALL_KERNELS = {  # kernel -> (argument types where not the default, constexprs
     "moe._align_kernel": ({"ids_ptr": "*i64", "sorted_assign_ptr": "*i64", "block_expert_ptr": "*i64",
                            "dest_ptr": "*i64"}, {"BLOCK_M": 16, "E_P2": 64, "CHUNK": 64}),
     "moe._combine_kernel": ({"y_ptr": "*bf16", "out_ptr": "*bf16", "ids_ptr": "*i64", "dest_ptr": "*i64"},
-                            {"K_P2": 8, "BLOCK_D": 1024}),
+                            {"K_P2": 8, "BLOCK_D": 1024, "WEIGHTED": False}),
+    "moe._combine_kernel:weighted": ({"y_ptr": "*bf16", "out_ptr": "*bf16", "ids_ptr": "*i64", "dest_ptr": "*i64"},
+                                     {"K_P2": 8, "BLOCK_D": 1024, "WEIGHTED": True}),
+    "moe._swiglu_kernel": ({"gate_ptr": "*bf16", "up_ptr": "*bf16", "h_ptr": "*bf16", "limit": "fp32"}, {"BLOCK": 2048}),
 }
 
 

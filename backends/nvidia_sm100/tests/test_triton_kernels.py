@@ -177,6 +177,35 @@ def test_moe_experts_combine_matches_reference_fp32(tokens, top_k):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@kernel_runs_here
+@pytest.mark.parametrize("group_align", [1, 16])
+def test_moe_experts_grouped_layout_and_combine(group_align):
+    """The grouped-GEMM MoE path's layout (offsets of padded expert runs, an empty expert), SwiGLU epilogue and
+    weighted combine against the reference op: fp32 here (``torch._grouped_mm`` on CPU, the kernels interpreted:
+    exact up to fp32 sums), bf16 on the GPU (CUDA's grouped GEMM is bf16 only)."""
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    E, D, inter, T, top_k = 5, 64, 32, 150, 2
+
+    def rnd(*shape):
+        return torch.randn(*shape, device=DEVICE, generator=gen)
+
+    x, w1, w2, w3 = rnd(T, D).to(dtype), *(w.to(dtype) for w in (
+        rnd(E, inter, D) * 0.2, rnd(E, D, inter) * 0.2, rnd(E, inter, D) * 0.2))
+    ids = torch.stack([torch.randperm(E - 1, device=DEVICE, generator=gen)[:top_k] for _ in range(T)])  # E-1 empty
+    ids[:40, 0] = 0  # a hot expert
+    ids[:40, 1] = 1
+    weights = torch.rand(T, top_k, device=DEVICE, generator=gen)
+    got = moe.moe_experts_grouped(x, ids, weights, w1, w2, w3, 0.7, group_align=group_align)
+    want = ref.moe_experts(x, ids, weights, w1, w2, w3, 0.7)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    _, block_expert, _ = moe.align(ids, E, group_align)
+    counts = torch.bincount(ids.reshape(-1), minlength=E)
+    padded = (counts + group_align - 1) // group_align * group_align
+    assert moe.group_offsets(block_expert, E, group_align).tolist() == torch.cumsum(padded, 0).tolist()
+
+
 GEMV_DTYPES = [torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.float16]
 """Triton's interpreter multiplies bf16 ``tl.dot`` tiles wrongly (numpy has no bf16): bf16 runs on the GPU only."""
 

@@ -232,6 +232,8 @@ def _moe_experts(x, ids, weights, w1, w2, w3, limit, config):
     E, I, D = w1.shape
     if T == 0:
         return torch.zeros_like(x)
+    if config is None and uses_grouped_gemm(x, T * top_k, E):
+        return moe_experts_grouped(x, ids, weights, w1, w2, w3, limit)
     x = x.contiguous()
     block_m, block_n, block_k, warps = config or _config(T * top_k, E)
     sorted_assign, block_expert, dest = align(ids, E, block_m)
@@ -258,14 +260,82 @@ def _moe_experts(x, ids, weights, w1, w2, w3, limit, config):
     return out
 
 
+GROUPED_GEMM_MIN_PER_EXPERT = 64  # mean assignments per expert from which prefill takes the grouped GEMM
+GROUP_ALIGN = 16  # rows per expert run in the grouped layout are padded to this (TMA-friendly group starts)
+
+
+def uses_grouped_gemm(x: torch.Tensor, num_assign: int, num_experts: int) -> bool:
+    """Whether ``moe_experts`` runs through ``torch._grouped_mm`` (CUTLASS grouped GEMM on SM90 / SM100): bf16
+    batches with more than ``GROUPED_GEMM_MIN_PER_EXPERT`` assignments per expert on average (prefill), where
+    wgmma / tcgen05 tiles beat the Triton kernels' (docs/performance.md); decode sizes keep the Triton kernels."""
+    return (x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and num_assign > GROUPED_GEMM_MIN_PER_EXPERT * num_experts)
+
+
+def moe_experts_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
+                        w2: torch.Tensor, w3: torch.Tensor, limit: float, group_align: int = GROUP_ALIGN
+                        ) -> torch.Tensor:
+    """``moe_experts`` as three grouped GEMMs over the expert-sorted assignments (no host synchronisation, no
+    weight copies: ``w.transpose(1, 2)`` is the column-major operand the grouped kernel reads in place).
+
+    Rows are sorted by expert and each expert's run padded to ``group_align`` rows (``align``); padding rows
+    compute on whatever token row 0 holds and are never read back. Same rounding as the reference op: each
+    GEMM's output in the model dtype, the SwiGLU epilogue of ``_up_kernel`` (``_swiglu_kernel``), the routing
+    weight applied and the picks added in ascending expert order (``_combine_kernel``).
+    """
+    T, top_k = ids.shape
+    E, D = w1.shape[0], w1.shape[2]
+    sorted_assign, block_expert, dest = align(ids, E, group_align)
+    offsets = group_offsets(block_expert, E, group_align)  # [E] int32, cumulative row ends
+    tokens = torch.where(sorted_assign >= 0, sorted_assign // top_k, 0)  # [P]
+    xs = x.contiguous().index_select(0, tokens)  # [P, D]
+    gate = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offsets)  # [P, I]
+    up = torch._grouped_mm(xs, w3.transpose(1, 2), offs=offsets)  # [P, I]
+    h = torch.empty_like(gate)
+    n = gate.numel()
+    _swiglu_kernel[(triton.cdiv(n, SWIGLU_BLOCK),)](gate, up, h, n, float(limit), BLOCK=SWIGLU_BLOCK)
+    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets)  # [P, D]
+    out = torch.empty_like(x)
+    flat_weights = weights.reshape(-1).contiguous()
+    _combine_kernel[(T, triton.cdiv(D, COMBINE_BLOCK_D))](y, ids, dest, out, D, top_k, y.stride(0), out.stride(0),
+                                                          flat_weights, WEIGHTED=True,
+                                                          K_P2=triton.next_power_of_2(top_k), BLOCK_D=COMBINE_BLOCK_D)
+    return out
+
+
+def group_offsets(block_expert: torch.Tensor, num_experts: int, block_m: int) -> torch.Tensor:
+    """Cumulative row ends ``[E]`` (int32) of each expert's padded run, from ``align``'s ``block_expert``
+    (non-decreasing expert ids, then -1 for the blocks past the end)."""
+    owners = torch.where(block_expert < 0, num_experts, block_expert)  # [P // block_m], sorted
+    experts = torch.arange(num_experts, device=block_expert.device)
+    return (torch.searchsorted(owners, experts, right=True) * block_m).to(torch.int32)
+
+
+SWIGLU_BLOCK = 2048
+
+
+@triton.jit
+def _swiglu_kernel(gate_ptr, up_ptr, h_ptr, n, limit, BLOCK: tl.constexpr):
+    """``h = silu(min(gate, limit)) * clamp(up, -limit, limit)``, rounded as ``_up_kernel``'s epilogue."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    dt = h_ptr.dtype.element_ty
+    gate = tl.minimum(tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32), limit)
+    up = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    h = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up
+    tl.store(h_ptr + offs, h.to(dt), mask=mask)
+
+
 COMBINE_BLOCK_D = 1024
 
 
 @triton.jit
-def _combine_kernel(y_ptr, ids_ptr, dest_ptr, out_ptr, D, top_k, stride_ym, stride_ot,
-                    K_P2: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``out[t] = sum_k y[dest[t, k]]``, added in ascending expert id (stable) and rounded to the model dtype
-    after every addition: the reference's order (it adds experts one after another into a zeroed output)."""
+def _combine_kernel(y_ptr, ids_ptr, dest_ptr, out_ptr, D, top_k, stride_ym, stride_ot, weights_ptr=None,
+                    WEIGHTED: tl.constexpr = False, K_P2: tl.constexpr = 8, BLOCK_D: tl.constexpr = 1024):
+    """``out[t] = sum_k y[dest[t, k]]`` (``WEIGHTED``: ``y[dest[t, k]] * weights[t, k]``, the product rounded to the
+    model dtype), added in ascending expert id (stable) and rounded to the model dtype after every addition: the
+    reference's order (it adds experts one after another into a zeroed output)."""
     token = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
@@ -279,6 +349,10 @@ def _combine_kernel(y_ptr, ids_ptr, dest_ptr, out_ptr, D, top_k, stride_ym, stri
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for r in range(top_k):
         row = tl.sum(tl.where((rank == r) & in_k, dest, 0), axis=0)
-        part = tl.load(y_ptr + row * stride_ym + offs_d, mask=d_mask, other=0.0)
-        acc = (acc + part.to(tl.float32)).to(dt).to(tl.float32)
+        part = tl.load(y_ptr + row * stride_ym + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            pick = tl.sum(tl.where((rank == r) & in_k, j, 0), axis=0)
+            w = tl.load(weights_ptr + token * top_k + pick).to(dt).to(tl.float32)
+            part = (part * w).to(dt).to(tl.float32)
+        acc = (acc + part).to(dt).to(tl.float32)
     tl.store(out_ptr + token * stride_ot + offs_d, acc.to(dt), mask=d_mask)
