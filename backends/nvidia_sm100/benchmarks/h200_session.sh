@@ -15,7 +15,7 @@
 #   compile  decode steps compiled whole before capture (DEEPINFER_NVIDIA_COMPILE_STEP=1): the decode profile at
 #            batch 1 and 64, the compiled-step test, then b1 and b64 (prompts prefilled in one step, so one compile
 #            per run) and b64 uncompiled alike
-#   moe      the MoE op by path and size (bench_moe.py: Triton kernels vs grouped GEMM), then prefill and b64 / b256
+#   moe      the MoE op by path and size (bench_moe.py: Triton kernels vs grouped GEMM), then prefill, b1 b64 b256 b16
 #   kernels  op benchmarks of the untimed candidates: hc_mix_logits variants by batch (bench_hc_mix.py), the
 #            decode projections' Triton gemv against cuBLAS (bench_gemv.py), the RMS norm kernel (bench_norm.py)
 set -uo pipefail
@@ -87,7 +87,7 @@ if [[ $what == prefill || $what == moe ]]; then
 fi
 if [[ $what == bench || $what == all || $what == quick || $what == summary || $what == hf || $what == prefill || $what == decode || $what == moe ]]; then
   if [[ $what != hf && $what != prefill && $what != summary ]]; then
-    [[ $what != moe ]] && bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
+    bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
     bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
   fi
   if [[ $what == bench || $what == all || $what == decode || $what == moe ]]; then
