@@ -25,7 +25,8 @@ def main() -> None:
     fn = torch.randn((2 + HC) * HC, HC * D, device="cuda") * 0.02
     variants = {
         "compiled": lambda s: hc.maybe_compile(ref.hc_mix_logits)(s, fn, 1e-6),
-        "split": lambda s: hc.hc_mix_logits(s, fn, 1e-6, split=True),
+        "split": lambda s: hc.hc_mix_logits(s, fn, 1e-6, kernel="split"),
+        "tensor cores": lambda s: hc.hc_mix_logits(s, fn, 1e-6, kernel="dot"),
     }
     rows = []
     for T in (1, 4, 16, 64, 256):

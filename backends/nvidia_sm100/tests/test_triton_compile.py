@@ -16,7 +16,7 @@ import re
 import pytest
 
 triton = pytest.importorskip("triton", reason="the test extra installs triton")
-from deepinfer_nvidia_sm100.kernels import moe
+from deepinfer_nvidia_sm100.kernels import hc, moe
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -71,6 +71,8 @@ SMALL_KERNELS = {  # kernel -> (argument types where not the default, constexprs
     "hc._hc_weights_kernel": ({}, {"HC": 4, "HC_P2": 4}),
     "hc._hc_mix_partial_kernel": ({"x_ptr": "*bf16"}, {"BLOCK_T": 1, "BLOCK_K": 128, "N_P2": 32}),
     "hc._hc_mix_finish_kernel": ({}, {"N_P2": 32, "SPLITS_P2": 64}),
+    "hc._hc_mix_dot_kernel": ({"x_ptr": "*bf16"}, {"BLOCK_T": hc.MIX_DOT_BLOCK_T, "BLOCK_K": hc.MIX_DOT_BLOCK_K,
+                                                   "N_P2": 32}),
     "hc._hc_collapse_kernel": ({"streams_ptr": "*bf16", "out_ptr": "*bf16"}, {"HC": 4, "HC_P2": 4, "BLOCK_D": 1024}),
     "hc._hc_post_kernel": ({"streams_ptr": "*bf16", "block_ptr": "*bf16", "out_ptr": "*bf16"},
                            {"HC": 4, "HC_P2": 4, "BLOCK_D": 512}),
@@ -94,10 +96,13 @@ SMALL_KERNELS = {  # kernel -> (argument types where not the default, constexprs
 }
 
 
+TENSOR_CORE_KERNELS = {"hc._hc_mix_dot_kernel"}  # their tl.dot tiles must compile to the architecture's MMA
+
+
 @pytest.mark.parametrize("capability", sorted(ARCHS))
 @pytest.mark.parametrize("name", sorted(SMALL_KERNELS))
 def test_small_kernels_compile(name, capability):
-    from deepinfer_nvidia_sm100.kernels import gemv, hc, key_blocks, moe, norm, rope
+    from deepinfer_nvidia_sm100.kernels import gemv, key_blocks, norm, rope
 
     module, kernel = name.split(":")[0].split(".")
     fn = getattr({"gemv": gemv, "hc": hc, "key_blocks": key_blocks, "moe": moe, "norm": norm, "rope": rope}[module], kernel)
@@ -113,6 +118,8 @@ def test_small_kernels_compile(name, capability):
     ptx = compiled.asm["ptx"]
     assert re.search(r"^\.target (\S+)", ptx, re.MULTILINE).group(1) == ARCHS[capability][0]
     assert len(compiled.asm["cubin"]) > 0
+    if name in TENSOR_CORE_KERNELS:
+        assert ARCHS[capability][1] in ptx, f"{name} on {ARCHS[capability][0]}: no {ARCHS[capability][1]}"
 
 
 @pytest.mark.parametrize("capability", sorted(ARCHS))

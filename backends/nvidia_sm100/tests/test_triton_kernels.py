@@ -60,20 +60,50 @@ def test_hc_pre_matches_reference(tokens, hc_mult, iters, dtype):
         torch.testing.assert_close(g, w, **tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
+MIX_CASES = [(kernel, tokens, hc_mult, width, dtype) for dtype in (torch.float32, torch.bfloat16)
+             for kernel, tokens, hc_mult, width in (
+                 (None, 1, 4, 1024), (None, 3, 4, 100), (None, 6, 3, 300), (None, 64, 4, 64),
+                 (None, hc.MIX_KERNEL_MAX_TOKENS + 1, 2, 32), ("split", 70, 4, 100), ("split", 65, 3, 64))
+             # bf16 above the limit takes the tensor-core kernel, whose bf16 tl.dot the interpreter gets wrong
+             if not (DEVICE == "cpu" and dtype == torch.bfloat16 and kernel is None
+                     and tokens > hc.MIX_KERNEL_MAX_TOKENS)]
+
+
 @kernel_runs_here
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("split, tokens, hc_mult, width", [
-    (False, 1, 4, 1024), (False, 3, 4, 100), (False, 6, 3, 300), (False, 64, 4, 64),
-    (False, hc.MIX_KERNEL_MAX_TOKENS + 1, 2, 32), (True, 70, 4, 100), (True, 65, 3, 64)])
-def test_hc_mix_logits_matches_reference(split, tokens, hc_mult, width, dtype):
+@pytest.mark.parametrize("kernel, tokens, hc_mult, width, dtype", MIX_CASES)
+def test_hc_mix_logits_matches_reference(kernel, tokens, hc_mult, width, dtype):
     """Split rows (the split past the row's end masked, 3 x 300 = 900 elements), token blocks past the batch, an
-    output width that is not a power of two (hc 3: 15), the compiled fallback above the token limit, and the
-    kernels forced above it (``split=True``: the last token block partial, 70 and 65 tokens)."""
+    output width that is not a power of two (hc 3: 15), the default kernel above the token limit (tensor cores for
+    bf16, the compiled reference for fp32), and the split kernels forced above it (the last token block partial,
+    70 and 65 tokens)."""
     streams, fn, _, _ = _case(tokens, hc_mult, width, dtype, seed=tokens)
-    got = hc.hc_mix_logits(streams, fn, 1e-6, split=split)
+    got = hc.hc_mix_logits(streams, fn, 1e-6, kernel=kernel)
     want = ref.hc_mix_logits(streams, fn, 1e-6)
     assert got.shape == want.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+DOT_DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float16  # the interpreter's bf16 tl.dot is wrong
+DOT_TOLERANCE = 1e-5 if DEVICE == "cuda" else 2e-3  # the interpreter rounds each 16-bit tl.dot to 16 bits
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("tokens, hc_mult, width, fn_rows", [
+    (17, 4, 100, None), (70, 3, 300, None), (130, 4, 1024, None), (300, 4, 64, 4), (1, 2, 32, None)])
+def test_hc_mix_logits_tensor_core_kernel_matches_reference(tokens, hc_mult, width, fn_rows):
+    """The three-part ``fn`` split on tensor cores keeps fp32 accuracy (on the GPU; the interpreter checks the
+    indexing only): token blocks past the batch (17, 70, 130 of
+    64-token blocks), a row that is no multiple of the 128-element step (400, 900), outputs fewer than the 16 a
+    ``tl.dot`` needs (15; 4 rows: ``hc_head``'s ``fn``), several splits per row, and large ``fn`` entries next to
+    small ones (its low part must survive)."""
+    streams, fn, _, _ = _case(tokens, hc_mult, width, DOT_DTYPE, seed=tokens)
+    if fn_rows is not None:
+        fn = fn[:fn_rows].contiguous()
+    fn[:, ::7] *= 300.0
+    got = hc.hc_mix_logits(streams, fn, 1e-6, kernel="dot")
+    want = ref.hc_mix_logits(streams, fn, 1e-6)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=DOT_TOLERANCE, rtol=DOT_TOLERANCE)
 
 
 @kernel_runs_here

@@ -72,28 +72,89 @@ def _hc_mix_finish_kernel(dots_ptr, squares_ptr, out_ptr, tokens, K, N, splits, 
     tl.store(out_ptr + token * N + outs, dots * scale, mask=outs < N)
 
 
-def hc_mix_logits(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float, split: bool = False) -> torch.Tensor:
-    """``reference.hc_mix_logits``: ``[T, (2 + hc) * hc]`` fp32; the split-row kernels up to
-    ``MIX_KERNEL_MAX_TOKENS`` tokens, else the compiled reference. ``split=True`` forces the kernels at any batch
-    (``benchmarks/bench_hc_mix.py``)."""
+@triton.jit
+def _hc_mix_dot_kernel(x_ptr, fn_ptr, dots_ptr, squares_ptr, tokens, K, N, K_PER_SPLIT,
+                       BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, N_P2: tl.constexpr):
+    """``_hc_mix_partial_kernel`` on tensor cores for longer batches (program: ``BLOCK_T`` tokens x one split).
+
+    ``x`` holds 16-bit floats exactly, so ``x . fn`` needs only ``fn`` in more precision: ``fn`` (fp32) is split
+    into three parts of ``x``'s dtype (``hi + mid + lo`` carries its 24 mantissa bits; bf16 has 8) and each part
+    multiplied with fp32 accumulation (``tl.dot``: wgmma / tcgen05). The result is the fp32 product up to the
+    order of the sums, while ``x`` is read once at tensor-core speed."""
+    split = tl.program_id(1)
+    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
+    outs = tl.arange(0, N_P2)  # [NP]
+    acc = tl.zeros([BLOCK_T, N_P2], dtype=tl.float32)
+    squares = tl.zeros([BLOCK_T], dtype=tl.float32)
+    start = split * K_PER_SPLIT
+    for k in range(start, start + K_PER_SPLIT, BLOCK_K):
+        ks = k + tl.arange(0, BLOCK_K)  # [BK]
+        in_k = ks < K
+        x = tl.load(x_ptr + toks[:, None].to(tl.int64) * K + ks[None, :],
+                    mask=(toks[:, None] < tokens) & in_k[None, :], other=0.0)  # [BT, BK] 16-bit
+        w = tl.load(fn_ptr + outs[None, :] * K + ks[:, None], mask=(outs[None, :] < N) & in_k[:, None],
+                    other=0.0)  # [BK, NP] fp32
+        xf = x.to(tl.float32)
+        squares += tl.sum(xf * xf, axis=1)
+        hi = w.to(x.dtype)
+        rest = w - hi.to(tl.float32)
+        mid = rest.to(x.dtype)
+        lo = (rest - mid.to(tl.float32)).to(x.dtype)
+        acc = tl.dot(x, hi, acc)
+        acc = tl.dot(x, mid, acc)
+        acc = tl.dot(x, lo, acc)
+    row = split * tokens + toks  # [BT]
+    tl.store(dots_ptr + row[:, None] * N_P2 + outs[None, :], acc, mask=toks[:, None] < tokens)
+    tl.store(squares_ptr + row, squares, mask=toks < tokens)
+
+
+MIX_DOT_BLOCK_T, MIX_DOT_BLOCK_K = 64, 128
+MIX_DOT_PROGRAMS = 264  # two per SM of an H200 (132 SMs): the splits of the row fill the GPU at any batch
+
+
+def hc_mix_logits(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float, kernel: str | None = None
+                  ) -> torch.Tensor:
+    """``reference.hc_mix_logits``: ``[T, (2 + hc) * hc]`` fp32. Up to ``MIX_KERNEL_MAX_TOKENS`` tokens the
+    split-row kernels (``"split"``); longer batches of 16-bit streams the tensor-core kernel (``"dot"``); fp32
+    streams the compiled reference (``"compiled"``). ``kernel`` forces one (``benchmarks/bench_hc_mix.py``)."""
     tokens = streams.shape[0]
-    if tokens == 0 or (not split and tokens > MIX_KERNEL_MAX_TOKENS):
+    if kernel is None:
+        kernel = ("compiled" if tokens == 0 else "split" if tokens <= MIX_KERNEL_MAX_TOKENS
+                  else "dot" if streams.dtype in (torch.bfloat16, torch.float16) else "compiled")
+    if kernel == "compiled":
         return maybe_compile(ref.hc_mix_logits)(streams, fn, norm_eps)
     x = streams.reshape(tokens, -1).contiguous()  # [T, K]
     fn = fn.float().contiguous()  # [N, K]
     n, k = fn.shape
     n_p2 = triton.next_power_of_2(n)
-    block_t, per_split = min(4, triton.next_power_of_2(tokens)), MIX_K_PER_SPLIT
-    block_k = per_split // max(1, block_t // 2)  # [block_t, n_p2, block_k] products: 64 registers a thread
-    splits = triton.cdiv(k, per_split)
-    dots = torch.empty(splits, tokens, n_p2, dtype=torch.float32, device=x.device)
-    squares = torch.empty(splits, tokens, dtype=torch.float32, device=x.device)
-    _hc_mix_partial_kernel[(triton.cdiv(tokens, block_t), splits)](
-        x, fn, dots, squares, tokens, k, n, per_split, BLOCK_T=block_t, BLOCK_K=block_k, N_P2=n_p2, num_warps=4)
+    if kernel == "dot":
+        n_p2 = max(16, n_p2)  # tl.dot needs N >= 16
+        token_blocks = triton.cdiv(tokens, MIX_DOT_BLOCK_T)
+        steps = triton.cdiv(k, MIX_DOT_BLOCK_K)
+        splits = min(steps, triton.cdiv(MIX_DOT_PROGRAMS, token_blocks))
+        per_split = triton.cdiv(steps, splits) * MIX_DOT_BLOCK_K
+        splits = triton.cdiv(k, per_split)
+        dots, squares = _mix_partials(splits, tokens, n_p2, x.device)
+        _hc_mix_dot_kernel[(token_blocks, splits)](
+            x, fn, dots, squares, tokens, k, n, per_split, BLOCK_T=MIX_DOT_BLOCK_T, BLOCK_K=MIX_DOT_BLOCK_K,
+            N_P2=n_p2, num_warps=4)
+    else:
+        block_t, per_split = min(4, triton.next_power_of_2(tokens)), MIX_K_PER_SPLIT
+        block_k = per_split // max(1, block_t // 2)  # [block_t, n_p2, block_k] products: 64 registers a thread
+        splits = triton.cdiv(k, per_split)
+        dots, squares = _mix_partials(splits, tokens, n_p2, x.device)
+        _hc_mix_partial_kernel[(triton.cdiv(tokens, block_t), splits)](
+            x, fn, dots, squares, tokens, k, n, per_split, BLOCK_T=block_t, BLOCK_K=block_k, N_P2=n_p2, num_warps=4)
     out = torch.empty(tokens, n, dtype=torch.float32, device=x.device)
     _hc_mix_finish_kernel[(tokens,)](dots, squares, out, tokens, k, n, splits, norm_eps, N_P2=n_p2,
                                      SPLITS_P2=triton.next_power_of_2(splits), num_warps=4)
     return out
+
+
+def _mix_partials(splits: int, tokens: int, n_p2: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-split shares the mixing-logit kernels write: dot products ``[splits, T, N_P2]``, squares ``[splits, T]``."""
+    dots = torch.empty(splits, tokens, n_p2, dtype=torch.float32, device=device)
+    return dots, torch.empty(splits, tokens, dtype=torch.float32, device=device)
 
 
 @triton.jit
