@@ -1,5 +1,5 @@
 """mHC mixing logits (``hc_mix_logits``) on the bench preset's shape (hc 4, D 4096: rows of 16,384, 24 outputs):
-the compiled reference and the split-row kernels, by batch.
+the compiled reference, the split-row kernels and the tensor-core kernel, by batch.
 
     python backends/nvidia_sm100/benchmarks/bench_hc_mix.py      # on a GPU; prints one table
 
@@ -29,7 +29,7 @@ def main() -> None:
         "tensor cores": lambda s: hc.hc_mix_logits(s, fn, 1e-6, kernel="dot"),
     }
     rows = []
-    for T in (1, 4, 16, 64, 256):
+    for T in (1, 4, 16, 64, 256, 1024, 8192):
         streams = torch.randn(T, HC, D, device="cuda").to(torch.bfloat16)
         want = ref.hc_mix_logits(streams, fn, 1e-6)
         floor = streams.numel() * 2 / BW
@@ -43,8 +43,8 @@ def main() -> None:
             row.append(cuda_time(graphed(lambda r=run, s=streams: r(s)), reps=20))
         rows.append(row)
     print(f"\nhc_mix_logits, hc {HC}, D {D} (rows of {HC * D}), bf16 streams, fp32 fn; CUDA graph replays (H200)")
-    print("| tokens | floor | compiled reference | split rows | best |")
-    print("|---|---|---|---|---|")
+    print("| tokens | floor | compiled reference | split rows | tensor cores | best |")
+    print("|---|---|---|---|---|---|")
     for T, floor, *times in rows:
         cells = [f"{t * 1e6:.1f} us ({100 * floor / t:.0f}%)" if t is not None else "-" for t in times]
         best = min((t, name) for t, name in zip(times, variants, strict=True) if t is not None)[1]
