@@ -16,6 +16,7 @@
 #            batch 1 and 64, the compiled-step test, then b1 and b64 (prompts prefilled in one step, so one compile
 #            per run) and b64 uncompiled alike
 #   moe      the MoE op by path and size (bench_moe.py: Triton kernels vs grouped GEMM), then prefill, b1 b64 b256 b16
+#   profile  one prefill step of 8 x 1K and of 1 x 8K tokens, then one decode step at batch 1 and 64 (profile_decode.py)
 #   kernels  op benchmarks of the untimed candidates: hc_mix_logits variants by batch (bench_hc_mix.py), the
 #            decode projections' Triton gemv against cuBLAS (bench_gemv.py), the RMS norm kernel (bench_norm.py)
 set -uo pipefail
@@ -53,6 +54,16 @@ if [[ $what == kernels ]]; then
   (cd backends/nvidia_sm100/benchmarks && python bench_hc_mix.py) 2>&1 | tail -12 | tee "$RES/bench-hc-mix.txt"; save
   (cd backends/nvidia_sm100/benchmarks && python bench_gemv.py) 2>&1 | tail -22 | tee "$RES/bench-gemv.txt"; save
   (cd backends/nvidia_sm100/benchmarks && python bench_norm.py) 2>&1 | tail -20 | tee "$RES/bench-norm.txt"; save
+fi
+if [[ $what == profile ]]; then  # kernels by time; the prefill steps first (their tables decide the next kernels)
+  for shape in "8 1024" "1 8192"; do
+    set -- $shape
+    timeout 240 python backends/nvidia_sm100/benchmarks/profile_decode.py --prefill $1 --input-len $2 \
+      --max-num-batched-tokens 8192 > "$RES/profile-prefill-$1x$2.txt" 2>&1
+    grep -E "^=== " "$RES/profile-prefill-$1x$2.txt"; save
+  done
+  timeout 240 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 64 > "$RES/profile-decode.txt" 2>&1
+  grep -E "^=== |^\|" "$RES/profile-decode.txt"; save
 fi
 if [[ $what == moe ]]; then  # then the prefill-bound runs below (prefill, b64, b256)
   (cd backends/nvidia_sm100/benchmarks && python bench_moe.py) 2>&1 | tail -16 | tee "$RES/bench-moe.txt"; save
