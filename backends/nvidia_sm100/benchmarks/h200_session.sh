@@ -17,7 +17,7 @@
 #            per run) and b64 uncompiled alike
 #   moe      the MoE op by path and size (bench_moe.py: Triton kernels vs grouped GEMM), then prefill, b1 b64 b256 b16
 #   profile  one prefill step of 8 x 1K and of 1 x 8K tokens, then one decode step at batch 1 and 64 (profile_decode.py)
-#   kernels  op benchmarks of the untimed candidates: hc_mix_logits variants by batch (bench_hc_mix.py), the
+#   kernels  op benchmarks: indexer scores (bench_indexer.py), hc_mix_logits variants by batch (bench_hc_mix.py), the
 #            decode projections' Triton gemv against cuBLAS (bench_gemv.py), the RMS norm kernel (bench_norm.py)
 set -uo pipefail
 OUT=${OUT:-$PWD/h200-out}; RES=${RES:-/tmp/h200-results}; mkdir -p "$OUT" "$RES"
@@ -51,6 +51,7 @@ if [[ $what == compile ]]; then  # every prompt prefilled in one step: decode me
   what=summary
 fi
 if [[ $what == kernels ]]; then
+  (cd backends/nvidia_sm100/benchmarks && python bench_indexer.py) 2>&1 | tail -8 | tee "$RES/bench-indexer.txt"; save
   (cd backends/nvidia_sm100/benchmarks && python bench_hc_mix.py) 2>&1 | tail -12 | tee "$RES/bench-hc-mix.txt"; save
   (cd backends/nvidia_sm100/benchmarks && python bench_gemv.py) 2>&1 | tail -22 | tee "$RES/bench-gemv.txt"; save
   (cd backends/nvidia_sm100/benchmarks && python bench_norm.py) 2>&1 | tail -20 | tee "$RES/bench-norm.txt"; save

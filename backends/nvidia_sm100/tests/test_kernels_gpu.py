@@ -135,3 +135,17 @@ def test_small_ops_match_reference(dtype):
                 torch.testing.assert_close(g.float(), w.float(), **tol, msg=lambda m, n=name, t=T: f"{n} T={t}: {m}")
         torch.testing.assert_close(ops["apply_rope"](*cases["apply_rope"], inverse=True).float(),
                                    ref.apply_rope(*cases["apply_rope"], inverse=True).float(), **tol)
+
+
+@pytest.mark.parametrize("seqs, queries, entries", [(1, 1000, 2048), (4, 1, 1500), (2, 130, 520)])
+def test_indexer_scores_matches_reference_at_preset_heads(seqs, queries, entries):
+    """The preset's indexer (64 heads x 128) in bf16: prefill of one long prompt, decode rows, tiles past the ends."""
+    from deepinfer_nvidia_sm100.kernels.indexer import indexer_scores
+
+    gen = torch.Generator(device="cuda").manual_seed(entries)
+    q = torch.randn(seqs, queries, 64, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    keys = torch.randn(seqs, entries, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    weights = torch.randn(seqs, queries, 64, device="cuda", generator=gen) * 0.125
+    got = indexer_scores(q, keys, weights, 128**-0.5)
+    want = ref.indexer_scores(q, keys, weights, 128**-0.5)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -71,6 +71,8 @@ SMALL_KERNELS = {  # kernel -> (argument types where not the default, constexprs
     "hc._hc_weights_kernel": ({}, {"HC": 4, "HC_P2": 4}),
     "hc._hc_mix_partial_kernel": ({"x_ptr": "*bf16"}, {"BLOCK_T": 1, "BLOCK_K": 128, "N_P2": 32}),
     "hc._hc_mix_finish_kernel": ({}, {"N_P2": 32, "SPLITS_P2": 64}),
+    "indexer._indexer_scores_kernel": ({"q_ptr": "*bf16", "k_ptr": "*bf16", "scale": "fp32"},
+                                       {"D": 128, "BLOCK_T": 64, "BLOCK_E": 64, "PRECISION": "tf32"}),
     "hc._hc_mix_dot_kernel": ({"x_ptr": "*bf16"}, {"BLOCK_T": hc.MIX_DOT_BLOCK_T, "BLOCK_K": hc.MIX_DOT_BLOCK_K,
                                                    "N_P2": 32}),
     "hc._hc_collapse_kernel": ({"streams_ptr": "*bf16", "out_ptr": "*bf16"}, {"HC": 4, "HC_P2": 4, "BLOCK_D": 1024}),
@@ -96,16 +98,17 @@ SMALL_KERNELS = {  # kernel -> (argument types where not the default, constexprs
 }
 
 
-TENSOR_CORE_KERNELS = {"hc._hc_mix_dot_kernel"}  # their tl.dot tiles must compile to the architecture's MMA
+TENSOR_CORE_KERNELS = {"hc._hc_mix_dot_kernel", "indexer._indexer_scores_kernel"}  # their tl.dot tiles must compile to the architecture's MMA
 
 
 @pytest.mark.parametrize("capability", sorted(ARCHS))
 @pytest.mark.parametrize("name", sorted(SMALL_KERNELS))
 def test_small_kernels_compile(name, capability):
-    from deepinfer_nvidia_sm100.kernels import gemv, key_blocks, norm, rope
+    from deepinfer_nvidia_sm100.kernels import gemv, indexer, key_blocks, norm, rope
 
     module, kernel = name.split(":")[0].split(".")
-    fn = getattr({"gemv": gemv, "hc": hc, "key_blocks": key_blocks, "moe": moe, "norm": norm, "rope": rope}[module], kernel)
+    fn = getattr({"gemv": gemv, "hc": hc, "indexer": indexer, "key_blocks": key_blocks, "moe": moe, "norm": norm,
+                   "rope": rope}[module], kernel)
     types, constants = SMALL_KERNELS[name]
     signature = {}
     for i, arg in enumerate(fn.arg_names):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="the test extra installs triton")
-from deepinfer_nvidia_sm100.kernels import hc, key_blocks, moe, rope
+from deepinfer_nvidia_sm100.kernels import hc, indexer, key_blocks, moe, rope
 
 from deepinfer_core.ops import reference as ref
 
@@ -234,6 +234,25 @@ def test_moe_experts_grouped_layout_and_combine(group_align):
     counts = torch.bincount(ids.reshape(-1), minlength=E)
     padded = (counts + group_align - 1) // group_align * group_align
     assert moe.group_offsets(block_expert, E, group_align).tolist() == torch.cumsum(padded, 0).tolist()
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("dtype", [torch.float32, DOT_DTYPE])
+@pytest.mark.parametrize("seqs, queries, entries, heads, dim", [
+    (1, 70, 130, 4, 32), (3, 5, 64, 2, 16), (2, 64, 7, 3, 32), (1, 1, 200, 8, 24), (2, 0, 5, 2, 16)])
+def test_indexer_scores_matches_reference(seqs, queries, entries, heads, dim, dtype):
+    """Query and entry tiles past the ends (70 of 64, 130 and 7 of 64), several sequences, ``q`` read through
+    strides (a slice of wider heads), a head dim the kernel does not take (24: the reference op), no queries."""
+    gen = torch.Generator(device=DEVICE).manual_seed(queries + entries)
+    wide = torch.randn(seqs, queries, heads, dim + 8, device=DEVICE, generator=gen).to(dtype)
+    q = wide[..., :dim]  # [S, Lq, H, d], row stride d + 8
+    keys = torch.randn(seqs, entries, dim, device=DEVICE, generator=gen).to(dtype)
+    weights = torch.randn(seqs, queries, heads, device=DEVICE, generator=gen)
+    got = indexer.indexer_scores(q, keys, weights, dim**-0.5)
+    want = ref.indexer_scores(q, keys, weights, dim**-0.5)
+    assert got.shape == want.shape == (seqs, queries, entries) and got.dtype == torch.float32
+    tol = 1e-4 if dtype == torch.float32 or DEVICE == "cuda" else 5e-3  # the interpreter rounds 16-bit dots
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
 GEMV_DTYPES = [torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.float16]
