@@ -16,6 +16,7 @@
 #            batch 1 and 64, the compiled-step test, then b1 and b64 (prompts prefilled in one step, so one compile
 #            per run) and b64 uncompiled alike
 #   moe      the MoE op by path and size (bench_moe.py: Triton kernels vs grouped GEMM), then prefill, b1 b64 b256 b16
+#   prefill-bound  prefill, then b64 and b256 (their prompts' prefill is most of their floor)
 #   profile  one prefill step of 8 x 1K and of 1 x 8K tokens, then one decode step at batch 1 and 64 (profile_decode.py)
 #   kernels  op benchmarks: indexer scores (bench_indexer.py), hc_mix_logits variants by batch (bench_hc_mix.py), the
 #            decode projections' Triton gemv against cuBLAS (bench_gemv.py), the RMS norm kernel (bench_norm.py)
@@ -67,7 +68,7 @@ if [[ $what == profile ]]; then  # kernels by time; the prefill steps first (the
   grep -E "^=== |^\|" "$RES/profile-decode.txt"; save
 fi
 if [[ $what == moe ]]; then  # then the prefill-bound runs below (prefill, b64, b256)
-  (cd backends/nvidia_sm100/benchmarks && python bench_moe.py) 2>&1 | tail -16 | tee "$RES/bench-moe.txt"; save
+  (cd backends/nvidia_sm100/benchmarks && python bench_moe.py) 2>&1 | tail -20 | tee "$RES/bench-moe.txt"; save
 fi
 if [[ $what == tests || $what == all ]]; then  # every failure's name and error line in the kept tail
   python -m pytest -q -p no:cacheprovider backends/nvidia_sm100/tests -rfEs 2>&1 | tee "$RES/tests-full.txt" \
@@ -93,12 +94,15 @@ if [[ $what == hf ]]; then
   bench b1-hf --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --compare-hf
   bench b64-hf --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64 --compare-hf
 fi
-if [[ $what == prefill || $what == moe ]]; then
+if [[ $what == prefill || $what == moe || $what == prefill-bound ]]; then
   bench prefill-8x1k --input-len 1024 --output-len 1 --num-prompts 8 --max-num-seqs 8 --max-num-batched-tokens 8192
   bench prefill-8k --input-len 8192 --output-len 1 --num-prompts 1 --max-num-seqs 1 --max-num-batched-tokens 8192
 fi
-if [[ $what == bench || $what == all || $what == quick || $what == summary || $what == hf || $what == prefill || $what == decode || $what == moe ]]; then
-  if [[ $what != hf && $what != prefill && $what != summary ]]; then
+if [[ $what == bench || $what == all || $what == quick || $what == summary || $what == hf || $what == prefill || $what == decode || $what == moe || $what == prefill-bound ]]; then
+  if [[ $what == prefill-bound ]]; then
+    bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
+    bench b256 --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256
+  elif [[ $what != hf && $what != prefill && $what != summary ]]; then
     bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
     bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
   fi
