@@ -7,15 +7,14 @@ per normalisation (~39 launches per call, 16 calls per decode step of the bench 
 each normalisation reduces along another axis. ``_hc_weights_kernel`` keeps each token's ``hc x hc`` matrix in
 registers for the whole loop: one launch per call. The collapse (``_hc_collapse_kernel``) is Triton too.
 
-The mixing logits of up to 16 tokens come from ``_hc_mix_partial_kernel``: compiled, the RMS norm of one
-``hc * D``-wide row (16,384 on V4-Flash) ran in one program (16.8 us on the H200) and the fp32 GEMV after it in
-two cuBLAS kernels. The row is split over many programs instead, each returning its share of the sum of squares
-and of the ``fn`` dot products, and ``_hc_mix_finish_kernel`` adds the shares in a fixed order and scales by the
-norm (the norm is a per-row scalar, so it can follow the dot products). Longer batches (prefill) keep the
-compiled reference, whose GEMM reads ``fn`` once rather than once per block of tokens (at 64 tokens the split
-kernel took 49.7 us on the H200, the compiled pair 21 us; at one token 6.5 against 21 us). A ``tl.dot``-tiled
-variant for longer batches lost to the compiled pair at every size from 64 to 8K tokens (docs/performance.md 4.9:
-29.9 vs 27.4 us at 64 tokens, 1300 vs 682 us at 8K) and was removed.
+The mixing logits: the row is split over many programs, each returning its share of the sum of squares and of
+the ``fn`` dot products, and ``_hc_mix_finish_kernel`` adds the shares in a fixed order and scales by the norm (the
+norm is a per-row scalar, so it can follow the dot products). For 16-bit streams (the served dtypes)
+``_hc_mix_dot_kernel`` computes the shares on tensor cores in 64-token tiles, ``fn`` split into three 16-bit parts
+so the products keep fp32 accuracy; on the H200 (docs/performance.md 4.11) it takes 11-18 us from 1 to 256 tokens
+and 189 us at 8K (the compiled reference: 14-45 us and 685 us; the fp32 split-row kernel ``_hc_mix_partial_kernel``,
+which fp32 streams take up to 16 tokens: 11-22 us). An fp32 ``tl.dot`` (IEEE) variant lost to the compiled pair
+(docs/performance.md 4.9) and was removed.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import triton.language as tl
 from deepinfer_core.ops import reference as ref
 from deepinfer_nvidia_sm100.kernels.compiled import maybe_compile, opaque_under_compile
 
-MIX_KERNEL_MAX_TOKENS = 16  # above this, hc_mix_logits is the compiled reference (H200: 49.7 vs 21 us at 64 tokens)
+MIX_KERNEL_MAX_TOKENS = 16  # fp32 streams above this: the compiled reference (H200: 49.7 vs 21 us at 64 tokens)
 MIX_K_PER_SPLIT = 128  # row elements per program (128 programs for one token of V4-Flash)
 
 
@@ -114,13 +113,14 @@ MIX_DOT_PROGRAMS = 264  # two per SM of an H200 (132 SMs): the splits of the row
 
 def hc_mix_logits(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float, kernel: str | None = None
                   ) -> torch.Tensor:
-    """``reference.hc_mix_logits``: ``[T, (2 + hc) * hc]`` fp32. Up to ``MIX_KERNEL_MAX_TOKENS`` tokens the
-    split-row kernels (``"split"``); longer batches of 16-bit streams the tensor-core kernel (``"dot"``); fp32
-    streams the compiled reference (``"compiled"``). ``kernel`` forces one (``benchmarks/bench_hc_mix.py``)."""
+    """``reference.hc_mix_logits``: ``[T, (2 + hc) * hc]`` fp32. 16-bit streams take the tensor-core kernel
+    (``"dot"``; as fast as the split rows at 1 token on the H200, faster from 4 on); fp32 streams the split-row kernels
+    (``"split"``) up to ``MIX_KERNEL_MAX_TOKENS`` tokens, else the compiled reference (``"compiled"``). ``kernel``
+    forces one (``benchmarks/bench_hc_mix.py``)."""
     tokens = streams.shape[0]
     if kernel is None:
-        kernel = ("compiled" if tokens == 0 else "split" if tokens <= MIX_KERNEL_MAX_TOKENS
-                  else "dot" if streams.dtype in (torch.bfloat16, torch.float16) else "compiled")
+        kernel = ("compiled" if tokens == 0 else "dot" if streams.dtype in (torch.bfloat16, torch.float16)
+                  else "split" if tokens <= MIX_KERNEL_MAX_TOKENS else "compiled")
     if kernel == "compiled":
         return maybe_compile(ref.hc_mix_logits)(streams, fn, norm_eps)
     x = streams.reshape(tokens, -1).contiguous()  # [T, K]

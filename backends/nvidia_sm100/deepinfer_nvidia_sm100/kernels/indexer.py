@@ -5,8 +5,10 @@ and reduces them in three more passes: at one 8K-token prompt (64 heads, 2,048 e
 CSA layer and an fp32 GEMM. Here a program owns a tile of ``BLOCK_T`` queries x ``BLOCK_E`` entries of one
 sequence: it keeps the entries' keys on chip and, head by head, multiplies the queries with them on tensor cores
 (fp32 accumulation: the reference's fp32 products are exact for 16-bit inputs), applies ReLU and the head weight and
-adds into one fp32 accumulator, so only the scores ``[S, Lq, E]`` reach memory. fp32 inputs multiply in IEEE fp32.
-Head dims that are not a power of two of at least 16 take the reference op.
+adds into one fp32 accumulator, so only the scores ``[S, Lq, E]`` reach memory. With few queries per sequence
+(decode) a query-row tile would be mostly padding: there a program takes one query row and all its heads as the rows
+of one product instead (``_indexer_scores_rows_kernel``). fp32 inputs multiply in IEEE fp32. Head dims that are not a
+power of two of at least 16 take the reference op.
 """
 
 from __future__ import annotations
@@ -47,6 +49,31 @@ def _indexer_scores_kernel(q_ptr, k_ptr, w_ptr, out_ptr, Lq, E, H, scale,
     tl.store(out, acc * scale, mask=in_t[:, None] & in_e[None, :])
 
 
+@triton.jit
+def _indexer_scores_rows_kernel(q_ptr, k_ptr, w_ptr, out_ptr, Lq, E, H, scale,
+                                stride_qs, stride_qt, stride_qh, stride_ks, stride_ke, stride_ws, stride_wt,
+                                D: tl.constexpr, H_P2: tl.constexpr, BLOCK_E: tl.constexpr, PRECISION: tl.constexpr):
+    """The same scores for few queries per sequence (decode): program (query row, entry tile) multiplies the row's
+    heads ``[H, D]`` with the tile's keys in one ``tl.dot`` (heads as the M dimension) and reduces over heads."""
+    row = tl.program_id(0).to(tl.int64)
+    seq, t = row // Lq, row % Lq
+    hs = tl.arange(0, H_P2)  # [HP]
+    es = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BE]
+    ds = tl.arange(0, D)  # [D]
+    in_h, in_e = hs < H, es < E
+    q = tl.load(q_ptr + seq * stride_qs + t * stride_qt + hs[:, None] * stride_qh + ds[None, :],
+                mask=in_h[:, None], other=0.0)  # [HP, D]
+    keys = tl.load(k_ptr + seq * stride_ks + es[None, :].to(tl.int64) * stride_ke + ds[:, None],
+                   mask=in_e[None, :], other=0.0)  # [D, BE]
+    dots = tl.dot(q, keys, input_precision=PRECISION)  # [HP, BE] fp32
+    weight = tl.load(w_ptr + seq * stride_ws + t * stride_wt + hs, mask=in_h, other=0.0)  # [HP]
+    scores = tl.sum(tl.maximum(dots, 0.0) * weight[:, None], axis=0)  # [BE]
+    tl.store(out_ptr + row * E + es, scores * scale, mask=in_e)
+
+
+ROWS_KERNEL_MAX_QUERIES = 16  # up to this many queries per sequence, one program per query row (decode)
+
+
 def _scores_fake(q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, scale: float) -> torch.Tensor:
     return q.new_empty((q.shape[0], q.shape[1], keys.shape[1]), dtype=torch.float32)
 
@@ -71,9 +98,14 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tens
     if weights.stride(-1) != 1:
         weights = weights.contiguous()
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 inputs: exact fp32 products, no TF32
+    strides = (q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), weights.stride(0),
+               weights.stride(1))
+    if Lq <= ROWS_KERNEL_MAX_QUERIES:
+        _indexer_scores_rows_kernel[(S * Lq, triton.cdiv(E, BLOCK_E))](
+            q, keys, weights, out, Lq, E, H, float(scale), *strides, D=D, H_P2=max(16, triton.next_power_of_2(H)),
+            BLOCK_E=BLOCK_E, PRECISION=precision, num_warps=4)
+        return out
     grid = (triton.cdiv(Lq, BLOCK_T), triton.cdiv(E, BLOCK_E), S)
-    _indexer_scores_kernel[grid](q, keys, weights, out, Lq, E, H, float(scale),
-                                 q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1),
-                                 weights.stride(0), weights.stride(1), D=D, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E,
-                                 PRECISION=precision, num_warps=4, num_stages=2)
+    _indexer_scores_kernel[grid](q, keys, weights, out, Lq, E, H, float(scale), *strides, D=D, BLOCK_T=BLOCK_T,
+                                 BLOCK_E=BLOCK_E, PRECISION=precision, num_warps=4, num_stages=2)
     return out
