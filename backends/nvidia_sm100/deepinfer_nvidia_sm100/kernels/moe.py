@@ -17,6 +17,11 @@ How it runs, with no host synchronisation and no weight copies (so it can be cap
 
 Intermediates are rounded to the model dtype where the reference op rounds them, so bf16 runs track the
 reference's rounding too (fp32 runs are unaffected).
+
+Prefill (bf16, more than ``GROUPED_GEMM_MIN_PER_EXPERT`` assignments per expert) replaces steps 2-3 by CUTLASS grouped
+GEMMs (``moe_experts_grouped``: ``torch._grouped_mm`` over the same sorted layout, then ``_swiglu_kernel``; the
+routing weight moves into the combine): ~660 TFLOP/s in an 8 x 1K prefill step on the H200, where the Triton tiles
+reached 40% of the peak (docs/performance.md 4.11).
 """
 
 from __future__ import annotations
@@ -254,10 +259,7 @@ def _moe_experts(x, ids, weights, w1, w2, w3, limit, config):
                             h.stride(0), w2c.stride(0), w2c.stride(1), y.stride(0),
                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
                             num_warps=warps, num_stages=stages)
-    out = torch.empty_like(x)
-    _combine_kernel[(T, triton.cdiv(D, COMBINE_BLOCK_D))](y, ids, dest, out, D, top_k, y.stride(0), out.stride(0),
-                                                          K_P2=triton.next_power_of_2(top_k), BLOCK_D=COMBINE_BLOCK_D)
-    return out
+    return _combine(y, ids, dest, x)
 
 
 GROUPED_GEMM_MIN_PER_EXPERT = 64  # mean assignments per expert from which prefill takes the grouped GEMM
@@ -283,8 +285,7 @@ def moe_experts_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
     GEMM's output in the model dtype, the SwiGLU epilogue of ``_up_kernel`` (``_swiglu_kernel``), the routing
     weight applied and the picks added in ascending expert order (``_combine_kernel``).
     """
-    T, top_k = ids.shape
-    E, D = w1.shape[0], w1.shape[2]
+    top_k, E = ids.shape[1], w1.shape[0]
     sorted_assign, block_expert, dest = align(ids, E, group_align)
     offsets = group_offsets(block_expert, E, group_align)  # [E] int32, cumulative row ends
     tokens = torch.where(sorted_assign >= 0, sorted_assign // top_k, 0)  # [P]
@@ -295,12 +296,7 @@ def moe_experts_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
     n = gate.numel()
     _swiglu_kernel[(triton.cdiv(n, SWIGLU_BLOCK),)](gate, up, h, n, float(limit), BLOCK=SWIGLU_BLOCK)
     y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets)  # [P, D]
-    out = torch.empty_like(x)
-    flat_weights = weights.reshape(-1).contiguous()
-    _combine_kernel[(T, triton.cdiv(D, COMBINE_BLOCK_D))](y, ids, dest, out, D, top_k, y.stride(0), out.stride(0),
-                                                          flat_weights, WEIGHTED=True,
-                                                          K_P2=triton.next_power_of_2(top_k), BLOCK_D=COMBINE_BLOCK_D)
-    return out
+    return _combine(y, ids, dest, x, weights)
 
 
 def group_offsets(block_expert: torch.Tensor, num_experts: int, block_m: int) -> torch.Tensor:
@@ -328,6 +324,20 @@ def _swiglu_kernel(gate_ptr, up_ptr, h_ptr, n, limit, BLOCK: tl.constexpr):
 
 
 COMBINE_BLOCK_D = 1024
+
+
+def _combine(y: torch.Tensor, ids: torch.Tensor, dest: torch.Tensor, x: torch.Tensor,
+             weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Each token's ``top_k`` rows of ``y [P, D]`` (``dest [T * k]``) added in ascending expert order into a tensor
+    like ``x``, each times its routing weight first when ``weights`` is given (``_combine_kernel``)."""
+    T, top_k = ids.shape
+    D = y.shape[1]
+    out = torch.empty_like(x)
+    flat_weights = None if weights is None else weights.reshape(-1).contiguous()
+    _combine_kernel[(T, triton.cdiv(D, COMBINE_BLOCK_D))](y, ids, dest, out, D, top_k, y.stride(0), out.stride(0),
+                                                          flat_weights, WEIGHTED=weights is not None,
+                                                          K_P2=triton.next_power_of_2(top_k), BLOCK_D=COMBINE_BLOCK_D)
+    return out
 
 
 @triton.jit
