@@ -13,7 +13,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="the test extra installs triton")
-from deepinfer_nvidia_sm100.kernels import gemv, hc, moe, norm, rope, tl_attention
+from deepinfer_nvidia_sm100.kernels import gemv, hc, indexer, moe, norm, rope, tl_attention
 
 from deepinfer_core.ops import reference as ref
 
@@ -45,6 +45,9 @@ def _cases():
                                                   rand(2048, D, dtype=torch.bfloat16))),
         "gemv_grouped_linear": (gemv.grouped_linear, ref.grouped_linear, (rand(T, 2, D, dtype=torch.bfloat16),
                                                                           rand(2 * 1024, D, dtype=torch.bfloat16), 2)),
+        "indexer_scores": (indexer.indexer_scores, ref.indexer_scores, (rand(1, T, 4, 32, dtype=torch.bfloat16),
+                                                                        rand(1, 5, 32, dtype=torch.bfloat16),
+                                                                        rand(1, T, 4), 0.125)),
         "tl_sink_attention": (tl_attention._launch, lambda *a: ref.sink_attention(*a[:5]),
                               (q, kv, visible, rand(H), 0.05, None)),
     }

@@ -74,7 +74,7 @@ def _hc_mix_finish_kernel(dots_ptr, squares_ptr, out_ptr, tokens, K, N, splits, 
 @triton.jit
 def _hc_mix_dot_kernel(x_ptr, fn_ptr, dots_ptr, squares_ptr, tokens, K, N, K_PER_SPLIT,
                        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, N_P2: tl.constexpr):
-    """``_hc_mix_partial_kernel`` on tensor cores for longer batches (program: ``BLOCK_T`` tokens x one split).
+    """``_hc_mix_partial_kernel`` on tensor cores for 16-bit streams (program: ``BLOCK_T`` tokens x one split).
 
     ``x`` holds 16-bit floats exactly, so ``x . fn`` needs only ``fn`` in more precision: ``fn`` (fp32) is split
     into three parts of ``x``'s dtype (``hi + mid + lo`` carries its 24 mantissa bits; bf16 has 8) and each part
