@@ -69,14 +69,16 @@ def test_moe_kernel_compiles_to_the_architectures_tensor_core_path(kernel, tile_
 SMALL_KERNELS = {  # kernel -> (argument types where not the default, constexprs) as the ops launch them
     # defaults: pointers (*_ptr) *fp32, *eps fp32, other scalars i32
     "hc._hc_weights_kernel": ({}, {"HC": 4, "HC_P2": 4}),
-    "hc._hc_mix_partial_kernel": ({"x_ptr": "*bf16"}, {"BLOCK_T": 1, "BLOCK_K": 128, "N_P2": 32}),
+    "hc._hc_mix_partial_kernel": ({"x_ptr": "*bf16"}, {"BLOCK_T": 1, "BLOCK_K": 128, "N_P2": 32,
+                                                       "TENSOR_CORES": False}),
     "hc._hc_mix_finish_kernel": ({}, {"N_P2": 32, "SPLITS_P2": 64}),
     "indexer._indexer_scores_kernel": ({"q_ptr": "*bf16", "k_ptr": "*bf16", "scale": "fp32"},
                                        {"D": 128, "BLOCK_T": 64, "BLOCK_E": 64, "PRECISION": "tf32"}),
     "indexer._indexer_scores_rows_kernel": ({"q_ptr": "*bf16", "k_ptr": "*bf16", "scale": "fp32"},
                                             {"D": 128, "H_P2": 64, "BLOCK_E": 64, "PRECISION": "tf32"}),
-    "hc._hc_mix_dot_kernel": ({"x_ptr": "*bf16"}, {"BLOCK_T": hc.MIX_DOT_BLOCK_T, "BLOCK_K": hc.MIX_DOT_BLOCK_K,
-                                                   "N_P2": 32}),
+    "hc._hc_mix_partial_kernel:tensor_cores": ({"x_ptr": "*bf16"}, {"BLOCK_T": hc.MIX_DOT_BLOCK_T,
+                                                                    "BLOCK_K": hc.MIX_DOT_BLOCK_K, "N_P2": 32,
+                                                                    "TENSOR_CORES": True}),
     "hc._hc_collapse_kernel": ({"streams_ptr": "*bf16", "out_ptr": "*bf16"}, {"HC": 4, "HC_P2": 4, "BLOCK_D": 1024}),
     "hc._hc_post_kernel": ({"streams_ptr": "*bf16", "block_ptr": "*bf16", "out_ptr": "*bf16"},
                            {"HC": 4, "HC_P2": 4, "BLOCK_D": 512}),
@@ -100,7 +102,8 @@ SMALL_KERNELS = {  # kernel -> (argument types where not the default, constexprs
 }
 
 
-TENSOR_CORE_KERNELS = {"hc._hc_mix_dot_kernel", "indexer._indexer_scores_kernel", "indexer._indexer_scores_rows_kernel"}  # their tl.dot tiles must compile to the architecture's MMA
+TENSOR_CORE_KERNELS = {  # their tl.dot tiles must compile to the architecture's MMA
+    "hc._hc_mix_partial_kernel:tensor_cores", "indexer._indexer_scores_kernel", "indexer._indexer_scores_rows_kernel"}
 
 
 @pytest.mark.parametrize("capability", sorted(ARCHS))

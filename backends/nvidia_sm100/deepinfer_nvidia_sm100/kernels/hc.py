@@ -10,10 +10,10 @@ registers for the whole loop: one launch per call. The collapse (``_hc_collapse_
 The mixing logits: the row is split over many programs, each returning its share of the sum of squares and of
 the ``fn`` dot products, and ``_hc_mix_finish_kernel`` adds the shares in a fixed order and scales by the norm (the
 norm is a per-row scalar, so it can follow the dot products). For 16-bit streams (the served dtypes)
-``_hc_mix_dot_kernel`` computes the shares on tensor cores in 64-token tiles, ``fn`` split into three 16-bit parts
-so the products keep fp32 accuracy; on the H200 (docs/performance.md 4.11) it takes 11-18 us from 1 to 256 tokens
-and 189 us at 8K (the compiled reference: 14-45 us and 685 us; the fp32 split-row kernel ``_hc_mix_partial_kernel``,
-which fp32 streams take up to 16 tokens: 11-22 us). An fp32 ``tl.dot`` (IEEE) variant lost to the compiled pair
+``_hc_mix_partial_kernel`` computes the shares on tensor cores in 64-token tiles (``TENSOR_CORES``), ``fn`` split
+into three 16-bit parts so the products keep fp32 accuracy; on the H200 (docs/performance.md 4.11) that takes 11-18 us
+from 1 to 256 tokens and 189 us at 8K (the compiled reference: 14-45 us and 685 us; fp32 products, which fp32
+streams take up to 16 tokens: 11-22 us). An fp32 ``tl.dot`` (IEEE) variant lost to the compiled pair
 (docs/performance.md 4.9) and was removed.
 """
 
@@ -32,9 +32,14 @@ MIX_K_PER_SPLIT = 128  # row elements per program (128 programs for one token of
 
 @triton.jit
 def _hc_mix_partial_kernel(x_ptr, fn_ptr, dots_ptr, squares_ptr, tokens, K, N, K_PER_SPLIT,
-                           BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, N_P2: tl.constexpr):
+                           BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, N_P2: tl.constexpr,
+                           TENSOR_CORES: tl.constexpr = False):
     """Program (token block, split): ``dots[split, t, n] = x[t, ks] . fn[n, ks]`` and ``squares[split, t]`` over
-    the split's ``K_PER_SPLIT`` row elements ``ks`` (fp32 element-wise products, summed)."""
+    the split's ``K_PER_SPLIT`` row elements ``ks``: fp32 element-wise products, summed; or, with ``TENSOR_CORES``
+    (16-bit ``x``, ``BLOCK_T`` and ``N_P2`` at least 16), ``tl.dot`` tiles (wgmma / tcgen05). ``x`` then holds 16-bit
+    floats exactly, so ``x . fn`` needs only ``fn`` in more precision: ``fn`` (fp32) is split into three parts of
+    ``x``'s dtype (``hi + mid + lo`` carries its 24 mantissa bits; bf16 has 8), each multiplied with fp32
+    accumulation: the fp32 product up to the order of the sums, with ``x`` read once at tensor-core speed."""
     split = tl.program_id(1)
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
     outs = tl.arange(0, N_P2)  # [NP]
@@ -45,11 +50,23 @@ def _hc_mix_partial_kernel(x_ptr, fn_ptr, dots_ptr, squares_ptr, tokens, K, N, K
         ks = k + tl.arange(0, BLOCK_K)  # [BK]
         in_k = ks < K
         x = tl.load(x_ptr + toks[:, None].to(tl.int64) * K + ks[None, :],
-                    mask=(toks[:, None] < tokens) & in_k[None, :], other=0.0).to(tl.float32)  # [BT, BK]
-        w = tl.load(fn_ptr + outs[:, None] * K + ks[None, :], mask=(outs[:, None] < N) & in_k[None, :],
-                    other=0.0)  # [NP, BK]
-        squares += tl.sum(x * x, axis=1)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)  # [BT, NP]
+                    mask=(toks[:, None] < tokens) & in_k[None, :], other=0.0)  # [BT, BK]
+        xf = x.to(tl.float32)
+        squares += tl.sum(xf * xf, axis=1)
+        if TENSOR_CORES:
+            w = tl.load(fn_ptr + outs[None, :] * K + ks[:, None], mask=(outs[None, :] < N) & in_k[:, None],
+                        other=0.0)  # [BK, NP] fp32
+            hi = w.to(x.dtype)
+            rest = w - hi.to(tl.float32)
+            mid = rest.to(x.dtype)
+            lo = (rest - mid.to(tl.float32)).to(x.dtype)
+            acc = tl.dot(x, hi, acc)
+            acc = tl.dot(x, mid, acc)
+            acc = tl.dot(x, lo, acc)
+        else:
+            w = tl.load(fn_ptr + outs[:, None] * K + ks[None, :], mask=(outs[:, None] < N) & in_k[None, :],
+                        other=0.0)  # [NP, BK]
+            acc += tl.sum(xf[:, None, :] * w[None, :, :], axis=2)  # [BT, NP]
     row = split * tokens + toks  # [BT]
     tl.store(dots_ptr + row[:, None] * N_P2 + outs[None, :], acc, mask=toks[:, None] < tokens)
     tl.store(squares_ptr + row, squares, mask=toks < tokens)
@@ -69,42 +86,6 @@ def _hc_mix_finish_kernel(dots_ptr, squares_ptr, out_ptr, tokens, K, N, splits, 
     squares = tl.sum(tl.load(squares_ptr + row, mask=in_split, other=0.0), axis=0)
     scale = 1.0 / tl.sqrt(squares / K + norm_eps)
     tl.store(out_ptr + token * N + outs, dots * scale, mask=outs < N)
-
-
-@triton.jit
-def _hc_mix_dot_kernel(x_ptr, fn_ptr, dots_ptr, squares_ptr, tokens, K, N, K_PER_SPLIT,
-                       BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, N_P2: tl.constexpr):
-    """``_hc_mix_partial_kernel`` on tensor cores for 16-bit streams (program: ``BLOCK_T`` tokens x one split).
-
-    ``x`` holds 16-bit floats exactly, so ``x . fn`` needs only ``fn`` in more precision: ``fn`` (fp32) is split
-    into three parts of ``x``'s dtype (``hi + mid + lo`` carries its 24 mantissa bits; bf16 has 8) and each part
-    multiplied with fp32 accumulation (``tl.dot``: wgmma / tcgen05). The result is the fp32 product up to the
-    order of the sums, while ``x`` is read once at tensor-core speed."""
-    split = tl.program_id(1)
-    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
-    outs = tl.arange(0, N_P2)  # [NP]
-    acc = tl.zeros([BLOCK_T, N_P2], dtype=tl.float32)
-    squares = tl.zeros([BLOCK_T], dtype=tl.float32)
-    start = split * K_PER_SPLIT
-    for k in range(start, start + K_PER_SPLIT, BLOCK_K):
-        ks = k + tl.arange(0, BLOCK_K)  # [BK]
-        in_k = ks < K
-        x = tl.load(x_ptr + toks[:, None].to(tl.int64) * K + ks[None, :],
-                    mask=(toks[:, None] < tokens) & in_k[None, :], other=0.0)  # [BT, BK] 16-bit
-        w = tl.load(fn_ptr + outs[None, :] * K + ks[:, None], mask=(outs[None, :] < N) & in_k[:, None],
-                    other=0.0)  # [BK, NP] fp32
-        xf = x.to(tl.float32)
-        squares += tl.sum(xf * xf, axis=1)
-        hi = w.to(x.dtype)
-        rest = w - hi.to(tl.float32)
-        mid = rest.to(x.dtype)
-        lo = (rest - mid.to(tl.float32)).to(x.dtype)
-        acc = tl.dot(x, hi, acc)
-        acc = tl.dot(x, mid, acc)
-        acc = tl.dot(x, lo, acc)
-    row = split * tokens + toks  # [BT]
-    tl.store(dots_ptr + row[:, None] * N_P2 + outs[None, :], acc, mask=toks[:, None] < tokens)
-    tl.store(squares_ptr + row, squares, mask=toks < tokens)
 
 
 MIX_DOT_BLOCK_T, MIX_DOT_BLOCK_K = 64, 128
@@ -135,9 +116,9 @@ def hc_mix_logits(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float, kern
         per_split = triton.cdiv(steps, splits) * MIX_DOT_BLOCK_K
         splits = triton.cdiv(k, per_split)
         dots, squares = _mix_partials(splits, tokens, n_p2, x.device)
-        _hc_mix_dot_kernel[(token_blocks, splits)](
+        _hc_mix_partial_kernel[(token_blocks, splits)](
             x, fn, dots, squares, tokens, k, n, per_split, BLOCK_T=MIX_DOT_BLOCK_T, BLOCK_K=MIX_DOT_BLOCK_K,
-            N_P2=n_p2, num_warps=4)
+            N_P2=n_p2, TENSOR_CORES=True, num_warps=4)
     else:
         block_t, per_split = min(4, triton.next_power_of_2(tokens)), MIX_K_PER_SPLIT
         block_k = per_split // max(1, block_t // 2)  # [block_t, n_p2, block_k] products: 64 registers a thread
