@@ -46,16 +46,17 @@ def _assert_same(sync, overlapped, tol=1e-4) -> None:
 def _spy_steps(llm) -> list[tuple[str, int]]:
     """Record ("launch", k) / ("collect", k) in the order the engine calls the runner."""
     events, runner = [], llm.engine.runner
-    launch, collect, ids = runner.launch, runner.collect, {}
+    launch, collect = runner.launch, runner.collect
+    steps = []  # every launched step, kept alive: numbering by id() would reuse the id of a collected one
 
     def spy_launch(scheduled, previous=None):
         launched = launch(scheduled, previous)
-        ids[id(launched)] = len(ids)
-        events.append(("launch", ids[id(launched)]))
+        steps.append(launched)
+        events.append(("launch", len(steps) - 1))
         return launched
 
     def spy_collect(launched):
-        events.append(("collect", ids[id(launched)]))
+        events.append(("collect", next(k for k, step in enumerate(steps) if step is launched)))
         return collect(launched)
 
     runner.launch, runner.collect = spy_launch, spy_collect
