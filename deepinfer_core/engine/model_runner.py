@@ -131,14 +131,16 @@ class ModelRunner:
                 logits_rows.append(first_row + chunk.num_tokens - 1)
             if chunk.samples:
                 sample_rows.append(len(logits_rows) - 1)
+        uploaded = to_device(torch.tensor(tokens + positions + logits_rows, dtype=torch.long), self.device)  # one copy
+        input_ids, positions_t, logits_rows_t = uploaded.split([len(tokens), len(positions), len(logits_rows)])
         batch = ForwardBatch(
-            input_ids=to_device(torch.tensor(tokens, dtype=torch.long), self.device),
-            positions=to_device(torch.tensor(positions, dtype=torch.long), self.device),
+            input_ids=input_ids,
+            positions=positions_t,
             query_start=query_start,
             context_lens=[c.start for c in output.chunks],
             slots=[c.request.slot for c in output.chunks],
             block_tables=[c.request.block_ids for c in output.chunks],
-            logits_rows=to_device(torch.tensor(logits_rows, dtype=torch.long), self.device),
+            logits_rows=logits_rows_t,
             compressed_write_start=[c.request.replay_until for c in output.chunks],
             sliding_floor=[c.request.sliding_floor for c in output.chunks],
         )
@@ -167,7 +169,10 @@ class ModelRunner:
             if previous is not None:
                 previous.feed(batch.input_ids, [end - 1 for end in batch.query_start[1:]], eager.chunks)
             logits = self.model.forward(batch, self.state).logits  # [N, V] fp32
-            parts.append(logits[to_device(torch.tensor(sample_rows, dtype=torch.long), logits.device)])
+            sampled = logits  # [samples, V]; prompt-logprob rows besides the sampled ones are left out
+            if sample_rows != list(range(logits.shape[0])):
+                sampled = logits[to_device(torch.tensor(sample_rows, dtype=torch.long), logits.device)]
+            parts.append(sampled)
             row_of.update({id(c): len(graphed) + i for i, c in enumerate(c for c in eager.chunks if c.samples)})
             prompt_logprobs = self._prompt_logprobs(eager, logits, prompt_rows)
         sampling_chunks = [c for c in output.chunks if c.samples]
