@@ -35,6 +35,13 @@ def test_sm90_attention_uses_wgmma(sources):
     assert "tcgen05" not in src
 
 
+def test_sm90_whole_row_attention_uses_wgmma_and_writes_the_output(sources):
+    """Rows of one key split skip the partials and the combine pass: the kernel writes ``Out`` in bf16."""
+    src = sources("sm_90a", "whole")
+    assert src.count("tl::wgmma_ss<") >= 2
+    assert "bfloat16_t* __restrict__ Out" in src and "Opart" not in src
+
+
 def test_sm100_attention_uses_tcgen05_with_tmem(sources):
     src = sources("sm_100a", "split")
     assert "tcgen05mma" in src  # TCGEN5 MMA issue
@@ -43,8 +50,8 @@ def test_sm100_attention_uses_tcgen05_with_tmem(sources):
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH (CI has nvcc 13.0 at /usr/local/bin/nvcc)")
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("which", ["split", "combine"])
+@pytest.mark.parametrize("arch, which", [("sm_90a", "split"), ("sm_90a", "combine"), ("sm_90a", "whole"),
+                                         ("sm_100a", "split"), ("sm_100a", "combine")])
 def test_attention_compiles_with_nvcc(sources, arch, which):
     from deepinfer_nvidia_sm100.kernels import tl_attention as tla
 

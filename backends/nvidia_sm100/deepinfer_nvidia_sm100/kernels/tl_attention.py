@@ -64,18 +64,24 @@ def _pass_configs(arch: str) -> dict:
     return {}
 
 
-def split_kernel(arch: str, dtype: str, scale: float, dim: int = HEAD_DIM, block_n: int = BLOCK_N):
+def split_kernel(arch: str, dtype: str, scale: float, dim: int = HEAD_DIM, block_n: int = BLOCK_N,
+                 whole: bool = False):
     """The split-KV attention PrimFunc for ``arch``; sizes B (= S * Lq), S, Lk, H, NS are dynamic.
 
     Arguments: ``Q [B, H, dim]``, ``KV [S, Lk, dim]``, ``Vis [B, Lk]`` uint8, ``Blocks [B, NB]`` / ``Counts [B]``
     int32 (each row's visible key blocks, ``key_blocks.visible_blocks``), ``Sinks [H]`` fp32 (natural log
     units, like the logits), outputs ``Opart [B, NS, H, dim]``, ``Mpart [B, NS, H]``, ``Lpart [B, NS, H]`` fp32
     (``Mpart`` in base-2 units).
+
+    ``whole=True`` (SM90 only): one split per row, normalised in the epilogue (the combine of one split), so the
+    last argument is ``Out [B, H, dim]`` in ``dtype`` and no partials or combine pass are needed.
     """
     import tilelang.language as T
 
     if arch not in ("sm_90a", "sm_100a"):
         raise ValueError(f"arch must be sm_90a or sm_100a, got {arch!r}")
+    if whole and arch != "sm_90a":
+        raise ValueError("whole rows (no combine pass) are built for sm_90a only")
     accum = "float32"
     scale_log2 = float(scale) * LOG2E
     B, S, Lk, H, NS = T.dynamic("B"), T.dynamic("S"), T.dynamic("Lk"), T.dynamic("H"), T.dynamic("NS")
@@ -83,6 +89,49 @@ def split_kernel(arch: str, dtype: str, scale: float, dim: int = HEAD_DIM, block
     BH, BN = BLOCK_H, block_n
 
     if arch == "sm_90a":
+
+        @T.macro
+        def attend_sm90(Q, KV, Vis, Blocks, Counts, Sinks, num_splits, split, hb, b, acc_o, m, den):
+            """Online softmax over this CTA's share of row ``b``'s visible key blocks: leaves the unnormalised
+            ``acc_o [BH, dim]``, the running max ``m`` (base 2, floored at the sink) and the sum ``den``."""
+            seq = b // (B // S)  # rows are (sequence, query) flattened: B = S * Lq
+            Q_s = T.alloc_shared((BH, dim), dtype)
+            KV_s = T.alloc_shared((BN, dim), dtype)
+            P_s = T.alloc_shared((BH, BN), dtype)
+            acc_s = T.alloc_fragment((BH, BN), accum)  # scores of this key block [heads, keys]
+            m_prev = T.alloc_fragment((BH,), accum)
+            alpha = T.alloc_fragment((BH,), accum)
+            rowsum = T.alloc_fragment((BH,), accum)
+
+            T.copy(Q[b, hb * BH:(hb + 1) * BH, :], Q_s)
+            T.fill(acc_o, 0)
+            T.fill(den, 0)
+            for i in T.Parallel(BH):
+                m[i] = Sinks[hb * BH + i] * LOG2E  # the sink is a floor for the running max
+            n_blocks = Counts[b]  # this row's visible key blocks, listed in Blocks
+            per_split = T.ceildiv(n_blocks, num_splits)
+            first = split * per_split
+            count = T.max(T.min(per_split, n_blocks - first), 0)
+            for kb in T.Pipelined(count, num_stages=2):
+                k0 = Blocks[b, first + kb] * BN
+                T.copy(KV[seq, k0:k0 + BN, :], KV_s)
+                T.gemm(Q_s, KV_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
+                for i, j in T.Parallel(BH, BN):
+                    acc_s[i, j] = T.if_then_else(
+                        k0 + j < Lk and Vis[b, T.min(k0 + j, Lk - 1)] != 0, acc_s[i, j] * scale_log2, -T.infinity(accum))
+                T.copy(m, m_prev)
+                T.reduce_max(acc_s, m, dim=1, clear=False)
+                for i in T.Parallel(BH):
+                    alpha[i] = T.exp2(m_prev[i] - m[i])
+                for i, j in T.Parallel(BH, BN):
+                    acc_s[i, j] = T.exp2(acc_s[i, j] - m[i])
+                T.reduce_sum(acc_s, rowsum, dim=1)
+                for i in T.Parallel(BH):
+                    den[i] = den[i] * alpha[i] + rowsum[i]
+                T.copy(acc_s, P_s)
+                for i, j in T.Parallel(BH, dim):
+                    acc_o[i, j] *= alpha[i]
+                T.gemm(P_s, KV_s, acc_o, policy=T.GemmWarpPolicy.FullCol)
 
         @T.prim_func
         def sink_attn_split_sm90(
@@ -97,52 +146,34 @@ def split_kernel(arch: str, dtype: str, scale: float, dim: int = HEAD_DIM, block
             Lpart: T.Tensor((B, NS, H), accum),
         ):
             with T.Kernel(NS, T.ceildiv(H, BH), B, threads=256) as (split, hb, b):
-                seq = b // (B // S)  # rows are (sequence, query) flattened: B = S * Lq
-                Q_s = T.alloc_shared((BH, dim), dtype)
-                KV_s = T.alloc_shared((BN, dim), dtype)
-                P_s = T.alloc_shared((BH, BN), dtype)
-                acc_s = T.alloc_fragment((BH, BN), accum)  # scores of this key block [heads, keys]
                 acc_o = T.alloc_fragment((BH, dim), accum)  # unnormalised output [heads, d]
                 m = T.alloc_fragment((BH,), accum)
-                m_prev = T.alloc_fragment((BH,), accum)
-                alpha = T.alloc_fragment((BH,), accum)
-                rowsum = T.alloc_fragment((BH,), accum)
                 den = T.alloc_fragment((BH,), accum)
-
-                T.copy(Q[b, hb * BH:(hb + 1) * BH, :], Q_s)
-                T.fill(acc_o, 0)
-                T.fill(den, 0)
-                for i in T.Parallel(BH):
-                    m[i] = Sinks[hb * BH + i] * LOG2E  # the sink is a floor for the running max
-                n_blocks = Counts[b]  # this row's visible key blocks, listed in Blocks
-                per_split = T.ceildiv(n_blocks, NS)
-                first = split * per_split
-                count = T.max(T.min(per_split, n_blocks - first), 0)
-                for kb in T.Pipelined(count, num_stages=2):
-                    k0 = Blocks[b, first + kb] * BN
-                    T.copy(KV[seq, k0:k0 + BN, :], KV_s)
-                    T.gemm(Q_s, KV_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
-                    for i, j in T.Parallel(BH, BN):
-                        acc_s[i, j] = T.if_then_else(
-                            k0 + j < Lk and Vis[b, T.min(k0 + j, Lk - 1)] != 0, acc_s[i, j] * scale_log2, -T.infinity(accum))
-                    T.copy(m, m_prev)
-                    T.reduce_max(acc_s, m, dim=1, clear=False)
-                    for i in T.Parallel(BH):
-                        alpha[i] = T.exp2(m_prev[i] - m[i])
-                    for i, j in T.Parallel(BH, BN):
-                        acc_s[i, j] = T.exp2(acc_s[i, j] - m[i])
-                    T.reduce_sum(acc_s, rowsum, dim=1)
-                    for i in T.Parallel(BH):
-                        den[i] = den[i] * alpha[i] + rowsum[i]
-                    T.copy(acc_s, P_s)
-                    for i, j in T.Parallel(BH, dim):
-                        acc_o[i, j] *= alpha[i]
-                    T.gemm(P_s, KV_s, acc_o, policy=T.GemmWarpPolicy.FullCol)
+                attend_sm90(Q, KV, Vis, Blocks, Counts, Sinks, NS, split, hb, b, acc_o, m, den)
                 T.copy(acc_o, Opart[b, split, hb * BH:(hb + 1) * BH, :])
                 T.copy(m, Mpart[b, split, hb * BH:(hb + 1) * BH])
                 T.copy(den, Lpart[b, split, hb * BH:(hb + 1) * BH])
 
-        return sink_attn_split_sm90
+        @T.prim_func
+        def sink_attn_sm90(
+            Q: T.Tensor((B, H, dim), dtype),
+            KV: T.Tensor((S, Lk, dim), dtype),
+            Vis: T.Tensor((B, Lk), "uint8"),
+            Blocks: T.Tensor((B, NB), "int32"),
+            Counts: T.Tensor((B,), "int32"),
+            Sinks: T.Tensor((H,), accum),
+            Out: T.Tensor((B, H, dim), dtype),
+        ):
+            with T.Kernel(T.ceildiv(H, BH), B, threads=256) as (hb, b):
+                acc_o = T.alloc_fragment((BH, dim), accum)  # unnormalised output [heads, d]
+                m = T.alloc_fragment((BH,), accum)
+                den = T.alloc_fragment((BH,), accum)
+                attend_sm90(Q, KV, Vis, Blocks, Counts, Sinks, 1, 0, hb, b, acc_o, m, den)
+                for i, j in T.Parallel(BH, dim):  # the combine of one split: the sink once, in the denominator
+                    acc_o[i, j] = acc_o[i, j] / (den[i] + T.exp2(Sinks[hb * BH + i] * LOG2E - m[i]))
+                T.copy(acc_o, Out[b, hb * BH:(hb + 1) * BH, :])
+
+        return sink_attn_sm90 if whole else sink_attn_split_sm90
 
     DV = SM100_DV
     halves = dim // DV
@@ -410,11 +441,15 @@ def sink_attention_cpu(
 
 # ----------------------------------------------------------------------------- generated source / compile checks
 def generated_source(arch: str, dtype: str = "bfloat16", which: str = "split") -> str:
-    """Lower a kernel for ``arch`` without a GPU and return the generated CUDA source (for the source checks)."""
+    """Lower a kernel (``which``: ``split``, ``combine`` or ``whole``, the last SM90 only) for ``arch`` without a GPU
+    and return the generated CUDA source (for the source checks)."""
     import tilelang
     from tvm.target import Target
 
-    func = split_kernel(arch, dtype, scale=HEAD_DIM**-0.5) if which == "split" else combine_kernel(dtype)
+    if which == "combine":
+        func = combine_kernel(dtype)
+    else:
+        func = split_kernel(arch, dtype, scale=HEAD_DIM**-0.5, whole=which == "whole")
     target = Target({"kind": "cuda", "arch": arch})
     with tilelang.transform.PassContext(config=_pass_configs(arch)), target:
         return tilelang.lower(func, target=target).kernel_source
@@ -443,6 +478,15 @@ def _compiled(arch: str, dtype: str, scale: float):
     split = tilelang.compile(split_kernel(arch, dtype, scale), target=target, pass_configs=_pass_configs(arch))
     combine = tilelang.compile(combine_kernel(dtype), target=target)
     return split, combine
+
+
+@cache
+def _compiled_whole(dtype: str, scale: float):
+    """The SM90 kernel for rows of one split (``split_kernel(whole=True)``)."""
+    import tilelang
+
+    return tilelang.compile(split_kernel("sm_90a", dtype, scale, whole=True), target={"kind": "cuda", "arch": "sm_90a"},
+                            pass_configs=_pass_configs("sm_90a"))
 
 
 MAX_ROWS = 65535
@@ -493,20 +537,25 @@ def sink_attention(
 @opaque_under_compile("tl_sink_attention", lambda q, kv, visible, sinks, scale, splits: q.new_empty(q.shape))
 def _launch(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor, scale: float,
             splits: int | None) -> torch.Tensor:
-    """The split and combine kernels on ``supported`` inputs of at most ``MAX_ROWS`` query rows."""
+    """The split and combine kernels on ``supported`` inputs of at most ``MAX_ROWS`` query rows; on SM90, rows of
+    one split take the whole-row kernel instead (``DEEPINFER_TL_ATTN_WHOLE=0``: split and combine always)."""
     S, Lq, H, d = q.shape
     Lk = kv.shape[1]
     B = S * Lq
-    split, combine = _compiled(device_arch(q.device), _DTYPES[q.dtype], float(scale))
+    arch = device_arch(q.device)
     ns = splits or num_splits(B, Lk, _sm_count(q.device.index or 0))
     qf = q.reshape(B, H, d).contiguous()  # [B, H, d]
     vis = visible.reshape(B, Lk).contiguous().view(torch.uint8)  # [B, Lk]
     blocks, counts = visible_blocks(vis, BLOCK_N)  # [B, NB], [B]
     sk = sinks.float().contiguous()  # [H]
+    out = torch.empty(B, H, d, device=q.device, dtype=q.dtype)
+    if ns == 1 and arch == "sm_90a" and os.environ.get("DEEPINFER_TL_ATTN_WHOLE", "1") != "0":
+        _compiled_whole(_DTYPES[q.dtype], float(scale))(qf, kv.contiguous(), vis, blocks, counts, sk, out)
+        return out.view(S, Lq, H, d)
+    split, combine = _compiled(arch, _DTYPES[q.dtype], float(scale))
     opart = torch.empty(B, ns, H, d, device=q.device, dtype=torch.float32)
     mpart = torch.empty(B, ns, H, device=q.device, dtype=torch.float32)
     lpart = torch.empty_like(mpart)
     split(qf, kv.contiguous(), vis, blocks, counts, sk, opart, mpart, lpart)
-    out = torch.empty(B, H, d, device=q.device, dtype=q.dtype)
     combine(opart, mpart, lpart, sk, out)
     return out.view(S, Lq, H, d)
