@@ -594,6 +594,24 @@ def test_swiglu_mlp_naive_and_clamps():
     assert abs(float(got[0, 1]) - silu(-7.0) * -7.0) > 1e-2  # the gate is not clamped from below
 
 
+# ============================================================================ gather_keys
+def test_gather_keys_reads_ring_step_rows_then_entries():
+    """Window key j of sequence s: the step's row where flagged, else its ring slot's index; then the store's
+    entries, in the keys' dtype; without a store the window alone."""
+    ring = _randn(3, 4, 2, seed=170)  # [slots, W, d]
+    new_kv = _randn(2, 2, seed=171)  # [T, d]
+    store = _randn(4, 2, 2, seed=172, dtype=torch.bfloat16)  # [blocks, rows, d]
+    slots, index = torch.tensor([[2, 2, 2], [0, 0, 0]]), torch.tensor([[3, 0, 1], [1, 2, 0]])
+    from_new = torch.tensor([[False, False, True], [False, True, False]])
+    new_rows = torch.tensor([[0, 0, 0], [0, 1, 0]])
+    blocks, rows = torch.tensor([[3], [1]]), torch.tensor([[1], [0]])
+    got = ref.gather_keys(ring, slots, index, new_kv, new_rows, from_new, store, blocks, rows)
+    want = torch.stack([torch.stack([ring[2, 3], ring[2, 0], new_kv[0], store[3, 1].float()]),
+                        torch.stack([ring[0, 1], new_kv[1], ring[0, 0], store[1, 0].float()])])
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert torch.equal(ref.gather_keys(ring, slots, index, new_kv, new_rows, from_new), want[:, :3])
+
+
 # ============================================================================ linear / head / embed
 def test_grouped_linear_per_group_matmul():
     T, G, i_per, o_per = 3, 4, 5, 2
@@ -627,7 +645,7 @@ def test_op_table_reference_defaults_and_override():
     assert {"rms_norm", "unweighted_rms_norm", "rope_cos_sin", "apply_rope", "linear", "grouped_linear",
             "sink_attention", "compressor_pool", "indexer_scores", "indexer_topk", "hc_pre", "hc_post",
             "hc_head", "moe_route_topk", "moe_route_hash", "swiglu_mlp", "moe_experts", "logits",
-            "embed"} <= names
+            "embed", "gather_keys"} <= names
     table = OpTable()
     assert table.rms_norm is ref.rms_norm
     assert set(table.sources().values()) == {"reference"}

@@ -75,6 +75,27 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.
 
 # ----------------------------------------------------------------------------- attention
 @reference_op
+def gather_keys(ring: torch.Tensor, ring_slots: torch.Tensor, ring_index: torch.Tensor, new_kv: torch.Tensor,
+                new_rows: torch.Tensor, from_new: torch.Tensor, store: torch.Tensor | None = None,
+                entry_blocks: torch.Tensor | None = None, entry_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The keys ``[S, Lw + E, d]`` one attention call reads: every sequence's sliding-window keys, then its
+    compressed entries.
+
+    Window key ``j`` of sequence ``s`` is ``new_kv[new_rows[s, j]]`` (a token of this step) where
+    ``from_new[s, j]``, else ``ring[ring_slots[s, j], ring_index[s, j]]`` (``ring [slots, W, d]``; the index
+    tensors are ``[S, Lw]``). Entry ``e`` is ``store[entry_blocks[s, e], entry_rows[s, e]]`` (``store
+    [blocks, rows, d]``, index tensors ``[S, E]``); without a ``store`` the result is the window keys alone.
+    """
+    from_ring = ring[ring_slots, ring_index]  # [S, Lw, d]
+    from_step = new_kv[new_rows]  # [S, Lw, d]
+    keys = torch.where(from_new[..., None], from_step, from_ring)
+    if store is None:
+        return keys
+    entries = store[entry_blocks, entry_rows].to(keys.dtype)  # [S, E, d]
+    return torch.cat([keys, entries], dim=1)
+
+
+@reference_op
 def sink_attention(
     q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor, scale: float
 ) -> torch.Tensor:

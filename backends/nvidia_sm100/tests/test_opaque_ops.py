@@ -13,7 +13,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="the test extra installs triton")
-from deepinfer_nvidia_sm100.kernels import gemv, hc, indexer, moe, norm, rope, tl_attention
+from deepinfer_nvidia_sm100.kernels import gemv, hc, indexer, keys, moe, norm, rope, tl_attention
 
 from deepinfer_core.ops import reference as ref
 
@@ -48,9 +48,21 @@ def _cases():
         "indexer_scores": (indexer.indexer_scores, ref.indexer_scores, (rand(1, T, 4, 32, dtype=torch.bfloat16),
                                                                         rand(1, 5, 32, dtype=torch.bfloat16),
                                                                         rand(1, T, 4), 0.125)),
+        "gather_keys": (keys.gather_keys, ref.gather_keys, _key_case(rand)),
         "tl_sink_attention": (tl_attention._launch, lambda *a: ref.sink_attention(*a[:5]),
                               (q, kv, visible, rand(H), 0.05, None)),
     }
+
+
+def _key_case(rand):
+    """A ring of 3 slots x 4 keys, 2 sequences x 4 window keys (the last from this step), 3 entries each."""
+    ring, store = rand(3, 4, HD, dtype=torch.bfloat16), rand(5, 2, HD, dtype=torch.bfloat16)
+    slots = torch.tensor([[0], [2]]).expand(2, 4)
+    from_new = torch.tensor([[False] * 3 + [True]] * 2)
+    new_rows = torch.where(from_new, torch.tensor([[0], [1]]), 0)
+    blocks, rows = torch.tensor([[1, 1, 3], [4, 0, 0]]), torch.tensor([0, 1, 0]).expand(2, 3)
+    return ring, slots, torch.arange(4).expand(2, 4), rand(2, HD, dtype=torch.bfloat16), new_rows, from_new, store, \
+        blocks, rows
 
 
 CASES = _cases()

@@ -90,6 +90,10 @@ SMALL_KERNELS = {  # kernel -> (argument types where not the default, constexprs
                               {"ROWS": 1, "BLOCK_D": 4096, "WEIGHTED": True}),
     "norm._rms_norm_kernel:unweighted": ({"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"},
                                          {"ROWS": 4, "BLOCK_D": 512, "WEIGHTED": False}),
+    "keys._gather_keys_kernel": ({"ring_ptr": "*bf16", "ring_slots_ptr": "*i64", "ring_index_ptr": "*i64",
+                                  "new_ptr": "*bf16", "new_rows_ptr": "*i64", "from_new_ptr": "*u8", "store_ptr": "*bf16",
+                                  "blocks_ptr": "*i64", "rows_ptr": "*i64", "out_ptr": "*bf16"},
+                                 {"HAS_STORE": True, "BLOCK_K": 8, "BLOCK_D": 512}),
     "key_blocks._visible_blocks_kernel": ({"vis_ptr": "*u8", "blocks_ptr": "*i32", "counts_ptr": "*i32"},
                                           {"BLOCK_N": 64, "CHUNK": 64}),
     "moe._align_kernel": ({"ids_ptr": "*i64", "sorted_assign_ptr": "*i64", "block_expert_ptr": "*i64",
@@ -109,11 +113,11 @@ TENSOR_CORE_KERNELS = {  # their tl.dot tiles must compile to the architecture's
 @pytest.mark.parametrize("capability", sorted(ARCHS))
 @pytest.mark.parametrize("name", sorted(SMALL_KERNELS))
 def test_small_kernels_compile(name, capability):
-    from deepinfer_nvidia_sm100.kernels import gemv, indexer, key_blocks, norm, rope
+    from deepinfer_nvidia_sm100.kernels import gemv, indexer, key_blocks, keys, norm, rope
 
     module, kernel = name.split(":")[0].split(".")
-    fn = getattr({"gemv": gemv, "hc": hc, "indexer": indexer, "key_blocks": key_blocks, "moe": moe, "norm": norm,
-                   "rope": rope}[module], kernel)
+    fn = getattr({"gemv": gemv, "hc": hc, "indexer": indexer, "key_blocks": key_blocks, "keys": keys, "moe": moe,
+                   "norm": norm, "rope": rope}[module], kernel)
     types, constants = SMALL_KERNELS[name]
     signature = {}
     for i, arg in enumerate(fn.arg_names):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="the test extra installs triton")
-from deepinfer_nvidia_sm100.kernels import hc, indexer, key_blocks, moe, rope
+from deepinfer_nvidia_sm100.kernels import hc, indexer, key_blocks, keys, moe, rope
 
 from deepinfer_core.ops import reference as ref
 
@@ -169,6 +169,36 @@ def test_apply_rope_matches_reference(shape, half, inverse, dtype):
     assert got.shape == want.shape and got.dtype == want.dtype
     tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
     torch.testing.assert_close(got, want, **tol)
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seqs, window, entries, dim", [(3, 5, 0, 64), (4, 9, 13, 512), (1, 130, 40, 96),
+                                                         (2, 3, None, 512)])
+def test_gather_keys_matches_reference(seqs, window, entries, dim, dtype):
+    """Window keys from ring slots (an expanded slot column, as the decode layout builds it) or this step's rows,
+    then entries from a paged store (expanded rows); no store (sliding layers: ``entries`` None); rows and
+    widths that do not fill a program's tile. A gather: equal to the reference, bit for bit."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seqs * 100 + window)
+
+    def rnd(*shape):
+        return torch.randn(*shape, device=DEVICE, generator=gen).to(dtype)
+
+    def ints(high, *shape):
+        return torch.randint(0, high, shape, device=DEVICE, generator=gen)
+
+    ring, new_kv = rnd(seqs + 2, window, dim), rnd(seqs * 3, dim)
+    slots = ints(seqs + 2, seqs, 1).expand(seqs, window)
+    from_new = torch.rand(seqs, window, device=DEVICE, generator=gen) < 0.3
+    new_rows = torch.where(from_new, ints(seqs * 3, seqs, window), 0)
+    store = blocks = rows = None
+    if entries is not None:
+        store = rnd(7, 4, dim)
+        blocks, rows = ints(7, seqs, entries), ints(4, 1, entries).expand(seqs, entries)
+    args = (ring, slots, ints(window, seqs, window), new_kv, new_rows, from_new, store, blocks, rows)
+    got, want = keys.gather_keys(*args), ref.gather_keys(*args)
+    assert got.shape == want.shape == (seqs, window + (entries or 0), dim) and got.dtype == want.dtype
+    assert torch.equal(got, want)
 
 
 @kernel_runs_here

@@ -251,11 +251,13 @@ class StepLayout:
         self.ring_write_slots = self._to_device(slots)
         self.ring_write_index = self._to_device(index)
 
-    def sliding_keys(self, ring: torch.Tensor, new_kv: torch.Tensor) -> torch.Tensor:
-        """Keys ``[S, Lk, d]`` of every sequence's window: ring tokens, then this step's ``new_kv``."""
-        from_ring = ring[self.key_slots, self.key_ring_index]  # [S, Lk, d]
-        from_step = new_kv[self.key_new_rows]  # [S, Lk, d]
-        return torch.where(self.key_from_new[..., None], from_step, from_ring)
+    def attention_keys(self, ops, ring: torch.Tensor, new_kv: torch.Tensor, store: torch.Tensor | None = None,
+                       ratio: int | None = None) -> torch.Tensor:
+        """Keys ``[S, Lk (+ E), d]`` through ``ops.gather_keys``: every sequence's window (ring tokens, then this step's
+        ``new_kv``), then, with a paged ``store`` of compression ``ratio``, its compressed entries."""
+        entries = (None, None) if store is None else (self.entries(ratio).blocks, self.entries(ratio).rows)
+        return ops.gather_keys(ring, self.key_slots, self.key_ring_index, new_kv, self.key_new_rows, self.key_from_new,
+                               store, *entries)
 
     def write_ring(self, ring: torch.Tensor, new_kv: torch.Tensor) -> None:
         """Keep the last ``window`` tokens of each sequence in its ring (position % window)."""

@@ -199,11 +199,14 @@ class Attention:
         q = ops.apply_rope(ops.unweighted_rms_norm(q, self.eps), *rope)
         kv = ops.apply_rope(ops.rms_norm(inputs["kv"], self.norm, self.eps), *rope)  # [T, hd]
         layout, state = ctx.layout, ctx.state
-        keys = layout.sliding_keys(state.swa[self.layer_idx], kv)  # [S, Lk, hd]
+        ring = state.swa[self.layer_idx]
         visible = layout.sliding_visible  # [S, Lq, Lk]
-        if self.compressor is not None:
-            entries, entry_visible = self._compressed(ops, inputs, q_residual, ctx)
-            keys = torch.cat([keys, entries], dim=1)
+        if self.compressor is None:
+            keys = layout.attention_keys(ops, ring, kv)  # [S, Lk, hd]
+        else:
+            entry_visible = self._compressed(ops, inputs, q_residual, ctx)  # [S, Lq, E]
+            store = state.compressed[self.layer_idx]
+            keys = layout.attention_keys(ops, ring, kv, store, self.compressor.ratio)  # [S, Lk + E, hd]
             visible = torch.cat([visible, entry_visible], dim=-1)
         out = ops.sink_attention(layout.pad(q), keys, visible, self.sinks, self.head_dim**-0.5)  # [S, Lq, H, hd]
         layout.write_ring(state.swa[self.layer_idx], kv.to(state.swa[self.layer_idx].dtype))
@@ -211,18 +214,17 @@ class Attention:
         grouped = ops.grouped_linear(out.reshape(T, self.groups, -1), self.wo_a, self.groups)  # [T, g, o_lora]
         return ops.linear(grouped.flatten(1), self.wo_b)  # [T, D]
 
-    def _compressed(self, ops, inputs, q_residual, ctx: StepContext):
+    def _compressed(self, ops, inputs, q_residual, ctx: StepContext) -> torch.Tensor:
+        """Fold this step's tokens into the compressed store; which entries each query reads (``[S, Lq, E]``)."""
         layer, layout, state = self.layer_idx, ctx.layout, ctx.state
         rope_args = ctx.rope_args["compress"]
         self.compressor.step(ops, inputs["compress_kv"], inputs["compress_gate"], layout, state.compressed[layer],
                              state.carry[layer], rope_args)
-        ratio = self.compressor.ratio
-        entries = layout.gather_entries(state.compressed[layer], ratio).to(q_residual.dtype)  # [S, E, hd]
-        visible = layout.entries(ratio).visible
+        visible = layout.entries(self.compressor.ratio).visible
         if self.indexer is not None:
             visible = self.indexer.select(ops, inputs, q_residual, layout, state.index_keys[layer],
                                           state.index_carry[layer], rope_args, ctx.rope["compress"])
-        return entries, visible
+        return visible
 
 
 class MoE:
