@@ -157,4 +157,5 @@ REFERENCE_KEPT: dict[str, str] = {
     "indexer_topk": "a stable sort per query row; padding entries are -inf and never outrank visible ones",
     "compressor_window": "gathers, selects, concatenation and one IEEE addition per element: no reduction",
     "embed": "a gather",
+    "gather_keys": "gathers, a select and a concatenation: no arithmetic",
 }

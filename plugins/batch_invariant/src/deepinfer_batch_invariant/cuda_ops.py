@@ -95,4 +95,5 @@ REFERENCE_KEPT: dict[str, str] = {
                     "never outrank visible ones; the scatter writes True only",
     "compressor_window": "gathers, selects, concatenation and one addition per element: no reduction",
     "embed": "a gather",
+    "gather_keys": "gathers, a select and a concatenation: no arithmetic",
 }
