@@ -55,6 +55,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     return torch.cat([nope, rotated], dim=-1)
 
 
+@reference_op
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """``apply_rope`` in place: rotates the trailing ``2 * cos.shape[-1]`` channels of ``x`` and returns ``x``
+    (the pass-through channels are not touched). For tensors the caller owns, such as an op's fresh output."""
+    rope_dim = 2 * cos.shape[-1]
+    x[..., -rope_dim:] = apply_rope(x[..., -rope_dim:], cos, sin, inverse)
+    return x
+
+
 # ----------------------------------------------------------------------------- linear
 @reference_op
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

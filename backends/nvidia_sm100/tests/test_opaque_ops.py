@@ -92,6 +92,27 @@ def test_wrapper_is_one_custom_op_under_compile_with_the_reference_shapes(name):
     assert [(tuple(t.shape), t.dtype) for t in fake] == [(tuple(t.shape), t.dtype) for t in want]
 
 
+def test_in_place_rope_is_one_mutating_custom_op_under_compile():
+    """``apply_rope_`` writes into its input: under ``torch.compile`` the kernel is the custom op
+    ``deepinfer_nvidia::apply_rope_`` declared as mutating ``x`` (so Inductor orders reads of ``x`` after it)."""
+    x = torch.randn(T, H, 64).to(torch.bfloat16)
+    cos, sin = torch.randn(T, 8), torch.randn(T, 8)
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return _never
+
+    torch._dynamo.reset()
+    with pytest.raises(_NotRun):
+        torch.compile(lambda t: rope.apply_rope_(t, cos, sin, True) + 1, backend=record, fullgraph=True)(x)
+    (gm,) = graphs
+    ops = [n for n in gm.graph.nodes if n.op == "call_function" and "deepinfer_nvidia" in str(n.target)]
+    assert [str(n.target) for n in ops] == ["deepinfer_nvidia.apply_rope_.default"]
+    schema = ops[0].target._schema
+    assert schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write
+
+
 @pytest.mark.parametrize("kernel,reference,weighted", [(norm.rms_norm, ref.rms_norm, True),
                                                         (norm.unweighted_rms_norm, ref.unweighted_rms_norm, False)])
 def test_norm_kernels_trace_the_reference_under_compile(kernel, reference, weighted):

@@ -173,6 +173,32 @@ def test_apply_rope_matches_reference(shape, half, inverse, dtype):
 
 @kernel_runs_here
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape, half", [((3, 4, 512), 32), ((2, 64), 32), ((5, 2, 3, 40), 4), ((17, 6), 3)])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_apply_rope_in_place_rotates_only_the_rotary_channels(shape, half, inverse, dtype):
+    """``apply_rope_`` equals the reference's in-place op, returns its input, and leaves the pass-through channels
+    as they were (the same bits); a view that is not contiguous takes the copying kernel, written back into the
+    view only."""
+    gen = torch.Generator(device=DEVICE).manual_seed(len(shape) * 7 + half)
+    x = torch.randn(*shape, device=DEVICE, generator=gen).to(dtype)
+    angles = torch.rand(shape[0], half, device=DEVICE, generator=gen) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    want = ref.apply_rope_(x.clone(), cos, sin, inverse)
+    got = x.clone()
+    assert rope.apply_rope_(got, cos, sin, inverse) is got
+    tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(got, want, **tol)
+    assert torch.equal(got[..., :-2 * half], x[..., :-2 * half])
+    padded = torch.zeros(*shape[:-1], shape[-1] + 8, device=DEVICE, dtype=dtype)
+    strided = padded[..., :shape[-1]]  # not contiguous: rows 8 channels apart
+    strided.copy_(x)
+    assert rope.apply_rope_(strided, cos, sin, inverse) is strided
+    torch.testing.assert_close(strided, want, **tol)
+    assert torch.equal(padded[..., shape[-1]:], torch.zeros_like(padded[..., shape[-1]:]))
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seqs, window, entries, dim", [(3, 5, 0, 64), (4, 9, 13, 512), (1, 130, 40, 96),
                                                          (2, 3, None, 512)])
 def test_gather_keys_matches_reference(seqs, window, entries, dim, dtype):

@@ -109,7 +109,7 @@ class Compressor:
                                              self.overlap)  # [N, slots, dim]
             pooled = ops.compressor_pool(kv, gate, self.norm, self.eps)  # [N, dim]
             cos, sin = ops.rope_cos_sin(plan.entry_positions, *rope)
-            store[plan.write_blocks, plan.write_rows] = ops.apply_rope(pooled, cos, sin).to(store.dtype)
+            store[plan.write_blocks, plan.write_rows] = ops.apply_rope_(pooled, cos, sin).to(store.dtype)
         carry.kv[plan.carry_write_slots, plan.carry_write_index] = raw_kv[plan.carry_write_rows].to(carry.kv.dtype)
         carry.gate[plan.carry_write_slots, plan.carry_write_index] = raw_gate[plan.carry_write_rows].to(
             carry.gate.dtype)
@@ -137,7 +137,7 @@ class Indexer:
             return visible
         keys = layout.gather_entries(keys_store, ratio)  # [S, E, di]
         q = ops.linear(q_residual, self.wq_b).view(-1, self.heads, self.dim)  # [T, Hi, di]
-        q = ops.apply_rope(q, *query_rope)
+        q = ops.apply_rope_(q, *query_rope)
         head_weights = inputs["index_weights"].float() * self.heads**-0.5  # [T, Hi]
         scores = ops.indexer_scores(layout.pad(q), keys, layout.pad(head_weights), self.dim**-0.5)
         return ops.indexer_topk(scores, visible, self.topk)
@@ -196,8 +196,8 @@ class Attention:
         inputs = self.project(ops, x)
         q_residual = ops.rms_norm(inputs["q"], self.q_norm, self.eps)  # [T, q_lora]
         q = ops.linear(q_residual, self.wq_b).view(T, self.heads, self.head_dim)  # [T, H, hd]
-        q = ops.apply_rope(ops.unweighted_rms_norm(q, self.eps), *rope)
-        kv = ops.apply_rope(ops.rms_norm(inputs["kv"], self.norm, self.eps), *rope)  # [T, hd]
+        q = ops.apply_rope_(ops.unweighted_rms_norm(q, self.eps), *rope)
+        kv = ops.apply_rope_(ops.rms_norm(inputs["kv"], self.norm, self.eps), *rope)  # [T, hd]
         layout, state = ctx.layout, ctx.state
         ring = state.swa[self.layer_idx]
         visible = layout.sliding_visible  # [S, Lq, Lk]
@@ -210,7 +210,7 @@ class Attention:
             visible = torch.cat([visible, entry_visible], dim=-1)
         out = ops.sink_attention(layout.pad(q), keys, visible, self.sinks, self.head_dim**-0.5)  # [S, Lq, H, hd]
         layout.write_ring(state.swa[self.layer_idx], kv.to(state.swa[self.layer_idx].dtype))
-        out = ops.apply_rope(layout.unpad(out), *rope, inverse=True)  # [T, H, hd]
+        out = ops.apply_rope_(layout.unpad(out), *rope, inverse=True)  # [T, H, hd]
         grouped = ops.grouped_linear(out.reshape(T, self.groups, -1), self.wo_a, self.groups)  # [T, g, o_lora]
         return ops.linear(grouped.flatten(1), self.wo_b)  # [T, D]
 

@@ -117,14 +117,15 @@ def compiled_ops() -> dict[str, Callable]:
     return {name: maybe_compile(getattr(ref, name)) for name in COMPILED_OPS}
 
 
-def opaque_under_compile(name: str, fake: Callable) -> Callable[[Callable], Callable]:
+def opaque_under_compile(name: str, fake: Callable, mutates_args: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
     """Decorator for a kernel wrapper: an eager call runs it as it is; under ``torch.compile`` (a decode step
     compiled whole, ``compile_step``) it is the custom op ``deepinfer_nvidia::<name>``, one opaque node whose output
     shapes come from ``fake``, so TorchDynamo never traces into the kernel launches (TileLang's FFI, Triton grids).
-    The wrapper's arguments must be annotated with types ``torch.library`` knows, outputs must be new tensors."""
+    The wrapper's arguments must be annotated with types ``torch.library`` knows; outputs must be new tensors, or
+    none for a wrapper that writes into the arguments named in ``mutates_args``."""
 
     def wrap(fn: Callable) -> Callable:
-        op = torch.library.custom_op(f"deepinfer_nvidia::{name}", fn, mutates_args=())
+        op = torch.library.custom_op(f"deepinfer_nvidia::{name}", fn, mutates_args=mutates_args)
         op.register_fake(fake)
         return _under_compile(fn, op)
 

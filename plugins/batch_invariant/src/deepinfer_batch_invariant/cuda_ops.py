@@ -96,4 +96,5 @@ REFERENCE_KEPT: dict[str, str] = {
     "compressor_window": "gathers, selects, concatenation and one addition per element: no reduction",
     "embed": "a gather",
     "gather_keys": "gathers, a select and a concatenation: no arithmetic",
+    "apply_rope_": "apply_rope written back into its input: the same elementwise arithmetic",
 }
