@@ -169,8 +169,10 @@ def split_kernel(arch: str, dtype: str, scale: float, dim: int = HEAD_DIM, block
                 m = T.alloc_fragment((BH,), accum)
                 den = T.alloc_fragment((BH,), accum)
                 attend_sm90(Q, KV, Vis, Blocks, Counts, Sinks, 1, 0, hb, b, acc_o, m, den)
-                for i, j in T.Parallel(BH, dim):  # the combine of one split: the sink once, in the denominator
-                    acc_o[i, j] = acc_o[i, j] / (den[i] + T.exp2(Sinks[hb * BH + i] * LOG2E - m[i]))
+                for i in T.Parallel(BH):  # the combine of one split: the sink once, in the denominator
+                    den[i] = 1.0 / (den[i] + T.exp2(Sinks[hb * BH + i] * LOG2E - m[i]))
+                for i, j in T.Parallel(BH, dim):
+                    acc_o[i, j] *= den[i]
                 T.copy(acc_o, Out[b, hb * BH:(hb + 1) * BH, :])
 
         return sink_attn_sm90 if whole else sink_attn_split_sm90
