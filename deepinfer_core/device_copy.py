@@ -15,6 +15,41 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def to_device_together(hosts: list[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
+    """Small host tensors on ``device`` in one non-blocking copy: packed into one pinned buffer (``to_device`` on each
+    would pin and copy each); returns views of one device buffer, in order, with the hosts' shapes and dtypes."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return list(hosts)
+    specs = [(t.shape, t.dtype) for t in hosts]
+    offsets, total = arena_offsets(specs)
+    arena = torch.empty(total, dtype=torch.uint8, pin_memory=device.type != "meta")  # meta: tests and tools
+    for view, host in zip(arena_views(arena, offsets, specs), hosts, strict=True):
+        view.copy_(host)
+    return arena_views(arena.to(device, non_blocking=True), offsets, specs)
+
+
+ARENA_ALIGN = 64  # bytes between tensors in an arena (any dtype's alignment)
+
+
+def arena_offsets(specs: list[tuple[torch.Size, torch.dtype]]) -> tuple[list[int], int]:
+    """Byte offsets of tensors of these (shape, dtype) laid out one after another, each aligned to ``ARENA_ALIGN``,
+    and the arena's size in bytes (at least 1)."""
+    offsets, total = [], 0
+    for shape, dtype in specs:
+        offsets.append(total)
+        nbytes = shape.numel() * dtype.itemsize
+        total += -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
+    return offsets, max(total, 1)
+
+
+def arena_views(arena: torch.Tensor, offsets: list[int], specs: list[tuple[torch.Size, torch.dtype]]
+                ) -> list[torch.Tensor]:
+    """The tensors of an ``arena_offsets`` layout as views of the uint8 ``arena``."""
+    return [arena[o:o + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+            for o, (shape, dtype) in zip(offsets, specs, strict=True)]
+
+
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
     """A copy of a device tensor in pinned host memory, queued on the current stream without waiting: read it
     only once an event recorded after it (``record_event``) has completed. A host tensor is returned as it is."""

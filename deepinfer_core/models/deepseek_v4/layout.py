@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from deepinfer_core.device_copy import record_event
+from deepinfer_core.device_copy import arena_offsets, arena_views, record_event, to_device_together
 from deepinfer_core.forward_batch import ForwardBatch
 
 
@@ -57,8 +57,6 @@ class StaticBuffers:
     same shapes (a ``StaticShape`` guarantees that), and ``upload`` moves the whole layout in one copy instead of
     one small pageable copy per tensor.
     """
-
-    ALIGN = 64  # bytes between tensors in the arena (any dtype's alignment)
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
@@ -98,20 +96,12 @@ class StaticBuffers:
 
     def seal(self) -> None:
         """Lay the tensors seen so far out in one arena (device) plus its host twin."""
-        offsets, total = [], 0
-        for shape, dtype in self.specs:
-            offsets.append(total)
-            nbytes = shape.numel() * dtype.itemsize
-            total += -(-nbytes // self.ALIGN) * self.ALIGN
+        offsets, total = arena_offsets(self.specs)
         on_host = self.device.type == "cpu"
-        self._host_arena = torch.zeros(max(total, 1), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        self._host_arena = torch.zeros(total, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         self._device_arena = self._host_arena if on_host else torch.zeros_like(self._host_arena, device=self.device)
-
-        def views(arena: torch.Tensor) -> list[torch.Tensor]:
-            return [arena[o:o + shape.numel() * dtype.itemsize].view(dtype).view(shape)
-                    for o, (shape, dtype) in zip(offsets, self.specs, strict=True)]
-
-        self._staging, self.tensors = views(self._host_arena), views(self._device_arena)
+        self._staging = arena_views(self._host_arena, offsets, self.specs)
+        self.tensors = arena_views(self._device_arena, offsets, self.specs)
 
     def upload(self) -> None:
         """One copy of everything placed since ``rewind`` to the device (non-blocking from pinned memory)."""
@@ -152,13 +142,14 @@ class EntryLayout:
 
     blocks: torch.Tensor  # [S, E]
     rows: torch.Tensor  # [S, E]
-    visible: torch.Tensor  # [S, Lq, E] entry w visible to query p iff (w + 1) * ratio <= p + 1
+    visible: torch.Tensor | None  # [S, Lq, E] entry w visible to query p iff (w + 1) * ratio <= p + 1
 
 
 class StepLayout:
     """Index tensors for one step of a batch (see module docstring)."""
 
-    def __init__(self, batch: ForwardBatch, sliding_window: int, block_size: int, device: torch.device):
+    def __init__(self, batch: ForwardBatch, sliding_window: int, block_size: int, device: torch.device,
+                 windows: tuple[tuple[int, int], ...] = (), entry_ratios: tuple[int, ...] = ()):
         self.batch = batch
         self.window = sliding_window
         self.block_size = block_size
@@ -169,21 +160,32 @@ class StepLayout:
         self.max_query_len = max(self.query_lens)
         # every sequence folds max_query_len tokens: padded and flat layouts are views of each other
         self.uniform = all(n == self.max_query_len for n in self.query_lens)
+        self._tables: torch.Tensor | None = None
+        self._pending: list[tuple[object, str, torch.Tensor]] = []  # (owner, attribute, host tensor) to upload
         self._build_queries()
         self._build_sliding_keys()
-        self._entries: dict[int, EntryLayout] = {}
-        self._windows: dict[tuple[int, int], WindowPlan] = {}
-        self._tables: torch.Tensor | None = None
+        self._entries = {ratio: self._build_entries(ratio) for ratio in entry_ratios}
+        self._windows = {(ratio, span): self._build_windows(ratio, span) for ratio, span in windows}
+        self._upload()
+        self._build_masks()
 
     # ------------------------------------------------------------------ queries
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A host-built index tensor on the target device (one non-blocking copy)."""
-        if self.target_device.type == "cpu":
-            return t
-        return t.to(self.target_device, non_blocking=True)
+    def _to_device(self, owner: object, name: str, host: torch.Tensor) -> None:
+        """Set ``owner.<name>`` to the host-built index tensor now and to its device copy at ``_upload``."""
+        setattr(owner, name, host)
+        self._pending.append((owner, name, host))
+
+    def _upload(self) -> None:
+        """Every index tensor built since the last upload to the target device in one pinned, non-blocking copy: a
+        copy from pageable memory would wait until the stream is idle, stalling the host once per tensor behind
+        the step still running (docs/performance.md 4.12)."""
+        pending, self._pending = self._pending, []
+        copies = to_device_together([host for _, _, host in pending], self.target_device)
+        for (owner, name, _), copy in zip(pending, copies, strict=True):
+            setattr(owner, name, copy)
 
     def _build_queries(self) -> None:
         batch = self.batch
@@ -196,11 +198,11 @@ class StepLayout:
         self._host_ctx, self._host_starts, self._host_lens = ctx, starts, lens
         self._host_slots = self._tensor(batch.slots)  # [S]
         token_seq, token_offset = _segments(lens)  # [T]: each token's sequence and offset in its chunk
-        self.query_valid = self._to_device(valid)
-        self.query_rows = self._to_device(torch.where(valid, starts[:, None] + offsets[None, :], 0))  # [S, Lq]
-        self.query_positions = self._to_device(torch.where(valid, ctx[:, None] + offsets[None, :], -1))  # [S, Lq]
-        self.token_seq = self._to_device(token_seq)  # [T]
-        self.token_offset = self._to_device(token_offset)  # [T]
+        self._to_device(self, "query_valid", valid)
+        self._to_device(self, "query_rows", torch.where(valid, starts[:, None] + offsets[None, :], 0))  # [S, Lq]
+        self._to_device(self, "query_positions", torch.where(valid, ctx[:, None] + offsets[None, :], -1))  # [S, Lq]
+        self._to_device(self, "token_seq", token_seq)  # [T]
+        self._to_device(self, "token_offset", token_offset)  # [T]
 
     def _tail_writes(self, span: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step's tokens among the last ``span`` of each sequence: their rows, slots and ``position % span``
@@ -239,17 +241,22 @@ class StepLayout:
         key_positions = torch.where(key_positions < end, key_positions, -1)
         ctx, starts = self._host_ctx[:, None], self._host_starts[:, None]
         from_new = key_positions >= ctx  # [S, Lk]
-        self.key_from_new = self._to_device(from_new)
-        self.key_new_rows = self._to_device(torch.where(from_new, starts + key_positions - ctx, 0))
-        self.key_slots = self._to_device(self._host_slots[:, None].expand(-1, width))
-        self.key_ring_index = self._to_device(key_positions.clamp(min=0) % W)
-        kp = self._to_device(key_positions)[:, None, :]  # [S, 1, Lk]
-        qp = self.query_positions[:, :, None]  # [S, Lq, 1]
-        self.sliding_visible = (kp >= 0) & (kp <= qp) & (kp > qp - W) & self.query_valid[:, :, None]  # [S, Lq, Lk]
+        self._to_device(self, "key_from_new", from_new)
+        self._to_device(self, "key_new_rows", torch.where(from_new, starts + key_positions - ctx, 0))
+        self._to_device(self, "key_slots", self._host_slots[:, None].expand(-1, width))
+        self._to_device(self, "key_ring_index", key_positions.clamp(min=0) % W)
+        self._to_device(self, "_key_positions", key_positions)  # [S, Lk]
         rows, slots, index = self._tail_writes(W)  # tokens that stay in the ring: the last W of each sequence
-        self.ring_write_rows = self._to_device(rows)
-        self.ring_write_slots = self._to_device(slots)
-        self.ring_write_index = self._to_device(index)
+        self._to_device(self, "ring_write_rows", rows)
+        self._to_device(self, "ring_write_slots", slots)
+        self._to_device(self, "ring_write_index", index)
+
+    def _build_masks(self) -> None:
+        """The visibility masks, from index tensors already uploaded, on the target device (see module docstring)."""
+        kp, qp, W = self._key_positions[:, None, :], self.query_positions[:, :, None], self.window  # [S,1,Lk] [S,Lq,1]
+        self.sliding_visible = (kp >= 0) & (kp <= qp) & (kp > qp - W) & self.query_valid[:, :, None]  # [S, Lq, Lk]
+        for ratio, entries in self._entries.items():
+            entries.visible = self._entry_visible(ratio, entries.blocks.shape[1])
 
     def attention_keys(self, ops, ring: torch.Tensor, new_kv: torch.Tensor, store: torch.Tensor | None = None,
                        ratio: int | None = None) -> torch.Tensor:
@@ -265,20 +272,30 @@ class StepLayout:
 
     # ------------------------------------------------------------------ compressed entries
     def entries(self, ratio: int) -> EntryLayout:
-        """Entries (after this step) readable by each sequence, for a compression ratio."""
+        """Entries (after this step) readable by each sequence, for a compression ratio (built with the layout when
+        the model named the ratio, else now: one more upload)."""
         if ratio not in self._entries:
-            self._entries[ratio] = self._build_entries(ratio)
+            entries = self._build_entries(ratio)
+            self._upload()
+            entries.visible = self._entry_visible(ratio, entries.blocks.shape[1])
+            self._entries[ratio] = entries
         return self._entries[ratio]
 
     def _build_entries(self, ratio: int) -> EntryLayout:
+        """The entries' places (uploaded with the layout); their visibility mask comes after the upload."""
         per_block = self.block_size // ratio
         counts = [(ctx + n) // ratio for ctx, n in zip(self.batch.context_lens, self.query_lens)]
-        width = max(counts)
-        blocks, rows, _ = _entry_places(self._block_tables(), torch.arange(width), self._tensor(counts), per_block)
+        blocks, rows, _ = _entry_places(self._block_tables(), torch.arange(max(counts)), self._tensor(counts), per_block)
+        entries = EntryLayout(blocks, rows, None)
+        self._to_device(entries, "blocks", blocks)
+        self._to_device(entries, "rows", rows)
+        return entries
+
+    def _entry_visible(self, ratio: int, width: int) -> torch.Tensor:
+        """``[S, Lq, E]``: entry w visible to query p iff (w + 1) * ratio <= p + 1 (on the target device)."""
         limit = (self.query_positions + 1).div(ratio, rounding_mode="floor")  # [S, Lq]; <= count per sequence
         ids = torch.arange(width, device=limit.device)  # [E]
-        visible = (ids[None, None, :] < limit[:, :, None]) & self.query_valid[:, :, None]  # [S, Lq, E]
-        return EntryLayout(self._to_device(blocks), self._to_device(rows), visible)
+        return (ids[None, None, :] < limit[:, :, None]) & self.query_valid[:, :, None]
 
     def _block_tables(self) -> torch.Tensor:
         """Every sequence's block table, padded with block 0: ``[S, max blocks]`` (built once per step)."""
@@ -295,10 +312,12 @@ class StepLayout:
 
     # ------------------------------------------------------------------ compressor windows
     def windows(self, ratio: int, span: int) -> WindowPlan:
-        """The compressor windows this step completes, for a ratio and carry span."""
+        """The compressor windows this step completes, for a ratio and carry span (built with the layout when the
+        model named them, else now: one more upload)."""
         key = (ratio, span)
         if key not in self._windows:
             self._windows[key] = self._build_windows(ratio, span)
+            self._upload()
         return self._windows[key]
 
     def _build_windows(self, ratio: int, span: int) -> WindowPlan:
@@ -311,7 +330,9 @@ class StepLayout:
         plan = _window_plan(entry, ctx[seq], starts[seq], self._host_slots[seq],
                             self._block_tables()[seq, entry // per_block], self._tail_writes(span), ratio, span,
                             per_block, torch.arange(span))
-        return WindowPlan(**{f.name: self._to_device(getattr(plan, f.name)) for f in dataclasses.fields(plan)})
+        for f in dataclasses.fields(plan):
+            self._to_device(plan, f.name, getattr(plan, f.name))
+        return plan
 
 
 @dataclasses.dataclass

@@ -375,8 +375,9 @@ class DeepseekV4Model:
 
     # ------------------------------------------------------------------ forward
     def step_layout(self, batch: ForwardBatch, state: DeepseekV4State) -> StepLayout:
-        """The index layout of one step over ``state``, built on the host."""
-        return StepLayout(batch, self.config.sliding_window, state.block_size, self.device)
+        """The index layout of one step over ``state``, built on the host (every compressor's plan with it)."""
+        windows, ratios = self._compressor_plans()
+        return StepLayout(batch, self.config.sliding_window, state.block_size, self.device, windows, ratios)
 
     def decode_inputs(self, batch: ForwardBatch, state: DeepseekV4State, static: StaticShape) -> DecodeInputs:
         """The host tensors a static decode step's layout is computed from (``batch``: one token per sequence)."""
@@ -388,7 +389,12 @@ class DeepseekV4Model:
 
     def static_shape(self, num_seqs: int, context_len: int, spare_slot: int, spare_block: int) -> StaticShape:
         """The static decode shape of ``num_seqs`` sequences no longer than ``context_len`` tokens."""
-        c = self.config
+        windows, ratios = self._compressor_plans()
+        return StaticShape(num_seqs, self.config.sliding_window, context_len, spare_slot, spare_block, windows,
+                           ratios)
+
+    def _compressor_plans(self) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
+        """The (ratio, span) of every compressor's windows and the ratio of every compressed cache, once each."""
         windows, ratios = [], []
         for layer in self.layers:
             attn = layer.attn
@@ -396,8 +402,7 @@ class DeepseekV4Model:
                 if compressor is not None:
                     windows.append((compressor.ratio, compressor.span))
                     ratios.append(compressor.ratio)
-        return StaticShape(num_seqs, c.sliding_window, context_len, spare_slot, spare_block,
-                           tuple(dict.fromkeys(windows)), tuple(dict.fromkeys(ratios)))
+        return tuple(dict.fromkeys(windows)), tuple(dict.fromkeys(ratios))
 
     @_inference
     def forward(self, batch: ForwardBatch, state: DeepseekV4State, capture_layers: Iterable[int] = (),
