@@ -69,11 +69,8 @@ def time_prefill(prompts: int, length: int) -> None:
     batch = ForwardBatch.build([[1] * length for _ in range(prompts)], [0] * prompts, list(range(prompts)),
                                [[s * 100 + i for i in range(length // BLOCK + 1)] for s in range(prompts)])
 
-    def build() -> None:
-        layout = StepLayout(batch, WINDOW, BLOCK, torch.device("meta"))
-        for ratio, span in ((4, 8), (128, 128)):
-            layout.entries(ratio)
-            layout.windows(ratio, span)
+    def build() -> None:  # as the model builds it: every compressor plan with the layout, one upload
+        StepLayout(batch, WINDOW, BLOCK, torch.device("meta"), windows=((4, 8), (128, 128)), entry_ratios=(4, 128))
 
     print(f"prefill {prompts} x {length}: {median_ms(build, repeats=2):.1f} ms of host work per layout")
 
