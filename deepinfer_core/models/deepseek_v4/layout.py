@@ -4,8 +4,11 @@ Built once per step from a ``ForwardBatch`` and shared by every layer. It turns 
 unpadded token axis into padded per-sequence views (``[S, Lq, ...]``) and says, for every key the
 attention may read, whether it comes from this step's tokens or from a sequence's state.
 
-Every index tensor is built on the host from the batch's Python lists and then copied to the device
-once (non-blocking; pinning each small tensor first measured slower on the H200, docs/performance.md). Building them with small device ops, or from device tensors,
+Every index tensor is built on the host from the batch's Python lists, every compressor's plan with the rest (the
+model names them), and all of them are copied to the device together: one pinned buffer, one non-blocking copy.
+(Copied one by one from pageable memory, each copy waited until the stream was idle, so the host stalled behind the
+step still running, and again mid-forward where a plan was built on first use; pinning each small tensor measured
+slower on the H200, docs/performance.md.) Building them with small device ops, or from device tensors,
 would stall the host on every ``torch.tensor(..., device=cuda)`` copy and ``nonzero()``. The two visibility masks
 (``[S, Lq, Lk]`` and ``[S, Lq, E]``, the only ones that grow with the square of the step's tokens) are the
 exception: they are broadcast comparisons of small per-row / per-key tensors already copied, so they are computed
