@@ -137,6 +137,31 @@ def test_small_kernels_compile(name, capability):
 
 
 @pytest.mark.parametrize("capability", sorted(ARCHS))
+def test_rope_in_place_moves_the_rotary_channels_as_16_byte_vectors(capability):
+    """``apply_rope_`` reads and writes each row's 64 rotary channels as contiguous runs, split into even / odd
+    lanes in registers: 16-byte vector accesses, never two-byte scalars (the first version loaded even and odd
+    channels with stride 2 and ran at 12% of its floor on the H200, docs/performance.md 4.12). Divisibility as the
+    JIT sees the preset's shapes (pointers, the row width and the pass-through width multiples of 16)."""
+    from deepinfer_nvidia_sm100.kernels import rope
+
+    fn = rope._rope_kernel
+    signature, attrs = {}, {}
+    for i, arg in enumerate(fn.arg_names):
+        if i in fn.constexprs:
+            signature[arg] = "constexpr"
+            continue
+        signature[arg] = "*bf16" if arg.endswith("_ptr") else "fp32" if arg == "sign" else "i32"
+        if arg.endswith("_ptr") or arg in ("DIM", "NOPE", "HALF"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    constants = {"BLOCK_R": 16, "NOPE_P2": 1, "HALF_P2": 32, "COPY": False}
+    source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()},
+                       attrs=attrs)
+    ptx = triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": 4}).asm["ptx"]
+    assert "ld.global.v4" in ptx and "st.global.v4" in ptx
+    assert "ld.global.b16" not in ptx and "st.global.b16" not in ptx
+
+
+@pytest.mark.parametrize("capability", sorted(ARCHS))
 def test_gemv_streams_the_weight_through_async_copies(capability):
     """The decode GEMV (``kernels/gemv.py``) is bound by reading the weight: with the 16-byte divisibility Triton's JIT
     sees on the preset's shapes (pointers, ``K``, ``N`` and strides multiples of 16), the weight and input tiles

@@ -31,16 +31,17 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, rows, rows_per_token, DIM, NO
         ch = tl.arange(0, NOPE_P2)[None, :]  # [1, NP]
         keep = in_r[:, None] & (ch < NOPE)
         tl.store(out_ptr + row + ch, tl.load(x_ptr + row + ch, mask=keep), mask=keep)
+    ch = tl.arange(0, 2 * HALF_P2)[None, :]  # [1, 2 HP]: the rotary channels, read and written as contiguous runs
+    rot = in_r[:, None] & (ch < 2 * HALF)
+    at = row + NOPE + ch
+    pairs = tl.reshape(tl.load(x_ptr + at, mask=rot, other=0.0).to(tl.float32), (BLOCK_R, HALF_P2, 2))
+    even, odd = tl.split(pairs)  # [BR, HP] each: channels NOPE + 2i and NOPE + 2i + 1
     pair = tl.arange(0, HALF_P2)[None, :]  # [1, HP]
-    rot = in_r[:, None] & (pair < HALF)
-    even_at = row + NOPE + 2 * pair
-    even = tl.load(x_ptr + even_at, mask=rot, other=0.0).to(tl.float32)  # [BR, HP]
-    odd = tl.load(x_ptr + even_at + 1, mask=rot, other=0.0).to(tl.float32)
-    cos = tl.load(cos_ptr + token + pair, mask=rot, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + token + pair, mask=rot, other=0.0).to(tl.float32) * sign
-    out_ty = out_ptr.dtype.element_ty
-    tl.store(out_ptr + even_at, (even * cos - odd * sin).to(out_ty), mask=rot)
-    tl.store(out_ptr + even_at + 1, (odd * cos + even * sin).to(out_ty), mask=rot)
+    angle = in_r[:, None] & (pair < HALF)
+    cos = tl.load(cos_ptr + token + pair, mask=angle, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + token + pair, mask=angle, other=0.0).to(tl.float32) * sign
+    rotated = tl.reshape(tl.join(even * cos - odd * sin, odd * cos + even * sin), (BLOCK_R, 2 * HALF_P2))
+    tl.store(out_ptr + at, rotated.to(out_ptr.dtype.element_ty), mask=rot)
 
 
 @opaque_under_compile("apply_rope", lambda x, cos, sin, inverse=False: x.new_empty(x.shape))
