@@ -176,7 +176,7 @@ class StepLayout:
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
-    def _to_device(self, owner: object, name: str, host: torch.Tensor) -> None:
+    def _stage(self, owner: object, name: str, host: torch.Tensor) -> None:
         """Set ``owner.<name>`` to the host-built index tensor now and to its device copy at ``_upload``."""
         setattr(owner, name, host)
         self._pending.append((owner, name, host))
@@ -201,11 +201,11 @@ class StepLayout:
         self._host_ctx, self._host_starts, self._host_lens = ctx, starts, lens
         self._host_slots = self._tensor(batch.slots)  # [S]
         token_seq, token_offset = _segments(lens)  # [T]: each token's sequence and offset in its chunk
-        self._to_device(self, "query_valid", valid)
-        self._to_device(self, "query_rows", torch.where(valid, starts[:, None] + offsets[None, :], 0))  # [S, Lq]
-        self._to_device(self, "query_positions", torch.where(valid, ctx[:, None] + offsets[None, :], -1))  # [S, Lq]
-        self._to_device(self, "token_seq", token_seq)  # [T]
-        self._to_device(self, "token_offset", token_offset)  # [T]
+        self._stage(self, "query_valid", valid)
+        self._stage(self, "query_rows", torch.where(valid, starts[:, None] + offsets[None, :], 0))  # [S, Lq]
+        self._stage(self, "query_positions", torch.where(valid, ctx[:, None] + offsets[None, :], -1))  # [S, Lq]
+        self._stage(self, "token_seq", token_seq)  # [T]
+        self._stage(self, "token_offset", token_offset)  # [T]
 
     def _tail_writes(self, span: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step's tokens among the last ``span`` of each sequence: their rows, slots and ``position % span``
@@ -244,15 +244,15 @@ class StepLayout:
         key_positions = torch.where(key_positions < end, key_positions, -1)
         ctx, starts = self._host_ctx[:, None], self._host_starts[:, None]
         from_new = key_positions >= ctx  # [S, Lk]
-        self._to_device(self, "key_from_new", from_new)
-        self._to_device(self, "key_new_rows", torch.where(from_new, starts + key_positions - ctx, 0))
-        self._to_device(self, "key_slots", self._host_slots[:, None].expand(-1, width))
-        self._to_device(self, "key_ring_index", key_positions.clamp(min=0) % W)
-        self._to_device(self, "_key_positions", key_positions)  # [S, Lk]
+        self._stage(self, "key_from_new", from_new)
+        self._stage(self, "key_new_rows", torch.where(from_new, starts + key_positions - ctx, 0))
+        self._stage(self, "key_slots", self._host_slots[:, None].expand(-1, width))
+        self._stage(self, "key_ring_index", key_positions.clamp(min=0) % W)
+        self._stage(self, "_key_positions", key_positions)  # [S, Lk]
         rows, slots, index = self._tail_writes(W)  # tokens that stay in the ring: the last W of each sequence
-        self._to_device(self, "ring_write_rows", rows)
-        self._to_device(self, "ring_write_slots", slots)
-        self._to_device(self, "ring_write_index", index)
+        self._stage(self, "ring_write_rows", rows)
+        self._stage(self, "ring_write_slots", slots)
+        self._stage(self, "ring_write_index", index)
 
     def _build_masks(self) -> None:
         """The visibility masks, from index tensors already uploaded, on the target device (see module docstring)."""
@@ -290,8 +290,8 @@ class StepLayout:
         counts = [(ctx + n) // ratio for ctx, n in zip(self.batch.context_lens, self.query_lens)]
         blocks, rows, _ = _entry_places(self._block_tables(), torch.arange(max(counts)), self._tensor(counts), per_block)
         entries = EntryLayout(blocks, rows, None)
-        self._to_device(entries, "blocks", blocks)
-        self._to_device(entries, "rows", rows)
+        self._stage(entries, "blocks", blocks)
+        self._stage(entries, "rows", rows)
         return entries
 
     def _entry_visible(self, ratio: int, width: int) -> torch.Tensor:
@@ -334,7 +334,7 @@ class StepLayout:
                             self._block_tables()[seq, entry // per_block], self._tail_writes(span), ratio, span,
                             per_block, torch.arange(span))
         for f in dataclasses.fields(plan):
-            self._to_device(plan, f.name, getattr(plan, f.name))
+            self._stage(plan, f.name, getattr(plan, f.name))
         return plan
 
 
