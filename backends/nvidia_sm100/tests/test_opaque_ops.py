@@ -72,9 +72,9 @@ def _flat(out):
     return list(out) if isinstance(out, tuple) else [out]
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_wrapper_is_one_custom_op_under_compile_with_the_reference_shapes(name):
-    wrapper, reference, args = CASES[name]
+def _custom_ops_traced(fn, *args) -> list:
+    """The ``deepinfer_nvidia`` custom-op nodes of the one graph TorchDynamo traces from ``fn(*args)`` with
+    ``fullgraph=True`` (the graph is recorded, never run)."""
     graphs = []
 
     def record(gm, example_inputs):
@@ -83,9 +83,15 @@ def test_wrapper_is_one_custom_op_under_compile_with_the_reference_shapes(name):
 
     torch._dynamo.reset()
     with pytest.raises(_NotRun):
-        torch.compile(wrapper, backend=record, fullgraph=True)(*args)
+        torch.compile(fn, backend=record, fullgraph=True)(*args)
     (gm,) = graphs
-    ops = [n for n in gm.graph.nodes if n.op == "call_function" and "deepinfer_nvidia" in str(n.target)]
+    return [n for n in gm.graph.nodes if n.op == "call_function" and "deepinfer_nvidia" in str(n.target)]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_wrapper_is_one_custom_op_under_compile_with_the_reference_shapes(name):
+    wrapper, reference, args = CASES[name]
+    ops = _custom_ops_traced(wrapper, *args)
     assert [str(n.target) for n in ops] == [f"deepinfer_nvidia.{name}.default"]
     fake = _flat(ops[0].meta["example_value"])
     want = _flat(reference(*args))
@@ -97,17 +103,7 @@ def test_in_place_rope_is_one_mutating_custom_op_under_compile():
     ``deepinfer_nvidia::apply_rope_`` declared as mutating ``x`` (so Inductor orders reads of ``x`` after it)."""
     x = torch.randn(T, H, 64).to(torch.bfloat16)
     cos, sin = torch.randn(T, 8), torch.randn(T, 8)
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        return _never
-
-    torch._dynamo.reset()
-    with pytest.raises(_NotRun):
-        torch.compile(lambda t: rope.apply_rope_(t, cos, sin, True) + 1, backend=record, fullgraph=True)(x)
-    (gm,) = graphs
-    ops = [n for n in gm.graph.nodes if n.op == "call_function" and "deepinfer_nvidia" in str(n.target)]
+    ops = _custom_ops_traced(lambda t: rope.apply_rope_(t, cos, sin, True) + 1, x)
     assert [str(n.target) for n in ops] == ["deepinfer_nvidia.apply_rope_.default"]
     schema = ops[0].target._schema
     assert schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write

@@ -136,6 +136,21 @@ def test_small_kernels_compile(name, capability):
         assert ARCHS[capability][1] in ptx, f"{name} on {ARCHS[capability][0]}: no {ARCHS[capability][1]}"
 
 
+def _bf16_source(fn, constants: dict, divisible, floats: tuple[str, ...] = ()) -> ASTSource:
+    """``fn`` with bf16 pointers, fp32 ``floats``, i32 other scalars and ``constants``; the arguments ``divisible``
+    accepts marked divisible by 16, as Triton's JIT marks them on the preset's shapes."""
+    signature, attrs = {}, {}
+    for i, arg in enumerate(fn.arg_names):
+        if i in fn.constexprs:
+            signature[arg] = "constexpr"
+            continue
+        signature[arg] = "*bf16" if arg.endswith("_ptr") else "fp32" if arg in floats else "i32"
+        if divisible(arg):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()},
+                     attrs=attrs)
+
+
 @pytest.mark.parametrize("capability", sorted(ARCHS))
 def test_rope_in_place_moves_the_rotary_channels_as_16_byte_vectors(capability):
     """``apply_rope_`` reads and writes each row's 64 rotary channels as contiguous runs, split into even / odd
@@ -144,18 +159,9 @@ def test_rope_in_place_moves_the_rotary_channels_as_16_byte_vectors(capability):
     JIT sees the preset's shapes (pointers, the row width and the pass-through width multiples of 16)."""
     from deepinfer_nvidia_sm100.kernels import rope
 
-    fn = rope._rope_kernel
-    signature, attrs = {}, {}
-    for i, arg in enumerate(fn.arg_names):
-        if i in fn.constexprs:
-            signature[arg] = "constexpr"
-            continue
-        signature[arg] = "*bf16" if arg.endswith("_ptr") else "fp32" if arg == "sign" else "i32"
-        if arg.endswith("_ptr") or arg in ("DIM", "NOPE", "HALF"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    constants = {"BLOCK_R": 16, "NOPE_P2": 1, "HALF_P2": 32, "COPY": False}
-    source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()},
-                       attrs=attrs)
+    source = _bf16_source(rope._rope_kernel, {"BLOCK_R": 16, "NOPE_P2": 1, "HALF_P2": 32, "COPY": False},
+                          divisible=lambda arg: arg.endswith("_ptr") or arg in ("DIM", "NOPE", "HALF"),
+                          floats=("sign",))
     ptx = triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": 4}).asm["ptx"]
     assert "ld.global.v4" in ptx and "st.global.v4" in ptx
     assert "ld.global.b16" not in ptx and "st.global.b16" not in ptx
@@ -168,18 +174,8 @@ def test_gemv_streams_the_weight_through_async_copies(capability):
     travel by ``cp.async`` into a 4-stage shared-memory pipeline, never as plain scalar loads."""
     from deepinfer_nvidia_sm100.kernels import gemv
 
-    fn = gemv._gemv_kernel
-    signature, attrs = {}, {}
-    for i, arg in enumerate(fn.arg_names):
-        if i in fn.constexprs:
-            signature[arg] = "constexpr"
-            continue
-        signature[arg] = "*bf16" if arg.endswith("_ptr") else "i32"
-        if arg != "M":  # the batch: any number of rows
-            attrs[(i,)] = [["tt.divisibility", 16]]
     constants = {"BLOCK_M": gemv.MAX_ROWS, "BLOCK_N": gemv.BLOCK_N, "BLOCK_K": gemv.BLOCK_K}
-    source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()},
-                       attrs=attrs)
+    source = _bf16_source(gemv._gemv_kernel, constants, divisible=lambda arg: arg != "M")  # M: any number of rows
     compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
                               options={"num_warps": 4, "num_stages": 4})
     ptx = compiled.asm["ptx"]
