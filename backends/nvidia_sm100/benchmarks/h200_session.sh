@@ -19,7 +19,10 @@
 #   prefill-bound  prefill, then b64 and b256 (their prompts' prefill is most of their floor)
 #   profile  one prefill step of 8 x 1K and of 1 x 8K tokens, then one decode step at batch 1 and 64 (profile_decode.py)
 #   kernels  op benchmarks: indexer scores (bench_indexer.py), hc_mix_logits variants by batch (bench_hc_mix.py), the
-#            decode projections' Triton gemv against cuBLAS (bench_gemv.py), the RMS norm kernel (bench_norm.py)
+#            decode projections' Triton gemv against cuBLAS (bench_gemv.py), the RMS norm kernel (bench_norm.py),
+#            RoPE copying vs in place (bench_rope.py)
+#   whole    the whole-row attention kernel A/B (DEEPINFER_TL_ATTN_WHOLE=0 / 1): the 8 x 1K and 1 x 8K prefill steps
+#            profiled, then the 8 x 1K prefill bench, each both ways
 set -uo pipefail
 OUT=${OUT:-$PWD/h200-out}; RES=${RES:-/tmp/h200-results}; mkdir -p "$OUT" "$RES"
 save() { tar -czf "$OUT/h200-results.tgz" -C "$RES" .; }
@@ -56,6 +59,20 @@ if [[ $what == kernels ]]; then
   (cd backends/nvidia_sm100/benchmarks && python bench_hc_mix.py) 2>&1 | tail -12 | tee "$RES/bench-hc-mix.txt"; save
   (cd backends/nvidia_sm100/benchmarks && python bench_gemv.py) 2>&1 | tail -22 | tee "$RES/bench-gemv.txt"; save
   (cd backends/nvidia_sm100/benchmarks && python bench_norm.py) 2>&1 | tail -20 | tee "$RES/bench-norm.txt"; save
+  (cd backends/nvidia_sm100/benchmarks && python bench_rope.py) 2>&1 | tail -10 | tee "$RES/bench-rope.txt"; save
+fi
+if [[ $what == whole ]]; then  # the same process order both ways; the profile's wall vs kernel time is the question
+  for w in 0 1; do
+    for shape in "8 1024" "1 8192"; do
+      set -- $shape
+      DEEPINFER_TL_ATTN_WHOLE=$w timeout 150 python backends/nvidia_sm100/benchmarks/profile_decode.py --prefill $1 \
+        --input-len $2 --max-num-batched-tokens 8192 > "$RES/profile-prefill-$1x$2-whole$w.txt" 2>&1
+      grep -E "^=== |Self CUDA time total" "$RES/profile-prefill-$1x$2-whole$w.txt"; save
+    done
+    DEEPINFER_TL_ATTN_WHOLE=$w bench prefill-8x1k-whole$w --input-len 1024 --output-len 1 --num-prompts 8 --max-num-seqs 8 \
+      --max-num-batched-tokens 8192
+  done
+  what=summary
 fi
 if [[ $what == profile ]]; then  # kernels by time; the prefill steps first (their tables decide the next kernels)
   for shape in "8 1024" "1 8192"; do
