@@ -640,6 +640,32 @@ def test_linear_logits_embed():
 
 
 # ============================================================================ OpTable
+def test_an_apply_rope_override_serves_the_in_place_op_unless_that_has_its_own():
+    """The model calls ``apply_rope_``; a backend that overrides only ``apply_rope`` keeps its kernel in use (its
+    result written back into the input), and an explicit ``apply_rope_`` override wins in either order."""
+    calls = []
+
+    def rope(x, cos, sin, inverse=False):
+        calls.append(x.shape)
+        return ref.apply_rope(x, cos, sin, inverse)
+
+    def own_in_place(x, cos, sin, inverse=False):
+        return x
+
+    x, angles = _randn(3, 2, 8, seed=180), _randn(3, 2, seed=181)
+    cos, sin = angles.cos(), angles.sin()
+    table = OpTable({"apply_rope": rope}, source="npu")
+    got = table.apply_rope_(x.clone(), cos, sin)
+    assert calls == [(3, 2, 8)] and table.sources()["apply_rope_"] == "npu (apply_rope, written back)"
+    torch.testing.assert_close(got, ref.apply_rope_(x.clone(), cos, sin), **F32)
+    for overrides in ({"apply_rope": rope, "apply_rope_": own_in_place}, {"apply_rope_": own_in_place, "apply_rope": rope}):
+        table = OpTable(overrides, source="gpu")
+        assert table.apply_rope_ is own_in_place and table.sources()["apply_rope_"] == "gpu"
+    table = OpTable({"apply_rope": rope}, source="npu")
+    table.override("apply_rope", ref.apply_rope, source="plugin")  # a later override re-derives the in-place form
+    assert table.sources()["apply_rope_"] == "plugin (apply_rope, written back)"
+
+
 def test_op_table_reference_defaults_and_override():
     names = set(reference_ops())
     assert {"rms_norm", "unweighted_rms_norm", "rope_cos_sin", "apply_rope", "linear", "grouped_linear",

@@ -28,6 +28,21 @@ def reference_ops() -> dict[str, Callable]:
     return dict(_REFERENCE_OPS)
 
 
+WRITTEN_BACK = {"apply_rope_": "apply_rope"}
+"""In-place op -> the op whose result it writes back into its input. Where a backend overrides the out-of-place op
+but not the in-place one, the in-place op becomes ``x.copy_(override(x, ...))``: the model calls ``apply_rope_``,
+and a backend written before that op existed keeps its ``apply_rope`` kernel in use."""
+
+
+def written_back(fn: Callable) -> Callable:
+    """The in-place form of an out-of-place op ``fn(x, *args, **kwargs)``: its result copied into ``x``; returns ``x``."""
+
+    def in_place(x, *args, **kwargs):
+        return x.copy_(fn(x, *args, **kwargs))
+
+    return in_place
+
+
 class OpTable:
     """Named ops resolved once: a backend's overrides on top of the reference ops.
 
@@ -38,17 +53,26 @@ class OpTable:
     def __init__(self, overrides: Mapping[str, Callable] | None = None, source: str = "override"):
         self._ops: dict[str, Callable] = reference_ops()
         self._sources: dict[str, str] = {name: "reference" for name in self._ops}
+        self._derived: set[str] = set()  # in-place ops currently written back from an override (WRITTEN_BACK)
         for name, fn in (overrides or {}).items():
             self.override(name, fn, source)
 
     def override(self, name: str, fn: Callable, source: str) -> None:
-        """Replace op ``name`` by ``fn``; ``source`` names who provided it (shown by ``sources()``)."""
+        """Replace op ``name`` by ``fn``; ``source`` names who provided it (shown by ``sources()``). Overriding an
+        op of ``WRITTEN_BACK`` also gives its in-place form ``fn``'s result written back, unless that form has
+        an override of its own (whichever order the two come in)."""
         if name not in self._ops:
             raise UnknownOpError(f"{source} overrides unknown op {name!r}; known ops: {sorted(self._ops)}")
         if not callable(fn):
             raise TypeError(f"{source} override for op {name!r} is not callable: {fn!r}")
         self._ops[name] = fn
         self._sources[name] = source
+        self._derived.discard(name)
+        for in_place, op in WRITTEN_BACK.items():
+            if op == name and (self._sources[in_place] == "reference" or in_place in self._derived):
+                self._ops[in_place] = written_back(fn)
+                self._sources[in_place] = f"{source} ({op}, written back)"
+                self._derived.add(in_place)
 
     def __getattr__(self, name: str) -> Callable:
         try:

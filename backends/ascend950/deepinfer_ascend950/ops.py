@@ -16,7 +16,7 @@ itself. Ops not overridden here run the reference op, which is plain torch and r
 | op | torch_npu API | falls back to the reference op when |
 |---|---|---|
 | rms_norm, unweighted_rms_norm | npu_rms_norm | x is 1-D or over 8-D |
-| apply_rope | npu_rotary_mul(rotary_mode="interleave") | more than 999 heads, rope dim >= 896 |
+| apply_rope, apply_rope_ | npu_rotary_mul(rotary_mode="interleave") | more than 999 heads, rope dim >= 896 |
 | sink_attention | npu_fused_infer_attention_score_v2 (+ softmax_lse for the sinks) | q is not fp16 / bf16 |
 | moe_route_topk | npu_moe_gating_top_k | scoring is not sigmoid / softmax (V4's sqrtsoftplus), > 2048 experts |
 | moe_experts | npu_moe_init_routing, npu_moe_compute_expert_tokens, npu_grouped_matmul, npu_moe_finalize_routing | > 2048 experts |
@@ -56,6 +56,7 @@ class NpuOps:
             "rms_norm": self.rms_norm,
             "unweighted_rms_norm": self.unweighted_rms_norm,
             "apply_rope": self.apply_rope,
+            "apply_rope_": self.apply_rope_,
             "sink_attention": self.sink_attention,
             "moe_route_topk": self.moe_route_topk,
             "moe_experts": self.moe_experts,
@@ -90,18 +91,34 @@ class NpuOps:
     # Constraints used: 4-D input; layout BSND with r1/r2 shaped 1S1D in interleave mode; B*N < 1000; D even,
     # D < 896; r1/r2 values in [-1, 1] (V4's attention factor is 1). Unverified on hardware.
     def apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        rotated = self._rotary(x, cos, sin, inverse)
+        if rotated is None:
+            return reference.apply_rope(x, cos, sin, inverse)
+        return torch.cat([x[..., :-rotated.shape[-1]], rotated], dim=-1)
+
+    def apply_rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """In place: only the rotary channels of ``x`` are written (the model's call; no concatenation)."""
+        rotated = self._rotary(x, cos, sin, inverse)
+        if rotated is None:
+            return reference.apply_rope_(x, cos, sin, inverse)
+        x[..., -rotated.shape[-1]:] = rotated
+        return x
+
+    def _rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor | None:
+        """The trailing ``2 * cos.shape[-1]`` channels of ``x`` rotated by ``npu_rotary_mul`` (``[*x.shape[:-1],
+        rope_dim]``), or None outside its documented limits."""
         rope_dim = 2 * cos.shape[-1]
         tokens = x.shape[0]
         heads = math.prod(x.shape[1:-1])  # 1 for [T, dim]
         if tokens == 0 or rope_dim == 0 or rope_dim >= ROTARY_MAX_DIM or heads >= ROTARY_MAX_BN:
-            return reference.apply_rope(x, cos, sin, inverse)
+            return None
         rope = x[..., -rope_dim:].reshape(1, tokens, heads, rope_dim).contiguous()  # [B=1, S=T, N, D] BSND
         r1 = cos.repeat_interleave(2, dim=-1).to(x.dtype).reshape(1, tokens, 1, rope_dim)  # 1S1D
         r2 = sin.repeat_interleave(2, dim=-1).to(x.dtype).reshape(1, tokens, 1, rope_dim)
         if inverse:
             r2 = -r2
         rotated = self.npu.npu_rotary_mul(rope, r1, r2, rotary_mode="interleave")
-        return torch.cat([x[..., :-rope_dim], rotated.reshape(*x.shape[:-1], rope_dim)], dim=-1)
+        return rotated.reshape(*x.shape[:-1], rope_dim)
 
     # -------------------------------------------------------------------------------------- attention
     # torch_npu.npu_fused_infer_attention_score_v2(query, key, value, *, atten_mask=None, learnable_sink=None,

@@ -15,7 +15,8 @@ from deepinfer_ascend950.backend import Ascend950Backend
 from deepinfer_core.backends import registry
 from deepinfer_core.errors import BackendUnavailableError
 
-OVERRIDDEN = {"rms_norm", "unweighted_rms_norm", "apply_rope", "sink_attention", "moe_route_topk", "moe_experts"}
+OVERRIDDEN = {"rms_norm", "unweighted_rms_norm", "apply_rope", "apply_rope_", "sink_attention", "moe_route_topk",
+              "moe_experts"}
 
 
 @pytest.fixture

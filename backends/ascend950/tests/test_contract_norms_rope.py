@@ -50,6 +50,18 @@ def test_contract_apply_rope_matches_reference(npu_ops, dtype, inverse, shape):
     assert torch.equal(got[..., :-16], x[..., :-16])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(6, 32), (6, 4, 32), (6, 2, 3, 48)])
+def test_contract_apply_rope_in_place_matches_reference(npu_ops, dtype, shape):
+    """The model's in-place call: the rotary channels of ``x`` itself rewritten, the rest untouched."""
+    x = torch.randn(shape, generator=_gen()).to(dtype)
+    cos, sin = _cos_sin(shape[0], 16, dtype)
+    got = x.clone()
+    assert npu_ops.apply_rope_(got, cos, sin, inverse=True) is got
+    torch.testing.assert_close(got, reference.apply_rope_(x.clone(), cos, sin, inverse=True), **TOL[dtype])
+    assert torch.equal(got[..., :-16], x[..., :-16])
+
+
 def test_contract_rope_layout_matters_half_mode_would_be_wrong(stand_in):
     """DeepSeek-V4 rotates interleaved pairs; npu_rotary_mul's default 'half' mode rotates halves."""
     x = torch.randn(1, 5, 2, 16, generator=_gen())
