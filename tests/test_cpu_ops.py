@@ -39,6 +39,9 @@ def test_apply_rope(shape, inverse):
     got = OVERRIDES["apply_rope"](x, cos, sin, inverse)
     torch.testing.assert_close(got, ref.apply_rope(x, cos, sin, inverse), atol=1e-6, rtol=1e-6)
     assert torch.equal(got[..., :-16], x[..., :-16])
+    in_place = x.clone()
+    assert OVERRIDES["apply_rope_"](in_place, cos, sin, inverse) is in_place
+    assert torch.equal(in_place, got)  # the same rotation, written into the rotary channels only
 
 
 @pytest.mark.parametrize("hc", [1, 2, 4])

@@ -27,12 +27,22 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Reference ``apply_rope``: interleaved pairs rotated as complex numbers ``(x0 + i x1) * e^{i angle}``."""
+    return torch.cat([x[..., : -2 * cos.shape[-1]], _rotated(x, cos, sin, inverse)], dim=-1)
+
+
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Reference ``apply_rope_``: ``apply_rope``'s rotation written into the rotary channels of ``x``."""
+    x[..., -2 * cos.shape[-1]:] = _rotated(x, cos, sin, inverse)
+    return x
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """The trailing ``2 * cos.shape[-1]`` channels of ``x`` rotated, in ``x``'s dtype."""
     half = cos.shape[-1]
     rotation = torch.complex(cos.float(), -sin.float() if inverse else sin.float())  # [T, half]
     rotation = rotation.reshape(cos.shape[0], *([1] * (x.dim() - 2)), half)
     pairs = x[..., -2 * half:].float().reshape(*x.shape[:-1], half, 2)
-    rotated = torch.view_as_real(torch.view_as_complex(pairs) * rotation).flatten(-2).to(x.dtype)
-    return torch.cat([x[..., : -2 * half], rotated], dim=-1)
+    return torch.view_as_real(torch.view_as_complex(pairs) * rotation).flatten(-2).to(x.dtype)
 
 
 def hc_pre(streams, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
@@ -89,6 +99,7 @@ OVERRIDES = {
     "rms_norm": rms_norm,
     "unweighted_rms_norm": unweighted_rms_norm,
     "apply_rope": apply_rope,
+    "apply_rope_": apply_rope_,
     "hc_pre": hc_pre,
     "moe_experts": moe_experts,
 }
