@@ -102,3 +102,28 @@ def test_the_visibility_masks_are_computed_on_the_target_device():
     layout = StepLayout(batch, WINDOW, BLOCK, torch.device("meta"))
     assert layout.sliding_visible.device.type == "meta" and layout.sliding_visible.shape == (2, 40, 47)
     assert layout.entries(4).visible.device.type == "meta" and layout.entries(4).visible.shape == (2, 40, 12)
+
+
+def test_an_eager_layout_reaches_the_device_in_one_copy(monkeypatch):
+    """Every index tensor of a step, every compressor plan included, travels in one host-to-device copy: on CUDA
+    each copy from pageable memory waits for the stream to drain (the host stalled behind the running step once
+    per tensor). Meta tensors stand in for the GPU; a plan the model did not name costs one more copy."""
+    copies = []
+    to = torch.Tensor.to
+
+    def counting_to(self, *args, **kwargs):
+        out = to(self, *args, **kwargs)
+        if self.device.type == "cpu" and out.device.type == "meta":
+            copies.append(tuple(self.shape))
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "to", counting_to)
+    batch = ForwardBatch.build([[1] * 40, [2] * 40], [0, 8], [0, 1], [[0, 1, 2], [3, 4, 5]])
+    layout = StepLayout(batch, WINDOW, BLOCK, torch.device("meta"), windows=WINDOWS, entry_ratios=(4, 8))
+    assert len(copies) == 1
+    for ratio, span in WINDOWS:
+        assert layout.windows(ratio, span).new_rows.device.type == "meta"
+        assert layout.entries(ratio).blocks.device.type == "meta"
+    assert len(copies) == 1  # all built with the layout
+    layout.entries(16)
+    assert len(copies) == 2
