@@ -84,8 +84,8 @@ def main() -> None:
                 engine.step()
             torch.cuda.synchronize()
         events = prof.key_averages()
-        gpu = sum(e.self_device_time_total for e in events) / 3 / 1e6
-        launches = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / 3
+        gpu = kernel_seconds(events) / 3
+        launches = sum(e.count for e in device_events(events)) / 3
         print(f"\n=== batch {batch}: decode step wall {wall * 1e3:.2f} ms, GPU kernel time {gpu * 1e3:.2f} ms, "
               f"{launches:.0f} kernels/step")
         print(events.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
@@ -121,7 +121,7 @@ def profile_prefill(llm, prompts: int, length: int) -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         one_step("profiled")
     events = prof.key_averages()
-    gpu = sum(e.self_device_time_total for e in events) / 1e6
+    gpu = kernel_seconds(events)
     print(f"\n=== prefill {prompts} x {length} tokens in one step: wall {wall * 1e3:.1f} ms "
           f"({prompts * length / wall:,.0f} tok/s), GPU kernel time {gpu * 1e3:.1f} ms")
     print(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
@@ -138,9 +138,19 @@ def print_graph_breaks(limit: int = 12) -> None:
             print(f"{count:6d}  {reason[:160]}")
 
 
+def device_events(events) -> list:
+    """The kernels (and device copies) among profiler events; an eager op's row repeats its kernels' device time."""
+    return [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def kernel_seconds(events) -> float:
+    """Device time of the kernels alone (summing every row counted an eager step's kernels twice: 4.12)."""
+    return sum(e.self_device_time_total for e in device_events(events)) / 1e6
+
+
 def print_kernels_by_count(events, steps: int, limit: int = 40) -> None:
     """GPU kernels per step by launch count (where the launches of a step come from), with their time."""
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = device_events(events)
     kernels.sort(key=lambda e: e.count, reverse=True)
     print(f"{'launches/step':>13} {'us/step':>9}  kernel")
     for e in kernels[:limit]:
