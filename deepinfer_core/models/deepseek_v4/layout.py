@@ -265,9 +265,10 @@ class StepLayout:
                        ratio: int | None = None) -> torch.Tensor:
         """Keys ``[S, Lk (+ E), d]`` through ``ops.gather_keys``: every sequence's window (ring tokens, then this step's
         ``new_kv``), then, with a paged ``store`` of compression ``ratio``, its compressed entries."""
-        entries = (None, None) if store is None else (self.entries(ratio).blocks, self.entries(ratio).rows)
+        entries = None if store is None else self.entries(ratio)
+        places = (None, None) if entries is None else (entries.blocks, entries.rows)
         return ops.gather_keys(ring, self.key_slots, self.key_ring_index, new_kv, self.key_new_rows, self.key_from_new,
-                               store, *entries)
+                               store, *places)
 
     def write_ring(self, ring: torch.Tensor, new_kv: torch.Tensor) -> None:
         """Keep the last ``window`` tokens of each sequence in its ring (position % window)."""

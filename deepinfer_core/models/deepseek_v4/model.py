@@ -345,6 +345,7 @@ class DeepseekV4Model:
                         for n, s in (("fn", (c.hc_mult, c.hc_mult * c.hidden_size)), ("base", (c.hc_mult,)),
                                      ("scale", (1,)))]
         self.layers = [DecoderLayer(reg, c, i) for i in range(c.num_hidden_layers)]
+        self.compressor_plans = self._compressor_plans()  # every step's layout builds these plans up front
         self.parameters = reg.slots
         self.rope_inv_freq = {t: c.rope_inv_freq(t).to(self.device) for t in ("main", "compress")}
         self.rope_scaling = {t: float(c.rope_parameters[t].get("attention_factor", 1.0) or 1.0)
@@ -376,8 +377,7 @@ class DeepseekV4Model:
     # ------------------------------------------------------------------ forward
     def step_layout(self, batch: ForwardBatch, state: DeepseekV4State) -> StepLayout:
         """The index layout of one step over ``state``, built on the host (every compressor's plan with it)."""
-        windows, ratios = self._compressor_plans()
-        return StepLayout(batch, self.config.sliding_window, state.block_size, self.device, windows, ratios)
+        return StepLayout(batch, self.config.sliding_window, state.block_size, self.device, *self.compressor_plans)
 
     def decode_inputs(self, batch: ForwardBatch, state: DeepseekV4State, static: StaticShape) -> DecodeInputs:
         """The host tensors a static decode step's layout is computed from (``batch``: one token per sequence)."""
@@ -389,9 +389,8 @@ class DeepseekV4Model:
 
     def static_shape(self, num_seqs: int, context_len: int, spare_slot: int, spare_block: int) -> StaticShape:
         """The static decode shape of ``num_seqs`` sequences no longer than ``context_len`` tokens."""
-        windows, ratios = self._compressor_plans()
-        return StaticShape(num_seqs, self.config.sliding_window, context_len, spare_slot, spare_block, windows,
-                           ratios)
+        return StaticShape(num_seqs, self.config.sliding_window, context_len, spare_slot, spare_block,
+                           *self.compressor_plans)
 
     def _compressor_plans(self) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
         """The (ratio, span) of every compressor's windows and the ratio of every compressed cache, once each."""

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_core.ops.table import written_back
 from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 
 
@@ -58,7 +59,7 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: 
     """``reference.apply_rope_``: ``apply_rope`` written into ``x``, whose other channels are not read or written;
     returns ``x``."""
     if not x.is_contiguous():
-        return x.copy_(apply_rope(x, cos, sin, inverse))
+        return written_back(apply_rope)(x, cos, sin, inverse)
     _rotate_in_place(x, cos, sin, inverse)
     return x
 
