@@ -23,6 +23,8 @@
 #            RoPE copying vs in place (bench_rope.py)
 #   whole    the whole-row attention kernel A/B (DEEPINFER_TL_ATTN_WHOLE=0 / 1): the 8 x 1K and 1 x 8K prefill steps
 #            profiled, then the 8 x 1K prefill bench, each both ways
+#   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
+#            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
 OUT=${OUT:-$PWD/h200-out}; RES=${RES:-/tmp/h200-results}; mkdir -p "$OUT" "$RES"
 save() { tar -czf "$OUT/h200-results.tgz" -C "$RES" .; }
@@ -73,6 +75,18 @@ if [[ $what == whole ]]; then  # the same process order both ways; the profile's
       --max-num-batched-tokens 8192
   done
   what=summary
+fi
+if [[ $what == idle ]]; then
+  for shape in "8 1024" "1 8192"; do
+    set -- $shape
+    timeout 150 python backends/nvidia_sm100/benchmarks/profile_decode.py --prefill $1 --input-len $2 \
+      --max-num-batched-tokens 8192 --sync-debug > "$RES/idle-$1x$2.txt" 2>&1
+    grep -E "^=== |^step span|gaps of|synchronising calls" "$RES/idle-$1x$2.txt"; save
+  done
+  DEEPINFER_TL_ATTN_WHOLE=1 timeout 150 python backends/nvidia_sm100/benchmarks/profile_decode.py --prefill 8 \
+    --input-len 1024 --max-num-batched-tokens 8192 > "$RES/idle-8x1024-whole1.txt" 2>&1
+  grep -E "^=== |^step span|gaps of" "$RES/idle-8x1024-whole1.txt"; save
+  (cd backends/nvidia_sm100/benchmarks && python bench_rope.py) 2>&1 | tail -10 | tee "$RES/bench-rope.txt"; save
 fi
 if [[ $what == profile ]]; then  # kernels by time; the prefill steps first (their tables decide the next kernels)
   for shape in "8 1024" "1 8192"; do

@@ -4,6 +4,10 @@ top kernels (torch.profiler). GPU only.
     python backends/nvidia_sm100/benchmarks/profile_decode.py [--batches 1 64] [--input-len 1024]
     python backends/nvidia_sm100/benchmarks/profile_decode.py --prefill 8 [--input-len 1024]   (one prefill step)
 
+A prefill profile also reports where the GPU sat idle during the step and what the host did meanwhile
+(``trace_gaps.py``), the host's functions by cumulative time, and with ``--sync-debug`` every operation that
+synchronised the host with the device (``torch.cuda.set_sync_debug_mode("warn")``).
+
 If GPU busy time per step is far below the wall time, the step is bound by the host (Python, launches,
 synchronisations): CUDA graphs and fewer, fused ops are the lever. If they are close, kernels are.
 """
@@ -12,11 +16,15 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
+import tempfile
 import time
+import warnings
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
+from trace_gaps import STEP_MARK, gap_report
 
 from deepinfer_core.bench import presets
 from deepinfer_core.bench.runner import random_prompts
@@ -38,6 +46,8 @@ def main() -> None:
                              "meets one batch size only (what a compiled step, ~1 min per size, wants)")
     parser.add_argument("--prefill", type=int, default=0, metavar="N",
                         help="profile one step that prefills N prompts of --input-len tokens instead of decode")
+    parser.add_argument("--sync-debug", action="store_true",
+                        help="prefill: warn at every host-device synchronisation of one step (with its stack)")
     args = parser.parse_args()
     if args.layout_copy == "pinned":
         from deepinfer_core.models.deepseek_v4.layout import StepLayout
@@ -50,7 +60,7 @@ def main() -> None:
               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager)
     engine = llm.engine
     if args.prefill:
-        profile_prefill(llm, args.prefill, args.input_len)
+        profile_prefill(llm, args.prefill, args.input_len, args.sync_debug)
         return
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     summary = []
@@ -98,9 +108,9 @@ def main() -> None:
         print(f"| {batch} | {wall * 1e3:.2f} ms | {gpu * 1e3:.2f} ms | {launches:.0f} |")
 
 
-def profile_prefill(llm, prompts: int, length: int) -> None:
+def profile_prefill(llm, prompts: int, length: int, sync_debug: bool = False) -> None:
     """One step that prefills ``prompts`` prompts of ``length`` tokens (after one such warm-up step): wall time,
-    tokens/s and the kernels by time."""
+    tokens/s, the kernels by time, the device's idle gaps with the host's work during them, the host's functions."""
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
@@ -109,8 +119,9 @@ def profile_prefill(llm, prompts: int, length: int) -> None:
             engine.add_request(f"{tag}-{i}", None, ids, params)
         torch.cuda.synchronize()
         start = time.perf_counter()
-        engine.step()
-        torch.cuda.synchronize()
+        with record_function(STEP_MARK):
+            engine.step()
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         while engine.has_unfinished():
             engine.step()
@@ -125,6 +136,26 @@ def profile_prefill(llm, prompts: int, length: int) -> None:
     print(f"\n=== prefill {prompts} x {length} tokens in one step: wall {wall * 1e3:.1f} ms "
           f"({prompts * length / wall:,.0f} tok/s), GPU kernel time {gpu * 1e3:.1f} ms")
     print(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
+    trace = os.path.join(tempfile.gettempdir(), f"trace-prefill-{prompts}x{length}.json")
+    prof.export_chrome_trace(trace)
+    print(f"\n=== prefill {prompts} x {length}: device idle (trace {trace})")
+    print(gap_report(trace))
+    host = cProfile.Profile()
+    host.enable()
+    one_step("host")
+    host.disable()
+    print(f"\n=== prefill {prompts} x {length}: host functions over one step (cumulative, top 30)")
+    pstats.Stats(host).sort_stats("cumulative").print_stats(30)
+    if sync_debug:
+        print(f"\n=== prefill {prompts} x {length}: host-device synchronisations in one step")
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            one_step("sync")
+        torch.cuda.set_sync_debug_mode(0)
+        for w in caught:
+            print(f"{w.filename}:{w.lineno}: {str(w.message)[:200]}")
+        print(f"{len(caught)} synchronising calls")
 
 
 def print_graph_breaks(limit: int = 12) -> None:
