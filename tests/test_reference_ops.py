@@ -594,6 +594,19 @@ def test_swiglu_mlp_naive_and_clamps():
     assert abs(float(got[0, 1]) - silu(-7.0) * -7.0) > 1e-2  # the gate is not clamped from below
 
 
+# ============================================================================ fork
+def test_fork_runs_its_function_at_once_and_join_returns_the_result():
+    store = torch.zeros(3)
+
+    def fold(values: torch.Tensor) -> torch.Tensor:
+        store.add_(values)
+        return values * 2
+
+    pending = ref.fork(fold, torch.tensor([1.0, 2.0, 3.0]))
+    assert torch.equal(store, torch.tensor([1.0, 2.0, 3.0]))  # the reference ran it before returning
+    assert torch.equal(pending.join(), torch.tensor([2.0, 4.0, 6.0]))
+
+
 # ============================================================================ gather_keys
 def test_gather_keys_reads_ring_step_rows_then_entries():
     """Window key j of sequence s: the step's row where flagged, else its ring slot's index; then the store's
@@ -671,7 +684,7 @@ def test_op_table_reference_defaults_and_override():
     assert {"rms_norm", "unweighted_rms_norm", "rope_cos_sin", "apply_rope", "linear", "grouped_linear",
             "sink_attention", "compressor_pool", "indexer_scores", "indexer_topk", "hc_pre", "hc_post",
             "hc_head", "moe_route_topk", "moe_route_hash", "swiglu_mlp", "moe_experts", "logits",
-            "embed", "gather_keys"} <= names
+            "embed", "gather_keys", "fork"} <= names
     table = OpTable()
     assert table.rms_norm is ref.rms_norm
     assert set(table.sources().values()) == {"reference"}

@@ -7,10 +7,35 @@ Lq / Lk = padded query / key lengths, E = experts, D = hidden size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 from deepinfer_core.ops.table import reference_op
+
+
+# ----------------------------------------------------------------------------- concurrency
+class Finished:
+    """Work that already ran (what the reference ``fork`` returns): ``join()`` gives its result."""
+
+    def __init__(self, result: Any):
+        self.result = result
+
+    def join(self) -> Any:
+        """``fn``'s result."""
+        return self.result
+
+
+@reference_op
+def fork(fn: Callable[..., Any], *args: Any) -> Finished:
+    """Start ``fn(*args)`` beside the ops that follow; ``fork(...).join()`` returns its result once it is done.
+
+    A backend may run ``fn`` concurrently with the caller's next ops (the NVIDIA backend: on a second CUDA stream,
+    inside CUDA graphs too), so the caller must not read ``fn``'s result or what ``fn`` writes before ``join``, and
+    must not write what ``fn`` reads; ``args`` stay alive until then. The reference runs ``fn`` at once."""
+    return Finished(fn(*args))
 
 
 # ----------------------------------------------------------------------------- norms

@@ -84,6 +84,38 @@ def test_moe_experts_in_cuda_graph_has_no_host_sync(T):
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+def test_fork_runs_beside_the_callers_stream_until_joined():
+    from deepinfer_nvidia_sm100.kernels import streams
+
+    x = torch.zeros(4, device="cuda")
+
+    def slow_fold(t: torch.Tensor) -> torch.Tensor:
+        torch.cuda._sleep(100_000_000)  # ~50 ms of GPU clock cycles on the side stream
+        t.add_(1)
+        return t * 2
+
+    pending = streams.fork(slow_fold, x)
+    mark = torch.cuda.Event()
+    mark.record()  # the caller's stream: nothing queued since the fork
+    mark.synchronize()
+    assert not streams.side_stream(x.device).query(), "the forked work should still be running on the side stream"
+    result = pending.join()
+    assert torch.equal(result, torch.full((4,), 2.0, device="cuda")) and torch.equal(x, torch.ones(4, device="cuda"))
+
+
+def test_fork_inside_a_cuda_graph_replays_both_branches():
+    from deepinfer_nvidia_sm100.backend import NvidiaBackend
+    from deepinfer_nvidia_sm100.kernels import streams
+
+    def step(a: torch.Tensor) -> torch.Tensor:
+        pending = streams.fork(lambda t: t * 3, a)
+        return (a + 1) + pending.join()
+
+    run = NvidiaBackend().capture_graph(step, (torch.zeros(8, device="cuda"),))
+    a = torch.arange(8, device="cuda", dtype=torch.float32)
+    assert torch.equal(run(a), a * 4 + 1)
+
+
 def test_backend_contract_on_device():
     from deepinfer_nvidia_sm100.backend import NvidiaBackend
 
@@ -94,7 +126,7 @@ def test_backend_contract_on_device():
     assert 0 < mem.free_bytes <= mem.total_bytes
     assert backend.device.type == "cuda"
     table = backend.make_op_table()
-    assert table.sources()["moe_experts"] == "nvidia_sm100"
+    assert table.sources()["moe_experts"] == "nvidia_sm100" and table.sources()["fork"] == "nvidia_sm100"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

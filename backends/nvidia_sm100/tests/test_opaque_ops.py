@@ -13,7 +13,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="the test extra installs triton")
-from deepinfer_nvidia_sm100.kernels import gemv, hc, indexer, keys, moe, norm, rope, tl_attention
+from deepinfer_nvidia_sm100.kernels import gemv, hc, indexer, keys, moe, norm, rope, route, tl_attention
 
 from deepinfer_core.ops import reference as ref
 
@@ -49,6 +49,12 @@ def _cases():
                                                                         rand(1, 5, 32, dtype=torch.bfloat16),
                                                                         rand(1, T, 4), 0.125)),
         "gather_keys": (keys.gather_keys, ref.gather_keys, _key_case(rand)),
+        "moe_route_topk": (route.moe_route_topk, ref.moe_route_topk, (rand(T, E, dtype=torch.bfloat16), rand(E),
+                                                                      TOP_K, 2.5, "sqrtsoftplus")),
+        "moe_route_hash": (route.moe_route_hash, ref.moe_route_hash, (rand(T, E, dtype=torch.bfloat16),
+                                                                      torch.tensor([3, 0, 7]),
+                                                                      torch.randint(0, E, (8, TOP_K), generator=g),
+                                                                      2.5, "sqrtsoftplus")),
         "tl_sink_attention": (tl_attention._launch, lambda *a: ref.sink_attention(*a[:5]),
                               (q, kv, visible, rand(H), 0.05, None)),
     }

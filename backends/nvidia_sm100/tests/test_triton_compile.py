@@ -105,6 +105,12 @@ SMALL_KERNELS = {  # kernel -> (argument types where not the default, constexprs
     "moe._combine_kernel:weighted": ({"y_ptr": "*bf16", "out_ptr": "*bf16", "ids_ptr": "*i64", "dest_ptr": "*i64"},
                                      {"K_P2": 8, "BLOCK_D": 1024, "WEIGHTED": True}),
     "moe._swiglu_kernel": ({"gate_ptr": "*bf16", "up_ptr": "*bf16", "h_ptr": "*bf16", "limit": "fp32"}, {"BLOCK": 2048}),
+    "route._route_kernel": ({"logits_ptr": "*bf16", "table_ptr": "*i64", "token_ptr": "*i64", "weights_ptr": "*bf16",
+                             "ids_ptr": "*i64", "scaling": "fp32"},
+                            {"SCORING": 0, "HASH": False, "E_P2": 64, "K_P2": 8}),
+    "route._route_kernel:hash": ({"logits_ptr": "*bf16", "table_ptr": "*i64", "token_ptr": "*i64",
+                                  "weights_ptr": "*bf16", "ids_ptr": "*i64", "scaling": "fp32"},
+                                 {"SCORING": 0, "HASH": True, "E_P2": 256, "K_P2": 8}),
 }
 
 
@@ -115,11 +121,11 @@ TENSOR_CORE_KERNELS = {  # their tl.dot tiles must compile to the architecture's
 @pytest.mark.parametrize("capability", sorted(ARCHS))
 @pytest.mark.parametrize("name", sorted(SMALL_KERNELS))
 def test_small_kernels_compile(name, capability):
-    from deepinfer_nvidia_sm100.kernels import gemv, indexer, key_blocks, keys, norm, rope
+    from deepinfer_nvidia_sm100.kernels import gemv, indexer, key_blocks, keys, norm, rope, route
 
     module, kernel = name.split(":")[0].split(".")
     fn = getattr({"gemv": gemv, "hc": hc, "indexer": indexer, "key_blocks": key_blocks, "keys": keys, "moe": moe,
-                   "norm": norm, "rope": rope}[module], kernel)
+                   "norm": norm, "rope": rope, "route": route}[module], kernel)
     types, constants = SMALL_KERNELS[name]
     signature = {}
     for i, arg in enumerate(fn.arg_names):

@@ -1,6 +1,6 @@
 """The small Triton kernels against their references: ``hc_pre`` (``kernels/hc.py``) against the reference op,
 the MoE ``align`` kernel against its torch version and the MoE combine inside ``moe_experts`` against the
-reference op. On the GPU where there is one; without a GPU,
+reference op, RoPE, the attention keys, the MoE routing. On the GPU where there is one; without a GPU,
 in a child pytest process on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` must be set before
 Triton is imported, and it would break the ahead-of-time compiles of test_triton_compile.py in this process).
 The interpreter checks the kernels' logic: indexing, masks (an hc that is not a power of two, assignments
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="the test extra installs triton")
-from deepinfer_nvidia_sm100.kernels import hc, indexer, key_blocks, keys, moe, rope
+from deepinfer_nvidia_sm100.kernels import hc, indexer, key_blocks, keys, moe, rope, route
 
 from deepinfer_core.ops import reference as ref
 
@@ -387,3 +387,67 @@ def test_rms_norms_match_reference(shape, dtype):
                       (norm.unweighted_rms_norm(x, 1e-6), ref.unweighted_rms_norm(x, 1e-6))):
         assert got.shape == want.shape and got.dtype == want.dtype == dtype
         torch.testing.assert_close(got, want, **tol)
+
+
+def _router_logits(tokens: int, experts: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Logits whose scores stay apart after rounding to ``dtype`` (a shuffled ramp per token), so the top-k order
+    is not decided by rounding."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    ramp = torch.linspace(-3.0, 3.0, experts, device=DEVICE)
+    rows = [torch.randperm(experts, device=DEVICE, generator=gen) for _ in range(tokens)]
+    order = torch.stack(rows) if rows else torch.zeros(0, experts, dtype=torch.long, device=DEVICE)
+    return ramp[order].to(dtype)  # [T, E]
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])
+@pytest.mark.parametrize("tokens, experts, top_k", [(1, 64, 6), (37, 64, 6), (5, 6, 2), (3, 256, 8), (0, 64, 6)])
+def test_moe_route_topk_matches_reference(tokens, experts, top_k, scoring, dtype):
+    """Experts in the reference's order (by biased score, descending), weights to the dtype's rounding; the
+    correction bias is fp32 as in the checkpoint and reorders experts."""
+    logits = _router_logits(tokens, experts, dtype, seed=experts + top_k)
+    bias = torch.linspace(0.05, -0.05, experts, device=DEVICE)  # fp32
+    got_w, got_ids = route.moe_route_topk(logits, bias, top_k, 1.5, scoring)
+    want_w, want_ids = ref.moe_route_topk(logits, bias, top_k, 1.5, scoring)
+    assert got_ids.dtype == torch.long and got_w.dtype == dtype and got_w.shape == (tokens, top_k)
+    tol = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    if dtype == torch.float32 or not INTERPRETED:
+        assert torch.equal(got_ids, want_ids)
+        torch.testing.assert_close(got_w, want_w, **tol)
+        return
+    # the interpreter truncates to bf16 where the GPU rounds: experts whose biased scores are within two bf16 steps
+    # may trade places; the weights must be the reference's normalisation of the experts the kernel chose
+    scores = ref._score(logits, scoring)  # [T, E]
+    biased = (scores + bias.to(dtype)).float()
+    got_b, want_b = biased.gather(1, got_ids).sort(1).values, biased.gather(1, want_ids).sort(1).values
+    assert (got_b - want_b).abs().le(want_b.abs() * 2**-6).all()
+    torch.testing.assert_close(got_w, ref._normalise(scores, got_ids, 1.5), **tol)
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_route_topk_breaks_ties_to_the_lower_expert_id(dtype):
+    logits = torch.zeros(3, 16, device=DEVICE, dtype=dtype)
+    logits[1, 9] = 1.0  # one clear winner, the rest tied
+    bias = torch.zeros(16, device=DEVICE)
+    got_w, got_ids = route.moe_route_topk(logits, bias, 4, 1.0, "sqrtsoftplus")
+    want_w, want_ids = ref.moe_route_topk(logits, bias, 4, 1.0, "sqrtsoftplus")
+    assert got_ids.tolist() == want_ids.tolist() == [[0, 1, 2, 3], [9, 0, 1, 2], [0, 1, 2, 3]]
+    torch.testing.assert_close(got_w, want_w, atol=1e-2, rtol=1e-2)
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "softmax"])
+def test_moe_route_hash_matches_reference(scoring, dtype):
+    tokens, experts, top_k, vocab = 29, 64, 6, 1000
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    logits = torch.randn(tokens, experts, device=DEVICE, generator=gen).to(dtype)
+    table = torch.stack([torch.randperm(experts, device=DEVICE, generator=gen)[:top_k] for _ in range(vocab)])
+    token_ids = torch.randint(0, vocab, (tokens,), device=DEVICE, generator=gen)
+    got_w, got_ids = route.moe_route_hash(logits, token_ids, table, 2.5, scoring)
+    want_w, want_ids = ref.moe_route_hash(logits, token_ids, table, 2.5, scoring)
+    assert torch.equal(got_ids, want_ids)
+    tol = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(got_w, want_w, **tol)

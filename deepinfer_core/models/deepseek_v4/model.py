@@ -126,11 +126,10 @@ class Indexer:
         self.weights_proj = reg.add(f"{prefix}.weights_proj.weight", (self.heads, config.hidden_size))
         self.compressor = Compressor(reg, f"{prefix}.compressor", config, CSA, self.dim)
 
-    def select(self, ops: OpTable, inputs: dict[str, torch.Tensor], q_residual, layout: StepLayout, keys_store, carry,
-               rope, query_rope):
+    def select(self, ops: OpTable, inputs: dict[str, torch.Tensor], q_residual, layout: StepLayout, keys_store,
+               query_rope):
         """Bool ``[S, Lq, E]``: which compressed entries each query attends to (``inputs``: the layer input's
-        projections by role, ``Attention.project``)."""
-        self.compressor.step(ops, inputs["index_kv"], inputs["index_gate"], layout, keys_store, carry, rope)
+        projections by role, ``Attention.project``; this step's keys already folded into ``keys_store``)."""
         ratio = self.compressor.ratio
         visible = layout.entries(ratio).visible  # [S, Lq, E]
         if visible.shape[-1] <= self.topk:  # the budget covers every entry: top-k selects all visible ones, unscored
@@ -194,6 +193,8 @@ class Attention:
         T = x.shape[0]
         rope = ctx.rope[self.rope_type]  # (cos, sin) [T, rope_dim // 2]
         inputs = self.project(ops, x)
+        # the compressed stores take this step's tokens beside the query and key path (a backend may overlap them)
+        folding = ops.fork(self._fold, ops, inputs, ctx) if self.compressor is not None else None
         q_residual = ops.rms_norm(inputs["q"], self.q_norm, self.eps)  # [T, q_lora]
         q = ops.linear(q_residual, self.wq_b).view(T, self.heads, self.head_dim)  # [T, H, hd]
         q = ops.apply_rope_(ops.unweighted_rms_norm(q, self.eps), *rope)
@@ -204,7 +205,8 @@ class Attention:
         if self.compressor is None:
             keys = layout.attention_keys(ops, ring, kv)  # [S, Lk, hd]
         else:
-            entry_visible = self._compressed(ops, inputs, q_residual, ctx)  # [S, Lq, E]
+            folding.join()
+            entry_visible = self._entry_visible(ops, inputs, q_residual, ctx)  # [S, Lq, E]
             store = state.compressed[self.layer_idx]
             keys = layout.attention_keys(ops, ring, kv, store, self.compressor.ratio)  # [S, Lk + E, hd]
             visible = torch.cat([visible, entry_visible], dim=-1)
@@ -214,16 +216,22 @@ class Attention:
         grouped = ops.grouped_linear(out.reshape(T, self.groups, -1), self.wo_a, self.groups)  # [T, g, o_lora]
         return ops.linear(grouped.flatten(1), self.wo_b)  # [T, D]
 
-    def _compressed(self, ops, inputs, q_residual, ctx: StepContext) -> torch.Tensor:
-        """Fold this step's tokens into the compressed store; which entries each query reads (``[S, Lq, E]``)."""
+    def _fold(self, ops: OpTable, inputs: dict[str, torch.Tensor], ctx: StepContext) -> None:
+        """Fold this step's tokens into the compressed store and, in a CSA layer, the indexer's key store."""
         layer, layout, state = self.layer_idx, ctx.layout, ctx.state
         rope_args = ctx.rope_args["compress"]
         self.compressor.step(ops, inputs["compress_kv"], inputs["compress_gate"], layout, state.compressed[layer],
                              state.carry[layer], rope_args)
-        visible = layout.entries(self.compressor.ratio).visible
         if self.indexer is not None:
-            visible = self.indexer.select(ops, inputs, q_residual, layout, state.index_keys[layer],
-                                          state.index_carry[layer], rope_args, ctx.rope["compress"])
+            self.indexer.compressor.step(ops, inputs["index_kv"], inputs["index_gate"], layout,
+                                         state.index_keys[layer], state.index_carry[layer], rope_args)
+
+    def _entry_visible(self, ops, inputs, q_residual, ctx: StepContext) -> torch.Tensor:
+        """Which compressed entries each query reads (``[S, Lq, E]``), after ``_fold``."""
+        visible = ctx.layout.entries(self.compressor.ratio).visible
+        if self.indexer is not None:
+            visible = self.indexer.select(ops, inputs, q_residual, ctx.layout, ctx.state.index_keys[self.layer_idx],
+                                          ctx.rope["compress"])
         return visible
 
 
@@ -251,6 +259,7 @@ class MoE:
         self.expert_load = torch.zeros(E, dtype=torch.long, device=reg.device)  # tokens per logical expert
 
     def __call__(self, ops: OpTable, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        shared = ops.fork(ops.swiglu_mlp, x, *self.shared, self.limit)  # beside the routing (a backend may overlap)
         router_logits = ops.linear(x, self.gate)  # [T, E]
         if self.is_hash:
             weights, ids = ops.moe_route_hash(router_logits, token_ids, self.tid2eid, self.scaling, self.scoring)
@@ -260,7 +269,7 @@ class MoE:
             self.expert_load += torch.bincount(ids.reshape(-1), minlength=self.expert_load.shape[0])
         physical = self.expert_map.to_physical(ids)  # [T, k]
         routed = ops.moe_experts(x, physical, weights, self.w1, self.w2, self.w3, self.limit)
-        return routed + ops.swiglu_mlp(x, *self.shared, self.limit)
+        return routed + shared.join()
 
 
 class DecoderLayer:

@@ -159,4 +159,5 @@ REFERENCE_KEPT: dict[str, str] = {
     "embed": "a gather",
     "gather_keys": "gathers, a select and a concatenation: no arithmetic",
     "apply_rope_": "apply_rope written back into its input: the same elementwise arithmetic",
+    "fork": "runs its function at once: no arithmetic of its own",
 }

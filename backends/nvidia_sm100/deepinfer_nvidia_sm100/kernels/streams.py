@@ -1,0 +1,73 @@
+"""``fork`` on a second CUDA stream: the forked work runs beside the caller's next kernels, in eager steps and in
+CUDA graphs alike (a graph captured across two streams replays their kernels as concurrent branches).
+
+The model forks the compressor folds beside the query / key path and the shared expert beside the routing. At
+batch 1 those are chains of small kernels that leave most of the GPU idle; beside the weight-reading GEMVs of the
+other path they fill it. ``DEEPINFER_NVIDIA_STREAMS=0`` runs forked work in place (the reference op), for A/B runs;
+a step being compiled by TorchInductor also runs it in place.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from deepinfer_core.ops import reference as ref
+
+
+def enabled() -> bool:
+    """Forked work on a second stream, unless ``DEEPINFER_NVIDIA_STREAMS=0``."""
+    return os.environ.get("DEEPINFER_NVIDIA_STREAMS", "1") != "0"
+
+
+@functools.cache
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream of ``device``, made on first use and kept (every fork and every captured graph shares it)."""
+    return torch.cuda.Stream(device)
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+class Forked:
+    """Work queued on the side stream; ``join()`` makes the caller's stream wait for it and returns its result."""
+
+    def __init__(self, result: Any, main: torch.cuda.Stream, side: torch.cuda.Stream):
+        self.result, self.main, self.side = result, main, side
+
+    def join(self) -> Any:
+        """``fn``'s result, safe to use on the caller's stream from here on."""
+        self.main.wait_stream(self.side)
+        for t in _tensors(self.result):
+            if t.is_cuda:
+                t.record_stream(self.main)  # made on the side stream, freed from the caller's: reuse waits for it
+        return self.result
+
+
+def fork(fn: Callable[..., Any], *args: Any) -> Forked | ref.Finished:
+    """``reference.fork`` on the side stream: it waits for the caller's stream up to here, then runs ``fn``."""
+    if not enabled() or torch.compiler.is_compiling() or not any(t.is_cuda for t in _tensors(args)):
+        return ref.fork(fn, *args)
+    main = torch.cuda.current_stream()
+    side = side_stream(main.device)
+    if side == main:  # already on the side stream (a fork inside forked work): nothing to overlap with
+        return ref.fork(fn, *args)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        result = fn(*args)
+    for t in _tensors(args):
+        if t.is_cuda:
+            t.record_stream(side)  # a caller that drops an argument early must not see its memory reused under fn
+    return Forked(result, main, side)
