@@ -23,6 +23,9 @@
 #            RoPE copying vs in place (bench_rope.py)
 #   whole    the whole-row attention kernel A/B (DEEPINFER_TL_ATTN_WHOLE=0 / 1): the 8 x 1K and 1 x 8K prefill steps
 #            profiled, then the 8 x 1K prefill bench, each both ways
+#   check    the kernel and attention GPU tests, then the decode profile at batch 1 (kernels per step)
+#   streams  b1, b64 with forked work on a second stream and without (DEEPINFER_NVIDIA_STREAMS=0), then b256 and
+#            both prefill shapes
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -75,6 +78,22 @@ if [[ $what == whole ]]; then  # the same process order both ways; the profile's
       --max-num-batched-tokens 8192
   done
   what=summary
+fi
+if [[ $what == check ]]; then
+  timeout 330 python -m pytest -q -p no:cacheprovider -rfEs backends/nvidia_sm100/tests/test_kernels_gpu.py \
+    backends/nvidia_sm100/tests/test_tl_attention_gpu.py backends/nvidia_sm100/tests/test_triton_kernels.py \
+    -k "not under_triton_interpreter" 2>&1 | tee "$RES/tests-check-full.txt" | tail -15 | tee "$RES/tests-check.txt"
+  save
+  timeout 200 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 > "$RES/profile-b1.txt" 2>&1
+  grep -E "^=== batch 1: decode|^\|" "$RES/profile-b1.txt"; save
+fi
+if [[ $what == streams ]]; then
+  bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
+  DEEPINFER_NVIDIA_STREAMS=0 bench b1-nostreams --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
+  bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
+  DEEPINFER_NVIDIA_STREAMS=0 bench b64-nostreams --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
+  bench b256 --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256
+  what=prefill
 fi
 if [[ $what == idle ]]; then
   for shape in "8 1024" "1 8192"; do
@@ -129,7 +148,7 @@ if [[ $what == prefill || $what == moe || $what == prefill-bound ]]; then
   bench prefill-8x1k --input-len 1024 --output-len 1 --num-prompts 8 --max-num-seqs 8 --max-num-batched-tokens 8192
   bench prefill-8k --input-len 8192 --output-len 1 --num-prompts 1 --max-num-seqs 1 --max-num-batched-tokens 8192
 fi
-if [[ $what == bench || $what == all || $what == quick || $what == summary || $what == hf || $what == prefill || $what == decode || $what == moe || $what == prefill-bound ]]; then
+if [[ $what == bench || $what == all || $what == quick || $what == summary || $what == hf || $what == prefill || $what == decode || $what == moe || $what == prefill-bound || $what == streams ]]; then
   if [[ $what == prefill-bound ]]; then
     bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
     bench b256 --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256

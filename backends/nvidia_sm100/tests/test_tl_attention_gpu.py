@@ -78,17 +78,18 @@ def test_more_query_rows_than_one_grid_launch_holds(monkeypatch):
 
 @pytest.mark.parametrize("S, Lq, Lk, sparse", [(256, 1, 640, False), (1, 70, 1300, True), (3, 16, 640, False)])
 def test_whole_row_kernel_equals_split_and_combine(monkeypatch, S, Lq, Lk, sparse):
-    """With ``DEEPINFER_TL_ATTN_WHOLE=1``, SM90 rows of one key split run one kernel that normalises in its epilogue
-    (no partials, no combine pass): the same result as the split kernel with one split followed by the combine (the
-    default), and the reference's."""
+    """SM90 rows of one key split run one kernel that normalises in its epilogue (no partials, no combine pass,
+    the default): the same result as the split kernel with one split followed by the combine
+    (``DEEPINFER_TL_ATTN_WHOLE=0``), and the reference's."""
     pytest.importorskip("tilelang")
     from deepinfer_nvidia_sm100.kernels import tl_attention as tla
 
     if tla.device_arch(torch.device("cuda")) != "sm_90a":
         pytest.skip("the whole-row kernel is built for sm_90a only")
     q, kv, visible, sinks = _case(S, Lq, Lk, torch.bfloat16, seed=Lk + S, sparse=sparse)
+    monkeypatch.setenv("DEEPINFER_TL_ATTN_WHOLE", "0")
     split = tla.sink_attention(q, kv, visible, sinks, D**-0.5, splits=1)
-    monkeypatch.setenv("DEEPINFER_TL_ATTN_WHOLE", "1")
+    monkeypatch.delenv("DEEPINFER_TL_ATTN_WHOLE")
     whole = tla.sink_attention(q, kv, visible, sinks, D**-0.5, splits=1)
     want = ref.sink_attention(q.float(), kv.float(), visible, sinks, D**-0.5)
     torch.testing.assert_close(whole.float(), split.float(), atol=8e-3, rtol=8e-3)  # one bf16 rounding apart

@@ -539,10 +539,10 @@ def sink_attention(
 @opaque_under_compile("tl_sink_attention", lambda q, kv, visible, sinks, scale, splits: q.new_empty(q.shape))
 def _launch(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor, scale: float,
             splits: int | None) -> torch.Tensor:
-    """The split and combine kernels on ``supported`` inputs of at most ``MAX_ROWS`` query rows. With
-    ``DEEPINFER_TL_ATTN_WHOLE=1`` (SM90, off by default) rows of one split take the whole-row kernel instead: on the
-    H200 it took 2.3 ms less GPU time than split + combine in an 8 x 1K prefill step, yet the step's wall time grew
-    by 18 ms (docs/performance.md 4.12; not explained yet)."""
+    """The split and combine kernels on ``supported`` inputs of at most ``MAX_ROWS`` query rows; on SM90, rows of
+    one split (prefill: more rows than SMs) take the whole-row kernel instead (no fp32 partials, no combine pass:
+    9.6 against 10.1 + 6.0 ms of an 8 x 1K prefill step on the H200, docs/performance.md 4.13);
+    ``DEEPINFER_TL_ATTN_WHOLE=0`` keeps split + combine there."""
     S, Lq, H, d = q.shape
     Lk = kv.shape[1]
     B = S * Lq
@@ -553,7 +553,7 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sinks: tor
     blocks, counts = visible_blocks(vis, BLOCK_N)  # [B, NB], [B]
     sk = sinks.float().contiguous()  # [H]
     out = torch.empty(B, H, d, device=q.device, dtype=q.dtype)
-    if ns == 1 and arch == "sm_90a" and os.environ.get("DEEPINFER_TL_ATTN_WHOLE", "0") == "1":
+    if ns == 1 and arch == "sm_90a" and os.environ.get("DEEPINFER_TL_ATTN_WHOLE", "1") != "0":
         _compiled_whole(_DTYPES[q.dtype], float(scale))(qf, kv.contiguous(), vis, blocks, counts, sk, out)
         return out.view(S, Lq, H, d)
     split, combine = _compiled(arch, _DTYPES[q.dtype], float(scale))
