@@ -684,7 +684,7 @@ def test_op_table_reference_defaults_and_override():
     assert {"rms_norm", "unweighted_rms_norm", "rope_cos_sin", "apply_rope", "linear", "grouped_linear",
             "sink_attention", "compressor_pool", "indexer_scores", "indexer_topk", "hc_pre", "hc_post",
             "hc_head", "moe_route_topk", "moe_route_hash", "swiglu_mlp", "moe_experts", "logits",
-            "embed", "gather_keys", "fork"} <= names
+            "embed", "gather_keys", "fork", "compressor_entries"} <= names
     table = OpTable()
     assert table.rms_norm is ref.rms_norm
     assert set(table.sources().values()) == {"reference"}
@@ -747,3 +747,31 @@ def test_compressor_window_takes_new_rows_and_carry_and_masks_before_position_ze
                 assert torch.equal(gate[n, j], src_gate[channels] + bias)
             else:
                 assert torch.equal(kv[n, j], torch.zeros(d)) and torch.isneginf(gate[n, j]).all()
+
+
+def test_compressor_entries_pool_the_windows_and_follow_the_tables_parts():
+    """``compressor_entries`` is ``compressor_pool`` of ``compressor_window``; an op table whose backend overrides
+    only the pool composes that override with the window op, and an override of the composite itself wins."""
+    ratio, d, span = 2, 3, 4
+    gen = torch.Generator().manual_seed(190)
+    raw_kv, raw_gate = torch.randn(4, 2 * d, generator=gen), torch.randn(4, 2 * d, generator=gen)
+    carry_kv, carry_gate = torch.randn(3, span, 2 * d, generator=gen), torch.randn(3, span, 2 * d, generator=gen)
+    from_new = torch.tensor([[False, False, True, True]])
+    new_rows, carry_slots = torch.tensor([[0, 0, 1, 2]]), torch.full((1, span), 1)
+    carry_index, valid = torch.arange(span)[None], torch.tensor([[False, True, True, True]])
+    ape, norm = torch.randn(ratio, 2 * d, generator=gen), torch.rand(d, generator=gen) + 0.5
+    args = (raw_kv, raw_gate, carry_kv, carry_gate, from_new, new_rows, carry_slots, carry_index, valid, ape)
+    want = ref.compressor_pool(*ref.compressor_window(*args, ratio, True), norm, 1e-6)
+    torch.testing.assert_close(ref.compressor_entries(*args, norm, 1e-6, ratio, True), want, **F32)
+    pools = []
+
+    def pool(kv, gate, weight, eps):
+        pools.append(kv.shape)
+        return ref.compressor_pool(kv, gate, weight, eps)
+
+    table = OpTable({"compressor_pool": pool}, source="npu")
+    torch.testing.assert_close(table.compressor_entries(*args, norm, 1e-6, ratio, True), want, **F32)
+    assert pools == [(1, span, d)] and table.sources()["compressor_entries"] == "npu (compressor_pool, composed)"
+    table.override("compressor_entries", ref.compressor_entries, source="gpu")
+    table.override("compressor_window", ref.compressor_window, source="plugin")  # the composite's own override stays
+    assert table.compressor_entries is ref.compressor_entries and table.sources()["compressor_entries"] == "gpu"

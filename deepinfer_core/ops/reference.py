@@ -198,6 +198,37 @@ def compressor_window(
     return kv.masked_fill(~valid, 0.0), gate.masked_fill(~valid, float("-inf"))
 
 
+def pooled_windows(window: Callable, pool: Callable) -> Callable:
+    """``compressor_entries`` made of a ``compressor_window`` and a ``compressor_pool`` implementation."""
+
+    def compressor_entries(
+        raw_kv: torch.Tensor,
+        raw_gate: torch.Tensor,
+        carry_kv: torch.Tensor,
+        carry_gate: torch.Tensor,
+        from_new: torch.Tensor,
+        new_rows: torch.Tensor,
+        carry_slots: torch.Tensor,
+        carry_index: torch.Tensor,
+        valid: torch.Tensor,
+        ape: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        ratio: int,
+        overlap: bool,
+    ) -> torch.Tensor:
+        """The compressed entries ``[N, d]`` of the windows a compressor completes this step:
+        ``compressor_pool(*compressor_window(...), norm_weight, eps)`` (see those two ops)."""
+        kv, gate = window(raw_kv, raw_gate, carry_kv, carry_gate, from_new, new_rows, carry_slots, carry_index, valid,
+                          ape, ratio, overlap)  # [N, slots, d] each
+        return pool(kv, gate, norm_weight, eps)
+
+    return compressor_entries
+
+
+compressor_entries = reference_op(pooled_windows(compressor_window, compressor_pool))
+
+
 @reference_op
 def indexer_scores(
     q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, scale: float

@@ -28,12 +28,6 @@ def reference_ops() -> dict[str, Callable]:
     return dict(_REFERENCE_OPS)
 
 
-WRITTEN_BACK = {"apply_rope_": "apply_rope"}
-"""In-place op -> the op whose result it writes back into its input. Where a backend overrides the out-of-place op
-but not the in-place one, the in-place op becomes ``x.copy_(override(x, ...))``: the model calls ``apply_rope_``,
-and a backend written before that op existed keeps its ``apply_rope`` kernel in use."""
-
-
 def written_back(fn: Callable) -> Callable:
     """The in-place form of an out-of-place op ``fn(x, *args, **kwargs)``: its result copied into ``x``; returns ``x``."""
 
@@ -42,6 +36,21 @@ def written_back(fn: Callable) -> Callable:
 
     return in_place
 
+
+def _pooled_windows(window: Callable, pool: Callable) -> Callable:
+    from deepinfer_core.ops.reference import pooled_windows
+
+    return pooled_windows(window, pool)
+
+
+DERIVED: dict[str, tuple[tuple[str, ...], Callable[..., Callable], str]] = {
+    "apply_rope_": (("apply_rope",), written_back, "written back"),
+    "compressor_entries": (("compressor_window", "compressor_pool"), _pooled_windows, "composed"),
+}
+"""Op -> (the ops it is made of, how it is made from them, a label). Where a backend overrides a part but not the op
+itself, the op is rebuilt from the table's current parts: the model calls ``apply_rope_`` and ``compressor_entries``,
+and a backend that overrides only ``apply_rope`` (its result is written back) or only ``compressor_pool`` (composed
+with the window op) keeps its kernel in use."""
 
 class OpTable:
     """Named ops resolved once: a backend's overrides on top of the reference ops.
@@ -53,14 +62,14 @@ class OpTable:
     def __init__(self, overrides: Mapping[str, Callable] | None = None, source: str = "override"):
         self._ops: dict[str, Callable] = reference_ops()
         self._sources: dict[str, str] = {name: "reference" for name in self._ops}
-        self._derived: set[str] = set()  # in-place ops currently written back from an override (WRITTEN_BACK)
+        self._derived: set[str] = set()  # DERIVED ops currently built from their parts
         for name, fn in (overrides or {}).items():
             self.override(name, fn, source)
 
     def override(self, name: str, fn: Callable, source: str) -> None:
-        """Replace op ``name`` by ``fn``; ``source`` names who provided it (shown by ``sources()``). Overriding an
-        op of ``WRITTEN_BACK`` also gives its in-place form ``fn``'s result written back, unless that form has
-        an override of its own (whichever order the two come in)."""
+        """Replace op ``name`` by ``fn``; ``source`` names who provided it (shown by ``sources()``). Overriding a
+        part of a ``DERIVED`` op also rebuilds that op from the table's parts, unless it has an override of its own
+        (whichever order the two come in)."""
         if name not in self._ops:
             raise UnknownOpError(f"{source} overrides unknown op {name!r}; known ops: {sorted(self._ops)}")
         if not callable(fn):
@@ -68,11 +77,11 @@ class OpTable:
         self._ops[name] = fn
         self._sources[name] = source
         self._derived.discard(name)
-        for in_place, op in WRITTEN_BACK.items():
-            if op == name and (self._sources[in_place] == "reference" or in_place in self._derived):
-                self._ops[in_place] = written_back(fn)
-                self._sources[in_place] = f"{source} ({op}, written back)"
-                self._derived.add(in_place)
+        for derived, (parts, build, label) in DERIVED.items():
+            if name in parts and (self._sources[derived] == "reference" or derived in self._derived):
+                self._ops[derived] = build(*(self._ops[part] for part in parts))
+                self._sources[derived] = f"{source} ({name}, {label})"
+                self._derived.add(derived)
 
     def __getattr__(self, name: str) -> Callable:
         try:

@@ -109,14 +109,26 @@ def sm100_ops() -> dict[str, Callable]:
 
 def triton_ops() -> dict[str, Callable]:
     """The overrides both paths share: Triton kernels (``moe_experts``, the MoE routing, ``hc_pre``, ``hc_post``,
-    ``apply_rope`` and ``apply_rope_``, ``indexer_scores``, ``gather_keys``, the RMS norms), the small ops that
-    TorchInductor compiles to Triton, and ``fork`` on a second CUDA stream (``kernels/streams.py``)."""
-    from deepinfer_nvidia_sm100.kernels import compiled, gemv, hc, indexer, keys, moe, norm, rope, route, streams
+    ``apply_rope`` and ``apply_rope_``, ``indexer_scores``, ``gather_keys``, ``compressor_entries``, the RMS norms),
+    the small ops that TorchInductor compiles to Triton, and ``fork`` on a second CUDA stream (``kernels/streams.py``)."""
+    from deepinfer_nvidia_sm100.kernels import (
+        compiled,
+        compressor,
+        gemv,
+        hc,
+        indexer,
+        keys,
+        moe,
+        norm,
+        rope,
+        route,
+        streams,
+    )
 
     ops = {**compiled.compiled_ops(), "moe_experts": moe.moe_experts, "hc_pre": hc.hc_pre, "hc_post": hc.hc_post,
            "apply_rope": rope.apply_rope, "apply_rope_": rope.apply_rope_, "indexer_scores": indexer.indexer_scores,
            "gather_keys": keys.gather_keys, "fork": streams.fork, "moe_route_topk": route.moe_route_topk,
-           "moe_route_hash": route.moe_route_hash}
+           "moe_route_hash": route.moe_route_hash, "compressor_entries": compressor.compressor_entries}
     if gemv.enabled():  # opt-in: within 10% of cuBLAS either way on the H200 (kernels/gemv.py)
         ops.update(linear=gemv.linear, grouped_linear=gemv.grouped_linear)
     if norm.enabled():  # measured faster than the compiled reference (kernels/norm.py); traced when compiling

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="the test extra installs triton")
-from deepinfer_nvidia_sm100.kernels import gemv, hc, indexer, keys, moe, norm, rope, route, tl_attention
+from deepinfer_nvidia_sm100.kernels import compressor, gemv, hc, indexer, keys, moe, norm, rope, route, tl_attention
 
 from deepinfer_core.ops import reference as ref
 
@@ -49,6 +49,7 @@ def _cases():
                                                                         rand(1, 5, 32, dtype=torch.bfloat16),
                                                                         rand(1, T, 4), 0.125)),
         "gather_keys": (keys.gather_keys, ref.gather_keys, _key_case(rand)),
+        "compressor_pool_windows": (compressor.pool_windows, _pool_windows_reference, _window_case(rand)),
         "moe_route_topk": (route.moe_route_topk, ref.moe_route_topk, (rand(T, E, dtype=torch.bfloat16), rand(E),
                                                                       TOP_K, 2.5, "sqrtsoftplus")),
         "moe_route_hash": (route.moe_route_hash, ref.moe_route_hash, (rand(T, E, dtype=torch.bfloat16),
@@ -69,6 +70,21 @@ def _key_case(rand):
     blocks, rows = torch.tensor([[1, 1, 3], [4, 0, 0]]), torch.tensor([0, 1, 0]).expand(2, 3)
     return ring, slots, torch.arange(4).expand(2, 4), rand(2, HD, dtype=torch.bfloat16), new_rows, from_new, store, \
         blocks, rows
+
+
+def _window_case(rand):
+    """Two CSA windows (ratio 2, 4 slots of d = 8 from a width of 16) over a carry of 3 slots."""
+    from_new = torch.tensor([[False, False, True, True], [False, True, True, True]])
+    return (rand(T, 16, dtype=torch.bfloat16), rand(T, 16, dtype=torch.bfloat16), rand(3, 4, 16, dtype=torch.bfloat16),
+            rand(3, 4, 16, dtype=torch.bfloat16), from_new, torch.tensor([[0, 0, 1, 2], [0, 0, 1, 2]]),
+            torch.tensor([[1] * 4, [2] * 4]), torch.arange(4).expand(2, 4), torch.ones(2, 4, dtype=torch.bool),
+            rand(2, 16), 2, True)
+
+
+def _pool_windows_reference(*args):
+    """``compressor_pool`` of the windows without its norm: the pooled rows' shape and dtype."""
+    kv, gate = ref.compressor_window(*args)
+    return (kv * gate.float().softmax(dim=1).to(kv.dtype)).sum(dim=1)
 
 
 CASES = _cases()

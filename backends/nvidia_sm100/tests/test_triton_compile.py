@@ -105,6 +105,10 @@ SMALL_KERNELS = {  # kernel -> (argument types where not the default, constexprs
     "moe._combine_kernel:weighted": ({"y_ptr": "*bf16", "out_ptr": "*bf16", "ids_ptr": "*i64", "dest_ptr": "*i64"},
                                      {"K_P2": 8, "BLOCK_D": 1024, "WEIGHTED": True}),
     "moe._swiglu_kernel": ({"gate_ptr": "*bf16", "up_ptr": "*bf16", "h_ptr": "*bf16", "limit": "fp32"}, {"BLOCK": 2048}),
+    "compressor._pool_windows_kernel": ({"raw_kv_ptr": "*bf16", "raw_gate_ptr": "*bf16", "carry_kv_ptr": "*bf16",
+                                         "carry_gate_ptr": "*bf16", "from_new_ptr": "*u8", "new_rows_ptr": "*i64",
+                                         "carry_slots_ptr": "*i64", "carry_index_ptr": "*i64", "valid_ptr": "*u8",
+                                         "out_ptr": "*bf16"}, {"OVERLAP": True, "BLOCK_S": 8, "BLOCK_D": 128}),
     "route._route_kernel": ({"logits_ptr": "*bf16", "table_ptr": "*i64", "token_ptr": "*i64", "weights_ptr": "*bf16",
                              "ids_ptr": "*i64", "scaling": "fp32"},
                             {"SCORING": 0, "HASH": False, "E_P2": 64, "K_P2": 8}),
@@ -121,11 +125,11 @@ TENSOR_CORE_KERNELS = {  # their tl.dot tiles must compile to the architecture's
 @pytest.mark.parametrize("capability", sorted(ARCHS))
 @pytest.mark.parametrize("name", sorted(SMALL_KERNELS))
 def test_small_kernels_compile(name, capability):
-    from deepinfer_nvidia_sm100.kernels import gemv, indexer, key_blocks, keys, norm, rope, route
+    from deepinfer_nvidia_sm100.kernels import compressor, gemv, indexer, key_blocks, keys, norm, rope, route
 
     module, kernel = name.split(":")[0].split(".")
     fn = getattr({"gemv": gemv, "hc": hc, "indexer": indexer, "key_blocks": key_blocks, "keys": keys, "moe": moe,
-                   "norm": norm, "rope": rope, "route": route}[module], kernel)
+                   "norm": norm, "rope": rope, "route": route, "compressor": compressor}[module], kernel)
     types, constants = SMALL_KERNELS[name]
     signature = {}
     for i, arg in enumerate(fn.arg_names):

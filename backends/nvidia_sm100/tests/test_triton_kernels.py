@@ -1,6 +1,6 @@
 """The small Triton kernels against their references: ``hc_pre`` (``kernels/hc.py``) against the reference op,
 the MoE ``align`` kernel against its torch version and the MoE combine inside ``moe_experts`` against the
-reference op, RoPE, the attention keys, the MoE routing. On the GPU where there is one; without a GPU,
+reference op, RoPE, the attention keys, the MoE routing, the compressor's pooled windows. On the GPU where there is one; without a GPU,
 in a child pytest process on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` must be set before
 Triton is imported, and it would break the ahead-of-time compiles of test_triton_compile.py in this process).
 The interpreter checks the kernels' logic: indexing, masks (an hc that is not a power of two, assignments
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="the test extra installs triton")
-from deepinfer_nvidia_sm100.kernels import hc, indexer, key_blocks, keys, moe, rope, route
+from deepinfer_nvidia_sm100.kernels import compressor, hc, indexer, key_blocks, keys, moe, rope, route
 
 from deepinfer_core.ops import reference as ref
 
@@ -451,3 +451,48 @@ def test_moe_route_hash_matches_reference(scoring, dtype):
     assert torch.equal(got_ids, want_ids)
     tol = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
     torch.testing.assert_close(got_w, want_w, **tol)
+
+
+def _window_case(windows: int, ratio: int, d: int, overlap: bool, dtype: torch.dtype, carry_dtype: torch.dtype,
+                 seed: int):
+    """Windows mixing carried and new slots, some slots before position 0; this step's rows as a column block of a
+    wider projection (as the model passes them)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    width, span, tokens, slots = (2 * d if overlap else d), (2 * ratio if overlap else ratio), 7, 3
+
+    def rnd(*shape, dt=dtype):
+        return torch.randn(*shape, device=DEVICE, generator=gen).to(dt)
+
+    fused = rnd(tokens, 3 * width + 5)
+    raw_kv, raw_gate = fused[:, 5:5 + width], fused[:, 5 + width:5 + 2 * width]  # [T, width], row stride 3w + 5
+    carry_kv, carry_gate = rnd(slots, span, width, dt=carry_dtype), rnd(slots, span, width, dt=carry_dtype)
+    from_new = torch.rand(windows, span, device=DEVICE, generator=gen) < 0.4
+    new_rows = torch.randint(0, tokens, (windows, span), device=DEVICE, generator=gen)
+    carry_slots = torch.randint(0, slots, (windows, 1), device=DEVICE, generator=gen).expand(-1, span)
+    carry_index = torch.randint(0, span, (windows, span), device=DEVICE, generator=gen)
+    valid = torch.arange(span, device=DEVICE)[None, :] >= torch.randint(0, span, (windows, 1), device=DEVICE,
+                                                                         generator=gen)
+    ape, weight = rnd(ratio, width, dt=torch.float32), torch.rand(d, device=DEVICE, generator=gen) + 0.5
+    return (raw_kv, raw_gate, carry_kv, carry_gate, from_new, new_rows, carry_slots, carry_index, valid, ape,
+            weight, 1e-6, ratio, overlap)
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("dtype, carry_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("windows, ratio, d, overlap", [(5, 4, 64, True), (3, 16, 96, False), (2, 128, 512, False),
+                                                        (0, 4, 64, True)])
+def test_compressor_entries_match_reference(windows, ratio, d, overlap, dtype, carry_dtype):
+    """CSA (overlapping halves, 8 slots) and HCA-like windows (up to 128 slots, several slot blocks), channels
+    that are not a multiple of the channel block, carried and new slots, slots before position 0."""
+    args = _window_case(windows, ratio, d, overlap, dtype, carry_dtype, seed=windows * 31 + ratio + d)
+    got, want = compressor.compressor_entries(*args), ref.compressor_entries(*args)
+    assert got.shape == want.shape == (windows, d) and got.dtype == want.dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        return
+    # 16-bit: the kernel rounds once where the reference rounds the weights and products too; its error against
+    # an fp64 evaluation of the reference must stay within twice the reference's own
+    exact = ref.compressor_entries(*(a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in args))
+    own = (want.double() - exact).abs().max().item() if windows else 0.0
+    assert (got.double() - exact).abs().max().item() <= 2 * own + 1e-6 if windows else got.numel() == 0

@@ -104,10 +104,9 @@ class Compressor:
         ``wgate``): write completed entries to ``store``, update carry."""
         plan = layout.windows(self.ratio, self.span)
         if plan.num_windows:
-            kv, gate = ops.compressor_window(raw_kv, raw_gate, carry.kv, carry.gate, plan.from_new, plan.new_rows,
-                                             plan.carry_slots, plan.carry_index, plan.valid, self.ape, self.ratio,
-                                             self.overlap)  # [N, slots, dim]
-            pooled = ops.compressor_pool(kv, gate, self.norm, self.eps)  # [N, dim]
+            pooled = ops.compressor_entries(raw_kv, raw_gate, carry.kv, carry.gate, plan.from_new, plan.new_rows,
+                                            plan.carry_slots, plan.carry_index, plan.valid, self.ape, self.norm,
+                                            self.eps, self.ratio, self.overlap)  # [N, dim]
             cos, sin = ops.rope_cos_sin(plan.entry_positions, *rope)
             store[plan.write_blocks, plan.write_rows] = ops.apply_rope_(pooled, cos, sin).to(store.dtype)
         carry.kv[plan.carry_write_slots, plan.carry_write_index] = raw_kv[plan.carry_write_rows].to(carry.kv.dtype)

@@ -147,6 +147,8 @@ VARIANTS: dict[str, Callable] = {
     "sink_attention": sink_attention,
     "indexer_scores": indexer_scores,
 }
+VARIANTS["compressor_entries"] = _ref.pooled_windows(_ref.compressor_window, VARIANTS["compressor_pool"])
+"""The windows as the reference gathers them, pooled by this module's ``compressor_pool``."""
 
 REFERENCE_KEPT: dict[str, str] = {
     "rms_norm": "row reduction of fixed length; torch splits a reduction across threads only when the output "

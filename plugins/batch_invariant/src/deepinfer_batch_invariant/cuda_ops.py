@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from deepinfer_batch_invariant import primitives
 from deepinfer_batch_invariant import triton_kernels as tk
 from deepinfer_batch_invariant.forms import ROW_FORMS, InvariantOps, Kit
+from deepinfer_core.ops import reference as _ref
 
 MOE_CONFIG = (64, 64, 64, 4)
 """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of the backend's Triton MoE kernels, fixed for every batch (the
@@ -87,6 +88,8 @@ VARIANTS: dict[str, Callable] = {
     "rms_norm": tk.rms_norm,
     "unweighted_rms_norm": tk.unweighted_rms_norm,
 }
+VARIANTS["compressor_entries"] = _ref.pooled_windows(_ref.compressor_window, VARIANTS["compressor_pool"])
+"""The windows as the reference gathers them, pooled by this module's ``compressor_pool``."""
 
 REFERENCE_KEPT: dict[str, str] = {
     "rope_cos_sin": "elementwise cos / sin: one functor per element, wherever it sits",
