@@ -32,8 +32,10 @@ import triton.language as tl
 
 from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 
-ALIGN_KERNEL_MAX_EXPERTS = 256  # the one-program align kernel holds per-expert counters in registers
-ALIGN_KERNEL_MAX_ASSIGN = 512  # one program loops over them: 27 us at 384 (H200, batch 64 x top-6); torch ops beyond
+ALIGN_KERNEL_MAX_EXPERTS = 256  # the align kernels hold per-expert counters in registers
+ALIGN_ONE_PROGRAM_MAX_ASSIGN = 128  # one program loops over them (27 us at 384, H200, batch 64 x top-6)
+ALIGN_CHUNKED_MAX_ASSIGN = 8192  # chunks of them in parallel, three launches; torch ops beyond (prefill)
+ALIGN_CHUNK_CELLS = 4096  # assignments x experts one program of the chunked kernels holds
 
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int):
@@ -41,20 +43,88 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int):
 
     Returns ``sorted_assign [P]`` (flat assignment index t * k + j, or -1 for padding), ``block_expert
     [P // block_m]`` (-1 past the end) and ``dest [T * k]`` (row of each assignment in the sorted layout).
-    Up to ``ALIGN_KERNEL_MAX_EXPERTS`` experts and ``ALIGN_KERNEL_MAX_ASSIGN`` assignments (decode) this is
-    one launch of ``_align_kernel``; otherwise ``align_torch`` (~20 small torch ops).
+    Up to ``ALIGN_KERNEL_MAX_EXPERTS`` experts: one launch of ``_align_kernel`` up to
+    ``ALIGN_ONE_PROGRAM_MAX_ASSIGN`` assignments, the three chunked kernels up to ``ALIGN_CHUNKED_MAX_ASSIGN``;
+    otherwise ``align_torch`` (~20 small torch ops, a sort among them: ~120 us per layer at batch 256).
     """
     flat = ids.reshape(-1)
     n = flat.numel()
     rows = _aligned_rows(n, num_experts, block_m)
-    if n > ALIGN_KERNEL_MAX_ASSIGN or num_experts > ALIGN_KERNEL_MAX_EXPERTS:
+    if n > ALIGN_CHUNKED_MAX_ASSIGN or num_experts > ALIGN_KERNEL_MAX_EXPERTS:
         return align_torch(ids, num_experts, block_m)
     sorted_assign = torch.empty(rows, dtype=torch.long, device=flat.device)
     block_expert = torch.empty(rows // block_m, dtype=torch.long, device=flat.device)
     dest = torch.empty_like(flat)
-    _align_kernel[(1,)](flat, sorted_assign, block_expert, dest, n, num_experts, rows, BLOCK_M=block_m,
-                        E_P2=triton.next_power_of_2(num_experts), CHUNK=64, num_warps=4)
+    e_p2 = triton.next_power_of_2(num_experts)
+    if n <= ALIGN_ONE_PROGRAM_MAX_ASSIGN:
+        _align_kernel[(1,)](flat, sorted_assign, block_expert, dest, n, num_experts, rows, BLOCK_M=block_m,
+                            E_P2=e_p2, CHUNK=64, num_warps=4)
+        return sorted_assign, block_expert, dest
+    chunk = max(16, ALIGN_CHUNK_CELLS // e_p2)
+    chunks = triton.cdiv(n, chunk)
+    counts = torch.empty(chunks, e_p2, dtype=torch.int32, device=flat.device)  # per chunk, then its base per expert
+    pad_start = torch.empty(e_p2, dtype=torch.int32, device=flat.device)
+    fill = triton.cdiv(rows, chunks)
+    _align_count_kernel[(chunks,)](flat, counts, sorted_assign, n, rows, fill, CHUNK=chunk, E_P2=e_p2,
+                                   FILL_P2=triton.next_power_of_2(fill), num_warps=4)
+    _align_scan_kernel[(1,)](counts, pad_start, block_expert, chunks, num_experts, rows // block_m, BLOCK_M=block_m,
+                             E_P2=e_p2, GROUP=chunk, num_warps=4)
+    _align_place_kernel[(chunks,)](flat, counts, pad_start, sorted_assign, dest, n, CHUNK=chunk, E_P2=e_p2,
+                                   num_warps=4)
     return sorted_assign, block_expert, dest
+
+
+@triton.jit
+def _align_count_kernel(ids_ptr, counts_ptr, sorted_assign_ptr, n, rows, fill,
+                        CHUNK: tl.constexpr, E_P2: tl.constexpr, FILL_P2: tl.constexpr):
+    """Chunked ``align``, step 1 (a program per ``CHUNK`` assignments): this chunk's count per expert into
+    ``counts [chunks, E_P2]``; and its share of the padding rows' -1 (``fill`` rows of ``sorted_assign``)."""
+    c = tl.program_id(0)
+    idx = c * CHUNK + tl.arange(0, CHUNK)
+    e = tl.load(ids_ptr + idx, mask=idx < n, other=-1)
+    experts = tl.arange(0, E_P2)
+    tl.store(counts_ptr + c * E_P2 + experts, tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0))
+    r = c * fill + tl.arange(0, FILL_P2)
+    tl.store(sorted_assign_ptr + r, tl.full((FILL_P2,), -1, tl.int64), mask=(r < rows) & (r < (c + 1) * fill))
+
+
+@triton.jit
+def _align_scan_kernel(counts_ptr, pad_start_ptr, block_expert_ptr, chunks, num_experts, blocks,
+                       BLOCK_M: tl.constexpr, E_P2: tl.constexpr, GROUP: tl.constexpr):
+    """Chunked ``align``, step 2 (one program): each chunk's count becomes its base (the earlier chunks' assignments
+    of each expert), each expert's run is padded to ``BLOCK_M`` (``pad_start``), and every block gets its expert."""
+    experts = tl.arange(0, E_P2)
+    total = tl.zeros((E_P2,), dtype=tl.int32)
+    for start in range(0, chunks, GROUP):
+        c = start + tl.arange(0, GROUP)
+        at = counts_ptr + c[:, None] * E_P2 + experts[None, :]
+        count = tl.load(at, mask=(c < chunks)[:, None], other=0)  # [GROUP, E_P2]
+        tl.store(at, total[None, :] + tl.cumsum(count, axis=0) - count, mask=(c < chunks)[:, None])
+        total += tl.sum(count, axis=0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, axis=0)
+    tl.store(pad_start_ptr + experts, pad_end - padded)
+    for start in range(0, blocks, GROUP):  # block b belongs to the expert whose run holds row b * BLOCK_M
+        b = start + tl.arange(0, GROUP)
+        owner = tl.sum((pad_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int64), axis=1)
+        tl.store(block_expert_ptr + b, tl.where(owner >= num_experts, -1, owner), mask=b < blocks)
+
+
+@triton.jit
+def _align_place_kernel(ids_ptr, base_ptr, pad_start_ptr, sorted_assign_ptr, dest_ptr, n,
+                        CHUNK: tl.constexpr, E_P2: tl.constexpr):
+    """Chunked ``align``, step 3 (a program per chunk): every assignment's row, ``pad_start[e]`` + its chunk's base
+    for ``e`` + its rank among the chunk's assignments to ``e`` (stable: by expert, then by assignment index)."""
+    c = tl.program_id(0)
+    idx = c * CHUNK + tl.arange(0, CHUNK)
+    e = tl.load(ids_ptr + idx, mask=idx < n, other=-1)
+    experts = tl.arange(0, E_P2)
+    one_hot = (e[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, E_P2]
+    rank = tl.cumsum(one_hot, axis=0) - one_hot
+    first = tl.load(pad_start_ptr + experts) + tl.load(base_ptr + c * E_P2 + experts)  # [E_P2]
+    row = tl.sum(one_hot * (first[None, :] + rank), axis=1).to(tl.int64)  # [CHUNK]
+    tl.store(dest_ptr + idx, row, mask=idx < n)
+    tl.store(sorted_assign_ptr + row, idx.to(tl.int64), mask=idx < n)
 
 
 def _aligned_rows(n: int, num_experts: int, block_m: int) -> int:
