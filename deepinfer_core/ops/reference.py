@@ -34,7 +34,9 @@ def fork(fn: Callable[..., Any], *args: Any) -> Finished:
 
     A backend may run ``fn`` concurrently with the caller's next ops (the NVIDIA backend: on a second CUDA stream,
     inside CUDA graphs too), so the caller must not read ``fn``'s result or what ``fn`` writes before ``join``, and
-    must not write what ``fn`` reads; ``args`` stay alive until then. The reference runs ``fn`` at once."""
+    must not write what ``fn`` reads; ``args`` stay alive until then. Pass the activations as the first tensor
+    argument: a backend may decide by their rows (the NVIDIA one overlaps decode-sized work only). The reference
+    runs ``fn`` at once."""
     return Finished(fn(*args))
 
 

@@ -103,6 +103,14 @@ def test_fork_runs_beside_the_callers_stream_until_joined():
     assert torch.equal(result, torch.full((4,), 2.0, device="cuda")) and torch.equal(x, torch.ones(4, device="cuda"))
 
 
+def test_fork_runs_prefill_sized_work_in_place():
+    from deepinfer_nvidia_sm100.kernels import streams
+
+    x = torch.zeros(streams.MAX_ROWS + 1, 4, device="cuda")
+    pending = streams.fork(lambda t: t.add_(1), x)
+    assert isinstance(pending, ref.Finished) and torch.equal(x, torch.ones_like(x))
+
+
 def test_fork_inside_a_cuda_graph_replays_both_branches():
     from deepinfer_nvidia_sm100.backend import NvidiaBackend
     from deepinfer_nvidia_sm100.kernels import streams

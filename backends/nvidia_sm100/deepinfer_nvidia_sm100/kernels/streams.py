@@ -3,8 +3,10 @@ CUDA graphs alike (a graph captured across two streams replays their kernels as 
 
 The model forks the compressor folds beside the query / key path and the shared expert beside the routing. At
 batch 1 those are chains of small kernels that leave most of the GPU idle; beside the weight-reading GEMVs of the
-other path they fill it. ``DEEPINFER_NVIDIA_STREAMS=0`` runs forked work in place (the reference op), for A/B runs;
-a step being compiled by TorchInductor also runs it in place.
+other path they fill it (H200, docs/performance.md 4.13: batch-1 TPOT 3.08 -> 2.87 ms). Work on more than
+``MAX_ROWS`` rows (prefill) runs in place: its kernels fill the GPU alone, and beside each other the persistent
+CUTLASS GEMMs of the experts lose more than the overlap gains. ``DEEPINFER_NVIDIA_STREAMS=0`` runs all forked work
+in place (the reference op), for A/B runs; a step being compiled by TorchInductor also runs it in place.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from typing import Any
 import torch
 
 from deepinfer_core.ops import reference as ref
+
+MAX_ROWS = 1024
+"""Forked work whose first tensor argument (the activations, by the op's convention) has more rows runs in place."""
 
 
 def enabled() -> bool:
@@ -57,8 +62,11 @@ class Forked:
 
 
 def fork(fn: Callable[..., Any], *args: Any) -> Forked | ref.Finished:
-    """``reference.fork`` on the side stream: it waits for the caller's stream up to here, then runs ``fn``."""
-    if not enabled() or torch.compiler.is_compiling() or not any(t.is_cuda for t in _tensors(args)):
+    """``reference.fork`` on the side stream (work of at most ``MAX_ROWS`` rows): it waits for the caller's stream up
+    to here, then runs ``fn``."""
+    tensors = list(_tensors(args))
+    small = bool(tensors) and (tensors[0].dim() == 0 or tensors[0].shape[0] <= MAX_ROWS)
+    if not enabled() or torch.compiler.is_compiling() or not small or not tensors[0].is_cuda:
         return ref.fork(fn, *args)
     main = torch.cuda.current_stream()
     side = side_stream(main.device)
@@ -67,7 +75,7 @@ def fork(fn: Callable[..., Any], *args: Any) -> Forked | ref.Finished:
     side.wait_stream(main)
     with torch.cuda.stream(side):
         result = fn(*args)
-    for t in _tensors(args):
+    for t in tensors:
         if t.is_cuda:
             t.record_stream(side)  # a caller that drops an argument early must not see its memory reused under fn
     return Forked(result, main, side)
