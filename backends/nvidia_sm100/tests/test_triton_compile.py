@@ -79,6 +79,8 @@ SMALL_KERNELS = {  # kernel -> (argument types where not the default, constexprs
     "hc._hc_mix_partial_kernel:tensor_cores": ({"x_ptr": "*bf16"}, {"BLOCK_T": hc.MIX_DOT_BLOCK_T,
                                                                     "BLOCK_K": hc.MIX_DOT_BLOCK_K, "N_P2": 32,
                                                                     "TENSOR_CORES": True}),
+    "hc._hc_finish_weights_collapse_kernel": ({"streams_ptr": "*bf16", "out_ptr": "*bf16"},
+                                              {"HC": 4, "HC_P2": 4, "N_P2": 32, "SPLITS_P2": 128, "BLOCK_D": 1024}),
     "hc._hc_collapse_kernel": ({"streams_ptr": "*bf16", "out_ptr": "*bf16"}, {"HC": 4, "HC_P2": 4, "BLOCK_D": 1024}),
     "hc._hc_post_kernel": ({"streams_ptr": "*bf16", "block_ptr": "*bf16", "out_ptr": "*bf16"},
                            {"HC": 4, "HC_P2": 4, "BLOCK_D": 512}),

@@ -73,35 +73,49 @@ def _hc_mix_partial_kernel(x_ptr, fn_ptr, dots_ptr, squares_ptr, tokens, K, N, K
 
 
 @triton.jit
-def _hc_mix_finish_kernel(dots_ptr, squares_ptr, out_ptr, tokens, K, N, splits, norm_eps,
-                          N_P2: tl.constexpr, SPLITS_P2: tl.constexpr):
-    """One program per token: the splits' shares added (one tree over the split axis, the same for every token and
-    batch), scaled by ``rsqrt(mean(x^2) + eps)``."""
-    token = tl.program_id(0)
+def _mix_row(dots_ptr, squares_ptr, token, tokens, K, splits, norm_eps, N_P2: tl.constexpr,
+             SPLITS_P2: tl.constexpr):
+    """A token's mixing logits ``[N_P2]``: the splits' shares added (one tree over the split axis, the same for every
+    token and batch), scaled by ``rsqrt(mean(x^2) + eps)``."""
     outs = tl.arange(0, N_P2)
     split = tl.arange(0, SPLITS_P2)
     in_split = split < splits
     row = split * tokens + token  # [SP]
     dots = tl.sum(tl.load(dots_ptr + row[:, None] * N_P2 + outs[None, :], mask=in_split[:, None], other=0.0), axis=0)
     squares = tl.sum(tl.load(squares_ptr + row, mask=in_split, other=0.0), axis=0)
-    scale = 1.0 / tl.sqrt(squares / K + norm_eps)
-    tl.store(out_ptr + token * N + outs, dots * scale, mask=outs < N)
+    return dots * (1.0 / tl.sqrt(squares / K + norm_eps))
+
+
+@triton.jit
+def _hc_mix_finish_kernel(dots_ptr, squares_ptr, out_ptr, tokens, K, N, splits, norm_eps,
+                          N_P2: tl.constexpr, SPLITS_P2: tl.constexpr):
+    """One program per token: ``_mix_row`` into ``out [T, N]``."""
+    token = tl.program_id(0)
+    outs = tl.arange(0, N_P2)
+    mixed = _mix_row(dots_ptr, squares_ptr, token, tokens, K, splits, norm_eps, N_P2, SPLITS_P2)
+    tl.store(out_ptr + token * N + outs, mixed, mask=outs < N)
 
 
 MIX_DOT_BLOCK_T, MIX_DOT_BLOCK_K = 64, 128
 MIX_DOT_PROGRAMS = 264  # two per SM of an H200 (132 SMs): the splits of the row fill the GPU at any batch
 
 
-def hc_mix_logits(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float, kernel: str | None = None
-                  ) -> torch.Tensor:
+def mix_kernel(streams: torch.Tensor) -> str:
+    """Which mixing-logit kernel ``streams`` take by default (``hc_mix_logits``)."""
+    tokens = streams.shape[0]
+    return ("compiled" if tokens == 0 else "dot" if streams.dtype in (torch.bfloat16, torch.float16)
+            else "split" if tokens <= MIX_KERNEL_MAX_TOKENS else "compiled")
+
+
+def hc_mix_logits(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float, kernel: str | None = None,
+                  partials: bool = False):
     """``reference.hc_mix_logits``: ``[T, (2 + hc) * hc]`` fp32. 16-bit streams take the tensor-core kernel
     (``"dot"``; as fast as the split rows at 1 token on the H200, faster from 4 on); fp32 streams the split-row kernels
     (``"split"``) up to ``MIX_KERNEL_MAX_TOKENS`` tokens, else the compiled reference (``"compiled"``). ``kernel``
-    forces one (``benchmarks/bench_hc_mix.py``)."""
+    forces one (``benchmarks/bench_hc_mix.py``). ``partials`` (split kernels only): the per-split shares before the
+    finish, ``(dots, squares, splits, N_P2)``, for a kernel that finishes them itself."""
     tokens = streams.shape[0]
-    if kernel is None:
-        kernel = ("compiled" if tokens == 0 else "dot" if streams.dtype in (torch.bfloat16, torch.float16)
-                  else "split" if tokens <= MIX_KERNEL_MAX_TOKENS else "compiled")
+    kernel = kernel or mix_kernel(streams)
     if kernel == "compiled":
         return maybe_compile(ref.hc_mix_logits)(streams, fn, norm_eps)
     x = streams.reshape(tokens, -1).contiguous()  # [T, K]
@@ -126,6 +140,8 @@ def hc_mix_logits(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float, kern
         dots, squares = _mix_partials(splits, tokens, n_p2, x.device)
         _hc_mix_partial_kernel[(triton.cdiv(tokens, block_t), splits)](
             x, fn, dots, squares, tokens, k, n, per_split, BLOCK_T=block_t, BLOCK_K=block_k, N_P2=n_p2, num_warps=4)
+    if partials:
+        return dots, squares, splits, n_p2
     out = torch.empty(tokens, n, dtype=torch.float32, device=x.device)
     _hc_mix_finish_kernel[(tokens,)](dots, squares, out, tokens, k, n, splits, norm_eps, N_P2=n_p2,
                                      SPLITS_P2=triton.next_power_of_2(splits), num_warps=4)
@@ -139,26 +155,19 @@ def _mix_partials(splits: int, tokens: int, n_p2: int, device: torch.device) -> 
 
 
 @triton.jit
-def _hc_weights_kernel(mixed_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, sinkhorn_iters, hc_eps,
-                       HC: tl.constexpr, HC_P2: tl.constexpr):
-    """One program per token: ``mixed [(2 + HC) * HC]`` -> ``pre [HC]``, ``post [HC]``, ``comb [HC, HC]`` (fp32)."""
-    token = tl.program_id(0).to(tl.int64)
-    row = mixed_ptr + token * (2 + HC) * HC
+def _weights(pre_logit, post_logit, comb_logit, base_ptr, scale_ptr, sinkhorn_iters, hc_eps,
+             HC: tl.constexpr, HC_P2: tl.constexpr):
+    """One token's ``pre [HC_P2]``, ``post [HC_P2]`` and ``comb [HC_P2, HC_P2]`` (fp32) from its raw mixing logits
+    (``pre_logit`` / ``post_logit [HC_P2]``, ``comb_logit [HC_P2, HC_P2]``): sigmoids, a row softmax, then Sinkhorn
+    (``reference.hc_weights``)."""
     idx = tl.arange(0, HC_P2)  # [HC_P2]
     in_hc = idx < HC
-    pre_s = tl.load(scale_ptr)
-    post_s = tl.load(scale_ptr + 1)
-    comb_s = tl.load(scale_ptr + 2)
-    pre = tl.sigmoid(tl.load(row + idx, mask=in_hc, other=0.0) * pre_s + tl.load(base_ptr + idx, mask=in_hc, other=0.0))
-    tl.store(pre_ptr + token * HC + idx, pre + hc_eps, mask=in_hc)
-    post_logit = tl.load(row + HC + idx, mask=in_hc, other=0.0) * post_s + tl.load(base_ptr + HC + idx, mask=in_hc,
-                                                                                    other=0.0)
-    tl.store(post_ptr + token * HC + idx, 2 * tl.sigmoid(post_logit), mask=in_hc)
-
+    pre = tl.sigmoid(pre_logit * tl.load(scale_ptr) + tl.load(base_ptr + idx, mask=in_hc, other=0.0)) + hc_eps
+    post = 2 * tl.sigmoid(post_logit * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + idx, mask=in_hc, other=0.0))
     rows, cols = idx[:, None], idx[None, :]  # [HC_P2, 1], [1, HC_P2]
     inside = (rows < HC) & (cols < HC)  # [HC_P2, HC_P2]
-    offset = 2 * HC + rows * HC + cols
-    logits = tl.load(row + offset, mask=inside, other=0.0) * comb_s + tl.load(base_ptr + offset, mask=inside, other=0.0)
+    logits = comb_logit * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + rows * HC + cols, mask=inside,
+                                                            other=0.0)
     logits = tl.where(inside, logits, float("-inf"))
     row_max = tl.where(in_hc, tl.max(logits, axis=1), 0.0)  # padded rows: no -inf - -inf
     exp = tl.where(inside, tl.exp(logits - row_max[:, None]), 0.0)
@@ -168,7 +177,56 @@ def _hc_weights_kernel(mixed_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_p
     for _ in range(sinkhorn_iters - 1):
         comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)  # rows
         comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)  # columns
-    tl.store(comb_ptr + token * HC * HC + rows * HC + cols, comb, mask=inside)
+    return pre, post, comb
+
+
+@triton.jit
+def _store_weights(post_ptr, comb_ptr, token, post, comb, HC: tl.constexpr, HC_P2: tl.constexpr):
+    idx = tl.arange(0, HC_P2)
+    rows, cols = idx[:, None], idx[None, :]
+    tl.store(post_ptr + token * HC + idx, post, mask=idx < HC)
+    tl.store(comb_ptr + token * HC * HC + rows * HC + cols, comb, mask=(rows < HC) & (cols < HC))
+
+
+@triton.jit
+def _hc_weights_kernel(mixed_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, sinkhorn_iters, hc_eps,
+                       HC: tl.constexpr, HC_P2: tl.constexpr):
+    """One program per token: ``mixed [(2 + HC) * HC]`` -> ``pre [HC]``, ``post [HC]``, ``comb [HC, HC]`` (fp32)."""
+    token = tl.program_id(0).to(tl.int64)
+    row = mixed_ptr + token * (2 + HC) * HC
+    idx = tl.arange(0, HC_P2)  # [HC_P2]
+    in_hc = idx < HC
+    rows, cols = idx[:, None], idx[None, :]
+    pre, post, comb = _weights(tl.load(row + idx, mask=in_hc, other=0.0), tl.load(row + HC + idx, mask=in_hc, other=0.0),
+                               tl.load(row + 2 * HC + rows * HC + cols, mask=(rows < HC) & (cols < HC), other=0.0),
+                               base_ptr, scale_ptr, sinkhorn_iters, hc_eps, HC, HC_P2)
+    tl.store(pre_ptr + token * HC + idx, pre, mask=in_hc)
+    _store_weights(post_ptr, comb_ptr, token, post, comb, HC, HC_P2)
+
+
+@triton.jit
+def _hc_finish_weights_collapse_kernel(dots_ptr, squares_ptr, base_ptr, scale_ptr, streams_ptr, post_ptr, comb_ptr,
+                                       out_ptr, tokens, K, splits, norm_eps, sinkhorn_iters, hc_eps, D,
+                                       HC: tl.constexpr, HC_P2: tl.constexpr, N_P2: tl.constexpr,
+                                       SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``hc_pre`` after the mixing partials, in one launch. Program (token, channel block): the token's mixing
+    logits (``_mix_row``), its weights (``_weights``; the channel block 0 stores ``post`` and ``comb``), then the
+    collapse of its ``BLOCK_D`` channels with ``pre`` (``_hc_collapse_kernel``'s arithmetic)."""
+    token = tl.program_id(0)
+    mixed = _mix_row(dots_ptr, squares_ptr, token, tokens, K, splits, norm_eps, N_P2, SPLITS_P2)  # [N_P2]
+    outs = tl.arange(0, N_P2)
+    idx = tl.arange(0, HC_P2)
+    rows, cols = idx[:, None], idx[None, :]
+    pick = mixed[None, :]
+    pre_logit = tl.sum(tl.where(idx[:, None] == outs[None, :], pick, 0.0), axis=1)  # mixed[idx]
+    post_logit = tl.sum(tl.where((HC + idx)[:, None] == outs[None, :], pick, 0.0), axis=1)
+    at = 2 * HC + rows * HC + cols  # [HC_P2, HC_P2]
+    comb_logit = tl.sum(tl.where(at[:, :, None] == outs[None, None, :], mixed[None, None, :], 0.0), axis=2)
+    pre, post, comb = _weights(pre_logit, post_logit, comb_logit, base_ptr, scale_ptr, sinkhorn_iters, hc_eps, HC,
+                               HC_P2)
+    if tl.program_id(1) == 0:
+        _store_weights(post_ptr, comb_ptr, token.to(tl.int64), post, comb, HC, HC_P2)
+    _collapse(pre, streams_ptr, out_ptr, token.to(tl.int64), tl.program_id(1), D, HC, HC_P2, BLOCK_D)
 
 
 def hc_weights(mixed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, sinkhorn_iters: int,
@@ -225,19 +283,27 @@ def hc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, 
 
 
 @triton.jit
+def _collapse(pre, streams_ptr, out_ptr, token, block, D, HC: tl.constexpr, HC_P2: tl.constexpr,
+              BLOCK_D: tl.constexpr):
+    """Channels ``[block * BLOCK_D, +BLOCK_D)`` of ``out[token] = sum_k pre[k] * streams[token, k]`` (``pre
+    [HC_P2]`` fp32) in fp32, rounded once."""
+    ds = block * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
+    in_d = ds < D
+    hc = tl.arange(0, HC_P2)
+    streams = tl.load(streams_ptr + token * HC * D + hc[:, None] * D + ds[None, :],
+                      mask=(hc < HC)[:, None] & in_d[None, :], other=0.0).to(tl.float32)  # [k, BD]
+    out = tl.sum(tl.where((hc < HC)[:, None], pre[:, None], 0.0) * streams, axis=0)  # [BD]
+    tl.store(out_ptr + token * D + ds, out.to(out_ptr.dtype.element_ty), mask=in_d)
+
+
+@triton.jit
 def _hc_collapse_kernel(pre_ptr, streams_ptr, out_ptr, D, HC: tl.constexpr, HC_P2: tl.constexpr,
                         BLOCK_D: tl.constexpr):
     """Program (token, channel block): ``out = sum_k pre[k] * streams[k]`` in fp32, rounded once."""
     token = tl.program_id(0).to(tl.int64)
-    ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
-    in_d = ds < D
     hc = tl.arange(0, HC_P2)
-    in_hc = hc < HC
-    streams = tl.load(streams_ptr + token * HC * D + hc[:, None] * D + ds[None, :],
-                      mask=in_hc[:, None] & in_d[None, :], other=0.0).to(tl.float32)  # [k, BD]
-    pre = tl.load(pre_ptr + token * HC + hc, mask=in_hc, other=0.0)  # [k] fp32
-    out = tl.sum(pre[:, None] * streams, axis=0)  # [BD]
-    tl.store(out_ptr + token * D + ds, out.to(out_ptr.dtype.element_ty), mask=in_d)
+    pre = tl.load(pre_ptr + token * HC + hc, mask=hc < HC, other=0.0)  # [k] fp32
+    _collapse(pre, streams_ptr, out_ptr, token, tl.program_id(1), D, HC, HC_P2, BLOCK_D)
 
 
 def hc_collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
@@ -262,8 +328,21 @@ def _hc_pre_fake(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps):
 @opaque_under_compile("hc_pre", _hc_pre_fake)
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int,
            hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Op ``hc_pre`` (same contract as the reference op): the mixing logits, the weights and the collapse
-    kernels."""
-    mixed = hc_mix_logits(streams, fn, norm_eps)  # [T, (2 + hc) * hc] fp32
-    pre, post, comb = hc_weights(mixed, base, scale, streams.shape[1], sinkhorn_iters, hc_eps)
-    return post, comb, hc_collapse(pre, streams)
+    """Op ``hc_pre`` (same contract as the reference op): the mixing partials, then the finish, the weights and the
+    collapse in one kernel (two launches); where the compiled reference makes the mixing logits, the weights and
+    collapse kernels after it."""
+    if mix_kernel(streams) == "compiled":
+        mixed = hc_mix_logits(streams, fn, norm_eps)  # [T, (2 + hc) * hc] fp32
+        pre, post, comb = hc_weights(mixed, base, scale, streams.shape[1], sinkhorn_iters, hc_eps)
+        return post, comb, hc_collapse(pre, streams)
+    tokens, hc, dim = streams.shape
+    dots, squares, splits, n_p2 = hc_mix_logits(streams, fn, norm_eps, partials=True)
+    post = torch.empty(tokens, hc, dtype=torch.float32, device=streams.device)
+    comb = torch.empty(tokens, hc, hc, dtype=torch.float32, device=streams.device)
+    out = torch.empty(tokens, dim, dtype=streams.dtype, device=streams.device)
+    block_d = 1024
+    _hc_finish_weights_collapse_kernel[(tokens, triton.cdiv(dim, block_d))](
+        dots, squares, base.float().contiguous(), scale.float().contiguous(), streams.contiguous(), post, comb, out,
+        tokens, fn.shape[1], splits, norm_eps, sinkhorn_iters, hc_eps, dim, HC=hc, HC_P2=triton.next_power_of_2(hc),
+        N_P2=n_p2, SPLITS_P2=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
+    return post, comb, out
