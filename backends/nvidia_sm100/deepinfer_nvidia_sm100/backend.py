@@ -128,7 +128,8 @@ def triton_ops() -> dict[str, Callable]:
     ops = {**compiled.compiled_ops(), "moe_experts": moe.moe_experts, "hc_pre": hc.hc_pre, "hc_post": hc.hc_post,
            "apply_rope": rope.apply_rope, "apply_rope_": rope.apply_rope_, "indexer_scores": indexer.indexer_scores,
            "gather_keys": keys.gather_keys, "fork": streams.fork, "moe_route_topk": route.moe_route_topk,
-           "moe_route_hash": route.moe_route_hash, "compressor_entries": compressor.compressor_entries}
+           "moe_route_hash": route.moe_route_hash, "compressor_entries": compressor.compressor_entries,
+           "swiglu_mlp": moe.swiglu_mlp}
     if gemv.enabled():  # opt-in: within 10% of cuBLAS either way on the H200 (kernels/gemv.py)
         ops.update(linear=gemv.linear, grouped_linear=gemv.grouped_linear)
     if norm.enabled():  # measured faster than the compiled reference (kernels/norm.py); traced when compiling

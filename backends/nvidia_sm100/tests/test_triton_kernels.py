@@ -499,3 +499,23 @@ def test_compressor_entries_match_reference(windows, ratio, d, overlap, dtype, c
     exact = ref.compressor_entries(*(a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in args))
     own = (want.double() - exact).abs().max().item() if windows else 0.0
     assert (got.double() - exact).abs().max().item() <= 2 * own + 1e-6 if windows else got.numel() == 0
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 9, 0])
+def test_shared_expert_reads_adjacent_w1_w3_in_one_gemm(tokens, dtype):
+    """``swiglu_mlp`` with ``w1`` / ``w3`` as the model allocates them (row blocks of one tensor) equals the
+    reference, clamp included (``limit`` below the activations' range); separate tensors take the reference."""
+    gen = torch.Generator(device=DEVICE).manual_seed(tokens + 5)
+    inter, dim, limit = 48, 32, 0.5
+    x = torch.randn(tokens, dim, device=DEVICE, generator=gen).to(dtype)
+    w13 = (torch.randn(2 * inter, dim, device=DEVICE, generator=gen) * 0.5).to(dtype)
+    w1, w3 = w13.split(inter)
+    w2 = (torch.randn(dim, inter, device=DEVICE, generator=gen) * 0.3).to(dtype)
+    assert moe._rows_together(w1, w3) is not None and moe._rows_together(w3, w1) is None
+    got, want = moe.swiglu_mlp(x, w1, w2, w3, limit), ref.swiglu_mlp(x, w1, w2, w3, limit)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    assert got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(moe.swiglu_mlp(x, w1.clone(), w2, w3.clone(), limit), want, **tol)

@@ -251,8 +251,9 @@ class MoE:
         self.w1 = reg.add_stacked(prefix + ".experts.{}.w1.weight", E, (I, D))
         self.w2 = reg.add_stacked(prefix + ".experts.{}.w2.weight", E, (D, I))
         self.w3 = reg.add_stacked(prefix + ".experts.{}.w3.weight", E, (I, D))
-        self.shared = [reg.add(f"{prefix}.shared_experts.{w}.weight", shape)
-                       for w, shape in (("w1", (I, D)), ("w2", (D, I)), ("w3", (I, D)))]
+        shared = {w: f"{prefix}.shared_experts.{w}.weight" for w in ("w1", "w2", "w3")}
+        reg.add_fused({shared["w1"]: I, shared["w3"]: I}, D)  # adjacent: a backend may read both in one GEMM
+        self.shared = [reg.add(shared[w], shape) for w, shape in (("w1", (I, D)), ("w2", (D, I)), ("w3", (I, D)))]
         self.expert_map = ExpertMap(E, reg.device)
         self.record_load = False
         self.expert_load = torch.zeros(E, dtype=torch.long, device=reg.device)  # tokens per logical expert

@@ -27,10 +27,12 @@ reached 40% of the peak (docs/performance.md 4.11).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
+from deepinfer_core.ops import reference as ref
+from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile, reference_under_compile
 
 ALIGN_KERNEL_MAX_EXPERTS = 256  # the align kernels hold per-expert counters in registers
 ALIGN_ONE_PROGRAM_MAX_ASSIGN = 128  # one program loops over them (27 us at 384, H200, batch 64 x top-6)
@@ -362,10 +364,7 @@ def moe_experts_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
     xs = x.contiguous().index_select(0, tokens)  # [P, D]
     gate = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offsets)  # [P, I]
     up = torch._grouped_mm(xs, w3.transpose(1, 2), offs=offsets)  # [P, I]
-    h = torch.empty_like(gate)
-    n = gate.numel()
-    _swiglu_kernel[(triton.cdiv(n, SWIGLU_BLOCK),)](gate, up, h, n, float(limit), BLOCK=SWIGLU_BLOCK)
-    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets)  # [P, D]
+    y = torch._grouped_mm(swiglu(gate, up, limit), w2.transpose(1, 2), offs=offsets)  # [P, D]
     return _combine(y, ids, dest, x, weights)
 
 
@@ -380,14 +379,49 @@ def group_offsets(block_expert: torch.Tensor, num_experts: int, block_m: int) ->
 SWIGLU_BLOCK = 2048
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` of ``gate`` / ``up [rows, I]`` (unit column stride;
+    rows may be apart, as column blocks of one GEMM's output), in one pass."""
+    rows, cols = gate.shape
+    h = torch.empty(rows, cols, dtype=gate.dtype, device=gate.device)
+    n = h.numel()
+    if n:
+        _swiglu_kernel[(triton.cdiv(n, SWIGLU_BLOCK),)](gate, up, h, n, float(limit), cols, gate.stride(0),
+                                                         up.stride(0), BLOCK=SWIGLU_BLOCK)
+    return h
+
+
+@reference_under_compile(ref.swiglu_mlp)
+def swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, limit: float) -> torch.Tensor:
+    """``reference.swiglu_mlp`` (the shared expert): where ``w3`` follows ``w1`` in memory (the model allocates them
+    as one tensor), one GEMM for both, then ``swiglu`` over its two column blocks, then ``w2``: three launches
+    instead of seven, and one pass over the ``[T, I]`` intermediates instead of four. Otherwise the reference."""
+    both = _rows_together(w1, w3)
+    if both is None or x.dim() != 2:
+        return ref.swiglu_mlp(x, w1, w2, w3, limit)
+    inter = w1.shape[0]
+    gate_up = F.linear(x, both)  # [T, 2 I]
+    return F.linear(swiglu(gate_up[:, :inter], gate_up[:, inter:], limit), w2)
+
+
+def _rows_together(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor | None:
+    """``[w1; w3]`` as one ``[2 I, D]`` view when ``w3``'s rows directly follow ``w1``'s in one storage, else None."""
+    if (w1.shape != w3.shape or w1.dtype != w3.dtype or w1.device != w3.device or not w1.is_contiguous()
+            or not w3.is_contiguous() or w3.data_ptr() != w1.data_ptr() + w1.numel() * w1.element_size()):
+        return None
+    return w1.as_strided((2 * w1.shape[0], w1.shape[1]), (w1.shape[1], 1))
+
+
 @triton.jit
-def _swiglu_kernel(gate_ptr, up_ptr, h_ptr, n, limit, BLOCK: tl.constexpr):
-    """``h = silu(min(gate, limit)) * clamp(up, -limit, limit)``, rounded as ``_up_kernel``'s epilogue."""
+def _swiglu_kernel(gate_ptr, up_ptr, h_ptr, n, limit, cols, gate_stride, up_stride, BLOCK: tl.constexpr):
+    """``h [rows, cols] = silu(min(gate, limit)) * clamp(up, -limit, limit)``, rounded as ``_up_kernel``'s epilogue;
+    ``gate`` / ``up`` rows ``gate_stride`` / ``up_stride`` elements apart (column blocks of one GEMM's output)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
+    row, col = offs // cols, offs % cols
     dt = h_ptr.dtype.element_ty
-    gate = tl.minimum(tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32), limit)
-    up = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.minimum(tl.load(gate_ptr + row * gate_stride + col, mask=mask, other=0.0).to(tl.float32), limit)
+    up = tl.load(up_ptr + row * up_stride + col, mask=mask, other=0.0).to(tl.float32)
     up = tl.minimum(tl.maximum(up, -limit), limit)
     h = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up
     tl.store(h_ptr + offs, h.to(dt), mask=mask)
