@@ -132,6 +132,17 @@ def gather_keys(ring: torch.Tensor, ring_slots: torch.Tensor, ring_index: torch.
 
 
 @reference_op
+def write_rows_(dst: torch.Tensor, slots: torch.Tensor, index: torch.Tensor, src: torch.Tensor,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Cache writes: ``dst[slots[m], index[m]] = src[rows[m]]`` (``src[m]`` where ``rows`` is None), cast to
+    ``dst``'s dtype; ``dst`` is ``[A, B, width]``, ``src`` ``[N, width]``, the indices ``[M]``. Returns ``dst``. Where
+    two writes name one place, which one lands is unspecified (the decode graphs' padded rows all write the spare
+    slot)."""
+    dst[slots, index] = (src if rows is None else src[rows]).to(dst.dtype)
+    return dst
+
+
+@reference_op
 def sink_attention(
     q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor, scale: float
 ) -> torch.Tensor:

@@ -109,9 +109,11 @@ def sm100_ops() -> dict[str, Callable]:
 
 def triton_ops() -> dict[str, Callable]:
     """The overrides both paths share: Triton kernels (``moe_experts``, the MoE routing, ``hc_pre``, ``hc_post``,
-    ``apply_rope`` and ``apply_rope_``, ``indexer_scores``, ``gather_keys``, ``compressor_entries``, the RMS norms),
+    ``apply_rope`` and ``apply_rope_``, ``indexer_scores``, ``gather_keys``, ``compressor_entries``, the cache writes,
+    the RMS norms, the shared expert),
     the small ops that TorchInductor compiles to Triton, and ``fork`` on a second CUDA stream (``kernels/streams.py``)."""
     from deepinfer_nvidia_sm100.kernels import (
+        cache_writes,
         compiled,
         compressor,
         gemv,
@@ -129,7 +131,7 @@ def triton_ops() -> dict[str, Callable]:
            "apply_rope": rope.apply_rope, "apply_rope_": rope.apply_rope_, "indexer_scores": indexer.indexer_scores,
            "gather_keys": keys.gather_keys, "fork": streams.fork, "moe_route_topk": route.moe_route_topk,
            "moe_route_hash": route.moe_route_hash, "compressor_entries": compressor.compressor_entries,
-           "swiglu_mlp": moe.swiglu_mlp}
+           "swiglu_mlp": moe.swiglu_mlp, "write_rows_": cache_writes.write_rows_}
     if gemv.enabled():  # opt-in: within 10% of cuBLAS either way on the H200 (kernels/gemv.py)
         ops.update(linear=gemv.linear, grouped_linear=gemv.grouped_linear)
     if norm.enabled():  # measured faster than the compiled reference (kernels/norm.py); traced when compiling

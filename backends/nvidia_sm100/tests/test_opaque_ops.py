@@ -13,7 +13,19 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="the test extra installs triton")
-from deepinfer_nvidia_sm100.kernels import compressor, gemv, hc, indexer, keys, moe, norm, rope, route, tl_attention
+from deepinfer_nvidia_sm100.kernels import (
+    cache_writes,
+    compressor,
+    gemv,
+    hc,
+    indexer,
+    keys,
+    moe,
+    norm,
+    rope,
+    route,
+    tl_attention,
+)
 
 from deepinfer_core.ops import reference as ref
 
@@ -120,13 +132,22 @@ def test_wrapper_is_one_custom_op_under_compile_with_the_reference_shapes(name):
     assert [(tuple(t.shape), t.dtype) for t in fake] == [(tuple(t.shape), t.dtype) for t in want]
 
 
-def test_in_place_rope_is_one_mutating_custom_op_under_compile():
-    """``apply_rope_`` writes into its input: under ``torch.compile`` the kernel is the custom op
-    ``deepinfer_nvidia::apply_rope_`` declared as mutating ``x`` (so Inductor orders reads of ``x`` after it)."""
+def _in_place_cases():
     x = torch.randn(T, H, 64).to(torch.bfloat16)
     cos, sin = torch.randn(T, 8), torch.randn(T, 8)
-    ops = _custom_ops_traced(lambda t: rope.apply_rope_(t, cos, sin, True) + 1, x)
-    assert [str(n.target) for n in ops] == ["deepinfer_nvidia.apply_rope_.default"]
+    cache, src = torch.randn(3, 4, 16).to(torch.bfloat16), torch.randn(5, 16).to(torch.bfloat16)
+    slots, index, rows = torch.tensor([2, 0]), torch.tensor([3, 1]), torch.tensor([4, 0])
+    return {"apply_rope_": (lambda t: rope.apply_rope_(t, cos, sin, True) + 1, x),
+            "write_rows_": (lambda t: cache_writes.write_rows_(t, slots, index, src, rows) * 2, cache)}
+
+
+@pytest.mark.parametrize("name", ["apply_rope_", "write_rows_"])
+def test_in_place_kernel_is_one_mutating_custom_op_under_compile(name):
+    """``apply_rope_`` and ``write_rows_`` write into their first argument: under ``torch.compile`` each kernel is
+    the custom op ``deepinfer_nvidia::<name>`` declared as mutating it (so Inductor orders its reads after it)."""
+    fn, arg = _in_place_cases()[name]
+    ops = _custom_ops_traced(fn, arg)
+    assert [str(n.target) for n in ops] == [f"deepinfer_nvidia.{name}.default"]
     schema = ops[0].target._schema
     assert schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write
 

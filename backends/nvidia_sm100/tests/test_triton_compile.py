@@ -117,6 +117,9 @@ SMALL_KERNELS = {  # kernel -> (argument types where not the default, constexprs
                                          "carry_gate_ptr": "*bf16", "from_new_ptr": "*u8", "new_rows_ptr": "*i64",
                                          "carry_slots_ptr": "*i64", "carry_index_ptr": "*i64", "valid_ptr": "*u8",
                                          "out_ptr": "*bf16"}, {"OVERLAP": True, "BLOCK_S": 8, "BLOCK_D": 128}),
+    "cache_writes._write_rows_kernel": ({"dst_ptr": "*bf16", "slots_ptr": "*i64", "index_ptr": "*i64",
+                                         "src_ptr": "*fp32", "rows_ptr": "*i64"},
+                                        {"HAS_ROWS": True, "BLOCK_M": 4, "BLOCK_W": 512}),
     "route._route_kernel": ({"logits_ptr": "*bf16", "table_ptr": "*i64", "token_ptr": "*i64", "weights_ptr": "*bf16",
                              "ids_ptr": "*i64", "scaling": "fp32"},
                             {"SCORING": 0, "HASH": False, "E_P2": 64, "K_P2": 8}),
@@ -133,11 +136,22 @@ TENSOR_CORE_KERNELS = {  # their tl.dot tiles must compile to the architecture's
 @pytest.mark.parametrize("capability", sorted(ARCHS))
 @pytest.mark.parametrize("name", sorted(SMALL_KERNELS))
 def test_small_kernels_compile(name, capability):
-    from deepinfer_nvidia_sm100.kernels import compressor, gemv, indexer, key_blocks, keys, norm, rope, route
+    from deepinfer_nvidia_sm100.kernels import (
+        cache_writes,
+        compressor,
+        gemv,
+        indexer,
+        key_blocks,
+        keys,
+        norm,
+        rope,
+        route,
+    )
 
     module, kernel = name.split(":")[0].split(".")
     fn = getattr({"gemv": gemv, "hc": hc, "indexer": indexer, "key_blocks": key_blocks, "keys": keys, "moe": moe,
-                   "norm": norm, "rope": rope, "route": route, "compressor": compressor}[module], kernel)
+                   "norm": norm, "rope": rope, "route": route, "compressor": compressor,
+                   "cache_writes": cache_writes}[module], kernel)
     types, constants = SMALL_KERNELS[name]
     signature = {}
     for i, arg in enumerate(fn.arg_names):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="the test extra installs triton")
-from deepinfer_nvidia_sm100.kernels import compressor, hc, indexer, key_blocks, keys, moe, rope, route
+from deepinfer_nvidia_sm100.kernels import cache_writes, compressor, hc, indexer, key_blocks, keys, moe, rope, route
 
 from deepinfer_core.ops import reference as ref
 
@@ -519,3 +519,28 @@ def test_shared_expert_reads_adjacent_w1_w3_in_one_gemm(tokens, dtype):
     assert got.shape == want.shape and got.dtype == want.dtype
     torch.testing.assert_close(got, want, **tol)
     torch.testing.assert_close(moe.swiglu_mlp(x, w1.clone(), w2, w3.clone(), limit), want, **tol)
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("src_dtype, dst_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                                                  (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("with_rows", [True, False])
+@pytest.mark.parametrize("width", [512, 1100])
+def test_write_rows_matches_reference(width, with_rows, src_dtype, dst_dtype):
+    """Rows of a column block of a wider tensor (as the model's projections), picked by ``rows`` or in order, into
+    ``[slot, index]`` places of a cache, cast to its dtype; other places untouched; nothing to write."""
+    gen = torch.Generator(device=DEVICE).manual_seed(width + with_rows)
+    wide = torch.randn(6, width + 7, device=DEVICE, generator=gen).to(src_dtype)
+    src = wide[:, 3:3 + width]  # [6, width], rows width + 7 apart
+    dst = torch.randn(4, 5, width, device=DEVICE, generator=gen).to(dst_dtype)
+    slots, index = torch.tensor([3, 0, 2, 0, 1], device=DEVICE), torch.tensor([4, 4, 0, 1, 2], device=DEVICE)
+    rows = torch.tensor([5, 0, 2, 2, 1], device=DEVICE) if with_rows else None
+    want = ref.write_rows_(dst.clone(), slots, index, src[:5] if rows is None else src, rows)
+    got = dst.clone()
+    assert cache_writes.write_rows_(got, slots, index, src[:5] if rows is None else src, rows) is got
+    if INTERPRETED and src_dtype == torch.float32:  # the interpreter truncates to bf16 where the GPU rounds
+        torch.testing.assert_close(got, want, atol=0, rtol=2**-7)
+    else:
+        assert torch.equal(got, want)
+    empty = torch.zeros(0, dtype=torch.long, device=DEVICE)
+    assert torch.equal(cache_writes.write_rows_(dst.clone(), empty, empty, src, empty), dst)

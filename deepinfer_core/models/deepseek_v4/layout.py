@@ -270,9 +270,10 @@ class StepLayout:
         return ops.gather_keys(ring, self.key_slots, self.key_ring_index, new_kv, self.key_new_rows, self.key_from_new,
                                store, *places)
 
-    def write_ring(self, ring: torch.Tensor, new_kv: torch.Tensor) -> None:
-        """Keep the last ``window`` tokens of each sequence in its ring (position % window)."""
-        ring[self.ring_write_slots, self.ring_write_index] = new_kv[self.ring_write_rows]
+    def write_ring(self, ops, ring: torch.Tensor, new_kv: torch.Tensor) -> None:
+        """Keep the last ``window`` tokens of each sequence in its ring (position % window), through
+        ``ops.write_rows_``."""
+        ops.write_rows_(ring, self.ring_write_slots, self.ring_write_index, new_kv, self.ring_write_rows)
 
     # ------------------------------------------------------------------ compressed entries
     def entries(self, ratio: int) -> EntryLayout:

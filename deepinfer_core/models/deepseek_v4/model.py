@@ -108,10 +108,9 @@ class Compressor:
                                             plan.carry_slots, plan.carry_index, plan.valid, self.ape, self.norm,
                                             self.eps, self.ratio, self.overlap)  # [N, dim]
             cos, sin = ops.rope_cos_sin(plan.entry_positions, *rope)
-            store[plan.write_blocks, plan.write_rows] = ops.apply_rope_(pooled, cos, sin).to(store.dtype)
-        carry.kv[plan.carry_write_slots, plan.carry_write_index] = raw_kv[plan.carry_write_rows].to(carry.kv.dtype)
-        carry.gate[plan.carry_write_slots, plan.carry_write_index] = raw_gate[plan.carry_write_rows].to(
-            carry.gate.dtype)
+            ops.write_rows_(store, plan.write_blocks, plan.write_rows, ops.apply_rope_(pooled, cos, sin))
+        ops.write_rows_(carry.kv, plan.carry_write_slots, plan.carry_write_index, raw_kv, plan.carry_write_rows)
+        ops.write_rows_(carry.gate, plan.carry_write_slots, plan.carry_write_index, raw_gate, plan.carry_write_rows)
 
 class Indexer:
     """Lightning indexer: picks the top ``index_topk`` CSA entries for every query. While a step has at most
@@ -210,7 +209,7 @@ class Attention:
             keys = layout.attention_keys(ops, ring, kv, store, self.compressor.ratio)  # [S, Lk + E, hd]
             visible = torch.cat([visible, entry_visible], dim=-1)
         out = ops.sink_attention(layout.pad(q), keys, visible, self.sinks, self.head_dim**-0.5)  # [S, Lq, H, hd]
-        layout.write_ring(state.swa[self.layer_idx], kv.to(state.swa[self.layer_idx].dtype))
+        layout.write_ring(ops, state.swa[self.layer_idx], kv)
         out = ops.apply_rope_(layout.unpad(out), *rope, inverse=True)  # [T, H, hd]
         grouped = ops.grouped_linear(out.reshape(T, self.groups, -1), self.wo_a, self.groups)  # [T, g, o_lora]
         return ops.linear(grouped.flatten(1), self.wo_b)  # [T, D]

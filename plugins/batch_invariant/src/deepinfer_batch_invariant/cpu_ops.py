@@ -162,4 +162,5 @@ REFERENCE_KEPT: dict[str, str] = {
     "gather_keys": "gathers, a select and a concatenation: no arithmetic",
     "apply_rope_": "apply_rope written back into its input: the same elementwise arithmetic",
     "fork": "runs its function at once: no arithmetic of its own",
+    "write_rows_": "a gather and a scatter of whole rows: no arithmetic",
 }
