@@ -26,6 +26,7 @@
 #   check    the kernel and attention GPU tests, then the decode profile at batch 1 (kernels per step)
 #   streams  b1, b64 with forked work on a second stream and without (DEEPINFER_NVIDIA_STREAMS=0), then b256 and
 #            both prefill shapes
+#   final    b1 b64 b256 and both prefill shapes, then the decode profile at batch 256 and 1
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -94,6 +95,16 @@ if [[ $what == streams ]]; then
   DEEPINFER_NVIDIA_STREAMS=0 bench b64-nostreams --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
   bench b256 --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256
   what=prefill
+fi
+if [[ $what == final ]]; then
+  bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
+  bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
+  bench b256 --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256
+  bench prefill-8x1k --input-len 1024 --output-len 1 --num-prompts 8 --max-num-seqs 8 --max-num-batched-tokens 8192
+  bench prefill-8k --input-len 8192 --output-len 1 --num-prompts 1 --max-num-seqs 1 --max-num-batched-tokens 8192
+  timeout 200 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 256 1 > "$RES/profile-decode.txt" 2>&1
+  grep -E "^=== batch|^\|" "$RES/profile-decode.txt"; save
+  what=summary
 fi
 if [[ $what == idle ]]; then
   for shape in "8 1024" "1 8192"; do
