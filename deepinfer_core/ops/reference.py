@@ -214,22 +214,10 @@ def compressor_window(
 def pooled_windows(window: Callable, pool: Callable) -> Callable:
     """``compressor_entries`` made of a ``compressor_window`` and a ``compressor_pool`` implementation."""
 
-    def compressor_entries(
-        raw_kv: torch.Tensor,
-        raw_gate: torch.Tensor,
-        carry_kv: torch.Tensor,
-        carry_gate: torch.Tensor,
-        from_new: torch.Tensor,
-        new_rows: torch.Tensor,
-        carry_slots: torch.Tensor,
-        carry_index: torch.Tensor,
-        valid: torch.Tensor,
-        ape: torch.Tensor,
-        norm_weight: torch.Tensor,
-        eps: float,
-        ratio: int,
-        overlap: bool,
-    ) -> torch.Tensor:
+    def compressor_entries(raw_kv: torch.Tensor, raw_gate: torch.Tensor, carry_kv: torch.Tensor,
+                           carry_gate: torch.Tensor, from_new: torch.Tensor, new_rows: torch.Tensor,
+                           carry_slots: torch.Tensor, carry_index: torch.Tensor, valid: torch.Tensor, ape: torch.Tensor,
+                           norm_weight: torch.Tensor, eps: float, ratio: int, overlap: bool) -> torch.Tensor:
         """The compressed entries ``[N, d]`` of the windows a compressor completes this step:
         ``compressor_pool(*compressor_window(...), norm_weight, eps)`` (see those two ops)."""
         kv, gate = window(raw_kv, raw_gate, carry_kv, carry_gate, from_new, new_rows, carry_slots, carry_index, valid,

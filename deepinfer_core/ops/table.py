@@ -52,6 +52,7 @@ itself, the op is rebuilt from the table's current parts: the model calls ``appl
 and a backend that overrides only ``apply_rope`` (its result is written back) or only ``compressor_pool`` (composed
 with the window op) keeps its kernel in use."""
 
+
 class OpTable:
     """Named ops resolved once: a backend's overrides on top of the reference ops.
 
