@@ -518,7 +518,11 @@ def test_shared_expert_reads_adjacent_w1_w3_in_one_gemm(tokens, dtype):
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     assert got.shape == want.shape and got.dtype == want.dtype
     torch.testing.assert_close(got, want, **tol)
-    torch.testing.assert_close(moe.swiglu_mlp(x, w1.clone(), w2, w3.clone(), limit), want, **tol)
+    apart = torch.empty(2, inter, dim, device=DEVICE, dtype=dtype)  # adjacent rows of two storages: not one GEMM
+    w1_alone, w3_alone = apart[0].clone(), apart[1].clone()
+    w1_alone.copy_(w1), w3_alone.copy_(w3)
+    assert moe._rows_together(w1_alone, w3_alone) is None
+    torch.testing.assert_close(moe.swiglu_mlp(x, w1_alone, w2, w3_alone, limit), want, **tol)
 
 
 @kernel_runs_here

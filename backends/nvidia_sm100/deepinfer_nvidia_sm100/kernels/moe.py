@@ -405,9 +405,11 @@ def swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Te
 
 
 def _rows_together(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor | None:
-    """``[w1; w3]`` as one ``[2 I, D]`` view when ``w3``'s rows directly follow ``w1``'s in one storage, else None."""
+    """``[w1; w3]`` as one ``[2 I, D]`` view when ``w3``'s rows directly follow ``w1``'s in one storage, else None
+    (two allocations that merely lie side by side are not one storage)."""
     if (w1.shape != w3.shape or w1.dtype != w3.dtype or w1.device != w3.device or not w1.is_contiguous()
-            or not w3.is_contiguous() or w3.data_ptr() != w1.data_ptr() + w1.numel() * w1.element_size()):
+            or not w3.is_contiguous() or w3.data_ptr() != w1.data_ptr() + w1.numel() * w1.element_size()
+            or w1.untyped_storage().data_ptr() != w3.untyped_storage().data_ptr()):
         return None
     return w1.as_strided((2 * w1.shape[0], w1.shape[1]), (w1.shape[1], 1))
 
