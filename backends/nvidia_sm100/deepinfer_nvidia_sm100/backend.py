@@ -111,7 +111,8 @@ def triton_ops() -> dict[str, Callable]:
     """The overrides both paths share: Triton kernels (``moe_experts``, the MoE routing, ``hc_pre``, ``hc_post``,
     ``apply_rope`` and ``apply_rope_``, ``indexer_scores``, ``gather_keys``, ``compressor_entries``, the cache writes,
     the RMS norms, the shared expert),
-    the small ops that TorchInductor compiles to Triton, and ``fork`` on a second CUDA stream (``kernels/streams.py``)."""
+    the small ops that TorchInductor compiles to Triton, and ``fork`` on a second CUDA stream
+    (``kernels/streams.py``)."""
     from deepinfer_nvidia_sm100.kernels import (
         cache_writes,
         compiled,

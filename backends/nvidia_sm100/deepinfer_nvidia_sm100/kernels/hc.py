@@ -197,9 +197,11 @@ def _hc_weights_kernel(mixed_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_p
     idx = tl.arange(0, HC_P2)  # [HC_P2]
     in_hc = idx < HC
     rows, cols = idx[:, None], idx[None, :]
-    pre, post, comb = _weights(tl.load(row + idx, mask=in_hc, other=0.0), tl.load(row + HC + idx, mask=in_hc, other=0.0),
-                               tl.load(row + 2 * HC + rows * HC + cols, mask=(rows < HC) & (cols < HC), other=0.0),
-                               base_ptr, scale_ptr, sinkhorn_iters, hc_eps, HC, HC_P2)
+    pre_logit = tl.load(row + idx, mask=in_hc, other=0.0)
+    post_logit = tl.load(row + HC + idx, mask=in_hc, other=0.0)
+    comb_logit = tl.load(row + 2 * HC + rows * HC + cols, mask=(rows < HC) & (cols < HC), other=0.0)
+    pre, post, comb = _weights(pre_logit, post_logit, comb_logit, base_ptr, scale_ptr, sinkhorn_iters, hc_eps, HC,
+                               HC_P2)
     tl.store(pre_ptr + token * HC + idx, pre, mask=in_hc)
     _store_weights(post_ptr, comb_ptr, token, post, comb, HC, HC_P2)
 

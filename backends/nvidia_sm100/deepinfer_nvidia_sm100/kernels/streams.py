@@ -5,8 +5,9 @@ The model forks the compressor folds beside the query / key path and the shared 
 batch 1 those are chains of small kernels that leave most of the GPU idle; beside the weight-reading GEMVs of the
 other path they fill it (H200, docs/performance.md 4.13: batch-1 TPOT 3.08 -> 2.87 ms). Work on more than
 ``MAX_ROWS`` rows (prefill) runs in place: its kernels fill the GPU alone, and forked, a 1K-token prompt's first
-token came 19 ms later and an 8 x 1K prefill step took 153 instead of ~100 ms (4.13; why was not measured). ``DEEPINFER_NVIDIA_STREAMS=0`` runs all forked work
-in place (the reference op), for A/B runs; a step being compiled by TorchInductor also runs it in place.
+token came 19 ms later and an 8 x 1K prefill step took 153 instead of ~100 ms (4.13; why was not measured).
+``DEEPINFER_NVIDIA_STREAMS=0`` runs all forked work in place (the reference op), for A/B runs; a step being compiled
+by TorchInductor also runs it in place.
 """
 
 from __future__ import annotations
