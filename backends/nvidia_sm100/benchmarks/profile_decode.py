@@ -37,9 +37,6 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--backend", default="nvidia_sm100")
-    parser.add_argument("--layout-copy", choices=["pageable", "pinned"], default="pageable",
-                        help="A/B: how StepLayout moves its host-built index tensors (default: plain non-blocking "
-                             ".to(); pinned: pin_memory() first)")
     parser.add_argument("--enforce-eager", action="store_true", help="profile eager steps instead of graph replays")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192,
                         help="token budget per step; batch x input-len prefills every prompt in one step, so decode "
@@ -49,11 +46,6 @@ def main() -> None:
     parser.add_argument("--sync-debug", action="store_true",
                         help="prefill: warn at every host-device synchronisation of one step (with its stack)")
     args = parser.parse_args()
-    if args.layout_copy == "pinned":
-        from deepinfer_core.models.deepseek_v4.layout import StepLayout
-
-        # eager layouts only: graph replays compute theirs on the device (DecodeLayout)
-        StepLayout._to_device = lambda self, t: t.pin_memory().to(self.target_device, non_blocking=True)
     folder = presets.ensure_preset("v4-flash-8l64e")
     top = max(args.batches)
     llm = LLM(folder, backend=args.backend, dtype="bfloat16", max_model_len=args.input_len + 64, max_num_seqs=top,
