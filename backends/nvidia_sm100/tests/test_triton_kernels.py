@@ -484,10 +484,11 @@ def _window_case(windows: int, ratio: int, d: int, overlap: bool, dtype: torch.d
 @pytest.mark.parametrize("dtype, carry_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                 (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("windows, ratio, d, overlap", [(5, 4, 64, True), (3, 16, 96, False), (2, 128, 512, False),
-                                                        (0, 4, 64, True)])
+                                                        (0, 4, 64, True), (70, 16, 160, True)])
 def test_compressor_entries_match_reference(windows, ratio, d, overlap, dtype, carry_dtype):
     """CSA (overlapping halves, 8 slots) and HCA-like windows (up to 128 slots, several slot blocks), channels
-    that are not a multiple of the channel block, carried and new slots, slots before position 0."""
+    that are not a multiple of the channel block, carried and new slots, slots before position 0; few windows
+    (narrow channel blocks, one slot loop) and many (70: wide blocks, several slot iterations)."""
     args = _window_case(windows, ratio, d, overlap, dtype, carry_dtype, seed=windows * 31 + ratio + d)
     got, want = compressor.compressor_entries(*args), ref.compressor_entries(*args)
     assert got.shape == want.shape == (windows, d) and got.dtype == want.dtype

@@ -423,11 +423,13 @@ class DecodeLayout(StepLayout):
         tables = inputs.block_tables
         table_block = tables.gather(1, (window // per_block).clamp(max=tables.shape[1] - 1)[:, None])[:, 0]  # [S]
         entry = torch.where(real, window, 0)  # [S]; a dummy is window 0 of a sequence whose tokens are all carried
+        # a dummy pools its last slot only (position ratio - 1): its entry lands in the spare block, unread
+        first_valid = torch.where(real, 0, ratio - 1)[:, None]  # [S, 1]
         return _window_plan(entry, torch.where(real, ctx, span), self._seq,
                             torch.where(real, inputs.slots, static.spare_slot),
                             torch.where(real, table_block, static.spare_block),
                             (self._seq, inputs.slots, ctx % span), ratio, span, per_block,
-                            _arange(span, ctx.device))
+                            _arange(span, ctx.device), first_valid)
 
 
 def _entry_places(tables: torch.Tensor, entry_ids: torch.Tensor, counts: torch.Tensor, per_block: int):
@@ -443,10 +445,11 @@ def _entry_places(tables: torch.Tensor, entry_ids: torch.Tensor, counts: torch.T
 
 def _window_plan(entry: torch.Tensor, ctx: torch.Tensor, first_row: torch.Tensor, slots: torch.Tensor,
                  write_blocks: torch.Tensor, carry_writes: tuple, ratio: int, span: int, per_block: int,
-                 offsets: torch.Tensor) -> WindowPlan:
+                 offsets: torch.Tensor, first_valid: torch.Tensor | int = 0) -> WindowPlan:
     """The plan of compressor windows ``entry [N]`` (written to ``write_blocks [N]``) of sequences with ``ctx [N]``
     tokens in state, whose step rows start at ``first_row [N]`` and whose carry is slot ``slots [N]``; ``offsets``
-    is ``arange(span)``; ``carry_writes`` = (rows, slots, position % span) of the tokens that stay in the carry."""
+    is ``arange(span)``; ``carry_writes`` = (rows, slots, position % span) of the tokens that stay in the carry.
+    Slots before position ``first_valid`` (0, or ``[N, 1]``) are not pooled."""
     pos = ((entry + 1) * ratio - span)[:, None] + offsets[None, :]  # [N, span]
     from_new = pos >= ctx[:, None]  # [N, span]
     carry_rows, carry_slots, carry_index = carry_writes
@@ -455,7 +458,7 @@ def _window_plan(entry: torch.Tensor, ctx: torch.Tensor, first_row: torch.Tensor
         new_rows=torch.where(from_new, first_row[:, None] + pos - ctx[:, None], 0),
         carry_slots=slots[:, None].expand(-1, span),
         carry_index=pos.clamp(min=0) % span,
-        valid=pos >= 0,
+        valid=pos >= first_valid,
         entry_positions=entry * ratio,
         write_blocks=write_blocks,
         write_rows=entry % per_block,

@@ -21,6 +21,8 @@ from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 
 BLOCK_D = 128  # output channels per program
 MAX_BLOCK_S = 16  # window slots per loop iteration
+FEW_WINDOWS = 64  # below this many windows: narrower channel blocks, a whole window's slots per iteration
+FEW_BLOCK_D, FEW_MAX_BLOCK_S = 32, 128
 
 
 @triton.jit
@@ -89,11 +91,14 @@ def pool_windows(raw_kv: torch.Tensor, raw_gate: torch.Tensor, carry_kv: torch.T
         return out
     raw_kv, raw_gate = _rows_contiguous(raw_kv), _rows_contiguous(raw_gate)
     carry_kv, carry_gate = carry_kv.contiguous(), carry_gate.contiguous()
-    _pool_windows_kernel[(N, triton.cdiv(d, BLOCK_D))](
+    few = N < FEW_WINDOWS  # e.g. a batch-1 decode step: more, shorter programs (latency over loop iterations)
+    block_d = FEW_BLOCK_D if few else BLOCK_D
+    block_s = min(FEW_MAX_BLOCK_S if few else MAX_BLOCK_S, triton.next_power_of_2(span))
+    _pool_windows_kernel[(N, triton.cdiv(d, block_d))](
         raw_kv, raw_gate, carry_kv, carry_gate, from_new.contiguous().view(torch.uint8), new_rows.contiguous(),
         carry_slots.contiguous(), carry_index.contiguous(), valid.contiguous().view(torch.uint8), ape.contiguous(),
         out, span, d, ratio, width, raw_kv.stride(0), raw_gate.stride(0), carry_kv.stride(0), carry_kv.stride(1),
-        OVERLAP=overlap, BLOCK_S=min(MAX_BLOCK_S, triton.next_power_of_2(span)), BLOCK_D=BLOCK_D, num_warps=4)
+        OVERLAP=overlap, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4)
     return out
 
 
