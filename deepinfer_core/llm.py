@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from deepinfer_core.backends.registry import select_backend
-from deepinfer_core.engine.decode_graphs import DEFAULT_PREFILL_LIMIT, DecodeGraphs, default_sizes
+from deepinfer_core.engine.decode_graphs import DecodeGraphs, default_sizes
 from deepinfer_core.engine.engine import Engine, EngineConfig, RequestRejectedError
 from deepinfer_core.models.registry import default_registry
 from deepinfer_core.models.resolve import resolve_model
@@ -54,9 +54,6 @@ class LLM:
         cuda_graph_sizes: decode batch sizes to capture (vLLM's name); default ``1, 2, 4, 8, 16, 24, 32, 48, 64,
             ...`` up to ``max_num_seqs`` on a backend with graphs, none on one without (CPU). Given explicitly on
             CPU, decode steps take the same static-shape path, run eagerly.
-        graph_prefill_limit: a step whose eager part (prefill chunks) has more tokens than this runs its decodes in
-            that same eager forward instead of replaying a captured graph for them (one pass over the weights instead
-            of two); ``None`` always replays. Default ``DEFAULT_PREFILL_LIMIT`` (1024 tokens).
         gpu_memory_utilization, tensor_parallel_size, trust_remote_code: vLLM's names, accepted so vLLM code
             runs: the first is ``memory_fraction``; only one device per engine for now; no remote code is ever
             executed (a checkpoint needing it is refused).
@@ -82,7 +79,6 @@ class LLM:
         tensor_parallel_size: int = 1,
         enforce_eager: bool = False,
         cuda_graph_sizes: Sequence[int] | None = None,
-        graph_prefill_limit: int | None = DEFAULT_PREFILL_LIMIT,
         async_scheduling: bool | None = None,
         trust_remote_code: bool = False,
         **options: Any,
@@ -129,7 +125,7 @@ class LLM:
         graphs = None
         if sizes:
             graphs = DecodeGraphs(self.model, state, self.backend.capture_graph, sizes, self.max_model_len,
-                                  spare_slot=max_num_seqs, spare_block=num_blocks, prefill_limit=graph_prefill_limit)
+                                  spare_slot=max_num_seqs, spare_block=num_blocks)
         self.engine = Engine(self.model, state, self.tokenizer, engine_config, self.plugin_manager, graphs)
         self._ids = itertools.count()
 

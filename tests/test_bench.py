@@ -134,7 +134,7 @@ def test_cli_bench_prints_the_table_and_writes_json(cache_dir, tmp_path, capsys)
     path = tmp_path / "out.json"
     code = cli.main(["bench", "--preset", "tiny", "--cache-dir", str(cache_dir), "--input-len", "8", "--output-len",
                      "3", "--num-prompts", "2", "--max-num-seqs", "2", "--warmup", "0", "--async-scheduling",
-                     "--graph-prefill-limit", "none", "--json", str(path)])
+                     "--json", str(path)])
     out = capsys.readouterr().out
     assert code == 0
     assert "output tok/s" in out and "roofline (engine): n/a (CPU)" in out and "HF" not in out.split("metric")[1]
@@ -142,15 +142,11 @@ def test_cli_bench_prints_the_table_and_writes_json(cache_dir, tmp_path, capsys)
     data = json.loads(path.read_text())
     assert data["hf"] is None and data["engine"]["output_tokens"] == 6
     assert data["config"]["async_scheduling"] is True and data["engine"]["steps"] >= 3
-    assert data["config"]["graph_prefill_limit"] is None
 
 
 def test_cli_bench_bad_values_exit_2(capsys):
     assert cli.main(["bench", "--preset", "tiny", "--num-prompts", "0"]) == 2
     assert "num_prompts must be a positive integer" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        cli.main(["bench", "--preset", "tiny", "--graph-prefill-limit", "-3"])
-    assert "expected a token count >= 0 or 'none', got '-3'" in capsys.readouterr().err
 
 
 def test_stats_and_percentiles():

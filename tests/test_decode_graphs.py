@@ -150,25 +150,6 @@ def test_decodes_replay_beside_an_eager_prefill_in_one_step():
     _assert_same_greedy(dynamic, mixed)
 
 
-def test_decodes_join_a_prefill_forward_above_the_prefill_limit():
-    """With ``graph_prefill_limit`` below the step's prompt chunk, the decodes of such steps run in the prefill's
-    eager forward (no mixed step) and replay graphs only in steps without prefill; results equal the dynamic run."""
-    prompts = PROMPTS[:3] + [{"prompt_token_ids": [(11 * i) % 4000 + 60 for i in range(300)]}]
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
-    dynamic, llm, folded = _both_paths(prompts, params, [1, 2, 4], max_num_seqs=4, max_num_batched_tokens=40,
-                                       graph_prefill_limit=20)
-    runner = llm.engine.runner
-    assert runner.decode_graphs.prefill_limit == 20
-    assert runner.num_mixed_steps == 0 and runner.decode_graphs.num_replays >= 10
-    _assert_same_greedy(dynamic, folded)
-
-
-@pytest.mark.parametrize("limit", [-1, 1.5, True])
-def test_bad_prefill_limit_is_refused(limit):
-    with pytest.raises(ValueError, match="prefill limit must be a token count >= 0 or None"):
-        LLM(cuda_graph_sizes=[1], graph_prefill_limit=limit)
-
-
 @pytest.mark.parametrize("layer_types", [
     ["sliding_attention", "sliding_attention"],  # no compressor: the static shape has no windows or entries
     ["compressed_sparse_attention", "compressed_sparse_attention"],

@@ -28,7 +28,6 @@ import torch
 
 from deepinfer_core.bench import presets
 from deepinfer_core.bench.roofline import roofline
-from deepinfer_core.engine.decode_graphs import DEFAULT_PREFILL_LIMIT
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer_core.models.resolve import resolve_model
 
@@ -51,7 +50,6 @@ class BenchConfig:
     compare_hf: bool = False
     warmup: int = 1
     enforce_eager: bool = False
-    graph_prefill_limit: int | None = DEFAULT_PREFILL_LIMIT  # None: decodes always replay their graph
     async_scheduling: bool | None = None  # None: the backend's default
     seed: int = 0
     cache_dir: str | None = None
@@ -169,8 +167,7 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
     t0 = time.perf_counter()
     llm = LLM(folder, backend=config.backend, dtype=config.dtype, max_model_len=config.input_len + config.output_len,
               max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed,
-              enforce_eager=config.enforce_eager, graph_prefill_limit=config.graph_prefill_limit,
-              async_scheduling=config.async_scheduling)
+              enforce_eager=config.enforce_eager, async_scheduling=config.async_scheduling)
     load_time = time.perf_counter() - t0
     device, dtype = llm.backend.device, llm.dtype
     warm = random_prompts(len(prompts), len(prompts[0]), llm.model.config.vocab_size, config.seed + 1)

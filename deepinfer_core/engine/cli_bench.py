@@ -20,7 +20,6 @@ HELP = "benchmark offline throughput and latency (optionally against HF transfor
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``deepinfer bench`` options."""
     from deepinfer_core.bench.presets import PRESETS
-    from deepinfer_core.engine.decode_graphs import DEFAULT_PREFILL_LIMIT
 
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", help="checkpoint folder or cached hub id (default: the embedded default model)")
@@ -42,26 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="warmup runs before timing, each side (default 1)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="never replay decode steps from captured graphs (A/B against graphs)")
-    parser.add_argument("--graph-prefill-limit", type=_token_limit, default=DEFAULT_PREFILL_LIMIT, metavar="N|none",
-                        help="prefill tokens in a step above which its decodes run in the prefill's eager forward "
-                             f"instead of a graph replay (default {DEFAULT_PREFILL_LIMIT}; none: always replay)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="launch each step before reading the last one's tokens (default: the backend's, "
                              "on for NVIDIA, off on CPU)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and preset weights (default 0)")
     parser.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
-
-
-def _token_limit(text: str) -> int | None:
-    if text.lower() == "none":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a token count >= 0 or 'none', got {text!r}")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,7 +60,6 @@ def run(args: argparse.Namespace) -> int:
         num_prompts=args.num_prompts, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, backend=args.backend, dtype=args.dtype,
         compare_hf=args.compare_hf, warmup=args.warmup, enforce_eager=args.enforce_eager,
-        graph_prefill_limit=args.graph_prefill_limit,
         async_scheduling=args.async_scheduling, seed=args.seed, cache_dir=args.cache_dir,
     )
     try:

@@ -3,10 +3,7 @@
 The chunks of a step that fold exactly one token and sample (decode chunks, prompt logprobs aside) are
 padded to the next captured batch size with dummy sequences, and their layout to the static widths of a
 ``StaticShape`` (keys to the window, compressed entries to the context bucket divided by the ratio); the
-step's other chunks (prefill) run eagerly beside them, so a long prompt chunk never pads the decodes. Once the
-eager part exceeds ``prefill_limit`` tokens the decodes join it in the same eager forward instead (as vLLM and
-SGLang mix chunked prefill with decodes): a replay reads every weight the prefill's forward reads again, which
-costs more than a few hundred extra rows in that forward. The host
+step's other chunks (prefill) run eagerly beside them, so a long prompt chunk never pads the decodes. The host
 uploads the step's token ids, positions and per-sequence inputs (context lengths, slots, block tables) into fixed
 buffers in one copy and replays the graph, which computes the step's index layout from them on the device
 (``DecodeLayout``) and runs the model. Dummy sequences read and write only the state's spare slot and spare
@@ -32,7 +29,6 @@ logger = logging.getLogger("deepinfer")
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 MIN_CONTEXT_BUCKET = 256
-DEFAULT_PREFILL_LIMIT = 1024  # eager tokens above which a step's decodes run in its eager forward
 
 
 @dataclasses.dataclass
@@ -50,7 +46,7 @@ class DecodeGraphs:
     """Runs decode steps through captured static-shape graphs (see module docstring)."""
 
     def __init__(self, model, state, capture: Callable, sizes: Sequence[int], max_model_len: int,
-                 spare_slot: int, spare_block: int, prefill_limit: int | None = DEFAULT_PREFILL_LIMIT):
+                 spare_slot: int, spare_block: int):
         self.model = model
         self.state = state
         self.capture = capture
@@ -61,11 +57,6 @@ class DecodeGraphs:
         self.max_context = -(-max_model_len // multiple) * multiple
         self.spare_slot = spare_slot
         self.spare_block = spare_block
-        if prefill_limit is not None and (isinstance(prefill_limit, bool) or not isinstance(prefill_limit, int)
-                                          or prefill_limit < 0):
-            raise ValueError(f"the decode graphs' prefill limit must be a token count >= 0 or None (never fold "
-                             f"decodes into the eager forward), got {prefill_limit!r}")
-        self.prefill_limit = prefill_limit
         self.captured: dict[tuple[int, int], CapturedStep] = {}
         # every graph writes its logits here: one [largest size, vocab] buffer instead of one per captured graph
         self.logits = torch.empty(self.sizes[-1], model.config.vocab_size, dtype=torch.float32, device=model.device)
@@ -74,16 +65,11 @@ class DecodeGraphs:
 
     def select(self, chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
         """The chunks of a step that a captured graph runs: one-token chunks that sample and want no prompt
-        logprobs (decode), at most the largest captured size of them; none when the rest, which the engine runs
-        eagerly, has more than ``prefill_limit`` tokens."""
+        logprobs (decode), at most the largest captured size of them; the engine runs the rest eagerly."""
         if self.disabled_reason is not None:
             return []
         decode = [c for c in chunks if c.num_tokens == 1 and c.samples and not c.request.wants_prompt_logprobs]
-        graphed = decode[:self.sizes[-1]]
-        eager_tokens = sum(c.num_tokens for c in chunks) - len(graphed)
-        if self.prefill_limit is not None and eager_tokens > self.prefill_limit:
-            return []
-        return graphed
+        return decode[:self.sizes[-1]]
 
     def run(self, chunks: list[ScheduledChunk],
             fill_inputs: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:

@@ -27,8 +27,6 @@
 #   streams  b1, b64 with forked work on a second stream and without (DEEPINFER_NVIDIA_STREAMS=0), then b256 and
 #            both prefill shapes
 #   final    b1 b64 b256 and both prefill shapes, then the decode profile at batch 256 and 1
-#   fold     decodes in the prefill's eager forward (the default) against a graph replay beside it
-#            (--graph-prefill-limit none): one step of batch 256's prefill phase profiled both ways, then b256, b64
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -106,18 +104,6 @@ if [[ $what == final ]]; then
   bench prefill-8k --input-len 8192 --output-len 1 --num-prompts 1 --max-num-seqs 1 --max-num-batched-tokens 8192
   timeout 200 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 256 1 > "$RES/profile-decode.txt" 2>&1
   grep -E "^=== batch|^\|" "$RES/profile-decode.txt"; save
-  what=summary
-fi
-if [[ $what == fold ]]; then
-  for limit in 1024 none; do
-    timeout 200 python backends/nvidia_sm100/benchmarks/profile_decode.py --prefill 8 --decoding 248 \
-      --input-len 1024 --graph-prefill-limit $limit > "$RES/profile-mixed-$limit.txt" 2>&1
-    grep -E "^=== |^step span|gaps of" "$RES/profile-mixed-$limit.txt"; save
-  done
-  bench b256 --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256
-  bench b256-replay --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256 --graph-prefill-limit none
-  bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
-  bench b64-replay --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64 --graph-prefill-limit none
   what=summary
 fi
 if [[ $what == idle ]]; then
