@@ -3,6 +3,8 @@ top kernels (torch.profiler). GPU only.
 
     python backends/nvidia_sm100/benchmarks/profile_decode.py [--batches 1 64] [--input-len 1024]
     python backends/nvidia_sm100/benchmarks/profile_decode.py --prefill 8 [--input-len 1024]   (one prefill step)
+    python backends/nvidia_sm100/benchmarks/profile_decode.py --prefill 8 --decoding 248
+        (one step of batch 256's prefill phase: 8 prompts prefilled while 248 sequences decode)
 
 A prefill profile also reports where the GPU sat idle during the step and what the host did meanwhile
 (``trace_gaps.py``), the host's functions by cumulative time, and with ``--sync-debug`` every operation that
@@ -43,16 +45,18 @@ def main() -> None:
                              "meets one batch size only (what a compiled step, ~1 min per size, wants)")
     parser.add_argument("--prefill", type=int, default=0, metavar="N",
                         help="profile one step that prefills N prompts of --input-len tokens instead of decode")
+    parser.add_argument("--decoding", type=int, default=0, metavar="M",
+                        help="prefill: M sequences (--input-len prompts) decode in the profiled steps too")
     parser.add_argument("--sync-debug", action="store_true",
                         help="prefill: warn at every host-device synchronisation of one step (with its stack)")
     args = parser.parse_args()
     folder = presets.ensure_preset("v4-flash-8l64e")
-    top = max(args.batches)
+    top = max(max(args.batches), args.prefill + args.decoding)
     llm = LLM(folder, backend=args.backend, dtype="bfloat16", max_model_len=args.input_len + 64, max_num_seqs=top,
               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager)
     engine = llm.engine
     if args.prefill:
-        profile_prefill(llm, args.prefill, args.input_len, args.sync_debug)
+        profile_prefill(llm, args.prefill, args.input_len, args.sync_debug, args.decoding)
         return
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     summary = []
@@ -100,14 +104,21 @@ def main() -> None:
         print(f"| {batch} | {wall * 1e3:.2f} ms | {gpu * 1e3:.2f} ms | {launches:.0f} |")
 
 
-def profile_prefill(llm, prompts: int, length: int, sync_debug: bool = False) -> None:
-    """One step that prefills ``prompts`` prompts of ``length`` tokens (after one such warm-up step): wall time,
-    tokens/s, the kernels by time, the device's idle gaps with the host's work during them, the host's functions."""
+def profile_prefill(llm, prompts: int, length: int, sync_debug: bool = False, decoding: int = 0) -> None:
+    """One step that prefills ``prompts`` prompts of ``length`` tokens (after one such warm-up step), while
+    ``decoding`` sequences decode in it: wall time, tokens/s, the kernels by time, the device's idle gaps with the
+    host's work during them, the host's functions."""
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    vocab = llm.model.config.vocab_size
+    background = [f"decoding-{i}" for i in range(decoding)]
+    for name, ids in zip(background, random_prompts(decoding, length, vocab, 7)):
+        engine.add_request(name, None, ids, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    while not all(r.output_token_ids for name in background for r in engine.groups[name]):
+        engine.step()  # their prefill, then they decode beside each profiled step
 
     def one_step(tag: str) -> float:
-        for i, ids in enumerate(random_prompts(prompts, length, llm.model.config.vocab_size, len(tag))):
+        for i, ids in enumerate(random_prompts(prompts, length, vocab, len(tag))):
             engine.add_request(f"{tag}-{i}", None, ids, params)
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -115,7 +126,7 @@ def profile_prefill(llm, prompts: int, length: int, sync_debug: bool = False) ->
             engine.step()
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        while engine.has_unfinished():
+        while any(f"{tag}-{i}" in engine.groups for i in range(prompts)):  # a finished group leaves ``groups``
             engine.step()
         return seconds
 
@@ -125,7 +136,8 @@ def profile_prefill(llm, prompts: int, length: int, sync_debug: bool = False) ->
         one_step("profiled")
     events = prof.key_averages()
     gpu = kernel_seconds(events)
-    print(f"\n=== prefill {prompts} x {length} tokens in one step: wall {wall * 1e3:.1f} ms "
+    beside = f" beside {decoding} decodes ({llm.engine.runner.num_mixed_steps} mixed steps)" if decoding else ""
+    print(f"\n=== prefill {prompts} x {length} tokens in one step{beside}: wall {wall * 1e3:.1f} ms "
           f"({prompts * length / wall:,.0f} tok/s), GPU kernel time {gpu * 1e3:.1f} ms")
     print(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70))
     trace = os.path.join(tempfile.gettempdir(), f"trace-prefill-{prompts}x{length}.json")
