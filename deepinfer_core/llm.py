@@ -48,6 +48,11 @@ class LLM:
         enable_prefix_caching: share full blocks of identical prefixes between requests.
         tokenizer: a folder with tokenizer.json to use instead of the checkpoint's.
         enforce_eager: never replay decode steps from captured graphs (as in vLLM).
+        enable_mixed_chunk: decode running requests in the steps that prefill prompts too (vLLM's way; SGLang's
+            ``--enable-mixed-chunk``). Off by default (SGLang's default): while prompt tokens wait, a step folds only
+            those, and the running requests decode in the steps between (a decode beside a prompt chunk costs a
+            second pass over the weights here: a captured decode graph beside the eager prefill). On, running
+            requests never pause for a prompt.
         async_scheduling: plan and launch each step before the previous step's tokens are read, so the host's
             per-step work (stop checks, text, scheduling) overlaps the device's (vLLM's ``async_scheduling``); the
             outputs are the same. Default: the backend's ``default_async_scheduling`` (on for NVIDIA, off on CPU).
@@ -79,6 +84,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         enforce_eager: bool = False,
         cuda_graph_sizes: Sequence[int] | None = None,
+        enable_mixed_chunk: bool = False,
         async_scheduling: bool | None = None,
         trust_remote_code: bool = False,
         **options: Any,
@@ -121,7 +127,7 @@ class LLM:
                              "kv_cache_memory_bytes or pass enforce_eager=True")
         state = self.model.new_state(num_slots=max_num_seqs + spare, num_blocks=num_blocks + spare, block_size=block)
         engine_config = EngineConfig(self.max_model_len, max_num_seqs, self.max_num_batched_tokens, block, num_blocks,
-                                     enable_prefix_caching, seed, self.async_scheduling)
+                                     enable_prefix_caching, seed, self.async_scheduling, enable_mixed_chunk)
         graphs = None
         if sizes:
             graphs = DecodeGraphs(self.model, state, self.backend.capture_graph, sizes, self.max_model_len,

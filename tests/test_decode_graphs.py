@@ -145,7 +145,8 @@ def test_decodes_replay_beside_an_eager_prefill_in_one_step():
     graph path and the prompt chunk eagerly; results equal the all-dynamic run."""
     prompts = PROMPTS[:3] + [{"prompt_token_ids": [(11 * i) % 4000 + 60 for i in range(300)]}]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
-    dynamic, llm, mixed = _both_paths(prompts, params, [1, 2, 4], max_num_seqs=4, max_num_batched_tokens=40)
+    dynamic, llm, mixed = _both_paths(prompts, params, [1, 2, 4], max_num_seqs=4, max_num_batched_tokens=40,
+                                      enable_mixed_chunk=True)
     assert llm.engine.runner.num_mixed_steps >= 3
     _assert_same_greedy(dynamic, mixed)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,10 +28,10 @@ def _request(rid: int, tokens: list[int], max_tokens: int = 3) -> Request:
                    detokenizer=SequenceDetokenizer(None, params, tokens, None, None))
 
 
-def _scheduler(num_blocks=16, num_slots=4, budget=64, replay=lambda r, hit: hit):
+def _scheduler(num_blocks=16, num_slots=4, budget=64, replay=lambda r, hit: hit, mixed=False):
     manager = StateManager(num_blocks, num_slots, BLOCK)
     finish = lambda request, token: request.detokenizer.append(token).finished
-    return manager, FcfsScheduler(manager, num_slots, budget, replay, finish)
+    return manager, FcfsScheduler(manager, num_slots, budget, replay, finish, mixed_chunks=mixed)
 
 
 def _step(scheduler, token=7):
@@ -117,13 +118,28 @@ def test_preemption_frees_the_latest_arrival_and_it_recomputes():
     assert b.num_preemptions >= 1 and scheduler.num_preemptions == len(preempted)
 
 
+@pytest.mark.parametrize("mixed", [False, True])
+def test_decodes_wait_while_prompt_tokens_fold_unless_mixed(mixed):
+    """Without mixed chunks a step with prompt work (an admission, a prompt's next chunk) plans no decode; the
+    running request decodes once no prompt tokens are left. With them, decodes ride along in every step."""
+    _, scheduler = _scheduler(num_slots=3, budget=6, mixed=mixed)
+    scheduler.add(_request(0, [1, 2, 3], max_tokens=4))
+    _step(scheduler)  # request 0 prefilled: it decodes from now on
+    scheduler.add(_request(1, list(range(10, 20)), max_tokens=2))  # 10 prompt tokens: two chunks
+    plans = [[(c.request.request_id, c.num_tokens) for c in _step(scheduler)[0].chunks] for _ in range(3)]
+    if mixed:
+        assert plans == [[("0", 1), ("1", 5)], [("0", 1), ("1", 5)], [("0", 1), ("1", 1)]]
+    else:
+        assert plans == [[("1", 6)], [("1", 4)], [("0", 1), ("1", 1)]]
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), num_blocks=st.integers(6, 24), num_slots=st.integers(1, 5),
-       budget=st.integers(1, 40))
-def test_allocator_invariants_under_random_workloads(seed, num_blocks, num_slots, budget):
+       budget=st.integers(1, 40), mixed=st.booleans())
+def test_allocator_invariants_under_random_workloads(seed, num_blocks, num_slots, budget, mixed):
     rng = random.Random(seed)
     manager, scheduler = _scheduler(num_blocks, num_slots, budget,
-                                    replay=lambda r, hit: max(0, hit - rng.choice([0, 3, 8])))
+                                    replay=lambda r, hit: max(0, hit - rng.choice([0, 3, 8])), mixed=mixed)
     prefixes = [[rng.randrange(50) for _ in range(rng.randrange(0, 12))] for _ in range(3)]
     requests = []
     for rid in range(rng.randrange(1, 9)):

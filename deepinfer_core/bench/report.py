@@ -48,7 +48,7 @@ def _header(config: Mapping[str, Any], engine: Mapping[str, Any]) -> list[str]:
         (f"  {config['num_prompts']} prompts x {config['input_len']} tokens in, {config['output_len']} out "
          f"(greedy, EOS ignored); max_num_seqs {config['max_num_seqs']}, max_num_batched_tokens "
          f"{config['max_num_batched_tokens']}, async scheduling {_on(config.get('async_scheduling'))}, "
-         f"warmup {config['warmup']}"),
+         f"mixed chunks {_on(config.get('enable_mixed_chunk'))}, warmup {config['warmup']}"),
         (f"  device {config['device']}, dtype {config['dtype']}, torch {config['torch']} "
          f"({config['torch_threads']} threads), {config['date']}{_load(config)}"),
         f"  {engine['output_tokens']} output tokens, {engine['prompt_tokens']} prompt tokens",

@@ -50,6 +50,7 @@ class BenchConfig:
     compare_hf: bool = False
     warmup: int = 1
     enforce_eager: bool = False
+    enable_mixed_chunk: bool = False
     async_scheduling: bool | None = None  # None: the backend's default
     seed: int = 0
     cache_dir: str | None = None
@@ -167,7 +168,8 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
     t0 = time.perf_counter()
     llm = LLM(folder, backend=config.backend, dtype=config.dtype, max_model_len=config.input_len + config.output_len,
               max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed,
-              enforce_eager=config.enforce_eager, async_scheduling=config.async_scheduling)
+              enforce_eager=config.enforce_eager, enable_mixed_chunk=config.enable_mixed_chunk,
+              async_scheduling=config.async_scheduling)
     load_time = time.perf_counter() - t0
     device, dtype = llm.backend.device, llm.dtype
     warm = random_prompts(len(prompts), len(prompts[0]), llm.model.config.vocab_size, config.seed + 1)

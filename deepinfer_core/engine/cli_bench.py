@@ -41,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="warmup runs before timing, each side (default 1)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="never replay decode steps from captured graphs (A/B against graphs)")
+    parser.add_argument("--enable-mixed-chunk", action="store_true",
+                        help="decode running requests in prefill steps too (default: they wait while prompts fold)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="launch each step before reading the last one's tokens (default: the backend's, "
                              "on for NVIDIA, off on CPU)")
@@ -60,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         num_prompts=args.num_prompts, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, backend=args.backend, dtype=args.dtype,
         compare_hf=args.compare_hf, warmup=args.warmup, enforce_eager=args.enforce_eager,
+        enable_mixed_chunk=args.enable_mixed_chunk,
         async_scheduling=args.async_scheduling, seed=args.seed, cache_dir=args.cache_dir,
     )
     try:

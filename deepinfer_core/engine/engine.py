@@ -36,6 +36,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     async_scheduling: bool = False
+    enable_mixed_chunk: bool = False  # decodes in steps that fold prompt tokens (see FcfsScheduler)
 
 
 class Engine:
@@ -61,7 +62,7 @@ class Engine:
                                           config.enable_prefix_caching)
         self.scheduler: Scheduler = FcfsScheduler(self.state_manager, config.max_num_seqs,
                                                   config.max_num_batched_tokens, self._replay_start,
-                                                  self._append_token)
+                                                  self._append_token, config.enable_mixed_chunk)
         self.runner = ModelRunner(model, state, self.eos_token_id, decode_graphs)
         self.groups: dict[str, list[Request]] = {}
         self._deferred_text: list[Request] = []  # requests whose last token's text waits for the next step

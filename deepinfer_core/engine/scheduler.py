@@ -89,10 +89,18 @@ class FcfsScheduler(Scheduler):
     token budget (``max_num_batched_tokens``), the sequence limit (``max_num_seqs``) and free state
     allow. When a running request cannot get a block, the latest-arrived running request is
     preempted: its state is released and it recomputes later (prefix caching usually restores most).
+
+    Without ``mixed_chunks`` (SGLang's default) a step that has prompt tokens to fold (a prompt chunk of a
+    running request, or a waiting request that can be admitted) folds only those and the running requests'
+    decodes wait for a step without prompt work; with it (vLLM's way) decodes ride along in every step. A decode
+    beside a prompt chunk costs a separate pass over the weights here (a captured decode graph beside the eager
+    prefill), while its sequences decode as many steps after the prompts either way.
     """
 
     def __init__(self, state: StateManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 replay_start: ReplayPolicy, finish_check: Callable[[Request, int], bool]):
+                 replay_start: ReplayPolicy, finish_check: Callable[[Request, int], bool],
+                 mixed_chunks: bool = False):
+        self.mixed_chunks = mixed_chunks
         self.state = state
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -110,11 +118,26 @@ class FcfsScheduler(Scheduler):
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
+        preempted: list[Request] = []
+        if not self.mixed_chunks and self._has_prompt_work():
+            output = self._plan(preempted, decodes=False)
+            if output.chunks:
+                return output
+        return self._plan(preempted, decodes=True)
+
+    def _has_prompt_work(self) -> bool:
+        """Whether a running request has prompt tokens left to fold or the next waiting one may be admitted."""
+        return any(r.num_pending_tokens > 1 for r in self.running if r.status == RequestStatus.RUNNING) or bool(
+            self.waiting and len(self.running) < self.max_num_seqs and not self.waiting[0].num_inflight_tokens)
+
+    def _plan(self, preempted: list[Request], decodes: bool) -> SchedulerOutput:
+        """The step's chunks; with ``decodes`` False, running requests with one token pending are left out."""
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
-        preempted: list[Request] = []
         for request in list(self.running):
             if request.status != RequestStatus.RUNNING or budget == 0 or self._ends_in_flight(request):
+                continue
+            if not decodes and request.num_pending_tokens == 1:
                 continue
             num = min(request.num_pending_tokens, budget)
             if not self._allocate_or_preempt(request, num, preempted):

@@ -27,6 +27,8 @@
 #   streams  b1, b64 with forked work on a second stream and without (DEEPINFER_NVIDIA_STREAMS=0), then b256 and
 #            both prefill shapes
 #   final    b1 b64 b256 and both prefill shapes, then the decode profile at batch 256 and 1
+#   sched    b256 and b64 with prompts folded first (the default) and with --enable-mixed-chunk, b256 with
+#            16384-token steps, b1, then the decode profile at batch 256 and 1 and one mixed step profiled
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -104,6 +106,20 @@ if [[ $what == final ]]; then
   bench prefill-8k --input-len 8192 --output-len 1 --num-prompts 1 --max-num-seqs 1 --max-num-batched-tokens 8192
   timeout 200 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 256 1 > "$RES/profile-decode.txt" 2>&1
   grep -E "^=== batch|^\|" "$RES/profile-decode.txt"; save
+  what=summary
+fi
+if [[ $what == sched ]]; then
+  bench b256 --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256
+  bench b256-mixed --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256 --enable-mixed-chunk
+  bench b256-16k --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256 --max-num-batched-tokens 16384
+  bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
+  bench b64-mixed --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64 --enable-mixed-chunk
+  bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
+  timeout 150 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 256 1 > "$RES/profile-decode.txt" 2>&1
+  grep -E "^=== batch|^\|" "$RES/profile-decode.txt"; save
+  timeout 120 python backends/nvidia_sm100/benchmarks/profile_decode.py --prefill 8 --decoding 248 \
+    > "$RES/profile-mixed.txt" 2>&1
+  grep -E "^=== |^step span|gaps of" "$RES/profile-mixed.txt"; save
   what=summary
 fi
 if [[ $what == idle ]]; then

@@ -53,7 +53,8 @@ def main() -> None:
     folder = presets.ensure_preset("v4-flash-8l64e")
     top = max(max(args.batches), args.prefill + args.decoding)
     llm = LLM(folder, backend=args.backend, dtype="bfloat16", max_model_len=args.input_len + 64, max_num_seqs=top,
-              max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager)
+              max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
+              enable_mixed_chunk=args.decoding > 0)
     engine = llm.engine
     if args.prefill:
         profile_prefill(llm, args.prefill, args.input_len, args.sync_debug, args.decoding)
