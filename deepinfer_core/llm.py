@@ -40,7 +40,8 @@ class LLM:
         dtype: ``"auto"`` (float32 on CPU, bfloat16 on accelerators), or a torch dtype / name.
         max_model_len: longest prompt + output in tokens (default: the model's max_position_embeddings).
         max_num_seqs: most sequences running at once. max_num_batched_tokens: token budget per step (default: the
-            backend's ``default_max_num_batched_tokens``: 2048 on CPU, 8192 on NVIDIA GPUs).
+            backend's ``default_max_num_batched_tokens``: 2048 on CPU; on NVIDIA GPUs 16384 from 70 GiB of memory
+            (H100 / H200 / B200: vLLM's offline default there), else 8192).
         kv_cache_memory_bytes: bytes for the model state (paged blocks and per-sequence slots); default
             a fraction (``memory_fraction``) of free device memory, or up to 2 GiB on CPU.
         seed: base seed for requests without ``SamplingParams.seed``.

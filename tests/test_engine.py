@@ -87,8 +87,8 @@ def test_prefix_hit_replays_from_a_nonzero_start(ckpt):
     starts = []
     original = llm.engine.scheduler._admit
 
-    def spy(request, budget):
-        chunk = original(request, budget)
+    def spy(request, budget, chunks):
+        chunk = original(request, budget, chunks)
         if chunk is not None:
             starts.append((chunk.start, request.num_cached_tokens))
         return chunk

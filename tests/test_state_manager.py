@@ -133,6 +133,19 @@ def test_decodes_wait_while_prompt_tokens_fold_unless_mixed(mixed):
         assert plans == [[("1", 6)], [("1", 4)], [("0", 1), ("1", 1)]]
 
 
+def test_prompt_chunks_padded_to_the_longest_stay_within_two_budgets():
+    """A long prompt chunk with short prompts behind it: only as many join the step as keep (prompt chunks) x
+    (longest chunk) within twice the token budget; the rest wait for the next step."""
+    _, scheduler = _scheduler(num_blocks=64, num_slots=8, budget=40)
+    scheduler.add(_request(0, list(range(30)), max_tokens=1))
+    for rid in range(1, 6):
+        scheduler.add(_request(rid, [rid, rid + 1], max_tokens=1))
+    out, _ = _step(scheduler)
+    assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("0", 30), ("1", 2)]  # 3 x 30 > 80
+    out, _ = _step(scheduler)
+    assert [c.request.request_id for c in out.chunks] == ["2", "3", "4", "5"]
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), num_blocks=st.integers(6, 24), num_slots=st.integers(1, 5),
        budget=st.integers(1, 40), mixed=st.booleans())
@@ -154,6 +167,8 @@ def test_allocator_invariants_under_random_workloads(seed, num_blocks, num_slots
         out = scheduler.schedule()
         assert out.chunks, "scheduler stalled with pending requests"
         assert out.num_tokens <= budget
+        prompt_chunks = [c.num_tokens for c in out.chunks if c.num_tokens > 1]
+        assert len(prompt_chunks) < 2 or len(prompt_chunks) * max(prompt_chunks) <= 2 * budget
         assert len({c.request.request_id for c in out.chunks}) == len(out.chunks)
         for chunk in out.chunks:
             assert len(chunk.request.block_ids) * BLOCK >= chunk.end  # blocks cover what is computed

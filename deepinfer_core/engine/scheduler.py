@@ -80,6 +80,7 @@ class Scheduler(abc.ABC):
 
 
 ReplayPolicy = Callable[[Request, int], int]
+PADDED_PER_BUDGET = 2  # prompt chunks of a step, padded to its longest, stay within this many token budgets
 
 
 class FcfsScheduler(Scheduler):
@@ -95,6 +96,10 @@ class FcfsScheduler(Scheduler):
     decodes wait for a step without prompt work; with it (vLLM's way) decodes ride along in every step. A decode
     beside a prompt chunk costs a separate pass over the weights here (a captured decode graph beside the eager
     prefill), while its sequences decode as many steps after the prompts either way.
+
+    A step's prompt chunks (those of more than one token) are planned so that their count times the longest stays
+    within ``PADDED_PER_BUDGET`` token budgets: the model's eager layout pads every chunk to the longest, and many
+    short prompts beside one long chunk would otherwise take memory quadratic in the budget.
     """
 
     def __init__(self, state: StateManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -139,15 +144,15 @@ class FcfsScheduler(Scheduler):
                 continue
             if not decodes and request.num_pending_tokens == 1:
                 continue
-            num = min(request.num_pending_tokens, budget)
-            if not self._allocate_or_preempt(request, num, preempted):
+            num = self._padded_fit(chunks, min(request.num_pending_tokens, budget))
+            if num == 0 or not self._allocate_or_preempt(request, num, preempted):
                 continue
             chunks.append(ScheduledChunk(request, request.num_computed_tokens, num))
             budget -= num
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             if self.waiting[0].num_inflight_tokens:  # preempted while its token was in flight: wait for it
                 break
-            chunk = self._admit(self.waiting[0], budget)
+            chunk = self._admit(self.waiting[0], budget, chunks)
             if chunk is None:
                 break
             self.waiting.popleft()
@@ -157,6 +162,15 @@ class FcfsScheduler(Scheduler):
             chunk.request.num_computed_tokens = chunk.end
             chunk.request.num_inflight_tokens += chunk.samples
         return SchedulerOutput(chunks, preempted)
+
+    def _padded_fit(self, chunks: list[ScheduledChunk], num: int) -> int:
+        """How many of ``num`` tokens a chunk may take beside ``chunks`` so that the step's prompt chunks, padded to
+        the longest, stay within ``PADDED_PER_BUDGET`` budgets (0: none; a one-token chunk always fits)."""
+        lengths = [c.num_tokens for c in chunks if c.num_tokens > 1]
+        if num <= 1 or not lengths:
+            return num
+        cap = PADDED_PER_BUDGET * self.max_num_batched_tokens // (len(lengths) + 1)
+        return 0 if max(lengths) > cap else min(num, cap)
 
     def _ends_in_flight(self, request: Request) -> bool:
         """Whether the request's in-flight token is certain to end it (its length limit): no step is planned
@@ -174,12 +188,12 @@ class FcfsScheduler(Scheduler):
                 return False
         return True
 
-    def _admit(self, request: Request, budget: int) -> ScheduledChunk | None:
+    def _admit(self, request: Request, budget: int, chunks: list[ScheduledChunk]) -> ScheduledChunk | None:
         cached = self.state.match_prefix(request)
         hit = len(cached) * self.state.block_size
         start = self.replay_start(request, hit) if hit else 0
-        num = min(request.num_tokens - start, budget)
-        if not self.state.can_admit(cached, start + num):
+        num = self._padded_fit(chunks, min(request.num_tokens - start, budget))
+        if num == 0 or not self.state.can_admit(cached, start + num):
             return None
         self.state.admit(request, cached)
         if not self.state.allocate(request, start + num):

@@ -26,6 +26,10 @@ VERIFIED = {
 }
 
 
+LARGE_GPU_BYTES = 70 * 1024**3
+LARGE_GPU_BATCHED_TOKENS = 16384
+
+
 class NvidiaBackend(Backend):
     """CUDA device backend. ``path`` is ``"sm90"`` (Hopper) or ``"sm100"`` (Blackwell) by compute capability."""
 
@@ -33,7 +37,9 @@ class NvidiaBackend(Backend):
     device_type = "cuda"
     probe = staticmethod(probe)
     # SGLang's chunked-prefill size on H100 / H200, vLLM's server default: at 2048 tokens per step the bench's batch
-    # of 64 x 1K prompts ran at 28.9% of the roofline, prefilled in one step 50.6% (docs/performance.md 4.9)
+    # of 64 x 1K prompts ran at 28.9% of the roofline, prefilled in one step 50.6% (docs/performance.md 4.9). On a
+    # GPU of at least 70 GiB ``__init__`` raises it to vLLM's offline (``LLM`` class) default there,
+    # ``LARGE_GPU_BATCHED_TOKENS``: batch 256 63.2% -> 65.2% of the roofline on the H200 (docs/performance.md 4.14)
     default_max_num_batched_tokens = 8192
     # the host reads step N's tokens while the GPU computes step N + 1 (docs/performance.md 4.10)
     default_async_scheduling = True
@@ -51,6 +57,8 @@ class NvidiaBackend(Backend):
             major, minor = self.capability
             raise RuntimeError(f"{NAME}: compute capability {major}.{minor}: needs 9.x or 10.x")
         self.path = path
+        if torch.cuda.get_device_properties(index).total_memory >= LARGE_GPU_BYTES:
+            self.default_max_num_batched_tokens = LARGE_GPU_BATCHED_TOKENS
         self._graph_pool = None  # one CUDA graph memory pool shared by every capture (capture_graph)
         self._step_compiler = StepCompiler()
 
@@ -110,10 +118,11 @@ def sm100_ops() -> dict[str, Callable]:
 def triton_ops() -> dict[str, Callable]:
     """The overrides both paths share: Triton kernels (``moe_experts``, the MoE routing, ``hc_pre``, ``hc_post``,
     ``apply_rope`` and ``apply_rope_``, ``indexer_scores``, ``gather_keys``, ``compressor_entries``, the cache writes,
-    the RMS norms, the shared expert),
+    the RMS norms, the shared expert), ``grouped_linear`` as a strided cuBLAS batched GEMM (``kernels/blas.py``),
     the small ops that TorchInductor compiles to Triton, and ``fork`` on a second CUDA stream
     (``kernels/streams.py``)."""
     from deepinfer_nvidia_sm100.kernels import (
+        blas,
         cache_writes,
         compiled,
         compressor,
@@ -132,7 +141,8 @@ def triton_ops() -> dict[str, Callable]:
            "apply_rope": rope.apply_rope, "apply_rope_": rope.apply_rope_, "indexer_scores": indexer.indexer_scores,
            "gather_keys": keys.gather_keys, "fork": streams.fork, "moe_route_topk": route.moe_route_topk,
            "moe_route_hash": route.moe_route_hash, "compressor_entries": compressor.compressor_entries,
-           "swiglu_mlp": moe.swiglu_mlp, "write_rows_": cache_writes.write_rows_}
+           "swiglu_mlp": moe.swiglu_mlp, "write_rows_": cache_writes.write_rows_,
+           "grouped_linear": blas.grouped_linear}
     if gemv.enabled():  # opt-in: within 10% of cuBLAS either way on the H200 (kernels/gemv.py)
         ops.update(linear=gemv.linear, grouped_linear=gemv.grouped_linear)
     if norm.enabled():  # measured faster than the compiled reference (kernels/norm.py); traced when compiling

@@ -40,6 +40,7 @@ NEEDLES = _needles()
 
 def _llm(folder, **kwargs) -> LLM:
     kwargs.setdefault("max_num_batched_tokens", BUDGET)
+    kwargs.setdefault("enable_mixed_chunk", True)  # steps mixing prompt chunks and decodes: the hardest batches
     return LLM(str(folder), block_size=8, max_num_seqs=64, **kwargs)
 
 
