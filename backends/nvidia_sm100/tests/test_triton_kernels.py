@@ -475,6 +475,7 @@ def _window_case(windows: int, ratio: int, d: int, overlap: bool, dtype: torch.d
     carry_index = torch.randint(0, span, (windows, span), device=DEVICE, generator=gen)
     valid = torch.arange(span, device=DEVICE)[None, :] >= torch.randint(0, span, (windows, 1), device=DEVICE,
                                                                          generator=gen)
+    valid[:1, :-1] = False  # window 0 as a static decode step's dummy: its last slot only
     ape, weight = rnd(ratio, width, dt=torch.float32), torch.rand(d, device=DEVICE, generator=gen) + 0.5
     return (raw_kv, raw_gate, carry_kv, carry_gate, from_new, new_rows, carry_slots, carry_index, valid, ape,
             weight, 1e-6, ratio, overlap)
@@ -487,8 +488,9 @@ def _window_case(windows: int, ratio: int, d: int, overlap: bool, dtype: torch.d
                                                         (0, 4, 64, True), (70, 16, 160, True)])
 def test_compressor_entries_match_reference(windows, ratio, d, overlap, dtype, carry_dtype):
     """CSA (overlapping halves, 8 slots) and HCA-like windows (up to 128 slots, several slot blocks), channels
-    that are not a multiple of the channel block, carried and new slots, slots before position 0; few windows
-    (narrow channel blocks, one slot loop) and many (70: wide blocks, several slot iterations)."""
+    that are not a multiple of the channel block, carried and new slots, slots before position 0 (the kernel's slot
+    loop starts at the first valid one), a dummy window pooling its last slot; few windows (narrow channel blocks, one
+    slot loop) and many (70: wide blocks, several slot iterations)."""
     args = _window_case(windows, ratio, d, overlap, dtype, carry_dtype, seed=windows * 31 + ratio + d)
     got, want = compressor.compressor_entries(*args), ref.compressor_entries(*args)
     assert got.shape == want.shape == (windows, d) and got.dtype == want.dtype

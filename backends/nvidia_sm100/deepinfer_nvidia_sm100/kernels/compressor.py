@@ -29,11 +29,14 @@ FEW_BLOCK_D, FEW_MAX_BLOCK_S = 32, 128
 def _pool_windows_kernel(raw_kv_ptr, raw_gate_ptr, carry_kv_ptr, carry_gate_ptr, from_new_ptr, new_rows_ptr,
                          carry_slots_ptr, carry_index_ptr, valid_ptr, ape_ptr, out_ptr,
                          span, d, ratio, width, raw_kv_stride, raw_gate_stride, carry_slot_stride, carry_row_stride,
-                         OVERLAP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                         OVERLAP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                         SPAN_P2: tl.constexpr):
     """Window ``program_id(0)``, channels ``[program_id(1) * BLOCK_D, +BLOCK_D)`` of ``out [N, d]``: slot ``j`` is
     row ``new_rows[n, j]`` of ``raw_kv`` / ``raw_gate [T, width]`` where ``from_new``, else the carry's
     ``[carry_slots, carry_index]``; ``OVERLAP`` (CSA): slots ``>= ratio`` read the upper ``d`` channels. The gate gets
-    ``ape [ratio, width]`` (rounded to the input dtype, as the reference adds it); slots not ``valid`` are skipped."""
+    ``ape [ratio, width]`` (rounded to the input dtype, as the reference adds it); slots not ``valid`` are skipped, and
+    the slot loop starts at the block of the first valid slot (a static decode step's dummy windows pool their last
+    slot only)."""
     n = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD] output channels
     c_ok = c < d
@@ -41,7 +44,10 @@ def _pool_windows_kernel(raw_kv_ptr, raw_gate_ptr, carry_kv_ptr, carry_gate_ptr,
     m = tl.full([BLOCK_D], float("-inf"), tl.float32)
     den = tl.zeros([BLOCK_D], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, span, BLOCK_S):
+    every = tl.arange(0, SPAN_P2)
+    marks = tl.load(valid_ptr + n * span + every, mask=every < span, other=0)
+    first = tl.min(tl.where(marks != 0, every, span), axis=0)  # span when no slot is valid
+    for s0 in range((first // BLOCK_S) * BLOCK_S, span, BLOCK_S):
         j = s0 + tl.arange(0, BLOCK_S)  # [BS] slots
         plan = n * span + j
         j_ok = j < span
@@ -98,7 +104,7 @@ def pool_windows(raw_kv: torch.Tensor, raw_gate: torch.Tensor, carry_kv: torch.T
         raw_kv, raw_gate, carry_kv, carry_gate, from_new.contiguous().view(torch.uint8), new_rows.contiguous(),
         carry_slots.contiguous(), carry_index.contiguous(), valid.contiguous().view(torch.uint8), ape.contiguous(),
         out, span, d, ratio, width, raw_kv.stride(0), raw_gate.stride(0), carry_kv.stride(0), carry_kv.stride(1),
-        OVERLAP=overlap, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4)
+        OVERLAP=overlap, BLOCK_S=block_s, BLOCK_D=block_d, SPAN_P2=triton.next_power_of_2(span), num_warps=4)
     return out
 
 
