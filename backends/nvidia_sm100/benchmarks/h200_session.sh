@@ -34,6 +34,7 @@
 set -uo pipefail
 OUT=${OUT:-$PWD/h200-out}; RES=${RES:-/tmp/h200-results}; mkdir -p "$OUT" "$RES"
 save() { tar -czf "$OUT/h200-results.tgz" -C "$RES" .; }
+trap save EXIT  # a run cut short (timeout) still returns what it wrote
 source tools/gpu_site.sh  # entry points without installing
 existing=$(ls -d /tmp/deepinfer-bench/v4-* /tmp/db/v4-* 2>/dev/null | head -1)  # a preset already written here
 export DEEPINFER_BENCH_CACHE=${DEEPINFER_BENCH_CACHE:-$( [[ -n $existing ]] && dirname "$existing" || echo /tmp/deepinfer-bench)}
@@ -147,10 +148,13 @@ fi
 if [[ $what == moe ]]; then  # then the prefill-bound runs below (prefill, b64, b256)
   (cd backends/nvidia_sm100/benchmarks && python bench_moe.py) 2>&1 | tail -20 | tee "$RES/bench-moe.txt"; save
 fi
-if [[ $what == tests || $what == all ]]; then  # every failure's name and error line in the kept tail
-  python -m pytest -q -p no:cacheprovider backends/nvidia_sm100/tests -rfEs 2>&1 | tee "$RES/tests-full.txt" \
-    | tail -40 | tee "$RES/tests.txt"  # the full log (tracebacks) travels in the archive
-  save
+if [[ $what == tests || $what == all ]]; then  # file by file, saved after each: a cut run keeps what finished
+  for file in backends/nvidia_sm100/tests/test_*.py; do  # every failure's name and error line in the kept tail
+    echo "== $file" | tee -a "$RES/tests.txt"
+    python -m pytest -q -p no:cacheprovider "$file" -rfEs 2>&1 | tee -a "$RES/tests-full.txt" \
+      | tail -8 | grep -vE "^\s*$|warnings summary|Docs: https" | tee -a "$RES/tests.txt"  # full log in the archive
+    save
+  done
 fi
 if [[ $what == async ]]; then  # A/B of asynchronous scheduling (the NVIDIA default) at batch 1 and 64, then compiled b1
   bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
