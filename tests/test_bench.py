@@ -134,15 +134,17 @@ def test_cli_bench_prints_the_table_and_writes_json(cache_dir, tmp_path, capsys)
     path = tmp_path / "out.json"
     code = cli.main(["bench", "--preset", "tiny", "--cache-dir", str(cache_dir), "--input-len", "8", "--output-len",
                      "3", "--num-prompts", "2", "--max-num-seqs", "2", "--warmup", "0", "--async-scheduling",
-                     "--enable-mixed-chunk", "--json", str(path)])
+                     "--enable-mixed-chunk", "--num-iters", "3", "--json", str(path)])
     out = capsys.readouterr().out
     assert code == 0
     assert "output tok/s" in out and "roofline (engine): n/a (CPU)" in out and "HF" not in out.split("metric")[1]
-    assert "async scheduling on" in out and "mixed chunks on" in out
+    assert "async scheduling on" in out and "mixed chunks on" in out and "3 timed runs (median shown" in out
     data = json.loads(path.read_text())
     assert data["hf"] is None and data["engine"]["output_tokens"] == 6
     assert data["config"]["async_scheduling"] is True and data["engine"]["steps"] >= 3
-    assert data["config"]["enable_mixed_chunk"] is True
+    assert data["config"]["enable_mixed_chunk"] is True and data["config"]["num_iters"] == 3
+    totals = data["engine"]["iteration_total_times_s"]
+    assert len(totals) == 3 and data["engine"]["total_time_s"] == sorted(totals)[1]
 
 
 def test_cli_bench_bad_values_exit_2(capsys):

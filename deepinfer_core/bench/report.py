@@ -48,7 +48,7 @@ def _header(config: Mapping[str, Any], engine: Mapping[str, Any]) -> list[str]:
         (f"  {config['num_prompts']} prompts x {config['input_len']} tokens in, {config['output_len']} out "
          f"(greedy, EOS ignored); max_num_seqs {config['max_num_seqs']}, max_num_batched_tokens "
          f"{config['max_num_batched_tokens']}, async scheduling {_on(config.get('async_scheduling'))}, "
-         f"mixed chunks {_on(config.get('enable_mixed_chunk'))}, warmup {config['warmup']}"),
+         f"mixed chunks {_on(config.get('enable_mixed_chunk'))}, warmup {config['warmup']}{_iterations(engine)}"),
         (f"  device {config['device']}, dtype {config['dtype']}, torch {config['torch']} "
          f"({config['torch_threads']} threads), {config['date']}{_load(config)}"),
         f"  {engine['output_tokens']} output tokens, {engine['prompt_tokens']} prompt tokens",
@@ -105,6 +105,13 @@ def _roofline_lines(roofline: Mapping[str, Any]) -> list[str]:
                          f"({value['floor_s'] * 1e3:.2f} ms: prefill {value['prefill_floor_s'] * 1e3:.2f} ms, "
                          f"decode {value['decode_floor_s'] * 1e3:.2f} ms)")
     return lines
+
+
+def _iterations(engine: Mapping[str, Any]) -> str:
+    totals = engine.get("iteration_total_times_s") or []
+    if len(totals) < 2:
+        return ""
+    return f", {len(totals)} timed runs (median shown; totals {', '.join(f'{t:.3f}' for t in totals)} s)"
 
 
 def _on(flag: bool | None) -> str:

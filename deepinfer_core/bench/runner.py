@@ -49,6 +49,7 @@ class BenchConfig:
     dtype: str = "auto"
     compare_hf: bool = False
     warmup: int = 1
+    num_iters: int = 1  # the engine's timed runs; its figures are the run of median total time
     enforce_eager: bool = False
     enable_mixed_chunk: bool = False
     async_scheduling: bool | None = None  # None: the backend's default
@@ -58,7 +59,7 @@ class BenchConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
-        for name in ("input_len", "output_len", "num_prompts", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("input_len", "output_len", "num_prompts", "max_num_seqs", "max_num_batched_tokens", "num_iters"):
             value = getattr(self, name)
             if name == "max_num_batched_tokens" and value is None:
                 continue
@@ -109,7 +110,8 @@ def result_keys() -> dict[str, list[str]]:
     return {
         "result": ["config", "engine", "hf", "ratio", "agreement", "roofline"],
         "metrics": ["total_time_s", "num_requests", "prompt_tokens", "output_tokens", "output_throughput",
-                    "total_throughput", "requests_per_s", "ttft_s", "tpot_s", "latency_s", "load_time_s", "steps"],
+                    "total_throughput", "requests_per_s", "ttft_s", "tpot_s", "latency_s", "load_time_s", "steps",
+                    "iteration_total_times_s"],
     }
 
 
@@ -161,7 +163,8 @@ def _roofline(model_config, dtype, device, metrics: Mapping[str, Any], config: B
 # ------------------------------------------------------------------------------------------------ engine
 def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int]],
                log: Log) -> tuple[dict[str, Any], torch.device, torch.dtype]:
-    """Load ``folder`` into ``LLM``, warm up, time one run; the engine is freed before returning."""
+    """Load ``folder`` into ``LLM``, warm up, time ``config.num_iters`` runs (figures: the run of median total time,
+    outputs: the first run's); the engine is freed before returning."""
     from deepinfer_core.llm import LLM
 
     log("loading the engine ...")
@@ -176,12 +179,18 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
     for i in range(config.warmup):
         log(f"engine warmup {i + 1}/{config.warmup} ...")
         time_engine(llm, warm, config.output_len, f"warmup{i}")  # the timed run's shape: every graph it replays
-    log("engine: timed run ...")
-    times = time_engine(llm, prompts, config.output_len, "bench")
-    metrics = summarize(times, [len(p) for p in prompts], load_time)
+    runs = []
+    for i in range(config.num_iters):  # run 0 takes the prompts HF gets; later runs fresh ones (no prefix hits)
+        log(f"engine: timed run {i + 1}/{config.num_iters} ...")
+        run_prompts = prompts if i == 0 else random_prompts(len(prompts), len(prompts[0]),
+                                                            llm.model.config.vocab_size, config.seed + 1 + i)
+        runs.append(time_engine(llm, run_prompts, config.output_len, f"bench{i or ''}"))
+    totals = [max(run.finished.values()) - run.start for run in runs]
+    median = sorted(range(len(runs)), key=totals.__getitem__)[len(runs) // 2]
+    metrics = summarize(runs[median], [len(p) for p in prompts], load_time, totals)
     graphs = llm.engine.runner.decode_graphs
     replays = graphs.num_replays if graphs is not None else 0  # warmup included
-    outputs = [times.outputs[f"bench-{i}"] for i in range(len(prompts))]
+    outputs = [runs[0].outputs[f"bench-{i}"] for i in range(len(prompts))]
     budget, overlapped = llm.max_num_batched_tokens, llm.async_scheduling
     llm.engine.shutdown()
     del llm
@@ -290,8 +299,10 @@ def time_hf(model, prompts: Sequence[Sequence[int]], output_len: int, batch: int
 
 
 # ------------------------------------------------------------------------------------------------ metrics
-def summarize(times: RunTimes, prompt_lens: Sequence[int], load_time: float) -> dict[str, Any]:
-    """Throughputs and per-request latency statistics of one timed run."""
+def summarize(times: RunTimes, prompt_lens: Sequence[int], load_time: float,
+              iteration_totals: Sequence[float] | None = None) -> dict[str, Any]:
+    """Throughputs and per-request latency statistics of one timed run (``iteration_totals``: the total times of
+    every timed run it was picked from, default its own)."""
     keys = sorted(times.finished)
     total = max(times.finished.values()) - times.start
     out_tokens = sum(len(times.outputs[k]) for k in keys)
@@ -304,7 +315,7 @@ def summarize(times: RunTimes, prompt_lens: Sequence[int], load_time: float) -> 
         "output_tokens": out_tokens, "output_throughput": out_tokens / total,
         "total_throughput": (out_tokens + sum(prompt_lens)) / total, "requests_per_s": len(keys) / total,
         "ttft_s": stats(ttft), "tpot_s": stats(tpot), "latency_s": stats(latency), "load_time_s": load_time,
-        "steps": times.steps,
+        "steps": times.steps, "iteration_total_times_s": list(iteration_totals or [total]),
     }
 
 

@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare-hf", action="store_true",
                         help="also time HF transformers DeepseekV4ForCausalLM.generate (greedy) in this process")
     parser.add_argument("--warmup", type=int, default=1, help="warmup runs before timing, each side (default 1)")
+    parser.add_argument("--num-iters", type=int, default=1,
+                        help="timed engine runs, each on fresh prompts; the figures are the run of median total time "
+                             "(default 1; HF is timed once)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="never replay decode steps from captured graphs (A/B against graphs)")
     parser.add_argument("--enable-mixed-chunk", action="store_true",
@@ -61,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model, preset=args.preset, input_len=args.input_len, output_len=args.output_len,
         num_prompts=args.num_prompts, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, backend=args.backend, dtype=args.dtype,
-        compare_hf=args.compare_hf, warmup=args.warmup, enforce_eager=args.enforce_eager,
+        compare_hf=args.compare_hf, warmup=args.warmup, num_iters=args.num_iters, enforce_eager=args.enforce_eager,
         enable_mixed_chunk=args.enable_mixed_chunk,
         async_scheduling=args.async_scheduling, seed=args.seed, cache_dir=args.cache_dir,
     )

@@ -103,8 +103,10 @@ if [[ $what == final ]]; then
   bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
   bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
   bench b256 --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256
-  bench prefill-8x1k --input-len 1024 --output-len 1 --num-prompts 8 --max-num-seqs 8 --max-num-batched-tokens 8192
-  bench prefill-8k --input-len 8192 --output-len 1 --num-prompts 1 --max-num-seqs 1 --max-num-batched-tokens 8192
+  bench prefill-8x1k --input-len 1024 --output-len 1 --num-prompts 8 --max-num-seqs 8 --max-num-batched-tokens 8192 \
+    --num-iters 5
+  bench prefill-8k --input-len 8192 --output-len 1 --num-prompts 1 --max-num-seqs 1 --max-num-batched-tokens 8192 \
+    --num-iters 5
   timeout 200 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 256 1 > "$RES/profile-decode.txt" 2>&1
   grep -E "^=== batch|^\|" "$RES/profile-decode.txt"; save
   what=summary
@@ -176,8 +178,10 @@ if [[ $what == hf ]]; then
   bench b64-hf --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64 --compare-hf
 fi
 if [[ $what == prefill || $what == moe || $what == prefill-bound ]]; then
-  bench prefill-8x1k --input-len 1024 --output-len 1 --num-prompts 8 --max-num-seqs 8 --max-num-batched-tokens 8192
-  bench prefill-8k --input-len 8192 --output-len 1 --num-prompts 1 --max-num-seqs 1 --max-num-batched-tokens 8192
+  bench prefill-8x1k --input-len 1024 --output-len 1 --num-prompts 8 --max-num-seqs 8 --max-num-batched-tokens 8192 \
+    --num-iters 5
+  bench prefill-8k --input-len 8192 --output-len 1 --num-prompts 1 --max-num-seqs 1 --max-num-batched-tokens 8192 \
+    --num-iters 5
 fi
 if [[ $what == bench || $what == all || $what == quick || $what == summary || $what == hf || $what == prefill || $what == decode || $what == moe || $what == prefill-bound || $what == streams ]]; then
   if [[ $what == prefill-bound ]]; then
