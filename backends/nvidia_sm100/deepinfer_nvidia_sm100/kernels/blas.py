@@ -1,10 +1,11 @@
-"""Op ``grouped_linear`` as one cuBLAS strided-batched GEMM over views of its operands, without copies.
+"""Op ``grouped_linear`` as one cuBLAS strided-batched GEMM over views of its operands.
 
 The reference's ``einsum("tgi,goi->tgo")`` lowers to ``bmm`` over ``x`` permuted to ``[groups, T, in]``, which it
-copies to contiguous memory first, and returns a permuted result that the model's next ``flatten`` copies again: at
-8192 prefill tokens that is ~670 MB moved per attention output projection (``wo_a``), 8 times a step on the bench
-preset. cuBLAS reads ``x [T, g, in]`` group by group with a leading dimension of ``g * in`` and writes each group's
-rows straight into ``[T, g, out]`` (leading dimension ``g * out``); ``torch.bmm`` passes such strided views through.
+copies to contiguous memory first, and returns a permuted result that the model's next ``flatten`` copies again (at
+8192 prefill tokens ~670 MB copied per attention output projection, ``wo_a``, 8 times a step on the bench preset).
+Here ``torch.bmm`` gets ``x [T, g, in]`` as ``[g, T, in]`` with a row stride of ``g * in`` and writes into the
+``[T, g, out]`` result seen as ``[g, T, out]``: strides cuBLAS takes as leading dimensions. On the H200 a batch-256
+decode step ran 8 fewer copy kernels with it (docs/performance.md 4.14).
 """
 
 from __future__ import annotations
