@@ -166,8 +166,10 @@ class FcfsScheduler(Scheduler):
     def _padded_fit(self, chunks: list[ScheduledChunk], num: int) -> int:
         """How many of ``num`` tokens a chunk may take beside ``chunks`` so that the step's prompt chunks, padded to
         the longest, stay within ``PADDED_PER_BUDGET`` budgets (0: none; a one-token chunk always fits)."""
+        if num <= 1:  # before the scan below: a decode step plans hundreds of one-token chunks
+            return num
         lengths = [c.num_tokens for c in chunks if c.num_tokens > 1]
-        if num <= 1 or not lengths:
+        if not lengths:
             return num
         cap = PADDED_PER_BUDGET * self.max_num_batched_tokens // (len(lengths) + 1)
         return 0 if max(lengths) > cap else min(num, cap)
