@@ -29,6 +29,8 @@
 #   final    b1 b64 b256 and both prefill shapes, then the decode profile at batch 256 and 1
 #   sched    b256 and b64 with prompts folded first (the default) and with --enable-mixed-chunk, b256 with
 #            16384-token steps, b1, then the decode profile at batch 256 and 1 and one mixed step profiled
+#   pool     bench_pool.py (the pooling kernel on real and dummy windows), then batch 1 with the decode step compiled
+#            whole (DEEPINFER_NVIDIA_COMPILE_STEP=1): its profile and the bench
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -164,6 +166,15 @@ if [[ $what == async ]]; then  # A/B of asynchronous scheduling (the NVIDIA defa
   bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
   bench b64-sync --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64 --no-async-scheduling
   DEEPINFER_NVIDIA_COMPILE_STEP=1 bench b1-compiled --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
+  what=summary
+fi
+if [[ $what == pool ]]; then
+  (cd backends/nvidia_sm100/benchmarks && timeout 120 python bench_pool.py) 2>&1 | tail -16 | tee "$RES/bench-pool.txt"; save
+  export DEEPINFER_NVIDIA_COMPILE_STEP=1
+  timeout 200 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 > "$RES/profile-compile-b1.txt" 2>&1
+  grep -E "^=== |compiling the decode step failed|^\|" "$RES/profile-compile-b1.txt"; save
+  bench b1-compiled --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
+  unset DEEPINFER_NVIDIA_COMPILE_STEP
   what=summary
 fi
 if [[ $what == compiled ]]; then
