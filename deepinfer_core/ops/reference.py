@@ -109,6 +109,83 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.
     return torch.einsum("tgi,goi->tgo", x, w)
 
 
+# ----------------------------------------------------------------------------- a static decode step's index math
+# A decode step replayed from a CUDA graph computes its layout (``DecodeLayout``) from per-sequence ``[S]`` tensors
+# with these ops (one token per sequence, shapes fixed by the captured step): eagerly ~100 small integer kernels per
+# step, so a backend may fuse each op into one or two. ``seq`` is ``arange(S)``; ``offsets`` an ``arange`` of the
+# padded width. Values equal the host-built ``StepLayout``'s wherever that has them (tests/test_decode_layout.py).
+@reference_op
+def decode_key_index(context_lens: torch.Tensor, sliding_floor: torch.Tensor, seq: torch.Tensor,
+                     offsets: torch.Tensor, window: int) -> tuple[torch.Tensor, ...]:
+    """The sliding-window keys of a decode step, ``W = len(offsets)`` per sequence (``W >= window``): sequence ``s``
+    reads positions from ``max(ctx - window + 1, sliding_floor, 0)`` (at most ``ctx``) up to its new token at
+    ``ctx = context_lens[s]``; places past it are -1 (invisible). Returns ``key_from_new [S, W]`` (the new token),
+    ``key_new_rows [S, W]`` (its row: ``s``, else 0), ``key_ring_index [S, W]`` (position % window),
+    ``visible [S, 1, W]`` and ``ring_write_index [S]`` (where the new token lands in the ring)."""
+    ctx = context_lens[:, None]  # [S, 1]
+    first = torch.minimum(ctx, torch.maximum((ctx - (window - 1)).clamp(min=0), sliding_floor[:, None]))  # [S, 1]
+    positions = first + offsets[None, :]  # [S, W]
+    positions = torch.where(positions <= ctx, positions, -1)
+    from_new = positions == ctx
+    visible = (positions >= 0) & (positions > ctx - window)
+    return (from_new, torch.where(from_new, seq[:, None], 0), positions.clamp(min=0) % window, visible[:, None, :],
+            context_lens % window)
+
+
+def entry_places(tables: torch.Tensor, entry_ids: torch.Tensor, counts: torch.Tensor,
+                 per_block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each sequence's compressed entries live in a paged store: ``blocks [S, E]`` (0 past a sequence's
+    ``counts [S]``), ``rows [S, E]`` inside the block, and ``real [S, E]`` (the entry exists), from the block tables
+    ``[S, max blocks]`` and the entry ids ``[E]`` (``per_block`` entries per block)."""
+    table_index = (entry_ids // per_block).clamp(max=tables.shape[1] - 1)[None, :].expand(tables.shape[0], -1)
+    real = entry_ids[None, :] < counts[:, None]  # [S, E]
+    blocks = torch.where(real, tables.gather(1, table_index), 0)  # [S, E]
+    rows = (entry_ids % per_block)[None, :].expand(tables.shape[0], -1)  # [S, E]
+    return blocks, rows, real
+
+
+@reference_op
+def decode_entry_places(context_lens: torch.Tensor, block_tables: torch.Tensor, entry_ids: torch.Tensor, ratio: int,
+                        per_block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``entry_places`` of the entries each sequence has after a decode step (``(ctx + 1) // ratio``), padded to
+    ``entry_ids [E]``: ``blocks [S, E]``, ``rows [S, E]``, ``real [S, E]``."""
+    return entry_places(block_tables, entry_ids, (context_lens + 1) // ratio, per_block)
+
+
+def window_plan(entry: torch.Tensor, ctx: torch.Tensor, first_row: torch.Tensor, slots: torch.Tensor,
+                write_blocks: torch.Tensor, carry_writes: tuple, ratio: int, span: int, per_block: int,
+                offsets: torch.Tensor, first_valid: torch.Tensor | int = 0) -> tuple[torch.Tensor, ...]:
+    """The plan of compressor windows ``entry [N]`` (written to ``write_blocks [N]``) of sequences with ``ctx [N]``
+    tokens in state, whose step rows start at ``first_row [N]`` and whose carry is slot ``slots [N]``; ``offsets``
+    is ``arange(span)``; ``carry_writes`` = (rows, slots, position % span) of the tokens that stay in the carry.
+    Slots before position ``first_valid`` (0, or ``[N, 1]``) are not pooled. Window ``w`` pools the positions
+    ``(w + 1) * ratio - span + j``, ``j < span``. Returns the fields of ``layout.WindowPlan`` in order."""
+    pos = ((entry + 1) * ratio - span)[:, None] + offsets[None, :]  # [N, span]
+    from_new = pos >= ctx[:, None]  # [N, span]
+    carry_rows, carry_slots, carry_index = carry_writes
+    return (from_new, torch.where(from_new, first_row[:, None] + pos - ctx[:, None], 0),
+            slots[:, None].expand(-1, span), pos.clamp(min=0) % span, pos >= first_valid, entry * ratio, write_blocks,
+            entry % per_block, carry_rows, carry_slots, carry_index)
+
+
+@reference_op
+def decode_window_plan(context_lens: torch.Tensor, compressed_write_start: torch.Tensor, slots: torch.Tensor,
+                       block_tables: torch.Tensor, seq: torch.Tensor, offsets: torch.Tensor, ratio: int, span: int,
+                       per_block: int, spare_slot: int, spare_block: int) -> tuple[torch.Tensor, ...]:
+    """``window_plan`` of a decode step: one window per sequence, in sequence order. A sequence's new token at
+    ``ctx`` ends window ``ctx // ratio`` when ``(ctx + 1) % ratio == 0`` and the window starts at or after its
+    ``compressed_write_start``; otherwise the window is a dummy: window 0 of a sequence whose tokens are all in the
+    ``spare_slot``'s carry, pooling its last slot only, its entry landing in the ``spare_block`` (state no sequence
+    reads). Every sequence's new token stays in its carry at ``ctx % span``."""
+    window = context_lens // ratio  # [S]
+    real = ((context_lens + 1) % ratio == 0) & (window * ratio >= compressed_write_start)  # [S]
+    table_block = block_tables.gather(1, (window // per_block).clamp(max=block_tables.shape[1] - 1)[:, None])[:, 0]
+    return window_plan(torch.where(real, window, 0), torch.where(real, context_lens, span), seq,
+                       torch.where(real, slots, spare_slot), torch.where(real, table_block, spare_block),
+                       (seq, slots, context_lens % span), ratio, span, per_block, offsets,
+                       torch.where(real, 0, ratio - 1)[:, None])
+
+
 # ----------------------------------------------------------------------------- attention
 @reference_op
 def gather_keys(ring: torch.Tensor, ring_slots: torch.Tensor, ring_index: torch.Tensor, new_kv: torch.Tensor,

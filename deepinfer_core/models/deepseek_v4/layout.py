@@ -30,6 +30,8 @@ import torch
 
 from deepinfer_core.device_copy import arena_offsets, arena_views, record_event, to_device_together
 from deepinfer_core.forward_batch import ForwardBatch
+from deepinfer_core.ops.reference import entry_places, window_plan
+from deepinfer_core.ops.table import OpTable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,7 +292,7 @@ class StepLayout:
         """The entries' places (uploaded with the layout); their visibility mask comes after the upload."""
         per_block = self.block_size // ratio
         counts = [(ctx + n) // ratio for ctx, n in zip(self.batch.context_lens, self.query_lens)]
-        blocks, rows, _ = _entry_places(self._block_tables(), torch.arange(max(counts)), self._tensor(counts), per_block)
+        blocks, rows, _ = entry_places(self._block_tables(), torch.arange(max(counts)), self._tensor(counts), per_block)
         entries = EntryLayout(blocks, rows, None)
         self._stage(entries, "blocks", blocks)
         self._stage(entries, "rows", rows)
@@ -332,9 +334,9 @@ class StepLayout:
         first_w = torch.maximum(ctx // ratio, -((-write_start) // ratio))  # [S]: nothing before the write start
         seq, offset = _segments(((ctx + self._host_lens) // ratio - first_w).clamp(min=0))  # windows ending now
         entry = first_w[seq] + offset  # [N]
-        plan = _window_plan(entry, ctx[seq], starts[seq], self._host_slots[seq],
-                            self._block_tables()[seq, entry // per_block], self._tail_writes(span), ratio, span,
-                            per_block, torch.arange(span))
+        plan = WindowPlan(*window_plan(entry, ctx[seq], starts[seq], self._host_slots[seq],
+                                       self._block_tables()[seq, entry // per_block], self._tail_writes(span), ratio,
+                                       span, per_block, torch.arange(span)))
         for f in dataclasses.fields(plan):
             self._stage(plan, f.name, getattr(plan, f.name))
         return plan
@@ -375,10 +377,12 @@ class DecodeLayout(StepLayout):
     has one window per sequence, in sequence order, a dummy (reading the spare slot's carry, writing the spare
     block) where a sequence completes none."""
 
-    def __init__(self, inputs: DecodeInputs, sliding_window: int, block_size: int, static: StaticShape):
+    def __init__(self, inputs: DecodeInputs, sliding_window: int, block_size: int, static: StaticShape,
+                 ops: OpTable | None = None):
         ctx = inputs.context_lens  # [S]
         device = ctx.device
         self.static, self.inputs = static, inputs
+        self.ops = ops or OpTable()  # the index math: ``decode_key_index``, ``decode_entry_places``, ``decode_window_plan``
         self.window, self.block_size = sliding_window, block_size
         self.target_device = self.device = device
         self.num_seqs, self.max_query_len = static.num_seqs, 1
@@ -394,78 +398,24 @@ class DecodeLayout(StepLayout):
         self._windows = {(ratio, span): self._decode_windows(ratio, span) for ratio, span in static.windows}
 
     def _build_decode_keys(self) -> None:
-        W, ctx = self.window, self.inputs.context_lens
-        first = torch.minimum(ctx, torch.maximum((ctx - (W - 1)).clamp(min=0), self.inputs.sliding_floor))  # [S]
-        offsets = _arange(self.static.key_width, ctx.device)  # the window's keys at most
-        key_positions = first[:, None] + offsets[None, :]  # [S, W]
-        key_positions = torch.where(key_positions <= ctx[:, None], key_positions, -1)  # up to the new token
-        self.key_from_new = key_positions == ctx[:, None]  # [S, W]: only the new token comes from this step
-        self.key_new_rows = torch.where(self.key_from_new, self._seq[:, None], 0)  # [S, W]
-        self.key_slots = self.inputs.slots[:, None].expand_as(key_positions)  # [S, W]
-        self.key_ring_index = key_positions.clamp(min=0) % W  # [S, W]
-        self.sliding_visible = ((key_positions >= 0) & (key_positions > ctx[:, None] - W))[:, None, :]  # [S, 1, W]
-        self.ring_write_rows, self.ring_write_slots = self._seq, self.inputs.slots  # [S]
-        self.ring_write_index = ctx % W  # [S]
+        inputs, offsets = self.inputs, _arange(self.static.key_width, self.device)  # the window's keys at most
+        (self.key_from_new, self.key_new_rows, self.key_ring_index, self.sliding_visible,
+         self.ring_write_index) = self.ops.decode_key_index(inputs.context_lens, inputs.sliding_floor, self._seq,
+                                                            offsets, self.window)  # [S, W] ... [S, 1, W], [S]
+        self.key_slots = inputs.slots[:, None].expand_as(self.key_from_new)  # [S, W]
+        self.ring_write_rows, self.ring_write_slots = self._seq, inputs.slots  # [S]
 
     def _decode_entries(self, ratio: int) -> EntryLayout:
-        per_block = self.block_size // ratio
-        tables = self.inputs.block_tables  # [S, B]
-        entry_ids = _arange(self.static.context_len // ratio, tables.device)  # [E]
-        counts = (self.inputs.context_lens + 1) // ratio  # [S]: entries after this step
-        blocks, rows, real = _entry_places(tables, entry_ids, counts, per_block)
+        entry_ids = _arange(self.static.context_len // ratio, self.device)  # [E]
+        blocks, rows, real = self.ops.decode_entry_places(self.inputs.context_lens, self.inputs.block_tables,
+                                                          entry_ids, ratio, self.block_size // ratio)
         return EntryLayout(blocks, rows, real[:, None, :])  # visible [S, 1, E]: the new token sees every entry
 
     def _decode_windows(self, ratio: int, span: int) -> WindowPlan:
-        per_block, static, inputs = self.block_size // ratio, self.static, self.inputs
-        ctx = inputs.context_lens  # [S]
-        window = ctx // ratio  # [S]: the window the new token ends, if it ends one
-        real = ((ctx + 1) % ratio == 0) & (window * ratio >= inputs.compressed_write_start)  # [S]
-        tables = inputs.block_tables
-        table_block = tables.gather(1, (window // per_block).clamp(max=tables.shape[1] - 1)[:, None])[:, 0]  # [S]
-        entry = torch.where(real, window, 0)  # [S]; a dummy is window 0 of a sequence whose tokens are all carried
-        # a dummy pools its last slot only (position ratio - 1): its entry lands in the spare block, unread
-        first_valid = torch.where(real, 0, ratio - 1)[:, None]  # [S, 1]
-        return _window_plan(entry, torch.where(real, ctx, span), self._seq,
-                            torch.where(real, inputs.slots, static.spare_slot),
-                            torch.where(real, table_block, static.spare_block),
-                            (self._seq, inputs.slots, ctx % span), ratio, span, per_block,
-                            _arange(span, ctx.device), first_valid)
-
-
-def _entry_places(tables: torch.Tensor, entry_ids: torch.Tensor, counts: torch.Tensor, per_block: int):
-    """Where each sequence's compressed entries live in the paged store: ``blocks [S, E]`` (0 past a sequence's
-    ``counts``), ``rows [S, E]`` inside the block, and ``real [S, E]`` (the entry exists), from the block tables
-    ``[S, max blocks]`` and the entry ids ``[E]``."""
-    table_index = (entry_ids // per_block).clamp(max=tables.shape[1] - 1)[None, :].expand(tables.shape[0], -1)
-    real = entry_ids[None, :] < counts[:, None]  # [S, E]
-    blocks = torch.where(real, tables.gather(1, table_index), 0)  # [S, E]
-    rows = (entry_ids % per_block)[None, :].expand(tables.shape[0], -1)  # [S, E]
-    return blocks, rows, real
-
-
-def _window_plan(entry: torch.Tensor, ctx: torch.Tensor, first_row: torch.Tensor, slots: torch.Tensor,
-                 write_blocks: torch.Tensor, carry_writes: tuple, ratio: int, span: int, per_block: int,
-                 offsets: torch.Tensor, first_valid: torch.Tensor | int = 0) -> WindowPlan:
-    """The plan of compressor windows ``entry [N]`` (written to ``write_blocks [N]``) of sequences with ``ctx [N]``
-    tokens in state, whose step rows start at ``first_row [N]`` and whose carry is slot ``slots [N]``; ``offsets``
-    is ``arange(span)``; ``carry_writes`` = (rows, slots, position % span) of the tokens that stay in the carry.
-    Slots before position ``first_valid`` (0, or ``[N, 1]``) are not pooled."""
-    pos = ((entry + 1) * ratio - span)[:, None] + offsets[None, :]  # [N, span]
-    from_new = pos >= ctx[:, None]  # [N, span]
-    carry_rows, carry_slots, carry_index = carry_writes
-    return WindowPlan(
-        from_new=from_new,
-        new_rows=torch.where(from_new, first_row[:, None] + pos - ctx[:, None], 0),
-        carry_slots=slots[:, None].expand(-1, span),
-        carry_index=pos.clamp(min=0) % span,
-        valid=pos >= first_valid,
-        entry_positions=entry * ratio,
-        write_blocks=write_blocks,
-        write_rows=entry % per_block,
-        carry_write_rows=carry_rows,
-        carry_write_slots=carry_slots,
-        carry_write_index=carry_index,
-    )
+        inputs, static = self.inputs, self.static
+        return WindowPlan(*self.ops.decode_window_plan(
+            inputs.context_lens, inputs.compressed_write_start, inputs.slots, inputs.block_tables, self._seq,
+            _arange(span, self.device), ratio, span, self.block_size // ratio, static.spare_slot, static.spare_block))
 
 
 def _segments(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

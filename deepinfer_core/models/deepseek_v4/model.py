@@ -393,7 +393,7 @@ class DeepseekV4Model:
 
     def decode_layout(self, inputs: DecodeInputs, state: DeepseekV4State, static: StaticShape) -> DecodeLayout:
         """The layout of a static decode step, computed by ops on ``inputs``' device (inside a captured graph)."""
-        return DecodeLayout(inputs, self.config.sliding_window, state.block_size, static)
+        return DecodeLayout(inputs, self.config.sliding_window, state.block_size, static, self.ops)
 
     def static_shape(self, num_seqs: int, context_len: int, spare_slot: int, spare_block: int) -> StaticShape:
         """The static decode shape of ``num_seqs`` sequences no longer than ``context_len`` tokens."""

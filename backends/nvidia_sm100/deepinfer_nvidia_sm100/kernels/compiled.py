@@ -1,7 +1,8 @@
 """Small reference ops fused by TorchInductor (``torch.compile`` generates Triton kernels for them).
 
 The model's norms, RoPE tables and mHC ops are chains of small element-wise and reduction ops; eagerly each is
-several kernel launches, and a decode step is bound by launching them. Compiled, each op is one or two fused
+several kernel launches, and a decode step is bound by launching them. So is a static decode step's index math
+(``decode_key_index``, ``decode_entry_places``, ``decode_window_plan``: ~100 integer kernels per step eagerly). Compiled, each op is one or two fused
 kernels. The compiled function *is* the reference op (same source), so semantics cannot drift; tests still
 check each against the eager reference on the GPU. (``hc_pre``, ``hc_post`` and ``apply_rope`` are not here: compiled,
 they kept a kernel per Sinkhorn normalisation, a cuBLAS bmm of 4 x 4 tiles and a slow copy; ``kernels/hc.py`` and
@@ -31,7 +32,8 @@ from deepinfer_core.ops import reference as ref
 
 logger = logging.getLogger("deepinfer")
 
-COMPILED_OPS = ("rms_norm", "unweighted_rms_norm", "rope_cos_sin", "hc_head", "compressor_window", "compressor_pool")
+COMPILED_OPS = ("rms_norm", "unweighted_rms_norm", "rope_cos_sin", "hc_head", "compressor_window", "compressor_pool",
+                "decode_key_index", "decode_entry_places", "decode_window_plan")
 ENV = "DEEPINFER_NVIDIA_COMPILE"
 STEP_ENV = "DEEPINFER_NVIDIA_COMPILE_STEP"
 
