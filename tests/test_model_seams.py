@@ -8,6 +8,7 @@ from v4_factory import ALL_TYPES, tiny_hf_model
 
 from deepinfer_core.forward_batch import ForwardBatch
 from deepinfer_core.models.deepseek_v4.loader import load_deepseek_v4
+from deepinfer_core.models.deepseek_v4.model import ExpertMap
 from deepinfer_core.ops.table import OpTable
 
 pytest.importorskip("transformers")
@@ -48,6 +49,16 @@ def test_wrong_expert_map_changes_outputs(folder):
     for layer in model.layers:
         layer.ffn.expert_map.logical_to_physical = torch.tensor([1, 0, 3, 2])  # weights not moved
     assert not torch.allclose(_forward(model, TOKENS).logits, before, atol=1e-4)
+
+
+def test_the_identity_expert_map_costs_no_gather():
+    expert_map = ExpertMap(4, torch.device("cpu"))
+    ids = torch.tensor([[3, 1], [0, 2]])
+    assert expert_map.to_physical(ids) is ids
+    expert_map.logical_to_physical = torch.tensor([1, 0, 3, 2])
+    assert torch.equal(expert_map.to_physical(ids), torch.tensor([[2, 0], [1, 3]]))
+    expert_map.logical_to_physical = torch.arange(4)  # back to the identity
+    assert expert_map.to_physical(ids) is ids
 
 
 def test_expert_load_counts_every_routed_token(folder):

@@ -136,9 +136,20 @@ class WindowPlan:
     carry_write_slots: torch.Tensor  # [M]
     carry_write_index: torch.Tensor  # [M]
 
+    def __post_init__(self) -> None:
+        self._entry_rope: dict = {}
+
     @property
     def num_windows(self) -> int:
         return self.entry_positions.shape[0]
+
+    def entry_rope(self, ops, rope_args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """``ops.rope_cos_sin(entry_positions, *rope_args)``, computed once per plan (every compressor of a step
+        with this plan's ratio and span rotates its entries at the same positions)."""
+        key = (id(rope_args[0]), *rope_args[1:])
+        if key not in self._entry_rope:
+            self._entry_rope[key] = ops.rope_cos_sin(self.entry_positions, *rope_args)
+        return self._entry_rope[key]
 
 
 @dataclasses.dataclass

@@ -67,13 +67,25 @@ class ParameterRegistry:
 
 
 class ExpertMap:
-    """Logical expert id -> physical expert slot. Identity by default; EPLB replaces it."""
+    """Logical expert id -> physical expert slot. Identity by default; EPLB assigns ``logical_to_physical`` a new
+    ``[E]`` map (assign a new tensor: a write into the current one in place is not seen while it is the identity,
+    which costs no gather)."""
 
     def __init__(self, num_experts: int, device: torch.device):
-        self.logical_to_physical = torch.arange(num_experts, device=device)  # [E]
+        self._map = torch.arange(num_experts, device=device)  # [E]
+        self._identity = True
+
+    @property
+    def logical_to_physical(self) -> torch.Tensor:
+        return self._map
+
+    @logical_to_physical.setter
+    def logical_to_physical(self, mapping: torch.Tensor) -> None:
+        self._map = mapping
+        self._identity = torch.equal(mapping.cpu(), torch.arange(mapping.shape[0]))
 
     def to_physical(self, logical_ids: torch.Tensor) -> torch.Tensor:
-        return self.logical_to_physical[logical_ids]
+        return logical_ids if self._identity else self._map[logical_ids]
 
 
 def _compressor_input_rows(prefix: str, layer_type: str, dim: int) -> dict[str, int]:
@@ -107,7 +119,7 @@ class Compressor:
             pooled = ops.compressor_entries(raw_kv, raw_gate, carry.kv, carry.gate, plan.from_new, plan.new_rows,
                                             plan.carry_slots, plan.carry_index, plan.valid, self.ape, self.norm,
                                             self.eps, self.ratio, self.overlap)  # [N, dim]
-            cos, sin = ops.rope_cos_sin(plan.entry_positions, *rope)
+            cos, sin = plan.entry_rope(ops, rope)  # [N, rope_dim] each
             ops.write_rows_(store, plan.write_blocks, plan.write_rows, ops.apply_rope_(pooled, cos, sin))
         ops.write_rows_(carry.kv, plan.carry_write_slots, plan.carry_write_index, raw_kv, plan.carry_write_rows)
         ops.write_rows_(carry.gate, plan.carry_write_slots, plan.carry_write_index, raw_gate, plan.carry_write_rows)
