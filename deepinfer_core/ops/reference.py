@@ -91,6 +91,22 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: 
     return x
 
 
+def normed_rope(norm: Callable, unweighted_norm: Callable, rope_: Callable) -> Callable:
+    """``rms_norm_rope`` made of the given norms and in-place RoPE."""
+
+    def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                      sin: torch.Tensor) -> torch.Tensor:
+        return rope_(norm(x, weight, eps) if weight is not None else unweighted_norm(x, eps), cos, sin)
+
+    return rms_norm_rope
+
+
+rms_norm_rope = reference_op(normed_rope(rms_norm, unweighted_rms_norm, apply_rope_))
+rms_norm_rope.__doc__ = """``apply_rope_(rms_norm(x, weight, eps), cos, sin)``, with ``unweighted_rms_norm`` where ``weight`` is None: a
+query / key norm, then RoPE on its trailing channels (``x [T, ..., dim]``, ``cos`` / ``sin [T, rope_dim // 2]``); a
+new tensor. One op so that a backend may do both in one pass."""
+
+
 # ----------------------------------------------------------------------------- linear
 @reference_op
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -43,14 +43,21 @@ def _pooled_windows(window: Callable, pool: Callable) -> Callable:
     return pooled_windows(window, pool)
 
 
+def _normed_rope(norm: Callable, unweighted_norm: Callable, rope_: Callable) -> Callable:
+    from deepinfer_core.ops.reference import normed_rope
+
+    return normed_rope(norm, unweighted_norm, rope_)
+
+
 DERIVED: dict[str, tuple[tuple[str, ...], Callable[..., Callable], str]] = {
     "apply_rope_": (("apply_rope",), written_back, "written back"),
     "compressor_entries": (("compressor_window", "compressor_pool"), _pooled_windows, "composed"),
+    "rms_norm_rope": (("rms_norm", "unweighted_rms_norm", "apply_rope_"), _normed_rope, "composed"),
 }
 """Op -> (the ops it is made of, how it is made from them, a label). Where a backend overrides a part but not the op
 itself, the op is rebuilt from the table's current parts: the model calls ``apply_rope_`` and ``compressor_entries``,
 and a backend that overrides only ``apply_rope`` (its result is written back) or only ``compressor_pool`` (composed
-with the window op) keeps its kernel in use."""
+with the window op) keeps its kernel in use; ``rms_norm_rope`` is composed of the norms and the in-place RoPE."""
 
 
 class OpTable:
@@ -70,7 +77,7 @@ class OpTable:
     def override(self, name: str, fn: Callable, source: str) -> None:
         """Replace op ``name`` by ``fn``; ``source`` names who provided it (shown by ``sources()``). Overriding a
         part of a ``DERIVED`` op also rebuilds that op from the table's parts, unless it has an override of its own
-        (whichever order the two come in)."""
+        (whichever order the two come in), and so on for ops derived from that one."""
         if name not in self._ops:
             raise UnknownOpError(f"{source} overrides unknown op {name!r}; known ops: {sorted(self._ops)}")
         if not callable(fn):
@@ -78,11 +85,15 @@ class OpTable:
         self._ops[name] = fn
         self._sources[name] = source
         self._derived.discard(name)
+        self._rebuild_derived_from(name, source)
+
+    def _rebuild_derived_from(self, name: str, source: str) -> None:
         for derived, (parts, build, label) in DERIVED.items():
             if name in parts and (self._sources[derived] == "reference" or derived in self._derived):
                 self._ops[derived] = build(*(self._ops[part] for part in parts))
                 self._sources[derived] = f"{source} ({name}, {label})"
                 self._derived.add(derived)
+                self._rebuild_derived_from(derived, source)
 
     def __getattr__(self, name: str) -> Callable:
         try:

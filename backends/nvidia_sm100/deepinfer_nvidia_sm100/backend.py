@@ -146,7 +146,7 @@ def triton_ops() -> dict[str, Callable]:
     if gemv.enabled():  # opt-in: within 10% of cuBLAS either way on the H200 (kernels/gemv.py)
         ops.update(linear=gemv.linear, grouped_linear=gemv.grouped_linear)
     if norm.enabled():  # measured faster than the compiled reference (kernels/norm.py); traced when compiling
-        ops.update(rms_norm=norm.rms_norm, unweighted_rms_norm=norm.unweighted_rms_norm)
+        ops.update(rms_norm=norm.rms_norm, unweighted_rms_norm=norm.unweighted_rms_norm, rms_norm_rope=norm.rms_norm_rope)
     return ops
 
 

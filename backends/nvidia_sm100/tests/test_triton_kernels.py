@@ -392,6 +392,30 @@ def test_rms_norms_match_reference(shape, dtype):
         torch.testing.assert_close(got, want, **tol)
 
 
+@kernel_runs_here
+@pytest.mark.parametrize("shape", [(3, 512), (5, 4, 512), (2, 3, 96)])
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_rope_matches_the_norm_then_rope(shape, weighted, dtype):
+    """One pass (the norm, then RoPE on the rounded rows' trailing 64 / 32 channels) against the reference norm and
+    the reference in-place RoPE: a key row per token, several heads per token, a width that is not a power of two."""
+    from deepinfer_nvidia_sm100.kernels import norm
+
+    gen = torch.Generator(device=DEVICE).manual_seed(shape[-1] + len(shape))
+    x = (torch.randn(*shape, device=DEVICE, generator=gen) * 3).to(dtype)
+    weight = torch.randn(shape[-1], device=DEVICE, generator=gen) if weighted else None
+    half = 32 if shape[-1] >= 512 else 16
+    angles = torch.randn(shape[0], half, device=DEVICE, generator=gen) * 3
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    got = norm.rms_norm_rope(x, weight, 1e-6, cos, sin)
+    want = ref.rms_norm_rope(x, weight, 1e-6, cos, sin)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2 * 2**-7}
+    assert got.shape == want.shape and got.dtype == want.dtype == dtype
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(got[..., : -2 * half], (ref.rms_norm(x, weight, 1e-6) if weighted else
+                                                      ref.unweighted_rms_norm(x, 1e-6))[..., : -2 * half], **tol)
+
+
 def _router_logits(tokens: int, experts: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     """Logits whose scores stay apart after rounding to ``dtype`` (a shuffled ramp per token), so the top-k order
     is not decided by rounding."""

@@ -207,8 +207,8 @@ class Attention:
         folding = ops.fork(self._fold, ops, inputs, ctx) if self.compressor is not None else None
         q_residual = ops.rms_norm(inputs["q"], self.q_norm, self.eps)  # [T, q_lora]
         q = ops.linear(q_residual, self.wq_b).view(T, self.heads, self.head_dim)  # [T, H, hd]
-        q = ops.apply_rope_(ops.unweighted_rms_norm(q, self.eps), *rope)
-        kv = ops.apply_rope_(ops.rms_norm(inputs["kv"], self.norm, self.eps), *rope)  # [T, hd]
+        q = ops.rms_norm_rope(q, None, self.eps, *rope)  # [T, H, hd]: per-head norm, no weight
+        kv = ops.rms_norm_rope(inputs["kv"], self.norm, self.eps, *rope)  # [T, hd]
         layout, state = ctx.layout, ctx.state
         ring = state.swa[self.layer_idx]
         visible = layout.sliding_visible  # [S, Lq, Lk]

@@ -1,4 +1,5 @@
-"""Ops ``rms_norm`` and ``unweighted_rms_norm`` as one Triton kernel.
+"""Ops ``rms_norm`` and ``unweighted_rms_norm`` as one Triton kernel (and ``rms_norm_rope``: the norm, then RoPE on
+the normed rows' trailing channels, in the same pass).
 
 A program normalises ``ROWS`` whole rows held in registers, with the reference's arithmetic: fp32 sum of squares,
 ``rms_norm`` scales by the weight in fp32 and rounds once, ``unweighted_rms_norm`` rounds the scale to the input
@@ -30,9 +31,11 @@ def enabled() -> bool:
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, rows, D, eps, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-                     WEIGHTED: tl.constexpr):
-    """Rows ``[ROWS]`` of ``x [rows, D]``: ``x * rsqrt(mean(x^2) + eps)``, times ``w [D]`` when ``WEIGHTED``."""
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, rows, rows_per_token, D, HALF, eps, ROWS: tl.constexpr,
+                     BLOCK_D: tl.constexpr, WEIGHTED: tl.constexpr, ROPE: tl.constexpr):
+    """Rows ``[ROWS]`` of ``x [rows, D]``: ``x * rsqrt(mean(x^2) + eps)``, times ``w [D]`` when ``WEIGHTED``; with
+    ``ROPE``, the rounded result's trailing ``2 * HALF`` channels then rotated in interleaved pairs by the angle of
+    the row's token (``cos`` / ``sin [tokens, HALF]``, ``rows_per_token`` rows each), as ``apply_rope_`` would."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [R]
     cols = tl.arange(0, BLOCK_D)  # [BD]
     mask = (r[:, None] < rows) & (cols[None, :] < D)
@@ -45,10 +48,19 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, rows, D, eps, ROWS: tl.constexpr, BL
         y = w[None, :] * (x * scale[:, None])
     else:
         y = x * scale.to(out_ty).to(tl.float32)[:, None]
+    if ROPE:
+        even, odd = tl.split(tl.reshape(y.to(out_ty).to(tl.float32), (ROWS, BLOCK_D // 2, 2)))  # [R, BD / 2] each
+        pair = tl.arange(0, BLOCK_D // 2)[None, :] - (D // 2 - HALF)  # [1, BD / 2]: the pair's angle, < 0: no rope
+        turn = (r[:, None] < rows) & (pair >= 0) & (pair < HALF)
+        angle = (r // rows_per_token).to(tl.int64)[:, None] * HALF + pair
+        cos = tl.load(cos_ptr + angle, mask=turn, other=1.0).to(tl.float32)
+        sin = tl.load(sin_ptr + angle, mask=turn, other=0.0).to(tl.float32)
+        y = tl.reshape(tl.join(even * cos - odd * sin, odd * cos + even * sin), (ROWS, BLOCK_D))
     tl.store(out_ptr + at, y.to(out_ty), mask=mask)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor | None = None,
+            sin: torch.Tensor | None = None) -> torch.Tensor:
     dim = x.shape[-1]
     x = x.contiguous()
     out = torch.empty_like(x)
@@ -58,9 +70,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.T
     block_d = triton.next_power_of_2(dim)
     per_program = max(1, min(16, 2048 // block_d))
     warps = 4 if block_d <= 2048 else 8 if block_d <= 8192 else 16
+    rope = cos is not None
     _rms_norm_kernel[(triton.cdiv(rows, per_program),)](
-        x, weight if weight is not None else x, out, rows, dim, eps, ROWS=per_program, BLOCK_D=block_d,
-        WEIGHTED=weight is not None, num_warps=warps)
+        x, weight if weight is not None else x, out, cos.contiguous() if rope else x, sin.contiguous() if rope else x,
+        rows, rows // cos.shape[0] if rope else 1, dim, cos.shape[-1] if rope else 0, eps, ROWS=per_program,
+        BLOCK_D=block_d, WEIGHTED=weight is not None, ROPE=rope, num_warps=warps)
     return out
 
 
@@ -83,3 +97,15 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     if not covered(x):
         return ref.unweighted_rms_norm(x, eps)
     return _launch(x, None, eps)
+
+
+@reference_under_compile(ref.rms_norm_rope)
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+    """``reference.rms_norm_rope`` in one launch: the norm (``unweighted_rms_norm`` where ``weight`` is None), then
+    RoPE on the rounded result's trailing ``2 * cos.shape[-1]`` channels, one read and one write of ``x``."""
+    if not covered(x) or x.shape[-1] % 2 or x.numel() // x.shape[-1] % max(cos.shape[0], 1):
+        from deepinfer_nvidia_sm100.kernels.rope import apply_rope_
+
+        return ref.normed_rope(rms_norm, unweighted_rms_norm, apply_rope_)(x, weight, eps, cos, sin)
+    return _launch(x, None if weight is None else weight.contiguous(), eps, cos, sin)
