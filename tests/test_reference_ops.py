@@ -679,6 +679,30 @@ def test_an_apply_rope_override_serves_the_in_place_op_unless_that_has_its_own()
     assert table.sources()["apply_rope_"] == "plugin (apply_rope, written back)"
 
 
+def test_rms_norm_rope_is_the_norm_then_rope_and_follows_overrides_of_its_parts():
+    """``rms_norm_rope`` equals the norm (unweighted without a weight) then the in-place RoPE; a backend overriding
+    only ``apply_rope`` reaches it through ``apply_rope_`` (derivations chain), its own override wins."""
+    x, w, angles = _randn(3, 2, 8, seed=190), _randn(8, seed=191), _randn(3, 2, seed=192)
+    cos, sin = angles.cos(), angles.sin()
+    torch.testing.assert_close(ref.rms_norm_rope(x, w, 1e-6, cos, sin),
+                               ref.apply_rope_(ref.rms_norm(x, w, 1e-6), cos, sin), **F32)
+    torch.testing.assert_close(ref.rms_norm_rope(x, None, 1e-6, cos, sin),
+                               ref.apply_rope_(ref.unweighted_rms_norm(x, 1e-6), cos, sin), **F32)
+    calls = []
+
+    def rope(x, cos, sin, inverse=False):
+        calls.append(x.shape)
+        return ref.apply_rope(x, cos, sin, inverse)
+
+    table = OpTable({"apply_rope": rope}, source="gpu")
+    torch.testing.assert_close(table.rms_norm_rope(x, w, 1e-6, cos, sin), ref.rms_norm_rope(x, w, 1e-6, cos, sin),
+                               **F32)
+    assert calls == [(3, 2, 8)] and table.sources()["rms_norm_rope"] == "gpu (apply_rope_, composed)"
+    table.override("rms_norm_rope", ref.rms_norm_rope, source="own")
+    table.override("rms_norm", ref.rms_norm, source="later")
+    assert table.rms_norm_rope is ref.rms_norm_rope and table.sources()["rms_norm_rope"] == "own"
+
+
 def test_op_table_reference_defaults_and_override():
     names = set(reference_ops())
     assert {"rms_norm", "unweighted_rms_norm", "rope_cos_sin", "apply_rope", "linear", "grouped_linear",
