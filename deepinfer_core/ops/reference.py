@@ -371,6 +371,23 @@ def hc_pre(
     return post, comb, hc_collapse(pre, streams)
 
 
+def pre_normed(pre: Callable, norm: Callable) -> Callable:
+    """``hc_pre_normed`` made of the given ``hc_pre`` and ``rms_norm``."""
+
+    def hc_pre_normed(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                      sinkhorn_iters: int, hc_eps: float, norm_eps: float, norm_weight: torch.Tensor):
+        post, comb, collapsed = pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+        return post, comb, norm(collapsed, norm_weight, norm_eps)
+
+    return hc_pre_normed
+
+
+hc_pre_normed = reference_op(pre_normed(hc_pre, rms_norm))
+hc_pre_normed.__doc__ = """``hc_pre``, then ``rms_norm(collapsed, norm_weight, norm_eps)``: the block's input as the attention / MoE
+reads it (``post [T, hc]``, ``comb [T, hc, hc]``, the normed ``[T, D]``). One op so that a backend may norm the
+collapse where it makes it."""
+
+
 def hc_mix_logits(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """``hc_pre``'s first part: the RMS-normed flattened streams ``[T, hc * D]`` times ``fn``, in fp32."""
     flat = unweighted_rms_norm(streams.flatten(1).float(), norm_eps)  # [T, hc * D]

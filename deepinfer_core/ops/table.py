@@ -37,27 +37,28 @@ def written_back(fn: Callable) -> Callable:
     return in_place
 
 
-def _pooled_windows(window: Callable, pool: Callable) -> Callable:
-    from deepinfer_core.ops.reference import pooled_windows
+def _composed(factory: str) -> Callable[..., Callable]:
+    """The reference module's ``factory`` (it builds a derived op from its parts), imported on first use."""
 
-    return pooled_windows(window, pool)
+    def build(*parts: Callable) -> Callable:
+        from deepinfer_core.ops import reference
 
+        return getattr(reference, factory)(*parts)
 
-def _normed_rope(norm: Callable, unweighted_norm: Callable, rope_: Callable) -> Callable:
-    from deepinfer_core.ops.reference import normed_rope
-
-    return normed_rope(norm, unweighted_norm, rope_)
+    return build
 
 
 DERIVED: dict[str, tuple[tuple[str, ...], Callable[..., Callable], str]] = {
     "apply_rope_": (("apply_rope",), written_back, "written back"),
-    "compressor_entries": (("compressor_window", "compressor_pool"), _pooled_windows, "composed"),
-    "rms_norm_rope": (("rms_norm", "unweighted_rms_norm", "apply_rope_"), _normed_rope, "composed"),
+    "compressor_entries": (("compressor_window", "compressor_pool"), _composed("pooled_windows"), "composed"),
+    "rms_norm_rope": (("rms_norm", "unweighted_rms_norm", "apply_rope_"), _composed("normed_rope"), "composed"),
+    "hc_pre_normed": (("hc_pre", "rms_norm"), _composed("pre_normed"), "composed"),
 }
 """Op -> (the ops it is made of, how it is made from them, a label). Where a backend overrides a part but not the op
 itself, the op is rebuilt from the table's current parts: the model calls ``apply_rope_`` and ``compressor_entries``,
 and a backend that overrides only ``apply_rope`` (its result is written back) or only ``compressor_pool`` (composed
-with the window op) keeps its kernel in use; ``rms_norm_rope`` is composed of the norms and the in-place RoPE."""
+with the window op) keeps its kernel in use; ``rms_norm_rope`` is composed of the norms and the in-place RoPE,
+``hc_pre_normed`` of ``hc_pre`` and ``rms_norm``."""
 
 
 class OpTable:

@@ -118,7 +118,8 @@ def sm100_ops() -> dict[str, Callable]:
 def triton_ops() -> dict[str, Callable]:
     """The overrides both paths share: Triton kernels (``moe_experts``, the MoE routing, ``hc_pre``, ``hc_post``,
     ``apply_rope`` and ``apply_rope_``, ``indexer_scores``, ``gather_keys``, ``compressor_entries``, the cache writes,
-    the RMS norms, the shared expert), ``grouped_linear`` as a strided cuBLAS batched GEMM (``kernels/blas.py``),
+    the RMS norms, alone and fused into RoPE (``rms_norm_rope``) and the ``hc`` collapse (``hc_pre_normed``), the
+    shared expert), ``grouped_linear`` as a strided cuBLAS batched GEMM (``kernels/blas.py``),
     the small ops that TorchInductor compiles to Triton, and ``fork`` on a second CUDA stream
     (``kernels/streams.py``)."""
     from deepinfer_nvidia_sm100.kernels import (
@@ -146,7 +147,8 @@ def triton_ops() -> dict[str, Callable]:
     if gemv.enabled():  # opt-in: within 10% of cuBLAS either way on the H200 (kernels/gemv.py)
         ops.update(linear=gemv.linear, grouped_linear=gemv.grouped_linear)
     if norm.enabled():  # measured faster than the compiled reference (kernels/norm.py); traced when compiling
-        ops.update(rms_norm=norm.rms_norm, unweighted_rms_norm=norm.unweighted_rms_norm, rms_norm_rope=norm.rms_norm_rope)
+        ops.update(rms_norm=norm.rms_norm, unweighted_rms_norm=norm.unweighted_rms_norm,  # and the norms fused into
+                   rms_norm_rope=norm.rms_norm_rope, hc_pre_normed=hc.hc_pre_normed)  # their neighbours' kernels
     return ops
 
 

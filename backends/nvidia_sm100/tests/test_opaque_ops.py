@@ -47,6 +47,8 @@ def _cases():
     return {
         "apply_rope": (rope.apply_rope, ref.apply_rope, (rand(T, H, 64, dtype=torch.bfloat16), cos, sin, True)),
         "hc_pre": (hc.hc_pre, ref.hc_pre, (streams, rand(mix, HC * D), rand(mix), rand(3), 3, 1e-6, 1e-6)),
+        "hc_pre_normed": (hc.hc_pre_normed, ref.hc_pre_normed, (streams, rand(mix, HC * D), rand(mix), rand(3), 3,
+                                                                1e-6, 1e-6, rand(D))),
         "hc_post": (hc.hc_post, ref.hc_post, (streams, rand(T, D, dtype=torch.bfloat16), rand(T, HC),
                                               rand(T, HC, HC))),
         "moe_experts": (moe.moe_experts, ref.moe_experts, (rand(T, D, dtype=torch.bfloat16), ids, rand(T, TOP_K),
@@ -152,13 +154,17 @@ def test_in_place_kernel_is_one_mutating_custom_op_under_compile(name):
     assert schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write
 
 
-@pytest.mark.parametrize("kernel,reference,weighted", [(norm.rms_norm, ref.rms_norm, True),
-                                                        (norm.unweighted_rms_norm, ref.unweighted_rms_norm, False)])
-def test_norm_kernels_trace_the_reference_under_compile(kernel, reference, weighted):
+@pytest.mark.parametrize("kernel,reference,weighted,rope", [
+    (norm.rms_norm, ref.rms_norm, True, False), (norm.unweighted_rms_norm, ref.unweighted_rms_norm, False, False),
+    (norm.rms_norm_rope, ref.rms_norm_rope, True, True), (norm.rms_norm_rope, ref.rms_norm_rope, False, True)])
+def test_norm_kernels_trace_the_reference_under_compile(kernel, reference, weighted, rope):
     """The Triton norms step aside inside a compiled step: Dynamo traces the reference op (no custom op, no
     Triton launch, so Inductor can fuse it), and the traced graph computes the reference's result on the CPU."""
     x = torch.randn(T, HC, D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    args = (x, torch.rand(D) + 0.5, 1e-6) if weighted else (x, 1e-6)
+    weight = torch.rand(D) + 0.5 if weighted else None
+    args = (x, weight, 1e-6) if weighted or rope else (x, 1e-6)
+    if rope:
+        args += (torch.randn(T, 4).to(torch.bfloat16), torch.randn(T, 4).to(torch.bfloat16))
     graphs = []
 
     def record(gm, example_inputs):

@@ -68,6 +68,26 @@ def test_hc_pre_matches_reference(tokens, hc_mult, iters, dtype):
         torch.testing.assert_close(g, w, **tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@kernel_runs_here
+@pytest.mark.parametrize("tokens, hc_mult, width, dtype", [
+    (tokens, hc_mult, width, dtype) for dtype in (torch.float32, torch.bfloat16)
+    for tokens, hc_mult, width in ((1, 4, 2500), (7, 4, 64), (64, 4, 1024), (5, 3, 300), (0, 4, 64),
+                                   (hc.MIX_KERNEL_MAX_TOKENS + 1, 2, 32))
+    if not _interpreter_runs_bf16_dot(tokens, dtype)])
+def test_hc_pre_normed_matches_hc_pre_then_the_norm(tokens, hc_mult, width, dtype):
+    """The finishing kernel's norm over every channel block of a token (2500 channels: three blocks of 1024, the
+    last partial), against the reference ``hc_pre`` then ``rms_norm``; fp32 above the split kernels' token limit
+    takes the compiled path and the norm kernel."""
+    streams, fn, base, scale = _case(tokens, hc_mult, width, dtype, seed=width)
+    weight = torch.randn(width, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(1))
+    got = hc.hc_pre_normed(streams, fn, base, scale, 7, 1e-6, 1e-6, weight)
+    want = ref.hc_pre_normed(streams, fn, base, scale, 7, 1e-6, 1e-6, weight)
+    for name, g, w in zip(("post", "comb", "normed"), got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        tol = {"atol": 1e-5, "rtol": 1e-5} if g.dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}
+        torch.testing.assert_close(g, w, **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
 MIX_CASES = [(kernel, tokens, hc_mult, width, dtype) for dtype in (torch.float32, torch.bfloat16)
              for kernel, tokens, hc_mult, width in (
                  (None, 1, 4, 1024), (None, 3, 4, 100), (None, 6, 3, 300), (None, 64, 4, 64),

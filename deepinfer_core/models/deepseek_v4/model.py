@@ -300,12 +300,11 @@ class DecoderLayer:
 
     def __call__(self, ops: OpTable, streams: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         c = self.config
-        post, comb, collapsed = ops.hc_pre(streams, *self.hc_attn, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
-        attn_out = self.attn(ops, ops.rms_norm(collapsed, self.attn_norm, c.rms_norm_eps), ctx)
-        streams = ops.hc_post(streams, attn_out, post, comb)  # [T, hc, D]
-        post, comb, collapsed = ops.hc_pre(streams, *self.hc_ffn, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
-        ffn_out = self.ffn(ops, ops.rms_norm(collapsed, self.ffn_norm, c.rms_norm_eps), ctx.token_ids)
-        return ops.hc_post(streams, ffn_out, post, comb)
+        mhc = (c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        post, comb, x = ops.hc_pre_normed(streams, *self.hc_attn, *mhc, self.attn_norm)  # x: [T, D]
+        streams = ops.hc_post(streams, self.attn(ops, x, ctx), post, comb)  # [T, hc, D]
+        post, comb, x = ops.hc_pre_normed(streams, *self.hc_ffn, *mhc, self.ffn_norm)
+        return ops.hc_post(streams, self.ffn(ops, x, ctx.token_ids), post, comb)
 
 
 def _hc_shapes(hc: int, D: int):

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.ops import reference as ref
+from deepinfer_nvidia_sm100.kernels import norm as _norm
 from deepinfer_nvidia_sm100.kernels.compiled import maybe_compile, opaque_under_compile
 
 MIX_KERNEL_MAX_TOKENS = 16  # fp32 streams above this: the compiled reference (H200: 49.7 vs 21 us at 64 tokens)
@@ -208,12 +209,14 @@ def _hc_weights_kernel(mixed_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_p
 
 @triton.jit
 def _hc_finish_weights_collapse_kernel(dots_ptr, squares_ptr, base_ptr, scale_ptr, streams_ptr, post_ptr, comb_ptr,
-                                       out_ptr, tokens, K, splits, norm_eps, sinkhorn_iters, hc_eps, D,
+                                       out_ptr, norm_w_ptr, tokens, K, splits, norm_eps, sinkhorn_iters, hc_eps, D,
                                        HC: tl.constexpr, HC_P2: tl.constexpr, N_P2: tl.constexpr,
-                                       SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr):
+                                       SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr):
     """``hc_pre`` after the mixing partials, in one launch. Program (token, channel block): the token's mixing
     logits (``_mix_row``), its weights (``_weights``; the channel block 0 stores ``post`` and ``comb``), then the
-    collapse of its ``BLOCK_D`` channels with ``pre`` (``_hc_collapse_kernel``'s arithmetic)."""
+    collapse of its ``BLOCK_D`` channels with ``pre`` (``_hc_collapse_kernel``'s arithmetic). With ``NORM``
+    (``hc_pre_normed``) one program per token collapses every channel block, then RMS-norms the row it wrote with
+    ``norm_w [D]`` (``_rms_norm_kernel``'s arithmetic)."""
     token = tl.program_id(0)
     mixed = _mix_row(dots_ptr, squares_ptr, token, tokens, K, splits, norm_eps, N_P2, SPLITS_P2)  # [N_P2]
     outs = tl.arange(0, N_P2)
@@ -228,7 +231,21 @@ def _hc_finish_weights_collapse_kernel(dots_ptr, squares_ptr, base_ptr, scale_pt
                                HC_P2)
     if tl.program_id(1) == 0:
         _store_weights(post_ptr, comb_ptr, token.to(tl.int64), post, comb, HC, HC_P2)
-    _collapse(pre, streams_ptr, out_ptr, token.to(tl.int64), tl.program_id(1), D, HC, HC_P2, BLOCK_D)
+    if NORM:
+        squares = 0.0
+        for block in range(tl.cdiv(D, BLOCK_D)):
+            collapsed = _collapse(pre, streams_ptr, out_ptr, token.to(tl.int64), block, D, HC, HC_P2, BLOCK_D)
+            squares += tl.sum(collapsed * collapsed, axis=0)
+        scale = 1.0 / tl.sqrt(squares / D + norm_eps)
+        tl.debug_barrier()  # the collapsed row is in memory before any thread reads it back
+        for block in range(tl.cdiv(D, BLOCK_D)):
+            ds = block * BLOCK_D + tl.arange(0, BLOCK_D)
+            row = out_ptr + token.to(tl.int64) * D + ds
+            x = tl.load(row, mask=ds < D, other=0.0).to(tl.float32)
+            w = tl.load(norm_w_ptr + ds, mask=ds < D, other=0.0).to(tl.float32)
+            tl.store(row, (w * (x * scale)).to(out_ptr.dtype.element_ty), mask=ds < D)
+    else:
+        _collapse(pre, streams_ptr, out_ptr, token.to(tl.int64), tl.program_id(1), D, HC, HC_P2, BLOCK_D)
 
 
 def hc_weights(mixed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, sinkhorn_iters: int,
@@ -288,14 +305,15 @@ def hc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, 
 def _collapse(pre, streams_ptr, out_ptr, token, block, D, HC: tl.constexpr, HC_P2: tl.constexpr,
               BLOCK_D: tl.constexpr):
     """Channels ``[block * BLOCK_D, +BLOCK_D)`` of ``out[token] = sum_k pre[k] * streams[token, k]`` (``pre
-    [HC_P2]`` fp32) in fp32, rounded once."""
+    [HC_P2]`` fp32) in fp32, rounded once; returns them as stored (in fp32, 0 past ``D``)."""
     ds = block * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
     in_d = ds < D
     hc = tl.arange(0, HC_P2)
     streams = tl.load(streams_ptr + token * HC * D + hc[:, None] * D + ds[None, :],
                       mask=(hc < HC)[:, None] & in_d[None, :], other=0.0).to(tl.float32)  # [k, BD]
-    out = tl.sum(tl.where((hc < HC)[:, None], pre[:, None], 0.0) * streams, axis=0)  # [BD]
-    tl.store(out_ptr + token * D + ds, out.to(out_ptr.dtype.element_ty), mask=in_d)
+    out = tl.sum(tl.where((hc < HC)[:, None], pre[:, None], 0.0) * streams, axis=0).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + token * D + ds, out, mask=in_d)
+    return tl.where(in_d, out.to(tl.float32), 0.0)  # [BD]: what was stored
 
 
 @triton.jit
@@ -333,18 +351,36 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     """Op ``hc_pre`` (same contract as the reference op): the mixing partials, then the finish, the weights and the
     collapse in one kernel (two launches); where the compiled reference makes the mixing logits, the weights and
     collapse kernels after it."""
+    return _pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, None)
+
+
+@opaque_under_compile("hc_pre_normed", lambda streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight:
+                      _hc_pre_fake(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps))
+def hc_pre_normed(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                  sinkhorn_iters: int, hc_eps: float, norm_eps: float,
+                  norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Op ``hc_pre_normed``: ``hc_pre`` whose finishing kernel also RMS-norms the collapsed row (a program per token:
+    two launches, as ``hc_pre``, instead of three)."""
+    return _pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight)
+
+
+def _pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight):
+    """``hc_pre``, then the RMS norm with ``norm_weight`` unless it is None."""
     if mix_kernel(streams) == "compiled":
         mixed = hc_mix_logits(streams, fn, norm_eps)  # [T, (2 + hc) * hc] fp32
         pre, post, comb = hc_weights(mixed, base, scale, streams.shape[1], sinkhorn_iters, hc_eps)
-        return post, comb, hc_collapse(pre, streams)
+        collapsed = hc_collapse(pre, streams)
+        return post, comb, collapsed if norm_weight is None else _norm.rms_norm(collapsed, norm_weight, norm_eps)
     tokens, hc, dim = streams.shape
     dots, squares, splits, n_p2 = hc_mix_logits(streams, fn, norm_eps, partials=True)
     post = torch.empty(tokens, hc, dtype=torch.float32, device=streams.device)
     comb = torch.empty(tokens, hc, hc, dtype=torch.float32, device=streams.device)
     out = torch.empty(tokens, dim, dtype=streams.dtype, device=streams.device)
     block_d = 1024
-    _hc_finish_weights_collapse_kernel[(tokens, triton.cdiv(dim, block_d))](
+    normed = norm_weight is not None
+    _hc_finish_weights_collapse_kernel[(tokens, 1 if normed else triton.cdiv(dim, block_d))](
         dots, squares, base.float().contiguous(), scale.float().contiguous(), streams.contiguous(), post, comb, out,
-        tokens, fn.shape[1], splits, norm_eps, sinkhorn_iters, hc_eps, dim, HC=hc, HC_P2=triton.next_power_of_2(hc),
-        N_P2=n_p2, SPLITS_P2=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
+        norm_weight.contiguous() if normed else out, tokens, fn.shape[1], splits, norm_eps, sinkhorn_iters, hc_eps,
+        dim, HC=hc, HC_P2=triton.next_power_of_2(hc), N_P2=n_p2, SPLITS_P2=triton.next_power_of_2(splits),
+        BLOCK_D=block_d, NORM=normed, num_warps=4)
     return post, comb, out

@@ -149,6 +149,8 @@ VARIANTS: dict[str, Callable] = {
 }
 VARIANTS["compressor_entries"] = _ref.pooled_windows(_ref.compressor_window, VARIANTS["compressor_pool"])
 """The windows as the reference gathers them, pooled by this module's ``compressor_pool``."""
+VARIANTS["hc_pre_normed"] = _ref.pre_normed(VARIANTS["hc_pre"], _ref.rms_norm)
+"""This module's ``hc_pre``, then the reference norm (kept below)."""
 
 REFERENCE_KEPT: dict[str, str] = {
     "rms_norm": "row reduction of fixed length; torch splits a reduction across threads only when the output "

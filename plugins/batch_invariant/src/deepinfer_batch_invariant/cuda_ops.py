@@ -89,8 +89,10 @@ VARIANTS: dict[str, Callable] = {
     "unweighted_rms_norm": tk.unweighted_rms_norm,
 }
 VARIANTS["compressor_entries"] = _ref.pooled_windows(_ref.compressor_window, VARIANTS["compressor_pool"])
-VARIANTS["rms_norm_rope"] = _ref.normed_rope(VARIANTS["rms_norm"], VARIANTS["unweighted_rms_norm"], _ref.apply_rope_)
 """The windows as the reference gathers them, pooled by this module's ``compressor_pool``."""
+VARIANTS["rms_norm_rope"] = _ref.normed_rope(VARIANTS["rms_norm"], VARIANTS["unweighted_rms_norm"], _ref.apply_rope_)
+VARIANTS["hc_pre_normed"] = _ref.pre_normed(VARIANTS["hc_pre"], VARIANTS["rms_norm"])
+"""The fused ops as their parts above, one after the other."""
 
 REFERENCE_KEPT: dict[str, str] = {
     "rope_cos_sin": "elementwise cos / sin: one functor per element, wherever it sits",
