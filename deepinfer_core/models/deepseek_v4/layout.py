@@ -177,6 +177,7 @@ class StepLayout:
         # every sequence folds max_query_len tokens: padded and flat layouts are views of each other
         self.uniform = all(n == self.max_query_len for n in self.query_lens)
         self._tables: torch.Tensor | None = None
+        self._visible: dict[int, torch.Tensor] = {}  # ratio -> attention_visible of the layout's entries
         self._pending: list[tuple[object, str, torch.Tensor]] = []  # (owner, attribute, host tensor) to upload
         self._build_queries()
         self._build_sliding_keys()
@@ -282,6 +283,16 @@ class StepLayout:
         places = (None, None) if entries is None else (entries.blocks, entries.rows)
         return ops.gather_keys(ring, self.key_slots, self.key_ring_index, new_kv, self.key_new_rows, self.key_from_new,
                                store, *places)
+
+    def attention_visible(self, ratio: int, entry_visible: torch.Tensor) -> torch.Tensor:
+        """``[S, Lq, Lk + E]``: the sliding window's visibility, then ``entry_visible`` (``[S, Lq, E]``, a compressed
+        cache of ``ratio``). Made once per step and ratio where that is the layout's own entry visibility (every
+        HCA layer; CSA layers whose indexer selects every entry)."""
+        if entry_visible is not self.entries(ratio).visible:
+            return torch.cat([self.sliding_visible, entry_visible], dim=-1)
+        if ratio not in self._visible:
+            self._visible[ratio] = torch.cat([self.sliding_visible, entry_visible], dim=-1)
+        return self._visible[ratio]
 
     def write_ring(self, ops, ring: torch.Tensor, new_kv: torch.Tensor) -> None:
         """Keep the last ``window`` tokens of each sequence in its ring (position % window), through
@@ -404,6 +415,7 @@ class DecodeLayout(StepLayout):
         self.query_rows = self._seq[:, None]  # [S, 1]
         self.query_positions = ctx[:, None]  # [S, 1]
         self.token_seq, self.token_offset = self._seq, _constant("zeros", static.num_seqs, device)  # [T]
+        self._visible: dict[int, torch.Tensor] = {}
         self._build_decode_keys()
         self._entries = {ratio: self._decode_entries(ratio) for ratio in static.entry_ratios}
         self._windows = {(ratio, span): self._decode_windows(ratio, span) for ratio, span in static.windows}

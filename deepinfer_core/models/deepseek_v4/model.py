@@ -219,7 +219,7 @@ class Attention:
             entry_visible = self._entry_visible(ops, inputs, q_residual, ctx)  # [S, Lq, E]
             store = state.compressed[self.layer_idx]
             keys = layout.attention_keys(ops, ring, kv, store, self.compressor.ratio)  # [S, Lk + E, hd]
-            visible = torch.cat([visible, entry_visible], dim=-1)
+            visible = layout.attention_visible(self.compressor.ratio, entry_visible)  # [S, Lq, Lk + E]
         out = ops.sink_attention(layout.pad(q), keys, visible, self.sinks, self.head_dim**-0.5)  # [S, Lq, H, hd]
         layout.write_ring(ops, state.swa[self.layer_idx], kv)
         out = ops.apply_rope_(layout.unpad(out), *rope, inverse=True)  # [T, H, hd]
