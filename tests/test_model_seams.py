@@ -104,8 +104,14 @@ def test_input_projections_load_into_one_fused_weight(folder):
         blocks = [model.parameters[n] for n in names]
         assert all(b.untyped_storage().data_ptr() == attn.w_input.untyped_storage().data_ptr() for b in blocks)
         assert torch.equal(torch.cat(blocks), attn.w_input) and attn.w_input.abs().sum() > 0
-        for got, block in zip(attn.project(model.ops, x).values(), blocks, strict=True):
-            torch.testing.assert_close(got, x @ block.T, atol=1e-5, rtol=1e-5)
+        projected = attn.project(model.ops, x)
+        for role, block in zip(attn.input_roles, blocks, strict=True):
+            torch.testing.assert_close(projected[role], x @ block.T, atol=1e-5, rtol=1e-5)
+        for compressor in ("compress", "index"):  # a compressor's kv and gate columns side by side, one view
+            if f"{compressor}_kv" in projected:
+                joined = torch.cat([projected[f"{compressor}_kv"], projected[f"{compressor}_gate"]], dim=-1)
+                assert torch.equal(projected[compressor], joined)
+                assert projected[compressor].data_ptr() == projected[f"{compressor}_kv"].data_ptr()
 
 
 def test_a_fused_block_refuses_another_shape():

@@ -503,7 +503,8 @@ def test_moe_route_hash_matches_reference(scoring, dtype):
 def _window_case(windows: int, ratio: int, d: int, overlap: bool, dtype: torch.dtype, carry_dtype: torch.dtype,
                  seed: int):
     """Windows mixing carried and new slots, some slots before position 0; this step's rows as a column block of a
-    wider projection (as the model passes them)."""
+    wider projection and the carry's kv / gate as halves of one tensor (as the model passes them; two tensors where
+    the carry's dtype differs)."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     width, span, tokens, slots = (2 * d if overlap else d), (2 * ratio if overlap else ratio), 7, 3
 
@@ -512,7 +513,11 @@ def _window_case(windows: int, ratio: int, d: int, overlap: bool, dtype: torch.d
 
     fused = rnd(tokens, 3 * width + 5)
     raw_kv, raw_gate = fused[:, 5:5 + width], fused[:, 5 + width:5 + 2 * width]  # [T, width], row stride 3w + 5
-    carry_kv, carry_gate = rnd(slots, span, width, dt=carry_dtype), rnd(slots, span, width, dt=carry_dtype)
+    if carry_dtype == dtype:  # halves of one carry, as the model allocates it (``CompressorCarry``)
+        carry = rnd(slots, span, 2 * width, dt=carry_dtype)
+        carry_kv, carry_gate = carry[..., :width], carry[..., width:]
+    else:  # two tensors
+        carry_kv, carry_gate = rnd(slots, span, width, dt=carry_dtype), rnd(slots, span, width, dt=carry_dtype)
     from_new = torch.rand(windows, span, device=DEVICE, generator=gen) < 0.4
     new_rows = torch.randint(0, tokens, (windows, span), device=DEVICE, generator=gen)
     carry_slots = torch.randint(0, slots, (windows, 1), device=DEVICE, generator=gen).expand(-1, span)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Iterable
 
 import torch
@@ -110,10 +111,12 @@ class Compressor:
         self.ape = reg.add(f"{prefix}.ape", (self.ratio, width))
         self.norm = reg.add(f"{prefix}.norm.weight", (dim,))
 
-    def step(self, ops: OpTable, raw_kv: torch.Tensor, raw_gate: torch.Tensor, layout: StepLayout,
-             store: torch.Tensor, carry: CompressorCarry, rope: tuple) -> None:
-        """Fold this step's tokens in (``raw_kv`` / ``raw_gate [T, width]``: the layer input times ``wkv`` /
-        ``wgate``): write completed entries to ``store``, update carry."""
+    def step(self, ops: OpTable, raw: torch.Tensor, layout: StepLayout, store: torch.Tensor, carry: CompressorCarry,
+             rope: tuple) -> None:
+        """Fold this step's tokens in (``raw [T, 2 * width]``: the layer input times ``wkv``, then times ``wgate``):
+        write completed entries to ``store``, update carry."""
+        width = raw.shape[-1] // 2
+        raw_kv, raw_gate = raw[:, :width], raw[:, width:]  # [T, width] each
         plan = layout.windows(self.ratio, self.span)
         if plan.num_windows:
             pooled = ops.compressor_entries(raw_kv, raw_gate, carry.kv, carry.gate, plan.from_new, plan.new_rows,
@@ -121,8 +124,7 @@ class Compressor:
                                             self.eps, self.ratio, self.overlap)  # [N, dim]
             cos, sin = plan.entry_rope(ops, rope)  # [N, rope_dim] each
             ops.write_rows_(store, plan.write_blocks, plan.write_rows, ops.apply_rope_(pooled, cos, sin))
-        ops.write_rows_(carry.kv, plan.carry_write_slots, plan.carry_write_index, raw_kv, plan.carry_write_rows)
-        ops.write_rows_(carry.gate, plan.carry_write_slots, plan.carry_write_index, raw_gate, plan.carry_write_rows)
+        ops.write_rows_(carry.rows, plan.carry_write_slots, plan.carry_write_index, raw, plan.carry_write_rows)
 
 class Indexer:
     """Lightning indexer: picks the top ``index_topk`` CSA entries for every query. While a step has at most
@@ -195,9 +197,16 @@ class Attention:
         return rows
 
     def project(self, ops: OpTable, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Every projection of ``x [T, D]`` in one GEMM with the fused weight: role -> ``[T, rows]``."""
-        projected = ops.linear(x, self.w_input).split(self.input_rows, dim=-1)  # [T, sum rows] in column blocks
-        return dict(zip(self.input_roles, projected, strict=True))
+        """Every projection of ``x [T, D]`` in one GEMM with the fused weight: role -> ``[T, rows]``; and per
+        compressor (``compress``, ``index``) its kv and gate columns side by side, ``[T, 2 * width]``."""
+        projected = ops.linear(x, self.w_input)  # [T, sum rows] in column blocks
+        roles = dict(zip(self.input_roles, projected.split(self.input_rows, dim=-1), strict=True))
+        start = dict(zip(self.input_roles, itertools.accumulate([0, *self.input_rows]), strict=False))
+        for compressor in ("compress", "index"):
+            if f"{compressor}_kv" in roles:  # its gate columns follow (``_input_rows``)
+                width = roles[f"{compressor}_kv"].shape[-1] + roles[f"{compressor}_gate"].shape[-1]
+                roles[compressor] = projected.narrow(-1, start[f"{compressor}_kv"], width)
+        return roles
 
     def __call__(self, ops: OpTable, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         T = x.shape[0]
@@ -230,11 +239,10 @@ class Attention:
         """Fold this step's tokens into the compressed store and, in a CSA layer, the indexer's key store."""
         layer, layout, state = self.layer_idx, ctx.layout, ctx.state
         rope_args = ctx.rope_args["compress"]
-        self.compressor.step(ops, inputs["compress_kv"], inputs["compress_gate"], layout, state.compressed[layer],
-                             state.carry[layer], rope_args)
+        self.compressor.step(ops, inputs["compress"], layout, state.compressed[layer], state.carry[layer], rope_args)
         if self.indexer is not None:
-            self.indexer.compressor.step(ops, inputs["index_kv"], inputs["index_gate"], layout,
-                                         state.index_keys[layer], state.index_carry[layer], rope_args)
+            self.indexer.compressor.step(ops, inputs["index"], layout, state.index_keys[layer],
+                                         state.index_carry[layer], rope_args)
 
     def _entry_visible(self, ops, inputs, q_residual, ctx: StepContext) -> torch.Tensor:
         """Which compressed entries each query reads (``[S, Lq, E]``), after ``_fold``."""

@@ -73,12 +73,14 @@ def cache_groups(config: DeepseekV4Config, block_size: int) -> list[CacheGroup]:
 
 
 class CompressorCarry:
-    """Raw (pre-pooling) kv / gate projections of a compressor's last ``span`` tokens per slot."""
+    """Raw (pre-pooling) kv / gate projections of a compressor's last ``span`` tokens per slot, side by side in
+    ``rows [slots, span, 2 * width]`` (kv, then gate: the order of their columns in the layer's fused projection, so
+    one write keeps both); ``kv`` and ``gate`` are its halves (views ``[slots, span, width]``)."""
 
     def __init__(self, num_slots: int, span: int, width: int, dtype: torch.dtype, device: torch.device):
         self.span = span
-        self.kv = torch.zeros(num_slots, span, width, dtype=dtype, device=device)  # [slots, span, width]
-        self.gate = torch.zeros(num_slots, span, width, dtype=dtype, device=device)
+        self.rows = torch.zeros(num_slots, span, 2 * width, dtype=dtype, device=device)
+        self.kv, self.gate = self.rows[..., :width], self.rows[..., width:]
 
 
 class DeepseekV4State:
@@ -132,5 +134,4 @@ class DeepseekV4State:
         for ring in self.swa.values():
             ring[dst] = ring[src]
         for carry in (*self.carry.values(), *self.index_carry.values()):
-            carry.kv[dst] = carry.kv[src]
-            carry.gate[dst] = carry.gate[src]
+            carry.rows[dst] = carry.rows[src]

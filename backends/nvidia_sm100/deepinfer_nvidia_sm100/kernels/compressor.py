@@ -96,7 +96,8 @@ def pool_windows(raw_kv: torch.Tensor, raw_gate: torch.Tensor, carry_kv: torch.T
     if N == 0:
         return out
     raw_kv, raw_gate = _rows_contiguous(raw_kv), _rows_contiguous(raw_gate)
-    carry_kv, carry_gate = carry_kv.contiguous(), carry_gate.contiguous()
+    if carry_kv.stride(-1) != 1 or carry_gate.stride() != carry_kv.stride():  # the kernel reads both with one stride
+        carry_kv, carry_gate = carry_kv.contiguous(), carry_gate.contiguous()  # (the model's halves of one carry do)
     few = N < FEW_WINDOWS  # e.g. a batch-1 decode step: more, shorter programs (latency over loop iterations)
     block_d = FEW_BLOCK_D if few else BLOCK_D
     block_s = min(FEW_MAX_BLOCK_S if few else MAX_BLOCK_S, triton.next_power_of_2(span))
