@@ -31,6 +31,8 @@
 #            16384-token steps, b1, then the decode profile at batch 256 and 1 and one mixed step profiled
 #   pool     bench_pool.py (the pooling kernel on real and dummy windows), then batch 1 with the decode step compiled
 #            whole (DEEPINFER_NVIDIA_COMPILE_STEP=1): its profile and the bench
+#   s12      the twelfth session's lease: the model and compressor GPU tests, b1, b1 with the Triton GEMV
+#            (DEEPINFER_NVIDIA_GEMV=1), b64, b256, the 8K prefill, then the decode profile at batch 256 and 1
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -110,6 +112,21 @@ if [[ $what == final ]]; then
   bench prefill-8k --input-len 8192 --output-len 1 --num-prompts 1 --max-num-seqs 1 --max-num-batched-tokens 8192 \
     --num-iters 5
   timeout 200 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 256 1 > "$RES/profile-decode.txt" 2>&1
+  grep -E "^=== batch|^\|" "$RES/profile-decode.txt"; save
+  what=summary
+fi
+if [[ $what == s12 ]]; then
+  python -m pytest -q -p no:cacheprovider -rfEs backends/nvidia_sm100/tests/test_model_gpu.py 2>&1 | tail -4 \
+    | tee "$RES/tests.txt"; save
+  python -m pytest -q -p no:cacheprovider -rfE backends/nvidia_sm100/tests/test_triton_kernels.py \
+    -k "compressor or write_rows or norm or hc_pre" 2>&1 | tail -3 | tee -a "$RES/tests.txt"; save
+  bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
+  DEEPINFER_NVIDIA_GEMV=1 bench b1-gemv --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
+  bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
+  bench b256 --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256
+  bench prefill-8k --input-len 8192 --output-len 1 --num-prompts 1 --max-num-seqs 1 --max-num-batched-tokens 8192 \
+    --num-iters 5
+  timeout 150 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 256 1 > "$RES/profile-decode.txt" 2>&1
   grep -E "^=== batch|^\|" "$RES/profile-decode.txt"; save
   what=summary
 fi
