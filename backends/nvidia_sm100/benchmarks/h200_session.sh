@@ -32,7 +32,8 @@
 #   pool     bench_pool.py (the pooling kernel on real and dummy windows), then batch 1 with the decode step compiled
 #            whole (DEEPINFER_NVIDIA_COMPILE_STEP=1): its profile and the bench
 #   s12      the twelfth session's lease: the model and compressor GPU tests, b1, b1 with the Triton GEMV
-#            (DEEPINFER_NVIDIA_GEMV=1), b64, b256, the 8K prefill, then the decode profile at batch 256 and 1
+#            (DEEPINFER_NVIDIA_GEMV=1), b64, b256, the 8K prefill, then the decode profile at batch 256 and 1 and
+#            the 1K-token prefill step profiled (the batch-1 bench's first token)
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -128,6 +129,9 @@ if [[ $what == s12 ]]; then
     --num-iters 5
   timeout 150 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 256 1 > "$RES/profile-decode.txt" 2>&1
   grep -E "^=== batch|^\|" "$RES/profile-decode.txt"; save
+  timeout 90 python backends/nvidia_sm100/benchmarks/profile_decode.py --prefill 1 --input-len 1024 \
+    --max-num-batched-tokens 8192 > "$RES/profile-prefill-1k.txt" 2>&1  # the batch-1 bench's TTFT step
+  grep -E "^=== |Self CUDA time total" "$RES/profile-prefill-1k.txt"; save
   what=summary
 fi
 if [[ $what == sched ]]; then
