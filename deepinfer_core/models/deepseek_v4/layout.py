@@ -17,7 +17,9 @@ where the model runs (on the 2-core sandbox, building them on the host took 0.5 
 Decode steps replayed from a CUDA graph use ``DecodeLayout`` instead: the same tensors at shapes fixed by a
 ``StaticShape`` alone (keys padded to the window, compressed entries to ``context_len // ratio``, one compressor
 window per sequence, a dummy one writing the spare block where a sequence completes none), computed with
-device ops from a few per-sequence tensors (``DecodeInputs``) inside the graph. The host then only uploads those
+device ops from a few per-sequence tensors (``DecodeInputs``) inside the graph: the op table's ``decode_key_index``,
+``decode_entry_places`` and ``decode_window_plan`` (~100 small integer kernels per step eagerly; a backend may fuse
+them, the NVIDIA one compiles them). The host then only uploads those
 (one copy through a ``StaticBuffers``) instead of building every index tensor each step.
 """
 
