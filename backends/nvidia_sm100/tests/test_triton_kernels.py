@@ -72,12 +72,12 @@ def test_hc_pre_matches_reference(tokens, hc_mult, iters, dtype):
 @pytest.mark.parametrize("tokens, hc_mult, width, dtype", [
     (tokens, hc_mult, width, dtype) for dtype in (torch.float32, torch.bfloat16)
     for tokens, hc_mult, width in ((1, 4, 2500), (7, 4, 64), (64, 4, 1024), (5, 3, 300), (0, 4, 64),
-                                   (hc.MIX_KERNEL_MAX_TOKENS + 1, 2, 32))
+                                   (hc.MIX_KERNEL_MAX_TOKENS + 1, 2, 32), (2, 2, hc.NORM_MAX_BLOCK_D + 808))
     if not _interpreter_runs_bf16_dot(tokens, dtype)])
 def test_hc_pre_normed_matches_hc_pre_then_the_norm(tokens, hc_mult, width, dtype):
-    """The finishing kernel's norm over every channel block of a token (2500 channels: three blocks of 1024, the
-    last partial), against the reference ``hc_pre`` then ``rms_norm``; fp32 above the split kernels' token limit
-    takes the compiled path and the norm kernel."""
+    """The finishing kernel's norm of a token's collapsed row, in one block (2500 channels in a block of 4096) or
+    block by block past ``NORM_MAX_BLOCK_D`` (the last block partial), against the reference ``hc_pre`` then
+    ``rms_norm``; fp32 above the split kernels' token limit takes the compiled path and the norm kernel."""
     streams, fn, base, scale = _case(tokens, hc_mult, width, dtype, seed=width)
     weight = torch.randn(width, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(1))
     got = hc.hc_pre_normed(streams, fn, base, scale, 7, 1e-6, 1e-6, weight)

@@ -29,11 +29,13 @@ FEW_BLOCK_D, FEW_MAX_BLOCK_S = 32, 128
 def _pool_windows_kernel(raw_kv_ptr, raw_gate_ptr, carry_kv_ptr, carry_gate_ptr, from_new_ptr, new_rows_ptr,
                          carry_slots_ptr, carry_index_ptr, valid_ptr, ape_ptr, out_ptr,
                          span, d, ratio, width, raw_kv_stride, raw_gate_stride, carry_slot_stride, carry_row_stride,
+                         slots_window_stride, slots_slot_stride,
                          OVERLAP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                          SPAN_P2: tl.constexpr):
     """Window ``program_id(0)``, channels ``[program_id(1) * BLOCK_D, +BLOCK_D)`` of ``out [N, d]``: slot ``j`` is
     row ``new_rows[n, j]`` of ``raw_kv`` / ``raw_gate [T, width]`` where ``from_new``, else the carry's
-    ``[carry_slots, carry_index]``; ``OVERLAP`` (CSA): slots ``>= ratio`` read the upper ``d`` channels. The gate gets
+    ``[carry_slots, carry_index]`` (``carry_slots`` read through its strides: the model broadcasts one slot along a
+    window); ``OVERLAP`` (CSA): slots ``>= ratio`` read the upper ``d`` channels. The gate gets
     ``ape [ratio, width]`` (rounded to the input dtype, as the reference adds it); slots not ``valid`` are skipped, and
     the slot loop starts at the block of the first valid slot (a static decode step's dummy windows pool their last
     slot only)."""
@@ -54,7 +56,8 @@ def _pool_windows_kernel(raw_kv_ptr, raw_gate_ptr, carry_kv_ptr, carry_gate_ptr,
         ok = (tl.load(valid_ptr + plan, mask=j_ok, other=0) != 0) & j_ok
         fresh = (tl.load(from_new_ptr + plan, mask=j_ok, other=0) != 0)[:, None]  # [BS, 1]
         rows = tl.load(new_rows_ptr + plan, mask=j_ok, other=0).to(tl.int64)[:, None]
-        slot = tl.load(carry_slots_ptr + plan, mask=j_ok, other=0).to(tl.int64)[:, None]
+        slot = tl.load(carry_slots_ptr + n * slots_window_stride + j * slots_slot_stride, mask=j_ok,
+                       other=0).to(tl.int64)[:, None]
         index = tl.load(carry_index_ptr + plan, mask=j_ok, other=0).to(tl.int64)[:, None]
         col = c[None, :]  # [1, BD] channel of the input width
         if OVERLAP:
@@ -103,8 +106,9 @@ def pool_windows(raw_kv: torch.Tensor, raw_gate: torch.Tensor, carry_kv: torch.T
     block_s = min(FEW_MAX_BLOCK_S if few else MAX_BLOCK_S, triton.next_power_of_2(span))
     _pool_windows_kernel[(N, triton.cdiv(d, block_d))](
         raw_kv, raw_gate, carry_kv, carry_gate, from_new.contiguous().view(torch.uint8), new_rows.contiguous(),
-        carry_slots.contiguous(), carry_index.contiguous(), valid.contiguous().view(torch.uint8), ape.contiguous(),
+        carry_slots, carry_index.contiguous(), valid.contiguous().view(torch.uint8), ape.contiguous(),
         out, span, d, ratio, width, raw_kv.stride(0), raw_gate.stride(0), carry_kv.stride(0), carry_kv.stride(1),
+        carry_slots.stride(0), carry_slots.stride(1),  # a window's slot, usually broadcast along it: no copy
         OVERLAP=overlap, BLOCK_S=block_s, BLOCK_D=block_d, SPAN_P2=triton.next_power_of_2(span), num_warps=4)
     return out
 

@@ -27,6 +27,7 @@ from deepinfer_core.ops import reference as ref
 from deepinfer_nvidia_sm100.kernels import norm as _norm
 from deepinfer_nvidia_sm100.kernels.compiled import maybe_compile, opaque_under_compile
 
+NORM_MAX_BLOCK_D = 8192  # hc_pre_normed: rows up to this wide are collapsed and normed in registers, in one pass
 MIX_KERNEL_MAX_TOKENS = 16  # fp32 streams above this: the compiled reference (H200: 49.7 vs 21 us at 64 tokens)
 MIX_K_PER_SPLIT = 128  # row elements per program (128 programs for one token of V4-Flash)
 
@@ -215,8 +216,8 @@ def _hc_finish_weights_collapse_kernel(dots_ptr, squares_ptr, base_ptr, scale_pt
     """``hc_pre`` after the mixing partials, in one launch. Program (token, channel block): the token's mixing
     logits (``_mix_row``), its weights (``_weights``; the channel block 0 stores ``post`` and ``comb``), then the
     collapse of its ``BLOCK_D`` channels with ``pre`` (``_hc_collapse_kernel``'s arithmetic). With ``NORM``
-    (``hc_pre_normed``) one program per token collapses every channel block, then RMS-norms the row it wrote with
-    ``norm_w [D]`` (``_rms_norm_kernel``'s arithmetic)."""
+    (``hc_pre_normed``) one program per token collapses the row (in one block where ``BLOCK_D >= D``, else block by
+    block, re-reading what it wrote) and RMS-norms it with ``norm_w [D]`` (``_rms_norm_kernel``'s arithmetic)."""
     token = tl.program_id(0)
     mixed = _mix_row(dots_ptr, squares_ptr, token, tokens, K, splits, norm_eps, N_P2, SPLITS_P2)  # [N_P2]
     outs = tl.arange(0, N_P2)
@@ -231,7 +232,14 @@ def _hc_finish_weights_collapse_kernel(dots_ptr, squares_ptr, base_ptr, scale_pt
                                HC_P2)
     if tl.program_id(1) == 0:
         _store_weights(post_ptr, comb_ptr, token.to(tl.int64), post, comb, HC, HC_P2)
-    if NORM:
+    if NORM and BLOCK_D >= D:  # the whole row in one block: collapsed, normed and stored once
+        collapsed = _collapse(pre, streams_ptr, out_ptr, token.to(tl.int64), 0, D, HC, HC_P2, BLOCK_D, STORE=False)
+        scale = 1.0 / tl.sqrt(tl.sum(collapsed * collapsed, axis=0) / D + norm_eps)
+        ds = tl.arange(0, BLOCK_D)
+        w = tl.load(norm_w_ptr + ds, mask=ds < D, other=0.0).to(tl.float32)
+        tl.store(out_ptr + token.to(tl.int64) * D + ds, (w * (collapsed * scale)).to(out_ptr.dtype.element_ty),
+                 mask=ds < D)
+    elif NORM:  # wider rows: collapse block by block, then norm the row written
         squares = 0.0
         for block in range(tl.cdiv(D, BLOCK_D)):
             collapsed = _collapse(pre, streams_ptr, out_ptr, token.to(tl.int64), block, D, HC, HC_P2, BLOCK_D)
@@ -303,17 +311,18 @@ def hc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, 
 
 @triton.jit
 def _collapse(pre, streams_ptr, out_ptr, token, block, D, HC: tl.constexpr, HC_P2: tl.constexpr,
-              BLOCK_D: tl.constexpr):
+              BLOCK_D: tl.constexpr, STORE: tl.constexpr = True):
     """Channels ``[block * BLOCK_D, +BLOCK_D)`` of ``out[token] = sum_k pre[k] * streams[token, k]`` (``pre
-    [HC_P2]`` fp32) in fp32, rounded once; returns them as stored (in fp32, 0 past ``D``)."""
+    [HC_P2]`` fp32) in fp32, rounded once; returns them as rounded (in fp32, 0 past ``D``)."""
     ds = block * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
     in_d = ds < D
     hc = tl.arange(0, HC_P2)
     streams = tl.load(streams_ptr + token * HC * D + hc[:, None] * D + ds[None, :],
                       mask=(hc < HC)[:, None] & in_d[None, :], other=0.0).to(tl.float32)  # [k, BD]
     out = tl.sum(tl.where((hc < HC)[:, None], pre[:, None], 0.0) * streams, axis=0).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + token * D + ds, out, mask=in_d)
-    return tl.where(in_d, out.to(tl.float32), 0.0)  # [BD]: what was stored
+    if STORE:
+        tl.store(out_ptr + token * D + ds, out, mask=in_d)
+    return tl.where(in_d, out.to(tl.float32), 0.0)  # [BD]: the rounded values (stored unless not STORE)
 
 
 @triton.jit
@@ -376,11 +385,12 @@ def _pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight
     post = torch.empty(tokens, hc, dtype=torch.float32, device=streams.device)
     comb = torch.empty(tokens, hc, hc, dtype=torch.float32, device=streams.device)
     out = torch.empty(tokens, dim, dtype=streams.dtype, device=streams.device)
-    block_d = 1024
     normed = norm_weight is not None
+    # normed: a program per token, the whole row in one block up to NORM_MAX_BLOCK_D channels (16 warps at 4096)
+    block_d = min(triton.next_power_of_2(dim), NORM_MAX_BLOCK_D) if normed else 1024
     _hc_finish_weights_collapse_kernel[(tokens, 1 if normed else triton.cdiv(dim, block_d))](
         dots, squares, base.float().contiguous(), scale.float().contiguous(), streams.contiguous(), post, comb, out,
         norm_weight.contiguous() if normed else out, tokens, fn.shape[1], splits, norm_eps, sinkhorn_iters, hc_eps,
         dim, HC=hc, HC_P2=triton.next_power_of_2(hc), N_P2=n_p2, SPLITS_P2=triton.next_power_of_2(splits),
-        BLOCK_D=block_d, NORM=normed, num_warps=4)
+        BLOCK_D=block_d, NORM=normed, num_warps=max(4, min(16, block_d // 256)))
     return post, comb, out
