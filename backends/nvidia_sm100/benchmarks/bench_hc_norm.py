@@ -50,8 +50,14 @@ def rope_rows(tokens: int):
 
 
 def main() -> None:
+    from deepinfer_nvidia_sm100.kernels import hc
+
     torch.manual_seed(0)
-    rows = [row(tokens) for row in (hc_rows, rope_rows) for tokens in (1, 256, 8192)]
+    rows = []
+    for warps in (4, 8, 16):  # the fused hc kernel's warps (one program per token)
+        hc.NORM_WARPS = warps
+        rows += [(f"{name}, {warps} warps", *rest) for name, *rest in (hc_rows(tokens) for tokens in (1, 256, 8192))]
+    rows += [rope_rows(tokens) for tokens in (1, 256, 8192)]
     print_ab_table("fused norms, bf16, CUDA graph replays (H200)", ("op", "tokens", "parts", "fused"), rows)
 
 

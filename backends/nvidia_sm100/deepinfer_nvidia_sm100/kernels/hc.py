@@ -28,6 +28,7 @@ from deepinfer_nvidia_sm100.kernels import norm as _norm
 from deepinfer_nvidia_sm100.kernels.compiled import maybe_compile, opaque_under_compile
 
 NORM_MAX_BLOCK_D = 8192  # hc_pre_normed: rows up to this wide are collapsed and normed in registers, in one pass
+NORM_WARPS = 8
 MIX_KERNEL_MAX_TOKENS = 16  # fp32 streams above this: the compiled reference (H200: 49.7 vs 21 us at 64 tokens)
 MIX_K_PER_SPLIT = 128  # row elements per program (128 programs for one token of V4-Flash)
 
@@ -386,11 +387,11 @@ def _pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight
     comb = torch.empty(tokens, hc, hc, dtype=torch.float32, device=streams.device)
     out = torch.empty(tokens, dim, dtype=streams.dtype, device=streams.device)
     normed = norm_weight is not None
-    # normed: a program per token, the whole row in one block up to NORM_MAX_BLOCK_D channels (16 warps at 4096)
+    # normed: a program per token, the whole row in one block up to NORM_MAX_BLOCK_D channels
     block_d = min(triton.next_power_of_2(dim), NORM_MAX_BLOCK_D) if normed else 1024
     _hc_finish_weights_collapse_kernel[(tokens, 1 if normed else triton.cdiv(dim, block_d))](
         dots, squares, base.float().contiguous(), scale.float().contiguous(), streams.contiguous(), post, comb, out,
         norm_weight.contiguous() if normed else out, tokens, fn.shape[1], splits, norm_eps, sinkhorn_iters, hc_eps,
         dim, HC=hc, HC_P2=triton.next_power_of_2(hc), N_P2=n_p2, SPLITS_P2=triton.next_power_of_2(splits),
-        BLOCK_D=block_d, NORM=normed, num_warps=max(4, min(16, block_d // 256)))
+        BLOCK_D=block_d, NORM=normed, num_warps=NORM_WARPS if normed else 4)
     return post, comb, out
