@@ -54,9 +54,11 @@ def main() -> None:
 
     torch.manual_seed(0)
     rows = []
+    default = hc.NORM_WARPS
     for warps in (4, 8, 16):  # the fused hc kernel's warps (one program per token)
         hc.NORM_WARPS = warps
         rows += [(f"{name}, {warps} warps", *rest) for name, *rest in (hc_rows(tokens) for tokens in (1, 256, 8192))]
+    hc.NORM_WARPS = default
     rows += [rope_rows(tokens) for tokens in (1, 256, 8192)]
     print_ab_table("fused norms, bf16, CUDA graph replays (H200)", ("op", "tokens", "parts", "fused"), rows)
 

@@ -28,7 +28,7 @@ from deepinfer_nvidia_sm100.kernels import norm as _norm
 from deepinfer_nvidia_sm100.kernels.compiled import maybe_compile, opaque_under_compile
 
 NORM_MAX_BLOCK_D = 8192  # hc_pre_normed: rows up to this wide are collapsed and normed in registers, in one pass
-NORM_WARPS = 8
+NORM_WARPS = 4  # H200 (bench_hc_norm.py): 4 warps 12.8 / 18.6 / 290.6 us at 1 / 256 / 8192 tokens; 8 and 16 slower
 MIX_KERNEL_MAX_TOKENS = 16  # fp32 streams above this: the compiled reference (H200: 49.7 vs 21 us at 64 tokens)
 MIX_K_PER_SPLIT = 128  # row elements per program (128 programs for one token of V4-Flash)
 
