@@ -102,9 +102,9 @@ def normed_rope(norm: Callable, unweighted_norm: Callable, rope_: Callable) -> C
 
 
 rms_norm_rope = reference_op(normed_rope(rms_norm, unweighted_rms_norm, apply_rope_))
-rms_norm_rope.__doc__ = """``apply_rope_(rms_norm(x, weight, eps), cos, sin)``, with ``unweighted_rms_norm`` where ``weight`` is None: a
-query / key norm, then RoPE on its trailing channels (``x [T, ..., dim]``, ``cos`` / ``sin [T, rope_dim // 2]``); a
-new tensor. One op so that a backend may do both in one pass."""
+rms_norm_rope.__doc__ = """``apply_rope_(rms_norm(x, weight, eps), cos, sin)``, with ``unweighted_rms_norm`` where
+``weight`` is None: a query / key norm, then RoPE on its trailing channels (``x [T, ..., dim]``, ``cos`` / ``sin
+[T, rope_dim // 2]``); a new tensor. One op so that a backend may do both in one pass."""
 
 
 # ----------------------------------------------------------------------------- linear
@@ -383,8 +383,8 @@ def pre_normed(pre: Callable, norm: Callable) -> Callable:
 
 
 hc_pre_normed = reference_op(pre_normed(hc_pre, rms_norm))
-hc_pre_normed.__doc__ = """``hc_pre``, then ``rms_norm(collapsed, norm_weight, norm_eps)``: the block's input as the attention / MoE
-reads it (``post [T, hc]``, ``comb [T, hc, hc]``, the normed ``[T, D]``). One op so that a backend may norm the
+hc_pre_normed.__doc__ = """``hc_pre``, then ``rms_norm(collapsed, norm_weight, norm_eps)``: the block's input as the
+attention / MoE reads it (``post [T, hc]``, ``comb [T, hc, hc]``, the normed ``[T, D]``). One op so that a backend may norm the
 collapse where it makes it."""
 
 

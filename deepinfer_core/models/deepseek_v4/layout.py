@@ -406,7 +406,7 @@ class DecodeLayout(StepLayout):
         ctx = inputs.context_lens  # [S]
         device = ctx.device
         self.static, self.inputs = static, inputs
-        self.ops = ops or OpTable()  # the index math: ``decode_key_index``, ``decode_entry_places``, ``decode_window_plan``
+        self.ops = ops or OpTable()  # the index math: decode_key_index, decode_entry_places, decode_window_plan
         self.window, self.block_size = sliding_window, block_size
         self.target_device = self.device = device
         self.num_seqs, self.max_query_len = static.num_seqs, 1

@@ -2,10 +2,10 @@
 
 The model's norms, RoPE tables and mHC ops are chains of small element-wise and reduction ops; eagerly each is
 several kernel launches, and a decode step is bound by launching them. So is a static decode step's index math
-(``decode_key_index``, ``decode_entry_places``, ``decode_window_plan``: ~100 integer kernels per step eagerly). Compiled, each op is one or two fused
-kernels. The compiled function *is* the reference op (same source), so semantics cannot drift; tests still
-check each against the eager reference on the GPU. (``hc_pre``, ``hc_post`` and ``apply_rope`` are not here: compiled,
-they kept a kernel per Sinkhorn normalisation, a cuBLAS bmm of 4 x 4 tiles and a slow copy; ``kernels/hc.py`` and
+(``decode_key_index``, ``decode_entry_places``, ``decode_window_plan``: ~100 integer kernels per step eagerly).
+Compiled, each op is one or two fused kernels. The compiled function *is* the reference op (same source), so
+semantics cannot drift; tests still check each against the eager reference on the GPU. (``hc_pre``, ``hc_post`` and
+``apply_rope`` are not here: compiled, they kept a kernel per Sinkhorn normalisation, a cuBLAS bmm of 4 x 4 tiles and a slow copy; ``kernels/hc.py`` and
 ``kernels/rope.py`` are hand-written Triton.)
 
 Set ``DEEPINFER_NVIDIA_COMPILE=0`` to run these ops eagerly (the reference ops).
