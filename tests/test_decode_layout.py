@@ -127,3 +127,18 @@ def test_an_eager_layout_reaches_the_device_in_one_copy(monkeypatch):
     assert len(copies) == 1  # all built with the layout
     layout.entries(16)
     assert len(copies) == 2
+
+
+def test_attention_visibility_is_made_once_per_ratio_for_the_layouts_own_entries():
+    """``attention_visible``: the window's visibility, then the entries'; shared by the layers that read the layout's
+    own entries of a ratio, made anew for an indexer's selection."""
+    batch = decode_batch(random.Random(3), real=4, padded=8)
+    for layout in layouts(batch):
+        own = layout.entries(4).visible
+        first = layout.attention_visible(4, own)
+        assert torch.equal(first, torch.cat([layout.sliding_visible, own], dim=-1))
+        assert layout.attention_visible(4, own) is first
+        selected = own.clone()
+        selected[..., 0] = False  # an indexer's selection: another tensor
+        chosen = layout.attention_visible(4, selected)
+        assert chosen is not first and torch.equal(chosen, torch.cat([layout.sliding_visible, selected], dim=-1))
