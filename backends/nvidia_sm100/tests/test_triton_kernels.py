@@ -413,6 +413,28 @@ def test_rms_norms_match_reference(shape, dtype):
 
 
 @kernel_runs_here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_read_a_projections_column_block_in_place(dtype):
+    """The model norms column blocks of its fused input projection (``q``, ``kv``: rows ``sum rows`` apart): the kernel
+    reads them through the row stride (no copy) and writes packed rows, equal to the reference's."""
+    from deepinfer_nvidia_sm100.kernels import norm
+
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    fused = (torch.randn(19, 1024 + 512 + 300, device=DEVICE, generator=gen) * 3).to(dtype)
+    q, kv = fused[:, :1024], fused[:, 1024:1536]  # [T, 1024] / [T, 512], row stride 1836
+    weight = torch.randn(1024, device=DEVICE, generator=gen)
+    angles = torch.randn(19, 32, device=DEVICE, generator=gen)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2 * 2**-7}
+    for got, want in ((norm.rms_norm(q, weight, 1e-6), ref.rms_norm(q, weight, 1e-6)),
+                      (norm.unweighted_rms_norm(q, 1e-6), ref.unweighted_rms_norm(q, 1e-6)),
+                      (norm.rms_norm_rope(kv, weight[:512], 1e-6, cos, sin),
+                       ref.rms_norm_rope(kv, weight[:512], 1e-6, cos, sin))):
+        assert got.is_contiguous() and got.shape == want.shape and got.dtype == want.dtype
+        torch.testing.assert_close(got, want, **tol)
+
+
+@kernel_runs_here
 @pytest.mark.parametrize("shape", [(3, 512), (5, 4, 512), (2, 3, 96)])
 @pytest.mark.parametrize("weighted", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

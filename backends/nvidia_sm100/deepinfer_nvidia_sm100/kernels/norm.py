@@ -31,16 +31,18 @@ def enabled() -> bool:
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, rows, rows_per_token, D, HALF, eps, ROWS: tl.constexpr,
-                     BLOCK_D: tl.constexpr, WEIGHTED: tl.constexpr, ROPE: tl.constexpr):
-    """Rows ``[ROWS]`` of ``x [rows, D]``: ``x * rsqrt(mean(x^2) + eps)``, times ``w [D]`` when ``WEIGHTED``; with
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, rows, rows_per_token, D, x_row_stride, HALF, eps,
+                     ROWS: tl.constexpr, BLOCK_D: tl.constexpr, WEIGHTED: tl.constexpr, ROPE: tl.constexpr):
+    """Rows ``[ROWS]`` of ``x [rows, D]`` (rows ``x_row_stride`` apart: a column block of a wider projection is read in
+    place) into contiguous ``out``: ``x * rsqrt(mean(x^2) + eps)``, times ``w [D]`` when ``WEIGHTED``; with
     ``ROPE``, the rounded result's trailing ``2 * HALF`` channels then rotated in interleaved pairs by the angle of
     the row's token (``cos`` / ``sin [tokens, HALF]``, ``rows_per_token`` rows each), as ``apply_rope_`` would."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [R]
     cols = tl.arange(0, BLOCK_D)  # [BD]
     mask = (r[:, None] < rows) & (cols[None, :] < D)
     at = r[:, None].to(tl.int64) * D + cols[None, :]
-    x = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)  # [R, BD]
+    x = tl.load(x_ptr + r[:, None].to(tl.int64) * x_row_stride + cols[None, :], mask=mask,
+                other=0.0).to(tl.float32)  # [R, BD]
     scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)  # [R]
     out_ty = out_ptr.dtype.element_ty
     if WEIGHTED:
@@ -62,8 +64,9 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, rows, rows_per_tok
 def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor | None = None,
             sin: torch.Tensor | None = None) -> torch.Tensor:
     dim = x.shape[-1]
-    x = x.contiguous()
-    out = torch.empty_like(x)
+    if not (x.dim() == 2 and x.stride(-1) == 1):  # 2-D rows may be apart (a projection's column block), else packed
+        x = x.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows = x.numel() // dim if dim else 0
     if rows == 0:
         return out
@@ -73,7 +76,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch
     rope = cos is not None
     _rms_norm_kernel[(triton.cdiv(rows, per_program),)](
         x, weight if weight is not None else x, out, cos.contiguous() if rope else x, sin.contiguous() if rope else x,
-        rows, rows // cos.shape[0] if rope else 1, dim, cos.shape[-1] if rope else 0, eps, ROWS=per_program,
+        rows, rows // cos.shape[0] if rope else 1, dim, x.stride(0) if x.dim() == 2 else dim,
+        cos.shape[-1] if rope else 0, eps, ROWS=per_program,
         BLOCK_D=block_d, WEIGHTED=weight is not None, ROPE=rope, num_warps=warps)
     return out
 
