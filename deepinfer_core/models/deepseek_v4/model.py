@@ -168,6 +168,11 @@ class Attention:
         self.input_roles = [role for role, _ in rows]
         self.input_rows = [n for _, (_, n) in rows]
         self.w_input = reg.add_fused(dict(name_rows for _, name_rows in rows), c.hidden_size)  # [sum rows, D]
+        starts = dict(zip(self.input_roles, itertools.accumulate([0, *self.input_rows]), strict=False))
+        widths = dict(zip(self.input_roles, self.input_rows, strict=True))
+        self.compressor_columns = {  # per compressor its kv, then gate columns (adjacent: ``_input_rows``)
+            name: (starts[f"{name}_kv"], widths[f"{name}_kv"] + widths[f"{name}_gate"])
+            for name in ("compress", "index") if f"{name}_kv" in starts}
         self.wq_a = reg.add(f"{prefix}.wq_a.weight", (c.q_lora_rank, c.hidden_size))
         self.q_norm = reg.add(f"{prefix}.q_norm.weight", (c.q_lora_rank,))
         self.wq_b = reg.add(f"{prefix}.wq_b.weight", (self.heads * self.head_dim, c.q_lora_rank))
@@ -201,11 +206,8 @@ class Attention:
         compressor (``compress``, ``index``) its kv and gate columns side by side, ``[T, 2 * width]``."""
         projected = ops.linear(x, self.w_input)  # [T, sum rows] in column blocks
         roles = dict(zip(self.input_roles, projected.split(self.input_rows, dim=-1), strict=True))
-        start = dict(zip(self.input_roles, itertools.accumulate([0, *self.input_rows]), strict=False))
-        for compressor in ("compress", "index"):
-            if f"{compressor}_kv" in roles:  # its gate columns follow (``_input_rows``)
-                width = roles[f"{compressor}_kv"].shape[-1] + roles[f"{compressor}_gate"].shape[-1]
-                roles[compressor] = projected.narrow(-1, start[f"{compressor}_kv"], width)
+        roles.update({name: projected.narrow(-1, start, width)
+                      for name, (start, width) in self.compressor_columns.items()})
         return roles
 
     def __call__(self, ops: OpTable, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
