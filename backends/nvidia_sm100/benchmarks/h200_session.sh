@@ -34,6 +34,8 @@
 #   s12      the twelfth session's lease: the model and compressor GPU tests, b1, b1 with the Triton GEMV
 #            (DEEPINFER_NVIDIA_GEMV=1), b64, b256, the 8K prefill, then the decode profile at batch 256 and 1 and
 #            the 1K-token prefill step profiled (the batch-1 bench's first token)
+#   s13      the thirteenth session's first lease: the model and changed kernels' GPU tests, sweep_gemv.py (the
+#            one-row GEMV's launch configurations), b1 with cuBLAS and with the Triton GEMV, the decode profile at b1
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -132,6 +134,19 @@ if [[ $what == s12 ]]; then
   timeout 90 python backends/nvidia_sm100/benchmarks/profile_decode.py --prefill 1 --input-len 1024 \
     --max-num-batched-tokens 8192 > "$RES/profile-prefill-1k.txt" 2>&1  # the batch-1 bench's TTFT step
   grep -E "^=== |Self CUDA time total" "$RES/profile-prefill-1k.txt"; save
+  what=summary
+fi
+if [[ $what == s13 ]]; then
+  python -m pytest -q -p no:cacheprovider -rfEs backends/nvidia_sm100/tests/test_model_gpu.py 2>&1 | tail -4 \
+    | tee "$RES/tests.txt"; save
+  python -m pytest -q -p no:cacheprovider -rfE backends/nvidia_sm100/tests/test_triton_kernels.py \
+    -k "compressor or norm or hc_pre or gemv" 2>&1 | tail -3 | tee -a "$RES/tests.txt"; save
+  (cd backends/nvidia_sm100/benchmarks && timeout 330 python sweep_gemv.py) > "$RES/sweep-gemv.txt" 2>&1
+  tail -25 "$RES/sweep-gemv.txt"; save
+  bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
+  DEEPINFER_NVIDIA_GEMV=1 bench b1-gemv --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
+  timeout 100 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 > "$RES/profile-decode.txt" 2>&1
+  grep -E "^=== batch|^\|" "$RES/profile-decode.txt"; save
   what=summary
 fi
 if [[ $what == sched ]]; then

@@ -14,6 +14,8 @@ the weight at full bandwidth) and other inputs keep the reference op.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -54,6 +56,60 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xg, stride_wn
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
 
 
+@triton.jit
+def _gemv_row_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_xg, stride_wn, stride_og,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """Program (column block, group g) for one input row: ``out[g, n] = sum_k x[g, k] * w[g * N + n, k]``.
+
+    No ``tl.dot`` (its 16-row tile is all padding at one row): an fp32 ``[BLOCK_N, BLOCK_K]`` product accumulated
+    over ``K``, summed once at the end. ``EVEN`` (``N % BLOCK_N == 0`` and ``K % BLOCK_K == 0``) drops the masks."""
+    group = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    in_n = cols < N
+    x_base = x_ptr + group * stride_xg
+    w_base = w_ptr + (group * N + cols[:, None].to(tl.int64)) * stride_wn  # [BN, 1]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        ks = k + tl.arange(0, BLOCK_K)  # [BK]
+        if EVEN:
+            x = tl.load(x_base + ks)
+            w = tl.load(w_base + ks[None, :], eviction_policy="evict_first")
+        else:
+            in_k = ks < K
+            x = tl.load(x_base + ks, mask=in_k, other=0.0)
+            w = tl.load(w_base + ks[None, :], mask=in_n[:, None] & in_k[None, :], other=0.0,
+                        eviction_policy="evict_first")
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]  # [BN, BK]
+    out = tl.sum(acc, axis=1)  # [BN]
+    tl.store(out_ptr + group * stride_og + cols, out.to(out_ptr.dtype.element_ty), mask=in_n)
+
+
+@dataclass(frozen=True)
+class RowConfig:
+    """Launch parameters of ``_gemv_row_kernel``."""
+
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+def row_config(n: int, k: int) -> RowConfig:
+    """The one-row kernel's launch for a ``[n, k]`` weight (per group)."""
+    return RowConfig(block_n=8, block_k=512 if k >= 512 else 256, warps=4, stages=3)
+
+
+def launch_row(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, groups: int,
+               config: RowConfig | None = None) -> None:
+    """``x [groups, K]`` (unit last stride), ``weight [groups * N, K]`` -> ``out [groups, N]`` (unit last stride)."""
+    k, n = x.shape[-1], out.shape[-1]
+    config = config or row_config(n, k)
+    even = n % config.block_n == 0 and k % config.block_k == 0
+    _gemv_row_kernel[(triton.cdiv(n, config.block_n), groups)](
+        x, weight, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN=even, num_warps=config.warps, num_stages=config.stages)
+
+
 def _covered(x: torch.Tensor, weight: torch.Tensor, rows: int, columns: int) -> bool:
     return (x.dtype in _DTYPES and weight.dtype == x.dtype and weight.is_contiguous()
             and 0 < rows <= MAX_ROWS and columns >= MIN_COLUMNS)
@@ -63,6 +119,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, groups: in
     """``x [M, groups, K]`` (last dim contiguous), ``weight [groups * N, K]`` -> ``out [M, groups, N]``."""
     rows, _, k = x.shape
     n = out.shape[-1]
+    if rows == 1:
+        launch_row(x[0], weight, out[0], groups)
+        return
     _gemv_kernel[(triton.cdiv(n, BLOCK_N), groups)](
         x, weight, out, rows, n, k, x.stride(0), x.stride(1), weight.stride(0), out.stride(0), out.stride(1),
         BLOCK_M=MAX_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4, num_stages=4)
