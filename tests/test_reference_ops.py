@@ -459,6 +459,27 @@ def test_hc_post_naive_loop():
     assert torch.equal(out[0, 0], torch.zeros(D))
 
 
+def test_hc_post_sum_is_hc_post_of_the_sum_and_follows_an_hc_post_override():
+    """The MoE block's two outputs added (in their dtype, as ``routed + shared``) before ``hc_post``; a backend that
+    overrides only ``hc_post`` gets its kernel in ``hc_post_sum`` too."""
+    T, hc, D = 3, 4, 8
+    streams = _randn(T, hc, D, seed=94).bfloat16()
+    routed, shared = _randn(T, D, seed=95).bfloat16(), _randn(T, D, seed=96).bfloat16()
+    post, comb = torch.rand(T, hc, generator=_gen(97)) * 2, torch.rand(T, hc, hc, generator=_gen(98))
+    want = ref.hc_post(streams, routed + shared, post, comb)
+    assert torch.equal(ref.hc_post_sum(streams, routed, shared, post, comb), want)
+    seen = []
+
+    def gpu_hc_post(streams, block_out, post, comb):
+        seen.append(block_out)
+        return ref.hc_post(streams, block_out, post, comb)
+
+    table = OpTable({"hc_post": gpu_hc_post}, source="gpu")
+    assert torch.equal(table.hc_post_sum(streams, routed, shared, post, comb), want)
+    assert len(seen) == 1 and torch.equal(seen[0], routed + shared)
+    assert table.sources()["hc_post_sum"] == "gpu (hc_post, composed)"
+
+
 def test_hc_head_naive():
     T, hc, D, hc_eps, norm_eps = 3, 4, 6, 1e-6, 1e-6
     streams = _randn(T, hc, D, seed=100)
@@ -775,7 +796,8 @@ def test_compressor_window_takes_new_rows_and_carry_and_masks_before_position_ze
 
 def test_compressor_entries_pool_the_windows_and_follow_the_tables_parts():
     """``compressor_entries`` is ``compressor_pool`` of ``compressor_window``; an op table whose backend overrides
-    only the pool composes that override with the window op, and an override of the composite itself wins."""
+    only the pool composes that override with the window op, and an override of the composite itself wins;
+    ``compressor_entries_rope`` is RoPE on the entries, made of the table's entries op."""
     ratio, d, span = 2, 3, 4
     gen = torch.Generator().manual_seed(190)
     raw_kv, raw_gate = torch.randn(4, 2 * d, generator=gen), torch.randn(4, 2 * d, generator=gen)
@@ -799,3 +821,9 @@ def test_compressor_entries_pool_the_windows_and_follow_the_tables_parts():
     table.override("compressor_entries", ref.compressor_entries, source="gpu")
     table.override("compressor_window", ref.compressor_window, source="plugin")  # the composite's own override stays
     assert table.compressor_entries is ref.compressor_entries and table.sources()["compressor_entries"] == "gpu"
+    cos, sin = torch.rand(1, 1, generator=gen), torch.rand(1, 1, generator=gen)  # the entry's RoPE (rope_dim 2)
+    rotated = ref.compressor_entries_rope(*args, norm, 1e-6, ratio, True, cos, sin)
+    torch.testing.assert_close(rotated, ref.apply_rope(want, cos, sin), **F32)
+    assert table.sources()["compressor_entries_rope"] == "gpu (compressor_entries, composed)"
+    torch.testing.assert_close(table.compressor_entries_rope(*args, norm, 1e-6, ratio, True, cos, sin), rotated,
+                               **F32)

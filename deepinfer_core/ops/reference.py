@@ -323,6 +323,27 @@ def pooled_windows(window: Callable, pool: Callable) -> Callable:
 compressor_entries = reference_op(pooled_windows(compressor_window, compressor_pool))
 
 
+def entries_rope(entries: Callable, rope_: Callable) -> Callable:
+    """``compressor_entries_rope`` made of the given ``compressor_entries`` and in-place RoPE."""
+
+    def compressor_entries_rope(raw_kv: torch.Tensor, raw_gate: torch.Tensor, carry_kv: torch.Tensor,
+                                carry_gate: torch.Tensor, from_new: torch.Tensor, new_rows: torch.Tensor,
+                                carry_slots: torch.Tensor, carry_index: torch.Tensor, valid: torch.Tensor,
+                                ape: torch.Tensor, norm_weight: torch.Tensor, eps: float, ratio: int, overlap: bool,
+                                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        pooled = entries(raw_kv, raw_gate, carry_kv, carry_gate, from_new, new_rows, carry_slots, carry_index, valid,
+                         ape, norm_weight, eps, ratio, overlap)  # [N, d]
+        return rope_(pooled, cos, sin)
+
+    return compressor_entries_rope
+
+
+compressor_entries_rope = reference_op(entries_rope(compressor_entries, apply_rope_))
+compressor_entries_rope.__doc__ = """``apply_rope_(compressor_entries(...), cos, sin)``: the compressed entries with
+RoPE on their trailing channels at the entries' positions (``cos`` / ``sin [N, rope_dim // 2]``), as the store keeps
+them. One op so that a backend may rotate the entries where it norms them."""
+
+
 @reference_op
 def indexer_scores(
     q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, scale: float
@@ -431,6 +452,22 @@ def hc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, 
     dtype = streams.dtype
     mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)  # [T, hc, D]
     return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mixed
+
+
+def post_sum(post: Callable) -> Callable:
+    """``hc_post_sum`` made of the given ``hc_post``."""
+
+    def hc_post_sum(streams: torch.Tensor, block_a: torch.Tensor, block_b: torch.Tensor, post_weights: torch.Tensor,
+                    comb: torch.Tensor) -> torch.Tensor:
+        return post(streams, block_a + block_b, post_weights, comb)
+
+    return hc_post_sum
+
+
+hc_post_sum = reference_op(post_sum(hc_post))
+hc_post_sum.__doc__ = """``hc_post(streams, block_a + block_b, post, comb)``: a block whose output is a sum of two
+tensors (the MoE's routed and shared experts, ``[T, D]`` each). One op so that a backend may add them where it reads
+the block output."""
 
 
 @reference_op

@@ -36,6 +36,8 @@
 #            the 1K-token prefill step profiled (the batch-1 bench's first token)
 #   s13      the thirteenth session's first lease: the model and changed kernels' GPU tests, sweep_gemv.py (the
 #            one-row GEMV's launch configurations), b1 with cuBLAS and with the Triton GEMV, the decode profile at b1
+#   s13b     test_model_gpu (also with DEEPINFER_NVIDIA_PDL=1), the kernel tests, b1 with and without PDL, their profiles
+#   s13c     b1 with DEEPINFER_NVIDIA_GEMV=0, then b64 and b256 with and without PDL
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -73,7 +75,7 @@ fi
 if [[ $what == kernels ]]; then
   (cd backends/nvidia_sm100/benchmarks && python bench_indexer.py) 2>&1 | tail -8 | tee "$RES/bench-indexer.txt"; save
   (cd backends/nvidia_sm100/benchmarks && python bench_hc_mix.py) 2>&1 | tail -12 | tee "$RES/bench-hc-mix.txt"; save
-  (cd backends/nvidia_sm100/benchmarks && python bench_gemv.py) 2>&1 | tail -22 | tee "$RES/bench-gemv.txt"; save
+  (cd backends/nvidia_sm100/benchmarks && python sweep_gemv.py) 2>&1 | tail -22 | tee "$RES/sweep-gemv.txt"; save
   (cd backends/nvidia_sm100/benchmarks && python bench_norm.py) 2>&1 | tail -20 | tee "$RES/bench-norm.txt"; save
   (cd backends/nvidia_sm100/benchmarks && python bench_rope.py) 2>&1 | tail -10 | tee "$RES/bench-rope.txt"; save
 fi
@@ -147,6 +149,31 @@ if [[ $what == s13 ]]; then
   DEEPINFER_NVIDIA_GEMV=1 bench b1-gemv --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
   timeout 100 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 > "$RES/profile-decode.txt" 2>&1
   grep -E "^=== batch|^\|" "$RES/profile-decode.txt"; save
+  what=summary
+fi
+if [[ $what == s13b ]]; then  # correctness of this session's changes, then PDL at batch 1
+  python -m pytest -q -p no:cacheprovider -rfEs backends/nvidia_sm100/tests/test_model_gpu.py 2>&1 | tail -3 \
+    | tee "$RES/tests.txt"; save
+  DEEPINFER_NVIDIA_PDL=1 python -m pytest -q -p no:cacheprovider -rfEs backends/nvidia_sm100/tests/test_model_gpu.py \
+    2>&1 | tail -3 | tee -a "$RES/tests.txt"; save
+  python -m pytest -q -p no:cacheprovider -rfE backends/nvidia_sm100/tests/test_triton_kernels.py \
+    "backends/nvidia_sm100/tests/test_kernels_gpu.py::test_small_ops_match_reference" 2>&1 | tail -3 \
+    | tee -a "$RES/tests.txt"; save
+  bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
+  DEEPINFER_NVIDIA_PDL=1 bench b1-pdl --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
+  for pdl in 0 1; do
+    DEEPINFER_NVIDIA_PDL=$pdl timeout 100 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 \
+      > "$RES/profile-decode-pdl$pdl.txt" 2>&1
+    grep -E "^=== batch 1: decode" "$RES/profile-decode-pdl$pdl.txt"; save
+  done
+  what=summary
+fi
+if [[ $what == s13c ]]; then  # PDL at larger batches, the GEMV default A/B at batch 1
+  DEEPINFER_NVIDIA_GEMV=0 bench b1-nogemv --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
+  for b in 64 256; do
+    bench b$b --input-len 1024 --output-len 128 --num-prompts $b --max-num-seqs $b
+    DEEPINFER_NVIDIA_PDL=1 bench b$b-pdl --input-len 1024 --output-len 128 --num-prompts $b --max-num-seqs $b
+  done
   what=summary
 fi
 if [[ $what == sched ]]; then

@@ -116,12 +116,12 @@ def sm100_ops() -> dict[str, Callable]:
 
 
 def triton_ops() -> dict[str, Callable]:
-    """The overrides both paths share: Triton kernels (``moe_experts``, the MoE routing, ``hc_pre``, ``hc_post``,
-    ``apply_rope`` and ``apply_rope_``, ``indexer_scores``, ``gather_keys``, ``compressor_entries``, the cache writes,
-    the RMS norms, alone and fused into RoPE (``rms_norm_rope``) and the ``hc`` collapse (``hc_pre_normed``), the
-    shared expert), ``grouped_linear`` as a strided cuBLAS batched GEMM (``kernels/blas.py``),
-    the small ops that TorchInductor compiles to Triton, and ``fork`` on a second CUDA stream
-    (``kernels/streams.py``)."""
+    """The overrides both paths share: Triton kernels (``moe_experts``, the MoE routing, ``hc_pre``, ``hc_post`` and
+    ``hc_post_sum``, ``apply_rope`` and ``apply_rope_``, ``indexer_scores``, ``gather_keys``, ``compressor_entries``
+    and ``compressor_entries_rope``, the cache writes, the RMS norms, alone and fused into RoPE (``rms_norm_rope``)
+    and the ``hc`` collapse (``hc_pre_normed``), the shared expert), ``grouped_linear`` as a strided cuBLAS batched
+    GEMM (``kernels/blas.py``), the small ops that TorchInductor compiles to Triton, and ``fork`` on a second CUDA
+    stream (``kernels/streams.py``)."""
     from deepinfer_nvidia_sm100.kernels import (
         blas,
         cache_writes,
@@ -139,12 +139,13 @@ def triton_ops() -> dict[str, Callable]:
     )
 
     ops = {**compiled.compiled_ops(), "moe_experts": moe.moe_experts, "hc_pre": hc.hc_pre, "hc_post": hc.hc_post,
-           "apply_rope": rope.apply_rope, "apply_rope_": rope.apply_rope_, "indexer_scores": indexer.indexer_scores,
-           "gather_keys": keys.gather_keys, "fork": streams.fork, "moe_route_topk": route.moe_route_topk,
-           "moe_route_hash": route.moe_route_hash, "compressor_entries": compressor.compressor_entries,
-           "swiglu_mlp": moe.swiglu_mlp, "write_rows_": cache_writes.write_rows_,
-           "grouped_linear": blas.grouped_linear}
-    if gemv.enabled():  # opt-in: within 10% of cuBLAS either way on the H200 (kernels/gemv.py)
+           "hc_post_sum": hc.hc_post_sum, "apply_rope": rope.apply_rope, "apply_rope_": rope.apply_rope_,
+           "indexer_scores": indexer.indexer_scores, "gather_keys": keys.gather_keys, "fork": streams.fork,
+           "moe_route_topk": route.moe_route_topk, "moe_route_hash": route.moe_route_hash,
+           "compressor_entries": compressor.compressor_entries,
+           "compressor_entries_rope": compressor.compressor_entries_rope, "swiglu_mlp": moe.swiglu_mlp,
+           "write_rows_": cache_writes.write_rows_, "grouped_linear": blas.grouped_linear}
+    if gemv.enabled():  # one-row products: faster than cuBLAS on every preset projection (kernels/gemv.py)
         ops.update(linear=gemv.linear, grouped_linear=gemv.grouped_linear)
     if norm.enabled():  # measured faster than the compiled reference (kernels/norm.py); traced when compiling
         ops.update(rms_norm=norm.rms_norm, unweighted_rms_norm=norm.unweighted_rms_norm,  # and the norms fused into

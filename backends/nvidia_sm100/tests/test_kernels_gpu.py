@@ -159,6 +159,8 @@ def test_small_ops_match_reference(dtype):
             "apply_rope": (rnd(T, 4, 64), rnd(T, 8), rnd(T, 8)),
             "rope_cos_sin": (torch.arange(T, device="cuda") * 37, rnd(8, dt=torch.float32).abs(), 1.25, dtype),
             "hc_post": (streams, rnd(T, D), rnd(T, hc, dt=torch.float32), rnd(T, hc, hc, dt=torch.float32)),
+            "hc_post_sum": (streams, rnd(T, D), rnd(T, D), rnd(T, hc, dt=torch.float32),
+                            rnd(T, hc, hc, dt=torch.float32)),
             "hc_head": (streams, fn[:hc], base[:hc], scale[:1], 1e-6, 1e-6),
             "compressor_pool": (rnd(T, 8, 64), rnd(T, 8, 64), rnd(64, dt=torch.float32), 1e-6),
             "compressor_window": (  # T windows of 8 slots (CSA: ratio 4, width 2 x 64) over 3 carry slots

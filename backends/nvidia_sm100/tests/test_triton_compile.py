@@ -87,14 +87,14 @@ SMALL_KERNELS = {  # kernel -> (argument types where not the default, constexprs
                                                      {"HC": 4, "HC_P2": 4, "N_P2": 32, "SPLITS_P2": 128,
                                                       "BLOCK_D": 1024, "NORM": True}),
     "hc._hc_collapse_kernel": ({"streams_ptr": "*bf16", "out_ptr": "*bf16"}, {"HC": 4, "HC_P2": 4, "BLOCK_D": 1024}),
-    "hc._hc_post_kernel": ({"streams_ptr": "*bf16", "block_ptr": "*bf16", "out_ptr": "*bf16"},
-                           {"HC": 4, "HC_P2": 4, "BLOCK_D": 512}),
+    "hc._hc_post_kernel": ({"streams_ptr": "*bf16", "block_ptr": "*bf16", "extra_ptr": "*bf16", "out_ptr": "*bf16"},
+                           {"HC": 4, "HC_P2": 4, "BLOCK_D": 512, "ADD": False}),
+    "hc._hc_post_kernel:sum": ({"streams_ptr": "*bf16", "block_ptr": "*bf16", "extra_ptr": "*bf16",
+                                "out_ptr": "*bf16"}, {"HC": 4, "HC_P2": 4, "BLOCK_D": 512, "ADD": True}),
     "rope._rope_kernel": ({"x_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16", "sign": "fp32"},
                           {"BLOCK_R": 4, "NOPE_P2": 512, "HALF_P2": 32, "COPY": True}),
     "rope._rope_kernel:in_place": ({"x_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "out_ptr": "*bf16",
                                     "sign": "fp32"}, {"BLOCK_R": 16, "NOPE_P2": 1, "HALF_P2": 32, "COPY": False}),
-    "gemv._gemv_kernel": ({"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"},
-                          {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256}),
     "gemv._gemv_row_kernel": ({"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"},
                               {"BLOCK_N": 8, "BLOCK_K": 512, "EVEN": True}),
     "gemv._gemv_row_kernel:masked": ({"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"},
@@ -215,16 +215,32 @@ def test_rope_in_place_moves_the_rotary_channels_as_16_byte_vectors(capability):
 
 
 @pytest.mark.parametrize("capability", sorted(ARCHS))
-def test_gemv_streams_the_weight_through_async_copies(capability):
-    """The decode GEMV (``kernels/gemv.py``) is bound by reading the weight: with the 16-byte divisibility Triton's JIT
-    sees on the preset's shapes (pointers, ``K``, ``N`` and strides multiples of 16), the weight and input tiles
-    travel by ``cp.async`` into a 4-stage shared-memory pipeline, never as plain scalar loads."""
+def test_gemv_row_kernel_reads_the_weight_in_16_byte_vectors(capability):
+    """The one-row GEMV (``kernels/gemv.py``) is bound by reading the weight: with the 16-byte divisibility Triton's
+    JIT sees on the preset's shapes, every global load is a 16-byte vector, never a scalar or 2-byte load."""
     from deepinfer_nvidia_sm100.kernels import gemv
 
-    constants = {"BLOCK_M": gemv.MAX_ROWS, "BLOCK_N": gemv.BLOCK_N, "BLOCK_K": gemv.BLOCK_K}
-    source = _bf16_source(gemv._gemv_kernel, constants, divisible=lambda arg: arg != "M")  # M: any number of rows
-    compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
-                              options={"num_warps": 4, "num_stages": 4})
-    ptx = compiled.asm["ptx"]
-    assert "cp.async.cg" in ptx and "ld.global" not in ptx
-    assert compiled.metadata.shared >= 3 * (gemv.MAX_ROWS + gemv.BLOCK_N) * gemv.BLOCK_K * 2  # >= 3 stages in flight
+    config = gemv.row_config(4160, 4096)
+    constants = {"BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "EVEN": True}
+    source = _bf16_source(gemv._gemv_row_kernel, constants, divisible=lambda arg: True)
+    ptx = triton.compile(source, target=GPUTarget("cuda", capability, 32),
+                         options={"num_warps": config.warps, "num_stages": config.stages}).asm["ptx"]
+    loads = re.findall(r"ld\.global\S*", ptx)
+    assert loads and all(".v4.b32" in load for load in loads), loads
+
+
+@pytest.mark.parametrize("capability", sorted(ARCHS))
+def test_pdl_kernels_wait_for_their_predecessor_before_any_load(capability):
+    """``PDL=True`` (``kernels/pdl.py``): the kernel waits on its predecessor (``griddepcontrol.wait``) before its
+    first global load and lets its successor launch; ``PDL=False`` emits neither."""
+    from deepinfer_nvidia_sm100.kernels import norm
+
+    for on in (False, True):
+        constants = {"ROWS": 1, "BLOCK_D": 4096, "WEIGHTED": True, "ROPE": False, "PDL": on}
+        ptx = triton.compile(_bf16_source(norm._rms_norm_kernel, constants, divisible=lambda arg: True),
+                             target=GPUTarget("cuda", capability, 32), options={"num_warps": 4}).asm["ptx"]
+        if not on:
+            assert "griddepcontrol" not in ptx
+            continue
+        assert "griddepcontrol.launch_dependents" in ptx
+        assert 0 <= ptx.index("griddepcontrol.wait") < ptx.index("ld.global")

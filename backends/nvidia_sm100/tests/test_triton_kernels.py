@@ -147,7 +147,8 @@ def test_hc_mix_logits_tensor_core_kernel_matches_reference(tokens, hc_mult, wid
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens, hc_mult, width", [(1, 4, 1024), (5, 4, 700), (3, 3, 64), (0, 4, 64)])
 def test_hc_post_matches_reference(tokens, hc_mult, width, dtype):
-    """Channel blocks past the row's end (700 = 512 + 188) and an hc that is not a power of two."""
+    """Channel blocks past the row's end (700 = 512 + 188) and an hc that is not a power of two; ``hc_post_sum``
+    (the block a sum of two, added in the kernel) against ``hc_post`` of the sum."""
     streams, _, _, _ = _case(tokens, hc_mult, width, dtype, seed=tokens + 1)
     gen = torch.Generator(device=DEVICE).manual_seed(tokens)
     block_out = torch.randn(tokens, width, device=DEVICE, generator=gen).to(dtype)
@@ -159,6 +160,10 @@ def test_hc_post_matches_reference(tokens, hc_mult, width, dtype):
     # matmul; a wrong index would be off by O(1)
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.125, "rtol": 0}
     torch.testing.assert_close(got, want, **tol)
+    extra = torch.randn(tokens, width, device=DEVICE, generator=gen).to(dtype)  # hc_post_sum: the added block
+    got = hc.hc_post_sum(streams, block_out, extra, post, comb)
+    sum_tol = tol if dtype == torch.float32 else {"atol": 0.125, "rtol": 2**-6}  # the larger block: larger ulps
+    torch.testing.assert_close(got, ref.hc_post(streams, block_out + extra, post, comb), **sum_tol)
 
 
 @kernel_runs_here
@@ -353,28 +358,23 @@ def test_indexer_scores_matches_reference(seqs, queries, entries, heads, dim, dt
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
-GEMV_DTYPES = [torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.float16]
-"""Triton's interpreter multiplies bf16 ``tl.dot`` tiles wrongly (numpy has no bf16): bf16 runs on the GPU only."""
-
-
 @kernel_runs_here
-@pytest.mark.parametrize("dtype", GEMV_DTYPES)
-@pytest.mark.parametrize("rows, n, k", [(1, 2048, 300), (5, 2080, 512), (16, 2048, 64)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows, n, k", [(1, 2048, 300), (1, 1030, 4096), (5, 2048, 64)])
 def test_gemv_linear_matches_reference(rows, n, k, dtype):
-    """Column blocks past ``N`` (2080 = 65 x 32), ``K`` not a multiple of the 256-element block (300), rows past the
-    batch in the 16-row tile; more rows than the tile, and narrow outputs, take the reference op."""
+    """One row takes the kernel (a column block past ``N``, ``K`` not a multiple of the block); more rows and narrow
+    outputs take ``F.linear``."""
     from deepinfer_nvidia_sm100.kernels import gemv
 
-    gen = torch.Generator(device=DEVICE).manual_seed(rows)
+    gen = torch.Generator(device=DEVICE).manual_seed(rows + k)
     x = torch.randn(rows, k, device=DEVICE, generator=gen).to(dtype)
     w = (torch.randn(n, k, device=DEVICE, generator=gen) * 0.05).to(dtype)
-    assert gemv._covered(x, w, rows, n)
+    assert gemv.covered(x, w, rows, n) == (rows == 1)
     got = gemv.linear(x.view(rows, 1, k), w)  # leading dims kept
     want = ref.linear(x.float(), w.float()).to(dtype).view(rows, 1, n)
     assert got.shape == want.shape and got.dtype == dtype
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
-    assert not gemv._covered(torch.empty(17, k, dtype=dtype), w, 17, n)
-    assert not gemv._covered(x, w[:64], rows, 64)
+    assert not gemv.covered(x[:1], w[:64], 1, 64)
 
 
 @kernel_runs_here
@@ -398,10 +398,11 @@ def test_gemv_row_kernel_matches_reference(n, k, groups, config, dtype):
 
 
 @kernel_runs_here
-@pytest.mark.parametrize("dtype", GEMV_DTYPES)
-@pytest.mark.parametrize("tokens, groups, per_group, k", [(1, 8, 256, 300), (3, 2, 1040, 128)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tokens, groups, per_group, k", [(1, 8, 1024, 300), (1, 2, 1040, 128), (3, 2, 1040, 128)])
 def test_gemv_grouped_linear_matches_reference(tokens, groups, per_group, k, dtype):
-    """Groups on the grid's second axis (each reads its own block of the weight) and a strided input."""
+    """One token: groups on the grid's second axis (each reads its own block of the weight), a strided input; more
+    tokens take the strided cuBLAS batched GEMM."""
     from deepinfer_nvidia_sm100.kernels import gemv
 
     gen = torch.Generator(device=DEVICE).manual_seed(groups)
@@ -581,7 +582,7 @@ def test_compressor_entries_match_reference(windows, ratio, d, overlap, dtype, c
     """CSA (overlapping halves, 8 slots) and HCA-like windows (up to 128 slots, several slot blocks), channels
     that are not a multiple of the channel block, carried and new slots, slots before position 0 (the kernel's slot
     loop starts at the first valid one), a dummy window pooling its last slot; few windows (narrow channel blocks, one
-    slot loop) and many (70: wide blocks, several slot iterations)."""
+    slot loop) and many (70: wide blocks, several slot iterations); then with RoPE (``compressor_entries_rope``)."""
     args = _window_case(windows, ratio, d, overlap, dtype, carry_dtype, seed=windows * 31 + ratio + d)
     got, want = compressor.compressor_entries(*args), ref.compressor_entries(*args)
     assert got.shape == want.shape == (windows, d) and got.dtype == want.dtype
@@ -593,6 +594,21 @@ def test_compressor_entries_match_reference(windows, ratio, d, overlap, dtype, c
     exact = ref.compressor_entries(*(a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in args))
     own = (want.double() - exact).abs().max().item() if windows else 0.0
     assert (got.double() - exact).abs().max().item() <= 2 * own + 1e-6 if windows else got.numel() == 0
+    if windows:  # (the model folds no entries in a step without windows)
+        _check_entries_rope(args, got)
+
+
+def _check_entries_rope(args: tuple, entries: torch.Tensor) -> None:
+    """``compressor_entries_rope`` (the pooling kernel, then the norm and RoPE in one pass) against RoPE applied
+    to ``entries``, the kernel's own entries without it."""
+    gen = torch.Generator(device=DEVICE).manual_seed(entries.shape[0])
+    half = 16 if entries.shape[1] < 128 else 32
+    cos = torch.rand(entries.shape[0], half, device=DEVICE, generator=gen).to(entries.dtype)  # [N, rope_dim // 2]
+    sin = torch.rand(entries.shape[0], half, device=DEVICE, generator=gen).to(entries.dtype)
+    got = compressor.compressor_entries_rope(*args, cos, sin)
+    want = ref.apply_rope(entries, cos, sin)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if entries.dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(got, want, **tol)
 
 
 @kernel_runs_here

@@ -119,11 +119,11 @@ class Compressor:
         raw_kv, raw_gate = raw[:, :width], raw[:, width:]  # [T, width] each
         plan = layout.windows(self.ratio, self.span)
         if plan.num_windows:
-            pooled = ops.compressor_entries(raw_kv, raw_gate, carry.kv, carry.gate, plan.from_new, plan.new_rows,
-                                            plan.carry_slots, plan.carry_index, plan.valid, self.ape, self.norm,
-                                            self.eps, self.ratio, self.overlap)  # [N, dim]
-            cos, sin = plan.entry_rope(ops, rope)  # [N, rope_dim] each
-            ops.write_rows_(store, plan.write_blocks, plan.write_rows, ops.apply_rope_(pooled, cos, sin))
+            cos, sin = plan.entry_rope(ops, rope)  # [N, rope_dim // 2] each
+            entries = ops.compressor_entries_rope(raw_kv, raw_gate, carry.kv, carry.gate, plan.from_new, plan.new_rows,
+                                                  plan.carry_slots, plan.carry_index, plan.valid, self.ape, self.norm,
+                                                  self.eps, self.ratio, self.overlap, cos, sin)  # [N, dim]
+            ops.write_rows_(store, plan.write_blocks, plan.write_rows, entries)
         ops.write_rows_(carry.rows, plan.carry_write_slots, plan.carry_write_index, raw, plan.carry_write_rows)
 
 class Indexer:
@@ -279,7 +279,8 @@ class MoE:
         self.record_load = False
         self.expert_load = torch.zeros(E, dtype=torch.long, device=reg.device)  # tokens per logical expert
 
-    def __call__(self, ops: OpTable, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, ops: OpTable, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routed experts' and the shared expert's outputs ``[T, D]`` (the block output is their sum)."""
         shared = ops.fork(ops.swiglu_mlp, x, *self.shared, self.limit)  # beside the routing (a backend may overlap)
         router_logits = ops.linear(x, self.gate)  # [T, E]
         if self.is_hash:
@@ -290,7 +291,7 @@ class MoE:
             self.expert_load += torch.bincount(ids.reshape(-1), minlength=self.expert_load.shape[0])
         physical = self.expert_map.to_physical(ids)  # [T, k]
         routed = ops.moe_experts(x, physical, weights, self.w1, self.w2, self.w3, self.limit)
-        return routed + shared.join()
+        return routed, shared.join()
 
 
 class DecoderLayer:
@@ -314,7 +315,8 @@ class DecoderLayer:
         post, comb, x = ops.hc_pre_normed(streams, *self.hc_attn, *mhc, self.attn_norm)  # x: [T, D]
         streams = ops.hc_post(streams, self.attn(ops, x, ctx), post, comb)  # [T, hc, D]
         post, comb, x = ops.hc_pre_normed(streams, *self.hc_ffn, *mhc, self.ffn_norm)
-        return ops.hc_post(streams, self.ffn(ops, x, ctx.token_ids), post, comb)
+        routed, shared = self.ffn(ops, x, ctx.token_ids)  # [T, D] each
+        return ops.hc_post_sum(streams, routed, shared, post, comb)
 
 
 def _hc_shapes(hc: int, D: int):

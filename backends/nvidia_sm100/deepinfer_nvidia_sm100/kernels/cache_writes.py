@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.ops import reference as ref
+from deepinfer_nvidia_sm100.kernels import pdl
 from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 
 BLOCK_M = 4  # rows per program
@@ -19,8 +20,10 @@ BLOCK_M = 4  # rows per program
 
 @triton.jit
 def _write_rows_kernel(dst_ptr, slots_ptr, index_ptr, src_ptr, rows_ptr, M, width, dst_slot_stride, dst_index_stride,
-                       src_stride, HAS_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr):
+                       src_stride, HAS_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """Writes ``[program_id(0) * BLOCK_M, +BLOCK_M)``: ``dst[slots[m], index[m], :] = src[rows[m] or m, :]``."""
+    pdl.begin(PDL)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     live = m < M
     row = tl.load(rows_ptr + m, mask=live, other=0) if HAS_ROWS else m
@@ -52,4 +55,4 @@ def _write(dst: torch.Tensor, slots: torch.Tensor, index: torch.Tensor, src: tor
     _write_rows_kernel[(triton.cdiv(M, BLOCK_M),)](
         dst, slots.contiguous(), index.contiguous(), src, slots if rows is None else rows.contiguous(), M, width,
         dst.stride(0), dst.stride(1), src.stride(0), HAS_ROWS=rows is not None, BLOCK_M=BLOCK_M,
-        BLOCK_W=min(1024, triton.next_power_of_2(width)), num_warps=4)
+        BLOCK_W=min(1024, triton.next_power_of_2(width)), num_warps=4, **pdl.launch())

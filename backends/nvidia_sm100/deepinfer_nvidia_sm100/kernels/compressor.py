@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.ops import reference as ref
-from deepinfer_nvidia_sm100.kernels import norm
+from deepinfer_nvidia_sm100.kernels import norm, pdl
 from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 
 BLOCK_D = 128  # output channels per program
@@ -31,7 +31,7 @@ def _pool_windows_kernel(raw_kv_ptr, raw_gate_ptr, carry_kv_ptr, carry_gate_ptr,
                          span, d, ratio, width, raw_kv_stride, raw_gate_stride, carry_slot_stride, carry_row_stride,
                          slots_window_stride, slots_slot_stride,
                          OVERLAP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                         SPAN_P2: tl.constexpr):
+                         SPAN_P2: tl.constexpr, PDL: tl.constexpr = False):
     """Window ``program_id(0)``, channels ``[program_id(1) * BLOCK_D, +BLOCK_D)`` of ``out [N, d]``: slot ``j`` is
     row ``new_rows[n, j]`` of ``raw_kv`` / ``raw_gate [T, width]`` where ``from_new``, else the carry's
     ``[carry_slots, carry_index]`` (``carry_slots`` read through its strides: the model broadcasts one slot along a
@@ -39,6 +39,7 @@ def _pool_windows_kernel(raw_kv_ptr, raw_gate_ptr, carry_kv_ptr, carry_gate_ptr,
     ``ape [ratio, width]`` (rounded to the input dtype, as the reference adds it); slots not ``valid`` are skipped, and
     the slot loop starts at the block of the first valid slot (a static decode step's dummy windows pool their last
     slot only)."""
+    pdl.begin(PDL)
     n = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD] output channels
     c_ok = c < d
@@ -109,7 +110,8 @@ def pool_windows(raw_kv: torch.Tensor, raw_gate: torch.Tensor, carry_kv: torch.T
         carry_slots, carry_index.contiguous(), valid.contiguous().view(torch.uint8), ape.contiguous(),
         out, span, d, ratio, width, raw_kv.stride(0), raw_gate.stride(0), carry_kv.stride(0), carry_kv.stride(1),
         carry_slots.stride(0), carry_slots.stride(1),  # a window's slot, usually broadcast along it: no copy
-        OVERLAP=overlap, BLOCK_S=block_s, BLOCK_D=block_d, SPAN_P2=triton.next_power_of_2(span), num_warps=4)
+        OVERLAP=overlap, BLOCK_S=block_s, BLOCK_D=block_d, SPAN_P2=triton.next_power_of_2(span), num_warps=4,
+        **pdl.launch())
     return out
 
 
@@ -127,3 +129,19 @@ def compressor_entries(raw_kv: torch.Tensor, raw_gate: torch.Tensor, carry_kv: t
     pooled = pool_windows(raw_kv, raw_gate, carry_kv, carry_gate, from_new, new_rows, carry_slots, carry_index, valid,
                           ape, ratio, overlap)  # [N, d]
     return (norm.rms_norm if norm.enabled() else ref.rms_norm)(pooled, norm_weight, eps)
+
+
+def compressor_entries_rope(raw_kv: torch.Tensor, raw_gate: torch.Tensor, carry_kv: torch.Tensor,
+                            carry_gate: torch.Tensor, from_new: torch.Tensor, new_rows: torch.Tensor,
+                            carry_slots: torch.Tensor, carry_index: torch.Tensor, valid: torch.Tensor,
+                            ape: torch.Tensor, norm_weight: torch.Tensor, eps: float, ratio: int, overlap: bool,
+                            cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``reference.compressor_entries_rope``: ``pool_windows``, then the norm and RoPE in one pass
+    (``norm.rms_norm_rope``; two launches instead of three)."""
+    if not norm.enabled():
+        entries = compressor_entries(raw_kv, raw_gate, carry_kv, carry_gate, from_new, new_rows, carry_slots,
+                                     carry_index, valid, ape, norm_weight, eps, ratio, overlap)
+        return ref.apply_rope_(entries, cos, sin)
+    pooled = pool_windows(raw_kv, raw_gate, carry_kv, carry_gate, from_new, new_rows, carry_slots, carry_index, valid,
+                          ape, ratio, overlap)  # [N, d]
+    return norm.rms_norm_rope(pooled, norm_weight, eps, cos, sin)

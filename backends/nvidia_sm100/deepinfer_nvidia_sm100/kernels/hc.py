@@ -25,6 +25,7 @@ import triton.language as tl
 
 from deepinfer_core.ops import reference as ref
 from deepinfer_nvidia_sm100.kernels import norm as _norm
+from deepinfer_nvidia_sm100.kernels import pdl
 from deepinfer_nvidia_sm100.kernels.compiled import maybe_compile, opaque_under_compile
 
 NORM_MAX_BLOCK_D = 8192  # hc_pre_normed: rows up to this wide are collapsed and normed in registers, in one pass
@@ -36,13 +37,14 @@ MIX_K_PER_SPLIT = 128  # row elements per program (128 programs for one token of
 @triton.jit
 def _hc_mix_partial_kernel(x_ptr, fn_ptr, dots_ptr, squares_ptr, tokens, K, N, K_PER_SPLIT,
                            BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, N_P2: tl.constexpr,
-                           TENSOR_CORES: tl.constexpr = False):
+                           TENSOR_CORES: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (token block, split): ``dots[split, t, n] = x[t, ks] . fn[n, ks]`` and ``squares[split, t]`` over
     the split's ``K_PER_SPLIT`` row elements ``ks``: fp32 element-wise products, summed; or, with ``TENSOR_CORES``
     (16-bit ``x``, ``BLOCK_T`` and ``N_P2`` at least 16), ``tl.dot`` tiles (wgmma / tcgen05). ``x`` then holds 16-bit
     floats exactly, so ``x . fn`` needs only ``fn`` in more precision: ``fn`` (fp32) is split into three parts of
     ``x``'s dtype (``hi + mid + lo`` carries its 24 mantissa bits; bf16 has 8), each multiplied with fp32
     accumulation: the fp32 product up to the order of the sums, with ``x`` read once at tensor-core speed."""
+    pdl.begin(PDL)
     split = tl.program_id(1)
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
     outs = tl.arange(0, N_P2)  # [NP]
@@ -135,14 +137,15 @@ def hc_mix_logits(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float, kern
         dots, squares = _mix_partials(splits, tokens, n_p2, x.device)
         _hc_mix_partial_kernel[(token_blocks, splits)](
             x, fn, dots, squares, tokens, k, n, per_split, BLOCK_T=MIX_DOT_BLOCK_T, BLOCK_K=MIX_DOT_BLOCK_K,
-            N_P2=n_p2, TENSOR_CORES=True, num_warps=4)
+            N_P2=n_p2, TENSOR_CORES=True, num_warps=4, **pdl.launch())
     else:
         block_t, per_split = min(4, triton.next_power_of_2(tokens)), MIX_K_PER_SPLIT
         block_k = per_split // max(1, block_t // 2)  # [block_t, n_p2, block_k] products: 64 registers a thread
         splits = triton.cdiv(k, per_split)
         dots, squares = _mix_partials(splits, tokens, n_p2, x.device)
         _hc_mix_partial_kernel[(triton.cdiv(tokens, block_t), splits)](
-            x, fn, dots, squares, tokens, k, n, per_split, BLOCK_T=block_t, BLOCK_K=block_k, N_P2=n_p2, num_warps=4)
+            x, fn, dots, squares, tokens, k, n, per_split, BLOCK_T=block_t, BLOCK_K=block_k, N_P2=n_p2, num_warps=4,
+            **pdl.launch())
     if partials:
         return dots, squares, splits, n_p2
     out = torch.empty(tokens, n, dtype=torch.float32, device=x.device)
@@ -213,12 +216,14 @@ def _hc_weights_kernel(mixed_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_p
 def _hc_finish_weights_collapse_kernel(dots_ptr, squares_ptr, base_ptr, scale_ptr, streams_ptr, post_ptr, comb_ptr,
                                        out_ptr, norm_w_ptr, tokens, K, splits, norm_eps, sinkhorn_iters, hc_eps, D,
                                        HC: tl.constexpr, HC_P2: tl.constexpr, N_P2: tl.constexpr,
-                                       SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr):
+                                       SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr,
+                                       PDL: tl.constexpr = False):
     """``hc_pre`` after the mixing partials, in one launch. Program (token, channel block): the token's mixing
     logits (``_mix_row``), its weights (``_weights``; the channel block 0 stores ``post`` and ``comb``), then the
     collapse of its ``BLOCK_D`` channels with ``pre`` (``_hc_collapse_kernel``'s arithmetic). With ``NORM``
     (``hc_pre_normed``) one program per token collapses the row (in one block where ``BLOCK_D >= D``, else block by
     block, re-reading what it wrote) and RMS-norms it with ``norm_w [D]`` (``_rms_norm_kernel``'s arithmetic)."""
+    pdl.begin(PDL)
     token = tl.program_id(0)
     mixed = _mix_row(dots_ptr, squares_ptr, token, tokens, K, splits, norm_eps, N_P2, SPLITS_P2)  # [N_P2]
     outs = tl.arange(0, N_P2)
@@ -272,11 +277,14 @@ def hc_weights(mixed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc:
 
 
 @triton.jit
-def _hc_post_kernel(streams_ptr, block_ptr, post_ptr, comb_ptr, out_ptr, D,
-                    HC: tl.constexpr, HC_P2: tl.constexpr, BLOCK_D: tl.constexpr):
+def _hc_post_kernel(streams_ptr, block_ptr, extra_ptr, post_ptr, comb_ptr, out_ptr, D,
+                    HC: tl.constexpr, HC_P2: tl.constexpr, BLOCK_D: tl.constexpr, ADD: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
     """Program (token, channel block): ``out[k] = post[k] * block + sum_j comb[j, k] * streams[j]`` over ``BLOCK_D``
     channels, rounded where the reference rounds (``comb`` and ``post`` to the streams' dtype, the mixing sum
-    once, the product, the sum)."""
+    once, the product, the sum). With ``ADD`` the block is ``block + extra``, rounded to the streams' dtype first
+    (``hc_post_sum``)."""
+    pdl.begin(PDL)
     token = tl.program_id(0).to(tl.int64)
     ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
     in_d = ds < D
@@ -290,9 +298,27 @@ def _hc_post_kernel(streams_ptr, block_ptr, post_ptr, comb_ptr, out_ptr, D,
     mixed = tl.sum(comb[:, :, None] * streams[:, None, :], axis=0).to(ty).to(tl.float32)  # [k, BD]
     post = tl.load(post_ptr + token * HC + hc, mask=in_hc, other=0.0).to(ty).to(tl.float32)  # [k]
     block = tl.load(block_ptr + token * D + ds, mask=in_d, other=0.0).to(tl.float32)  # [BD]
+    if ADD:
+        block = (block + tl.load(extra_ptr + token * D + ds, mask=in_d, other=0.0).to(tl.float32)).to(ty)
+        block = block.to(tl.float32)
     scaled = (post[:, None] * block[None, :]).to(ty).to(tl.float32)  # [k, BD]
     tl.store(out_ptr + token * HC * D + hc[:, None] * D + ds[None, :], (scaled + mixed).to(ty),
              mask=in_hc[:, None] & in_d[None, :])
+
+
+def _post(streams: torch.Tensor, block_out: torch.Tensor, extra: torch.Tensor | None, post: torch.Tensor,
+          comb: torch.Tensor) -> torch.Tensor:
+    """``_hc_post_kernel`` over every token and channel block; ``extra`` (or None) is added to ``block_out``."""
+    tokens, hc, dim = streams.shape
+    out = torch.empty_like(streams)
+    if tokens:
+        block_d = 512
+        block_out = block_out.to(streams.dtype).contiguous()
+        _hc_post_kernel[(tokens, triton.cdiv(dim, block_d))](
+            streams.contiguous(), block_out, block_out if extra is None else extra.to(streams.dtype).contiguous(),
+            post.contiguous(), comb.contiguous(), out, dim, HC=hc, HC_P2=triton.next_power_of_2(hc), BLOCK_D=block_d,
+            ADD=extra is not None, num_warps=4, **pdl.launch())
+    return out
 
 
 @opaque_under_compile("hc_post", lambda streams, block_out, post, comb: streams.new_empty(streams.shape))
@@ -300,14 +326,15 @@ def hc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, 
     """Op ``hc_post`` (``reference.hc_post``) in one launch: new streams ``[T, hc, D]`` from ``streams [T, hc, D]``,
     ``block_out [T, D]``, ``post [T, hc]`` and ``comb [T, hc, hc]``. (Compiled, the reference's batched
     ``hc x hc`` matmul stayed a cuBLAS bmm of 4 x 4 tiles: 2.5 ms per call on 8K prefill tokens.)"""
-    tokens, hc, dim = streams.shape
-    out = torch.empty_like(streams)
-    if tokens:
-        block_d = 512
-        _hc_post_kernel[(tokens, triton.cdiv(dim, block_d))](
-            streams.contiguous(), block_out.to(streams.dtype).contiguous(), post.contiguous(), comb.contiguous(), out,
-            dim, HC=hc, HC_P2=triton.next_power_of_2(hc), BLOCK_D=block_d, num_warps=4)
-    return out
+    return _post(streams, block_out, None, post, comb)
+
+
+@opaque_under_compile("hc_post_sum", lambda streams, block_a, block_b, post, comb: streams.new_empty(streams.shape))
+def hc_post_sum(streams: torch.Tensor, block_a: torch.Tensor, block_b: torch.Tensor, post: torch.Tensor,
+                comb: torch.Tensor) -> torch.Tensor:
+    """Op ``hc_post_sum``: ``hc_post`` of ``block_a + block_b`` with the addition inside its kernel (the MoE's routed
+    and shared outputs: one launch instead of two)."""
+    return _post(streams, block_a, block_b, post, comb)
 
 
 @triton.jit
@@ -393,5 +420,5 @@ def _pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight
         dots, squares, base.float().contiguous(), scale.float().contiguous(), streams.contiguous(), post, comb, out,
         norm_weight.contiguous() if normed else out, tokens, fn.shape[1], splits, norm_eps, sinkhorn_iters, hc_eps,
         dim, HC=hc, HC_P2=triton.next_power_of_2(hc), N_P2=n_p2, SPLITS_P2=triton.next_power_of_2(splits),
-        BLOCK_D=block_d, NORM=normed, num_warps=NORM_WARPS if normed else 4)
+        BLOCK_D=block_d, NORM=normed, num_warps=NORM_WARPS if normed else 4, **pdl.launch())
     return post, comb, out

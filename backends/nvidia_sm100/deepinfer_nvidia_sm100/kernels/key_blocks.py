@@ -13,11 +13,15 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_nvidia_sm100.kernels import pdl
+
 CHUNK_BLOCKS = 64  # key blocks per loop iteration of the kernel
 
 
 @triton.jit
-def _visible_blocks_kernel(vis_ptr, blocks_ptr, counts_ptr, Lk, NB, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+def _visible_blocks_kernel(vis_ptr, blocks_ptr, counts_ptr, Lk, NB, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    pdl.begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     found = 0
     for start in range(0, NB, CHUNK):
@@ -38,7 +42,8 @@ def visible_blocks(vis: torch.Tensor, block_n: int) -> tuple[torch.Tensor, torch
     blocks = torch.empty(rows, nb, dtype=torch.int32, device=vis.device)
     counts = torch.empty(rows, dtype=torch.int32, device=vis.device)
     if rows:
-        _visible_blocks_kernel[(rows,)](vis, blocks, counts, lk, nb, BLOCK_N=block_n, CHUNK=CHUNK_BLOCKS, num_warps=4)
+        _visible_blocks_kernel[(rows,)](vis, blocks, counts, lk, nb, BLOCK_N=block_n, CHUNK=CHUNK_BLOCKS, num_warps=4,
+                                        **pdl.launch())
     return blocks, counts
 
 

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.ops import reference as ref
+from deepinfer_nvidia_sm100.kernels import pdl
 from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 
 BLOCK_K = 8  # key rows per program
@@ -24,9 +25,11 @@ def _gather_keys_kernel(ring_ptr, ring_slots_ptr, ring_index_ptr, new_ptr, new_r
                         store_ptr, blocks_ptr, rows_ptr, out_ptr, LW, E, D,
                         s_ring0, s_ring1, s_new, s_store0, s_store1, s_slots0, s_slots1, s_index0, s_index1,
                         s_rows0, s_rows1, s_from0, s_from1, s_blocks0, s_blocks1, s_erows0, s_erows1, s_out0, s_out1,
-                        HAS_STORE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+                        HAS_STORE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """Rows ``[BLOCK_K]`` of sequence ``program_id(0)``'s keys: window keys ``< LW`` from the ring or the step's
     rows, entries after them from the store (every index tensor with its own strides: some are expanded views)."""
+    pdl.begin(PDL)
     s = tl.program_id(0).to(tl.int64)
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
     ch = tl.arange(0, BLOCK_D)[None, :]  # [1, BD]
@@ -98,5 +101,5 @@ def _launch(ring: torch.Tensor, ring_slots: torch.Tensor, ring_index: torch.Tens
         out, LW, E, D, ring.stride(0), ring.stride(1), new_kv.stride(0), store.stride(0), store.stride(1),
         *ring_slots.stride(), *ring_index.stride(), *new_rows.stride(), *from_new.stride(), *entry_blocks.stride(),
         *entry_rows.stride(), out.stride(0), out.stride(1),
-        HAS_STORE=E > 0, BLOCK_K=BLOCK_K, BLOCK_D=triton.next_power_of_2(D), num_warps=4)
+        HAS_STORE=E > 0, BLOCK_K=BLOCK_K, BLOCK_D=triton.next_power_of_2(D), num_warps=4, **pdl.launch())
     return out

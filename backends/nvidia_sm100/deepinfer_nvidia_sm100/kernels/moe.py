@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.ops import reference as ref
+from deepinfer_nvidia_sm100.kernels import pdl
 from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile, reference_under_compile
 
 ALIGN_KERNEL_MAX_EXPERTS = 256  # the align kernels hold per-expert counters in registers
@@ -60,7 +61,7 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int):
     e_p2 = triton.next_power_of_2(num_experts)
     if n <= ALIGN_ONE_PROGRAM_MAX_ASSIGN:
         _align_kernel[(1,)](flat, sorted_assign, block_expert, dest, n, num_experts, rows, BLOCK_M=block_m,
-                            E_P2=e_p2, CHUNK=64, num_warps=4)
+                            E_P2=e_p2, CHUNK=64, num_warps=4, **pdl.launch())
         return sorted_assign, block_expert, dest
     chunk = max(16, ALIGN_CHUNK_CELLS // e_p2)
     chunks = triton.cdiv(n, chunk)
@@ -137,9 +138,10 @@ def _aligned_rows(n: int, num_experts: int, block_m: int) -> int:
 
 @triton.jit
 def _align_kernel(ids_ptr, sorted_assign_ptr, block_expert_ptr, dest_ptr, n, num_experts, rows,
-                  BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr):
+                  BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     """``align`` in one program: count per expert, pad each run to ``BLOCK_M``, then place every assignment
     (stable: by expert, then by assignment index) in chunks of ``CHUNK`` assignments."""
+    pdl.begin(PDL)
     experts = tl.arange(0, E_P2)  # [E_P2]
     lane = tl.arange(0, CHUNK)  # [CHUNK]
     counts = tl.zeros((E_P2,), dtype=tl.int64)
@@ -199,7 +201,9 @@ def align_torch(ids: torch.Tensor, num_experts: int, block_m: int):
 @triton.jit
 def _up_kernel(x_ptr, w1_ptr, w3_ptr, h_ptr, assign_ptr, block_expert_ptr, D, I, top_k, limit,
                stride_xt, stride_we, stride_wi, stride_hm,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+               PDL: tl.constexpr = False):
+    pdl.begin(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -238,7 +242,9 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, h_ptr, assign_ptr, block_expert_ptr, D, I,
 @triton.jit
 def _down_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, assign_ptr, block_expert_ptr, D, I,
                  stride_hm, stride_we, stride_wd, stride_ym,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    pdl.begin(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -325,12 +331,12 @@ def _moe_experts(x, ids, weights, w1, w2, w3, limit, config):
     _up_kernel[grid_up](x, w1c, w3c, h, sorted_assign, block_expert, D, I, top_k, float(limit),
                         x.stride(0), w1c.stride(0), w1c.stride(1), h.stride(0),
                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=warps,
-                        num_stages=stages)
+                        num_stages=stages, **pdl.launch())
     grid_down = (rows // block_m, triton.cdiv(D, block_n))
     _down_kernel[grid_down](h, w2c, y, flat_weights, sorted_assign, block_expert, D, I,
                             h.stride(0), w2c.stride(0), w2c.stride(1), y.stride(0),
                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
-                            num_warps=warps, num_stages=stages)
+                            num_warps=warps, num_stages=stages, **pdl.launch())
     return _combine(y, ids, dest, x)
 
 
@@ -387,7 +393,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     n = h.numel()
     if n:
         _swiglu_kernel[(triton.cdiv(n, SWIGLU_BLOCK),)](gate, up, h, n, float(limit), cols, gate.stride(0),
-                                                         up.stride(0), BLOCK=SWIGLU_BLOCK)
+                                                         up.stride(0), BLOCK=SWIGLU_BLOCK, **pdl.launch())
     return h
 
 
@@ -415,9 +421,11 @@ def _rows_together(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor | None:
 
 
 @triton.jit
-def _swiglu_kernel(gate_ptr, up_ptr, h_ptr, n, limit, cols, gate_stride, up_stride, BLOCK: tl.constexpr):
+def _swiglu_kernel(gate_ptr, up_ptr, h_ptr, n, limit, cols, gate_stride, up_stride, BLOCK: tl.constexpr,
+                   PDL: tl.constexpr = False):
     """``h [rows, cols] = silu(min(gate, limit)) * clamp(up, -limit, limit)``, rounded as ``_up_kernel``'s epilogue;
     ``gate`` / ``up`` rows ``gate_stride`` / ``up_stride`` elements apart (column blocks of one GEMM's output)."""
+    pdl.begin(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     row, col = offs // cols, offs % cols
@@ -442,16 +450,19 @@ def _combine(y: torch.Tensor, ids: torch.Tensor, dest: torch.Tensor, x: torch.Te
     flat_weights = None if weights is None else weights.reshape(-1).contiguous()
     _combine_kernel[(T, triton.cdiv(D, COMBINE_BLOCK_D))](y, ids, dest, out, D, top_k, y.stride(0), out.stride(0),
                                                           flat_weights, WEIGHTED=weights is not None,
-                                                          K_P2=triton.next_power_of_2(top_k), BLOCK_D=COMBINE_BLOCK_D)
+                                                          K_P2=triton.next_power_of_2(top_k), BLOCK_D=COMBINE_BLOCK_D,
+                                                          **pdl.launch())
     return out
 
 
 @triton.jit
 def _combine_kernel(y_ptr, ids_ptr, dest_ptr, out_ptr, D, top_k, stride_ym, stride_ot, weights_ptr=None,
-                    WEIGHTED: tl.constexpr = False, K_P2: tl.constexpr = 8, BLOCK_D: tl.constexpr = 1024):
+                    WEIGHTED: tl.constexpr = False, K_P2: tl.constexpr = 8, BLOCK_D: tl.constexpr = 1024,
+                    PDL: tl.constexpr = False):
     """``out[t] = sum_k y[dest[t, k]]`` (``WEIGHTED``: ``y[dest[t, k]] * weights[t, k]``, the product rounded to the
     model dtype), added in ascending expert id (stable) and rounded to the model dtype after every addition: the
     reference's order (it adds experts one after another into a zeroed output)."""
+    pdl.begin(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < D

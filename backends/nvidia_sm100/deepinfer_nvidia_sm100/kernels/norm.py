@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.ops import reference as ref
+from deepinfer_nvidia_sm100.kernels import pdl
 from deepinfer_nvidia_sm100.kernels.compiled import env_flag, reference_under_compile
 
 ENV = "DEEPINFER_NVIDIA_NORM"
@@ -32,11 +33,13 @@ def enabled() -> bool:
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, rows, rows_per_token, D, x_row_stride, HALF, eps,
-                     ROWS: tl.constexpr, BLOCK_D: tl.constexpr, WEIGHTED: tl.constexpr, ROPE: tl.constexpr):
+                     ROWS: tl.constexpr, BLOCK_D: tl.constexpr, WEIGHTED: tl.constexpr, ROPE: tl.constexpr,
+                     PDL: tl.constexpr = False):
     """Rows ``[ROWS]`` of ``x [rows, D]`` (rows ``x_row_stride`` apart: a column block of a wider projection is read in
     place) into contiguous ``out``: ``x * rsqrt(mean(x^2) + eps)``, times ``w [D]`` when ``WEIGHTED``; with
     ``ROPE``, the rounded result's trailing ``2 * HALF`` channels then rotated in interleaved pairs by the angle of
     the row's token (``cos`` / ``sin [tokens, HALF]``, ``rows_per_token`` rows each), as ``apply_rope_`` would."""
+    pdl.begin(PDL)
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [R]
     cols = tl.arange(0, BLOCK_D)  # [BD]
     mask = (r[:, None] < rows) & (cols[None, :] < D)
@@ -78,7 +81,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch
         x, weight if weight is not None else x, out, cos.contiguous() if rope else x, sin.contiguous() if rope else x,
         rows, rows // cos.shape[0] if rope else 1, dim, x.stride(0) if x.dim() == 2 else dim,
         cos.shape[-1] if rope else 0, eps, ROWS=per_program,
-        BLOCK_D=block_d, WEIGHTED=weight is not None, ROPE=rope, num_warps=warps)
+        BLOCK_D=block_d, WEIGHTED=weight is not None, ROPE=rope, num_warps=warps, **pdl.launch())
     return out
 
 

@@ -15,15 +15,18 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.ops.table import written_back
+from deepinfer_nvidia_sm100.kernels import pdl
 from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, rows, rows_per_token, DIM, NOPE, HALF, sign,
-                 BLOCK_R: tl.constexpr, NOPE_P2: tl.constexpr, HALF_P2: tl.constexpr, COPY: tl.constexpr):
+                 BLOCK_R: tl.constexpr, NOPE_P2: tl.constexpr, HALF_P2: tl.constexpr, COPY: tl.constexpr,
+                 PDL: tl.constexpr = False):
     """Rows ``[BLOCK_R]`` of ``x [rows, DIM]``: channels ``< NOPE`` copied (``COPY``; in place ``out`` is ``x`` and
     they stay), pairs ``(NOPE + 2i, NOPE + 2i + 1)`` rotated by the angle of row's token (``cos`` / ``sin [tokens,
     HALF]``; ``sign`` -1 rotates backwards)."""
+    pdl.begin(PDL)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
     in_r = r < rows
     row = r.to(tl.int64)[:, None] * DIM  # [BR, 1]
@@ -82,4 +85,4 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool
     _rope_kernel[(triton.cdiv(rows, block_r),)](
         x, cos.contiguous(), sin.contiguous(), out, rows, rows // cos.shape[0], dim, nope, half,
         -1.0 if inverse else 1.0, BLOCK_R=block_r, NOPE_P2=nope_p2, HALF_P2=triton.next_power_of_2(half), COPY=copy,
-        num_warps=4)
+        num_warps=4, **pdl.launch())

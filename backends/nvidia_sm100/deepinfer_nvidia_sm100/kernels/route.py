@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_nvidia_sm100.kernels import pdl
 from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
@@ -27,9 +28,11 @@ def _round(x, dtype: tl.constexpr):
 
 @triton.jit
 def _route_kernel(logits_ptr, bias_ptr, table_ptr, token_ptr, weights_ptr, ids_ptr, E, K, scaling,
-                  SCORING: tl.constexpr, HASH: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr):
+                  SCORING: tl.constexpr, HASH: tl.constexpr, E_P2: tl.constexpr, K_P2: tl.constexpr,
+                  PDL: tl.constexpr = False):
     """Token ``program_id(0)``: ``logits [T, E]`` -> ``weights [T, K]`` (logits' dtype) and ``ids [T, K]`` (int64);
     top-k by score + ``bias [E]``, or (``HASH``) the ids ``table [vocab, K]`` holds for ``token [T]``."""
+    pdl.begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     dtype: tl.constexpr = weights_ptr.dtype.element_ty
     e = tl.arange(0, E_P2)  # [E_P2]
@@ -80,7 +83,7 @@ def _launch(logits: torch.Tensor, bias: torch.Tensor | None, table: torch.Tensor
             logits, logits if hashed else bias.contiguous(), table.contiguous() if hashed else ids,
             tokens.contiguous() if hashed else ids, weights, ids, E, top_k, float(scaling),
             SCORING=SCORING[scoring], HASH=hashed, E_P2=triton.next_power_of_2(E),
-            K_P2=triton.next_power_of_2(top_k), num_warps=1 if E <= 256 else 4)
+            K_P2=triton.next_power_of_2(top_k), num_warps=1 if E <= 256 else 4, **pdl.launch())
     return weights, ids
 
 

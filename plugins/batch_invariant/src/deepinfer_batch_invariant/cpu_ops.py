@@ -149,8 +149,12 @@ VARIANTS: dict[str, Callable] = {
 }
 VARIANTS["compressor_entries"] = _ref.pooled_windows(_ref.compressor_window, VARIANTS["compressor_pool"])
 """The windows as the reference gathers them, pooled by this module's ``compressor_pool``."""
+VARIANTS["compressor_entries_rope"] = _ref.entries_rope(VARIANTS["compressor_entries"], _ref.apply_rope_)
+"""Those entries, then the reference's in-place RoPE (elementwise)."""
 VARIANTS["hc_pre_normed"] = _ref.pre_normed(VARIANTS["hc_pre"], _ref.rms_norm)
 """This module's ``hc_pre``, then the reference norm (kept below)."""
+VARIANTS["hc_post_sum"] = _ref.post_sum(VARIANTS["hc_post"])
+"""The MoE's two outputs added (elementwise), then this module's ``hc_post``."""
 
 REFERENCE_KEPT: dict[str, str] = {
     "rms_norm": "row reduction of fixed length; torch splits a reduction across threads only when the output "

@@ -90,8 +90,11 @@ VARIANTS: dict[str, Callable] = {
 }
 VARIANTS["compressor_entries"] = _ref.pooled_windows(_ref.compressor_window, VARIANTS["compressor_pool"])
 """The windows as the reference gathers them, pooled by this module's ``compressor_pool``."""
+VARIANTS["compressor_entries_rope"] = _ref.entries_rope(VARIANTS["compressor_entries"], _ref.apply_rope_)
+"""Those entries, then the reference's in-place RoPE (elementwise)."""
 VARIANTS["rms_norm_rope"] = _ref.normed_rope(VARIANTS["rms_norm"], VARIANTS["unweighted_rms_norm"], _ref.apply_rope_)
 VARIANTS["hc_pre_normed"] = _ref.pre_normed(VARIANTS["hc_pre"], VARIANTS["rms_norm"])
+VARIANTS["hc_post_sum"] = _ref.post_sum(VARIANTS["hc_post"])
 """The fused ops as their parts above, one after the other."""
 
 REFERENCE_KEPT: dict[str, str] = {
