@@ -277,11 +277,13 @@ def test_comb_is_doubly_stochastic_after_many_iterations():
 
 @kernel_runs_here
 @pytest.mark.parametrize("tokens, top_k, experts, block_m", [
-    (1, 6, 64, 16), (5, 2, 4, 16), (64, 6, 64, 16), (70, 6, 64, 64), (3, 4, 7, 64), (40, 6, 300, 16),
-    (256, 6, 64, 16), (100, 8, 256, 16), (1365, 6, 64, 16), (33, 5, 13, 64), (1366, 6, 64, 16)])
+    (1, 6, 64, 16), (3, 6, 64, 16), (20, 6, 64, 16), (5, 2, 4, 16), (64, 6, 64, 16), (70, 6, 64, 64),
+    (3, 4, 7, 64), (40, 6, 300, 16), (256, 6, 64, 16), (100, 8, 256, 16), (1365, 6, 64, 16), (33, 5, 13, 64),
+    (1366, 6, 64, 16)])
 def test_align_kernel_matches_torch_align(tokens, top_k, experts, block_m):
-    """One program up to 128 assignments, the chunked kernels up to 8192 (batch 256 x top-6: 1536; several scan
-    groups at 256 experts; a last chunk cut short), torch ops beyond or past 256 experts."""
+    """One program up to 128 assignments (chunks of 16 to 64: one chunk at 6 and 18, two at 120), the chunked kernels
+    up to 8192 (batch 256 x top-6: 1536; several scan groups at 256 experts; a last chunk cut short), torch ops
+    beyond or past 256 experts."""
     gen = torch.Generator(device=DEVICE).manual_seed(tokens)
     ids = torch.randint(0, experts, (tokens, top_k), device=DEVICE, generator=gen)
     ids[0] = ids[0, 0]  # one token picks an expert several times (hash routing can)

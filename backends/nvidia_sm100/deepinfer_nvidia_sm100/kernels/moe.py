@@ -60,8 +60,9 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int):
     dest = torch.empty_like(flat)
     e_p2 = triton.next_power_of_2(num_experts)
     if n <= ALIGN_ONE_PROGRAM_MAX_ASSIGN:
+        chunk = min(64, max(16, triton.next_power_of_2(n)))  # [chunk, E_P2] tiles: small at decode batches
         _align_kernel[(1,)](flat, sorted_assign, block_expert, dest, n, num_experts, rows, BLOCK_M=block_m,
-                            E_P2=e_p2, CHUNK=64, num_warps=4, **pdl.launch())
+                            E_P2=e_p2, CHUNK=chunk, num_warps=4, **pdl.launch())
         return sorted_assign, block_expert, dest
     chunk = max(16, ALIGN_CHUNK_CELLS // e_p2)
     chunks = triton.cdiv(n, chunk)
@@ -144,11 +145,11 @@ def _align_kernel(ids_ptr, sorted_assign_ptr, block_expert_ptr, dest_ptr, n, num
     pdl.begin(PDL)
     experts = tl.arange(0, E_P2)  # [E_P2]
     lane = tl.arange(0, CHUNK)  # [CHUNK]
-    counts = tl.zeros((E_P2,), dtype=tl.int64)
+    counts = tl.zeros((E_P2,), dtype=tl.int32)
     for start in range(0, n, CHUNK):
         idx = start + lane
         e = tl.load(ids_ptr + idx, mask=idx < n, other=-1)
-        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int64), axis=0)
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     pad_end = tl.cumsum(padded, axis=0)  # [E_P2]
     pad_start = pad_end - padded
@@ -157,16 +158,16 @@ def _align_kernel(ids_ptr, sorted_assign_ptr, block_expert_ptr, dest_ptr, n, num
         tl.store(sorted_assign_ptr + r, tl.full((CHUNK,), -1, tl.int64), mask=r < rows)
     for start in range(0, rows // BLOCK_M, CHUNK):  # block b belongs to the expert whose run holds row b * BLOCK_M
         b = start + lane
-        owner = tl.sum((pad_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int64), axis=1)
-        tl.store(block_expert_ptr + b, tl.where(owner >= num_experts, -1, owner), mask=b < rows // BLOCK_M)
+        owner = tl.sum((pad_end[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, tl.where(owner >= num_experts, -1, owner).to(tl.int64), mask=b < rows // BLOCK_M)
     tl.debug_barrier()  # the -1 fill above lands before the placements below
-    placed = tl.zeros((E_P2,), dtype=tl.int64)  # assignments of each expert placed by earlier chunks
+    placed = tl.zeros((E_P2,), dtype=tl.int32)  # assignments of each expert placed by earlier chunks
     for start in range(0, n, CHUNK):
         idx = start + lane
         e = tl.load(ids_ptr + idx, mask=idx < n, other=-1)
-        one_hot = (e[:, None] == experts[None, :]).to(tl.int64)  # [CHUNK, E_P2]
+        one_hot = (e[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, E_P2]
         rank = tl.cumsum(one_hot, axis=0) - one_hot  # earlier assignments of the same expert in this chunk
-        row = tl.sum(one_hot * (pad_start + placed)[None, :] + one_hot * rank, axis=1)  # [CHUNK]
+        row = tl.sum(one_hot * (pad_start + placed)[None, :] + one_hot * rank, axis=1).to(tl.int64)  # [CHUNK]
         tl.store(dest_ptr + idx, row, mask=idx < n)
         tl.store(sorted_assign_ptr + row, idx.to(tl.int64), mask=idx < n)
         placed += tl.sum(one_hot, axis=0)
