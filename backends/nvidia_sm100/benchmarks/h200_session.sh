@@ -38,6 +38,8 @@
 #            one-row GEMV's launch configurations), b1 with cuBLAS and with the Triton GEMV, the decode profile at b1
 #   s13b     test_model_gpu (also with DEEPINFER_NVIDIA_PDL=1), the kernel tests, b1 with and without PDL, their profiles
 #   s13c     b1 with DEEPINFER_NVIDIA_GEMV=0, then b64 and b256 with and without PDL
+#   s13final the model and changed kernels' GPU tests, b1 and b64 with --compare-hf, b256, both prefill shapes,
+#            the decode profile at batch 1 and 256
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -174,6 +176,22 @@ if [[ $what == s13c ]]; then  # PDL at larger batches, the GEMV default A/B at b
     bench b$b --input-len 1024 --output-len 128 --num-prompts $b --max-num-seqs $b
     DEEPINFER_NVIDIA_PDL=1 bench b$b-pdl --input-len 1024 --output-len 128 --num-prompts $b --max-num-seqs $b
   done
+  what=summary
+fi
+if [[ $what == s13final ]]; then  # the session's last code: its GPU tests, then the record with HF in the same run
+  python -m pytest -q -p no:cacheprovider -rfEs backends/nvidia_sm100/tests/test_model_gpu.py 2>&1 | tail -3 \
+    | tee "$RES/tests.txt"; save
+  python -m pytest -q -p no:cacheprovider -rfE backends/nvidia_sm100/tests/test_triton_kernels.py \
+    -k "gemv or shared_expert or align or hc_post or compressor_entries" 2>&1 | tail -3 | tee -a "$RES/tests.txt"; save
+  bench b1-hf --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --compare-hf
+  bench b64-hf --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64 --compare-hf
+  bench b256 --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256
+  bench prefill-8k --input-len 8192 --output-len 1 --num-prompts 1 --max-num-seqs 1 --max-num-batched-tokens 8192 \
+    --num-iters 5
+  bench prefill-8x1k --input-len 1024 --output-len 1 --num-prompts 8 --max-num-seqs 8 --max-num-batched-tokens 8192 \
+    --num-iters 5
+  timeout 120 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 256 > "$RES/profile-decode.txt" 2>&1
+  grep -E "^=== batch|^\|" "$RES/profile-decode.txt"; save
   what=summary
 fi
 if [[ $what == sched ]]; then

@@ -8,8 +8,8 @@ summed once (no ``tl.dot``: its 16-row tile would be all padding), one rounding 
 ``benchmarks/sweep_gemv.py`` on the H200 (docs/performance.md 4.16): per preset projection the best of 138
 configurations took 101 us where cuBLAS took 121 us (one of each shape, weights read from HBM).
 
-On by default; ``DEEPINFER_NVIDIA_GEMV=0`` keeps cuBLAS. More rows, narrow outputs (fewer than ``MIN_COLUMNS``:
-too few programs to stream the weight) and other dtypes take cuBLAS (``F.linear``, ``blas.grouped_linear``).
+On by default; ``DEEPINFER_NVIDIA_GEMV=0`` keeps cuBLAS. More rows, narrower outputs than ``MIN_COLUMNS`` and other
+dtypes take cuBLAS (``F.linear``, ``blas.grouped_linear``).
 (A 16-row ``tl.dot`` variant for decode batches up to 16 was within 10% of cuBLAS either way, docs/performance.md
 4.9 and 4.15, and was removed.)
 """
@@ -27,7 +27,7 @@ from deepinfer_nvidia_sm100.kernels import blas, pdl
 from deepinfer_nvidia_sm100.kernels.compiled import env_flag, opaque_under_compile
 
 ENV = "DEEPINFER_NVIDIA_GEMV"
-MIN_COLUMNS = 1024  # at block_n 2, at least 512 programs stream the weight
+MIN_COLUMNS = 64  # the router (64 experts): 32 programs of two columns, where cuBLAS took 11 us in split-K
 _DTYPES = (torch.bfloat16, torch.float16)
 
 

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.ops import reference as ref
-from deepinfer_nvidia_sm100.kernels import pdl
+from deepinfer_nvidia_sm100.kernels import gemv, pdl
 from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile, reference_under_compile
 
 ALIGN_KERNEL_MAX_EXPERTS = 256  # the align kernels hold per-expert counters in registers
@@ -402,13 +402,15 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 def swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, limit: float) -> torch.Tensor:
     """``reference.swiglu_mlp`` (the shared expert): where ``w3`` follows ``w1`` in memory (the model allocates them
     as one tensor), one GEMM for both, then ``swiglu`` over its two column blocks, then ``w2``: three launches
-    instead of seven, and one pass over the ``[T, I]`` intermediates instead of four. Otherwise the reference."""
+    instead of seven, and one pass over the ``[T, I]`` intermediates instead of four (one-row products through
+    ``gemv.linear``). Otherwise the reference."""
     both = _rows_together(w1, w3)
     if both is None or x.dim() != 2:
         return ref.swiglu_mlp(x, w1, w2, w3, limit)
     inter = w1.shape[0]
-    gate_up = F.linear(x, both)  # [T, 2 I]
-    return F.linear(swiglu(gate_up[:, :inter], gate_up[:, inter:], limit), w2)
+    linear = gemv.linear if gemv.enabled() else F.linear  # one row: the GEMV kernel, not cuBLAS's split-K pair
+    gate_up = linear(x, both)  # [T, 2 I]
+    return linear(swiglu(gate_up[:, :inter], gate_up[:, inter:], limit), w2)
 
 
 def _rows_together(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor | None:
