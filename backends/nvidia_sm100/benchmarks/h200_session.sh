@@ -58,6 +58,12 @@ bench() {  # name, then deepinfer bench arguments
     --json "$RES/$name.json" "$@" > "$RES/$name.txt" 2> "$RES/$name.log" || echo "bench $name failed: $(tail -3 "$RES/$name.log")"
   save
 }
+prefill_shapes() {  # both prefill shapes in 8192-token steps, median of 5
+  bench prefill-8x1k --input-len 1024 --output-len 1 --num-prompts 8 --max-num-seqs 8 --max-num-batched-tokens 8192 \
+    --num-iters 5
+  bench prefill-8k --input-len 8192 --output-len 1 --num-prompts 1 --max-num-seqs 1 --max-num-batched-tokens 8192 \
+    --num-iters 5
+}
 if [[ $what == compile ]]; then  # every prompt prefilled in one step: decode meets one batch size, one compile
   export DEEPINFER_NVIDIA_COMPILE_STEP=1 TORCHDYNAMO_VERBOSE=1  # a failed compile logs its internal stack
   for b in 1 64; do
@@ -114,10 +120,7 @@ if [[ $what == final ]]; then
   bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
   bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
   bench b256 --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256
-  bench prefill-8x1k --input-len 1024 --output-len 1 --num-prompts 8 --max-num-seqs 8 --max-num-batched-tokens 8192 \
-    --num-iters 5
-  bench prefill-8k --input-len 8192 --output-len 1 --num-prompts 1 --max-num-seqs 1 --max-num-batched-tokens 8192 \
-    --num-iters 5
+  prefill_shapes
   timeout 200 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 256 1 > "$RES/profile-decode.txt" 2>&1
   grep -E "^=== batch|^\|" "$RES/profile-decode.txt"; save
   what=summary
@@ -186,10 +189,7 @@ if [[ $what == s13final ]]; then  # the session's last code: its GPU tests, then
   bench b1-hf --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --compare-hf
   bench b64-hf --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64 --compare-hf
   bench b256 --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256
-  bench prefill-8k --input-len 8192 --output-len 1 --num-prompts 1 --max-num-seqs 1 --max-num-batched-tokens 8192 \
-    --num-iters 5
-  bench prefill-8x1k --input-len 1024 --output-len 1 --num-prompts 8 --max-num-seqs 8 --max-num-batched-tokens 8192 \
-    --num-iters 5
+  prefill_shapes
   timeout 120 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 256 > "$RES/profile-decode.txt" 2>&1
   grep -E "^=== batch|^\|" "$RES/profile-decode.txt"; save
   what=summary
@@ -270,10 +270,7 @@ if [[ $what == hf ]]; then
   bench b64-hf --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64 --compare-hf
 fi
 if [[ $what == prefill || $what == moe || $what == prefill-bound ]]; then
-  bench prefill-8x1k --input-len 1024 --output-len 1 --num-prompts 8 --max-num-seqs 8 --max-num-batched-tokens 8192 \
-    --num-iters 5
-  bench prefill-8k --input-len 8192 --output-len 1 --num-prompts 1 --max-num-seqs 1 --max-num-batched-tokens 8192 \
-    --num-iters 5
+  prefill_shapes
 fi
 if [[ $what == bench || $what == all || $what == quick || $what == summary || $what == hf || $what == prefill || $what == decode || $what == moe || $what == prefill-bound || $what == streams ]]; then
   if [[ $what == prefill-bound ]]; then
