@@ -130,7 +130,8 @@ def test_report_table_shows_engine_hf_and_ratio(hf_result):
         assert text in table
 
 
-def test_cli_bench_prints_the_table_and_writes_json(cache_dir, tmp_path, capsys):
+def test_cli_bench_prints_the_table_and_writes_json(cache_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("DEEPINFER_NVIDIA_PDL", "0")  # a backend knob: recorded with the run (no effect on CPU)
     path = tmp_path / "out.json"
     code = cli.main(["bench", "--preset", "tiny", "--cache-dir", str(cache_dir), "--input-len", "8", "--output-len",
                      "3", "--num-prompts", "2", "--max-num-seqs", "2", "--warmup", "0", "--async-scheduling",
@@ -143,6 +144,9 @@ def test_cli_bench_prints_the_table_and_writes_json(cache_dir, tmp_path, capsys)
     assert data["hf"] is None and data["engine"]["output_tokens"] == 6
     assert data["config"]["async_scheduling"] is True and data["engine"]["steps"] >= 3
     assert data["config"]["enable_mixed_chunk"] is True and data["config"]["num_iters"] == 3
+    assert data["config"]["environment"]["DEEPINFER_NVIDIA_PDL"] == "0" and "DEEPINFER_NVIDIA_PDL=0" in out
+    sources = data["config"]["op_sources"]
+    assert {"linear", "moe_experts", "hc_post_sum"} <= set(sources) and sources["hc_post_sum"] == "reference"
     totals = data["engine"]["iteration_total_times_s"]
     assert len(totals) == 3 and data["engine"]["total_time_s"] == sorted(totals)[1]
 

@@ -52,7 +52,13 @@ def _header(config: Mapping[str, Any], engine: Mapping[str, Any]) -> list[str]:
         (f"  device {config['device']}, dtype {config['dtype']}, torch {config['torch']} "
          f"({config['torch_threads']} threads), {config['date']}{_load(config)}"),
         f"  {engine['output_tokens']} output tokens, {engine['prompt_tokens']} prompt tokens",
-    ]
+    ] + _environment(config)
+
+
+def _environment(config: Mapping[str, Any]) -> list[str]:
+    """The ``DEEPINFER_*`` variables the run saw (they switch kernels on and off), one line, or nothing."""
+    settings = config.get("environment") or {}
+    return [f"  environment: {', '.join(f'{name}={value}' for name, value in settings.items())}"] if settings else []
 
 
 def _load(config: Mapping[str, Any]) -> str:

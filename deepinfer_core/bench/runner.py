@@ -94,6 +94,7 @@ def run_bench(config: BenchConfig, log: Log = lambda msg: None) -> dict[str, Any
     result["config"]["decode_graph_replays"] = engine["graph_replays"]
     result["config"]["max_num_batched_tokens"] = engine["max_num_batched_tokens"]  # the backend's default if unset
     result["config"]["async_scheduling"] = engine["async_scheduling"]
+    result["config"]["op_sources"] = engine["op_sources"]
     result["roofline"] = {"engine": _roofline(model_config, dtype, device, engine["metrics"], config)}
     result["hf"] = result["ratio"] = result["agreement"] = None
     if config.compare_hf:
@@ -146,6 +147,7 @@ def describe(config: BenchConfig, folder: Path, device: torch.device, dtype: tor
         "cpu_count": os.cpu_count(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "environment": {name: value for name, value in sorted(os.environ.items()) if name.startswith("DEEPINFER_")},
     }
 
 
@@ -192,11 +194,12 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
     replays = graphs.num_replays if graphs is not None else 0  # warmup included
     outputs = [runs[0].outputs[f"bench-{i}"] for i in range(len(prompts))]
     budget, overlapped = llm.max_num_batched_tokens, llm.async_scheduling
+    op_sources = llm.model.ops.sources()  # which implementation each op ran (backend, plugin or reference)
     llm.engine.shutdown()
     del llm
     _free(device)
-    return {"metrics": metrics, "outputs": outputs, "graph_replays": replays,
-            "max_num_batched_tokens": budget, "async_scheduling": overlapped}, device, dtype
+    return {"metrics": metrics, "outputs": outputs, "graph_replays": replays, "max_num_batched_tokens": budget,
+            "async_scheduling": overlapped, "op_sources": op_sources}, device, dtype
 
 
 def time_engine(llm, prompts: Sequence[Sequence[int]], output_len: int, tag: str) -> RunTimes:
