@@ -40,6 +40,8 @@
 #   s13c     b1 with DEEPINFER_NVIDIA_GEMV=0, then b64 and b256 with and without PDL
 #   s13final the model and changed kernels' GPU tests, b1 and b64 with --compare-hf, b256, both prefill shapes,
 #            the decode profile at batch 1 and 256
+#   s14      the GEMV prefetch A/B: its kernel tests, sweep_gemv.py (with the prefetch column), b1 with and
+#            without DEEPINFER_NVIDIA_GEMV_PREFETCH=1, the batch-1 profile with PDL off
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -192,6 +194,18 @@ if [[ $what == s13final ]]; then  # the session's last code: its GPU tests, then
   prefill_shapes
   timeout 120 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 256 > "$RES/profile-decode.txt" 2>&1
   grep -E "^=== batch|^\|" "$RES/profile-decode.txt"; save
+  what=summary
+fi
+if [[ $what == s14 ]]; then  # the GEMV's first weight tile before the PDL wait (DEEPINFER_NVIDIA_GEMV_PREFETCH)
+  python -m pytest -q -p no:cacheprovider -rfE backends/nvidia_sm100/tests/test_triton_kernels.py -k gemv 2>&1 \
+    | tail -3 | tee "$RES/tests.txt"; save
+  (cd backends/nvidia_sm100/benchmarks && timeout 330 python sweep_gemv.py) > "$RES/sweep-gemv.txt" 2>&1
+  tail -25 "$RES/sweep-gemv.txt"; save
+  bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
+  DEEPINFER_NVIDIA_GEMV_PREFETCH=1 bench b1-prefetch --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
+  DEEPINFER_NVIDIA_PDL=0 timeout 100 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 \
+    > "$RES/profile-decode-pdl0.txt" 2>&1  # per-kernel costs without PDL's early-scheduled waits
+  grep -E "^=== batch 1: decode" "$RES/profile-decode-pdl0.txt"; save
   what=summary
 fi
 if [[ $what == sched ]]; then
