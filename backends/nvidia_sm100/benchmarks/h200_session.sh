@@ -60,6 +60,12 @@ bench() {  # name, then deepinfer bench arguments
     --json "$RES/$name.json" "$@" > "$RES/$name.txt" 2> "$RES/$name.log" || echo "bench $name failed: $(tail -3 "$RES/$name.log")"
   save
 }
+model_and_kernel_tests() {  # test_model_gpu.py, then the test_triton_kernels.py cases -k "$1", into tests.txt
+  python -m pytest -q -p no:cacheprovider -rfEs backends/nvidia_sm100/tests/test_model_gpu.py 2>&1 | tail -3 \
+    | tee "$RES/tests.txt"; save
+  python -m pytest -q -p no:cacheprovider -rfE backends/nvidia_sm100/tests/test_triton_kernels.py -k "$1" 2>&1 \
+    | tail -3 | tee -a "$RES/tests.txt"; save
+}
 prefill_shapes() {  # both prefill shapes in 8192-token steps, median of 5
   bench prefill-8x1k --input-len 1024 --output-len 1 --num-prompts 8 --max-num-seqs 8 --max-num-batched-tokens 8192 \
     --num-iters 5
@@ -128,10 +134,7 @@ if [[ $what == final ]]; then
   what=summary
 fi
 if [[ $what == s12 ]]; then
-  python -m pytest -q -p no:cacheprovider -rfEs backends/nvidia_sm100/tests/test_model_gpu.py 2>&1 | tail -4 \
-    | tee "$RES/tests.txt"; save
-  python -m pytest -q -p no:cacheprovider -rfE backends/nvidia_sm100/tests/test_triton_kernels.py \
-    -k "compressor or write_rows or norm or hc_pre" 2>&1 | tail -3 | tee -a "$RES/tests.txt"; save
+  model_and_kernel_tests "compressor or write_rows or norm or hc_pre"
   bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
   DEEPINFER_NVIDIA_GEMV=1 bench b1-gemv --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
   bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
@@ -146,10 +149,7 @@ if [[ $what == s12 ]]; then
   what=summary
 fi
 if [[ $what == s13 ]]; then
-  python -m pytest -q -p no:cacheprovider -rfEs backends/nvidia_sm100/tests/test_model_gpu.py 2>&1 | tail -4 \
-    | tee "$RES/tests.txt"; save
-  python -m pytest -q -p no:cacheprovider -rfE backends/nvidia_sm100/tests/test_triton_kernels.py \
-    -k "compressor or norm or hc_pre or gemv" 2>&1 | tail -3 | tee -a "$RES/tests.txt"; save
+  model_and_kernel_tests "compressor or norm or hc_pre or gemv"
   (cd backends/nvidia_sm100/benchmarks && timeout 330 python sweep_gemv.py) > "$RES/sweep-gemv.txt" 2>&1
   tail -25 "$RES/sweep-gemv.txt"; save
   bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
@@ -184,10 +184,7 @@ if [[ $what == s13c ]]; then  # PDL at larger batches, the GEMV default A/B at b
   what=summary
 fi
 if [[ $what == s13final ]]; then  # the session's last code: its GPU tests, then the record with HF in the same run
-  python -m pytest -q -p no:cacheprovider -rfEs backends/nvidia_sm100/tests/test_model_gpu.py 2>&1 | tail -3 \
-    | tee "$RES/tests.txt"; save
-  python -m pytest -q -p no:cacheprovider -rfE backends/nvidia_sm100/tests/test_triton_kernels.py \
-    -k "gemv or shared_expert or align or hc_post or compressor_entries" 2>&1 | tail -3 | tee -a "$RES/tests.txt"; save
+  model_and_kernel_tests "gemv or shared_expert or align or hc_post or compressor_entries"
   bench b1-hf --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --compare-hf
   bench b64-hf --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64 --compare-hf
   bench b256 --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256

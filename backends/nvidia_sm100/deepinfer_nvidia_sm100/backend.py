@@ -142,14 +142,14 @@ def triton_ops() -> dict[str, Callable]:
            "hc_post_sum": hc.hc_post_sum, "apply_rope": rope.apply_rope, "apply_rope_": rope.apply_rope_,
            "indexer_scores": indexer.indexer_scores, "gather_keys": keys.gather_keys, "fork": streams.fork,
            "moe_route_topk": route.moe_route_topk, "moe_route_hash": route.moe_route_hash,
-           "compressor_entries": compressor.compressor_entries,
-           "compressor_entries_rope": compressor.compressor_entries_rope, "swiglu_mlp": moe.swiglu_mlp,
+           "compressor_entries": compressor.compressor_entries, "swiglu_mlp": moe.swiglu_mlp,
            "write_rows_": cache_writes.write_rows_, "grouped_linear": blas.grouped_linear}
     if gemv.enabled():  # one-row products: faster than cuBLAS on every preset projection (kernels/gemv.py)
         ops.update(linear=gemv.linear, grouped_linear=gemv.grouped_linear)
     if norm.enabled():  # measured faster than the compiled reference (kernels/norm.py); traced when compiling
         ops.update(rms_norm=norm.rms_norm, unweighted_rms_norm=norm.unweighted_rms_norm,  # and the norms fused into
-                   rms_norm_rope=norm.rms_norm_rope, hc_pre_normed=hc.hc_pre_normed)  # their neighbours' kernels
+                   rms_norm_rope=norm.rms_norm_rope, hc_pre_normed=hc.hc_pre_normed,  # their neighbours' kernels
+                   compressor_entries_rope=compressor.compressor_entries_rope)
     return ops
 
 

@@ -137,11 +137,8 @@ def compressor_entries_rope(raw_kv: torch.Tensor, raw_gate: torch.Tensor, carry_
                             ape: torch.Tensor, norm_weight: torch.Tensor, eps: float, ratio: int, overlap: bool,
                             cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``reference.compressor_entries_rope``: ``pool_windows``, then the norm and RoPE in one pass
-    (``norm.rms_norm_rope``; two launches instead of three)."""
-    if not norm.enabled():
-        entries = compressor_entries(raw_kv, raw_gate, carry_kv, carry_gate, from_new, new_rows, carry_slots,
-                                     carry_index, valid, ape, norm_weight, eps, ratio, overlap)
-        return ref.apply_rope_(entries, cos, sin)
+    (``norm.rms_norm_rope``; two launches instead of three). In the op table with the norm kernels (with
+    ``DEEPINFER_NVIDIA_NORM=0`` the table derives it from ``compressor_entries`` and ``apply_rope_``)."""
     pooled = pool_windows(raw_kv, raw_gate, carry_kv, carry_gate, from_new, new_rows, carry_slots, carry_index, valid,
                           ape, ratio, overlap)  # [N, d]
     return norm.rms_norm_rope(pooled, norm_weight, eps, cos, sin)
