@@ -327,6 +327,35 @@ def test_align_kernel_matches_torch_align(tokens, top_k, experts, block_m):
 
 
 @kernel_runs_here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top_k, experts, dim, inter, repeat", [
+    (6, 64, 128, 64, False), (6, 8, 96, 40, True), (1, 4, 64, 32, False),
+    *([(3, 5, 4096, 2048, True)] if DEVICE == "cuda" else [])])  # the interpreter takes minutes at these widths
+def test_moe_experts_one_token_matches_reference(top_k, experts, dim, inter, repeat, dtype):
+    """One token (``moe_experts_one_token``, what ``moe_experts`` runs for it): picks in any order, an expert
+    picked twice (hash routing can), widths that leave partial column and ``K`` blocks (96, 40), on the GPU the
+    preset's widths (4096 / 2048). bf16 to the rounding of the reference's own steps."""
+    gen = torch.Generator(device=DEVICE).manual_seed(top_k * experts + dim)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device=DEVICE, generator=gen) * scale).to(dtype)
+
+    x = rnd(1, dim)
+    w1, w3 = rnd(experts, inter, dim, scale=dim**-0.5), rnd(experts, inter, dim, scale=dim**-0.5)
+    w2 = rnd(experts, dim, inter, scale=inter**-0.5)
+    ids = torch.randperm(experts, device=DEVICE, generator=gen)[:top_k][None, :]  # [1, k]
+    if repeat:
+        ids[0, -1] = ids[0, 0]
+    weights = torch.rand(1, top_k, device=DEVICE, generator=gen)
+    got = moe.moe_experts(x, ids, weights, w1, w2, w3, 0.7)
+    want = ref.moe_experts(x, ids, weights, w1, w2, w3, 0.7)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(moe.moe_experts_one_token(x, ids, weights, w1, w2, w3, 0.7), got, atol=0, rtol=0)
+
+
+@kernel_runs_here
 @pytest.mark.parametrize("tokens, top_k", [(1, 6), (9, 2), (33, 3)])
 def test_moe_experts_combine_matches_reference_fp32(tokens, top_k):
     gen = torch.Generator(device=DEVICE).manual_seed(7)

@@ -59,20 +59,20 @@ def _gemv_row_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_xg, stride_wn, stride_o
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     start = 0
     if PREFETCH:
-        w = _weight_tile(w_base, tl.arange(0, BLOCK_K), K, in_n, EVEN)  # [BN, BK]
+        w = weight_tile(w_base, tl.arange(0, BLOCK_K), K, in_n, EVEN)  # [BN, BK]
         pdl.wait(PDL)
-        acc += w.to(tl.float32) * _input_tile(x_base, tl.arange(0, BLOCK_K), K, EVEN).to(tl.float32)[None, :]
+        acc += w.to(tl.float32) * input_tile(x_base, tl.arange(0, BLOCK_K), K, EVEN).to(tl.float32)[None, :]
         start = BLOCK_K
     for k in range(start, K, BLOCK_K):
         ks = k + tl.arange(0, BLOCK_K)  # [BK]
-        w = _weight_tile(w_base, ks, K, in_n, EVEN)
-        acc += w.to(tl.float32) * _input_tile(x_base, ks, K, EVEN).to(tl.float32)[None, :]  # [BN, BK]
+        w = weight_tile(w_base, ks, K, in_n, EVEN)
+        acc += w.to(tl.float32) * input_tile(x_base, ks, K, EVEN).to(tl.float32)[None, :]  # [BN, BK]
     out = tl.sum(acc, axis=1)  # [BN]
     tl.store(out_ptr + group * stride_og + cols, out.to(out_ptr.dtype.element_ty), mask=in_n)
 
 
 @triton.jit
-def _weight_tile(w_base, ks, K, in_n, EVEN: tl.constexpr):
+def weight_tile(w_base, ks, K, in_n, EVEN: tl.constexpr):
     """Weight columns ``ks`` of the program's rows, ``[BN, BK]`` (zeros past ``N`` / ``K`` unless ``EVEN``)."""
     if EVEN:
         return tl.load(w_base + ks[None, :], eviction_policy="evict_first")
@@ -81,7 +81,7 @@ def _weight_tile(w_base, ks, K, in_n, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _input_tile(x_base, ks, K, EVEN: tl.constexpr):
+def input_tile(x_base, ks, K, EVEN: tl.constexpr):
     """Input elements ``ks``, ``[BK]`` (zeros past ``K`` unless ``EVEN``)."""
     if EVEN:
         return tl.load(x_base + ks)

@@ -18,6 +18,9 @@ How it runs, with no host synchronisation and no weight copies (so it can be cap
 Intermediates are rounded to the model dtype where the reference op rounds them, so bf16 runs track the
 reference's rounding too (fp32 runs are unaffected).
 
+One token (a batch-1 decode step) takes ``moe_experts_one_token``: two one-row kernels by expert id, no align and
+no combine (four launches of ~4 us each became two at batch 1: docs/performance.md 4.17).
+
 Prefill (bf16, more than ``GROUPED_GEMM_MIN_PER_EXPERT`` assignments per expert) replaces steps 2-3 by CUTLASS grouped
 GEMMs (``moe_experts_grouped``: ``torch._grouped_mm`` over the same sorted layout, then ``_swiglu_kernel``; the
 routing weight moves into the combine): ~660 TFLOP/s in an 8 x 1K prefill step on the H200, where the Triton tiles
@@ -318,6 +321,8 @@ def _moe_experts(x, ids, weights, w1, w2, w3, limit, config):
         return torch.zeros_like(x)
     if config is None and uses_grouped_gemm(x, T * top_k, E):
         return moe_experts_grouped(x, ids, weights, w1, w2, w3, limit)
+    if config is None and T == 1 and top_k <= ONE_TOKEN_MAX_TOP_K:
+        return moe_experts_one_token(x, ids, weights, w1, w2, w3, limit)
     x = x.contiguous()
     block_m, block_n, block_k, warps = config or _config(T * top_k, E)
     sorted_assign, block_expert, dest = align(ids, E, block_m)
@@ -339,6 +344,94 @@ def _moe_experts(x, ids, weights, w1, w2, w3, limit, config):
                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
                             num_warps=warps, num_stages=stages, **pdl.launch())
     return _combine(y, ids, dest, x)
+
+
+ONE_TOKEN_MAX_TOP_K = 16  # the down kernel ranks a token's picks in a [K_P2, K_P2] tile
+
+
+def moe_experts_one_token(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
+                          w2: torch.Tensor, w3: torch.Tensor, limit: float) -> torch.Tensor:
+    """``moe_experts`` for one token (a batch-1 decode step) in two launches, no ``align`` and no combine: its
+    picks need no sorting (each expert's rows are read once per pick, as the grouped kernels read them), so
+    ``_up_row_kernel`` reads every pick's ``w1`` / ``w3`` rows by its expert id, and ``_down_row_kernel`` reads
+    each pick's ``w2`` rows and adds the weighted outputs in ascending expert order, rounded as ``_combine``. Both
+    are one-row products like ``gemv._gemv_row_kernel`` (fp32 products summed once, no ``tl.dot``), with its
+    launches for the same widths (``gemv.row_config``)."""
+    top_k = ids.shape[1]
+    E, I, D = w1.shape
+    x = x.contiguous()
+    flat_ids = ids.reshape(-1).contiguous()
+    h = torch.empty(top_k, I, dtype=x.dtype, device=x.device)
+    up = gemv.row_config(I, D)
+    _up_row_kernel[(triton.cdiv(I, up.block_n), top_k)](
+        x, w1, w3, h, flat_ids, D, I, float(limit), w1.stride(0), w1.stride(1), BLOCK_N=up.block_n,
+        BLOCK_K=up.block_k, EVEN=I % up.block_n == 0 and D % up.block_k == 0, num_warps=up.warps,
+        num_stages=up.stages, **pdl.launch())
+    out = torch.empty_like(x)
+    down = gemv.row_config(D, I)
+    _down_row_kernel[(triton.cdiv(D, down.block_n),)](
+        h, w2, out, flat_ids, weights.reshape(-1).contiguous(), D, I, top_k, w2.stride(0), w2.stride(1),
+        BLOCK_N=down.block_n, BLOCK_K=down.block_k, EVEN=D % down.block_n == 0 and I % down.block_k == 0,
+        K_P2=triton.next_power_of_2(top_k), num_warps=down.warps, num_stages=down.stages, **pdl.launch())
+    return out
+
+
+@triton.jit
+def _up_row_kernel(x_ptr, w1_ptr, w3_ptr, h_ptr, ids_ptr, D, I, limit, stride_we, stride_wi,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (column block, pick j) of one token: ``h[j, n] = silu(min(x . w1[e, n], limit)) * clamp(x . w3[e, n])``
+    for the pick's expert ``e = ids[j]``, rounded as ``_up_kernel``'s epilogue."""
+    pdl.begin(PDL)
+    pick = tl.program_id(1)
+    expert = tl.load(ids_ptr + pick).to(tl.int64)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    in_n = cols < I
+    rows = expert * stride_we + cols[:, None].to(tl.int64) * stride_wi  # [BN, 1]
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in range(0, D, BLOCK_K):
+        ks = k + tl.arange(0, BLOCK_K)  # [BK]
+        xk = gemv.input_tile(x_ptr, ks, D, EVEN).to(tl.float32)[None, :]
+        acc1 += gemv.weight_tile(w1_ptr + rows, ks, D, in_n, EVEN).to(tl.float32) * xk  # [BN, BK]
+        acc3 += gemv.weight_tile(w3_ptr + rows, ks, D, in_n, EVEN).to(tl.float32) * xk
+    dt = h_ptr.dtype.element_ty
+    gate = tl.minimum(tl.sum(acc1, axis=1).to(dt).to(tl.float32), limit)  # [BN]
+    up = tl.sum(acc3, axis=1).to(dt).to(tl.float32)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    h = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up
+    tl.store(h_ptr + pick * I + cols, h.to(dt), mask=in_n)
+
+
+@triton.jit
+def _down_row_kernel(h_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, D, I, top_k, stride_we, stride_wd,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, K_P2: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    """Program (column block) of one token: ``out[n] = sum_j weights[j] * (h[j] . w2[ids[j], n])``, each pick's
+    product rounded, times its rounded weight, rounded, then added in ascending expert id (stable) and rounded after
+    every addition: ``_down_kernel`` then ``_combine_kernel``'s arithmetic."""
+    pdl.begin(PDL)
+    j = tl.arange(0, K_P2)
+    in_k = j < top_k
+    e = tl.load(ids_ptr + j, mask=in_k, other=0)
+    before = (e[None, :] < e[:, None]) | ((e[None, :] == e[:, None]) & (j[None, :] < j[:, None]))  # [K_P2, K_P2]
+    rank = tl.sum((before & in_k[None, :]).to(tl.int32), axis=1)  # position of pick j in expert order
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    in_n = cols < D
+    dt = out_ptr.dtype.element_ty
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for r in range(top_k):
+        pick = tl.sum(tl.where((rank == r) & in_k, j, 0), axis=0)
+        expert = tl.load(ids_ptr + pick).to(tl.int64)
+        rows = expert * stride_we + cols[:, None].to(tl.int64) * stride_wd  # [BN, 1]
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k in range(0, I, BLOCK_K):
+            ks = k + tl.arange(0, BLOCK_K)  # [BK]
+            hk = gemv.input_tile(h_ptr + pick * I, ks, I, EVEN).to(tl.float32)[None, :]
+            acc += gemv.weight_tile(w2_ptr + rows, ks, I, in_n, EVEN).to(tl.float32) * hk  # [BN, BK]
+        w = tl.load(weights_ptr + pick).to(dt).to(tl.float32)
+        part = (tl.sum(acc, axis=1).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)  # [BN]
+        total = (total + part).to(dt).to(tl.float32)
+    tl.store(out_ptr + cols, total.to(dt), mask=in_n)
 
 
 GROUPED_GEMM_MIN_PER_EXPERT = 64  # mean assignments per expert from which prefill takes the grouped GEMM
