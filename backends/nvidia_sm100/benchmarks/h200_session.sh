@@ -43,6 +43,8 @@
 #   s14      the GEMV prefetch A/B: its kernel tests, the GPU test files 4.16 did not run, sweep_gemv.py (with
 #            the prefetch column; only with SWEEP=1), b1 with and without DEEPINFER_NVIDIA_GEMV_PREFETCH=1 (twice,
 #            alternating), the batch-1 profile with PDL off
+#   s14b     hc_post_pre_normed and the one-token MoE: the model test and their kernel tests, b1, b64, the batch-1
+#            decode profile with PDL off and on
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -214,6 +216,17 @@ if [[ $what == s14 ]]; then  # the GEMV's first weight tile before the PDL wait 
   DEEPINFER_NVIDIA_PDL=0 timeout 100 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 \
     > "$RES/profile-decode-pdl0.txt" 2>&1  # per-kernel costs without PDL's early-scheduled waits
   grep -E "^=== batch 1: decode" "$RES/profile-decode-pdl0.txt"; save
+  what=summary
+fi
+if [[ $what == s14b ]]; then  # hc_post_pre_normed and the one-token MoE: their tests, b1, b64, the b1 profiles
+  model_and_kernel_tests "hc or moe or one_token or gemv"
+  bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
+  bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
+  DEEPINFER_NVIDIA_PDL=0 timeout 100 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 \
+    > "$RES/profile-decode-pdl0.txt" 2>&1  # per-kernel costs without PDL's early-scheduled waits
+  grep -E "^=== batch 1: decode" "$RES/profile-decode-pdl0.txt"; save
+  timeout 100 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 > "$RES/profile-decode.txt" 2>&1
+  grep -E "^=== batch 1: decode" "$RES/profile-decode.txt"; save
   what=summary
 fi
 if [[ $what == sched ]]; then
