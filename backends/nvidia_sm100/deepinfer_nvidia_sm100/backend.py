@@ -105,8 +105,16 @@ def sm90_ops() -> dict[str, Callable]:
 
     ops = triton_ops()
     if tl_attention.available():  # bf16 with H % 64 == 0, d = 512; other inputs run the reference op
-        ops["sink_attention"] = tl_attention.sink_attention
+        ops["sink_attention"] = _with_decode_attention(tl_attention.sink_attention)
     return ops
+
+
+def _with_decode_attention(attention: Callable) -> Callable:
+    """``attention`` for all rows, or the Triton decode kernel for decode rows and ``attention`` for the others
+    (``kernels/decode_attention.py``; unless ``DEEPINFER_NVIDIA_DECODE_ATTN=0``)."""
+    from deepinfer_nvidia_sm100.kernels import decode_attention
+
+    return decode_attention.with_fallback(attention) if decode_attention.enabled() else attention
 
 
 def sm100_ops() -> dict[str, Callable]:
@@ -117,16 +125,18 @@ def sm100_ops() -> dict[str, Callable]:
 
 def triton_ops() -> dict[str, Callable]:
     """The overrides both paths share: Triton kernels (``moe_experts``, the MoE routing, ``hc_pre``, ``hc_post`` and
-    ``hc_post_sum``, ``apply_rope`` and ``apply_rope_``, ``indexer_scores``, ``gather_keys``, ``compressor_entries``
-    and ``compressor_entries_rope``, the cache writes, the RMS norms, alone and fused into RoPE (``rms_norm_rope``)
-    and the ``hc`` collapse (``hc_pre_normed``; ``hc_post_pre_normed``), the shared expert), ``grouped_linear`` as a strided cuBLAS batched
-    GEMM (``kernels/blas.py``), the small ops that TorchInductor compiles to Triton, and ``fork`` on a second CUDA
-    stream (``kernels/streams.py``)."""
+    ``hc_post_sum``, ``apply_rope`` and ``apply_rope_``, ``sink_attention`` of decode rows, ``indexer_scores``,
+    ``gather_keys``, ``compressor_entries`` and ``compressor_entries_rope``, the cache writes, the RMS norms, alone
+    and fused into RoPE (``rms_norm_rope``) and the ``hc`` collapse (``hc_pre_normed``, ``hc_post_pre_normed``), the
+    shared expert), ``grouped_linear`` as a strided cuBLAS batched GEMM (``kernels/blas.py``), the small ops that
+    TorchInductor compiles to Triton, and ``fork`` on a second CUDA stream (``kernels/streams.py``)."""
+    from deepinfer_core.ops import reference as ref
     from deepinfer_nvidia_sm100.kernels import (
         blas,
         cache_writes,
         compiled,
         compressor,
+        decode_attention,
         gemv,
         hc,
         indexer,
@@ -144,6 +154,8 @@ def triton_ops() -> dict[str, Callable]:
            "moe_route_topk": route.moe_route_topk, "moe_route_hash": route.moe_route_hash,
            "compressor_entries": compressor.compressor_entries, "swiglu_mlp": moe.swiglu_mlp,
            "write_rows_": cache_writes.write_rows_, "grouped_linear": blas.grouped_linear}
+    if decode_attention.enabled():  # decode rows; the others the reference (sm90_ops: TileLang)
+        ops["sink_attention"] = _with_decode_attention(ref.sink_attention)
     if gemv.enabled():  # one-row products: faster than cuBLAS on every preset projection (kernels/gemv.py)
         ops.update(linear=gemv.linear, grouped_linear=gemv.grouped_linear)
     if norm.enabled():  # measured faster than the compiled reference (kernels/norm.py); traced when compiling

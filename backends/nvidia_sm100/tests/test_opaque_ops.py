@@ -16,6 +16,7 @@ pytest.importorskip("triton", reason="the test extra installs triton")
 from deepinfer_nvidia_sm100.kernels import (
     cache_writes,
     compressor,
+    decode_attention,
     gemv,
     hc,
     indexer,
@@ -77,6 +78,8 @@ def _cases():
                                                                       torch.tensor([3, 0, 7]),
                                                                       torch.randint(0, E, (8, TOP_K), generator=g),
                                                                       2.5, "sqrtsoftplus")),
+        "decode_sink_attention": (decode_attention.decode_attention, lambda *a: ref.sink_attention(*a[:5]),
+                                  (q[:, :1], kv, visible[:, :1], rand(H), 0.05, 2)),
         "tl_sink_attention": (tl_attention._launch, lambda *a: ref.sink_attention(*a[:5]),
                               (q, kv, visible, rand(H), 0.05, None)),
     }

@@ -97,6 +97,15 @@ SMALL_KERNELS = {  # kernel -> (argument types where not the default, constexprs
                             "ids_ptr": "*i64", "limit": "fp32"}, {"BLOCK_N": 2, "BLOCK_K": 1024, "EVEN": True}),
     "moe._down_row_kernel": ({"h_ptr": "*bf16", "w2_ptr": "*bf16", "out_ptr": "*bf16", "ids_ptr": "*i64"},
                              {"BLOCK_N": 2, "BLOCK_K": 512, "EVEN": True, "K_P2": 8}),
+    "decode_attention._split_kernel": ({"q_ptr": "*bf16", "kv_ptr": "*bf16", "vis_ptr": "*u8", "blocks_ptr": "*i32",
+                                        "counts_ptr": "*i32", "out_ptr": "*bf16", "scale_log2": "fp32"},
+                                       {"D": 512, "BLOCK_H": 16, "BLOCK_N": 64, "WHOLE": False}),
+    "decode_attention._split_kernel:whole": ({"q_ptr": "*bf16", "kv_ptr": "*bf16", "vis_ptr": "*u8",
+                                              "blocks_ptr": "*i32", "counts_ptr": "*i32", "out_ptr": "*bf16",
+                                              "opart_ptr": "*bf16", "mpart_ptr": "*bf16", "lpart_ptr": "*bf16",
+                                              "scale_log2": "fp32"},
+                                             {"D": 512, "BLOCK_H": 16, "BLOCK_N": 64, "WHOLE": True}),
+    "decode_attention._combine_kernel": ({"out_ptr": "*bf16"}, {"D": 512, "BLOCK_H": 16, "SPLITS_P2": 4}),
     "hc._hc_collapse_kernel": ({"streams_ptr": "*bf16", "out_ptr": "*bf16"}, {"HC": 4, "HC_P2": 4, "BLOCK_D": 1024}),
     "hc._hc_post_kernel": ({"streams_ptr": "*bf16", "block_ptr": "*bf16", "extra_ptr": "*bf16", "out_ptr": "*bf16"},
                            {"HC": 4, "HC_P2": 4, "BLOCK_D": 512, "ADD": False}),
@@ -166,6 +175,7 @@ def test_small_kernels_compile(name, capability):
     from deepinfer_nvidia_sm100.kernels import (
         cache_writes,
         compressor,
+        decode_attention,
         gemv,
         indexer,
         key_blocks,
@@ -178,7 +188,7 @@ def test_small_kernels_compile(name, capability):
     module, kernel = name.split(":")[0].split(".")
     fn = getattr({"gemv": gemv, "hc": hc, "indexer": indexer, "key_blocks": key_blocks, "keys": keys, "moe": moe,
                    "norm": norm, "rope": rope, "route": route, "compressor": compressor,
-                   "cache_writes": cache_writes}[module], kernel)
+                   "cache_writes": cache_writes, "decode_attention": decode_attention}[module], kernel)
     types, constants = SMALL_KERNELS[name]
     signature = {}
     for i, arg in enumerate(fn.arg_names):
@@ -191,6 +201,8 @@ def test_small_kernels_compile(name, capability):
     ptx = compiled.asm["ptx"]
     assert re.search(r"^\.target (\S+)", ptx, re.MULTILINE).group(1) == ARCHS[capability][0]
     assert len(compiled.asm["cubin"]) > 0
+    if name.startswith("decode_attention._split"):  # 16-head tiles: mma rows
+        assert "mma.sync" in ptx, f"{name} on {ARCHS[capability][0]}: no mma"
     if name in TENSOR_CORE_KERNELS:
         assert ARCHS[capability][1] in ptx, f"{name} on {ARCHS[capability][0]}: no {ARCHS[capability][1]}"
 

@@ -725,3 +725,28 @@ def test_write_rows_matches_reference(width, with_rows, src_dtype, dst_dtype):
         assert torch.equal(got, want)
     empty = torch.zeros(0, dtype=torch.long, device=DEVICE)
     assert torch.equal(cache_writes.write_rows_(dst.clone(), empty, empty, src, empty), dst)
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("seqs, heads, dim, keys, splits", [
+    (1, 64, 512, 384, 3), (1, 64, 512, 128, 1), (3, 32, 64, 200, 2), (2, 16, 128, 70, 4), (4, 16, 64, 130, 1)])
+def test_decode_attention_matches_reference(seqs, heads, dim, keys, splits):
+    """Decode rows (one query each) against the fp32 reference on the same 16-bit inputs: the bench's row (64 heads x
+    512, the window plus compressed entries) in 3 splits and whole, a row with nothing visible (its output 0), a
+    partial last key block, more splits than key blocks (empty splits), fully masked blocks left out of the lists."""
+    from deepinfer_nvidia_sm100.kernels import decode_attention
+
+    gen = torch.Generator(device=DEVICE).manual_seed(keys + splits)
+    q = torch.randn(seqs, 1, heads, dim, device=DEVICE, generator=gen).to(DOT_DTYPE)
+    kv = torch.randn(seqs, keys, dim, device=DEVICE, generator=gen).to(DOT_DTYPE)
+    visible = torch.rand(seqs, 1, keys, device=DEVICE, generator=gen) < 0.7
+    visible[0, :, 64:128] = False  # a whole key block unseen: not listed
+    if seqs > 1:
+        visible[1] = False  # nothing visible: 0
+    sinks = torch.randn(heads, device=DEVICE, generator=gen)
+    got = decode_attention.decode_attention(q, kv, visible, sinks, dim**-0.5, splits)
+    want = ref.sink_attention(q.float(), kv.float(), visible, sinks, dim**-0.5)
+    assert got.shape == want.shape and got.dtype == q.dtype
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    if seqs > 1:
+        assert got[1].abs().max().item() == 0.0
