@@ -45,6 +45,8 @@
 #            alternating), the batch-1 profile with PDL off
 #   s14b     hc_post_pre_normed and the one-token MoE: the model test and their kernel tests, b1, b64, the batch-1
 #            decode profile with PDL off and on
+#   s14c     the decode attention, hc_post_pre_normed and one-token MoE kernel tests (verbose, 120 s at most), b1
+#            with and without the Triton decode attention, the batch-1 profile with PDL off, b64 (each bounded)
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -59,7 +61,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee
 python -c "import tilelang" 2>/dev/null && echo "tilelang: yes" || echo "tilelang: no (sink_attention takes the reference op)"
 bench() {  # name, then deepinfer bench arguments
   local name=$1; shift
-  python -m deepinfer_core.cli bench --preset v4-flash-8l64e --backend nvidia_sm100 --dtype bfloat16 \
+  timeout "${BENCH_TIMEOUT:-1200}" python -m deepinfer_core.cli bench --preset v4-flash-8l64e --backend nvidia_sm100 --dtype bfloat16 \
     --json "$RES/$name.json" "$@" > "$RES/$name.txt" 2> "$RES/$name.log" || echo "bench $name failed: $(tail -3 "$RES/$name.log")"
   save
 }
@@ -227,6 +229,20 @@ if [[ $what == s14b ]]; then  # hc_post_pre_normed and the one-token MoE: their 
   grep -E "^=== batch 1: decode" "$RES/profile-decode-pdl0.txt"; save
   timeout 100 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 > "$RES/profile-decode.txt" 2>&1
   grep -E "^=== batch 1: decode" "$RES/profile-decode.txt"; save
+  what=summary
+fi
+if [[ $what == s14c ]]; then  # the new kernels' GPU tests (verbose, bounded), b1 with the decode attention and
+  export BENCH_TIMEOUT=120    # without, the batch-1 profile with PDL off, b64: every step bounded
+  timeout 120 python -u -m pytest -v -x -p no:cacheprovider backends/nvidia_sm100/tests/test_triton_kernels.py \
+    -k "decode_attention or post_pre_normed or one_token" > "$RES/tests-v.txt" 2>&1
+  echo "pytest rc $?" >> "$RES/tests-v.txt"; grep -E "PASSED|FAILED|ERROR|rc " "$RES/tests-v.txt" | tail -30; save
+  bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
+  DEEPINFER_NVIDIA_DECODE_ATTN=0 bench b1-tl-attention --input-len 1024 --output-len 128 --num-prompts 1 \
+    --max-num-seqs 1
+  DEEPINFER_NVIDIA_PDL=0 timeout 80 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 \
+    > "$RES/profile-decode-pdl0.txt" 2>&1
+  grep -E "^=== batch 1: decode" "$RES/profile-decode-pdl0.txt"; save
+  bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
   what=summary
 fi
 if [[ $what == sched ]]; then
