@@ -220,14 +220,11 @@ def _hc_finish_weights_collapse_kernel(dots_ptr, squares_ptr, base_ptr, scale_pt
                                        PDL: tl.constexpr = False):
     """``hc_pre`` after the mixing partials, in one launch. Program (token, channel block): the token's mixing
     logits (``_mix_row``), its weights (``_weights``; the channel block 0 stores ``post`` and ``comb``), then the
-    collapse of its ``BLOCK_D`` channels with ``pre`` (``_hc_collapse_kernel``'s arithmetic); the streams are read
-    before the weights are computed, so the read overlaps them. With ``NORM``
+    collapse of its ``BLOCK_D`` channels with ``pre`` (``_hc_collapse_kernel``'s arithmetic). With ``NORM``
     (``hc_pre_normed``) one program per token collapses the row (in one block where ``BLOCK_D >= D``, else block by
     block, re-reading what it wrote) and RMS-norms it with ``norm_w [D]`` (``_rms_norm_kernel``'s arithmetic)."""
     pdl.begin(PDL)
     token = tl.program_id(0)
-    first = 0 if NORM else tl.program_id(1)  # the channel block collapsed first (of a whole row: the row)
-    streams = _stream_block(streams_ptr, token.to(tl.int64), first, D, HC, HC_P2, BLOCK_D)  # read beside the weights
     mixed = _mix_row(dots_ptr, squares_ptr, token, tokens, K, splits, norm_eps, N_P2, SPLITS_P2)  # [N_P2]
     outs = tl.arange(0, N_P2)
     idx = tl.arange(0, HC_P2)
@@ -242,7 +239,7 @@ def _hc_finish_weights_collapse_kernel(dots_ptr, squares_ptr, base_ptr, scale_pt
     if tl.program_id(1) == 0:
         _store_weights(post_ptr, comb_ptr, token.to(tl.int64), post, comb, HC, HC_P2)
     if NORM and BLOCK_D >= D:  # the whole row in one block: collapsed, normed and stored once
-        collapsed = _collapse_block(pre, streams, out_ptr, token.to(tl.int64), 0, D, HC, HC_P2, BLOCK_D, STORE=False)
+        collapsed = _collapse(pre, streams_ptr, out_ptr, token.to(tl.int64), 0, D, HC, HC_P2, BLOCK_D, STORE=False)
         scale = 1.0 / tl.sqrt(tl.sum(collapsed * collapsed, axis=0) / D + norm_eps)
         ds = tl.arange(0, BLOCK_D)
         w = tl.load(norm_w_ptr + ds, mask=ds < D, other=0.0).to(tl.float32)
@@ -262,7 +259,7 @@ def _hc_finish_weights_collapse_kernel(dots_ptr, squares_ptr, base_ptr, scale_pt
             w = tl.load(norm_w_ptr + ds, mask=ds < D, other=0.0).to(tl.float32)
             tl.store(row, (w * (x * scale)).to(out_ptr.dtype.element_ty), mask=ds < D)
     else:
-        _collapse_block(pre, streams, out_ptr, token.to(tl.int64), first, D, HC, HC_P2, BLOCK_D)
+        _collapse(pre, streams_ptr, out_ptr, token.to(tl.int64), tl.program_id(1), D, HC, HC_P2, BLOCK_D)
 
 
 def hc_weights(mixed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, sinkhorn_iters: int,
@@ -452,36 +449,19 @@ def hc_post_pre_normed(streams: torch.Tensor, block_a: torch.Tensor, block_b: to
 
 
 @triton.jit
-def _stream_block(streams_ptr, token, block, D, HC: tl.constexpr, HC_P2: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Channels ``[block * BLOCK_D, +BLOCK_D)`` of every stream of ``token``: ``[HC_P2, BD]`` in the streams' dtype,
-    0 past ``HC`` and ``D``."""
-    ds = block * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
-    hc = tl.arange(0, HC_P2)
-    return tl.load(streams_ptr + token * HC * D + hc[:, None] * D + ds[None, :],
-                   mask=(hc < HC)[:, None] & (ds < D)[None, :], other=0.0)
-
-
-@triton.jit
-def _collapse_block(pre, streams, out_ptr, token, block, D, HC: tl.constexpr, HC_P2: tl.constexpr,
-                    BLOCK_D: tl.constexpr, STORE: tl.constexpr = True):
-    """``out[token] = sum_k pre[k] * streams[k]`` over the channel block ``streams [HC_P2, BD]`` (``_stream_block``;
-    ``pre [HC_P2]`` fp32) in fp32, rounded once; returns them as rounded (in fp32, 0 past ``D``)."""
+def _collapse(pre, streams_ptr, out_ptr, token, block, D, HC: tl.constexpr, HC_P2: tl.constexpr,
+              BLOCK_D: tl.constexpr, STORE: tl.constexpr = True):
+    """Channels ``[block * BLOCK_D, +BLOCK_D)`` of ``out[token] = sum_k pre[k] * streams[token, k]`` (``pre
+    [HC_P2]`` fp32) in fp32, rounded once; returns them as rounded (in fp32, 0 past ``D``)."""
     ds = block * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD]
     in_d = ds < D
     hc = tl.arange(0, HC_P2)
-    out = tl.sum(tl.where((hc < HC)[:, None], pre[:, None], 0.0) * streams.to(tl.float32),
-                 axis=0).to(out_ptr.dtype.element_ty)
+    streams = tl.load(streams_ptr + token * HC * D + hc[:, None] * D + ds[None, :],
+                      mask=(hc < HC)[:, None] & in_d[None, :], other=0.0).to(tl.float32)  # [k, BD]
+    out = tl.sum(tl.where((hc < HC)[:, None], pre[:, None], 0.0) * streams, axis=0).to(out_ptr.dtype.element_ty)
     if STORE:
         tl.store(out_ptr + token * D + ds, out, mask=in_d)
     return tl.where(in_d, out.to(tl.float32), 0.0)  # [BD]: the rounded values (stored unless not STORE)
-
-
-@triton.jit
-def _collapse(pre, streams_ptr, out_ptr, token, block, D, HC: tl.constexpr, HC_P2: tl.constexpr,
-              BLOCK_D: tl.constexpr, STORE: tl.constexpr = True):
-    """``_collapse_block`` of the channel block ``block``, read here."""
-    streams = _stream_block(streams_ptr, token, block, D, HC, HC_P2, BLOCK_D)
-    return _collapse_block(pre, streams, out_ptr, token, block, D, HC, HC_P2, BLOCK_D, STORE)
 
 
 @triton.jit
