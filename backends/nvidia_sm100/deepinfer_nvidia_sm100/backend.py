@@ -127,7 +127,7 @@ def triton_ops() -> dict[str, Callable]:
     """The overrides both paths share: Triton kernels (``moe_experts``, the MoE routing, ``hc_pre``, ``hc_post`` and
     ``hc_post_sum``, ``apply_rope`` and ``apply_rope_``, ``sink_attention`` of decode rows, ``indexer_scores``,
     ``gather_keys``, ``compressor_entries`` and ``compressor_entries_rope``, the cache writes, the RMS norms, alone
-    and fused into RoPE (``rms_norm_rope``) and the ``hc`` collapse (``hc_pre_normed``, ``hc_post_pre_normed``), the
+    and fused into RoPE (``rms_norm_rope``) and the ``hc`` collapse (``hc_pre_normed``), the
     shared expert), ``grouped_linear`` as a strided cuBLAS batched GEMM (``kernels/blas.py``), the small ops that
     TorchInductor compiles to Triton, and ``fork`` on a second CUDA stream (``kernels/streams.py``)."""
     from deepinfer_core.ops import reference as ref
@@ -161,7 +161,6 @@ def triton_ops() -> dict[str, Callable]:
     if norm.enabled():  # measured faster than the compiled reference (kernels/norm.py); traced when compiling
         ops.update(rms_norm=norm.rms_norm, unweighted_rms_norm=norm.unweighted_rms_norm,  # and the norms fused into
                    rms_norm_rope=norm.rms_norm_rope, hc_pre_normed=hc.hc_pre_normed,  # their neighbours' kernels
-                   hc_post_pre_normed=hc.hc_post_pre_normed,
                    compressor_entries_rope=compressor.compressor_entries_rope)
     return ops
 

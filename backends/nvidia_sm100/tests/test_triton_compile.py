@@ -86,12 +86,6 @@ SMALL_KERNELS = {  # kernel -> (argument types where not the default, constexprs
                                                       "norm_w_ptr": "*fp32"},
                                                      {"HC": 4, "HC_P2": 4, "N_P2": 32, "SPLITS_P2": 128,
                                                       "BLOCK_D": 1024, "NORM": True}),
-    "hc._hc_post_mix_partial_kernel": ({"streams_ptr": "*bf16", "block_ptr": "*bf16", "extra_ptr": "*bf16",
-                                        "out_ptr": "*bf16"}, {"HC": 4, "HC_P2": 4, "BLOCK_T": 16,
-                                                              "BLOCK_D": hc.POST_MIX_BLOCK_D, "N_P2": 32, "ADD": True}),
-    "hc._hc_post_mix_partial_kernel:tensor_cores": ({"streams_ptr": "*bf16", "block_ptr": "*bf16",
-                                                     "extra_ptr": "*bf16", "out_ptr": "*bf16"},
-                                                    {"HC": 4, "HC_P2": 4, "BLOCK_T": hc.MIX_DOT_BLOCK_T,
                                                      "BLOCK_D": hc.POST_MIX_BLOCK_D, "N_P2": 32, "ADD": False}),
     "moe._up_row_kernel": ({"x_ptr": "*bf16", "w1_ptr": "*bf16", "w3_ptr": "*bf16", "h_ptr": "*bf16",
                             "ids_ptr": "*i64", "limit": "fp32"}, {"BLOCK_N": 2, "BLOCK_K": 1024, "EVEN": True}),
@@ -165,8 +159,7 @@ SMALL_KERNELS = {  # kernel -> (argument types where not the default, constexprs
 
 
 TENSOR_CORE_KERNELS = {  # their tl.dot tiles must compile to the architecture's MMA
-    "hc._hc_mix_partial_kernel:tensor_cores", "hc._hc_post_mix_partial_kernel:tensor_cores",
-    "indexer._indexer_scores_kernel", "indexer._indexer_scores_rows_kernel"}
+    "hc._hc_mix_partial_kernel:tensor_cores", "indexer._indexer_scores_kernel", "indexer._indexer_scores_rows_kernel"}
 
 
 @pytest.mark.parametrize("capability", sorted(ARCHS))

@@ -338,117 +338,6 @@ def hc_post_sum(streams: torch.Tensor, block_a: torch.Tensor, block_b: torch.Ten
 
 
 @triton.jit
-def _hc_post_mix_partial_kernel(streams_ptr, block_ptr, extra_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, dots_ptr,
-                                squares_ptr, tokens, D, N, D_PER_SPLIT, HC: tl.constexpr, HC_P2: tl.constexpr,
-                                BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, N_P2: tl.constexpr,
-                                ADD: tl.constexpr = False, PDL: tl.constexpr = False):
-    """Program (token block, split): ``hc_post`` over the split's ``D_PER_SPLIT`` channels of every stream
-    (``_hc_post_kernel``'s arithmetic and roundings), stored to ``out [T, HC, D]``, and the next ``hc_pre``'s mixing
-    partials of those new streams (``_hc_mix_partial_kernel`` with ``TENSOR_CORES``; the flattened row element of
-    stream ``k``, channel ``d`` is ``k * D + d``): one launch where ``hc_post`` and the partials took two, and the
-    new streams are not read back. 16-bit streams only (``tl.dot`` tiles), ``BLOCK_T`` at least 16."""
-    pdl.begin(PDL)
-    split = tl.program_id(1)
-    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
-    in_t = toks < tokens
-    rows = toks.to(tl.int64)
-    hc = tl.arange(0, HC_P2)  # [HP]
-    in_hc = hc < HC
-    outs = tl.arange(0, N_P2)  # [NP]
-    ty = out_ptr.dtype.element_ty
-    post = tl.load(post_ptr + rows[:, None] * HC + hc[None, :], mask=in_t[:, None] & in_hc[None, :],
-                   other=0.0).to(ty).to(tl.float32)  # [BT, k]
-    acc = tl.zeros([BLOCK_T, N_P2], dtype=tl.float32)
-    squares = tl.zeros([BLOCK_T], dtype=tl.float32)
-    start = split * D_PER_SPLIT
-    for d in range(start, start + D_PER_SPLIT, BLOCK_D):
-        ds = d + tl.arange(0, BLOCK_D)  # [BD]
-        in_d = ds < D
-        mask = in_t[:, None] & in_d[None, :]  # [BT, BD]
-        block = tl.load(block_ptr + rows[:, None] * D + ds[None, :], mask=mask, other=0.0).to(tl.float32)
-        if ADD:
-            block = (block + tl.load(extra_ptr + rows[:, None] * D + ds[None, :], mask=mask, other=0.0)
-                     .to(tl.float32)).to(ty).to(tl.float32)
-        mixed = tl.zeros([BLOCK_T, HC_P2, BLOCK_D], dtype=tl.float32)
-        for j in tl.static_range(HC):
-            comb = tl.load(comb_ptr + rows[:, None] * HC * HC + j * HC + hc[None, :],
-                           mask=in_t[:, None] & in_hc[None, :], other=0.0).to(ty).to(tl.float32)  # [BT, k]
-            stream = tl.load(streams_ptr + rows[:, None] * HC * D + j * D + ds[None, :], mask=mask,
-                             other=0.0).to(tl.float32)  # [BT, BD]
-            mixed += comb[:, :, None] * stream[:, None, :]
-        scaled = (post[:, :, None] * block[:, None, :]).to(ty).to(tl.float32)  # [BT, k, BD]
-        new = (scaled + mixed.to(ty).to(tl.float32)).to(ty)  # [BT, k, BD]; 0 past the tokens, streams, channels
-        at = hc[None, :, None] * D + ds[None, None, :]  # [1, k, BD]: the element of the flattened row
-        tl.store(out_ptr + rows[:, None, None] * HC * D + at, new,
-                 mask=in_t[:, None, None] & in_hc[None, :, None] & in_d[None, None, :])
-        x = tl.reshape(new, [BLOCK_T, HC_P2 * BLOCK_D])  # [BT, BK]
-        xf = x.to(tl.float32)
-        squares += tl.sum(xf * xf, axis=1)
-        ks = tl.reshape(at, [HC_P2 * BLOCK_D])  # [BK]
-        in_k = tl.reshape((hc[:, None] < HC) & in_d[None, :], [HC_P2 * BLOCK_D])
-        w = tl.load(fn_ptr + outs[None, :] * (HC * D) + ks[:, None], mask=(outs[None, :] < N) & in_k[:, None],
-                    other=0.0)  # [BK, NP] fp32
-        hi = w.to(ty)
-        rest = w - hi.to(tl.float32)
-        mid = rest.to(ty)
-        lo = (rest - mid.to(tl.float32)).to(ty)
-        acc = tl.dot(x, hi, acc)
-        acc = tl.dot(x, mid, acc)
-        acc = tl.dot(x, lo, acc)
-    row = split * tokens + toks  # [BT]
-    tl.store(dots_ptr + row[:, None] * N_P2 + outs[None, :], acc, mask=in_t[:, None])
-    tl.store(squares_ptr + row, squares, mask=in_t)
-
-
-POST_MIX_BLOCK_D = 32  # channels per step: HC x 32 = 128 row elements (MIX_DOT_BLOCK_K) at hc 4
-
-
-def _post_mix_partials(streams: torch.Tensor, block_a: torch.Tensor, block_b: torch.Tensor | None,
-                       post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor):
-    """``_hc_post_mix_partial_kernel`` over every token block and split: the new streams and ``hc_mix_logits``'
-    partials ``(dots, squares, splits, N_P2)`` of them (16-bit streams, at least one token)."""
-    tokens, hc, dim = streams.shape
-    fn = fn.float().contiguous()  # [N, hc * D]
-    n = fn.shape[0]
-    n_p2 = max(16, triton.next_power_of_2(n))  # tl.dot needs N >= 16
-    block_t = 16 if tokens <= 16 else MIX_DOT_BLOCK_T
-    token_blocks = triton.cdiv(tokens, block_t)
-    steps = triton.cdiv(dim, POST_MIX_BLOCK_D)
-    per_split = triton.cdiv(steps, min(steps, triton.cdiv(MIX_DOT_PROGRAMS, token_blocks))) * POST_MIX_BLOCK_D
-    splits = triton.cdiv(dim, per_split)
-    dots, squares = _mix_partials(splits, tokens, n_p2, streams.device)
-    out = torch.empty_like(streams)
-    block_a = block_a.to(streams.dtype).contiguous()
-    _hc_post_mix_partial_kernel[(token_blocks, splits)](
-        streams.contiguous(), block_a, block_a if block_b is None else block_b.to(streams.dtype).contiguous(),
-        post.contiguous(), comb.contiguous(), out, fn, dots, squares, tokens, dim, n, per_split, HC=hc,
-        HC_P2=triton.next_power_of_2(hc), BLOCK_T=block_t, BLOCK_D=POST_MIX_BLOCK_D, N_P2=n_p2,
-        ADD=block_b is not None, num_warps=4, **pdl.launch())
-    return out, (dots, squares, splits, n_p2)
-
-
-def _hc_post_pre_fake(streams, block_a, block_b, post, comb, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps,
-                      norm_weight):
-    return (streams.new_empty(streams.shape), *_hc_pre_fake(streams, fn, base, scale, sinkhorn_iters, hc_eps,
-                                                            norm_eps))
-
-
-@opaque_under_compile("hc_post_pre_normed", _hc_post_pre_fake)
-def hc_post_pre_normed(streams: torch.Tensor, block_a: torch.Tensor, block_b: torch.Tensor | None,
-                       post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
-                       scale: torch.Tensor, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
-                       norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Op ``hc_post_pre_normed``: for 16-bit streams ``_hc_post_mix_partial_kernel`` (``hc_post`` or
-    ``hc_post_sum`` and the mixing partials of the new streams), then ``hc_pre_normed``'s finishing kernel: two
-    launches where ``hc_post`` and ``hc_pre_normed`` took three. Other streams: ``hc_post``, then ``hc_pre_normed``."""
-    if mix_kernel(streams) != "dot":
-        new = _post(streams, block_a, block_b, post, comb)
-        return (new, *_pre(new, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight))
-    new, partials = _post_mix_partials(streams, block_a, block_b, post, comb, fn)
-    return (new, *_finish(new, partials, fn.shape[1], base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight))
-
-
-@triton.jit
 def _collapse(pre, streams_ptr, out_ptr, token, block, D, HC: tl.constexpr, HC_P2: tl.constexpr,
               BLOCK_D: tl.constexpr, STORE: tl.constexpr = True):
     """Channels ``[block * BLOCK_D, +BLOCK_D)`` of ``out[token] = sum_k pre[k] * streams[token, k]`` (``pre
@@ -519,15 +408,8 @@ def _pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight
         pre, post, comb = hc_weights(mixed, base, scale, streams.shape[1], sinkhorn_iters, hc_eps)
         collapsed = hc_collapse(pre, streams)
         return post, comb, collapsed if norm_weight is None else _norm.rms_norm(collapsed, norm_weight, norm_eps)
-    partials = hc_mix_logits(streams, fn, norm_eps, partials=True)
-    return _finish(streams, partials, fn.shape[1], base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight)
-
-
-def _finish(streams, partials, row_width, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight):
-    """``_hc_finish_weights_collapse_kernel`` on the mixing ``partials`` of ``streams`` (rows ``row_width`` wide):
-    ``post``, ``comb`` and the collapsed row, RMS-normed with ``norm_weight`` unless it is None."""
-    dots, squares, splits, n_p2 = partials
     tokens, hc, dim = streams.shape
+    dots, squares, splits, n_p2 = hc_mix_logits(streams, fn, norm_eps, partials=True)
     post = torch.empty(tokens, hc, dtype=torch.float32, device=streams.device)
     comb = torch.empty(tokens, hc, hc, dtype=torch.float32, device=streams.device)
     out = torch.empty(tokens, dim, dtype=streams.dtype, device=streams.device)
@@ -536,7 +418,7 @@ def _finish(streams, partials, row_width, base, scale, sinkhorn_iters, hc_eps, n
     block_d = min(triton.next_power_of_2(dim), NORM_MAX_BLOCK_D) if normed else 1024
     _hc_finish_weights_collapse_kernel[(tokens, 1 if normed else triton.cdiv(dim, block_d))](
         dots, squares, base.float().contiguous(), scale.float().contiguous(), streams.contiguous(), post, comb, out,
-        norm_weight.contiguous() if normed else out, tokens, row_width, splits, norm_eps, sinkhorn_iters, hc_eps,
+        norm_weight.contiguous() if normed else out, tokens, fn.shape[1], splits, norm_eps, sinkhorn_iters, hc_eps,
         dim, HC=hc, HC_P2=triton.next_power_of_2(hc), N_P2=n_p2, SPLITS_P2=triton.next_power_of_2(splits),
         BLOCK_D=block_d, NORM=normed, num_warps=NORM_WARPS if normed else 4, **pdl.launch())
     return post, comb, out
