@@ -86,7 +86,6 @@ SMALL_KERNELS = {  # kernel -> (argument types where not the default, constexprs
                                                       "norm_w_ptr": "*fp32"},
                                                      {"HC": 4, "HC_P2": 4, "N_P2": 32, "SPLITS_P2": 128,
                                                       "BLOCK_D": 1024, "NORM": True}),
-                                                     "BLOCK_D": hc.POST_MIX_BLOCK_D, "N_P2": 32, "ADD": False}),
     "moe._up_row_kernel": ({"x_ptr": "*bf16", "w1_ptr": "*bf16", "w3_ptr": "*bf16", "h_ptr": "*bf16",
                             "ids_ptr": "*i64", "limit": "fp32"}, {"BLOCK_N": 2, "BLOCK_K": 1024, "EVEN": True}),
     "moe._down_row_kernel": ({"h_ptr": "*bf16", "w2_ptr": "*bf16", "out_ptr": "*bf16", "ids_ptr": "*i64"},
