@@ -155,9 +155,6 @@ VARIANTS["hc_pre_normed"] = _ref.pre_normed(VARIANTS["hc_pre"], _ref.rms_norm)
 """This module's ``hc_pre``, then the reference norm (kept below)."""
 VARIANTS["hc_post_sum"] = _ref.post_sum(VARIANTS["hc_post"])
 """The MoE's two outputs added (elementwise), then this module's ``hc_post``."""
-VARIANTS["hc_post_pre_normed"] = _ref.post_pre_normed(VARIANTS["hc_post"], VARIANTS["hc_post_sum"],
-                                                      VARIANTS["hc_pre_normed"])
-"""This module's ``hc_post`` (or ``hc_post_sum``), then its ``hc_pre_normed``."""
 
 REFERENCE_KEPT: dict[str, str] = {
     "rms_norm": "row reduction of fixed length; torch splits a reduction across threads only when the output "
