@@ -470,29 +470,6 @@ tensors (the MoE's routed and shared experts, ``[T, D]`` each). One op so that a
 the block output."""
 
 
-def post_pre_normed(post: Callable, post_sum: Callable, pre_normed: Callable) -> Callable:
-    """``hc_post_pre_normed`` made of the given ``hc_post``, ``hc_post_sum`` and ``hc_pre_normed``."""
-
-    def hc_post_pre_normed(streams: torch.Tensor, block_a: torch.Tensor, block_b: torch.Tensor | None,
-                           post_weights: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
-                           scale: torch.Tensor, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
-                           norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        if block_b is None:
-            streams = post(streams, block_a, post_weights, comb)
-        else:
-            streams = post_sum(streams, block_a, block_b, post_weights, comb)
-        return (streams, *pre_normed(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight))
-
-    return hc_post_pre_normed
-
-
-hc_post_pre_normed = reference_op(post_pre_normed(hc_post, hc_post_sum, hc_pre_normed))
-hc_post_pre_normed.__doc__ = """One block's ``hc_post`` (of ``block_a``, or ``hc_post_sum`` of ``block_a + block_b``
-where ``block_b`` is given), then the next block's ``hc_pre_normed`` of the new streams: ``(streams [T, hc, D],
-post [T, hc], comb [T, hc, hc], normed [T, D])``. One op so that a backend may compute the next block's mixing logits
-where it writes the new streams."""
-
-
 @reference_op
 def hc_head(
     streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float, norm_eps: float

@@ -294,23 +294,6 @@ class MoE:
         return routed, shared.join()
 
 
-@dataclasses.dataclass
-class PendingPost:
-    """A block's output not yet mixed into the streams (``hc_post``): the next block's ``hc_pre`` mixes it in with
-    the same op, so a backend may compute that block's mixing logits where it writes the new streams."""
-
-    block_a: torch.Tensor  # [T, D]
-    block_b: torch.Tensor | None  # [T, D], added to block_a (the MoE's shared expert), or None
-    post: torch.Tensor  # [T, hc]
-    comb: torch.Tensor  # [T, hc, hc]
-
-    def apply(self, ops: OpTable, streams: torch.Tensor) -> torch.Tensor:
-        """The new streams ``[T, hc, D]`` (``hc_post``, or ``hc_post_sum`` of both outputs)."""
-        if self.block_b is None:
-            return ops.hc_post(streams, self.block_a, self.post, self.comb)
-        return ops.hc_post_sum(streams, self.block_a, self.block_b, self.post, self.comb)
-
-
 class DecoderLayer:
     """mHC around attention, then mHC around the MoE."""
 
@@ -326,25 +309,14 @@ class DecoderLayer:
         self.attn = Attention(reg, f"{p}.attn", c, layer_idx)
         self.ffn = MoE(reg, f"{p}.ffn", c, layer_idx)
 
-    def __call__(self, ops: OpTable, streams: torch.Tensor, pending: PendingPost | None,
-                 ctx: StepContext) -> tuple[torch.Tensor, PendingPost]:
-        """The streams ``[T, hc, D]`` after the previous layer's ``pending`` MoE output (None before the first
-        layer) and this layer's attention block, with this layer's MoE output pending."""
-        streams, post, comb, x = self._pre(ops, streams, pending, self.hc_attn, self.attn_norm)  # x: [T, D]
-        pending = PendingPost(self.attn(ops, x, ctx), None, post, comb)
-        streams, post, comb, x = self._pre(ops, streams, pending, self.hc_ffn, self.ffn_norm)
-        routed, shared = self.ffn(ops, x, ctx.token_ids)  # [T, D] each
-        return streams, PendingPost(routed, shared, post, comb)
-
-    def _pre(self, ops: OpTable, streams: torch.Tensor, pending: PendingPost | None, hc_params: list[torch.Tensor],
-             norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``pending`` mixed into ``streams``, then a block's input: ``(streams, post, comb, normed [T, D])``."""
+    def __call__(self, ops: OpTable, streams: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         c = self.config
         mhc = (c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
-        if pending is None:
-            return (streams, *ops.hc_pre_normed(streams, *hc_params, *mhc, norm))
-        return ops.hc_post_pre_normed(streams, pending.block_a, pending.block_b, pending.post, pending.comb,
-                                      *hc_params, *mhc, norm)
+        post, comb, x = ops.hc_pre_normed(streams, *self.hc_attn, *mhc, self.attn_norm)  # x: [T, D]
+        streams = ops.hc_post(streams, self.attn(ops, x, ctx), post, comb)  # [T, hc, D]
+        post, comb, x = ops.hc_pre_normed(streams, *self.hc_ffn, *mhc, self.ffn_norm)
+        routed, shared = self.ffn(ops, x, ctx.token_ids)  # [T, D] each
+        return ops.hc_post_sum(streams, routed, shared, post, comb)
 
 
 def _hc_shapes(hc: int, D: int):
@@ -478,14 +450,10 @@ class DeepseekV4Model:
         streams = hidden.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()  # [T, hc, D]
         captured: dict[int, torch.Tensor] = {}
         wanted = set(capture_layers)
-        pending = None
         for idx, layer in enumerate(self.layers):
-            streams, pending = layer(ops, streams, pending, ctx)
+            streams = layer(ops, streams, ctx)
             if idx in wanted:
-                streams, pending = pending.apply(ops, streams), None
                 captured[idx] = streams
-        if pending is not None:
-            streams = pending.apply(ops, streams)
         rows = streams[batch.logits_rows]  # [N, hc, D]
         final = ops.hc_head(rows, *self.hc_head, c.hc_eps, c.rms_norm_eps)
         final = ops.rms_norm(final, self.norm, c.rms_norm_eps)
