@@ -47,6 +47,8 @@
 #            decode profile with PDL off and on
 #   s14c     the decode attention, hc_post_pre_normed and one-token MoE kernel tests (verbose, 120 s at most), b1
 #            with and without the Triton decode attention, the batch-1 profile with PDL off, b64 (each bounded)
+#   s14d     after the fused hc kernels were reverted: the decode attention, one-token MoE and hc kernel tests, b1,
+#            the batch-1 decode profile (each bounded)
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -243,6 +245,16 @@ if [[ $what == s14c ]]; then  # the new kernels' GPU tests (verbose, bounded), b
     > "$RES/profile-decode-pdl0.txt" 2>&1
   grep -E "^=== batch 1: decode" "$RES/profile-decode-pdl0.txt"; save
   bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
+  what=summary
+fi
+if [[ $what == s14d ]]; then  # after reverting the fused hc kernels: the kernel tests (bounded), b1, its profile
+  export BENCH_TIMEOUT=110
+  timeout 70 python -u -m pytest -v -p no:cacheprovider backends/nvidia_sm100/tests/test_triton_kernels.py \
+    -k "decode_attention or one_token or hc_pre or hc_post" > "$RES/tests-v.txt" 2>&1
+  echo "pytest rc $?" >> "$RES/tests-v.txt"; grep -E "FAILED|ERROR|passed|failed|rc " "$RES/tests-v.txt" | tail -8; save
+  bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
+  timeout 60 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 > "$RES/profile-decode.txt" 2>&1
+  grep -E "^=== batch 1: decode" "$RES/profile-decode.txt"; save
   what=summary
 fi
 if [[ $what == sched ]]; then
