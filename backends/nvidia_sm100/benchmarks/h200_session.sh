@@ -40,15 +40,9 @@
 #   s13c     b1 with DEEPINFER_NVIDIA_GEMV=0, then b64 and b256 with and without PDL
 #   s13final the model and changed kernels' GPU tests, b1 and b64 with --compare-hf, b256, both prefill shapes,
 #            the decode profile at batch 1 and 256
-#   s14      the GEMV prefetch A/B: its kernel tests, the GPU test files 4.16 did not run, sweep_gemv.py (with
-#            the prefetch column; only with SWEEP=1), b1 with and without DEEPINFER_NVIDIA_GEMV_PREFETCH=1 (twice,
-#            alternating), the batch-1 profile with PDL off
-#   s14b     hc_post_pre_normed and the one-token MoE: the model test and their kernel tests, b1, b64, the batch-1
-#            decode profile with PDL off and on
-#   s14c     the decode attention, hc_post_pre_normed and one-token MoE kernel tests (verbose, 120 s at most), b1
-#            with and without the Triton decode attention, the batch-1 profile with PDL off, b64 (each bounded)
-#   s14d     after the fused hc kernels were reverted: the decode attention, one-token MoE and hc kernel tests, b1,
-#            the batch-1 decode profile (each bounded)
+#   s14d     the fourteenth session's last lease: the decode attention, one-token MoE and hc kernel tests, b1, the
+#            batch-1 decode profile (each step bounded; the session's earlier modes s14-s14c ran code since removed,
+#            docs/performance.md 4.17)
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -200,54 +194,7 @@ if [[ $what == s13final ]]; then  # the session's last code: its GPU tests, then
   grep -E "^=== batch|^\|" "$RES/profile-decode.txt"; save
   what=summary
 fi
-if [[ $what == s14 ]]; then  # the GEMV's first weight tile before the PDL wait (DEEPINFER_NVIDIA_GEMV_PREFETCH)
-  python -m pytest -q -p no:cacheprovider -rfE backends/nvidia_sm100/tests/test_triton_kernels.py -k gemv 2>&1 \
-    | tail -3 | tee "$RES/tests.txt"; save
-  for file in test_tl_attention_gpu test_kernels_gpu test_probe test_blas; do  # the GPU files not run in 4.16
-    echo "== $file" | tee -a "$RES/tests.txt"
-    timeout 240 python -m pytest -q -p no:cacheprovider "backends/nvidia_sm100/tests/$file.py" -rfEs 2>&1 \
-      | tail -4 | grep -vE "^\s*$|warnings summary|Docs: https" | tee -a "$RES/tests.txt"; save
-  done
-  if [[ ${SWEEP:-0} == 1 ]]; then
-    (cd backends/nvidia_sm100/benchmarks && timeout 330 python sweep_gemv.py) > "$RES/sweep-gemv.txt" 2>&1
-    tail -25 "$RES/sweep-gemv.txt"; save
-  fi
-  bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
-  DEEPINFER_NVIDIA_GEMV_PREFETCH=1 bench b1-prefetch --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
-  bench b1-again --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
-  DEEPINFER_NVIDIA_GEMV_PREFETCH=1 bench b1-prefetch-again --input-len 1024 --output-len 128 --num-prompts 1 \
-    --max-num-seqs 1
-  DEEPINFER_NVIDIA_PDL=0 timeout 100 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 \
-    > "$RES/profile-decode-pdl0.txt" 2>&1  # per-kernel costs without PDL's early-scheduled waits
-  grep -E "^=== batch 1: decode" "$RES/profile-decode-pdl0.txt"; save
-  what=summary
-fi
-if [[ $what == s14b ]]; then  # hc_post_pre_normed and the one-token MoE: their tests, b1, b64, the b1 profiles
-  model_and_kernel_tests "hc or moe or one_token or gemv"
-  bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
-  bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
-  DEEPINFER_NVIDIA_PDL=0 timeout 100 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 \
-    > "$RES/profile-decode-pdl0.txt" 2>&1  # per-kernel costs without PDL's early-scheduled waits
-  grep -E "^=== batch 1: decode" "$RES/profile-decode-pdl0.txt"; save
-  timeout 100 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 > "$RES/profile-decode.txt" 2>&1
-  grep -E "^=== batch 1: decode" "$RES/profile-decode.txt"; save
-  what=summary
-fi
-if [[ $what == s14c ]]; then  # the new kernels' GPU tests (verbose, bounded), b1 with the decode attention and
-  export BENCH_TIMEOUT=120    # without, the batch-1 profile with PDL off, b64: every step bounded
-  timeout 120 python -u -m pytest -v -x -p no:cacheprovider backends/nvidia_sm100/tests/test_triton_kernels.py \
-    -k "decode_attention or post_pre_normed or one_token" > "$RES/tests-v.txt" 2>&1
-  echo "pytest rc $?" >> "$RES/tests-v.txt"; grep -E "PASSED|FAILED|ERROR|rc " "$RES/tests-v.txt" | tail -30; save
-  bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
-  DEEPINFER_NVIDIA_DECODE_ATTN=0 bench b1-tl-attention --input-len 1024 --output-len 128 --num-prompts 1 \
-    --max-num-seqs 1
-  DEEPINFER_NVIDIA_PDL=0 timeout 80 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 \
-    > "$RES/profile-decode-pdl0.txt" 2>&1
-  grep -E "^=== batch 1: decode" "$RES/profile-decode-pdl0.txt"; save
-  bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
-  what=summary
-fi
-if [[ $what == s14d ]]; then  # after reverting the fused hc kernels: the kernel tests (bounded), b1, its profile
+if [[ $what == s14d ]]; then  # the kernel tests (bounded), b1, its profile
   export BENCH_TIMEOUT=110
   timeout 70 python -u -m pytest -v -p no:cacheprovider backends/nvidia_sm100/tests/test_triton_kernels.py \
     -k "decode_attention or one_token or hc_pre or hc_post" > "$RES/tests-v.txt" 2>&1

@@ -3,8 +3,8 @@
 
     python backends/nvidia_sm100/benchmarks/sweep_gemv.py      # on a GPU; prints a table per shape, then a summary
 
-Each candidate is checked against ``F.linear`` first. The default launch is timed twice: as is, and reading its
-first weight tile before the PDL wait (``prefetch``; PDL launches unless ``DEEPINFER_NVIDIA_PDL=0``). Timing: one
+Each candidate is checked against ``F.linear`` first; the default launch (``gemv.row_config``) is timed too (PDL
+launches unless ``DEEPINFER_NVIDIA_PDL=0``). Timing: one
 CUDA graph replays the projection over enough copies of the weight that the copies exceed the L2 cache (each call
 reads its weight from HBM, as in a decode step, where every weight is read once), CUDA events, median of repeats,
 seconds per call. Floor = weight bytes / 4.25 TB/s (BENCHMARKS.md ceilings).
@@ -74,8 +74,7 @@ def sweep_shape(name: str, n: int, k: int, groups: int, candidates: list) -> dic
         err = ((out.float() - want).abs().max() / want.abs().max()).item()
         assert err < 2e-2, f"{name} {config}: max relative error {err:.1e}"
         timings[config] = time_per_call(lambda i, c=config: gemv.launch_row(x, weights[i], out, groups, c), copies)
-    timings["default"] = time_per_call(lambda i: gemv.launch_row(x, weights[i], out, groups, prefetch=False), copies)
-    timings["prefetch"] = time_per_call(lambda i: gemv.launch_row(x, weights[i], out, groups, prefetch=True), copies)
+    timings["default"] = time_per_call(lambda i: gemv.launch_row(x, weights[i], out, groups), copies)
     weights.clear()
     torch.cuda.empty_cache()
     return {"floor": size / BW, "timings": timings}
@@ -86,26 +85,24 @@ def main() -> None:
     candidates = list(configs())
     print(f"{len(candidates)} launch configurations per shape")
     results = {name: sweep_shape(name, *shape, candidates) for name, shape in SHAPES.items()}
-    print("\n| projection | floor | cuBLAS | row kernel, default config | + prefetch | best config | best | "
-          "best / floor |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| projection | floor | cuBLAS | row kernel, default config | best config | best | best / floor |")
+    print("|---|---|---|---|---|---|---|")
     for name, result in results.items():
         t = result["timings"]
         best = min(candidates, key=t.__getitem__)
         print(f"| {name} | {result['floor'] * 1e6:.2f} us | {t['cublas'] * 1e6:.2f} us | {t['default'] * 1e6:.2f} us "
-              f"| {t['prefetch'] * 1e6:.2f} us | {best} | {t[best] * 1e6:.2f} us | {result['floor'] / t[best]:.0%} |")
+              f"| {best} | {t[best] * 1e6:.2f} us | {result['floor'] / t[best]:.0%} |")
         top = sorted(candidates, key=t.__getitem__)[:5]
         print("|  top 5 | " + "; ".join(f"{c.block_n}x{c.block_k} w{c.warps} s{c.stages} {t[c] * 1e6:.2f}" for c in top)
-              + " | | | | | | |")
+              + " | | | | | |")
     totals = {c: sum(r["timings"][c] for r in results.values()) for c in candidates}
     best_one = min(candidates, key=totals.__getitem__)
     cublas = sum(r["timings"]["cublas"] for r in results.values())
     best_each = sum(min(r["timings"][c] for c in candidates) for r in results.values())
     default = sum(r["timings"]["default"] for r in results.values())
-    prefetch = sum(r["timings"]["prefetch"] for r in results.values())
     floor = sum(r["floor"] for r in results.values())
     print(f"\nsummary (one of each shape): floor {floor * 1e6:.1f} us, cuBLAS {cublas * 1e6:.1f} us, row kernel "
-          f"default {default * 1e6:.1f} us (prefetch {prefetch * 1e6:.1f} us), best single config {best_one} "
+          f"default {default * 1e6:.1f} us, best single config {best_one} "
           f"{totals[best_one] * 1e6:.1f} us, best per shape {best_each * 1e6:.1f} us")
 
 

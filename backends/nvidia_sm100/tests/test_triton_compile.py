@@ -260,17 +260,3 @@ def test_pdl_kernels_wait_for_their_predecessor_before_any_load(capability):
             continue
         assert "griddepcontrol.launch_dependents" in ptx
         assert 0 <= ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
-
-
-@pytest.mark.parametrize("capability", sorted(ARCHS))
-def test_gemv_prefetch_reads_the_first_weight_tile_before_the_pdl_wait(capability):
-    """``PREFETCH`` (``DEEPINFER_NVIDIA_GEMV_PREFETCH``): the GEMV lets its successor launch, loads a weight tile (no
-    kernel writes weights), then waits on its predecessor before it loads the input row."""
-    from deepinfer_nvidia_sm100.kernels import gemv
-
-    constants = {"BLOCK_N": 2, "BLOCK_K": 1024, "EVEN": True, "PREFETCH": True, "PDL": True}
-    ptx = triton.compile(_bf16_source(gemv._gemv_row_kernel, constants, divisible=lambda arg: True),
-                         target=GPUTarget("cuda", capability, 32), options={"num_warps": 4}).asm["ptx"]
-    release, wait = ptx.index("griddepcontrol.launch_dependents"), ptx.index("griddepcontrol.wait")
-    assert release < ptx.index("ld.global") < wait
-    assert len(re.findall(r"ld\.global", ptx[wait:])) >= 1  # the input row (and the later tiles) after the wait

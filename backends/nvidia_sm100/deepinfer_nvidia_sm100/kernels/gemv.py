@@ -27,7 +27,6 @@ from deepinfer_nvidia_sm100.kernels import blas, pdl
 from deepinfer_nvidia_sm100.kernels.compiled import env_flag, opaque_under_compile
 
 ENV = "DEEPINFER_NVIDIA_GEMV"
-PREFETCH_ENV = "DEEPINFER_NVIDIA_GEMV_PREFETCH"
 MIN_COLUMNS = 64  # the router (64 experts): 32 programs of two columns, where cuBLAS took 11 us in split-K
 _DTYPES = (torch.bfloat16, torch.float16)
 
@@ -39,31 +38,20 @@ def enabled() -> bool:
 
 @triton.jit
 def _gemv_row_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_xg, stride_wn, stride_og,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr = False,
-                     PDL: tl.constexpr = False):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr = False):
     """Program (column block, group g) for one input row: ``out[g, n] = sum_k x[g, k] * w[g * N + n, k]``.
 
     No ``tl.dot`` (its 16-row tile is all padding at one row): an fp32 ``[BLOCK_N, BLOCK_K]`` product accumulated
     over ``K``, summed once at the end. ``EVEN`` (``N % BLOCK_N == 0`` and ``K % BLOCK_K == 0``) drops the masks.
-    ``PREFETCH``: the first weight tile is read before the PDL wait (weights are never written by a kernel), so its
-    memory latency overlaps the previous kernel."""
-    if PREFETCH:
-        pdl.release(PDL)
-    else:
-        pdl.begin(PDL)
+    (Reading the first weight tile before the PDL wait measured no faster: docs/performance.md 4.17.)"""
+    pdl.begin(PDL)
     group = tl.program_id(1).to(tl.int64)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     in_n = cols < N
     x_base = x_ptr + group * stride_xg
     w_base = w_ptr + (group * N + cols[:, None].to(tl.int64)) * stride_wn  # [BN, 1]
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    start = 0
-    if PREFETCH:
-        w = weight_tile(w_base, tl.arange(0, BLOCK_K), K, in_n, EVEN)  # [BN, BK]
-        pdl.wait(PDL)
-        acc += w.to(tl.float32) * input_tile(x_base, tl.arange(0, BLOCK_K), K, EVEN).to(tl.float32)[None, :]
-        start = BLOCK_K
-    for k in range(start, K, BLOCK_K):
+    for k in range(0, K, BLOCK_K):
         ks = k + tl.arange(0, BLOCK_K)  # [BK]
         w = weight_tile(w_base, ks, K, in_n, EVEN)
         acc += w.to(tl.float32) * input_tile(x_base, ks, K, EVEN).to(tl.float32)[None, :]  # [BN, BK]
@@ -111,23 +99,15 @@ def row_config(n: int, k: int, groups: int = 1) -> RowConfig:
     return RowConfig(block_n=2, block_k=min(512, triton.next_power_of_2(k)), warps=2, stages=4)
 
 
-def prefetch_enabled() -> bool:
-    """Whether the kernel reads its first weight tile before the PDL wait (``DEEPINFER_NVIDIA_GEMV_PREFETCH``, off by
-    default: not yet timed on a GPU)."""
-    return env_flag(PREFETCH_ENV, "0")
-
-
 def launch_row(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, groups: int,
-               config: RowConfig | None = None, prefetch: bool | None = None) -> None:
-    """``x [groups, K]`` (unit last stride), ``weight [groups * N, K]`` -> ``out [groups, N]`` (unit last stride);
-    ``prefetch`` (default: ``prefetch_enabled()``) reads the first weight tile before the PDL wait."""
+               config: RowConfig | None = None) -> None:
+    """``x [groups, K]`` (unit last stride), ``weight [groups * N, K]`` -> ``out [groups, N]`` (unit last stride)."""
     k, n = x.shape[-1], out.shape[-1]
     config = config or row_config(n, k, groups)
     even = n % config.block_n == 0 and k % config.block_k == 0
     _gemv_row_kernel[(triton.cdiv(n, config.block_n), groups)](
         x, weight, out, n, k, x.stride(0), weight.stride(0), out.stride(0), BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, EVEN=even, PREFETCH=prefetch_enabled() if prefetch is None else prefetch,
-        num_warps=config.warps, num_stages=config.stages, **pdl.launch())
+        BLOCK_K=config.block_k, EVEN=even, num_warps=config.warps, num_stages=config.stages, **pdl.launch())
 
 
 def covered(x: torch.Tensor, weight: torch.Tensor, rows: int, columns: int) -> bool:
