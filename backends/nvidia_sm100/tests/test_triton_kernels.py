@@ -715,3 +715,16 @@ def test_decode_attention_matches_reference(seqs, heads, dim, keys, splits):
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
     if seqs > 1:
         assert got[1].abs().max().item() == 0.0
+
+
+def test_decode_attention_splits_fill_the_gpu_once_with_two_key_blocks_each(monkeypatch):
+    """The split heuristic: two key blocks a split at batch 1 (the preset's 384 keys: 3 splits x 4 head blocks), no
+    more programs than SMs at larger batches, at least one split; the environment variable fixes the count."""
+    from deepinfer_nvidia_sm100.kernels import decode_attention as da
+
+    assert da.num_splits(1, 64, 384, 132) == 3
+    assert da.num_splits(1, 64, 128, 132) == 1
+    assert da.num_splits(16, 64, 2048, 132) == 2  # 64 programs a split
+    assert da.num_splits(64, 64, 2048, 132) == 1
+    monkeypatch.setenv(da.SPLITS_ENV, "8")
+    assert da.num_splits(1, 64, 384, 132) == 6  # capped at the key blocks

@@ -32,7 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_core.ops import reference as ref
 from deepinfer_nvidia_sm100.kernels import pdl
 from deepinfer_nvidia_sm100.kernels.compiled import env_flag, opaque_under_compile
 from deepinfer_nvidia_sm100.kernels.key_blocks import visible_blocks
@@ -131,20 +130,20 @@ def covered(q: torch.Tensor, kv: torch.Tensor) -> bool:
             and H % BLOCK_H == 0 and d >= 16 and d & (d - 1) == 0 and kv.shape[1] > 0)
 
 
-def num_splits(rows: int, heads: int, lk: int) -> int:
-    """Key splits per row: at least ``BLOCKS_PER_SPLIT`` key blocks each, and at most one program per SM in all
-    (``DEEPINFER_NVIDIA_DECODE_ATTN_SPLITS`` fixes it)."""
+def num_splits(rows: int, heads: int, lk: int, sms: int) -> int:
+    """Key splits per row: at least ``BLOCKS_PER_SPLIT`` key blocks each, and at most one program per SM (of ``sms``)
+    in all (``DEEPINFER_NVIDIA_DECODE_ATTN_SPLITS`` fixes it)."""
     blocks = max(1, math.ceil(lk / BLOCK_N))
     env = os.environ.get(SPLITS_ENV)
     if env:
         return max(1, min(int(env), blocks))
     programs = rows * (heads // BLOCK_H)
-    return max(1, min(math.ceil(blocks / BLOCKS_PER_SPLIT), _sm_count() // programs))
+    return max(1, min(math.ceil(blocks / BLOCKS_PER_SPLIT), sms // programs))
 
 
 @functools.cache
-def _sm_count() -> int:
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def with_fallback(fallback: Callable) -> Callable:
@@ -154,8 +153,8 @@ def with_fallback(fallback: Callable) -> Callable:
                        scale: float) -> torch.Tensor:
         if not covered(q, kv):
             return fallback(q, kv, visible, sinks, scale)
-        return decode_attention(q, kv, visible, sinks, float(scale),
-                                num_splits(q.shape[0], q.shape[2], kv.shape[1]))
+        splits = num_splits(q.shape[0], q.shape[2], kv.shape[1], _sm_count(q.device.index or 0))
+        return decode_attention(q, kv, visible, sinks, float(scale), splits)
 
     sink_attention.__doc__ = f"Decode rows through ``decode_attention``, other rows through ``{fallback.__name__}``."
     return sink_attention

@@ -358,8 +358,8 @@ def moe_experts_one_token(x: torch.Tensor, ids: torch.Tensor, weights: torch.Ten
     are one-row products like ``gemv._gemv_row_kernel`` (fp32 products summed once, no ``tl.dot``), with its
     launches for the same widths (``gemv.row_config``)."""
     top_k = ids.shape[1]
-    E, I, D = w1.shape
-    x = x.contiguous()
+    _, I, D = w1.shape
+    x, w1, w2, w3 = x.contiguous(), w1.contiguous(), w2.contiguous(), w3.contiguous()  # stacked views: no copy
     flat_ids = ids.reshape(-1).contiguous()
     h = torch.empty(top_k, I, dtype=x.dtype, device=x.device)
     up = gemv.row_config(I, D)
