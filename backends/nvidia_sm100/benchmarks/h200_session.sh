@@ -57,8 +57,8 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee
 python -c "import tilelang" 2>/dev/null && echo "tilelang: yes" || echo "tilelang: no (sink_attention takes the reference op)"
 bench() {  # name, then deepinfer bench arguments
   local name=$1; shift
-  timeout "${BENCH_TIMEOUT:-1200}" python -m deepinfer_core.cli bench --preset v4-flash-8l64e --backend nvidia_sm100 --dtype bfloat16 \
-    --json "$RES/$name.json" "$@" > "$RES/$name.txt" 2> "$RES/$name.log" || echo "bench $name failed: $(tail -3 "$RES/$name.log")"
+  timeout "${BENCH_TIMEOUT:-1200}" python -m deepinfer_core.cli bench --preset v4-flash-8l64e --backend nvidia_sm100 \
+    --dtype bfloat16 --json "$RES/$name.json" "$@" > "$RES/$name.txt" 2> "$RES/$name.log" || echo "bench $name failed: $(tail -3 "$RES/$name.log")"
   save
 }
 model_and_kernel_tests() {  # test_model_gpu.py, then the test_triton_kernels.py cases -k "$1", into tests.txt
