@@ -728,3 +728,19 @@ def test_decode_attention_splits_fill_the_gpu_once_with_two_key_blocks_each(monk
     assert da.num_splits(64, 64, 2048, 132) == 1
     monkeypatch.setenv(da.SPLITS_ENV, "8")
     assert da.num_splits(1, 64, 384, 132) == 6  # capped at the key blocks
+
+
+def test_decode_attention_takes_one_row_unless_told_otherwise(monkeypatch):
+    """``covered``: decode rows of one sequence by default (where the kernel was timed), more with the variable; never
+    prefill rows, fp32 or head counts that are not a multiple of 16."""
+    from deepinfer_nvidia_sm100.kernels import decode_attention as da
+
+    def case(seqs, queries, heads=64, dtype=torch.bfloat16):
+        q = torch.empty(seqs, queries, heads, 512, dtype=dtype, device="meta")
+        return q, torch.empty(seqs, 384, 512, dtype=dtype, device="meta")
+
+    assert da.covered(*case(1, 1))
+    assert not da.covered(*case(2, 1)) and not da.covered(*case(1, 7))
+    assert not da.covered(*case(1, 1, dtype=torch.float32)) and not da.covered(*case(1, 1, heads=24))
+    monkeypatch.setenv(da.MAX_ROWS_ENV, "16")
+    assert da.covered(*case(16, 1)) and not da.covered(*case(17, 1))

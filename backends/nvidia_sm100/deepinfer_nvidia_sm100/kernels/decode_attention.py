@@ -16,9 +16,10 @@ contiguous share of the row's visible key blocks (``key_blocks.visible_blocks``)
 2. ``_combine_kernel`` (two or more splits): ``M = max_s m_s``, ``L = sum_s l_s 2^(m_s - M) + 2^(sink - M)`` (the
    sink in the denominator only), ``out = sum_s O_s 2^(m_s - M) / L``.
 
-Decode rows of at most ``MAX_ROWS`` rows (batch sizes) take it; prefill rows and larger batches keep the fallback
-(the TileLang kernel where installed). ``DEEPINFER_NVIDIA_DECODE_ATTN=0`` turns it off;
-``DEEPINFER_NVIDIA_DECODE_ATTN_SPLITS`` fixes the split count (A/B runs).
+Decode steps of one sequence take it (``MAX_ROWS``: where it was timed, docs/performance.md 4.17); prefill rows and
+larger batches keep the fallback (the TileLang kernel where installed). ``DEEPINFER_NVIDIA_DECODE_ATTN=0`` turns it
+off; ``DEEPINFER_NVIDIA_DECODE_ATTN_MAX_ROWS`` raises the row limit and ``DEEPINFER_NVIDIA_DECODE_ATTN_SPLITS`` fixes
+the split count (A/B runs).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ ENV = "DEEPINFER_NVIDIA_DECODE_ATTN"
 SPLITS_ENV = "DEEPINFER_NVIDIA_DECODE_ATTN_SPLITS"
 BLOCK_H = 16  # heads per program: one mma row tile
 BLOCK_N = 64  # keys per block (the visible-block lists' unit)
-MAX_ROWS = 16  # decode rows (sequences) per call up to which this kernel runs
+MAX_ROWS_ENV = "DEEPINFER_NVIDIA_DECODE_ATTN_MAX_ROWS"
+MAX_ROWS = 1  # decode rows (sequences) per call up to which this kernel runs: batch 1, where it was timed (4.17)
 BLOCKS_PER_SPLIT = 2  # key blocks a split takes at least
 LOG2E = 1.4426950408889634
 _DTYPES = (torch.bfloat16, torch.float16)
@@ -122,12 +124,19 @@ def _combine_kernel(opart_ptr, mpart_ptr, lpart_ptr, sinks_ptr, out_ptr, H, spli
     tl.store(out_ptr + (row * H + heads)[:, None] * D + dims[None, :], out)
 
 
+def max_rows() -> int:
+    """Most decode rows a call may have to take the kernel: ``MAX_ROWS``, or ``DEEPINFER_NVIDIA_DECODE_ATTN_MAX_ROWS``
+    (A/B runs at larger batches, which keep the fallback until timed)."""
+    return int(os.environ.get(MAX_ROWS_ENV, MAX_ROWS))
+
+
 def covered(q: torch.Tensor, kv: torch.Tensor) -> bool:
-    """Whether the kernel takes these inputs: decode rows (one query per sequence) of at most ``MAX_ROWS``
-    sequences, 16-bit, head count a multiple of ``BLOCK_H``, a power-of-two head width of at least 16."""
+    """Whether the kernel takes inputs of these shapes and dtypes (on a GPU): decode rows (one query per sequence) of
+    at most ``max_rows()`` sequences, 16-bit, head count a multiple of ``BLOCK_H``, a power-of-two head width of at
+    least 16."""
     S, Lq, H, d = q.shape
-    return (q.is_cuda and q.dtype in _DTYPES and kv.dtype == q.dtype and Lq == 1 and S <= MAX_ROWS
-            and H % BLOCK_H == 0 and d >= 16 and d & (d - 1) == 0 and kv.shape[1] > 0)
+    return (q.dtype in _DTYPES and kv.dtype == q.dtype and Lq == 1 and S <= max_rows() and H % BLOCK_H == 0
+            and d >= 16 and d & (d - 1) == 0 and kv.shape[1] > 0)
 
 
 def num_splits(rows: int, heads: int, lk: int, sms: int) -> int:
@@ -147,11 +156,11 @@ def _sm_count(index: int) -> int:
 
 
 def with_fallback(fallback: Callable) -> Callable:
-    """Op ``sink_attention``: the kernel where ``covered``, else ``fallback`` (same arguments)."""
+    """Op ``sink_attention``: the kernel for ``covered`` GPU tensors, else ``fallback`` (same arguments)."""
 
     def sink_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor,
                        scale: float) -> torch.Tensor:
-        if not covered(q, kv):
+        if not (q.is_cuda and covered(q, kv)):
             return fallback(q, kv, visible, sinks, scale)
         splits = num_splits(q.shape[0], q.shape[2], kv.shape[1], _sm_count(q.device.index or 0))
         return decode_attention(q, kv, visible, sinks, float(scale), splits)
