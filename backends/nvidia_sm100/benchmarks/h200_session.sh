@@ -43,6 +43,8 @@
 #   s14d     the fourteenth session's last lease: the decode attention, one-token MoE and hc kernel tests, b1, the
 #            batch-1 decode profile (each step bounded; the session's earlier modes s14-s14c ran code since removed,
 #            docs/performance.md 4.17)
+#   ttft     the first bench of a fresh machine: the preset written and flushed (`sync`) first, b1 three times, the
+#            1K-token prefill step profiled; then b16 with the decode attention opened to 16 rows and without
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -202,6 +204,20 @@ if [[ $what == s14d ]]; then  # the kernel tests (bounded), b1, its profile
   bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
   timeout 60 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 > "$RES/profile-decode.txt" 2>&1
   grep -E "^=== batch 1: decode" "$RES/profile-decode.txt"; save
+  what=summary
+fi
+if [[ $what == ttft ]]; then  # the first bench of a fresh machine (docs/nvidia.md "The next lease" 3): the preset
+  export BENCH_TIMEOUT=150    # written (if not cached) and flushed first, then b1 three times, then the first prefill
+  python -c "from deepinfer_core.bench.presets import ensure_preset; ensure_preset('v4-flash-8l64e')" \
+    > "$RES/preset.log" 2>&1; sync
+  for run in 1 2 3; do bench "b1-run$run" --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1; done
+  grep -h "^b1-run" "$RES"/b1-run*.txt
+  timeout 90 python backends/nvidia_sm100/benchmarks/profile_decode.py --prefill 1 --input-len 1024 \
+    > "$RES/profile-prefill-1k.txt" 2>&1
+  grep -E "^===" "$RES/profile-prefill-1k.txt"; save
+  DEEPINFER_NVIDIA_DECODE_ATTN_MAX_ROWS=16 bench b16-decode-attn --input-len 1024 --output-len 128 --num-prompts 16 \
+    --max-num-seqs 16
+  bench b16 --input-len 1024 --output-len 128 --num-prompts 16 --max-num-seqs 16
   what=summary
 fi
 if [[ $what == sched ]]; then
