@@ -155,7 +155,7 @@ def triton_ops() -> dict[str, Callable]:
            "compressor_entries": compressor.compressor_entries, "swiglu_mlp": moe.swiglu_mlp,
            "write_rows_": cache_writes.write_rows_, "grouped_linear": blas.grouped_linear}
     if decode_attention.enabled():  # decode rows; the others the reference (sm90_ops: TileLang)
-        ops["sink_attention"] = _with_decode_attention(ref.sink_attention)
+        ops["sink_attention"] = decode_attention.with_fallback(ref.sink_attention)
     if gemv.enabled():  # one-row products: faster than cuBLAS on every preset projection (kernels/gemv.py)
         ops.update(linear=gemv.linear, grouped_linear=gemv.grouped_linear)
     if norm.enabled():  # measured faster than the compiled reference (kernels/norm.py); traced when compiling

@@ -58,7 +58,7 @@ def _split_kernel(q_ptr, kv_ptr, vis_ptr, blocks_ptr, counts_ptr, sinks_ptr, out
                   lpart_ptr, queries, Lk, H, NB, splits, scale_log2, D: tl.constexpr, BLOCK_H: tl.constexpr,
                   BLOCK_N: tl.constexpr, WHOLE: tl.constexpr, PDL: tl.constexpr = False):
     """Program (split, head block, row): the online softmax over this split's share of the row's visible key blocks
-    (module docstring, step 1); ``WHOLE`` (one split): normalised into ``out``, no partials."""
+    (module docstring, step 1), ``sinks`` in base 2; ``WHOLE`` (one split): normalised into ``out``, no partials."""
     pdl.begin(PDL)
     split = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
@@ -66,7 +66,8 @@ def _split_kernel(q_ptr, kv_ptr, vis_ptr, blocks_ptr, counts_ptr, sinks_ptr, out
     seq = row // queries
     dims = tl.arange(0, D)  # [D]
     q = tl.load(q_ptr + (row * H + heads)[:, None] * D + dims[None, :])  # [BH, D]
-    m = tl.load(sinks_ptr + heads) * 1.4426950408889634  # [BH]: base 2, the sink is a floor for the running max
+    sink = tl.load(sinks_ptr + heads)  # [BH]: base 2
+    m = sink  # the sink is a floor for the running max
     den = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
     n_blocks = tl.load(counts_ptr + row)
@@ -88,7 +89,7 @@ def _split_kernel(q_ptr, kv_ptr, vis_ptr, blocks_ptr, counts_ptr, sinks_ptr, out
         acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)  # [BH, D]
         m = m_new
     if WHOLE:  # the combine of one split: the sink once, in the denominator
-        scale = 1.0 / (den + tl.exp2(tl.load(sinks_ptr + heads) * 1.4426950408889634 - m))
+        scale = 1.0 / (den + tl.exp2(sink - m))
         tl.store(out_ptr + (row * H + heads)[:, None] * D + dims[None, :],
                  (acc * scale[:, None]).to(out_ptr.dtype.element_ty))
     else:
@@ -110,7 +111,7 @@ def _combine_kernel(opart_ptr, mpart_ptr, lpart_ptr, sinks_ptr, out_ptr, H, spli
     part = (row * splits + s)[:, None] * H + heads[None, :]  # [SP, BH]
     m = tl.load(mpart_ptr + part, mask=in_s[:, None], other=float("-inf"))
     den = tl.load(lpart_ptr + part, mask=in_s[:, None], other=0.0)
-    sink = tl.load(sinks_ptr + heads) * 1.4426950408889634  # [BH]
+    sink = tl.load(sinks_ptr + heads)  # [BH]: base 2
     top = tl.maximum(tl.max(m, axis=0), sink)  # [BH]
     weight = tl.exp2(m - top[None, :])  # [SP, BH]: 0 past the splits
     total = tl.sum(den * weight, axis=0) + tl.exp2(sink - top)
@@ -180,7 +181,7 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, s
     qf = q.reshape(rows, H, d).contiguous()  # [B, H, d]
     vis = visible.reshape(rows, Lk).contiguous().view(torch.uint8)  # [B, Lk]
     blocks, counts = visible_blocks(vis, BLOCK_N)  # [B, NB], [B]
-    sk = sinks.float().contiguous()  # [H]
+    sk = (sinks.float() * LOG2E).contiguous()  # [H]: base 2, as the kernels keep the logits
     out = torch.empty(rows, H, d, device=q.device, dtype=q.dtype)
     if splits > 1:
         opart = torch.empty(rows, splits, H, d, device=q.device, dtype=torch.float32)

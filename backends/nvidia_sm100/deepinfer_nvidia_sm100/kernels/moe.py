@@ -236,10 +236,8 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, h_ptr, assign_ptr, block_expert_ptr, D, I,
     # Round where the reference op rounds (its linear outputs, silu and product are in the model dtype),
     # so low-precision runs follow the reference's rounding, not only its math.
     dt = h_ptr.dtype.element_ty
-    gate = tl.minimum(acc1.to(dt).to(tl.float32), limit)
-    up = tl.minimum(tl.maximum(acc3.to(dt).to(tl.float32), -limit), limit)
-    h = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up
-    tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+    h = _swiglu(acc1.to(dt).to(tl.float32), acc3.to(dt).to(tl.float32), limit, dt)
+    tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_n[None, :], h.to(dt),
              mask=valid[:, None] & n_mask[None, :])
 
 
@@ -395,11 +393,8 @@ def _up_row_kernel(x_ptr, w1_ptr, w3_ptr, h_ptr, ids_ptr, D, I, limit, stride_we
         acc1 += gemv.weight_tile(w1_ptr + rows, ks, D, in_n, EVEN).to(tl.float32) * xk  # [BN, BK]
         acc3 += gemv.weight_tile(w3_ptr + rows, ks, D, in_n, EVEN).to(tl.float32) * xk
     dt = h_ptr.dtype.element_ty
-    gate = tl.minimum(tl.sum(acc1, axis=1).to(dt).to(tl.float32), limit)  # [BN]
-    up = tl.sum(acc3, axis=1).to(dt).to(tl.float32)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    h = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up
-    tl.store(h_ptr + pick * I + cols, h.to(dt), mask=in_n)
+    h = _swiglu(tl.sum(acc1, axis=1).to(dt).to(tl.float32), tl.sum(acc3, axis=1).to(dt).to(tl.float32), limit, dt)
+    tl.store(h_ptr + pick * I + cols, h.to(dt), mask=in_n)  # [BN]
 
 
 @triton.jit
@@ -412,9 +407,7 @@ def _down_row_kernel(h_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, D, I, top_k, 
     pdl.begin(PDL)
     j = tl.arange(0, K_P2)
     in_k = j < top_k
-    e = tl.load(ids_ptr + j, mask=in_k, other=0)
-    before = (e[None, :] < e[:, None]) | ((e[None, :] == e[:, None]) & (j[None, :] < j[:, None]))  # [K_P2, K_P2]
-    rank = tl.sum((before & in_k[None, :]).to(tl.int32), axis=1)  # position of pick j in expert order
+    rank = _expert_order(tl.load(ids_ptr + j, mask=in_k, other=0), in_k, K_P2)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     in_n = cols < D
     dt = out_ptr.dtype.element_ty
@@ -526,11 +519,18 @@ def _swiglu_kernel(gate_ptr, up_ptr, h_ptr, n, limit, cols, gate_stride, up_stri
     mask = offs < n
     row, col = offs // cols, offs % cols
     dt = h_ptr.dtype.element_ty
-    gate = tl.minimum(tl.load(gate_ptr + row * gate_stride + col, mask=mask, other=0.0).to(tl.float32), limit)
+    gate = tl.load(gate_ptr + row * gate_stride + col, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + row * up_stride + col, mask=mask, other=0.0).to(tl.float32)
+    tl.store(h_ptr + offs, _swiglu(gate, up, limit, dt).to(dt), mask=mask)
+
+
+@triton.jit
+def _swiglu(gate, up, limit, dt: tl.constexpr):
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` of fp32 ``gate`` / ``up`` that hold ``dt`` values, the
+    silu rounded to ``dt`` as the reference rounds it; fp32 (the caller rounds the product)."""
+    gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
-    h = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up
-    tl.store(h_ptr + offs, h.to(dt), mask=mask)
+    return (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up
 
 
 COMBINE_BLOCK_D = 1024
@@ -564,9 +564,7 @@ def _combine_kernel(y_ptr, ids_ptr, dest_ptr, out_ptr, D, top_k, stride_ym, stri
     d_mask = offs_d < D
     j = tl.arange(0, K_P2)
     in_k = j < top_k
-    e = tl.load(ids_ptr + token * top_k + j, mask=in_k, other=0)
-    before = (e[None, :] < e[:, None]) | ((e[None, :] == e[:, None]) & (j[None, :] < j[:, None]))  # [K_P2, K_P2]
-    rank = tl.sum((before & in_k[None, :]).to(tl.int32), axis=1)  # position of pick j in expert order
+    rank = _expert_order(tl.load(ids_ptr + token * top_k + j, mask=in_k, other=0), in_k, K_P2)
     dest = tl.load(dest_ptr + token * top_k + j, mask=in_k, other=0)
     dt = out_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
@@ -579,3 +577,12 @@ def _combine_kernel(y_ptr, ids_ptr, dest_ptr, out_ptr, D, top_k, stride_ym, stri
             part = (part * w).to(dt).to(tl.float32)
         acc = (acc + part).to(dt).to(tl.float32)
     tl.store(out_ptr + token * stride_ot + offs_d, acc.to(dt), mask=d_mask)
+
+
+@triton.jit
+def _expert_order(ids, in_k, K_P2: tl.constexpr):
+    """Each of a token's picks ``ids [K_P2]`` (``in_k``: the real ones) by its place in ascending expert order,
+    stable (equal ids by pick index): the order the reference adds the experts' outputs in."""
+    j = tl.arange(0, K_P2)
+    before = (ids[None, :] < ids[:, None]) | ((ids[None, :] == ids[:, None]) & (j[None, :] < j[:, None]))  # [K, K]
+    return tl.sum((before & in_k[None, :]).to(tl.int32), axis=1)

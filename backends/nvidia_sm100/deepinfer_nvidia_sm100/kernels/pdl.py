@@ -38,21 +38,6 @@ def launch() -> dict:
 def begin(PDL: tl.constexpr):
     """A PDL kernel's first statement: wait until the previous kernel's writes are visible, then let the next one
     launch (a no-op unless ``PDL``)."""
-    wait(PDL)
-    release(PDL)
-
-
-@triton.jit
-def wait(PDL: tl.constexpr):
-    """Wait until the previous kernel's writes are visible (a no-op unless ``PDL``). A kernel that splits ``begin``
-    may read memory no kernel writes (weights) before it, nothing else."""
     if PDL:
         gdc_wait()
-
-
-@triton.jit
-def release(PDL: tl.constexpr):
-    """Let the next kernel on the stream launch (a no-op unless ``PDL``)."""
-    if PDL:
         gdc_launch_dependents()
-
