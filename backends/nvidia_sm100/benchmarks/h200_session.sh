@@ -45,6 +45,8 @@
 #            docs/performance.md 4.17)
 #   ttft     the first bench of a fresh machine: the preset written and flushed (`sync`) first, b1 three times, the
 #            1K-token prefill step profiled; then b16 with the decode attention opened to 16 rows and without
+#   s15a     the fifteenth session's first lease: the preset flushed, b1 once, b1 with --num-iters 5, the 1K-token
+#            prefill step profiled with --sync-debug, then test_model_gpu.py
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -218,6 +220,19 @@ if [[ $what == ttft ]]; then  # the first bench of a fresh machine (docs/nvidia.
   DEEPINFER_NVIDIA_DECODE_ATTN_MAX_ROWS=16 bench b16-decode-attn --input-len 1024 --output-len 128 --num-prompts 16 \
     --max-num-seqs 16
   bench b16 --input-len 1024 --output-len 128 --num-prompts 16 --max-num-seqs 16
+  what=summary
+fi
+if [[ $what == s15a ]]; then  # the fifteenth session's first lease: the first token, then the model tests
+  export BENCH_TIMEOUT=150
+  python -c "from deepinfer_core.bench.presets import ensure_preset; ensure_preset('v4-flash-8l64e')" \
+    > "$RES/preset.log" 2>&1; sync
+  bench b1-first --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
+  bench b1-iters5 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --num-iters 5
+  timeout 100 python backends/nvidia_sm100/benchmarks/profile_decode.py --prefill 1 --input-len 1024 --sync-debug \
+    > "$RES/profile-prefill-1k.txt" 2>&1
+  grep -E "^===" "$RES/profile-prefill-1k.txt"; save
+  timeout 200 python -m pytest -q -p no:cacheprovider -rfEs backends/nvidia_sm100/tests/test_model_gpu.py 2>&1 \
+    | tail -5 | tee "$RES/tests-model.txt"; save
   what=summary
 fi
 if [[ $what == sched ]]; then
