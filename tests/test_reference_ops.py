@@ -724,6 +724,33 @@ def test_rms_norm_rope_is_the_norm_then_rope_and_follows_overrides_of_its_parts(
     assert table.rms_norm_rope is ref.rms_norm_rope and table.sources()["rms_norm_rope"] == "own"
 
 
+def test_roped_sink_attention_norms_and_rotates_the_queries_then_rotates_the_output_back():
+    """``roped_sink_attention`` is the per-head query norm (no weight) with RoPE, the attention, then the inverse RoPE of
+    its output, each row by its own angle; a backend overriding only ``sink_attention`` gets its kernel in it too."""
+    S, Lq, Lk, H, d, half = 2, 3, 5, 2, 8, 2
+    q, kv = _randn(S, Lq, H, d, seed=200), _randn(S, Lk, d, seed=201)
+    visible = torch.rand(S, Lq, Lk, generator=_gen(202)) < 0.7
+    sinks, angles = torch.tensor([0.3, -0.5]), _randn(S, Lq, half, seed=203)
+    cos, sin = angles.cos(), angles.sin()
+    flat_q = ref.rms_norm_rope(q.reshape(S * Lq, H, d), None, 1e-6, cos.reshape(-1, half), sin.reshape(-1, half))
+    out = ref.sink_attention(flat_q.view(S, Lq, H, d), kv, visible, sinks, 0.5)
+    want = ref.apply_rope(out.reshape(S * Lq, H, d), cos.reshape(-1, half), sin.reshape(-1, half), inverse=True)
+    got = ref.roped_sink_attention(q, kv, visible, sinks, 0.5, 1e-6, cos, sin)
+    assert got.shape == (S, Lq, H, d)
+    torch.testing.assert_close(got, want.view(S, Lq, H, d), **F32)
+    rotated = ref.apply_rope(got.reshape(S * Lq, H, d), cos.reshape(-1, half), sin.reshape(-1, half))
+    torch.testing.assert_close(rotated.view(S, Lq, H, d), out, **F32)  # the inverse undoes the forward rotation
+    calls = []
+
+    def gpu_attention(q, kv, visible, sinks, scale):
+        calls.append(q.shape)
+        return ref.sink_attention(q, kv, visible, sinks, scale)
+
+    table = OpTable({"sink_attention": gpu_attention}, source="gpu")
+    torch.testing.assert_close(table.roped_sink_attention(q, kv, visible, sinks, 0.5, 1e-6, cos, sin), got, **F32)
+    assert calls == [(S, Lq, H, d)] and table.sources()["roped_sink_attention"] == "gpu (sink_attention, composed)"
+
+
 def test_op_table_reference_defaults_and_override():
     names = set(reference_ops())
     assert {"rms_norm", "unweighted_rms_norm", "rope_cos_sin", "apply_rope", "linear", "grouped_linear",

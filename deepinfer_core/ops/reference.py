@@ -254,6 +254,27 @@ def sink_attention(
     return torch.einsum("shqk,skd->sqhd", probs, kv)
 
 
+def roped_attention(norm_rope: Callable, attention: Callable, rope_: Callable) -> Callable:
+    """``roped_sink_attention`` made of the given ``rms_norm_rope``, ``sink_attention`` and in-place RoPE."""
+
+    def roped_sink_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor,
+                             scale: float, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        flat_cos, flat_sin = cos.flatten(0, 1), sin.flatten(0, 1)  # [S * Lq, rope_dim // 2]
+        q = norm_rope(q.flatten(0, 1), None, eps, flat_cos, flat_sin).view_as(q)  # [S, Lq, H, d]
+        out = attention(q, kv, visible, sinks, scale)  # [S, Lq, H, d]
+        return rope_(out.flatten(0, 1), flat_cos, flat_sin, inverse=True).view_as(out)
+
+    return roped_sink_attention
+
+
+roped_sink_attention = reference_op(roped_attention(rms_norm_rope, sink_attention, apply_rope_))
+roped_sink_attention.__doc__ = """``sink_attention`` of the per-head RMS-normed, RoPE'd queries, its output rotated back:
+``q [S, Lq, H, d]`` (raw projections), ``cos`` / ``sin [S, Lq, rope_dim // 2]`` (each query's angle, padded as ``q``),
+the rest as ``sink_attention``; the queries' norm has no weight (``rms_norm_rope(q, None, eps, ...)``), the output takes
+``apply_rope_(..., inverse=True)``. One op so that a backend may norm the queries and rotate the output inside its
+attention kernel."""
+
+
 # ----------------------------------------------------------------------------- compressors / indexer
 @reference_op
 def compressor_pool(kv: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -27,6 +27,7 @@ from deepinfer_nvidia_sm100.kernels import (
     route,
     tl_attention,
 )
+from deepinfer_nvidia_sm100.kernels.key_blocks import visible_blocks_torch
 
 from deepinfer_core.ops import reference as ref
 
@@ -74,8 +75,11 @@ def _cases():
                                                                       torch.tensor([3, 0, 7]),
                                                                       torch.randint(0, E, (8, TOP_K), generator=g),
                                                                       2.5, "sqrtsoftplus")),
-        "decode_sink_attention": (decode_attention.decode_attention, lambda *a: ref.sink_attention(*a[:5]),
-                                  (q[:, :1], kv, visible[:, :1], rand(H), 0.05, 2)),
+        "decode_sink_attention": (decode_attention.decode_attention, lambda q, kv, vis, blocks, counts, sinks, scale,
+                                  splits: ref.sink_attention(q, kv, vis, sinks, scale),
+                                  (q[:, :1], kv, visible[:, :1],
+                                   *visible_blocks_torch(visible[:, 0].view(torch.uint8), decode_attention.BLOCK_N),
+                                   rand(H), 0.05, 2)),
         "tl_sink_attention": (tl_attention._launch, lambda *a: ref.sink_attention(*a[:5]),
                               (q, kv, visible, rand(H), 0.05, None)),
     }

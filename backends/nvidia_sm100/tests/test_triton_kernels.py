@@ -709,12 +709,65 @@ def test_decode_attention_matches_reference(seqs, heads, dim, keys, splits):
     if seqs > 1:
         visible[1] = False  # nothing visible: 0
     sinks = torch.randn(heads, device=DEVICE, generator=gen)
-    got = decode_attention.decode_attention(q, kv, visible, sinks, dim**-0.5, splits)
+    got = decode_attention.decode_attention(q, kv, visible, *_visible_blocks(visible), sinks, dim**-0.5, splits)
     want = ref.sink_attention(q.float(), kv.float(), visible, sinks, dim**-0.5)
     assert got.shape == want.shape and got.dtype == q.dtype
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
     if seqs > 1:
         assert got[1].abs().max().item() == 0.0
+
+
+def _visible_blocks(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from deepinfer_nvidia_sm100.kernels.decode_attention import BLOCK_N
+
+    return key_blocks.visible_blocks(visible.reshape(-1, visible.shape[-1]).contiguous().view(torch.uint8), BLOCK_N)
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("seqs, heads, dim, half, keys, splits", [
+    (1, 64, 512, 32, 384, 3), (1, 16, 128, 32, 100, 1), (2, 32, 64, 8, 130, 2)])
+def test_roped_decode_attention_is_the_composition_of_the_backend_kernels(seqs, heads, dim, half, keys, splits):
+    """The query norm + RoPE in the split kernel and the inverse RoPE in the output store (combine, or the whole
+    split) give what the three kernels give one after the other: ``norm.rms_norm_rope``, the plain decode
+    attention, ``rope.apply_rope_(..., inverse=True)``; and match the fp32 reference op."""
+    from deepinfer_nvidia_sm100.kernels import decode_attention, norm
+
+    gen = torch.Generator(device=DEVICE).manual_seed(keys + half)
+    q = (3 * torch.randn(seqs, 1, heads, dim, device=DEVICE, generator=gen)).to(DOT_DTYPE)
+    kv = torch.randn(seqs, keys, dim, device=DEVICE, generator=gen).to(DOT_DTYPE)
+    visible = torch.rand(seqs, 1, keys, device=DEVICE, generator=gen) < 0.7
+    sinks = torch.randn(heads, device=DEVICE, generator=gen)
+    angles = 10 * torch.rand(seqs, 1, half, device=DEVICE, generator=gen)
+    cos, sin = angles.cos().to(DOT_DTYPE), angles.sin().to(DOT_DTYPE)
+    blocks, scale, eps = _visible_blocks(visible), dim**-0.5, 1e-6
+    got = decode_attention.decode_attention(q, kv, visible, *blocks, sinks, scale, splits, eps, cos[:, 0], sin[:, 0])
+    normed = norm.rms_norm_rope(q[:, 0], None, eps, cos[:, 0], sin[:, 0])  # [S, H, d]
+    out = decode_attention.decode_attention(normed[:, None], kv, visible, *blocks, sinks, scale, splits)
+    composed = rope.apply_rope_(out[:, 0].clone(), cos[:, 0], sin[:, 0], inverse=True)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    assert torch.equal(got[:, 0], composed)
+    want = ref.roped_sink_attention(q.float(), kv.float(), visible, sinks, scale, eps, cos.float(), sin.float())
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+
+
+@kernel_runs_here
+def test_visible_block_lists_are_planned_once_per_mask():
+    """``planned_blocks``: the same mask object gets the same block lists back (layers sharing a mask launch no
+    second kernel); a new mask, even with equal contents, gets its own."""
+    from deepinfer_nvidia_sm100.kernels import decode_attention as da
+
+    visible = torch.rand(2, 1, 300, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(5)) < 0.3
+    vis = visible.reshape(2, 300).view(torch.uint8)
+    first = da.planned_blocks(visible, vis)
+    assert da.planned_blocks(visible, vis) is first
+    other = visible.clone()
+    again = da.planned_blocks(other, other.reshape(2, 300).view(torch.uint8))
+    assert again is not first and all(torch.equal(a, b) for a, b in zip(again, first, strict=True))
+    want = key_blocks.visible_blocks_torch(vis, da.BLOCK_N)
+    assert torch.equal(first[1], want[1])
+    for row in range(2):
+        count = int(want[1][row])
+        assert torch.equal(first[0][row, :count], want[0][row, :count])
 
 
 def test_decode_attention_splits_fill_the_gpu_once_with_two_key_blocks_each(monkeypatch):

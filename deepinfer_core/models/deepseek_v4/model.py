@@ -139,13 +139,15 @@ class Indexer:
         self.compressor = Compressor(reg, f"{prefix}.compressor", config, CSA, self.dim)
 
     def select(self, ops: OpTable, inputs: dict[str, torch.Tensor], q_residual, layout: StepLayout, keys_store,
-               query_rope):
+               query_rope, folding):
         """Bool ``[S, Lq, E]``: which compressed entries each query attends to (``inputs``: the layer input's
-        projections by role, ``Attention.project``; this step's keys already folded into ``keys_store``)."""
+        projections by role, ``Attention.project``; ``folding``: the fork folding this step's keys into
+        ``keys_store``, joined before the scores read it)."""
         ratio = self.compressor.ratio
         visible = layout.entries(ratio).visible  # [S, Lq, E]
         if visible.shape[-1] <= self.topk:  # the budget covers every entry: top-k selects all visible ones, unscored
             return visible
+        folding.join()
         keys = layout.gather_entries(keys_store, ratio)  # [S, E, di]
         q = ops.linear(q_residual, self.wq_b).view(-1, self.heads, self.dim)  # [T, Hi, di]
         q = ops.apply_rope_(q, *query_rope)
@@ -212,46 +214,57 @@ class Attention:
 
     def __call__(self, ops: OpTable, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         T = x.shape[0]
-        rope = ctx.rope[self.rope_type]  # (cos, sin) [T, rope_dim // 2]
         inputs = self.project(ops, x)
-        # the compressed stores take this step's tokens beside the query and key path (a backend may overlap them)
-        folding = ops.fork(self._fold, ops, inputs, ctx) if self.compressor is not None else None
+        # the key path (this step's key, the compressed stores, the keys gathered) beside the query's (a backend may
+        # overlap them); the indexer's store after it, needed before the attention only where the indexer scores
+        keys = ops.fork(self._keys, ops, inputs, ctx)
+        index_fold = ops.fork(self._fold_index, ops, inputs, ctx) if self.indexer is not None else None
         q_residual = ops.rms_norm(inputs["q"], self.q_norm, self.eps)  # [T, q_lora]
-        q = ops.linear(q_residual, self.wq_b).view(T, self.heads, self.head_dim)  # [T, H, hd]
-        q = ops.rms_norm_rope(q, None, self.eps, *rope)  # [T, H, hd]: per-head norm, no weight
-        kv = ops.rms_norm_rope(inputs["kv"], self.norm, self.eps, *rope)  # [T, hd]
+        q = ops.linear(q_residual, self.wq_b).view(T, self.heads, self.head_dim)  # [T, H, hd], normed in the attention
+        keys = keys.join()  # [S, Lk (+ E), hd]
+        layout = ctx.layout
+        visible = layout.sliding_visible  # [S, Lq, Lk]
+        if self.compressor is not None:
+            entry_visible = self._entry_visible(ops, inputs, q_residual, ctx, index_fold)  # [S, Lq, E]
+            visible = layout.attention_visible(self.compressor.ratio, entry_visible)  # [S, Lq, Lk + E]
+        cos, sin = (layout.pad(t) for t in ctx.rope[self.rope_type])  # [S, Lq, rope_dim // 2] each
+        out = ops.roped_sink_attention(layout.pad(q), keys, visible, self.sinks, self.head_dim**-0.5, self.eps, cos,
+                                       sin)  # [S, Lq, H, hd]
+        grouped = ops.grouped_linear(layout.unpad(out).reshape(T, self.groups, -1), self.wo_a, self.groups)
+        out = ops.linear(grouped.flatten(1), self.wo_b)  # [T, D]
+        if index_fold is not None:
+            index_fold.join()
+        return out
+
+    def _keys(self, ops: OpTable, inputs: dict[str, torch.Tensor], ctx: StepContext) -> torch.Tensor:
+        """This step's key normed and RoPE'd, the compressed store folded (``Compressor.step``), the attention's keys
+        gathered (``[S, Lk (+ E), hd]``), then the key kept in the sliding ring."""
         layout, state = ctx.layout, ctx.state
         ring = state.swa[self.layer_idx]
-        visible = layout.sliding_visible  # [S, Lq, Lk]
+        kv = ops.rms_norm_rope(inputs["kv"], self.norm, self.eps, *ctx.rope[self.rope_type])  # [T, hd]
         if self.compressor is None:
             keys = layout.attention_keys(ops, ring, kv)  # [S, Lk, hd]
         else:
-            folding.join()
-            entry_visible = self._entry_visible(ops, inputs, q_residual, ctx)  # [S, Lq, E]
             store = state.compressed[self.layer_idx]
+            self.compressor.step(ops, inputs["compress"], layout, store, state.carry[self.layer_idx],
+                                 ctx.rope_args["compress"])
             keys = layout.attention_keys(ops, ring, kv, store, self.compressor.ratio)  # [S, Lk + E, hd]
-            visible = layout.attention_visible(self.compressor.ratio, entry_visible)  # [S, Lq, Lk + E]
-        out = ops.sink_attention(layout.pad(q), keys, visible, self.sinks, self.head_dim**-0.5)  # [S, Lq, H, hd]
-        layout.write_ring(ops, state.swa[self.layer_idx], kv)
-        out = ops.apply_rope_(layout.unpad(out), *rope, inverse=True)  # [T, H, hd]
-        grouped = ops.grouped_linear(out.reshape(T, self.groups, -1), self.wo_a, self.groups)  # [T, g, o_lora]
-        return ops.linear(grouped.flatten(1), self.wo_b)  # [T, D]
+        layout.write_ring(ops, ring, kv)
+        return keys
 
-    def _fold(self, ops: OpTable, inputs: dict[str, torch.Tensor], ctx: StepContext) -> None:
-        """Fold this step's tokens into the compressed store and, in a CSA layer, the indexer's key store."""
-        layer, layout, state = self.layer_idx, ctx.layout, ctx.state
-        rope_args = ctx.rope_args["compress"]
-        self.compressor.step(ops, inputs["compress"], layout, state.compressed[layer], state.carry[layer], rope_args)
-        if self.indexer is not None:
-            self.indexer.compressor.step(ops, inputs["index"], layout, state.index_keys[layer],
-                                         state.index_carry[layer], rope_args)
+    def _fold_index(self, ops: OpTable, inputs: dict[str, torch.Tensor], ctx: StepContext) -> None:
+        """Fold this step's tokens into the indexer's key store (CSA layers)."""
+        layer, state = self.layer_idx, ctx.state
+        self.indexer.compressor.step(ops, inputs["index"], ctx.layout, state.index_keys[layer],
+                                     state.index_carry[layer], ctx.rope_args["compress"])
 
-    def _entry_visible(self, ops, inputs, q_residual, ctx: StepContext) -> torch.Tensor:
-        """Which compressed entries each query reads (``[S, Lq, E]``), after ``_fold``."""
+    def _entry_visible(self, ops, inputs, q_residual, ctx: StepContext, index_fold) -> torch.Tensor:
+        """Which compressed entries each query reads (``[S, Lq, E]``); the indexer's store is joined (``index_fold``)
+        where the indexer scores."""
         visible = ctx.layout.entries(self.compressor.ratio).visible
         if self.indexer is not None:
             visible = self.indexer.select(ops, inputs, q_residual, ctx.layout, ctx.state.index_keys[self.layer_idx],
-                                          ctx.rope["compress"])
+                                          ctx.rope["compress"], index_fold)
         return visible
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -36,6 +37,7 @@ import triton.language as tl
 from deepinfer_nvidia_sm100.kernels import pdl
 from deepinfer_nvidia_sm100.kernels.compiled import env_flag, opaque_under_compile
 from deepinfer_nvidia_sm100.kernels.key_blocks import visible_blocks
+from deepinfer_nvidia_sm100.kernels.norm import normed_rows, rotate_pairs
 
 ENV = "DEEPINFER_NVIDIA_DECODE_ATTN"
 SPLITS_ENV = "DEEPINFER_NVIDIA_DECODE_ATTN_SPLITS"
@@ -44,7 +46,6 @@ BLOCK_N = 64  # keys per block (the visible-block lists' unit)
 MAX_ROWS_ENV = "DEEPINFER_NVIDIA_DECODE_ATTN_MAX_ROWS"
 MAX_ROWS = 1  # decode rows (sequences) per call up to which this kernel runs: batch 1, where it was timed (4.17)
 BLOCKS_PER_SPLIT = 2  # key blocks a split takes at least
-LOG2E = 1.4426950408889634
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -53,12 +54,17 @@ def enabled() -> bool:
     return env_flag(ENV, "1")
 
 
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # the kernels keep logits in base 2
+
+
 @triton.jit
-def _split_kernel(q_ptr, kv_ptr, vis_ptr, blocks_ptr, counts_ptr, sinks_ptr, out_ptr, opart_ptr, mpart_ptr,
-                  lpart_ptr, queries, Lk, H, NB, splits, scale_log2, D: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_N: tl.constexpr, WHOLE: tl.constexpr, PDL: tl.constexpr = False):
+def _split_kernel(q_ptr, kv_ptr, vis_ptr, blocks_ptr, counts_ptr, sinks_ptr, cos_ptr, sin_ptr, out_ptr, opart_ptr,
+                  mpart_ptr, lpart_ptr, queries, Lk, H, NB, splits, scale_log2, eps, HALF, D: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, WHOLE: tl.constexpr, ROPE: tl.constexpr,
+                  PDL: tl.constexpr = False):
     """Program (split, head block, row): the online softmax over this split's share of the row's visible key blocks
-    (module docstring, step 1), ``sinks`` in base 2; ``WHOLE`` (one split): normalised into ``out``, no partials."""
+    (module docstring, step 1); ``WHOLE`` (one split): normalised into ``out``, no partials. ``ROPE``: ``q`` is the
+    raw projection, normed per head and RoPE'd here (``_roped_queries``), and a ``WHOLE`` output is rotated back."""
     pdl.begin(PDL)
     split = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
@@ -66,7 +72,9 @@ def _split_kernel(q_ptr, kv_ptr, vis_ptr, blocks_ptr, counts_ptr, sinks_ptr, out
     seq = row // queries
     dims = tl.arange(0, D)  # [D]
     q = tl.load(q_ptr + (row * H + heads)[:, None] * D + dims[None, :])  # [BH, D]
-    sink = tl.load(sinks_ptr + heads)  # [BH]: base 2
+    if ROPE:
+        q = _roped_queries(q, cos_ptr, sin_ptr, row, eps, HALF, D, BLOCK_H)
+    sink = tl.load(sinks_ptr + heads) * LOG2E  # [BH]
     m = sink  # the sink is a floor for the running max
     den = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
@@ -90,8 +98,7 @@ def _split_kernel(q_ptr, kv_ptr, vis_ptr, blocks_ptr, counts_ptr, sinks_ptr, out
         m = m_new
     if WHOLE:  # the combine of one split: the sink once, in the denominator
         scale = 1.0 / (den + tl.exp2(sink - m))
-        tl.store(out_ptr + (row * H + heads)[:, None] * D + dims[None, :],
-                 (acc * scale[:, None]).to(out_ptr.dtype.element_ty))
+        _store_output(acc * scale[:, None], out_ptr, cos_ptr, sin_ptr, row, heads, H, HALF, D, BLOCK_H, ROPE)
     else:
         part = (row * splits + split) * H + heads  # [BH]
         tl.store(opart_ptr + part[:, None] * D + dims[None, :], acc)
@@ -100,9 +107,35 @@ def _split_kernel(q_ptr, kv_ptr, vis_ptr, blocks_ptr, counts_ptr, sinks_ptr, out
 
 
 @triton.jit
-def _combine_kernel(opart_ptr, mpart_ptr, lpart_ptr, sinks_ptr, out_ptr, H, splits, D: tl.constexpr,
-                    BLOCK_H: tl.constexpr, SPLITS_P2: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (head block, row): the splits' partials into the output (module docstring, step 2)."""
+def _roped_queries(q, cos_ptr, sin_ptr, row, eps, HALF, D: tl.constexpr, BLOCK_H: tl.constexpr):
+    """``rms_norm_rope(q, None, eps, cos, sin)`` of one row's heads ``q [BH, D]`` (16-bit), rounded as that op
+    rounds (``norm.normed_rows``, then ``norm.rotate_pairs`` by the row's angle)."""
+    ty = q.dtype
+    normed = normed_rows(q.to(tl.float32), cos_ptr, D, eps, ty, D, False).to(ty).to(tl.float32)  # [BH, D]
+    tokens = tl.zeros([BLOCK_H], dtype=tl.int64) + row
+    return rotate_pairs(normed, cos_ptr, sin_ptr, tokens, tokens >= 0, D, HALF, 1.0, BLOCK_H, D).to(ty)
+
+
+@triton.jit
+def _store_output(out, out_ptr, cos_ptr, sin_ptr, row, heads, H, HALF, D: tl.constexpr, BLOCK_H: tl.constexpr,
+                  ROPE: tl.constexpr):
+    """One row's heads ``out [BH, D]`` (fp32, normalised) rounded into ``out_ptr``; with ``ROPE`` the rounded output
+    rotated back first (``apply_rope_(..., inverse=True)``)."""
+    ty = out_ptr.dtype.element_ty
+    out = out.to(ty)
+    if ROPE:
+        tokens = tl.zeros([BLOCK_H], dtype=tl.int64) + row
+        out = rotate_pairs(out.to(tl.float32), cos_ptr, sin_ptr, tokens, tokens >= 0, D, HALF, -1.0, BLOCK_H,
+                           D).to(ty)
+    tl.store(out_ptr + (row * H + heads)[:, None] * D + tl.arange(0, D)[None, :], out)
+
+
+@triton.jit
+def _combine_kernel(opart_ptr, mpart_ptr, lpart_ptr, sinks_ptr, cos_ptr, sin_ptr, out_ptr, H, splits, HALF,
+                    D: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS_P2: tl.constexpr, ROPE: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    """Program (head block, row): the splits' partials into the output (module docstring, step 2); ``ROPE``: rotated
+    back (``_store_output``)."""
     pdl.begin(PDL)
     heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
     row = tl.program_id(1).to(tl.int64)
@@ -111,7 +144,7 @@ def _combine_kernel(opart_ptr, mpart_ptr, lpart_ptr, sinks_ptr, out_ptr, H, spli
     part = (row * splits + s)[:, None] * H + heads[None, :]  # [SP, BH]
     m = tl.load(mpart_ptr + part, mask=in_s[:, None], other=float("-inf"))
     den = tl.load(lpart_ptr + part, mask=in_s[:, None], other=0.0)
-    sink = tl.load(sinks_ptr + heads)  # [BH]: base 2
+    sink = tl.load(sinks_ptr + heads) * LOG2E  # [BH]
     top = tl.maximum(tl.max(m, axis=0), sink)  # [BH]
     weight = tl.exp2(m - top[None, :])  # [SP, BH]: 0 past the splits
     total = tl.sum(den * weight, axis=0) + tl.exp2(sink - top)
@@ -121,8 +154,7 @@ def _combine_kernel(opart_ptr, mpart_ptr, lpart_ptr, sinks_ptr, out_ptr, H, spli
         w = tl.sum(tl.where(s[:, None] == i, weight, 0.0), axis=0)  # [BH]
         o = tl.load(opart_ptr + ((row * splits + i) * H + heads)[:, None] * D + dims[None, :])  # [BH, D]
         acc += o * w[:, None]
-    out = (acc / total[:, None]).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + (row * H + heads)[:, None] * D + dims[None, :], out)
+    _store_output(acc / total[:, None], out_ptr, cos_ptr, sin_ptr, row, heads, H, HALF, D, BLOCK_H, ROPE)
 
 
 def max_rows() -> int:
@@ -163,25 +195,73 @@ def with_fallback(fallback: Callable) -> Callable:
                        scale: float) -> torch.Tensor:
         if not (q.is_cuda and covered(q, kv)):
             return fallback(q, kv, visible, sinks, scale)
-        splits = num_splits(q.shape[0], q.shape[2], kv.shape[1], _sm_count(q.device.index or 0))
-        return decode_attention(q, kv, visible, sinks, float(scale), splits)
+        return _attend(q, kv, visible, sinks, scale, 0.0, None, None)
 
     sink_attention.__doc__ = f"Decode rows through ``decode_attention``, other rows through ``{fallback.__name__}``."
+    sink_attention.fallback = fallback
     return sink_attention
 
 
-@opaque_under_compile("decode_sink_attention", lambda q, kv, visible, sinks, scale, splits: q.new_empty(q.shape))
-def decode_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor, scale: float,
-                     splits: int) -> torch.Tensor:
+def roped_with_fallback(fallback: Callable) -> Callable:
+    """Op ``roped_sink_attention``: the kernel with the query norm and both rotations inside for ``covered`` GPU
+    tensors, else ``fallback`` (same arguments: the composition of the table's ``rms_norm_rope``, ``sink_attention``
+    and ``apply_rope_``)."""
+
+    def roped_sink_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor,
+                             scale: float, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if not (q.is_cuda and covered(q, kv) and q.shape[-1] >= 2 * cos.shape[-1]):
+            return fallback(q, kv, visible, sinks, scale, eps, cos, sin)
+        return _attend(q, kv, visible, sinks, scale, eps, cos.flatten(0, 1), sin.flatten(0, 1))
+
+    roped_sink_attention.fallback = fallback
+    return roped_sink_attention
+
+
+def _attend(q, kv, visible, sinks, scale, eps, cos, sin) -> torch.Tensor:
+    rows, lk = q.shape[0] * q.shape[1], kv.shape[1]
+    blocks, counts = planned_blocks(visible, visible.reshape(rows, lk).contiguous().view(torch.uint8))
+    splits = num_splits(q.shape[0], q.shape[2], lk, _sm_count(q.device.index or 0))
+    return decode_attention(q, kv, visible, blocks, counts, sinks, float(scale), splits, float(eps), cos, sin)
+
+
+_PLANS: dict[int, tuple] = {}
+_MAX_PLANS = 64
+
+
+def planned_blocks(visible: torch.Tensor, vis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``key_blocks.visible_blocks(vis, BLOCK_N)`` of the mask ``visible`` (``vis``: it as ``[rows, Lk]`` bytes), made
+    once per mask: the layers of a step that share a mask (every sliding layer; the compressed layers of one ratio
+    whose indexer selects every entry) share its block lists, as FlashInfer plans a step once for all its layers. A
+    mask is never written after it is made (the layout's and the indexer's are fresh tensors); a mask object that
+    died is never matched (its weak reference is checked)."""
+    if torch.compiler.is_compiling():
+        return visible_blocks(vis, BLOCK_N)
+    plan = _PLANS.get(id(visible))
+    if plan is not None and plan[0]() is visible:
+        return plan[1]
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    made = visible_blocks(vis, BLOCK_N)
+    _PLANS[id(visible)] = (weakref.ref(visible), made)
+    return made
+
+
+@opaque_under_compile("decode_sink_attention", lambda q, *args: q.new_empty(q.shape))
+def decode_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, blocks: torch.Tensor,
+                     counts: torch.Tensor, sinks: torch.Tensor, scale: float, splits: int, eps: float = 0.0,
+                     cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
     """``reference.sink_attention`` of ``covered`` inputs with ``splits`` key splits per row: ``q [S, 1, H, d]``,
-    ``kv [S, Lk, d]``, ``visible [S, 1, Lk]`` bool, ``sinks [H]`` -> ``[S, 1, H, d]``."""
+    ``kv [S, Lk, d]``, ``visible [S, 1, Lk]`` bool (its visible key blocks ``blocks [S, NB]`` / ``counts [S]``:
+    ``planned_blocks``), ``sinks [H]`` -> ``[S, 1, H, d]``. With ``cos`` / ``sin [S, rope_dim // 2]``: the
+    ``roped_sink_attention`` of the raw queries instead (their per-head norm with ``eps`` and both rotations inside)."""
     S, Lq, H, d = q.shape
     Lk = kv.shape[1]
     rows = S * Lq
+    rope = cos is not None
     qf = q.reshape(rows, H, d).contiguous()  # [B, H, d]
     vis = visible.reshape(rows, Lk).contiguous().view(torch.uint8)  # [B, Lk]
-    blocks, counts = visible_blocks(vis, BLOCK_N)  # [B, NB], [B]
-    sk = (sinks.float() * LOG2E).contiguous()  # [H]: base 2, as the kernels keep the logits
+    angles = (cos.contiguous(), sin.contiguous()) if rope else (qf, qf)  # [B, rope_dim // 2] each, or unread
+    half = cos.shape[-1] if rope else 0
     out = torch.empty(rows, H, d, device=q.device, dtype=q.dtype)
     if splits > 1:
         opart = torch.empty(rows, splits, H, d, device=q.device, dtype=torch.float32)
@@ -189,11 +269,13 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, s
         lpart = torch.empty_like(mpart)
     else:
         opart = mpart = lpart = out  # not written
+    sinks = sinks.float().contiguous()
     _split_kernel[(splits, H // BLOCK_H, rows)](
-        qf, kv.contiguous(), vis, blocks, counts, sk, out, opart, mpart, lpart, Lq, Lk, H, blocks.shape[1], splits,
-        float(scale) * LOG2E, D=d, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, WHOLE=splits == 1, num_warps=4, num_stages=2,
-        **pdl.launch())
+        qf, kv.contiguous(), vis, blocks, counts, sinks, *angles, out, opart, mpart, lpart, Lq, Lk, H, blocks.shape[1],
+        splits, float(scale) * LOG2E.value, eps, half, D=d, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, WHOLE=splits == 1,
+        ROPE=rope, num_warps=4, num_stages=2, **pdl.launch())
     if splits > 1:
-        _combine_kernel[(H // BLOCK_H, rows)](opart, mpart, lpart, sk, out, H, splits, D=d, BLOCK_H=BLOCK_H,
-                                              SPLITS_P2=triton.next_power_of_2(splits), num_warps=4, **pdl.launch())
+        _combine_kernel[(H // BLOCK_H, rows)](opart, mpart, lpart, sinks, *angles, out, H, splits, half, D=d,
+                                              BLOCK_H=BLOCK_H, SPLITS_P2=triton.next_power_of_2(splits), ROPE=rope,
+                                              num_warps=4, **pdl.launch())
     return out.view(S, Lq, H, d)

@@ -48,14 +48,15 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 
 
 class Forked:
-    """Work queued on the side stream; ``join()`` makes the caller's stream wait for it and returns its result."""
+    """Work queued on the side stream up to ``done``; ``join()`` makes the caller's stream wait for it (not for work
+    forked after it) and returns its result."""
 
-    def __init__(self, result: Any, main: torch.cuda.Stream, side: torch.cuda.Stream):
-        self.result, self.main, self.side = result, main, side
+    def __init__(self, result: Any, main: torch.cuda.Stream, done: torch.cuda.Event):
+        self.result, self.main, self.done = result, main, done
 
     def join(self) -> Any:
         """``fn``'s result, safe to use on the caller's stream from here on."""
-        self.main.wait_stream(self.side)
+        self.main.wait_event(self.done)
         for t in _tensors(self.result):
             if t.is_cuda:
                 t.record_stream(self.main)  # made on the side stream, freed from the caller's: reuse waits for it
@@ -76,7 +77,9 @@ def fork(fn: Callable[..., Any], *args: Any) -> Forked | ref.Finished:
     side.wait_stream(main)
     with torch.cuda.stream(side):
         result = fn(*args)
+    done = torch.cuda.Event()
+    done.record(side)
     for t in tensors:
         if t.is_cuda:
             t.record_stream(side)  # a caller that drops an argument early must not see its memory reused under fn
-    return Forked(result, main, side)
+    return Forked(result, main, done)

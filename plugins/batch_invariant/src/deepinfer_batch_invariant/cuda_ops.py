@@ -95,6 +95,8 @@ VARIANTS["compressor_entries_rope"] = _ref.entries_rope(VARIANTS["compressor_ent
 VARIANTS["rms_norm_rope"] = _ref.normed_rope(VARIANTS["rms_norm"], VARIANTS["unweighted_rms_norm"], _ref.apply_rope_)
 VARIANTS["hc_pre_normed"] = _ref.pre_normed(VARIANTS["hc_pre"], VARIANTS["rms_norm"])
 VARIANTS["hc_post_sum"] = _ref.post_sum(VARIANTS["hc_post"])
+VARIANTS["roped_sink_attention"] = _ref.roped_attention(VARIANTS["rms_norm_rope"], VARIANTS["sink_attention"],
+                                                       _ref.apply_rope_)
 """The fused ops as their parts above, one after the other."""
 
 REFERENCE_KEPT: dict[str, str] = {
