@@ -88,6 +88,25 @@ def test_hc_pre_normed_matches_hc_pre_then_the_norm(tokens, hc_mult, width, dtyp
         torch.testing.assert_close(g, w, **tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@kernel_runs_here
+@pytest.mark.parametrize("warps", [1, 2])
+def test_hc_pre_normed_decode_launch_with_fewer_warps_gives_the_same_bits(warps, monkeypatch):
+    """The decode launch with one or two warps (the row in blocks of ``DECODE_BLOCK_D``, 4096 channels: four or two
+    blocks) gives the four-warp whole-row launch's weights bit for bit and its normed row up to the order of the sum
+    of squares (block by block), and stays with decode sizes."""
+    streams, fn, base, scale = _case(2, 4, 4096, torch.float32, seed=warps)
+    weight = torch.randn(4096, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(3))
+    args = (streams, fn, base, scale, 7, 1e-6, 1e-6, weight)
+    monkeypatch.setenv(hc.DECODE_WARPS_ENV, "4")
+    want = hc.hc_pre_normed(*args)
+    monkeypatch.setenv(hc.DECODE_WARPS_ENV, str(warps))
+    assert hc.finish_launch(2, 4096) == (warps, hc.DECODE_BLOCK_D[warps])
+    assert hc.finish_launch(hc.DECODE_TOKENS + 1, 4096) == (hc.NORM_WARPS, 4096)
+    post, comb, normed = hc.hc_pre_normed(*args)
+    assert torch.equal(post, want[0]) and torch.equal(comb, want[1])
+    torch.testing.assert_close(normed, want[2], atol=1e-6, rtol=1e-6)
+
+
 MIX_CASES = [(kernel, tokens, hc_mult, width, dtype) for dtype in (torch.float32, torch.bfloat16)
              for kernel, tokens, hc_mult, width in (
                  (None, 1, 4, 1024), (None, 3, 4, 100), (None, 6, 3, 300), (None, 64, 4, 64),
