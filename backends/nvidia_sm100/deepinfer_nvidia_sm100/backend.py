@@ -189,16 +189,19 @@ class CudaGraphRunner:
 
     def __init__(self, fn: Callable[..., Any], example_inputs: tuple[Any, ...], device: torch.device,
                  warmup: int = 2, pool: Any = None) -> None:
+        from deepinfer_nvidia_sm100.kernels.compiled import capturing
+
         self.static_inputs = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in example_inputs)
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(warmup):  # compile / autotune outside the capture
-                fn(*self.static_inputs)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.static_outputs = fn(*self.static_inputs)
+        with capturing():
+            with torch.cuda.stream(stream):
+                for _ in range(warmup):  # compile / autotune outside the capture
+                    fn(*self.static_inputs)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.static_outputs = fn(*self.static_inputs)
 
     def __call__(self, *args: Any) -> Any:
         for dst, src in zip(self.static_inputs, args, strict=True):

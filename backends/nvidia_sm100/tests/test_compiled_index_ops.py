@@ -61,3 +61,27 @@ def test_the_index_ops_are_compiled_overrides(monkeypatch):
         assert ops[name] is not getattr(ref, name) and ops[name].__name__ == name
     monkeypatch.setenv(compiled.ENV, "0")
     assert compiled.compiled_ops() == {}
+
+
+def test_graph_only_ops_run_eagerly_outside_a_capture_and_compiled_inside(monkeypatch):
+    """``compiled_in_graphs``: outside ``capturing()`` a call runs the function itself, inside (nested too) its
+    ``maybe_compile`` form; the table's graph-only ops are built that way."""
+    monkeypatch.setenv(compiled.ENV, "1")
+    routed = []
+    monkeypatch.setattr(compiled, "maybe_compile", lambda fn: lambda *a: routed.append("compiled") or fn(*a))
+
+    def scaled(x):
+        routed.append("eager")
+        return (x * 3 + 1).sin()
+
+    op, x = compiled.compiled_in_graphs(scaled), torch.linspace(-2, 2, 16)
+    want = (x * 3 + 1).sin()
+    torch.testing.assert_close(op(x), want)
+    with compiled.capturing():
+        torch.testing.assert_close(op(x), want)
+        with compiled.capturing():
+            op(x)
+    torch.testing.assert_close(op(x), want)
+    assert routed == ["eager", "compiled", "eager", "compiled", "eager", "eager"]
+    ops = compiled.compiled_ops()
+    assert set(compiled.GRAPH_ONLY_OPS) <= set(ops) and ops["rope_cos_sin"].__name__ == "rope_cos_sin"

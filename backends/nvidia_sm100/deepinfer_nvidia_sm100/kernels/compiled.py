@@ -112,11 +112,46 @@ def _concatenations_copied():
         lowering.pointwise_cat = original
 
 
+GRAPH_ONLY_OPS = ("rope_cos_sin", "hc_head")
+"""Compiled where a CUDA graph captures them, eager elsewhere: a few small kernels whose compiled call costs the host
+more (TorchDynamo's guards, ~0.3-0.4 ms a call in an eager 1K-token prefill step on the H200, docs/performance.md
+4.18) than their eager launches, while in a graph only the one fused kernel replays."""
+
+
 def compiled_ops() -> dict[str, Callable]:
-    """Op name -> ``torch.compile`` of its reference op (dynamic shapes: one compile serves every batch)."""
+    """Op name -> ``torch.compile`` of its reference op (dynamic shapes: one compile serves every batch); the
+    ``GRAPH_ONLY_OPS`` compiled only while a CUDA graph is being captured."""
     if not enabled():
         return {}
-    return {name: maybe_compile(getattr(ref, name)) for name in COMPILED_OPS}
+    ops = {name: maybe_compile(getattr(ref, name)) for name in COMPILED_OPS}
+    ops.update({name: compiled_in_graphs(getattr(ref, name)) for name in GRAPH_ONLY_OPS})
+    return ops
+
+
+_capturing = 0  # graph captures (their warm-up calls included) in progress: ``capturing``
+
+
+@contextlib.contextmanager
+def capturing():
+    """Marks a CUDA graph's warm-up and capture (``backend.CudaGraphRunner``): ``compiled_in_graphs`` ops compile
+    there (in the warm-up, so nothing compiles inside the capture itself)."""
+    global _capturing
+    _capturing += 1
+    try:
+        yield
+    finally:
+        _capturing -= 1
+
+
+def compiled_in_graphs(fn: Callable) -> Callable:
+    """``maybe_compile(fn)`` inside ``capturing()``, else ``fn``."""
+    compiled = maybe_compile(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        return (compiled if _capturing else fn)(*args, **kwargs)
+
+    return call
 
 
 def opaque_under_compile(name: str, fake: Callable, mutates_args: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
