@@ -121,11 +121,11 @@ def _with_decode_attention(attention: Callable) -> Callable:
 def _roped_attention(ops: Mapping[str, Callable]) -> dict[str, Callable]:
     """``roped_sink_attention``: decode rows through the Triton kernel with the query norm and both rotations inside,
     other rows through the composition of ``ops``' own query norm, attention and RoPE (``kernels/decode_attention.py``;
-    nothing unless ``DEEPINFER_NVIDIA_DECODE_ATTN`` is on)."""
+    nothing unless ``DEEPINFER_NVIDIA_DECODE_ATTN`` and ``DEEPINFER_NVIDIA_DECODE_ATTN_ROPE`` are on)."""
     from deepinfer_core.ops import reference as ref
     from deepinfer_nvidia_sm100.kernels import decode_attention
 
-    if not decode_attention.enabled():
+    if not (decode_attention.enabled() and decode_attention.rope_enabled()):
         return {}
     norm_rope = ops.get("rms_norm_rope") or ref.normed_rope(ops.get("rms_norm", ref.rms_norm),
                                                             ops.get("unweighted_rms_norm", ref.unweighted_rms_norm),

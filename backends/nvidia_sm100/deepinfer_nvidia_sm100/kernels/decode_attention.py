@@ -54,6 +54,12 @@ def enabled() -> bool:
     return env_flag(ENV, "1")
 
 
+def rope_enabled() -> bool:
+    """Whether ``DEEPINFER_NVIDIA_DECODE_ATTN_ROPE`` puts the kernel with the query norm and the rotations inside in
+    the op table as ``roped_sink_attention`` (on by default; off, that op is composed of its parts)."""
+    return env_flag(ENV + "_ROPE", "1")
+
+
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # the kernels keep logits in base 2
 
 

@@ -25,15 +25,26 @@ MAX_ROWS = 512
 """Forked work whose first tensor argument (the activations, by the op's convention) has more rows runs in place."""
 
 
+INLINE_ENV = "DEEPINFER_NVIDIA_FORK_INLINE"
+PRIORITY_ENV = "DEEPINFER_NVIDIA_SIDE_PRIORITY"
+
+
 def enabled() -> bool:
     """Forked work on a second stream, unless ``DEEPINFER_NVIDIA_STREAMS=0``."""
     return os.environ.get("DEEPINFER_NVIDIA_STREAMS", "1") != "0"
 
 
+def inlined(fn: Callable) -> bool:
+    """Whether ``fn`` is named in ``DEEPINFER_NVIDIA_FORK_INLINE`` (comma-separated function names whose forks run
+    in place: A/B runs of one fork)."""
+    return getattr(fn, "__name__", "") in os.environ.get(INLINE_ENV, "").split(",")
+
+
 @functools.cache
 def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream of ``device``, made on first use and kept (every fork and every captured graph shares it)."""
-    return torch.cuda.Stream(device)
+    """The side stream of ``device``, made on first use and kept (every fork and every captured graph shares it);
+    ``DEEPINFER_NVIDIA_SIDE_PRIORITY`` sets its priority (lower is higher; 0 is the default streams')."""
+    return torch.cuda.Stream(device, priority=int(os.environ.get(PRIORITY_ENV, "0")))
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -68,7 +79,7 @@ def fork(fn: Callable[..., Any], *args: Any) -> Forked | ref.Finished:
     to here, then runs ``fn``."""
     tensors = list(_tensors(args))
     small = bool(tensors) and (tensors[0].dim() == 0 or tensors[0].shape[0] <= MAX_ROWS)
-    if not enabled() or torch.compiler.is_compiling() or not small or not tensors[0].is_cuda:
+    if not enabled() or torch.compiler.is_compiling() or not small or not tensors[0].is_cuda or inlined(fn):
         return ref.fork(fn, *args)
     main = torch.cuda.current_stream()
     side = side_stream(main.device)
