@@ -50,6 +50,7 @@
 #   s15b     the second: the changed kernels' and the model's GPU tests, b1, the batch-1 decode profile, b1 again
 #   s15c     the third: the roped kernel test's mismatch, bench_hc_finish.py, b1 by switch (the roped attention off, the
 #            key path in place, a high-priority side stream, one-warp hc finish)
+#   s15final the last: test_model_gpu.py, the small-op and decode-attention GPU tests, b1 (median of 3), b64, b256
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -266,6 +267,20 @@ if [[ $what == s15c ]]; then  # the third: the roped kernel test's mismatch, the
   DEEPINFER_NVIDIA_FORK_INLINE=_keys,_fold_index bench b1-keys-inline "${b1[@]}"
   DEEPINFER_NVIDIA_SIDE_PRIORITY=-1 bench b1-side-high "${b1[@]}"
   DEEPINFER_NVIDIA_HC_DECODE_WARPS=1 bench b1-hc1 "${b1[@]}"
+  what=summary
+fi
+if [[ $what == s15final ]]; then  # the last: the model and changed ops' GPU tests, then b1 (median of 3), b64, b256
+  export BENCH_TIMEOUT=170
+  timeout 150 python -m pytest -q -p no:cacheprovider -rfEs backends/nvidia_sm100/tests/test_model_gpu.py 2>&1 \
+    | tail -3 | tee "$RES/tests-model.txt"; save
+  timeout 60 python -m pytest -q -p no:cacheprovider -rfE backends/nvidia_sm100/tests/test_kernels_gpu.py \
+    backends/nvidia_sm100/tests/test_triton_kernels.py -k "small_ops or decode_attention or planned" 2>&1 \
+    | tail -3 | tee "$RES/tests-kernels.txt"; save
+  python -c "from deepinfer_core.bench.presets import ensure_preset; ensure_preset('v4-flash-8l64e')" \
+    > "$RES/preset.log" 2>&1; sync
+  bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --num-iters 3
+  bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
+  bench b256 --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256
   what=summary
 fi
 if [[ $what == sched ]]; then

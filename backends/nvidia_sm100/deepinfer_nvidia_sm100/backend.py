@@ -106,7 +106,6 @@ def sm90_ops() -> dict[str, Callable]:
     ops = triton_ops()
     if tl_attention.available():  # bf16 with H % 64 == 0, d = 512; other inputs run the reference op
         ops["sink_attention"] = _with_decode_attention(tl_attention.sink_attention)
-        ops.update(_roped_attention(ops))
     return ops
 
 
@@ -116,22 +115,6 @@ def _with_decode_attention(attention: Callable) -> Callable:
     from deepinfer_nvidia_sm100.kernels import decode_attention
 
     return decode_attention.with_fallback(attention) if decode_attention.enabled() else attention
-
-
-def _roped_attention(ops: Mapping[str, Callable]) -> dict[str, Callable]:
-    """``roped_sink_attention``: decode rows through the Triton kernel with the query norm and both rotations inside,
-    other rows through the composition of ``ops``' own query norm, attention and RoPE (``kernels/decode_attention.py``;
-    nothing unless ``DEEPINFER_NVIDIA_DECODE_ATTN`` and ``DEEPINFER_NVIDIA_DECODE_ATTN_ROPE`` are on)."""
-    from deepinfer_core.ops import reference as ref
-    from deepinfer_nvidia_sm100.kernels import decode_attention
-
-    if not (decode_attention.enabled() and decode_attention.rope_enabled()):
-        return {}
-    norm_rope = ops.get("rms_norm_rope") or ref.normed_rope(ops.get("rms_norm", ref.rms_norm),
-                                                            ops.get("unweighted_rms_norm", ref.unweighted_rms_norm),
-                                                            ops["apply_rope_"])
-    composed = ref.roped_attention(norm_rope, ops["sink_attention"], ops["apply_rope_"])
-    return {"roped_sink_attention": decode_attention.roped_with_fallback(composed)}
 
 
 def sm100_ops() -> dict[str, Callable]:
@@ -144,8 +127,7 @@ def triton_ops() -> dict[str, Callable]:
     """The overrides both paths share: Triton kernels (``moe_experts``, the MoE routing, ``hc_pre``, ``hc_post`` and
     ``hc_post_sum``, ``apply_rope`` and ``apply_rope_``, ``sink_attention`` of decode rows, ``indexer_scores``,
     ``gather_keys``, ``compressor_entries`` and ``compressor_entries_rope``, the cache writes, the RMS norms, alone
-    and fused into RoPE (``rms_norm_rope``), the ``hc`` collapse (``hc_pre_normed``) and the decode attention
-    (``roped_sink_attention``), the
+    and fused into RoPE (``rms_norm_rope``) and the ``hc`` collapse (``hc_pre_normed``), the
     shared expert), ``grouped_linear`` as a strided cuBLAS batched GEMM (``kernels/blas.py``), the small ops that
     TorchInductor compiles to Triton, and ``fork`` on a second CUDA stream (``kernels/streams.py``)."""
     from deepinfer_core.ops import reference as ref
@@ -180,7 +162,6 @@ def triton_ops() -> dict[str, Callable]:
         ops.update(rms_norm=norm.rms_norm, unweighted_rms_norm=norm.unweighted_rms_norm,  # and the norms fused into
                    rms_norm_rope=norm.rms_norm_rope, hc_pre_normed=hc.hc_pre_normed,  # their neighbours' kernels
                    compressor_entries_rope=compressor.compressor_entries_rope)
-    ops.update(_roped_attention(ops))
     return ops
 
 

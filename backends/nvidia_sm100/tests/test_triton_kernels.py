@@ -88,25 +88,6 @@ def test_hc_pre_normed_matches_hc_pre_then_the_norm(tokens, hc_mult, width, dtyp
         torch.testing.assert_close(g, w, **tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@kernel_runs_here
-@pytest.mark.parametrize("warps", [1, 2])
-def test_hc_pre_normed_decode_launch_with_fewer_warps_gives_the_same_bits(warps, monkeypatch):
-    """The decode launch with one or two warps (the row in blocks of ``DECODE_BLOCK_D``, 4096 channels: four or two
-    blocks) gives the four-warp whole-row launch's weights bit for bit and its normed row up to the order of the sum
-    of squares (block by block), and stays with decode sizes."""
-    streams, fn, base, scale = _case(2, 4, 4096, torch.float32, seed=warps)
-    weight = torch.randn(4096, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(3))
-    args = (streams, fn, base, scale, 7, 1e-6, 1e-6, weight)
-    monkeypatch.setenv(hc.DECODE_WARPS_ENV, "4")
-    want = hc.hc_pre_normed(*args)
-    monkeypatch.setenv(hc.DECODE_WARPS_ENV, str(warps))
-    assert hc.finish_launch(2, 4096) == (warps, hc.DECODE_BLOCK_D[warps])
-    assert hc.finish_launch(hc.DECODE_TOKENS + 1, 4096) == (hc.NORM_WARPS, 4096)
-    post, comb, normed = hc.hc_pre_normed(*args)
-    assert torch.equal(post, want[0]) and torch.equal(comb, want[1])
-    torch.testing.assert_close(normed, want[2], atol=1e-6, rtol=1e-6)
-
-
 MIX_CASES = [(kernel, tokens, hc_mult, width, dtype) for dtype in (torch.float32, torch.bfloat16)
              for kernel, tokens, hc_mult, width in (
                  (None, 1, 4, 1024), (None, 3, 4, 100), (None, 6, 3, 300), (None, 64, 4, 64),
@@ -740,33 +721,6 @@ def _visible_blocks(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     from deepinfer_nvidia_sm100.kernels.decode_attention import BLOCK_N
 
     return key_blocks.visible_blocks(visible.reshape(-1, visible.shape[-1]).contiguous().view(torch.uint8), BLOCK_N)
-
-
-@kernel_runs_here
-@pytest.mark.parametrize("seqs, heads, dim, half, keys, splits", [
-    (1, 64, 512, 32, 384, 3), (1, 16, 128, 32, 100, 1), (2, 32, 64, 8, 130, 2)])
-def test_roped_decode_attention_is_the_composition_of_the_backend_kernels(seqs, heads, dim, half, keys, splits):
-    """The query norm + RoPE in the split kernel and the inverse RoPE in the output store (combine, or the whole
-    split) give what the three kernels give one after the other: ``norm.rms_norm_rope``, the plain decode
-    attention, ``rope.apply_rope_(..., inverse=True)``; and match the fp32 reference op."""
-    from deepinfer_nvidia_sm100.kernels import decode_attention, norm
-
-    gen = torch.Generator(device=DEVICE).manual_seed(keys + half)
-    q = (3 * torch.randn(seqs, 1, heads, dim, device=DEVICE, generator=gen)).to(DOT_DTYPE)
-    kv = torch.randn(seqs, keys, dim, device=DEVICE, generator=gen).to(DOT_DTYPE)
-    visible = torch.rand(seqs, 1, keys, device=DEVICE, generator=gen) < 0.7
-    sinks = torch.randn(heads, device=DEVICE, generator=gen)
-    angles = 10 * torch.rand(seqs, 1, half, device=DEVICE, generator=gen)
-    cos, sin = angles.cos().to(DOT_DTYPE), angles.sin().to(DOT_DTYPE)
-    blocks, scale, eps = _visible_blocks(visible), dim**-0.5, 1e-6
-    got = decode_attention.decode_attention(q, kv, visible, *blocks, sinks, scale, splits, eps, cos[:, 0], sin[:, 0])
-    normed = norm.rms_norm_rope(q[:, 0], None, eps, cos[:, 0], sin[:, 0])  # [S, H, d]
-    out = decode_attention.decode_attention(normed[:, None], kv, visible, *blocks, sinks, scale, splits)
-    composed = rope.apply_rope_(out[:, 0].clone(), cos[:, 0], sin[:, 0], inverse=True)
-    assert got.shape == q.shape and got.dtype == q.dtype
-    assert torch.equal(got[:, 0], composed)
-    want = ref.roped_sink_attention(q.float(), kv.float(), visible, sinks, scale, eps, cos.float(), sin.float())
-    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
 
 
 @kernel_runs_here

@@ -37,7 +37,6 @@ import triton.language as tl
 from deepinfer_nvidia_sm100.kernels import pdl
 from deepinfer_nvidia_sm100.kernels.compiled import env_flag, opaque_under_compile
 from deepinfer_nvidia_sm100.kernels.key_blocks import visible_blocks
-from deepinfer_nvidia_sm100.kernels.norm import normed_rows, rotate_pairs
 
 ENV = "DEEPINFER_NVIDIA_DECODE_ATTN"
 SPLITS_ENV = "DEEPINFER_NVIDIA_DECODE_ATTN_SPLITS"
@@ -54,23 +53,15 @@ def enabled() -> bool:
     return env_flag(ENV, "1")
 
 
-def rope_enabled() -> bool:
-    """Whether ``DEEPINFER_NVIDIA_DECODE_ATTN_ROPE`` puts the kernel with the query norm and the rotations inside in
-    the op table as ``roped_sink_attention`` (on by default; off, that op is composed of its parts)."""
-    return env_flag(ENV + "_ROPE", "1")
-
-
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # the kernels keep logits in base 2
 
 
 @triton.jit
-def _split_kernel(q_ptr, kv_ptr, vis_ptr, blocks_ptr, counts_ptr, sinks_ptr, cos_ptr, sin_ptr, out_ptr, opart_ptr,
-                  mpart_ptr, lpart_ptr, queries, Lk, H, NB, splits, scale_log2, eps, HALF, D: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, WHOLE: tl.constexpr, ROPE: tl.constexpr,
-                  PDL: tl.constexpr = False):
+def _split_kernel(q_ptr, kv_ptr, vis_ptr, blocks_ptr, counts_ptr, sinks_ptr, out_ptr, opart_ptr, mpart_ptr,
+                  lpart_ptr, queries, Lk, H, NB, splits, scale_log2, D: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_N: tl.constexpr, WHOLE: tl.constexpr, PDL: tl.constexpr = False):
     """Program (split, head block, row): the online softmax over this split's share of the row's visible key blocks
-    (module docstring, step 1); ``WHOLE`` (one split): normalised into ``out``, no partials. ``ROPE``: ``q`` is the
-    raw projection, normed per head and RoPE'd here (``_roped_queries``), and a ``WHOLE`` output is rotated back."""
+    (module docstring, step 1); ``WHOLE`` (one split): normalised into ``out``, no partials."""
     pdl.begin(PDL)
     split = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
@@ -78,8 +69,6 @@ def _split_kernel(q_ptr, kv_ptr, vis_ptr, blocks_ptr, counts_ptr, sinks_ptr, cos
     seq = row // queries
     dims = tl.arange(0, D)  # [D]
     q = tl.load(q_ptr + (row * H + heads)[:, None] * D + dims[None, :])  # [BH, D]
-    if ROPE:
-        q = _roped_queries(q, cos_ptr, sin_ptr, row, eps, HALF, D, BLOCK_H)
     sink = tl.load(sinks_ptr + heads) * LOG2E  # [BH]
     m = sink  # the sink is a floor for the running max
     den = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -104,7 +93,8 @@ def _split_kernel(q_ptr, kv_ptr, vis_ptr, blocks_ptr, counts_ptr, sinks_ptr, cos
         m = m_new
     if WHOLE:  # the combine of one split: the sink once, in the denominator
         scale = 1.0 / (den + tl.exp2(sink - m))
-        _store_output(acc * scale[:, None], out_ptr, cos_ptr, sin_ptr, row, heads, H, HALF, D, BLOCK_H, ROPE)
+        tl.store(out_ptr + (row * H + heads)[:, None] * D + dims[None, :],
+                 (acc * scale[:, None]).to(out_ptr.dtype.element_ty))
     else:
         part = (row * splits + split) * H + heads  # [BH]
         tl.store(opart_ptr + part[:, None] * D + dims[None, :], acc)
@@ -113,35 +103,9 @@ def _split_kernel(q_ptr, kv_ptr, vis_ptr, blocks_ptr, counts_ptr, sinks_ptr, cos
 
 
 @triton.jit
-def _roped_queries(q, cos_ptr, sin_ptr, row, eps, HALF, D: tl.constexpr, BLOCK_H: tl.constexpr):
-    """``rms_norm_rope(q, None, eps, cos, sin)`` of one row's heads ``q [BH, D]`` (16-bit), rounded as that op
-    rounds (``norm.normed_rows``, then ``norm.rotate_pairs`` by the row's angle)."""
-    ty = q.dtype
-    normed = normed_rows(q.to(tl.float32), cos_ptr, D, eps, ty, D, False).to(ty).to(tl.float32)  # [BH, D]
-    tokens = tl.zeros([BLOCK_H], dtype=tl.int64) + row
-    return rotate_pairs(normed, cos_ptr, sin_ptr, tokens, tokens >= 0, D, HALF, 1.0, BLOCK_H, D).to(ty)
-
-
-@triton.jit
-def _store_output(out, out_ptr, cos_ptr, sin_ptr, row, heads, H, HALF, D: tl.constexpr, BLOCK_H: tl.constexpr,
-                  ROPE: tl.constexpr):
-    """One row's heads ``out [BH, D]`` (fp32, normalised) rounded into ``out_ptr``; with ``ROPE`` the rounded output
-    rotated back first (``apply_rope_(..., inverse=True)``)."""
-    ty = out_ptr.dtype.element_ty
-    out = out.to(ty)
-    if ROPE:
-        tokens = tl.zeros([BLOCK_H], dtype=tl.int64) + row
-        out = rotate_pairs(out.to(tl.float32), cos_ptr, sin_ptr, tokens, tokens >= 0, D, HALF, -1.0, BLOCK_H,
-                           D).to(ty)
-    tl.store(out_ptr + (row * H + heads)[:, None] * D + tl.arange(0, D)[None, :], out)
-
-
-@triton.jit
-def _combine_kernel(opart_ptr, mpart_ptr, lpart_ptr, sinks_ptr, cos_ptr, sin_ptr, out_ptr, H, splits, HALF,
-                    D: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS_P2: tl.constexpr, ROPE: tl.constexpr,
-                    PDL: tl.constexpr = False):
-    """Program (head block, row): the splits' partials into the output (module docstring, step 2); ``ROPE``: rotated
-    back (``_store_output``)."""
+def _combine_kernel(opart_ptr, mpart_ptr, lpart_ptr, sinks_ptr, out_ptr, H, splits, D: tl.constexpr,
+                    BLOCK_H: tl.constexpr, SPLITS_P2: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (head block, row): the splits' partials into the output (module docstring, step 2)."""
     pdl.begin(PDL)
     heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
     row = tl.program_id(1).to(tl.int64)
@@ -160,7 +124,8 @@ def _combine_kernel(opart_ptr, mpart_ptr, lpart_ptr, sinks_ptr, cos_ptr, sin_ptr
         w = tl.sum(tl.where(s[:, None] == i, weight, 0.0), axis=0)  # [BH]
         o = tl.load(opart_ptr + ((row * splits + i) * H + heads)[:, None] * D + dims[None, :])  # [BH, D]
         acc += o * w[:, None]
-    _store_output(acc / total[:, None], out_ptr, cos_ptr, sin_ptr, row, heads, H, HALF, D, BLOCK_H, ROPE)
+    out = (acc / total[:, None]).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + (row * H + heads)[:, None] * D + dims[None, :], out)
 
 
 def max_rows() -> int:
@@ -201,33 +166,18 @@ def with_fallback(fallback: Callable) -> Callable:
                        scale: float) -> torch.Tensor:
         if not (q.is_cuda and covered(q, kv)):
             return fallback(q, kv, visible, sinks, scale)
-        return _attend(q, kv, visible, sinks, scale, 0.0, None, None)
+        return _attend(q, kv, visible, sinks, scale)
 
     sink_attention.__doc__ = f"Decode rows through ``decode_attention``, other rows through ``{fallback.__name__}``."
     sink_attention.fallback = fallback
     return sink_attention
 
 
-def roped_with_fallback(fallback: Callable) -> Callable:
-    """Op ``roped_sink_attention``: the kernel with the query norm and both rotations inside for ``covered`` GPU
-    tensors, else ``fallback`` (same arguments: the composition of the table's ``rms_norm_rope``, ``sink_attention``
-    and ``apply_rope_``)."""
-
-    def roped_sink_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor,
-                             scale: float, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if not (q.is_cuda and covered(q, kv) and q.shape[-1] >= 2 * cos.shape[-1]):
-            return fallback(q, kv, visible, sinks, scale, eps, cos, sin)
-        return _attend(q, kv, visible, sinks, scale, eps, cos.flatten(0, 1), sin.flatten(0, 1))
-
-    roped_sink_attention.fallback = fallback
-    return roped_sink_attention
-
-
-def _attend(q, kv, visible, sinks, scale, eps, cos, sin) -> torch.Tensor:
+def _attend(q, kv, visible, sinks, scale) -> torch.Tensor:
     rows, lk = q.shape[0] * q.shape[1], kv.shape[1]
     blocks, counts = planned_blocks(visible, visible.reshape(rows, lk).contiguous().view(torch.uint8))
     splits = num_splits(q.shape[0], q.shape[2], lk, _sm_count(q.device.index or 0))
-    return decode_attention(q, kv, visible, blocks, counts, sinks, float(scale), splits, float(eps), cos, sin)
+    return decode_attention(q, kv, visible, blocks, counts, sinks, float(scale), splits)
 
 
 _PLANS: dict[int, tuple] = {}
@@ -252,22 +202,18 @@ def planned_blocks(visible: torch.Tensor, vis: torch.Tensor) -> tuple[torch.Tens
     return made
 
 
-@opaque_under_compile("decode_sink_attention", lambda q, *args: q.new_empty(q.shape))
+@opaque_under_compile("decode_sink_attention",
+                      lambda q, kv, visible, blocks, counts, sinks, scale, splits: q.new_empty(q.shape))
 def decode_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, blocks: torch.Tensor,
-                     counts: torch.Tensor, sinks: torch.Tensor, scale: float, splits: int, eps: float = 0.0,
-                     cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
+                     counts: torch.Tensor, sinks: torch.Tensor, scale: float, splits: int) -> torch.Tensor:
     """``reference.sink_attention`` of ``covered`` inputs with ``splits`` key splits per row: ``q [S, 1, H, d]``,
     ``kv [S, Lk, d]``, ``visible [S, 1, Lk]`` bool (its visible key blocks ``blocks [S, NB]`` / ``counts [S]``:
-    ``planned_blocks``), ``sinks [H]`` -> ``[S, 1, H, d]``. With ``cos`` / ``sin [S, rope_dim // 2]``: the
-    ``roped_sink_attention`` of the raw queries instead (their per-head norm with ``eps`` and both rotations inside)."""
+    ``planned_blocks``), ``sinks [H]`` -> ``[S, 1, H, d]``."""
     S, Lq, H, d = q.shape
     Lk = kv.shape[1]
     rows = S * Lq
-    rope = cos is not None
     qf = q.reshape(rows, H, d).contiguous()  # [B, H, d]
     vis = visible.reshape(rows, Lk).contiguous().view(torch.uint8)  # [B, Lk]
-    angles = (cos.contiguous(), sin.contiguous()) if rope else (qf, qf)  # [B, rope_dim // 2] each, or unread
-    half = cos.shape[-1] if rope else 0
     out = torch.empty(rows, H, d, device=q.device, dtype=q.dtype)
     if splits > 1:
         opart = torch.empty(rows, splits, H, d, device=q.device, dtype=torch.float32)
@@ -277,11 +223,10 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, b
         opart = mpart = lpart = out  # not written
     sinks = sinks.float().contiguous()
     _split_kernel[(splits, H // BLOCK_H, rows)](
-        qf, kv.contiguous(), vis, blocks, counts, sinks, *angles, out, opart, mpart, lpart, Lq, Lk, H, blocks.shape[1],
-        splits, float(scale) * LOG2E.value, eps, half, D=d, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, WHOLE=splits == 1,
-        ROPE=rope, num_warps=4, num_stages=2, **pdl.launch())
+        qf, kv.contiguous(), vis, blocks, counts, sinks, out, opart, mpart, lpart, Lq, Lk, H, blocks.shape[1], splits,
+        float(scale) * LOG2E.value, D=d, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, WHOLE=splits == 1, num_warps=4,
+        num_stages=2, **pdl.launch())
     if splits > 1:
-        _combine_kernel[(H // BLOCK_H, rows)](opart, mpart, lpart, sinks, *angles, out, H, splits, half, D=d,
-                                              BLOCK_H=BLOCK_H, SPLITS_P2=triton.next_power_of_2(splits), ROPE=rope,
-                                              num_warps=4, **pdl.launch())
+        _combine_kernel[(H // BLOCK_H, rows)](opart, mpart, lpart, sinks, out, H, splits, D=d, BLOCK_H=BLOCK_H,
+                                              SPLITS_P2=triton.next_power_of_2(splits), num_warps=4, **pdl.launch())
     return out.view(S, Lq, H, d)

@@ -19,8 +19,6 @@ streams take up to 16 tokens: 11-22 us). An fp32 ``tl.dot`` (IEEE) variant lost 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -32,10 +30,6 @@ from deepinfer_nvidia_sm100.kernels.compiled import maybe_compile, opaque_under_
 
 NORM_MAX_BLOCK_D = 8192  # hc_pre_normed: rows up to this wide are collapsed and normed in registers, in one pass
 NORM_WARPS = 4  # H200 (bench_hc_norm.py): 4 warps 12.8 / 18.6 / 290.6 us at 1 / 256 / 8192 tokens; 8 and 16 slower
-DECODE_TOKENS = 16  # hc_pre_normed on at most this many tokens: the decode launch (``finish_launch``)
-DECODE_WARPS_ENV = "DEEPINFER_NVIDIA_HC_DECODE_WARPS"
-DECODE_WARPS = 4  # the finishing kernel's warps at decode sizes (DECODE_WARPS_ENV sets it for A/B runs)
-DECODE_BLOCK_D = {1: 1024, 2: 2048}  # channels a block by warps below 4 (their registers hold [hc, BLOCK_D])
 MIX_KERNEL_MAX_TOKENS = 16  # fp32 streams above this: the compiled reference (H200: 49.7 vs 21 us at 64 tokens)
 MIX_K_PER_SPLIT = 128  # row elements per program (128 programs for one token of V4-Flash)
 
@@ -420,19 +414,11 @@ def _pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight
     comb = torch.empty(tokens, hc, hc, dtype=torch.float32, device=streams.device)
     out = torch.empty(tokens, dim, dtype=streams.dtype, device=streams.device)
     normed = norm_weight is not None
-    warps, block_d = finish_launch(tokens, dim) if normed else (4, 1024)
+    # normed: a program per token, the whole row in one block up to NORM_MAX_BLOCK_D channels
+    block_d = min(triton.next_power_of_2(dim), NORM_MAX_BLOCK_D) if normed else 1024
     _hc_finish_weights_collapse_kernel[(tokens, 1 if normed else triton.cdiv(dim, block_d))](
         dots, squares, base.float().contiguous(), scale.float().contiguous(), streams.contiguous(), post, comb, out,
         norm_weight.contiguous() if normed else out, tokens, fn.shape[1], splits, norm_eps, sinkhorn_iters, hc_eps,
         dim, HC=hc, HC_P2=triton.next_power_of_2(hc), N_P2=n_p2, SPLITS_P2=triton.next_power_of_2(splits),
-        BLOCK_D=block_d, NORM=normed, num_warps=warps, **pdl.launch())
+        BLOCK_D=block_d, NORM=normed, num_warps=NORM_WARPS if normed else 4, **pdl.launch())
     return post, comb, out
-
-
-def finish_launch(tokens: int, dim: int) -> tuple[int, int]:
-    """``(warps, BLOCK_D)`` of the normed finishing kernel (a program per token): ``NORM_WARPS`` and the whole row in
-    one block up to ``NORM_MAX_BLOCK_D`` channels; up to ``DECODE_TOKENS`` tokens ``DECODE_WARPS`` (or
-    ``DEEPINFER_NVIDIA_HC_DECODE_WARPS``), fewer warps taking the row in ``DECODE_BLOCK_D`` blocks. One warp keeps the
-    Sinkhorn loop's reductions inside the warp (no shared-memory barrier)."""
-    warps = int(os.environ.get(DECODE_WARPS_ENV, DECODE_WARPS)) if tokens <= DECODE_TOKENS else NORM_WARPS
-    return warps, min(triton.next_power_of_2(dim), DECODE_BLOCK_D.get(warps, NORM_MAX_BLOCK_D))

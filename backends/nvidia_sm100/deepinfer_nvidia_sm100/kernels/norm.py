@@ -46,39 +46,22 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, rows, rows_per_tok
     at = r[:, None].to(tl.int64) * D + cols[None, :]
     x = tl.load(x_ptr + r[:, None].to(tl.int64) * x_row_stride + cols[None, :], mask=mask,
                 other=0.0).to(tl.float32)  # [R, BD]
-    out_ty = out_ptr.dtype.element_ty
-    y = normed_rows(x, w_ptr, D, eps, out_ty, BLOCK_D, WEIGHTED)
-    if ROPE:
-        y = rotate_pairs(y.to(out_ty).to(tl.float32), cos_ptr, sin_ptr, r // rows_per_token, r < rows, D, HALF, 1.0,
-                         ROWS, BLOCK_D)
-    tl.store(out_ptr + at, y.to(out_ty), mask=mask)
-
-
-@triton.jit
-def normed_rows(x, w_ptr, D, eps, out_ty: tl.constexpr, BLOCK_D: tl.constexpr, WEIGHTED: tl.constexpr):
-    """Rows ``x [R, BLOCK_D]`` (fp32, zeros past ``D``) RMS-normed with the reference's arithmetic, in fp32 before
-    the final rounding: times ``w [D]`` (``WEIGHTED``, ``rms_norm``), else times the scale rounded to ``out_ty``
-    (``unweighted_rms_norm``)."""
     scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)  # [R]
+    out_ty = out_ptr.dtype.element_ty
     if WEIGHTED:
-        cols = tl.arange(0, BLOCK_D)
         w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)  # [BD]
-        return w[None, :] * (x * scale[:, None])
-    return x * scale.to(out_ty).to(tl.float32)[:, None]
-
-
-@triton.jit
-def rotate_pairs(y, cos_ptr, sin_ptr, token, valid, D, HALF, sign, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rows ``y [ROWS, BLOCK_D]`` (fp32) with their trailing ``2 * HALF`` of ``D`` channels rotated in interleaved
-    pairs by the angle of each row's ``token [ROWS]`` (``cos`` / ``sin [tokens, HALF]``; rows not ``valid`` stay), as
-    ``apply_rope`` computes in fp32; ``sign`` -1 rotates backwards (``inverse``)."""
-    even, odd = tl.split(tl.reshape(y, (ROWS, BLOCK_D // 2, 2)))  # [R, BD / 2] each
-    pair = tl.arange(0, BLOCK_D // 2)[None, :] - (D // 2 - HALF)  # [1, BD / 2]: the pair's angle, < 0: no rope
-    turn = valid[:, None] & (pair >= 0) & (pair < HALF)
-    angle = token.to(tl.int64)[:, None] * HALF + pair
-    cos = tl.load(cos_ptr + angle, mask=turn, other=1.0).to(tl.float32)
-    sin = tl.load(sin_ptr + angle, mask=turn, other=0.0).to(tl.float32) * sign
-    return tl.reshape(tl.join(even * cos - odd * sin, odd * cos + even * sin), (ROWS, BLOCK_D))
+        y = w[None, :] * (x * scale[:, None])
+    else:
+        y = x * scale.to(out_ty).to(tl.float32)[:, None]
+    if ROPE:
+        even, odd = tl.split(tl.reshape(y.to(out_ty).to(tl.float32), (ROWS, BLOCK_D // 2, 2)))  # [R, BD / 2] each
+        pair = tl.arange(0, BLOCK_D // 2)[None, :] - (D // 2 - HALF)  # [1, BD / 2]: the pair's angle, < 0: no rope
+        turn = (r[:, None] < rows) & (pair >= 0) & (pair < HALF)
+        angle = (r // rows_per_token).to(tl.int64)[:, None] * HALF + pair
+        cos = tl.load(cos_ptr + angle, mask=turn, other=1.0).to(tl.float32)
+        sin = tl.load(sin_ptr + angle, mask=turn, other=0.0).to(tl.float32)
+        y = tl.reshape(tl.join(even * cos - odd * sin, odd * cos + even * sin), (ROWS, BLOCK_D))
+    tl.store(out_ptr + at, y.to(out_ty), mask=mask)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor | None = None,

@@ -40,11 +40,17 @@ def inlined(fn: Callable) -> bool:
     return getattr(fn, "__name__", "") in os.environ.get(INLINE_ENV, "").split(",")
 
 
+SIDE_PRIORITY = -1
+"""The side stream's priority (lower is higher; the default streams' is 0): its blocks are scheduled ahead of a
+running main-stream kernel's next blocks, so the forked chains of small kernels do not wait behind a GEMV's
+thousands of blocks (batch-1 TPOT 2.059 -> 2.036 ms on the H200, docs/performance.md 4.18)."""
+
+
 @functools.cache
 def side_stream(device: torch.device) -> torch.cuda.Stream:
     """The side stream of ``device``, made on first use and kept (every fork and every captured graph shares it);
-    ``DEEPINFER_NVIDIA_SIDE_PRIORITY`` sets its priority (lower is higher; 0 is the default streams')."""
-    return torch.cuda.Stream(device, priority=int(os.environ.get(PRIORITY_ENV, "0")))
+    priority ``SIDE_PRIORITY``, or ``DEEPINFER_NVIDIA_SIDE_PRIORITY`` (A/B runs)."""
+    return torch.cuda.Stream(device, priority=int(os.environ.get(PRIORITY_ENV, SIDE_PRIORITY)))
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
