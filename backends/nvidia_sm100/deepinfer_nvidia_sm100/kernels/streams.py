@@ -1,13 +1,16 @@
 """``fork`` on a second CUDA stream: the forked work runs beside the caller's next kernels, in eager steps and in
 CUDA graphs alike (a graph captured across two streams replays their kernels as concurrent branches).
 
-The model forks the compressor folds beside the query / key path and the shared expert beside the routing. At
-batch 1 those are chains of small kernels that leave most of the GPU idle; beside the weight-reading GEMVs of the
-other path they fill it (H200, docs/performance.md 4.13: batch-1 TPOT 3.08 -> 2.87 ms). Work on more than
+The model forks an attention layer's key path (the key norm, the compressor fold, the key gather, the ring write)
+beside its query path, the indexer's fold beside the attention, and the shared expert beside the routing. At batch
+1 those are chains of small kernels that leave most of the GPU idle; beside the weight-reading GEMVs of the other
+path they fill it (H200, docs/performance.md 4.13: batch-1 TPOT 3.08 -> 2.87 ms with the folds and the shared
+expert; 4.18: the key path forked, 2.098 -> 2.059 ms). ``join()`` waits for its own fork's work only (an event
+recorded after it), not for work forked later; the side stream runs at high priority (``SIDE_PRIORITY``). Work on more than
 ``MAX_ROWS`` rows (prefill) runs in place: its kernels fill the GPU alone, and forked, a 1K-token prompt's first
 token came 19 ms later and an 8 x 1K prefill step took 153 instead of ~100 ms (4.13; why was not measured).
-``DEEPINFER_NVIDIA_STREAMS=0`` runs all forked work in place (the reference op), for A/B runs; a step being compiled
-by TorchInductor also runs it in place.
+``DEEPINFER_NVIDIA_STREAMS=0`` runs all forked work in place (the reference op) and ``DEEPINFER_NVIDIA_FORK_INLINE``
+the forks of the functions it names, for A/B runs; a step being compiled by TorchInductor also runs it in place.
 """
 
 from __future__ import annotations
