@@ -268,11 +268,11 @@ def roped_attention(norm_rope: Callable, attention: Callable, rope_: Callable) -
 
 
 roped_sink_attention = reference_op(roped_attention(rms_norm_rope, sink_attention, apply_rope_))
-roped_sink_attention.__doc__ = """``sink_attention`` of the per-head RMS-normed, RoPE'd queries, its output rotated back:
-``q [S, Lq, H, d]`` (raw projections), ``cos`` / ``sin [S, Lq, rope_dim // 2]`` (each query's angle, padded as ``q``),
-the rest as ``sink_attention``; the queries' norm has no weight (``rms_norm_rope(q, None, eps, ...)``), the output takes
-``apply_rope_(..., inverse=True)``. One op so that a backend may norm the queries and rotate the output inside its
-attention kernel."""
+roped_sink_attention.__doc__ = """``sink_attention`` of the per-head RMS-normed, RoPE'd queries, its output rotated
+back: ``q [S, Lq, H, d]`` (raw projections), ``cos`` / ``sin [S, Lq, rope_dim // 2]`` (each query's angle, padded as
+``q``), the rest as ``sink_attention``; the queries' norm has no weight (``rms_norm_rope(q, None, eps, ...)``), the
+output takes ``apply_rope_(..., inverse=True)``. One op so that a backend may norm the queries and rotate the output
+inside its attention kernel."""
 
 
 # ----------------------------------------------------------------------------- compressors / indexer

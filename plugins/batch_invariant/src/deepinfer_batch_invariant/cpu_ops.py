@@ -155,7 +155,8 @@ VARIANTS["hc_pre_normed"] = _ref.pre_normed(VARIANTS["hc_pre"], _ref.rms_norm)
 """This module's ``hc_pre``, then the reference norm (kept below)."""
 VARIANTS["hc_post_sum"] = _ref.post_sum(VARIANTS["hc_post"])
 """The MoE's two outputs added (elementwise), then this module's ``hc_post``."""
-VARIANTS["roped_sink_attention"] = _ref.roped_attention(_ref.rms_norm_rope, VARIANTS["sink_attention"], _ref.apply_rope_)
+VARIANTS["roped_sink_attention"] = _ref.roped_attention(_ref.rms_norm_rope, VARIANTS["sink_attention"],
+                                                       _ref.apply_rope_)
 """The reference query norm and RoPE (kept below), this module's ``sink_attention``, the reference's RoPE back."""
 
 REFERENCE_KEPT: dict[str, str] = {
