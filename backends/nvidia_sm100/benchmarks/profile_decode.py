@@ -6,7 +6,10 @@ top kernels (torch.profiler). GPU only.
     python backends/nvidia_sm100/benchmarks/profile_decode.py --prefill 8 --decoding 248
         (one step of batch 256's prefill phase: 8 prompts prefilled while 248 sequences decode)
 
-A prefill profile also reports where the GPU sat idle during the step and what the host did meanwhile
+A decode profile also reports how each step's time splits across its two streams (``timeline.py``: the main
+stream's busy time, its idle time while the side stream ran and while every stream was idle; read it with
+``DEEPINFER_NVIDIA_PDL=0``). A prefill profile also reports where the GPU sat idle during the step and what the host
+did meanwhile
 (``trace_gaps.py``), the host's functions by cumulative time, and with ``--sync-debug`` every operation that
 synchronised the host with the device (``torch.cuda.set_sync_debug_mode("warn")``).
 
@@ -25,6 +28,7 @@ import time
 import warnings
 
 import torch
+from timeline import timeline_report
 from torch.profiler import ProfilerActivity, profile, record_function
 from trace_gaps import STEP_MARK, gap_report
 
@@ -97,6 +101,10 @@ def main() -> None:
               f"{launches:.0f} kernels/step")
         print(events.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
         print_kernels_by_count(events, steps=3)
+        trace = os.path.join(tempfile.gettempdir(), f"trace-decode-b{batch}.json")
+        prof.export_chrome_trace(trace)
+        print(f"\n=== batch {batch}: the streams of a decode step (trace {trace})")
+        print(timeline_report(trace, steps=3))
         summary.append((batch, wall, gpu, launches))
         while engine.has_unfinished():
             engine.step()
