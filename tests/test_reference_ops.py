@@ -725,8 +725,9 @@ def test_rms_norm_rope_is_the_norm_then_rope_and_follows_overrides_of_its_parts(
 
 
 def test_roped_sink_attention_norms_and_rotates_the_queries_then_rotates_the_output_back():
-    """``roped_sink_attention`` is the per-head query norm (no weight) with RoPE, the attention, then the inverse RoPE of
-    its output, each row by its own angle; a backend overriding only ``sink_attention`` gets its kernel in it too."""
+    """``roped_sink_attention`` is the per-head query norm (no weight) with RoPE, the attention, then the inverse RoPE
+    of its output, each row by its own angle; a backend overriding only ``sink_attention`` gets its kernel in it
+    too."""
     S, Lq, Lk, H, d, half = 2, 3, 5, 2, 8, 2
     q, kv = _randn(S, Lq, H, d, seed=200), _randn(S, Lk, d, seed=201)
     visible = torch.rand(S, Lq, Lk, generator=_gen(202)) < 0.7

@@ -47,10 +47,8 @@
 #            1K-token prefill step profiled; then b16 with the decode attention opened to 16 rows and without
 #   s15a     the fifteenth session's first lease: the preset flushed, b1 once, b1 with --num-iters 5, the 1K-token
 #            prefill step profiled with --sync-debug, then test_model_gpu.py
-#   s15b     the second: the changed kernels' and the model's GPU tests, b1, the batch-1 decode profile, b1 again
-#   s15c     the third: the roped kernel test's mismatch, bench_hc_finish.py, b1 by switch (the roped attention off, the
-#            key path in place, a high-priority side stream, one-warp hc finish)
-#   s15final the last: test_model_gpu.py, the small-op and decode-attention GPU tests, b1 (median of 3), b64, b256
+#   s15final the fifteenth session's last lease (its s15b and s15c ran code since removed: docs/performance.md 4.18):
+#            test_model_gpu.py, the small-op and decode-attention GPU tests, b1 (median of 3), b64, b256
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -237,36 +235,6 @@ if [[ $what == s15a ]]; then  # the fifteenth session's first lease: the first t
   grep -E "^===" "$RES/profile-prefill-1k.txt"; save
   timeout 200 python -m pytest -q -p no:cacheprovider -rfEs backends/nvidia_sm100/tests/test_model_gpu.py 2>&1 \
     | tail -5 | tee "$RES/tests-model.txt"; save
-  what=summary
-fi
-if [[ $what == s15b ]]; then  # the fifteenth session's second lease: the roped decode attention and the forked key path
-  export BENCH_TIMEOUT=150
-  timeout 240 python -m pytest -q -p no:cacheprovider -rfE backends/nvidia_sm100/tests/test_triton_kernels.py \
-    -k "decode_attention or roped or planned or norm or rope" 2>&1 | tail -4 | tee "$RES/tests-kernels.txt"; save
-  timeout 240 python -m pytest -q -p no:cacheprovider -rfEs backends/nvidia_sm100/tests/test_model_gpu.py 2>&1 \
-    | tee "$RES/tests-model-full.txt" | tail -5 | tee "$RES/tests-model.txt"; save
-  python -c "from deepinfer_core.bench.presets import ensure_preset; ensure_preset('v4-flash-8l64e')" \
-    > "$RES/preset.log" 2>&1; sync
-  bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
-  timeout 150 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 > "$RES/profile-b1.txt" 2>&1
-  grep -E "^=== batch 1: decode|^\|" "$RES/profile-b1.txt"; save
-  bench b1-again --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
-  what=summary
-fi
-if [[ $what == s15c ]]; then  # the third: the roped kernel test's mismatch, the hc finish warps, b1 A/B by switch
-  export BENCH_TIMEOUT=150
-  timeout 150 python -m pytest -q -p no:cacheprovider backends/nvidia_sm100/tests/test_triton_kernels.py \
-    -k "roped or fewer_warps" 2>&1 | grep -E "^E  |passed|failed" | head -40 | tee "$RES/tests-roped.txt"; save
-  (cd backends/nvidia_sm100/benchmarks && timeout 150 python bench_hc_finish.py) 2>&1 | tail -12 \
-    | tee "$RES/bench-hc-finish.txt"; save
-  python -c "from deepinfer_core.bench.presets import ensure_preset; ensure_preset('v4-flash-8l64e')" \
-    > "$RES/preset.log" 2>&1; sync
-  b1=(--input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1)
-  bench b1 "${b1[@]}"
-  DEEPINFER_NVIDIA_DECODE_ATTN_ROPE=0 bench b1-rope0 "${b1[@]}"
-  DEEPINFER_NVIDIA_FORK_INLINE=_keys,_fold_index bench b1-keys-inline "${b1[@]}"
-  DEEPINFER_NVIDIA_SIDE_PRIORITY=-1 bench b1-side-high "${b1[@]}"
-  DEEPINFER_NVIDIA_HC_DECODE_WARPS=1 bench b1-hc1 "${b1[@]}"
   what=summary
 fi
 if [[ $what == s15final ]]; then  # the last: the model and changed ops' GPU tests, then b1 (median of 3), b64, b256

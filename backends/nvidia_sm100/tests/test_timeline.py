@@ -39,7 +39,7 @@ def test_step_breakdown_splits_the_main_streams_idle_time(tmp_path):
 
 
 def test_overlapping_kernels_of_one_stream_leave_no_gap():
-    """A graph's branches reported on one stream overlap: the gap runs from the latest end, not the previous kernel's."""
+    """A graph's branches reported on one stream overlap: a gap runs from the latest end, not the previous kernel's."""
     from timeline import Span, main_gaps
 
     step = [Span("a", 7, 0, 10), Span("x", 7, 5, 15), Span("b", 7, 20, 25)]

@@ -187,9 +187,10 @@ _MAX_PLANS = 64
 def planned_blocks(visible: torch.Tensor, vis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``key_blocks.visible_blocks(vis, BLOCK_N)`` of the mask ``visible`` (``vis``: it as ``[rows, Lk]`` bytes), made
     once per mask: the layers of a step that share a mask (every sliding layer; the compressed layers of one ratio
-    whose indexer selects every entry) share its block lists, as FlashInfer plans a step once for all its layers. A
-    mask is never written after it is made (the layout's and the indexer's are fresh tensors); a mask object that
-    died is never matched (its weak reference is checked)."""
+    whose indexer selects every entry) share its block lists, as FlashInfer plans a step once for all its layers. An
+    eager step's masks are fresh tensors, never written after they are made; a captured decode step rewrites its
+    static masks at each replay, and the list kernel captured with the first layer that reads a mask rewrites its
+    lists after them. A mask object that died is never matched (its weak reference is checked)."""
     if torch.compiler.is_compiling():
         return visible_blocks(vis, BLOCK_N)
     plan = _PLANS.get(id(visible))

@@ -7,8 +7,8 @@ beside its query path, the indexer's fold beside the attention, and the shared e
 path they fill it (H200, docs/performance.md 4.13: batch-1 TPOT 3.08 -> 2.87 ms with the folds and the shared
 expert; 4.18: the key path forked, 2.098 -> 2.059 ms). ``join()`` waits for its own fork's work only (an event
 recorded after it), not for work forked later; the side stream runs at high priority (``SIDE_PRIORITY``). Work on
-more than ``MAX_ROWS`` rows (prefill) runs in place: its kernels fill the GPU alone, and forked, a 1K-token prompt's first
-token came 19 ms later and an 8 x 1K prefill step took 153 instead of ~100 ms (4.13; why was not measured).
+more than ``MAX_ROWS`` rows (prefill) runs in place: its kernels fill the GPU alone, and forked, a 1K-token prompt's
+first token came 19 ms later and an 8 x 1K prefill step took 153 instead of ~100 ms (4.13; why was not measured).
 ``DEEPINFER_NVIDIA_STREAMS=0`` runs all forked work in place (the reference op) and ``DEEPINFER_NVIDIA_FORK_INLINE``
 the forks of the functions it names, for A/B runs; a step being compiled by TorchInductor also runs it in place.
 """
