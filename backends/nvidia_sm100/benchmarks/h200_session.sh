@@ -49,6 +49,9 @@
 #            prefill step profiled with --sync-debug, then test_model_gpu.py
 #   s15final the fifteenth session's last lease (its s15b and s15c ran code since removed: docs/performance.md 4.18):
 #            test_model_gpu.py, the small-op and decode-attention GPU tests, b1 (median of 3), b64, b256
+#   forks    b64 (FORKS_BATCH=256: b256) with the defaults, with the key path in place
+#            (DEEPINFER_NVIDIA_FORK_INLINE=_keys,_fold_index) and with the side stream at priority 0
+#   timeline the decode profile at batch 1 and 64 with DEEPINFER_NVIDIA_PDL=0 and its two-stream timeline
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -250,6 +253,19 @@ if [[ $what == s15final ]]; then  # the last: the model and changed ops' GPU tes
   bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
   bench b256 --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256
   what=summary
+fi
+if [[ $what == forks ]]; then  # 4.18's forked key path and side-stream priority at batch 64 / 256 (FORKS_BATCH)
+  b=${FORKS_BATCH:-64}
+  args=(--input-len 1024 --output-len 128 --num-prompts "$b" --max-num-seqs "$b")
+  bench "b$b" "${args[@]}"
+  DEEPINFER_NVIDIA_FORK_INLINE=_keys,_fold_index bench "b$b-keys-inline" "${args[@]}"
+  DEEPINFER_NVIDIA_SIDE_PRIORITY=0 bench "b$b-side-priority0" "${args[@]}"
+  what=summary
+fi
+if [[ $what == timeline ]]; then  # the two streams of a decode step without PDL's early waits (timeline.py)
+  DEEPINFER_NVIDIA_PDL=0 timeout 300 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 64 \
+    > "$RES/profile-timeline.txt" 2>&1
+  grep -E -A12 "^=== batch [0-9]+: the streams" "$RES/profile-timeline.txt"; save
 fi
 if [[ $what == sched ]]; then
   bench b256 --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256
