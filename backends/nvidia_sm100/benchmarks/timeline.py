@@ -66,13 +66,18 @@ def split_steps(spans: list[Span], steps: int) -> list[list[Span]]:
     return [spans[i * per:(i + 1) * per] for i in range(steps)]
 
 
-def step_breakdown(step: list[Span]) -> dict[str, float | int]:
-    """One step's span, its main stream's busy time, and the main stream's idle time while another stream ran and
-    while every stream was idle (microseconds); the main stream and the kernel counts per stream."""
+def _by_stream(step: list[Span]) -> tuple[int, dict[int, list[Span]]]:
+    """The main stream (the one with most kernels) and the step's spans by stream."""
     by_stream: dict[int, list[Span]] = defaultdict(list)
     for s in step:
         by_stream[s.stream].append(s)
-    main = max(by_stream, key=lambda k: len(by_stream[k]))
+    return max(by_stream, key=lambda k: len(by_stream[k])), by_stream
+
+
+def step_breakdown(step: list[Span]) -> dict[str, float | int]:
+    """One step's span, its main stream's busy time, and the main stream's idle time while another stream ran and
+    while every stream was idle (microseconds); the main stream and the kernel counts per stream."""
+    main, by_stream = _by_stream(step)
     lo, hi = min(s.start for s in step), max(s.end for s in step)
     main_busy = _union(by_stream[main], lo, hi)
     others = _union([s for s in step if s.stream != main], lo, hi)
@@ -91,8 +96,8 @@ def main_gaps(step: list[Span], top: int) -> list[tuple[float, Span, Span, list[
     """The main stream's ``top`` longest gaps: (gap us, the kernel that ended last before it, the kernel after it,
     the other streams' kernels that ran in the gap). Kernels of one stream that overlap (a CUDA graph's branches,
     where the trace reports them all on the stream the graph was launched on) leave no gap."""
-    main = step_breakdown(step)["main_stream"]
-    ordered = [s for s in step if s.stream == main]
+    main, by_stream = _by_stream(step)
+    ordered = by_stream[main]
     gaps, last = [], ordered[0]
     for after in ordered[1:]:
         if after.start > last.end:

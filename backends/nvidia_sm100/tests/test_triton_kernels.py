@@ -718,9 +718,9 @@ def test_decode_attention_matches_reference(seqs, heads, dim, keys, splits):
 
 
 def _visible_blocks(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    from deepinfer_nvidia_sm100.kernels.decode_attention import BLOCK_N
+    from deepinfer_nvidia_sm100.kernels.decode_attention import _mask_blocks
 
-    return key_blocks.visible_blocks(visible.reshape(-1, visible.shape[-1]).contiguous().view(torch.uint8), BLOCK_N)
+    return _mask_blocks(visible)
 
 
 @kernel_runs_here
@@ -731,10 +731,10 @@ def test_visible_block_lists_are_planned_once_per_mask():
 
     visible = torch.rand(2, 1, 300, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(5)) < 0.3
     vis = visible.reshape(2, 300).view(torch.uint8)
-    first = da.planned_blocks(visible, vis)
-    assert da.planned_blocks(visible, vis) is first
+    first = da.planned_blocks(visible)
+    assert da.planned_blocks(visible) is first
     other = visible.clone()
-    again = da.planned_blocks(other, other.reshape(2, 300).view(torch.uint8))
+    again = da.planned_blocks(other)
     assert again is not first and all(torch.equal(a, b) for a, b in zip(again, first, strict=True))
     want = key_blocks.visible_blocks_torch(vis, da.BLOCK_N)
     assert torch.equal(first[1], want[1])

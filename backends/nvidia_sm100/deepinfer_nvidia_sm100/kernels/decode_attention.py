@@ -174,9 +174,8 @@ def with_fallback(fallback: Callable) -> Callable:
 
 
 def _attend(q, kv, visible, sinks, scale) -> torch.Tensor:
-    rows, lk = q.shape[0] * q.shape[1], kv.shape[1]
-    blocks, counts = planned_blocks(visible, visible.reshape(rows, lk).contiguous().view(torch.uint8))
-    splits = num_splits(q.shape[0], q.shape[2], lk, _sm_count(q.device.index or 0))
+    blocks, counts = planned_blocks(visible)
+    splits = num_splits(q.shape[0], q.shape[2], kv.shape[1], _sm_count(q.device.index or 0))
     return decode_attention(q, kv, visible, blocks, counts, sinks, float(scale), splits)
 
 
@@ -184,23 +183,32 @@ _PLANS: dict[int, tuple] = {}
 _MAX_PLANS = 64
 
 
-def planned_blocks(visible: torch.Tensor, vis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``key_blocks.visible_blocks(vis, BLOCK_N)`` of the mask ``visible`` (``vis``: it as ``[rows, Lk]`` bytes), made
-    once per mask: the layers of a step that share a mask (every sliding layer; the compressed layers of one ratio
+def planned_blocks(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``key_blocks.visible_blocks`` (``BLOCK_N`` keys a block) of the mask ``visible [S, Lq, Lk]``, made once per
+    mask: the layers of a step that share a mask (every sliding layer; the compressed layers of one ratio
     whose indexer selects every entry) share its block lists, as FlashInfer plans a step once for all its layers. An
     eager step's masks are fresh tensors, never written after they are made; a captured decode step rewrites its
     static masks at each replay, and the list kernel captured with the first layer that reads a mask rewrites its
     lists after them. A mask object that died is never matched (its weak reference is checked)."""
     if torch.compiler.is_compiling():
-        return visible_blocks(vis, BLOCK_N)
+        return _mask_blocks(visible)
     plan = _PLANS.get(id(visible))
     if plan is not None and plan[0]() is visible:
         return plan[1]
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
-    made = visible_blocks(vis, BLOCK_N)
+    made = _mask_blocks(visible)
     _PLANS[id(visible)] = (weakref.ref(visible), made)
     return made
+
+
+def _mask_blocks(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return visible_blocks(_mask_bytes(visible), BLOCK_N)
+
+
+def _mask_bytes(visible: torch.Tensor) -> torch.Tensor:
+    """``visible [S, Lq, Lk]`` bool as ``[S * Lq, Lk]`` bytes (a view where it is contiguous)."""
+    return visible.reshape(-1, visible.shape[-1]).contiguous().view(torch.uint8)
 
 
 @opaque_under_compile("decode_sink_attention",
@@ -214,7 +222,7 @@ def decode_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, b
     Lk = kv.shape[1]
     rows = S * Lq
     qf = q.reshape(rows, H, d).contiguous()  # [B, H, d]
-    vis = visible.reshape(rows, Lk).contiguous().view(torch.uint8)  # [B, Lk]
+    vis = _mask_bytes(visible)  # [B, Lk]
     out = torch.empty(rows, H, d, device=q.device, dtype=q.dtype)
     if splits > 1:
         opart = torch.empty(rows, splits, H, d, device=q.device, dtype=torch.float32)
