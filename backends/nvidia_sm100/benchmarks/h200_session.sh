@@ -51,6 +51,8 @@
 #            test_model_gpu.py, the small-op and decode-attention GPU tests, b1 (median of 3), b64, b256
 #   forks    b64 (FORKS_BATCH=256: b256) with the defaults, with the key path in place
 #            (DEEPINFER_NVIDIA_FORK_INLINE=_keys,_fold_index) and with the side stream at priority 0
+#   prefetch bench_prefetch.py (L2 prefetch in an idle gap before a GEMV), then b1 (median of 3) with the prefetch,
+#            without (DEEPINFER_NVIDIA_PREFETCH=0) and with budgets of 40 and 12 MB
 #   timeline the decode profile at batch 1 and 64 with DEEPINFER_NVIDIA_PDL=0 and its two-stream timeline
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
@@ -260,6 +262,19 @@ if [[ $what == forks ]]; then  # 4.18's forked key path and side-stream priority
   bench "b$b" "${args[@]}"
   DEEPINFER_NVIDIA_FORK_INLINE=_keys,_fold_index bench "b$b-keys-inline" "${args[@]}"
   DEEPINFER_NVIDIA_SIDE_PRIORITY=0 bench "b$b-side-priority0" "${args[@]}"
+  what=summary
+fi
+if [[ $what == prefetch ]]; then  # kernels/prefetch.py: the op alone, then b1 with and without it, two budgets
+  export BENCH_TIMEOUT=150
+  (cd backends/nvidia_sm100/benchmarks && timeout 150 python bench_prefetch.py) 2>&1 | tail -24 \
+    | tee "$RES/bench-prefetch.txt"; save
+  python -c "from deepinfer_core.bench.presets import ensure_preset; ensure_preset('v4-flash-8l64e')" \
+    > "$RES/preset.log" 2>&1; sync
+  b1=(--input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --num-iters 3)
+  bench b1 "${b1[@]}"
+  DEEPINFER_NVIDIA_PREFETCH=0 bench b1-noprefetch "${b1[@]}"
+  DEEPINFER_NVIDIA_PREFETCH_MB=40 bench b1-prefetch40 "${b1[@]}"
+  DEEPINFER_NVIDIA_PREFETCH_MB=12 bench b1-prefetch12 "${b1[@]}"
   what=summary
 fi
 if [[ $what == timeline ]]; then  # the two streams of a decode step without PDL's early waits (timeline.py)
