@@ -52,7 +52,7 @@
 #   forks    b64 (FORKS_BATCH=256: b256) with the defaults, with the key path in place
 #            (DEEPINFER_NVIDIA_FORK_INLINE=_keys,_fold_index) and with the side stream at priority 0
 #   prefetch bench_prefetch.py (L2 prefetch in an idle gap before a GEMV), then b1 (median of 3) with the prefetch,
-#            without (DEEPINFER_NVIDIA_PREFETCH=0) and with budgets of 40 and 12 MB
+#            without (DEEPINFER_NVIDIA_PREFETCH=0) and with budgets of 45 and 15 MB
 #   timeline the decode profile at batch 1 and 64 with DEEPINFER_NVIDIA_PDL=0 and its two-stream timeline
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
@@ -273,8 +273,8 @@ if [[ $what == prefetch ]]; then  # kernels/prefetch.py: the op alone, then b1 w
   b1=(--input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --num-iters 3)
   bench b1 "${b1[@]}"
   DEEPINFER_NVIDIA_PREFETCH=0 bench b1-noprefetch "${b1[@]}"
-  DEEPINFER_NVIDIA_PREFETCH_MB=40 bench b1-prefetch40 "${b1[@]}"
-  DEEPINFER_NVIDIA_PREFETCH_MB=12 bench b1-prefetch12 "${b1[@]}"
+  DEEPINFER_NVIDIA_PREFETCH_MB=45 bench b1-prefetch45 "${b1[@]}"
+  DEEPINFER_NVIDIA_PREFETCH_MB=15 bench b1-prefetch15 "${b1[@]}"
   what=summary
 fi
 if [[ $what == timeline ]]; then  # the two streams of a decode step without PDL's early waits (timeline.py)

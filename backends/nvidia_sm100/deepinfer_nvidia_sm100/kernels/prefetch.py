@@ -30,8 +30,10 @@ from deepinfer_nvidia_sm100.kernels.compiled import env_flag
 ENV = "DEEPINFER_NVIDIA_PREFETCH"
 BUDGET_ENV = "DEEPINFER_NVIDIA_PREFETCH_MB"
 MAX_ROWS = 512
-CHUNK = 64 * 1024
-"""Bytes per bulk prefetch instruction (one lane's share of a weight)."""
+CHUNK = 8 * 1024
+"""Bytes per bulk prefetch instruction (one lane's share of a weight). Each SM's copy engine works through its
+lanes' prefetches at ~33 GB/s (H200: 64 KB chunks on a few programs took ~60 us for 8 MB, docs/performance.md 4.19),
+so small chunks spread over one program per SM."""
 L2_FRACTION = 0.5
 """The default budget: half the L2 (the rest keeps activations, KV and what the GEMVs stream through)."""
 LANES = 32
@@ -49,6 +51,11 @@ def enabled() -> bool:
 @functools.cache
 def _l2_bytes(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).L2_cache_size)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
 def budget_bytes(device: torch.device) -> int:
@@ -101,15 +108,17 @@ def plan(weights: tuple[torch.Tensor, ...], budget: int) -> list[tuple[torch.Ten
     return segments
 
 
-def launch(segments: list[tuple[torch.Tensor, int]]) -> None:
-    """One kernel prefetching ``segments`` (``plan``'s output) on the current stream."""
+def launch(segments: list[tuple[torch.Tensor, int]], chunk: int = CHUNK) -> None:
+    """One kernel prefetching ``segments`` (``plan``'s output) on the current stream: ``chunk`` bytes per lane and
+    instruction, at most one program per SM."""
     if not segments:
         return
     padded = segments + [(segments[0][0], 0)] * (MAX_SEGMENTS - len(segments))
     args = [value for segment in padded for value in segment]
-    chunks = sum(triton.cdiv(n, CHUNK) for _, n in segments)
-    programs = max(1, min(triton.cdiv(chunks, LANES), 64))
-    _prefetch_kernel[(programs,)](*args, CHUNK=CHUNK, LANES=LANES, num_warps=1, **pdl.launch())
+    chunks = max(triton.cdiv(n, chunk) for _, n in segments)  # the grid strides over each segment in turn
+    device = segments[0][0].device
+    programs = max(1, min(triton.cdiv(chunks, LANES), _sm_count(device.index if device.index is not None else 0)))
+    _prefetch_kernel[(programs,)](*args, CHUNK=chunk, LANES=LANES, num_warps=1, **pdl.launch())
 
 
 def prefetch(x: torch.Tensor, *weights: torch.Tensor) -> None:
