@@ -266,7 +266,7 @@ if [[ $what == forks ]]; then  # 4.18's forked key path and side-stream priority
 fi
 if [[ $what == prefetch ]]; then  # kernels/prefetch.py: the op alone, then b1 with and without it, two budgets
   export BENCH_TIMEOUT=150
-  (cd backends/nvidia_sm100/benchmarks && timeout 150 python bench_prefetch.py) 2>&1 | tail -24 \
+  (cd backends/nvidia_sm100/benchmarks && timeout 150 python bench_prefetch.py) 2>&1 | tail -45 \
     | tee "$RES/bench-prefetch.txt"; save
   python -c "from deepinfer_core.bench.presets import ensure_preset; ensure_preset('v4-flash-8l64e')" \
     > "$RES/preset.log" 2>&1; sync
