@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import math
@@ -105,6 +106,18 @@ def _check_metrics(metrics: dict, output_tokens: int) -> None:
     assert metrics["output_throughput"] > 0 and metrics["total_throughput"] > metrics["output_throughput"]
     assert 0 < metrics["ttft_s"]["mean"] <= metrics["latency_s"]["max"] <= metrics["total_time_s"] * (1 + 1e-9)
     assert metrics["tpot_s"]["mean"] > 0 and metrics["steps"] >= SMALL["output_len"]
+    pauses = metrics["gc_pauses"]
+    assert pauses["count"] >= pauses["full"] >= 0 and pauses["total_s"] >= pauses["max_s"] >= 0
+    assert metrics["iteration_first_token_s"][0] > 0
+
+
+def test_gc_pauses_are_recorded_with_their_generation_inside_the_block_only():
+    pauses: list[tuple[int, float]] = []
+    with runner.recording_gc_pauses(pauses):
+        gc.collect()
+        gc.collect(0)
+    gc.collect()
+    assert [generation for generation, _ in pauses] == [2, 0] and all(s >= 0 for _, s in pauses)
 
 
 def test_bench_result_has_the_expected_keys_and_positive_numbers(hf_result):
@@ -149,6 +162,7 @@ def test_cli_bench_prints_the_table_and_writes_json(cache_dir, tmp_path, capsys,
     assert {"linear", "moe_experts", "hc_post_sum"} <= set(sources) and sources["hc_post_sum"] == "reference"
     totals = data["engine"]["iteration_total_times_s"]
     assert len(totals) == 3 and data["engine"]["total_time_s"] == sorted(totals)[1]
+    assert len(data["engine"]["iteration_first_token_s"]) == 3 and "first tokens" in out and "GC max (ms)" in out
 
 
 def test_cli_bench_bad_values_exit_2(capsys):

@@ -19,6 +19,9 @@ _ROWS = (
     ("TPOT p99", "tpot_s", "p99", 1e3, "ms"),
     ("latency mean", "latency_s", "mean", 1.0, "s"),
     ("steps", "steps", None, 1.0, ""),
+    ("GC pauses", "gc_pauses", "count", 1.0, ""),
+    ("GC total", "gc_pauses", "total_s", 1e3, "ms"),
+    ("GC max", "gc_pauses", "max_s", 1e3, "ms"),
     ("load time", "load_time_s", None, 1.0, "s"),
 )
 
@@ -85,7 +88,7 @@ def _value(metrics: Mapping[str, Any], key: str, stat: str | None) -> float | No
 
 def _ratio(key: str, e: float | None, h: float | None) -> str:
     """engine/HF for rates; HF/engine (a speed-up) for times; blank for counts."""
-    if e is None or h is None or not e or not h or key in ("steps",):
+    if e is None or h is None or not e or not h or key in ("steps", "gc_pauses"):
         return ""
     value = e / h if key.endswith(("throughput", "per_s")) else h / e
     return f"{value:.2f}x"
@@ -117,7 +120,9 @@ def _iterations(engine: Mapping[str, Any]) -> str:
     totals = engine.get("iteration_total_times_s") or []
     if len(totals) < 2:
         return ""
-    return f", {len(totals)} timed runs (median shown; totals {', '.join(f'{t:.3f}' for t in totals)} s)"
+    firsts = engine.get("iteration_first_token_s") or []
+    return (f", {len(totals)} timed runs (median shown; totals {', '.join(f'{t:.3f}' for t in totals)} s; first "
+            f"tokens {', '.join(f'{1e3 * t:.1f}' for t in firsts)} ms)")
 
 
 def _on(flag: bool | None) -> str:

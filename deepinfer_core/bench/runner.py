@@ -13,6 +13,7 @@ HF's times come from a logits processor that notes when each of its decoding ste
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -20,7 +21,7 @@ import math
 import os
 import platform
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,25 @@ class RunTimes:
     finished: dict[str, float] = dataclasses.field(default_factory=dict)
     outputs: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     steps: int = 0
+    gc_pauses: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (generation, seconds)
+
+
+@contextlib.contextmanager
+def recording_gc_pauses(into: list[tuple[int, float]]) -> Iterator[None]:
+    """Append ``(generation, seconds)`` for every garbage collection Python runs inside the block."""
+    started: list[float] = []
+
+    def note(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            into.append((info["generation"], time.perf_counter() - started.pop()))
+
+    gc.callbacks.append(note)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(note)
 
 
 # ------------------------------------------------------------------------------------------------ driver
@@ -112,7 +132,7 @@ def result_keys() -> dict[str, list[str]]:
         "result": ["config", "engine", "hf", "ratio", "agreement", "roofline"],
         "metrics": ["total_time_s", "num_requests", "prompt_tokens", "output_tokens", "output_throughput",
                     "total_throughput", "requests_per_s", "ttft_s", "tpot_s", "latency_s", "load_time_s", "steps",
-                    "iteration_total_times_s"],
+                    "iteration_total_times_s", "iteration_first_token_s", "gc_pauses"],
     }
 
 
@@ -189,7 +209,8 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
         runs.append(time_engine(llm, run_prompts, config.output_len, f"bench{i or ''}"))
     totals = [max(run.finished.values()) - run.start for run in runs]
     median = sorted(range(len(runs)), key=totals.__getitem__)[len(runs) // 2]
-    metrics = summarize(runs[median], [len(p) for p in prompts], load_time, totals)
+    metrics = summarize(runs[median], [len(p) for p in prompts], load_time, totals,
+                        [min(run.first_token.values()) - run.start for run in runs])
     graphs = llm.engine.runner.decode_graphs
     replays = graphs.num_replays if graphs is not None else 0  # warmup included
     outputs = [runs[0].outputs[f"bench-{i}"] for i in range(len(prompts))]
@@ -209,6 +230,12 @@ def time_engine(llm, prompts: Sequence[Sequence[int]], output_len: int, tag: str
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     engine = llm.engine
     times = RunTimes(start=time.perf_counter())
+    with recording_gc_pauses(times.gc_pauses):
+        _step_to_the_end(engine, prompts, params, tag, times)
+    return times
+
+
+def _step_to_the_end(engine, prompts: Sequence[Sequence[int]], params, tag: str, times: RunTimes) -> None:
     for i, ids in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", None, list(ids), params)
     while engine.has_unfinished():
@@ -222,7 +249,6 @@ def time_engine(llm, prompts: Sequence[Sequence[int]], output_len: int, tag: str
             times.first_token.setdefault(output.request_id, now)
             times.finished[output.request_id] = now
             times.outputs[output.request_id] = list(output.outputs[0].token_ids)
-    return times
 
 
 # ------------------------------------------------------------------------------------------------ HF
@@ -286,7 +312,7 @@ def time_hf(model, prompts: Sequence[Sequence[int]], output_len: int, batch: int
     for start in range(0, len(prompts), batch):
         chunk = torch.tensor([list(p) for p in prompts[start:start + batch]], device=device)
         clock = _StepClock(device)
-        with torch.inference_mode():
+        with torch.inference_mode(), recording_gc_pauses(times.gc_pauses):
             out = model.generate(chunk, attention_mask=torch.ones_like(chunk), generation_config=gen_config,
                                  logits_processor=LogitsProcessorList([clock]))
         if device.type == "cuda":
@@ -303,9 +329,11 @@ def time_hf(model, prompts: Sequence[Sequence[int]], output_len: int, batch: int
 
 # ------------------------------------------------------------------------------------------------ metrics
 def summarize(times: RunTimes, prompt_lens: Sequence[int], load_time: float,
-              iteration_totals: Sequence[float] | None = None) -> dict[str, Any]:
-    """Throughputs and per-request latency statistics of one timed run (``iteration_totals``: the total times of
-    every timed run it was picked from, default its own)."""
+              iteration_totals: Sequence[float] | None = None,
+              iteration_first_tokens: Sequence[float] | None = None) -> dict[str, Any]:
+    """Throughputs, per-request latency statistics and Python's collections of one timed run
+    (``iteration_totals`` / ``iteration_first_tokens``: the total time / first token of every timed run it was picked
+    from, default its own)."""
     keys = sorted(times.finished)
     total = max(times.finished.values()) - times.start
     out_tokens = sum(len(times.outputs[k]) for k in keys)
@@ -319,6 +347,10 @@ def summarize(times: RunTimes, prompt_lens: Sequence[int], load_time: float,
         "total_throughput": (out_tokens + sum(prompt_lens)) / total, "requests_per_s": len(keys) / total,
         "ttft_s": stats(ttft), "tpot_s": stats(tpot), "latency_s": stats(latency), "load_time_s": load_time,
         "steps": times.steps, "iteration_total_times_s": list(iteration_totals or [total]),
+        "iteration_first_token_s": list(iteration_first_tokens or [min(ttft, default=0.0)]),
+        "gc_pauses": {"count": len(times.gc_pauses), "total_s": sum(s for _, s in times.gc_pauses),
+                      "max_s": max((s for _, s in times.gc_pauses), default=0.0),
+                      "full": sum(1 for generation, _ in times.gc_pauses if generation == 2)},
     }
 
 
