@@ -5,11 +5,14 @@ captured decode graphs, what torch / Triton / TileLang built at import and compi
 eager batch-1 prefill launches ~2,000 kernels from Python) such a pause lands on the request's first token. Once the
 engine is built, and after each decode graph capture, ``freeze()`` collects once and moves everything that survived
 into the permanent generation (``gc.freeze``), which later collections skip; what requests allocate is collected as
-before. ``DEEPINFER_GC_FREEZE=0`` leaves the collector alone.
+before. ``unfreeze()`` (an engine's shutdown, and the interpreter's exit) hands them back, so reference cycles among
+them are still freed. ``DEEPINFER_GC_FREEZE=0`` leaves the collector alone.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
 import gc
 import os
 
@@ -23,7 +26,13 @@ def freeze() -> bool:
         return False
     gc.collect()
     gc.freeze()
+    _unfreeze_at_exit()
     return True
+
+
+@functools.cache
+def _unfreeze_at_exit() -> None:
+    atexit.register(unfreeze)  # frozen objects left at exit are never finalised (nanobind reports them as leaks)
 
 
 def unfreeze() -> None:

@@ -40,15 +40,6 @@ def fork(fn: Callable[..., Any], *args: Any) -> Finished:
     return Finished(fn(*args))
 
 
-@reference_op
-def prefetch(x: torch.Tensor, *weights: torch.Tensor) -> None:
-    """A hint: the ops that follow will soon multiply ``x``'s rows by ``weights`` (in this order).
-
-    A backend may start reading the weights into a cache while the ops between run (the NVIDIA backend: the first
-    megabytes into L2 while a decode step's short kernels leave HBM idle); it may skip large ``x`` (compute-bound
-    steps). It must not change any result, so the reference does nothing."""
-
-
 # ----------------------------------------------------------------------------- norms
 @reference_op
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -159,6 +159,8 @@ def profile_prefill(llm, prompts: int, length: int, sync_debug: bool = False, de
     host.disable()
     print(f"\n=== prefill {prompts} x {length}: host functions over one step (cumulative, top 30)")
     pstats.Stats(host).sort_stats("cumulative").print_stats(30)
+    print(f"\n=== prefill {prompts} x {length}: host functions over one step (own time, top 30)")
+    pstats.Stats(host).sort_stats("tottime").print_stats(30)
     if sync_debug:
         print(f"\n=== prefill {prompts} x {length}: host-device synchronisations in one step")
         torch.cuda.set_sync_debug_mode("warn")

@@ -221,7 +221,6 @@ class Attention:
         index_fold = ops.fork(self._fold_index, ops, inputs, ctx) if self.indexer is not None else None
         q_residual = ops.rms_norm(inputs["q"], self.q_norm, self.eps)  # [T, q_lora]
         q = ops.linear(q_residual, self.wq_b).view(T, self.heads, self.head_dim)  # [T, H, hd], normed in the attention
-        warm = ops.fork(ops.prefetch, q_residual, self.wo_a, self.wo_b)  # read while the attention runs
         keys = keys.join()  # [S, Lk (+ E), hd]
         layout = ctx.layout
         visible = layout.sliding_visible  # [S, Lq, Lk]
@@ -231,7 +230,6 @@ class Attention:
         cos, sin = (layout.pad(t) for t in ctx.rope[self.rope_type])  # [S, Lq, rope_dim // 2] each
         out = ops.roped_sink_attention(layout.pad(q), keys, visible, self.sinks, self.head_dim**-0.5, self.eps, cos,
                                        sin)  # [S, Lq, H, hd]
-        warm.join()
         grouped = ops.grouped_linear(layout.unpad(out).reshape(T, self.groups, -1), self.wo_a, self.groups)
         out = ops.linear(grouped.flatten(1), self.wo_b)  # [T, D]
         if index_fold is not None:
@@ -294,10 +292,6 @@ class MoE:
         self.record_load = False
         self.expert_load = torch.zeros(E, dtype=torch.long, device=reg.device)  # tokens per logical expert
 
-    def prefetch(self, ops: OpTable, x: torch.Tensor):
-        """``ops.prefetch`` of the router and the shared expert, forked (joined before the MoE)."""
-        return ops.fork(ops.prefetch, x, self.gate, *self.shared)
-
     def __call__(self, ops: OpTable, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The routed experts' and the shared expert's outputs ``[T, D]`` (the block output is their sum)."""
         shared = ops.fork(ops.swiglu_mlp, x, *self.shared, self.limit)  # beside the routing (a backend may overlap)
@@ -331,15 +325,9 @@ class DecoderLayer:
     def __call__(self, ops: OpTable, streams: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         c = self.config
         mhc = (c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
-        # each block's first weights are read (``prefetch``) while the mixing before it runs
-        warm = ops.fork(ops.prefetch, streams, self.attn.w_input, self.attn.wq_b)
         post, comb, x = ops.hc_pre_normed(streams, *self.hc_attn, *mhc, self.attn_norm)  # x: [T, D]
-        warm.join()
-        attended = self.attn(ops, x, ctx)  # [T, D]
-        warm = self.ffn.prefetch(ops, x)
-        streams = ops.hc_post(streams, attended, post, comb)  # [T, hc, D]
+        streams = ops.hc_post(streams, self.attn(ops, x, ctx), post, comb)  # [T, hc, D]
         post, comb, x = ops.hc_pre_normed(streams, *self.hc_ffn, *mhc, self.ffn_norm)
-        warm.join()
         routed, shared = self.ffn(ops, x, ctx.token_ids)  # [T, D] each
         return ops.hc_post_sum(streams, routed, shared, post, comb)
 
@@ -480,8 +468,6 @@ class DeepseekV4Model:
             if idx in wanted:
                 captured[idx] = streams
         rows = streams[batch.logits_rows]  # [N, hc, D]
-        warm = ops.fork(ops.prefetch, rows, self.head)
         final = ops.hc_head(rows, *self.hc_head, c.hc_eps, c.rms_norm_eps)
         final = ops.rms_norm(final, self.norm, c.rms_norm_eps)
-        warm.join()
         return ModelOutput(ops.logits(final, self.head), captured)
