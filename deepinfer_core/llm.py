@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from deepinfer_core.backends.registry import select_backend
-from deepinfer_core.engine import gc_heap
 from deepinfer_core.engine.decode_graphs import DecodeGraphs, default_sizes
 from deepinfer_core.engine.engine import Engine, EngineConfig, RequestRejectedError
 from deepinfer_core.models.registry import default_registry
@@ -136,7 +135,6 @@ class LLM:
                                   spare_slot=max_num_seqs, spare_block=num_blocks)
         self.engine = Engine(self.model, state, self.tokenizer, engine_config, self.plugin_manager, graphs)
         self._ids = itertools.count()
-        gc_heap.freeze()  # the model, state and engine: out of later collections' way
 
     def _graph_sizes(self, enforce_eager: bool, sizes: Sequence[int] | None, max_num_seqs: int) -> list[int]:
         if enforce_eager:

@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from deepinfer_core.engine import gc_heap
 from deepinfer_core.engine.scheduler import ScheduledChunk
 from deepinfer_core.forward_batch import ForwardBatch
 from deepinfer_core.models.deepseek_v4.layout import DecodeInputs, StaticBuffers, StaticShape
@@ -119,7 +118,6 @@ class DecodeGraphs:
         step = CapturedStep(shape, batch, inputs, buffers, replay)
         self.captured[(size, context)] = step
         logger.debug("captured decode step: batch %d, context %d", size, context)
-        gc_heap.freeze()  # the graph and what capturing it compiled
         return step
 
     def _place_inputs(self, host: ForwardBatch, shape: StaticShape, buffers: StaticBuffers):

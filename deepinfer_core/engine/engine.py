@@ -6,7 +6,6 @@ import dataclasses
 import itertools
 import logging
 
-from deepinfer_core.engine import gc_heap
 from deepinfer_core.engine.decode_graphs import DecodeGraphs
 from deepinfer_core.engine.detokenizer import SequenceDetokenizer
 from deepinfer_core.engine.model_runner import LaunchedStep, ModelRunner, ModelRunnerOutput
@@ -235,11 +234,8 @@ class Engine:
                              prompt_logprobs=first.prompt_logprobs, outputs=completions, finished=True)
 
     def shutdown(self) -> None:
-        """Tell the plugins, then hand the frozen heap back to the collector (``gc_heap``): the engine's cycles can
-        be freed once the caller drops it."""
         if self.plugin_manager is not None:
             self.plugin_manager.hook.deepinfer_engine_shutdown(engine=self)
-        gc_heap.unfreeze()
 
 
 def exact_replay_span(config) -> int:
