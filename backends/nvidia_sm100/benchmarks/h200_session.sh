@@ -284,7 +284,7 @@ if [[ $what == s16 ]]; then  # the sixteenth session's second lease: L2 reuse, t
 fi
 if [[ $what == s16b ]]; then  # the sixteenth session's last lease: the L2 warm-up's tests and A/B, b64, b256
   export BENCH_TIMEOUT=150
-  timeout 160 python -m pytest -q -p no:cacheprovider -rfEs backends/nvidia_sm100/tests/test_prefetch.py \
+  timeout 200 python -m pytest -q -p no:cacheprovider -rfEs backends/nvidia_sm100/tests/test_prefetch.py \
     backends/nvidia_sm100/tests/test_model_gpu.py 2>&1 | tail -3 | tee "$RES/tests.txt"; save
   python -c "from deepinfer_core.bench.presets import ensure_preset; ensure_preset('v4-flash-8l64e')" \
     > "$RES/preset.log" 2>&1; sync
