@@ -56,6 +56,7 @@
 #            (the session's first two leases ran mode prefetch, whose code was removed: docs/performance.md 4.19)
 #   s16b     test_prefetch.py and test_model_gpu.py, b1 (median of 3) with the L2 warm-up (kernels/prefetch.py) and
 #            without (DEEPINFER_NVIDIA_PREFETCH=0), b64, b256
+#   s16c     b64 with the L2 warm-up (now from two rows on) and without, b256 without (s16b ran b256 with it)
 #   timeline the decode profile at batch 1 and 64 with DEEPINFER_NVIDIA_PDL=0 and its two-stream timeline
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
@@ -293,6 +294,18 @@ if [[ $what == s16b ]]; then  # the sixteenth session's last lease: the L2 warm-
   DEEPINFER_NVIDIA_PREFETCH=0 bench b1-noprefetch "${b1[@]}"
   bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
   bench b256 --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256
+  what=summary
+fi
+if [[ $what == s16c ]]; then  # the L2 warm-up from two rows on (batch 1 skips it): batch 64 and 256 with and without
+  export BENCH_TIMEOUT=150
+  timeout 60 python -m pytest -q -p no:cacheprovider -rfEs backends/nvidia_sm100/tests/test_prefetch.py 2>&1 \
+    | tail -2 | tee "$RES/tests.txt"; save
+  python -c "from deepinfer_core.bench.presets import ensure_preset; ensure_preset('v4-flash-8l64e')" \
+    > "$RES/preset.log" 2>&1; sync
+  bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
+  DEEPINFER_NVIDIA_PREFETCH=0 bench b64-noprefetch --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
+  DEEPINFER_NVIDIA_PREFETCH=0 bench b256-noprefetch --input-len 1024 --output-len 128 --num-prompts 256 \
+    --max-num-seqs 256
   what=summary
 fi
 if [[ $what == timeline ]]; then  # the two streams of a decode step without PDL's early waits (timeline.py)

@@ -34,7 +34,7 @@ def test_plan_keeps_at_most_four_weights():
 
 def test_prefetch_reads_nothing_for_cpu_tensors_or_prefill_sized_steps():
     weight = torch.ones(64, 64)
-    assert prefetch.prefetch(torch.ones(1, 64), weight).join() is None
+    assert prefetch.prefetch(torch.ones(4, 64), weight).join() is None
     assert prefetch.prefetch(torch.ones(prefetch.MAX_ROWS + 1, 64), weight).join() is None
     assert torch.equal(weight, torch.ones(64, 64))
 
@@ -65,24 +65,25 @@ def test_kernel_reads_with_evict_last_vector_loads_and_keeps_them(capability, ar
 
 @pytest.mark.nvidia
 def test_prefetch_changes_no_result_eagerly_and_in_a_cuda_graph():
-    from deepinfer_nvidia_sm100.kernels import gemv
+    from deepinfer_nvidia_sm100.kernels import streams
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     weight = (torch.randn(4096, 4096, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)  # 32 MB
     other = (torch.randn(1024, 4096, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
-    x = torch.randn(1, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    x = torch.randn(prefetch.MIN_ROWS, 4096, device="cuda", generator=gen).to(torch.bfloat16)
     snapshot = weight.clone()
 
     def step():
         warm = prefetch.prefetch(x, weight, other)
-        y = gemv.linear(x, other)
-        out = gemv.linear(y.repeat(1, 4), weight)
+        y = torch.nn.functional.linear(x, other)
+        out = torch.nn.functional.linear(y.repeat(1, 4), weight)
         warm.join()
         return out
 
     eager = step()
-    torch.testing.assert_close(eager, torch.nn.functional.linear(
-        torch.nn.functional.linear(x, other).repeat(1, 4), weight), rtol=2e-2, atol=2e-2)
+    handle = prefetch.prefetch(x, weight)
+    assert isinstance(handle, streams.Forked) and handle.join() is None  # read for two rows
+    assert not isinstance(prefetch.prefetch(x[:1], weight), streams.Forked)  # batch 1: nothing
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

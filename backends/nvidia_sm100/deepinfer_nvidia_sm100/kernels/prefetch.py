@@ -15,7 +15,9 @@ the op is called; ``join()`` makes the caller's stream wait for it (the model jo
 the weights, long after the reads are done).
 
 At most ``budget_bytes()`` a call (a fraction of L2), in the order the weights are given. Steps of more than
-``MAX_ROWS`` rows (prefill: compute-bound GEMMs) skip it. ``DEEPINFER_NVIDIA_PREFETCH=0`` leaves the op to the
+``MAX_ROWS`` rows (prefill: compute-bound GEMMs) and of fewer than ``MIN_ROWS`` skip it: at batch 1 the reads made
+the step slower (TPOT 2.10 against 1.99 ms, docs/performance.md 4.19), their 132 programs competing with the
+step's chains of short kernels. ``DEEPINFER_NVIDIA_PREFETCH=0`` leaves the op to the
 reference (nothing read); ``DEEPINFER_NVIDIA_PREFETCH_MB`` sets the budget (A/B runs).
 """
 
@@ -35,6 +37,7 @@ from deepinfer_nvidia_sm100.kernels.streams import Forked
 ENV = "DEEPINFER_NVIDIA_PREFETCH"
 BUDGET_ENV = "DEEPINFER_NVIDIA_PREFETCH_MB"
 MAX_ROWS = 512
+MIN_ROWS = 2
 L2_FRACTION = 0.5
 """The default budget: half the L2 (60 MB on the H200), the rest for activations, keys and the GEMVs' streams."""
 MAX_SEGMENTS = 4
@@ -122,8 +125,9 @@ def launch(segments: list[tuple[torch.Tensor, int]]) -> None:
 
 def prefetch(x: torch.Tensor, *weights: torch.Tensor) -> Forked | ref.Finished:
     """``reference.prefetch``: the first ``budget_bytes()`` of ``weights`` read into L2 on ``warm_stream`` for a
-    decode-sized ``x`` on the GPU; nothing for larger steps, CPU tensors or a step being compiled by TorchInductor."""
-    if x.shape[0] > MAX_ROWS or not x.is_cuda or torch.compiler.is_compiling():
+    decode step of ``MIN_ROWS`` to ``MAX_ROWS`` rows on the GPU; nothing for other steps, CPU tensors or a step being
+    compiled by TorchInductor."""
+    if not MIN_ROWS <= x.shape[0] <= MAX_ROWS or not x.is_cuda or torch.compiler.is_compiling():
         return ref.Finished(None)
     main = torch.cuda.current_stream()
     warm = warm_stream(main.device)
