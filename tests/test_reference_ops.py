@@ -628,12 +628,6 @@ def test_fork_runs_its_function_at_once_and_join_returns_the_result():
     assert torch.equal(pending.join(), torch.tensor([2.0, 4.0, 6.0]))
 
 
-def test_prefetch_is_a_hint_that_computes_and_changes_nothing():
-    x, weight = torch.ones(1, 4), torch.arange(8.0).view(2, 4)
-    assert ref.prefetch(x, weight).join() is None
-    assert torch.equal(weight, torch.arange(8.0).view(2, 4)) and torch.equal(x, torch.ones(1, 4))
-
-
 # ============================================================================ gather_keys
 def test_gather_keys_reads_ring_step_rows_then_entries():
     """Window key j of sequence s: the step's row where flagged, else its ring slot's index; then the store's
@@ -763,7 +757,7 @@ def test_op_table_reference_defaults_and_override():
     assert {"rms_norm", "unweighted_rms_norm", "rope_cos_sin", "apply_rope", "linear", "grouped_linear",
             "sink_attention", "compressor_pool", "indexer_scores", "indexer_topk", "hc_pre", "hc_post",
             "hc_head", "moe_route_topk", "moe_route_hash", "swiglu_mlp", "moe_experts", "logits",
-            "embed", "gather_keys", "fork", "prefetch", "compressor_entries"} <= names
+            "embed", "gather_keys", "fork", "compressor_entries"} <= names
     table = OpTable()
     assert table.rms_norm is ref.rms_norm
     assert set(table.sources().values()) == {"reference"}

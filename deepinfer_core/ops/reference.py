@@ -40,17 +40,6 @@ def fork(fn: Callable[..., Any], *args: Any) -> Finished:
     return Finished(fn(*args))
 
 
-@reference_op
-def prefetch(x: torch.Tensor, *weights: torch.Tensor) -> Finished:
-    """A hint: the ops that follow will soon multiply ``x``'s rows by ``weights`` (in this order); ``join()`` the
-    returned handle before the step ends.
-
-    A backend may start reading the weights into a cache on another stream while the ops in between run (the NVIDIA
-    backend: their first megabytes into L2 while a decode step's short kernels leave HBM idle), and may skip a large
-    ``x`` (compute-bound steps). It changes no result: the reference reads nothing."""
-    return Finished(None)
-
-
 # ----------------------------------------------------------------------------- norms
 @reference_op
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -51,12 +51,9 @@
 #            test_model_gpu.py, the small-op and decode-attention GPU tests, b1 (median of 3), b64, b256
 #   forks    b64 (FORKS_BATCH=256: b256) with the defaults, with the key path in place
 #            (DEEPINFER_NVIDIA_FORK_INLINE=_keys,_fold_index) and with the side stream at priority 0
-#   s16      bench_l2_warm.py (a GEMV after its weight's first megabytes were read), b1 (median of 3) with the GC
-#            frozen (the default) and not (DEEPINFER_GC_FREEZE=0), the 1K-token prefill step profiled (host functions)
-#            (the session's first two leases ran mode prefetch, whose code was removed: docs/performance.md 4.19)
-#   s16b     test_prefetch.py and test_model_gpu.py, b1 (median of 3) with the L2 warm-up (kernels/prefetch.py) and
-#            without (DEEPINFER_NVIDIA_PREFETCH=0), b64, b256
-#   s16c     b64 with the L2 warm-up (now from two rows on) and without, b256 without (s16b ran b256 with it)
+#   s16final b1 (median of 3) on the final code. The session's other modes ran code since removed (docs/performance.md
+#            4.19): prefetch (the script at 267d46e), s16 (6d6d12e: bench_l2_warm.py, the GC freeze A/B, the 1K
+#            prefill profiled), s16b and s16c (6816b2b: the L2 warm-up at batch 1, 64 and 256)
 #   timeline the decode profile at batch 1 and 64 with DEEPINFER_NVIDIA_PDL=0 and its two-stream timeline
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
@@ -268,44 +265,10 @@ if [[ $what == forks ]]; then  # 4.18's forked key path and side-stream priority
   DEEPINFER_NVIDIA_SIDE_PRIORITY=0 bench "b$b-side-priority0" "${args[@]}"
   what=summary
 fi
-if [[ $what == s16 ]]; then  # the sixteenth session's second lease: L2 reuse, the GC freeze A/B, the 1K prefill's host
-  export BENCH_TIMEOUT=150
-  (cd backends/nvidia_sm100/benchmarks && timeout 90 python bench_l2_warm.py) 2>&1 | tail -6 \
-    | tee "$RES/bench-l2-warm.txt"; save
+if [[ $what == s16final ]]; then  # the final code's batch 1 (median of 3)
   python -c "from deepinfer_core.bench.presets import ensure_preset; ensure_preset('v4-flash-8l64e')" \
     > "$RES/preset.log" 2>&1; sync
-  b1=(--input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --num-iters 3)
-  bench b1 "${b1[@]}"
-  DEEPINFER_GC_FREEZE=0 bench b1-gc "${b1[@]}"
-  grep -h -E "timed runs|GC" "$RES/b1.txt" "$RES/b1-gc.txt"
-  timeout 150 python backends/nvidia_sm100/benchmarks/profile_decode.py --prefill 1 --input-len 1024 \
-    > "$RES/profile-prefill-1k.txt" 2>&1
-  grep -E "^=== prefill 1 x 1024 tokens" "$RES/profile-prefill-1k.txt"; save
-  what=summary
-fi
-if [[ $what == s16b ]]; then  # the sixteenth session's last lease: the L2 warm-up's tests and A/B, b64, b256
-  export BENCH_TIMEOUT=150
-  timeout 200 python -m pytest -q -p no:cacheprovider -rfEs backends/nvidia_sm100/tests/test_prefetch.py \
-    backends/nvidia_sm100/tests/test_model_gpu.py 2>&1 | tail -3 | tee "$RES/tests.txt"; save
-  python -c "from deepinfer_core.bench.presets import ensure_preset; ensure_preset('v4-flash-8l64e')" \
-    > "$RES/preset.log" 2>&1; sync
-  b1=(--input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --num-iters 3)
-  bench b1 "${b1[@]}"
-  DEEPINFER_NVIDIA_PREFETCH=0 bench b1-noprefetch "${b1[@]}"
-  bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
-  bench b256 --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256
-  what=summary
-fi
-if [[ $what == s16c ]]; then  # the L2 warm-up from two rows on (batch 1 skips it): batch 64 and 256 with and without
-  export BENCH_TIMEOUT=150
-  timeout 60 python -m pytest -q -p no:cacheprovider -rfEs backends/nvidia_sm100/tests/test_prefetch.py 2>&1 \
-    | tail -2 | tee "$RES/tests.txt"; save
-  python -c "from deepinfer_core.bench.presets import ensure_preset; ensure_preset('v4-flash-8l64e')" \
-    > "$RES/preset.log" 2>&1; sync
-  bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
-  DEEPINFER_NVIDIA_PREFETCH=0 bench b64-noprefetch --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
-  DEEPINFER_NVIDIA_PREFETCH=0 bench b256-noprefetch --input-len 1024 --output-len 128 --num-prompts 256 \
-    --max-num-seqs 256
+  BENCH_TIMEOUT=120 bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --num-iters 3
   what=summary
 fi
 if [[ $what == timeline ]]; then  # the two streams of a decode step without PDL's early waits (timeline.py)

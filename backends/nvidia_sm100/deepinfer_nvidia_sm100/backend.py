@@ -129,8 +129,7 @@ def triton_ops() -> dict[str, Callable]:
     ``gather_keys``, ``compressor_entries`` and ``compressor_entries_rope``, the cache writes, the RMS norms, alone
     and fused into RoPE (``rms_norm_rope``) and the ``hc`` collapse (``hc_pre_normed``), the
     shared expert), ``grouped_linear`` as a strided cuBLAS batched GEMM (``kernels/blas.py``), the small ops that
-    TorchInductor compiles to Triton, ``fork`` on a second CUDA stream (``kernels/streams.py``) and ``prefetch``
-    into L2 on a third (``kernels/prefetch.py``)."""
+    TorchInductor compiles to Triton, and ``fork`` on a second CUDA stream (``kernels/streams.py``)."""
     from deepinfer_core.ops import reference as ref
     from deepinfer_nvidia_sm100.kernels import (
         blas,
@@ -144,7 +143,6 @@ def triton_ops() -> dict[str, Callable]:
         keys,
         moe,
         norm,
-        prefetch,
         rope,
         route,
         streams,
@@ -160,8 +158,6 @@ def triton_ops() -> dict[str, Callable]:
         ops["sink_attention"] = decode_attention.with_fallback(ref.sink_attention)
     if gemv.enabled():  # one-row products: faster than cuBLAS on every preset projection (kernels/gemv.py)
         ops.update(linear=gemv.linear, grouped_linear=gemv.grouped_linear)
-    if prefetch.enabled():  # weights read into L2 while a decode step's short kernels run (kernels/prefetch.py)
-        ops["prefetch"] = prefetch.prefetch
     if norm.enabled():  # measured faster than the compiled reference (kernels/norm.py); traced when compiling
         ops.update(rms_norm=norm.rms_norm, unweighted_rms_norm=norm.unweighted_rms_norm,  # and the norms fused into
                    rms_norm_rope=norm.rms_norm_rope, hc_pre_normed=hc.hc_pre_normed,  # their neighbours' kernels

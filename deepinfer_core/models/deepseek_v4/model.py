@@ -221,7 +221,6 @@ class Attention:
         index_fold = ops.fork(self._fold_index, ops, inputs, ctx) if self.indexer is not None else None
         q_residual = ops.rms_norm(inputs["q"], self.q_norm, self.eps)  # [T, q_lora]
         q = ops.linear(q_residual, self.wq_b).view(T, self.heads, self.head_dim)  # [T, H, hd], normed in the attention
-        warm = ops.prefetch(q_residual, self.wo_a, self.wo_b)  # read while the attention runs
         keys = keys.join()  # [S, Lk (+ E), hd]
         layout = ctx.layout
         visible = layout.sliding_visible  # [S, Lq, Lk]
@@ -233,7 +232,6 @@ class Attention:
                                        sin)  # [S, Lq, H, hd]
         grouped = ops.grouped_linear(layout.unpad(out).reshape(T, self.groups, -1), self.wo_a, self.groups)
         out = ops.linear(grouped.flatten(1), self.wo_b)  # [T, D]
-        warm.join()
         if index_fold is not None:
             index_fold.join()
         return out
@@ -327,16 +325,10 @@ class DecoderLayer:
     def __call__(self, ops: OpTable, streams: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         c = self.config
         mhc = (c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
-        # each block's first weights are read (``prefetch``) while the mixing before it runs
-        warm = ops.prefetch(streams, self.attn.w_input, self.attn.wq_b)
         post, comb, x = ops.hc_pre_normed(streams, *self.hc_attn, *mhc, self.attn_norm)  # x: [T, D]
-        attended = self.attn(ops, x, ctx)  # [T, D]
-        warm.join()
-        warm = ops.prefetch(x, self.ffn.gate, *self.ffn.shared)
-        streams = ops.hc_post(streams, attended, post, comb)  # [T, hc, D]
+        streams = ops.hc_post(streams, self.attn(ops, x, ctx), post, comb)  # [T, hc, D]
         post, comb, x = ops.hc_pre_normed(streams, *self.hc_ffn, *mhc, self.ffn_norm)
         routed, shared = self.ffn(ops, x, ctx.token_ids)  # [T, D] each
-        warm.join()
         return ops.hc_post_sum(streams, routed, shared, post, comb)
 
 
@@ -476,9 +468,6 @@ class DeepseekV4Model:
             if idx in wanted:
                 captured[idx] = streams
         rows = streams[batch.logits_rows]  # [N, hc, D]
-        warm = ops.prefetch(rows, self.head)
         final = ops.hc_head(rows, *self.hc_head, c.hc_eps, c.rms_norm_eps)
         final = ops.rms_norm(final, self.norm, c.rms_norm_eps)
-        logits = ops.logits(final, self.head)
-        warm.join()
-        return ModelOutput(logits, captured)
+        return ModelOutput(ops.logits(final, self.head), captured)

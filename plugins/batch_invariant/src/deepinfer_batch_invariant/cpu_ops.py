@@ -171,7 +171,6 @@ REFERENCE_KEPT: dict[str, str] = {
     "gather_keys": "gathers, a select and a concatenation: no arithmetic",
     "apply_rope_": "apply_rope written back into its input: the same elementwise arithmetic",
     "fork": "runs its function at once: no arithmetic of its own",
-    "prefetch": "a cache hint that computes nothing",
     "write_rows_": "a gather and a scatter of whole rows: no arithmetic",
     "rms_norm_rope": "rms_norm / unweighted_rms_norm, then apply_rope_: each kept above",
     "decode_key_index": "integer index math per sequence: no floating point",

@@ -109,7 +109,6 @@ REFERENCE_KEPT: dict[str, str] = {
     "gather_keys": "gathers, a select and a concatenation: no arithmetic",
     "apply_rope_": "apply_rope written back into its input: the same elementwise arithmetic",
     "fork": "runs its function at once, on the one stream: no arithmetic of its own",
-    "prefetch": "a cache hint that computes nothing",
     "write_rows_": "a gather and a scatter of whole rows: no arithmetic",
     "decode_key_index": "integer index math per sequence: no floating point",
     "decode_entry_places": "integer index math per sequence and a gather: no floating point",
