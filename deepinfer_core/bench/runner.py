@@ -74,7 +74,8 @@ class BenchConfig:
 
 @dataclasses.dataclass
 class RunTimes:
-    """Host clock readings of one timed run: start, and per request its first and last token."""
+    """Host clock readings of one timed run: start, and per request its first and last token; the garbage
+    collections Python ran meanwhile."""
 
     start: float
     first_token: dict[str, float] = dataclasses.field(default_factory=dict)

@@ -76,5 +76,6 @@ def row(n: int, k: int, flush: torch.Tensor, idle: int) -> tuple[list[float], fl
     cells.append(gemv_after(run, run, flush, idle))
     return cells, weight.numel() * 2 / BW * 1e6
 
+
 if __name__ == "__main__":
     main()

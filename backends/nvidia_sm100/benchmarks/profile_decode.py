@@ -128,7 +128,7 @@ def profile_prefill(llm, prompts: int, length: int, sync_debug: bool = False, de
         engine.step()  # their prefill, then they decode beside each profiled step
 
     def one_step(tag: str) -> float:
-        for i, ids in enumerate(random_prompts(prompts, length, vocab, zlib.crc32(tag.encode()))):  # tag's own
+        for i, ids in enumerate(random_prompts(prompts, length, vocab, zlib.crc32(tag.encode()))):  # no prefix hits
             engine.add_request(f"{tag}-{i}", None, ids, params)
         torch.cuda.synchronize()
         start = time.perf_counter()
