@@ -84,6 +84,10 @@ class RunTimes:
     steps: int = 0
     gc_pauses: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (generation, seconds)
 
+    def first_token_s(self) -> float:
+        """Seconds from the start to the run's first token (any request's), 0 before there is one."""
+        return min(self.first_token.values(), default=self.start) - self.start
+
 
 @contextlib.contextmanager
 def recording_gc_pauses(into: list[tuple[int, float]]) -> Iterator[None]:
@@ -211,7 +215,7 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
     totals = [max(run.finished.values()) - run.start for run in runs]
     median = sorted(range(len(runs)), key=totals.__getitem__)[len(runs) // 2]
     metrics = summarize(runs[median], [len(p) for p in prompts], load_time, totals,
-                        [min(run.first_token.values()) - run.start for run in runs])
+                        [run.first_token_s() for run in runs])
     graphs = llm.engine.runner.decode_graphs
     replays = graphs.num_replays if graphs is not None else 0  # warmup included
     outputs = [runs[0].outputs[f"bench-{i}"] for i in range(len(prompts))]
@@ -348,7 +352,7 @@ def summarize(times: RunTimes, prompt_lens: Sequence[int], load_time: float,
         "total_throughput": (out_tokens + sum(prompt_lens)) / total, "requests_per_s": len(keys) / total,
         "ttft_s": stats(ttft), "tpot_s": stats(tpot), "latency_s": stats(latency), "load_time_s": load_time,
         "steps": times.steps, "iteration_total_times_s": list(iteration_totals or [total]),
-        "iteration_first_token_s": list(iteration_first_tokens or [min(ttft, default=0.0)]),
+        "iteration_first_token_s": list(iteration_first_tokens or [times.first_token_s()]),
         "gc_pauses": {"count": len(times.gc_pauses), "total_s": sum(s for _, s in times.gc_pauses),
                       "max_s": max((s for _, s in times.gc_pauses), default=0.0),
                       "full": sum(1 for generation, _ in times.gc_pauses if generation == 2)},

@@ -79,6 +79,10 @@ model_and_kernel_tests() {  # test_model_gpu.py, then the test_triton_kernels.py
   python -m pytest -q -p no:cacheprovider -rfE backends/nvidia_sm100/tests/test_triton_kernels.py -k "$1" 2>&1 \
     | tail -3 | tee -a "$RES/tests.txt"; save
 }
+preset_flushed() {  # the preset written when the machine has none, then flushed to disk before the first bench
+  python -c "from deepinfer_core.bench.presets import ensure_preset; ensure_preset('v4-flash-8l64e')" \
+    > "$RES/preset.log" 2>&1; sync
+}
 prefill_shapes() {  # both prefill shapes in 8192-token steps, median of 5
   bench prefill-8x1k --input-len 1024 --output-len 1 --num-prompts 8 --max-num-seqs 8 --max-num-batched-tokens 8192 \
     --num-iters 5
@@ -218,8 +222,7 @@ if [[ $what == s14d ]]; then  # the kernel tests (bounded), b1, its profile
 fi
 if [[ $what == ttft ]]; then  # the first bench of a fresh machine (docs/nvidia.md "The next lease" 3): the preset
   export BENCH_TIMEOUT=150    # written (if not cached) and flushed first, then b1 three times, then the first prefill
-  python -c "from deepinfer_core.bench.presets import ensure_preset; ensure_preset('v4-flash-8l64e')" \
-    > "$RES/preset.log" 2>&1; sync
+  preset_flushed
   for run in 1 2 3; do bench "b1-run$run" --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1; done
   grep -h "^b1-run" "$RES"/b1-run*.txt
   timeout 90 python backends/nvidia_sm100/benchmarks/profile_decode.py --prefill 1 --input-len 1024 \
@@ -232,8 +235,7 @@ if [[ $what == ttft ]]; then  # the first bench of a fresh machine (docs/nvidia.
 fi
 if [[ $what == s15a ]]; then  # the fifteenth session's first lease: the first token, then the model tests
   export BENCH_TIMEOUT=150
-  python -c "from deepinfer_core.bench.presets import ensure_preset; ensure_preset('v4-flash-8l64e')" \
-    > "$RES/preset.log" 2>&1; sync
+  preset_flushed
   bench b1-first --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
   bench b1-iters5 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --num-iters 5
   timeout 100 python backends/nvidia_sm100/benchmarks/profile_decode.py --prefill 1 --input-len 1024 --sync-debug \
@@ -250,8 +252,7 @@ if [[ $what == s15final ]]; then  # the last: the model and changed ops' GPU tes
   timeout 60 python -m pytest -q -p no:cacheprovider -rfE backends/nvidia_sm100/tests/test_kernels_gpu.py \
     backends/nvidia_sm100/tests/test_triton_kernels.py -k "small_ops or decode_attention or planned" 2>&1 \
     | tail -3 | tee "$RES/tests-kernels.txt"; save
-  python -c "from deepinfer_core.bench.presets import ensure_preset; ensure_preset('v4-flash-8l64e')" \
-    > "$RES/preset.log" 2>&1; sync
+  preset_flushed
   bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --num-iters 3
   bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
   bench b256 --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256
@@ -266,8 +267,7 @@ if [[ $what == forks ]]; then  # 4.18's forked key path and side-stream priority
   what=summary
 fi
 if [[ $what == s16final ]]; then  # the final code's batch 1 (median of 3)
-  python -c "from deepinfer_core.bench.presets import ensure_preset; ensure_preset('v4-flash-8l64e')" \
-    > "$RES/preset.log" 2>&1; sync
+  preset_flushed
   BENCH_TIMEOUT=120 bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --num-iters 3
   what=summary
 fi
