@@ -55,6 +55,8 @@
 #            4.19): prefetch (the script at 267d46e), s16 (6d6d12e: bench_l2_warm.py, the GC freeze A/B, the 1K
 #            prefill profiled), s16b and s16c (6816b2b: the L2 warm-up at batch 1, 64 and 256)
 #   timeline the decode profile at batch 1 and 64 with DEEPINFER_NVIDIA_PDL=0 and its two-stream timeline
+#   s17a     the seventeenth session's first lease: b1 once, the batch-1 decode profile with DEEPINFER_NVIDIA_PDL=0
+#            and the 1K-token prefill step profiled, both traces kept (gzipped) for offline reading
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -275,6 +277,19 @@ if [[ $what == timeline ]]; then  # the two streams of a decode step without PDL
   DEEPINFER_NVIDIA_PDL=0 timeout 300 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 64 \
     > "$RES/profile-timeline.txt" 2>&1
   grep -E -A12 "^=== batch [0-9]+: the streams" "$RES/profile-timeline.txt"; save
+fi
+if [[ $what == s17a ]]; then  # a baseline, then both traces kept for reading off the lease
+  preset_flushed
+  BENCH_TIMEOUT=120 bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
+  DEEPINFER_NVIDIA_PDL=0 timeout 200 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 \
+    > "$RES/profile-b1-pdl0.txt" 2>&1
+  gzip -c /tmp/trace-decode-b1.json > "$RES/trace-decode-b1-pdl0.json.gz"; grep -E "^=== |^\|" "$RES/profile-b1-pdl0.txt"
+  save
+  timeout 150 python backends/nvidia_sm100/benchmarks/profile_decode.py --prefill 1 --input-len 1024 \
+    > "$RES/profile-prefill-1k.txt" 2>&1
+  gzip -c /tmp/trace-prefill-1x1024.json > "$RES/trace-prefill-1k.json.gz"; grep -E "^=== |^step span" "$RES/profile-prefill-1k.txt"
+  save
+  what=summary
 fi
 if [[ $what == sched ]]; then
   bench b256 --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256
