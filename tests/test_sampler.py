@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from deepinfer_core.sampling import SamplingMetadata, SamplingParams, compute_prompt_logprobs, request_seed, sample
 from deepinfer_core.sampling.noise import derive_seed, python_uniform, uniform_noise
-from deepinfer_core.sampling.sampler import apply_penalties, apply_top_k_top_p, argmax_lowest
+from deepinfer_core.sampling.sampler import apply_penalties, apply_top_k_top_p, argmax_lowest, greedy_rows
 
 INT64 = st.integers(-(2**63), 2**63 - 1)
 # chi-square critical values at p = 0.001 by degrees of freedom
@@ -118,6 +118,36 @@ def test_greedy_and_random_rows_mix():
     logits = torch.tensor([[0.0, 1.0, 0.5], [0.0, 1.0, 0.5]])
     out = sample(logits, meta(2, temperature=[0.0, 1.0], top_k=[0, 1]))
     assert out.sampled_token_ids.tolist() == [1, 1]
+
+
+def test_plain_greedy_rows_take_the_greedy_op_with_the_general_paths_result():
+    """A step of plain greedy rows goes through ``greedy`` (a backend's ``greedy_sample``) and gets what the general
+    path gives (asking for 0 top log-probabilities keeps the general path): ids, raw log-probabilities, ranks."""
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(5)) * 3
+    logits[1, [7, 200]] = 30.0  # a tie: the lower id, rank 2
+    calls = []
+
+    def greedy(rows):
+        calls.append(rows.shape)
+        return greedy_rows(rows)
+
+    fast = sample(logits, meta(4, temperature=0.0), greedy=greedy)
+    general = sample(logits, meta(4, temperature=0.0, num_logprobs=0), greedy=greedy)
+    assert calls == [(4, 300)]
+    assert torch.equal(fast.sampled_token_ids, general.sampled_token_ids)
+    assert torch.equal(fast.sampled_ranks, general.sampled_ranks)
+    assert torch.equal(fast.sampled_logprobs, general.sampled_logprobs)
+    assert fast.sampled_token_ids[1].item() == 7 and fast.sampled_ranks[1].item() == 2
+
+
+@pytest.mark.parametrize("blocker", [
+    {"repetition_penalty": 1.5, "output_token_ids": [[1]]}, {"min_tokens": [1], "stop_token_ids": [[3]]},
+    {"allowed_token_mask": torch.tensor([[True, False, True, True]])}, {"num_logprobs": 2}, {"temperature": 0.5}])
+def test_greedy_op_is_skipped_where_a_row_needs_more_than_the_argmax(blocker):
+    logits = torch.tensor([[0.0, 1.0, 0.5, 2.0]])
+    called = []
+    out = sample(logits, meta(1, **{"temperature": 0.0, **blocker}), greedy=lambda rows: called.append(rows))
+    assert not called and out.sampled_token_ids.shape == (1,)
 
 
 def test_sample_does_not_modify_logits():

@@ -199,7 +199,7 @@ class ModelRunner:
             num_output_tokens=[c.end - len(r.prompt_token_ids) for c, r in zip(chunks, requests)],
             device=stacked.device,
         )
-        return sample(stacked, metadata)
+        return sample(stacked, metadata, greedy=self.model.ops.greedy_sample)
 
     def collect(self, launched: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step and read its sampled tokens to the host."""

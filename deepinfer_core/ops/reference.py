@@ -592,6 +592,17 @@ def logits(hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
 
 
 @reference_op
+def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain greedy sampling of fp32 ``logits [R, V]``: each row's argmax (ties to the lowest id), its raw
+    log-probability (``log_softmax``) and rank (how many tokens are at least as likely): ``[R]`` int64, float32,
+    int64. The sampler calls it for a step whose every row is greedy with nothing to apply first (no penalty, no
+    mask, no top-n); it is ``sampling.sampler.greedy_rows``."""
+    from deepinfer_core.sampling.sampler import greedy_rows
+
+    return greedy_rows(logits)
+
+
+@reference_op
 def embed(token_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Embedding lookup: ``[T] -> [T, D]``."""
     return F.embedding(token_ids, table)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -35,7 +35,8 @@ NEG_INF = float("-inf")
 class SamplingMetadata:
     """Per-row sampling inputs for one step; row i describes row i of the logits.
 
-    Tensors are 1-D ``[num_rows]`` on the logits' device unless noted. Build it with
+    Tensors are 1-D ``[num_rows]`` on the logits' device unless noted (``from_params`` leaves them on the host
+    where every row is greedy without penalties: the sampler then reads none of them on the device). Build it with
     ``SamplingMetadata.from_params`` or by hand.
 
     Attributes:
@@ -81,6 +82,26 @@ class SamplingMetadata:
         """Number of rows (requests sampled this step)."""
         return int(self.temperature.shape[0])
 
+    def blocked_stop_ids(self) -> tuple[list[int], list[int]]:
+        """(rows, ids) of the stop ids masked this step: those of rows with fewer than ``min_tokens`` outputs."""
+        rows: list[int] = []
+        cols: list[int] = []
+        counts = self.num_output_tokens
+        if counts is None:
+            counts = [len(out) for out in self.output_token_ids]
+        for i, (min_tokens, count, stops) in enumerate(zip(self.min_tokens, counts, self.stop_token_ids)):
+            if count < min_tokens:
+                rows.extend([i] * len(stops))
+                cols.extend(stops)
+        return rows, cols
+
+    def plain_greedy(self) -> bool:
+        """Whether every row takes the argmax of its raw logits: greedy, no penalty, no mask, no top-n
+        log-probabilities (then ``greedy_rows`` is the whole sampler)."""
+        kinds = self.row_kinds()
+        return (kinds.all_greedy and not kinds.penalties and self.allowed_token_mask is None
+                and self.num_logprobs is None and not self.blocked_stop_ids()[0])
+
     def row_kinds(self) -> RowKinds:
         """``kinds``, or (hand-built metadata) the same flags read from the tensors."""
         if self.kinds is not None:
@@ -118,7 +139,8 @@ class SamplingMetadata:
             num_output_tokens: per row, tokens generated before this one when some are still on the device
                 (``SamplingMetadata.num_output_tokens``); None: ``len(output)``.
             allowed_token_mask: optional bool ``[num_rows, vocab]``.
-            device: where to put the per-row tensors (the logits' device).
+            device: where to put the per-row tensors (the logits' device); they stay on the host where every row is
+                greedy without penalties (no upload: the sampler reads none of them on the device then).
         """
         rows = len(params)
         for name, values in (("seeds", seeds), ("prompt_token_ids", prompt_token_ids),
@@ -132,7 +154,9 @@ class SamplingMetadata:
                               dtype=torch.float32).reshape(len(_FLOAT_FIELDS), rows)  # [fields, num_rows]
         ints = torch.tensor([[p.top_k for p in params], [to_int64_seed(s) for s in seeds], list(positions)],
                             dtype=torch.int64).reshape(3, rows)  # [3, num_rows]: top_k, seeds, positions
-        floats, ints = to_device(floats, device), to_device(ints, device)
+        kinds = RowKinds.of(params)
+        if not kinds.all_greedy or kinds.penalties:
+            floats, ints = to_device(floats, device), to_device(ints, device)
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             **dict(zip(_FLOAT_FIELDS, floats, strict=True)),
@@ -146,7 +170,7 @@ class SamplingMetadata:
             allowed_token_mask=allowed_token_mask,
             num_logprobs=max(logprobs) if logprobs else None,
             num_output_tokens=num_output_tokens,
-            kinds=RowKinds.of(params),
+            kinds=kinds,
         )
 
 
@@ -222,14 +246,20 @@ def request_seed(params: SamplingParams, seq_index: int = 0) -> int:
 # the sampler
 
 
-def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+def sample(logits: torch.Tensor, metadata: SamplingMetadata,
+           greedy: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None = None) -> SamplerOutput:
     """Sample one token per row of ``logits`` ``[num_rows, vocab]`` (float32) as ``metadata`` says.
 
     Pure: ``logits`` is not modified, no global RNG is used; the result of a row depends only on
     that row's logits and metadata. See the module docstring for the order of operations.
+
+    ``greedy``: computes ``greedy_rows`` (a backend's ``greedy_sample`` op); it takes a step whose every row is
+    greedy with nothing to apply first (no penalty, no mask, no top-n log-probabilities).
     """
     _check_shapes(logits, metadata)
     logits = logits.float()  # [num_rows, vocab]
+    if metadata.plain_greedy():
+        return SamplerOutput(*(greedy or greedy_rows)(logits))
     raw_logprobs = torch.log_softmax(logits, dim=-1)  # [num_rows, vocab]
 
     processed = apply_penalties(logits, metadata)  # [num_rows, vocab]
@@ -313,15 +343,7 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
 
 def _apply_masks(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Set min_tokens-blocked stop ids and disallowed tokens to -inf; returns a new tensor."""
-    rows: list[int] = []
-    cols: list[int] = []
-    counts = metadata.num_output_tokens
-    if counts is None:
-        counts = [len(out) for out in metadata.output_token_ids]
-    for i, (min_tokens, count, stops) in enumerate(zip(metadata.min_tokens, counts, metadata.stop_token_ids)):
-        if count < min_tokens:
-            rows.extend([i] * len(stops))
-            cols.extend(stops)
+    rows, cols = metadata.blocked_stop_ids()
     mask = metadata.allowed_token_mask
     if not rows and mask is None:
         return logits
@@ -403,6 +425,15 @@ def _sample_ids(processed: torch.Tensor, greedy: torch.Tensor, metadata: Samplin
 
 # ---------------------------------------------------------------------------------------------
 # log-probabilities
+
+
+def greedy_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sampler's result where every row is plain greedy (``SamplingMetadata.plain_greedy``): each row's argmax
+    (ties to the lowest id), its raw log-probability and its rank; ``[num_rows]`` int64, float32, int64. The
+    reference of the op table's ``greedy_sample``."""
+    token_ids = argmax_lowest(logits)  # [num_rows]
+    out = _logprob_output(torch.log_softmax(logits.float(), dim=-1), token_ids, None)
+    return token_ids, out.sampled_logprobs, out.sampled_ranks
 
 
 def _logprob_output(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int | None) -> SamplerOutput:

@@ -57,6 +57,9 @@
 #   timeline the decode profile at batch 1 and 64 with DEEPINFER_NVIDIA_PDL=0 and its two-stream timeline
 #   s17a     the seventeenth session's first lease: b1 once, the batch-1 decode profile with DEEPINFER_NVIDIA_PDL=0
 #            and the 1K-token prefill step profiled, both traces kept (gzipped) for offline reading
+#   s17b     the greedy sampler's kernel and the router ahead of the shared expert: its kernel tests and
+#            test_model_gpu.py, b1 (median of 3), b1 with DEEPINFER_NVIDIA_GREEDY=0, the batch-1 decode trace with
+#            PDL off, b64
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -289,6 +292,22 @@ if [[ $what == s17a ]]; then  # a baseline, then both traces kept for reading of
     > "$RES/profile-prefill-1k.txt" 2>&1
   gzip -c /tmp/trace-prefill-1x1024.json > "$RES/trace-prefill-1k.json.gz"; grep -E "^=== |^step span" "$RES/profile-prefill-1k.txt"
   save
+  what=summary
+fi
+if [[ $what == s17b ]]; then
+  preset_flushed
+  timeout 60 python -m pytest -q -p no:cacheprovider -rfE backends/nvidia_sm100/tests/test_triton_kernels.py -k greedy \
+    2>&1 | tail -3 | tee "$RES/tests.txt"; save
+  timeout 200 python -m pytest -q -p no:cacheprovider -rfEs backends/nvidia_sm100/tests/test_model_gpu.py 2>&1 \
+    | tail -4 | tee -a "$RES/tests.txt"; save
+  BENCH_TIMEOUT=120 bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --num-iters 3
+  DEEPINFER_NVIDIA_GREEDY=0 BENCH_TIMEOUT=100 bench b1-greedy0 --input-len 1024 --output-len 128 --num-prompts 1 \
+    --max-num-seqs 1
+  DEEPINFER_NVIDIA_PDL=0 timeout 150 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 \
+    > "$RES/profile-b1-pdl0.txt" 2>&1
+  gzip -c /tmp/trace-decode-b1.json > "$RES/trace-decode-b1-pdl0.json.gz"; grep -E "^=== batch 1: decode" "$RES/profile-b1-pdl0.txt"
+  save
+  BENCH_TIMEOUT=150 bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
   what=summary
 fi
 if [[ $what == sched ]]; then

@@ -126,8 +126,8 @@ def sm100_ops() -> dict[str, Callable]:
 def triton_ops() -> dict[str, Callable]:
     """The overrides both paths share: Triton kernels (``moe_experts``, the MoE routing, ``hc_pre``, ``hc_post`` and
     ``hc_post_sum``, ``apply_rope`` and ``apply_rope_``, ``sink_attention`` of decode rows, ``indexer_scores``,
-    ``gather_keys``, ``compressor_entries`` and ``compressor_entries_rope``, the cache writes, the RMS norms, alone
-    and fused into RoPE (``rms_norm_rope``) and the ``hc`` collapse (``hc_pre_normed``), the
+    ``gather_keys``, ``compressor_entries`` and ``compressor_entries_rope``, the cache writes, ``greedy_sample``, the
+    RMS norms, alone and fused into RoPE (``rms_norm_rope``) and the ``hc`` collapse (``hc_pre_normed``), the
     shared expert), ``grouped_linear`` as a strided cuBLAS batched GEMM (``kernels/blas.py``), the small ops that
     TorchInductor compiles to Triton, and ``fork`` on a second CUDA stream (``kernels/streams.py``)."""
     from deepinfer_core.ops import reference as ref
@@ -138,6 +138,7 @@ def triton_ops() -> dict[str, Callable]:
         compressor,
         decode_attention,
         gemv,
+        greedy,
         hc,
         indexer,
         keys,
@@ -156,6 +157,8 @@ def triton_ops() -> dict[str, Callable]:
            "write_rows_": cache_writes.write_rows_, "grouped_linear": blas.grouped_linear}
     if decode_attention.enabled():  # decode rows; the others the reference (sm90_ops: TileLang)
         ops["sink_attention"] = decode_attention.with_fallback(ref.sink_attention)
+    if greedy.enabled():  # the sampler of an all-greedy step: ~16 one-block reductions -> two launches
+        ops["greedy_sample"] = greedy.greedy_sample
     if gemv.enabled():  # one-row products: faster than cuBLAS on every preset projection (kernels/gemv.py)
         ops.update(linear=gemv.linear, grouped_linear=gemv.grouped_linear)
     if norm.enabled():  # measured faster than the compiled reference (kernels/norm.py); traced when compiling

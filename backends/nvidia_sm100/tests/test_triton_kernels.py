@@ -1,6 +1,6 @@
 """The small Triton kernels against their references: ``hc_pre`` (``kernels/hc.py``) against the reference op,
 the MoE ``align`` kernel against its torch version and the MoE combine inside ``moe_experts`` against the
-reference op, RoPE, the attention keys, the MoE routing, the compressor's pooled windows. On the GPU where there is one; without a GPU,
+reference op, RoPE, the attention keys, the MoE routing, the compressor's pooled windows, the greedy sampler. On the GPU where there is one; without a GPU,
 in a child pytest process on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` must be set before
 Triton is imported, and it would break the ahead-of-time compiles of test_triton_compile.py in this process).
 The interpreter checks the kernels' logic: indexing, masks (an hc that is not a power of two, assignments
@@ -16,7 +16,18 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="the test extra installs triton")
-from deepinfer_nvidia_sm100.kernels import cache_writes, compressor, hc, indexer, key_blocks, keys, moe, rope, route
+from deepinfer_nvidia_sm100.kernels import (
+    cache_writes,
+    compressor,
+    greedy,
+    hc,
+    indexer,
+    key_blocks,
+    keys,
+    moe,
+    rope,
+    route,
+)
 
 from deepinfer_core.ops import reference as ref
 
@@ -573,6 +584,37 @@ def test_moe_route_hash_matches_reference(scoring, dtype):
     assert torch.equal(got_ids, want_ids)
     tol = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
     torch.testing.assert_close(got_w, want_w, **tol)
+
+
+def _logits_with_ties(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """fp32 logits ``[rows, vocab]`` (std 3, as a model's): row 0 a unique maximum, row 1 its maximum at three ids in
+    different chunks (where the row has them), row 2 ``-inf`` over its first chunk and the maximum in the last (cut) chunk."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    logits = torch.randn(rows, vocab, device=DEVICE, generator=gen) * 3.0
+    if rows > 1:
+        logits[1, [vocab - 1, 5, min(greedy.BLOCK + 7, vocab - 3)]] = 40.0
+    if rows > 2:
+        logits[2, :greedy.BLOCK] = float("-inf")
+        logits[2, vocab - 2] = 41.0
+    return logits
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("rows, vocab, strided", [(1, 129280, False), (3, 10000, False), (4, 2 * 4096 + 100, True),
+                                                  (2, 50, False), (0, 129280, False)])
+def test_greedy_sample_matches_the_sampler(rows, vocab, strided):
+    """Token ids and ranks equal the sampler's greedy rows (ties to the lowest id; a tie's rank counts every id
+    at the maximum), log-probabilities to fp32 rounding; a row view with a wider stride too."""
+    logits = _logits_with_ties(rows, vocab, seed=rows + vocab)
+    if strided:
+        logits = torch.cat([logits, logits[:, :3]], dim=1)[:, :vocab]  # row stride vocab + 3
+    got = greedy.greedy_sample(logits)
+    want = ref.greedy_sample(logits)
+    assert [g.dtype for g in got] == [torch.long, torch.float32, torch.long]
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+    if rows > 1:
+        assert got[0][1].item() == 5 and got[2][1].item() == 3
 
 
 def _window_case(windows: int, ratio: int, d: int, overlap: bool, dtype: torch.dtype, carry_dtype: torch.dtype,

@@ -294,8 +294,8 @@ class MoE:
 
     def __call__(self, ops: OpTable, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The routed experts' and the shared expert's outputs ``[T, D]`` (the block output is their sum)."""
+        router_logits = ops.linear(x, self.gate)  # [T, E]; first: the routing's short chain leads to the experts
         shared = ops.fork(ops.swiglu_mlp, x, *self.shared, self.limit)  # beside the routing (a backend may overlap)
-        router_logits = ops.linear(x, self.gate)  # [T, E]
         if self.is_hash:
             weights, ids = ops.moe_route_hash(router_logits, token_ids, self.tid2eid, self.scaling, self.scoring)
         else:

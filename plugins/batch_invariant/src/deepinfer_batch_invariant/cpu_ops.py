@@ -176,4 +176,6 @@ REFERENCE_KEPT: dict[str, str] = {
     "decode_key_index": "integer index math per sequence: no floating point",
     "decode_entry_places": "integer index math per sequence and a gather: no floating point",
     "decode_window_plan": "integer index math per sequence and a gather: no floating point",
+    "greedy_sample": "per row: an exact max and lowest-id min, the sampler's log_softmax (vectorised over the row "
+                     "whatever the batch) and an integer count",
 }
