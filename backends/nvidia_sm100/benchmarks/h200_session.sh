@@ -60,6 +60,8 @@
 #   s17b     the greedy sampler's kernel and the router ahead of the shared expert: its kernel tests and
 #            test_model_gpu.py, b1 (median of 3), b1 with DEEPINFER_NVIDIA_GREEDY=0, the batch-1 decode trace with
 #            PDL off, b64
+#   s17c     the Sinkhorn of hc = 4 in scalars: the hc kernel tests, then b1 (median of 3) with it and with
+#            DEEPINFER_NVIDIA_HC_SCALAR=0, alternating processes
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -308,6 +310,16 @@ if [[ $what == s17b ]]; then
   gzip -c /tmp/trace-decode-b1.json > "$RES/trace-decode-b1-pdl0.json.gz"; grep -E "^=== batch 1: decode" "$RES/profile-b1-pdl0.txt"
   save
   BENCH_TIMEOUT=150 bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
+  what=summary
+fi
+if [[ $what == s17c ]]; then
+  preset_flushed
+  timeout 120 python -m pytest -q -p no:cacheprovider -rfE backends/nvidia_sm100/tests/test_triton_kernels.py \
+    -k "hc_pre or scalar_sinkhorn or greedy" 2>&1 | tail -3 | tee "$RES/tests.txt"; save
+  args=(--input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --num-iters 3)
+  BENCH_TIMEOUT=100 bench b1-scalar "${args[@]}"
+  DEEPINFER_NVIDIA_HC_SCALAR=0 BENCH_TIMEOUT=100 bench b1-tensor "${args[@]}"
+  BENCH_TIMEOUT=100 bench b1-scalar2 "${args[@]}"
   what=summary
 fi
 if [[ $what == sched ]]; then

@@ -86,6 +86,13 @@ SMALL_KERNELS = {  # kernel -> (argument types where not the default, constexprs
                                                       "norm_w_ptr": "*fp32"},
                                                      {"HC": 4, "HC_P2": 4, "N_P2": 32, "SPLITS_P2": 128,
                                                       "BLOCK_D": 1024, "NORM": True}),
+    "hc._hc_finish_weights_collapse_kernel:scalar": ({"streams_ptr": "*bf16", "out_ptr": "*bf16",
+                                                      "norm_w_ptr": "*fp32"},
+                                                     {"HC": 4, "HC_P2": 4, "N_P2": 32, "SPLITS_P2": 128,
+                                                      "BLOCK_D": 4096, "NORM": True, "SCALAR": True}),
+    "greedy._partials_kernel": ({"ids_ptr": "*i32", "counts_ptr": "*i32"}, {"BLOCK": 4096}),
+    "greedy._finish_kernel": ({"ids_ptr": "*i32", "counts_ptr": "*i32", "token_ptr": "*i64", "rank_ptr": "*i64"},
+                              {"CHUNKS_P2": 32}),
     "moe._up_row_kernel": ({"x_ptr": "*bf16", "w1_ptr": "*bf16", "w3_ptr": "*bf16", "h_ptr": "*bf16",
                             "ids_ptr": "*i64", "limit": "fp32"}, {"BLOCK_N": 2, "BLOCK_K": 1024, "EVEN": True}),
     "moe._down_row_kernel": ({"h_ptr": "*bf16", "w2_ptr": "*bf16", "out_ptr": "*bf16", "ids_ptr": "*i64"},
@@ -169,6 +176,7 @@ def test_small_kernels_compile(name, capability):
         compressor,
         decode_attention,
         gemv,
+        greedy,
         indexer,
         key_blocks,
         keys,
@@ -178,7 +186,7 @@ def test_small_kernels_compile(name, capability):
     )
 
     module, kernel = name.split(":")[0].split(".")
-    fn = getattr({"gemv": gemv, "hc": hc, "indexer": indexer, "key_blocks": key_blocks, "keys": keys, "moe": moe,
+    fn = getattr({"gemv": gemv, "greedy": greedy, "hc": hc, "indexer": indexer, "key_blocks": key_blocks, "keys": keys, "moe": moe,
                    "norm": norm, "rope": rope, "route": route, "compressor": compressor,
                    "cache_writes": cache_writes, "decode_attention": decode_attention}[module], kernel)
     types, constants = SMALL_KERNELS[name]
