@@ -14,6 +14,7 @@ import torch
 from deepinfer_core.backends.registry import select_backend
 from deepinfer_core.engine.decode_graphs import DecodeGraphs, default_sizes
 from deepinfer_core.engine.engine import Engine, EngineConfig, RequestRejectedError
+from deepinfer_core.engine.prefill_graphs import BUCKETS, PrefillGraphs
 from deepinfer_core.models.registry import default_registry
 from deepinfer_core.models.resolve import resolve_model
 from deepinfer_core.outputs import RequestOutput
@@ -60,6 +61,10 @@ class LLM:
         cuda_graph_sizes: decode batch sizes to capture (vLLM's name); default ``1, 2, 4, 8, 16, 24, 32, 48, 64,
             ...`` up to ``max_num_seqs`` on a backend with graphs, none on one without (CPU). Given explicitly on
             CPU, decode steps take the same static-shape path, run eagerly.
+        prefill_graph_buckets: token counts of the captured prefill steps for lone prompts (each prompt padded to
+            the next; ``engine/prefill_graphs.py``); default ``512, 1024, ..., 8192`` up to
+            ``max_num_batched_tokens`` wherever decode steps replay graphs, none with ``enforce_eager``; ``[]``
+            turns them off.
         gpu_memory_utilization, tensor_parallel_size, trust_remote_code: vLLM's names, accepted so vLLM code
             runs: the first is ``memory_fraction``; only one device per engine for now; no remote code is ever
             executed (a checkpoint needing it is refused).
@@ -85,6 +90,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         enforce_eager: bool = False,
         cuda_graph_sizes: Sequence[int] | None = None,
+        prefill_graph_buckets: Sequence[int] | None = None,
         enable_mixed_chunk: bool = False,
         async_scheduling: bool | None = None,
         trust_remote_code: bool = False,
@@ -93,6 +99,10 @@ class LLM:
         _check_positive(max_num_seqs=max_num_seqs)
         if max_num_batched_tokens is not None:
             _check_positive(max_num_batched_tokens=max_num_batched_tokens)
+        if prefill_graph_buckets is not None:
+            bad = [n for n in prefill_graph_buckets if not isinstance(n, int) or isinstance(n, bool) or n < 1]
+            if bad:
+                raise ValueError(f"prefill_graph_buckets must be positive integers (token counts), got {bad}")
         if tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: this engine runs one device per engine "
                              "for now; use tensor_parallel_size=1")
@@ -129,11 +139,14 @@ class LLM:
         state = self.model.new_state(num_slots=max_num_seqs + spare, num_blocks=num_blocks + spare, block_size=block)
         engine_config = EngineConfig(self.max_model_len, max_num_seqs, self.max_num_batched_tokens, block, num_blocks,
                                      enable_prefix_caching, seed, self.async_scheduling, enable_mixed_chunk)
-        graphs = None
+        graphs = prefill = None
         if sizes:
             graphs = DecodeGraphs(self.model, state, self.backend.capture_graph, sizes, self.max_model_len,
                                   spare_slot=max_num_seqs, spare_block=num_blocks)
-        self.engine = Engine(self.model, state, self.tokenizer, engine_config, self.plugin_manager, graphs)
+            buckets = BUCKETS if prefill_graph_buckets is None else tuple(prefill_graph_buckets)
+            prefill = PrefillGraphs(self.model, state, self.backend.capture_graph, self.max_num_batched_tokens,
+                                    max_num_seqs, num_blocks, buckets) if buckets else None
+        self.engine = Engine(self.model, state, self.tokenizer, engine_config, self.plugin_manager, graphs, prefill)
         self._ids = itertools.count()
 
     def _graph_sizes(self, enforce_eager: bool, sizes: Sequence[int] | None, max_num_seqs: int) -> list[int]:

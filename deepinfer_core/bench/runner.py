@@ -52,6 +52,7 @@ class BenchConfig:
     warmup: int = 1
     num_iters: int = 1  # the engine's timed runs; its figures are the run of median total time
     enforce_eager: bool = False
+    prefill_graphs: bool = True  # lone prompts through captured prefill graphs where decode steps replay graphs
     enable_mixed_chunk: bool = False
     async_scheduling: bool | None = None  # None: the backend's default
     seed: int = 0
@@ -116,7 +117,8 @@ def run_bench(config: BenchConfig, log: Log = lambda msg: None) -> dict[str, Any
     prompts = random_prompts(config.num_prompts, config.input_len, model_config.vocab_size, config.seed)
     engine, device, dtype = run_engine(folder, config, prompts, log)
     result: dict[str, Any] = {"config": describe(config, folder, device, dtype), "engine": engine["metrics"]}
-    result["config"]["decode_graph_replays"] = engine["graph_replays"]
+    result["config"]["decode_graph_replays"] = engine["graph_replays"]["decode"]
+    result["config"]["prefill_graph_replays"] = engine["graph_replays"]["prefill"]
     result["config"]["max_num_batched_tokens"] = engine["max_num_batched_tokens"]  # the backend's default if unset
     result["config"]["async_scheduling"] = engine["async_scheduling"]
     result["config"]["op_sources"] = engine["op_sources"]
@@ -199,6 +201,7 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
     llm = LLM(folder, backend=config.backend, dtype=config.dtype, max_model_len=config.input_len + config.output_len,
               max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed,
               enforce_eager=config.enforce_eager, enable_mixed_chunk=config.enable_mixed_chunk,
+              prefill_graph_buckets=None if config.prefill_graphs else [],
               async_scheduling=config.async_scheduling)
     load_time = time.perf_counter() - t0
     device, dtype = llm.backend.device, llm.dtype
@@ -216,8 +219,9 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
     median = sorted(range(len(runs)), key=totals.__getitem__)[len(runs) // 2]
     metrics = summarize(runs[median], [len(p) for p in prompts], load_time, totals,
                         [run.first_token_s() for run in runs])
-    graphs = llm.engine.runner.decode_graphs
-    replays = graphs.num_replays if graphs is not None else 0  # warmup included
+    replays = {name: graphs.num_replays if graphs is not None else 0  # warmup included
+               for name, graphs in (("decode", llm.engine.runner.decode_graphs),
+                                    ("prefill", llm.engine.runner.prefill_graphs))}
     outputs = [runs[0].outputs[f"bench-{i}"] for i in range(len(prompts))]
     budget, overlapped = llm.max_num_batched_tokens, llm.async_scheduling
     op_sources = llm.model.ops.sources()  # which implementation each op ran (backend, plugin or reference)

@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 1; HF is timed once)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="never replay decode steps from captured graphs (A/B against graphs)")
+    parser.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=True,
+                        help="prefill a lone prompt through a graph captured per token bucket (default on where "
+                             "decode steps replay graphs; --no-prefill-graphs: eager prefill steps)")
     parser.add_argument("--enable-mixed-chunk", action="store_true",
                         help="decode running requests in prefill steps too (default: they wait while prompts fold)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
@@ -65,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         num_prompts=args.num_prompts, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, backend=args.backend, dtype=args.dtype,
         compare_hf=args.compare_hf, warmup=args.warmup, num_iters=args.num_iters, enforce_eager=args.enforce_eager,
-        enable_mixed_chunk=args.enable_mixed_chunk,
+        prefill_graphs=args.prefill_graphs, enable_mixed_chunk=args.enable_mixed_chunk,
         async_scheduling=args.async_scheduling, seed=args.seed, cache_dir=args.cache_dir,
     )
     try:

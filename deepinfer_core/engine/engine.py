@@ -9,6 +9,7 @@ import logging
 from deepinfer_core.engine.decode_graphs import DecodeGraphs
 from deepinfer_core.engine.detokenizer import SequenceDetokenizer
 from deepinfer_core.engine.model_runner import LaunchedStep, ModelRunner, ModelRunnerOutput
+from deepinfer_core.engine.prefill_graphs import PrefillGraphs
 from deepinfer_core.engine.request import Request, RequestStatus
 from deepinfer_core.engine.scheduler import FcfsScheduler, Scheduler, SchedulerOutput
 from deepinfer_core.engine.state_manager import StateManager
@@ -51,7 +52,7 @@ class Engine:
     """
 
     def __init__(self, model, state, tokenizer, config: EngineConfig, plugin_manager=None,
-                 decode_graphs: DecodeGraphs | None = None):
+                 decode_graphs: DecodeGraphs | None = None, prefill_graphs: PrefillGraphs | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -63,7 +64,7 @@ class Engine:
         self.scheduler: Scheduler = FcfsScheduler(self.state_manager, config.max_num_seqs,
                                                   config.max_num_batched_tokens, self._replay_start,
                                                   self._append_token, config.enable_mixed_chunk)
-        self.runner = ModelRunner(model, state, self.eos_token_id, decode_graphs)
+        self.runner = ModelRunner(model, state, self.eos_token_id, decode_graphs, prefill_graphs)
         self.groups: dict[str, list[Request]] = {}
         self._deferred_text: list[Request] = []  # requests whose last token's text waits for the next step
         self._arrivals = itertools.count()

@@ -8,6 +8,7 @@ import torch
 
 from deepinfer_core.device_copy import record_event, to_device, to_host
 from deepinfer_core.engine.decode_graphs import DecodeGraphs
+from deepinfer_core.engine.prefill_graphs import PrefillGraphs
 from deepinfer_core.engine.scheduler import ScheduledChunk, SchedulerOutput
 from deepinfer_core.forward_batch import ForwardBatch
 from deepinfer_core.sampling.sampler import (
@@ -101,12 +102,14 @@ class LaunchedStep:
 class ModelRunner:
     """Owns the model and its state pools; turns a ``SchedulerOutput`` into sampled tokens."""
 
-    def __init__(self, model, state, eos_token_id: int | None, decode_graphs: DecodeGraphs | None = None):
+    def __init__(self, model, state, eos_token_id: int | None, decode_graphs: DecodeGraphs | None = None,
+                 prefill_graphs: PrefillGraphs | None = None):
         self.model = model
         self.state = state
         self.eos_token_id = eos_token_id
         self.device = model.device
         self.decode_graphs = decode_graphs
+        self.prefill_graphs = prefill_graphs
         self.num_mixed_steps = 0  # steps that replayed a graph for their decodes and ran their prefill eagerly
 
     def build_batch(self, output: SchedulerOutput) -> tuple[ForwardBatch, list[int], dict[str, tuple[int, int]]]:
@@ -148,9 +151,9 @@ class ModelRunner:
 
     def launch(self, output: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Queue the step on the device without waiting for it: its decode chunks through the captured graphs
-        (when there are), the rest eagerly in one forward; then sampling of every chunk that samples, in the step's
-        order. A chunk whose last input token is in flight reads it from ``previous`` (the step before) on the
-        device."""
+        (when there are), a lone prompt through its bucket's prefill graph, the rest eagerly in one forward; then
+        sampling of every chunk that samples, in the step's order. A chunk whose last input token is in flight reads
+        it from ``previous`` (the step before) on the device."""
         if previous is None and any(c.reads_inflight_token for c in output.chunks):
             raise RuntimeError("a chunk reads a token still in flight, but no launched step was given to read it from")
         graphed = self.decode_graphs.select(output.chunks) if self.decode_graphs is not None else []
@@ -163,7 +166,12 @@ class ModelRunner:
         parts = [graph_logits] if graphed else []
         row_of = {id(c): i for i, c in enumerate(graphed)}  # chunk -> row of the stacked sampling logits
         prompt_logprobs = {}
-        if eager.chunks:
+        prefill = self.prefill_graphs.run(eager.chunks) if self.prefill_graphs is not None else None  # [1, V]
+        if prefill is not None:  # a lone prompt through its bucket's graph
+            self.num_mixed_steps += bool(graphed)
+            parts.append(prefill)
+            row_of[id(eager.chunks[0])] = len(graphed)
+        elif eager.chunks:
             self.num_mixed_steps += bool(graphed)
             batch, sample_rows, prompt_rows = self.build_batch(eager)
             if previous is not None:

@@ -60,8 +60,9 @@
 #   s17b     the greedy sampler's kernel and the router ahead of the shared expert: its kernel tests and
 #            test_model_gpu.py, b1 (median of 3), b1 with DEEPINFER_NVIDIA_GREEDY=0, the batch-1 decode trace with
 #            PDL off, b64
-#   s17c     the Sinkhorn of hc = 4 in scalars: the hc kernel tests, then b1 (median of 3) with it and with
-#            DEEPINFER_NVIDIA_HC_SCALAR=0, alternating processes
+#   s17c     (ran 1ad071c's scalar Sinkhorn, since removed: docs/performance.md 4.20)
+#   s17d     the prefill graphs of lone prompts: their GPU test, b1 (median of 3) with them and with
+#            --no-prefill-graphs, the 1K prefill step profiled (through the graph), b64
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -312,14 +313,17 @@ if [[ $what == s17b ]]; then
   BENCH_TIMEOUT=150 bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
   what=summary
 fi
-if [[ $what == s17c ]]; then
+if [[ $what == s17d ]]; then
   preset_flushed
-  timeout 120 python -m pytest -q -p no:cacheprovider -rfE backends/nvidia_sm100/tests/test_triton_kernels.py \
-    -k "hc_pre or scalar_sinkhorn or greedy" 2>&1 | tail -3 | tee "$RES/tests.txt"; save
+  timeout 200 python -m pytest -q -p no:cacheprovider -rfE backends/nvidia_sm100/tests/test_model_gpu.py \
+    -k "prefill_graph or fp32_greedy" 2>&1 | tail -4 | tee "$RES/tests.txt"; save
   args=(--input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --num-iters 3)
-  BENCH_TIMEOUT=100 bench b1-scalar "${args[@]}"
-  DEEPINFER_NVIDIA_HC_SCALAR=0 BENCH_TIMEOUT=100 bench b1-tensor "${args[@]}"
-  BENCH_TIMEOUT=100 bench b1-scalar2 "${args[@]}"
+  BENCH_TIMEOUT=100 bench b1 "${args[@]}"
+  BENCH_TIMEOUT=100 bench b1-eager-prefill "${args[@]}" --no-prefill-graphs
+  timeout 120 python backends/nvidia_sm100/benchmarks/profile_decode.py --prefill 1 --input-len 1024 \
+    > "$RES/profile-prefill-1k.txt" 2>&1
+  grep -E "^=== |^step span" "$RES/profile-prefill-1k.txt"; save
+  BENCH_TIMEOUT=150 bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
   what=summary
 fi
 if [[ $what == sched ]]; then

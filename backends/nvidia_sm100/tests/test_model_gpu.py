@@ -57,11 +57,15 @@ def _generate(folder, backend, dtype, replays=None, backends=None, **llm_kwargs)
         comp = out.outputs[0]
         steps = []
         for token, lps in zip(comp.token_ids, comp.logprobs, strict=True):
-            ranked = sorted(lps.values(), key=lambda lp: -lp.logprob)
-            steps.append((token, lps[token].logprob, ranked[0].logprob - (ranked[1].logprob if len(ranked) > 1
-                                                                           else float("-inf"))))
+            steps.append((token, lps[token].logprob, _top2_gap(lps)))
         result.append(steps)
     return name, result
+
+
+def _top2_gap(logprobs) -> float:
+    """The best two log-probabilities' difference (how near the greedy choice is to a tie)."""
+    ranked = sorted(logprobs.values(), key=lambda lp: -lp.logprob)
+    return ranked[0].logprob - (ranked[1].logprob if len(ranked) > 1 else float("-inf"))
 
 
 @pytest.fixture(scope="module")
@@ -83,12 +87,12 @@ def _scored(folder, dtype, sequences):
             for seq, out in zip(sequences, outs, strict=True)]
 
 
-def _compare(want, got, lp_tol, tie_gap, label):
+def _compare(want, got, lp_tol, tie_gap, label, steps=STEPS):
     """Tokens equal until a near-tie of ``want`` (then the sequences may part); logprobs within ``lp_tol``.
     Returns (tokens compared, max |logprob difference|)."""
     compared, worst = 0, 0.0
     for p, (w_steps, g_steps) in enumerate(zip(want, got, strict=True)):
-        assert len(g_steps) == STEPS
+        assert len(g_steps) == steps
         for step, ((w_tok, w_lp, w_gap), (g_tok, g_lp, _)) in enumerate(zip(w_steps, g_steps)):
             if w_tok != g_tok:  # allowed only at a near-tie of the CPU reference; the rest then diverges
                 assert w_gap < tie_gap, f"{label} prompt {p} step {step}: {g_tok} != {w_tok} (top-2 gap {w_gap:.4g})"
@@ -119,6 +123,40 @@ def test_cuda_graph_decode_matches_eager(checkpoint, dtype, tol):
     assert replays == [0, replays[1]] and replays[1] >= STEPS - 1
     compared, _ = _compare(eager, graphs, lp_tol=tol, tie_gap=tol, label=f"gpu {dtype}: graphs vs eager")
     assert compared >= STEPS * len(PROMPTS) // 2
+
+
+def _lone_prompts(folder, dtype, **llm_kwargs):
+    """Three lone prompts past the sliding ring (130, 256, 301 tokens), each prefilled in a step of its own, then 32
+    greedy steps: per prompt (token, logprob, top-2 gap), and the prefill graphs' replays."""
+    import torch
+
+    from deepinfer_core.llm import LLM
+    from deepinfer_core.sampling.params import SamplingParams
+
+    llm = LLM(model=str(folder), backend="nvidia_sm100", dtype=dtype, max_model_len=600, max_num_seqs=2, **llm_kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2)
+    result = []
+    for length in (130, 256, 301):
+        ids = torch.randint(50, 4000, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+        comp = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
+        result.append([(t, lps[t].logprob, _top2_gap(lps)) for t, lps in zip(comp.token_ids, comp.logprobs,
+                                                                             strict=True)])
+    graphs = llm.engine.runner.prefill_graphs
+    llm.engine.shutdown()
+    return result, graphs.num_replays if graphs is not None else 0
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 2e-3), ("bfloat16", 0.05)])
+def test_prefill_graph_matches_eager_prefill(checkpoint, dtype, tol):
+    """Lone prompts through the captured prefill graphs of 256 / 512 tokens (padded) against eager prefill steps on
+    the same GPU (decode steps replay graphs in both): greedy tokens equal until a near-tie, logprobs within
+    ``tol``."""
+    eager, none = _lone_prompts(checkpoint, dtype, prefill_graph_buckets=[])
+    graphs, replays = _lone_prompts(checkpoint, dtype, prefill_graph_buckets=[256, 512])
+    assert none == 0 and replays == 3
+    compared, _ = _compare(eager, graphs, lp_tol=tol, tie_gap=tol, label=f"gpu {dtype}: prefill graphs vs eager",
+                           steps=32)
+    assert compared >= 32 * 3 // 2
 
 
 @pytest.mark.parametrize("graphs", [True, False])

@@ -99,24 +99,6 @@ def test_hc_pre_normed_matches_hc_pre_then_the_norm(tokens, hc_mult, width, dtyp
         torch.testing.assert_close(g, w, **tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@kernel_runs_here
-@pytest.mark.parametrize("tokens, width, normed, iters", [(1, 4096, True, 20), (5, 64, True, 1), (3, 2500, False, 7)])
-def test_hc_scalar_sinkhorn_matches_the_tensor_form(tokens, width, normed, iters, monkeypatch):
-    """``hc = 4``: the finishing kernel's weights in scalars (``_weights4``, the default) against the tensor form
-    (``DEEPINFER_NVIDIA_HC_SCALAR=0``), normed and not, to fp32 rounding."""
-    streams, fn, base, scale = _case(tokens, 4, width, torch.float32, seed=iters)
-    weight = torch.rand(width, device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(2)) + 0.5
-
-    def run(flag):
-        monkeypatch.setenv(hc.SCALAR_ENV, flag)
-        args = (streams, fn, base, scale, iters, 1e-6, 1e-6)
-        return hc.hc_pre_normed(*args, weight) if normed else hc.hc_pre(*args)
-
-    scalar, tensor = run("1"), run("0")
-    for name, g, w in zip(("post", "comb", "out"), scalar, tensor, strict=True):
-        torch.testing.assert_close(g, w, atol=2e-6, rtol=2e-6, msg=lambda m, n=name: f"{n}: {m}")
-
-
 MIX_CASES = [(kernel, tokens, hc_mult, width, dtype) for dtype in (torch.float32, torch.bfloat16)
              for kernel, tokens, hc_mult, width in (
                  (None, 1, 4, 1024), (None, 3, 4, 100), (None, 6, 3, 300), (None, 64, 4, 64),

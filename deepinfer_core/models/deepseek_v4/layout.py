@@ -145,6 +145,10 @@ class WindowPlan:
     def num_windows(self) -> int:
         return self.entry_positions.shape[0]
 
+    def forget_rope(self) -> None:
+        """Drop the entry RoPE computed so far (``entry_rope`` computes it again)."""
+        self._entry_rope = {}
+
     def entry_rope(self, ops, rope_args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """``ops.rope_cos_sin(entry_positions, *rope_args)``, computed once per plan (every compressor of a step
         with this plan's ratio and span rotates its entries at the same positions)."""
@@ -164,10 +168,19 @@ class EntryLayout:
 
 
 class StepLayout:
-    """Index tensors for one step of a batch (see module docstring)."""
+    """Index tensors for one step of a batch (see module docstring).
+
+    A captured prefill step (``engine/prefill_graphs.py``) builds it with ``buffers`` (its index tensors land in their
+    fixed storage; the caller uploads them), ``written`` (per sequence, how many of its tokens write state: the rest
+    pad the chunk to its bucket and only read, and the causal masks keep them out of every real token's view) and
+    ``spare_block`` (where the windows of padding tokens write), and without ``masks`` (the graph computes them:
+    ``build_masks``).
+    """
 
     def __init__(self, batch: ForwardBatch, sliding_window: int, block_size: int, device: torch.device,
-                 windows: tuple[tuple[int, int], ...] = (), entry_ratios: tuple[int, ...] = ()):
+                 windows: tuple[tuple[int, int], ...] = (), entry_ratios: tuple[int, ...] = (),
+                 buffers: StaticBuffers | None = None, written: list[int] | None = None, spare_block: int = 0,
+                 masks: bool = True):
         self.batch = batch
         self.window = sliding_window
         self.block_size = block_size
@@ -178,6 +191,8 @@ class StepLayout:
         self.max_query_len = max(self.query_lens)
         # every sequence folds max_query_len tokens: padded and flat layouts are views of each other
         self.uniform = all(n == self.max_query_len for n in self.query_lens)
+        self.buffers, self.spare_block = buffers, spare_block
+        self.written = self.query_lens if written is None else written
         self._tables: torch.Tensor | None = None
         self._visible: dict[int, torch.Tensor] = {}  # ratio -> attention_visible of the layout's entries
         self._pending: list[tuple[object, str, torch.Tensor]] = []  # (owner, attribute, host tensor) to upload
@@ -186,7 +201,8 @@ class StepLayout:
         self._entries = {ratio: self._build_entries(ratio) for ratio in entry_ratios}
         self._windows = {(ratio, span): self._build_windows(ratio, span) for ratio, span in windows}
         self._upload()
-        self._build_masks()
+        if masks:
+            self.build_masks()
 
     # ------------------------------------------------------------------ queries
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
@@ -200,9 +216,12 @@ class StepLayout:
     def _upload(self) -> None:
         """Every index tensor built since the last upload to the target device in one pinned, non-blocking copy: a
         copy from pageable memory would wait until the stream is idle, stalling the host once per tensor behind
-        the step still running (docs/performance.md 4.12)."""
+        the step still running (docs/performance.md 4.12). With ``buffers``: into their fixed tensors (the caller
+        uploads)."""
         pending, self._pending = self._pending, []
-        copies = to_device_together([host for _, _, host in pending], self.target_device)
+        hosts = [host for _, _, host in pending]
+        copies = ([self.buffers.place(h) for h in hosts] if self.buffers is not None
+                  else to_device_together(hosts, self.target_device))
         for (owner, name, _), copy in zip(pending, copies, strict=True):
             setattr(owner, name, copy)
 
@@ -215,6 +234,7 @@ class StepLayout:
         ctx = self._tensor(batch.context_lens)
         valid = offsets[None, :] < lens[:, None]  # [S, Lq]
         self._host_ctx, self._host_starts, self._host_lens = ctx, starts, lens
+        self._host_written = self._tensor(self.written)
         self._host_slots = self._tensor(batch.slots)  # [S]
         token_seq, token_offset = _segments(lens)  # [T]: each token's sequence and offset in its chunk
         self._stage(self, "query_valid", valid)
@@ -224,10 +244,10 @@ class StepLayout:
         self._stage(self, "token_offset", token_offset)  # [T]
 
     def _tail_writes(self, span: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The step's tokens among the last ``span`` of each sequence: their rows, slots and ``position % span``
-        (what a ring of ``span`` entries per slot keeps)."""
-        ctx, starts, lens = self._host_ctx, self._host_starts, self._host_lens
-        end = ctx + lens
+        """The step's written tokens among the last ``span`` of each sequence: their rows, slots and
+        ``position % span`` (what a ring of ``span`` entries per slot keeps)."""
+        ctx, starts = self._host_ctx, self._host_starts
+        end = ctx + self._host_written
         first = torch.maximum(ctx, end - span)  # [S]
         seq, offset = _segments(end - first)  # [M]
         positions = first[seq] + offset
@@ -270,8 +290,13 @@ class StepLayout:
         self._stage(self, "ring_write_slots", slots)
         self._stage(self, "ring_write_index", index)
 
-    def _build_masks(self) -> None:
-        """The visibility masks, from index tensors already uploaded, on the target device (see module docstring)."""
+    def build_masks(self) -> None:
+        """The visibility masks, from index tensors already uploaded, on the target device (see module docstring).
+        Anything computed from them or from the index tensors before is dropped (the masks joined per ratio, the
+        compressors' entry RoPE): a captured prefill step builds them again at every replay."""
+        self._visible = {}
+        for plan in self._windows.values():
+            plan.forget_rope()
         kp, qp, W = self._key_positions[:, None, :], self.query_positions[:, :, None], self.window  # [S,1,Lk] [S,Lq,1]
         self.sliding_visible = (kp >= 0) & (kp <= qp) & (kp > qp - W) & self.query_valid[:, :, None]  # [S, Lq, Lk]
         for ratio, entries in self._entries.items():
@@ -361,6 +386,10 @@ class StepLayout:
         plan = WindowPlan(*window_plan(entry, ctx[seq], starts[seq], self._host_slots[seq],
                                        self._block_tables()[seq, entry // per_block], self._tail_writes(span), ratio,
                                        span, per_block, torch.arange(span)))
+        padding = entry >= ((ctx + self._host_written) // ratio)[seq]  # [N]: windows of padding tokens
+        if bool(padding.any()):  # they pool, but write the spare block
+            plan.write_blocks = torch.where(padding, self.spare_block, plan.write_blocks)
+            plan.write_rows = torch.where(padding, 0, plan.write_rows)
         for f in dataclasses.fields(plan):
             self._stage(plan, f.name, getattr(plan, f.name))
         return plan

@@ -419,9 +419,17 @@ class DeepseekV4Model:
         return DeepseekV4State(self.config, num_slots, num_blocks, block_size, dtype or self.dtype, self.device)
 
     # ------------------------------------------------------------------ forward
-    def step_layout(self, batch: ForwardBatch, state: DeepseekV4State) -> StepLayout:
-        """The index layout of one step over ``state``, built on the host (every compressor's plan with it)."""
-        return StepLayout(batch, self.config.sliding_window, state.block_size, self.device, *self.compressor_plans)
+    def step_layout(self, batch: ForwardBatch, state: DeepseekV4State, **static) -> StepLayout:
+        """The index layout of one step over ``state``, built on the host (every compressor's plan with it);
+        ``static``: ``StepLayout``'s arguments of a captured prefill step (``buffers``, ``written``, ...)."""
+        return StepLayout(batch, self.config.sliding_window, state.block_size, self.device, *self.compressor_plans,
+                          **static)
+
+    def prefill_min_tokens(self) -> int:
+        """The shortest chunk a padded static prefill step takes: its written tail fills the sliding ring and every
+        compressor's carry, so those writes keep one shape whatever the chunk's length."""
+        spans = [span for _, span in self.compressor_plans[0]]
+        return max([self.config.sliding_window, *spans])
 
     def decode_inputs(self, batch: ForwardBatch, state: DeepseekV4State, static: StaticShape) -> DecodeInputs:
         """The host tensors a static decode step's layout is computed from (``batch``: one token per sequence)."""

@@ -26,19 +26,12 @@ import triton.language as tl
 from deepinfer_core.ops import reference as ref
 from deepinfer_nvidia_sm100.kernels import norm as _norm
 from deepinfer_nvidia_sm100.kernels import pdl
-from deepinfer_nvidia_sm100.kernels.compiled import env_flag, maybe_compile, opaque_under_compile
+from deepinfer_nvidia_sm100.kernels.compiled import maybe_compile, opaque_under_compile
 
 NORM_MAX_BLOCK_D = 8192  # hc_pre_normed: rows up to this wide are collapsed and normed in registers, in one pass
 NORM_WARPS = 4  # H200 (bench_hc_norm.py): 4 warps 12.8 / 18.6 / 290.6 us at 1 / 256 / 8192 tokens; 8 and 16 slower
 MIX_KERNEL_MAX_TOKENS = 16  # fp32 streams above this: the compiled reference (H200: 49.7 vs 21 us at 64 tokens)
 MIX_K_PER_SPLIT = 128  # row elements per program (128 programs for one token of V4-Flash)
-SCALAR_ENV = "DEEPINFER_NVIDIA_HC_SCALAR"
-
-
-def scalar_weights() -> bool:
-    """Whether the finishing kernel runs an ``hc = 4`` Sinkhorn in scalars (``_weights4``;
-    ``DEEPINFER_NVIDIA_HC_SCALAR``, on by default)."""
-    return env_flag(SCALAR_ENV, "1")
 
 
 @triton.jit
@@ -194,70 +187,6 @@ def _weights(pre_logit, post_logit, comb_logit, base_ptr, scale_ptr, sinkhorn_it
 
 
 @triton.jit
-def _over_sum4(a, b, c, d, eps):
-    """``(a, b, c, d) / (a + b + c + d + eps)``: one Sinkhorn normalisation of a row or column of four."""
-    total = a + b + c + d + eps
-    return a / total, b / total, c / total, d / total
-
-
-@triton.jit
-def _softmax4(a, b, c, d, eps):
-    """A row of four through a softmax, plus ``eps``."""
-    top = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
-    a, b, c, d = tl.exp(a - top), tl.exp(b - top), tl.exp(c - top), tl.exp(d - top)
-    total = a + b + c + d
-    return a / total + eps, b / total + eps, c / total + eps, d / total + eps
-
-
-@triton.jit
-def _logit4(mixed_ptr, at, scale, base_ptr):
-    """Four raw mixing logits from ``at`` on, scaled, plus their ``base`` (scalars)."""
-    return (tl.load(mixed_ptr + at) * scale + tl.load(base_ptr + at), tl.load(mixed_ptr + at + 1) * scale
-            + tl.load(base_ptr + at + 1), tl.load(mixed_ptr + at + 2) * scale + tl.load(base_ptr + at + 2),
-            tl.load(mixed_ptr + at + 3) * scale + tl.load(base_ptr + at + 3))
-
-
-@triton.jit
-def _pick4(idx, a, b, c, d):
-    """``[a, b, c, d][idx]`` for every element of ``idx`` (a tensor of 0..3, or larger: 0 there)."""
-    return tl.where(idx == 0, a, tl.where(idx == 1, b, tl.where(idx == 2, c, tl.where(idx == 3, d, 0.0))))
-
-
-@triton.jit
-def _weights4(mixed_ptr, base_ptr, scale_ptr, sinkhorn_iters, hc_eps, HC_P2: tl.constexpr):
-    """``_weights`` for ``hc = 4`` in scalars, from the token's mixing logits in memory (``mixed_ptr``): every thread
-    runs the whole Sinkhorn loop on its own copy of the 16 entries, with no reduction across threads (the tensor form
-    reduces a 4 x 4 tile across warps 40 times at 20 iterations). Returns ``pre``, ``post`` as ``[HC_P2]`` and ``comb``
-    as ``[HC_P2, HC_P2]`` tensors, as ``_weights`` does."""
-    p0, p1, p2, p3 = _logit4(mixed_ptr, 0, tl.load(scale_ptr), base_ptr)
-    q0, q1, q2, q3 = _logit4(mixed_ptr, 4, tl.load(scale_ptr + 1), base_ptr)
-    c00, c01, c02, c03 = _softmax4(*_logit4(mixed_ptr, 8, tl.load(scale_ptr + 2), base_ptr), hc_eps)
-    c10, c11, c12, c13 = _softmax4(*_logit4(mixed_ptr, 12, tl.load(scale_ptr + 2), base_ptr), hc_eps)
-    c20, c21, c22, c23 = _softmax4(*_logit4(mixed_ptr, 16, tl.load(scale_ptr + 2), base_ptr), hc_eps)
-    c30, c31, c32, c33 = _softmax4(*_logit4(mixed_ptr, 20, tl.load(scale_ptr + 2), base_ptr), hc_eps)
-    c00, c10, c20, c30 = _over_sum4(c00, c10, c20, c30, hc_eps)  # columns
-    c01, c11, c21, c31 = _over_sum4(c01, c11, c21, c31, hc_eps)
-    c02, c12, c22, c32 = _over_sum4(c02, c12, c22, c32, hc_eps)
-    c03, c13, c23, c33 = _over_sum4(c03, c13, c23, c33, hc_eps)
-    for _ in range(sinkhorn_iters - 1):
-        c00, c01, c02, c03 = _over_sum4(c00, c01, c02, c03, hc_eps)  # rows
-        c10, c11, c12, c13 = _over_sum4(c10, c11, c12, c13, hc_eps)
-        c20, c21, c22, c23 = _over_sum4(c20, c21, c22, c23, hc_eps)
-        c30, c31, c32, c33 = _over_sum4(c30, c31, c32, c33, hc_eps)
-        c00, c10, c20, c30 = _over_sum4(c00, c10, c20, c30, hc_eps)  # columns
-        c01, c11, c21, c31 = _over_sum4(c01, c11, c21, c31, hc_eps)
-        c02, c12, c22, c32 = _over_sum4(c02, c12, c22, c32, hc_eps)
-        c03, c13, c23, c33 = _over_sum4(c03, c13, c23, c33, hc_eps)
-    idx = tl.arange(0, HC_P2)
-    pre = _pick4(idx, tl.sigmoid(p0), tl.sigmoid(p1), tl.sigmoid(p2), tl.sigmoid(p3)) + hc_eps
-    post = 2 * _pick4(idx, tl.sigmoid(q0), tl.sigmoid(q1), tl.sigmoid(q2), tl.sigmoid(q3))
-    rows, cols = idx[:, None], idx[None, :]
-    comb = _pick4(rows, _pick4(cols, c00, c01, c02, c03), _pick4(cols, c10, c11, c12, c13),
-                  _pick4(cols, c20, c21, c22, c23), _pick4(cols, c30, c31, c32, c33))
-    return pre, post, comb
-
-
-@triton.jit
 def _store_weights(post_ptr, comb_ptr, token, post, comb, HC: tl.constexpr, HC_P2: tl.constexpr):
     idx = tl.arange(0, HC_P2)
     rows, cols = idx[:, None], idx[None, :]
@@ -285,35 +214,28 @@ def _hc_weights_kernel(mixed_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_p
 
 @triton.jit
 def _hc_finish_weights_collapse_kernel(dots_ptr, squares_ptr, base_ptr, scale_ptr, streams_ptr, post_ptr, comb_ptr,
-                                       out_ptr, norm_w_ptr, mixed_ptr, tokens, K, splits, norm_eps, sinkhorn_iters,
-                                       hc_eps, D, HC: tl.constexpr, HC_P2: tl.constexpr, N_P2: tl.constexpr,
+                                       out_ptr, norm_w_ptr, tokens, K, splits, norm_eps, sinkhorn_iters, hc_eps, D,
+                                       HC: tl.constexpr, HC_P2: tl.constexpr, N_P2: tl.constexpr,
                                        SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr,
-                                       SCALAR: tl.constexpr = False, PDL: tl.constexpr = False):
+                                       PDL: tl.constexpr = False):
     """``hc_pre`` after the mixing partials, in one launch. Program (token, channel block): the token's mixing
     logits (``_mix_row``), its weights (``_weights``; the channel block 0 stores ``post`` and ``comb``), then the
     collapse of its ``BLOCK_D`` channels with ``pre`` (``_hc_collapse_kernel``'s arithmetic). With ``NORM``
     (``hc_pre_normed``) one program per token collapses the row (in one block where ``BLOCK_D >= D``, else block by
-    block, re-reading what it wrote) and RMS-norms it with ``norm_w [D]`` (``_rms_norm_kernel``'s arithmetic).
-    ``SCALAR`` (``hc = 4``): the weights in scalars (``_weights4``) from the logits stored at ``mixed [T, N_P2]``."""
+    block, re-reading what it wrote) and RMS-norms it with ``norm_w [D]`` (``_rms_norm_kernel``'s arithmetic)."""
     pdl.begin(PDL)
     token = tl.program_id(0)
     mixed = _mix_row(dots_ptr, squares_ptr, token, tokens, K, splits, norm_eps, N_P2, SPLITS_P2)  # [N_P2]
     outs = tl.arange(0, N_P2)
-    if SCALAR:
-        logits_at = mixed_ptr + (token * (N_P2 * tl.num_programs(1)) + tl.program_id(1) * N_P2).to(tl.int64)
-        tl.store(logits_at + outs, mixed)
-        tl.debug_barrier()  # the logits in memory before every thread reads them back as scalars
-        pre, post, comb = _weights4(logits_at, base_ptr, scale_ptr, sinkhorn_iters, hc_eps, HC_P2)
-    else:
-        idx = tl.arange(0, HC_P2)
-        rows, cols = idx[:, None], idx[None, :]
-        pick = mixed[None, :]
-        pre_logit = tl.sum(tl.where(idx[:, None] == outs[None, :], pick, 0.0), axis=1)  # mixed[idx]
-        post_logit = tl.sum(tl.where((HC + idx)[:, None] == outs[None, :], pick, 0.0), axis=1)
-        at = 2 * HC + rows * HC + cols  # [HC_P2, HC_P2]
-        comb_logit = tl.sum(tl.where(at[:, :, None] == outs[None, None, :], mixed[None, None, :], 0.0), axis=2)
-        pre, post, comb = _weights(pre_logit, post_logit, comb_logit, base_ptr, scale_ptr, sinkhorn_iters, hc_eps,
-                                   HC, HC_P2)
+    idx = tl.arange(0, HC_P2)
+    rows, cols = idx[:, None], idx[None, :]
+    pick = mixed[None, :]
+    pre_logit = tl.sum(tl.where(idx[:, None] == outs[None, :], pick, 0.0), axis=1)  # mixed[idx]
+    post_logit = tl.sum(tl.where((HC + idx)[:, None] == outs[None, :], pick, 0.0), axis=1)
+    at = 2 * HC + rows * HC + cols  # [HC_P2, HC_P2]
+    comb_logit = tl.sum(tl.where(at[:, :, None] == outs[None, None, :], mixed[None, None, :], 0.0), axis=2)
+    pre, post, comb = _weights(pre_logit, post_logit, comb_logit, base_ptr, scale_ptr, sinkhorn_iters, hc_eps, HC,
+                               HC_P2)
     if tl.program_id(1) == 0:
         _store_weights(post_ptr, comb_ptr, token.to(tl.int64), post, comb, HC, HC_P2)
     if NORM and BLOCK_D >= D:  # the whole row in one block: collapsed, normed and stored once
@@ -494,12 +416,9 @@ def _pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight
     normed = norm_weight is not None
     # normed: a program per token, the whole row in one block up to NORM_MAX_BLOCK_D channels
     block_d = min(triton.next_power_of_2(dim), NORM_MAX_BLOCK_D) if normed else 1024
-    blocks = 1 if normed else triton.cdiv(dim, block_d)
-    scalar = hc == 4 and scalar_weights()
-    mixed = torch.empty(tokens, blocks, n_p2, dtype=torch.float32, device=streams.device) if scalar else out
-    _hc_finish_weights_collapse_kernel[(tokens, blocks)](
+    _hc_finish_weights_collapse_kernel[(tokens, 1 if normed else triton.cdiv(dim, block_d))](
         dots, squares, base.float().contiguous(), scale.float().contiguous(), streams.contiguous(), post, comb, out,
-        norm_weight.contiguous() if normed else out, mixed, tokens, fn.shape[1], splits, norm_eps, sinkhorn_iters,
-        hc_eps, dim, HC=hc, HC_P2=triton.next_power_of_2(hc), N_P2=n_p2, SPLITS_P2=triton.next_power_of_2(splits),
-        BLOCK_D=block_d, NORM=normed, SCALAR=scalar, num_warps=NORM_WARPS if normed else 4, **pdl.launch())
+        norm_weight.contiguous() if normed else out, tokens, fn.shape[1], splits, norm_eps, sinkhorn_iters, hc_eps,
+        dim, HC=hc, HC_P2=triton.next_power_of_2(hc), N_P2=n_p2, SPLITS_P2=triton.next_power_of_2(splits),
+        BLOCK_D=block_d, NORM=normed, num_warps=NORM_WARPS if normed else 4, **pdl.launch())
     return post, comb, out

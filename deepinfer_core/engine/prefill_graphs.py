@@ -1,0 +1,135 @@
+"""Lone prompts prefilled through captured graphs, one per token bucket.
+
+A step that prefills one whole prompt from its first token (no prefix hit, no prompt logprobs) runs eagerly launch
+by launch otherwise: on the H200 the 1024-token prompt of the bench preset is ~500 kernels whose launches take longer
+than the kernels themselves (21.5 ms for 16.8 ms of kernels, docs/performance.md 4.20), and it is the first token of
+every lone request. Here the prompt is padded to the next bucket (``BUCKETS``) with padding tokens (id 0) after it,
+and the step replays a graph captured once per bucket. The host builds the step's index layout for the padded chunk
+into fixed buffers (``StepLayout`` with ``written``: only the prompt's tokens write the sliding ring and the
+compressors' carries; the windows of padding tokens pool but write the spare block) and uploads it in one copy; the
+graph computes the visibility masks and runs the model. The padding comes after every prompt token, so the causal
+masks keep it out of every prompt token's view, and the logits are the last prompt token's. A prompt shorter than
+``model.prefill_min_tokens()`` (its written tail would not fill the ring and the carries) runs eagerly, as does a
+step with anything else in it. The backend captures (``Backend.capture_graph``); on a backend without graphs the
+same padded step runs eagerly (that is how the CPU tests check it against the eager path).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import torch
+
+from deepinfer_core.engine.scheduler import ScheduledChunk
+from deepinfer_core.forward_batch import ForwardBatch
+from deepinfer_core.models.deepseek_v4.layout import StaticBuffers, StepLayout
+
+logger = logging.getLogger("deepinfer")
+
+BUCKETS = (512, 1024, 2048, 4096, 8192)
+
+
+@dataclasses.dataclass
+class CapturedPrefill:
+    """One captured bucket: its fixed inputs and the callable that replays it."""
+
+    buffers: StaticBuffers
+    replay: Callable[[], None]  # runs the step; its logits land in ``PrefillGraphs.logits``
+
+
+class PrefillGraphs:
+    """Runs the steps that prefill one lone prompt through captured graphs (see module docstring)."""
+
+    def __init__(self, model, state, capture: Callable, max_tokens: int, spare_slot: int, spare_block: int,
+                 buckets: tuple[int, ...] = BUCKETS):
+        self.model = model
+        self.state = state
+        self.capture = capture
+        self.buckets = sorted(b for b in buckets if b <= max_tokens)
+        self.min_tokens = model.prefill_min_tokens()
+        self.spare_slot = spare_slot
+        self.spare_block = spare_block
+        self.captured: dict[int, CapturedPrefill] = {}
+        self.logits = torch.empty(1, model.config.vocab_size, dtype=torch.float32, device=model.device)
+        self.num_replays = 0
+        self.disabled_reason: str | None = None
+
+    def bucket(self, chunks: list[ScheduledChunk]) -> int | None:
+        """The bucket of a step that is one whole prompt from its first token, which samples and wants no prompt
+        logprobs, between ``min_tokens`` and the largest bucket long; else None (the step runs eagerly)."""
+        if self.disabled_reason is not None or len(chunks) != 1:
+            return None
+        chunk, request = chunks[0], chunks[0].request
+        if (chunk.start != 0 or not chunk.samples or request.wants_prompt_logprobs or chunk.reads_inflight_token
+                or request.replay_until or request.sliding_floor or chunk.num_tokens < self.min_tokens):
+            return None
+        return next((b for b in self.buckets if b >= chunk.num_tokens), None)
+
+    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
+        """Logits ``[1, V]`` of a step ``bucket`` takes (valid until the next replay), else None (run it eagerly)."""
+        bucket = self.bucket(chunks)
+        if bucket is None:
+            return None
+        step = self.captured.get(bucket) or self._capture(bucket)
+        if step is None:
+            return None
+        chunk = chunks[0]
+        self._place(self._padded_batch(chunk, bucket), step.buffers, chunk.num_tokens)
+        self.num_replays += 1
+        step.replay()
+        return self.logits
+
+    def _capture(self, bucket: int) -> CapturedPrefill | None:
+        host = self._padded_batch(None, bucket)  # padding only: the capture touches the spare slot and block
+        buffers = StaticBuffers(self.model.device)
+        self._place(host, buffers, bucket)  # learns the static tensors' shapes
+        buffers.seal()
+        batch, layout = self._place(host, buffers, bucket)  # now in the buffers' fixed storage
+        logits = self.logits
+
+        def step_fn() -> None:
+            layout.build_masks()
+            logits.copy_(self.model.forward(batch, self.state, layout=layout).logits)
+
+        try:
+            replay = self.capture(step_fn, ())
+        except RuntimeError as exc:  # e.g. an op that synchronises with the host cannot be captured
+            self.disabled_reason = f"prefill graph capture failed at {bucket} tokens: {exc}"
+            logger.warning("%s; prompts are prefilled eagerly from now on", self.disabled_reason, exc_info=True)
+            return None
+        step = CapturedPrefill(buffers, replay)
+        self.captured[bucket] = step
+        logger.debug("captured a prefill step of %d tokens", bucket)
+        return step
+
+    def _place(self, host: ForwardBatch, buffers: StaticBuffers, written: int) -> tuple[ForwardBatch, StepLayout]:
+        """Write a padded host batch's token ids, positions, logits row and index layout (its first ``written``
+        tokens writing state) into ``buffers`` and upload them in one copy. Returns the batch and the layout over
+        the buffers' device tensors (the layout's masks not built: the graph builds them)."""
+        buffers.rewind()
+        batch = dataclasses.replace(host, input_ids=buffers.place(host.input_ids),
+                                    positions=buffers.place(host.positions), logits_rows=buffers.place(host.logits_rows))
+        layout = self.model.step_layout(batch, self.state, buffers=buffers, written=[written],
+                                        spare_block=self.spare_block, masks=False)
+        buffers.upload()
+        return batch, layout
+
+    def _padded_batch(self, chunk: ScheduledChunk | None, bucket: int) -> ForwardBatch:
+        """The prompt's tokens (none for the capture), then padding tokens to ``bucket``; its block table padded
+        with the spare block to the bucket's blocks."""
+        tokens = chunk.request.input_tokens(0, chunk.end) if chunk is not None else []
+        blocks = -(-bucket // self.state.block_size)
+        table = list(chunk.request.block_ids[:blocks]) if chunk is not None else []
+        return ForwardBatch(
+            input_ids=torch.tensor(tokens + [0] * (bucket - len(tokens)), dtype=torch.long),
+            positions=torch.arange(bucket),
+            query_start=[0, bucket],
+            context_lens=[0],
+            slots=[chunk.request.slot if chunk is not None else self.spare_slot],
+            block_tables=[table + [self.spare_block] * (blocks - len(table))],
+            logits_rows=torch.tensor([max(len(tokens), 1) - 1]),
+            compressed_write_start=[0],
+            sliding_floor=[0],
+        )

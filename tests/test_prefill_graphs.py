@@ -1,0 +1,105 @@
+"""The padded static prefill step (what a captured prefill graph replays) against the eager prefill, on CPU.
+
+On CPU ``capture_graph`` captures nothing, so ``prefill_graph_buckets`` runs the very same padded step eagerly: the
+prompt padded to its bucket, only the prompt's tokens writing the ring and the carries, the padding's compressor
+windows writing the spare block. Tokens and state must equal the eager prefill's up to summation order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer_core import LLM, SamplingParams
+
+BUCKETS = [256, 512]
+LENGTHS = [130, 256, 301]  # just past the shortest a bucket takes (128), a bucket's exact size, the next bucket
+
+
+def _prompt(length: int, seed: int = 0) -> list[int]:
+    gen = torch.Generator().manual_seed(length + seed)
+    return torch.randint(50, 4000, (length,), generator=gen).tolist()
+
+
+def _llm(**kwargs) -> LLM:
+    return LLM(max_model_len=600, max_num_seqs=2, kv_cache_memory_bytes=64 << 20, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return _llm(), _llm(cuda_graph_sizes=[1, 2], prefill_graph_buckets=BUCKETS)
+
+
+def _prefilled(llm: LLM, ids: list[int], name: str):
+    """Add one request and run its prefill step alone; returns the request (still running)."""
+    engine = llm.engine
+    engine.add_request(name, None, ids, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    engine.step()
+    return engine.groups[name][0]
+
+
+def _finish(llm: LLM) -> None:
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_padded_prefill_writes_the_eager_prefills_state(engines, length):
+    """After the prefill step the request's ring, carries and compressed stores (its blocks) equal the eager
+    step's: the padding wrote none of them."""
+    eager, static = engines
+    replays = static.engine.runner.prefill_graphs.num_replays
+    ids = _prompt(length)
+    a, b = _prefilled(eager, ids, f"state-{length}"), _prefilled(static, ids, f"state-{length}")
+    assert static.engine.runner.prefill_graphs.num_replays == replays + 1
+    sa, sb = eager.engine.runner.state, static.engine.runner.state
+    tol = {"atol": 1e-5, "rtol": 1e-4}
+    for layer in sa.swa:
+        torch.testing.assert_close(sb.swa[layer][b.slot], sa.swa[layer][a.slot], **tol)
+    for pools_a, pools_b in ((sa.compressed, sb.compressed), (sa.index_keys, sb.index_keys)):
+        for layer in pools_a:
+            torch.testing.assert_close(pools_b[layer][b.block_ids], pools_a[layer][a.block_ids], **tol)
+    for carry_a, carry_b in ((sa.carry, sb.carry), (sa.index_carry, sb.index_carry)):
+        for layer in carry_a:
+            torch.testing.assert_close(carry_b[layer].rows[b.slot], carry_a[layer].rows[a.slot], **tol)
+    _finish(eager)
+    _finish(static)
+
+
+def test_padded_prefill_then_decode_equals_eager(engines):
+    """Greedy tokens and logprobs of lone prompts prefilled through the padded step equal the eager engine's; the
+    same prompt again (a prefix-cache hit) and a prompt asking for prompt logprobs run eagerly."""
+    eager, static = engines
+    graphs = static.engine.runner.prefill_graphs
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
+    for length in LENGTHS:
+        replays = graphs.num_replays
+        prompt = {"prompt_token_ids": _prompt(length, seed=1)}
+        want, got = (llm.generate([prompt], params, use_tqdm=False)[0].outputs[0] for llm in (eager, static))
+        assert graphs.num_replays == replays + 1
+        assert got.token_ids == want.token_ids
+        for lp_got, lp_want in zip(got.logprobs, want.logprobs, strict=True):
+            assert lp_got.keys() == lp_want.keys()
+            assert max(abs(lp_got[k].logprob - lp_want[k].logprob) for k in lp_got) < 1e-4
+        replays = graphs.num_replays
+        static.generate([prompt], params, use_tqdm=False)  # a prefix hit: starts past token 0
+        static.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+        assert graphs.num_replays == replays
+
+
+def test_prefill_graphs_take_lone_prompts_in_their_buckets(engines):
+    _, static = engines
+    graphs = static.engine.runner.prefill_graphs
+    assert graphs.min_tokens == 128 and graphs.buckets == BUCKETS
+    replays = graphs.num_replays
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    for ids in (_prompt(100), _prompt(513)):  # shorter than the ring, longer than the largest bucket
+        static.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+    static.generate([{"prompt_token_ids": _prompt(200, seed=s)} for s in (5, 6)], params, use_tqdm=False)  # two
+    assert graphs.num_replays == replays
+
+
+@pytest.mark.parametrize("buckets", [[0], [256, -1], ["512"]])
+def test_bad_prefill_buckets_are_refused(buckets):
+    with pytest.raises(ValueError, match="prefill_graph_buckets"):
+        _llm(cuda_graph_sizes=[1], prefill_graph_buckets=buckets)
