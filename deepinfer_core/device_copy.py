@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 
@@ -68,3 +71,26 @@ def record_event(device: torch.device | str) -> torch.Event | None:
     event = torch.Event(device=device)
     event.record()
     return event
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+@contextlib.contextmanager
+def beside(device: torch.device | str) -> Iterator[None]:
+    """Run the enclosed device work on a side stream of ``device`` (one per device) that first waits for the current
+    stream's work so far: nothing queued later on the current stream waits for it (a step's copies of its sampled
+    tokens to the host, beside the next step). CUDA only; elsewhere the work stays on the current stream. Tensors the
+    enclosed work reads must stay alive until an event recorded inside (``record_event``) completes."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        yield
+        return
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    side = _SIDE_STREAMS.get(device)
+    if side is None:
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        yield

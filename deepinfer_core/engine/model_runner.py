@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from deepinfer_core.device_copy import record_event, to_device, to_host
+from deepinfer_core.device_copy import beside, record_event, to_device, to_host
 from deepinfer_core.engine.decode_graphs import DecodeGraphs
 from deepinfer_core.engine.prefill_graphs import PrefillGraphs
 from deepinfer_core.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -33,13 +33,16 @@ class SampledRows:
 
 @dataclasses.dataclass
 class SampledRowsCopy:
-    """A step's sampled rows on their way to the host: one non-blocking copy queued right behind the sampler, so
-    reading them waits for that step only (``LaunchedStep.ready``). A ``.tolist()`` at read time would queue its
-    copy behind every step launched since: with asynchronous scheduling it waited for the next step too."""
+    """A step's sampled rows on their way to the host: one non-blocking copy queued right behind the sampler, on a
+    side stream (``device_copy.beside``), so neither the packing nor the copy holds up the next step queued behind
+    the sampler (it reads only the sampled ids), and reading them waits for that copy only (``done``). A
+    ``.tolist()`` at read time would queue its copy behind every step launched since: with asynchronous scheduling
+    it waited for the next step too."""
 
     flat: torch.Tensor  # [3 * rows + 2 * rows * n] float64 on the host
     rows: int
     n: int
+    done: torch.Event | None  # recorded after the copy (None: done already)
 
     @classmethod
     def start(cls, out: SamplerOutput) -> SampledRowsCopy:
@@ -48,11 +51,15 @@ class SampledRowsCopy:
         parts = [out.sampled_token_ids, out.sampled_logprobs, out.sampled_ranks]
         if n:
             parts += [out.top_token_ids.flatten(), out.top_logprobs.flatten()]
-        flat = torch.cat([p.to(torch.float64) for p in parts])  # exact for int64 ids and float32
-        return cls(to_host(flat), rows, n)
+        device = out.sampled_token_ids.device
+        with beside(device):
+            flat = torch.cat([p.to(torch.float64) for p in parts])  # exact for int64 ids and float32
+            return cls(to_host(flat), rows, n, record_event(device))
 
     def read(self) -> SampledRows:
-        """The rows (call once the copy is done)."""
+        """The rows (waits for the copy)."""
+        if self.done is not None:
+            self.done.synchronize()
         rows, n, flat = self.rows, self.n, self.flat.tolist()
         ids, lps, ranks = flat[:rows], flat[rows:2 * rows], flat[2 * rows:3 * rows]
         top_ids, top_lps = flat[3 * rows:3 * rows + rows * n], flat[3 * rows + rows * n:]
@@ -81,7 +88,8 @@ class LaunchedStep:
     sampled_order: list[str]  # request ids, row order of sampler_output
     prompt_logprobs: dict[str, tuple[int, PromptLogprobsOutput]]  # on their way to the host
     rows: SampledRowsCopy | None  # sampler_output on its way to the host
-    ready: torch.Event | None  # recorded after the copies to the host (None: done already)
+    ready: torch.Event | None  # recorded after the step's work and its prompt logprobs' copies (None: done already);
+    # the sampled rows' copy has its own event (``SampledRowsCopy.done``)
 
     def feed(self, input_ids: torch.Tensor, rows: list[int], chunks: list[ScheduledChunk]) -> None:
         """Write the tokens this step sampled into ``input_ids`` (device) of the next step: ``rows[i]`` is the

@@ -63,6 +63,8 @@
 #   s17c     (ran 1ad071c's scalar Sinkhorn, since removed: docs/performance.md 4.20)
 #   s17d     the prefill graphs of lone prompts: their GPU test, b1 (median of 3) with them and with
 #            --no-prefill-graphs, the 1K prefill step profiled (through the graph), b64
+#   s17final b1 (median of 3) on the final code, the new paths' GPU tests (the sampled rows' copy beside the next
+#            step; fp32 parity, async against sync, the prefill graphs), b64, b256
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -324,6 +326,16 @@ if [[ $what == s17d ]]; then
     > "$RES/profile-prefill-1k.txt" 2>&1
   grep -E "^=== |^step span" "$RES/profile-prefill-1k.txt"; save
   BENCH_TIMEOUT=150 bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
+  what=summary
+fi
+if [[ $what == s17final ]]; then
+  preset_flushed
+  BENCH_TIMEOUT=100 bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --num-iters 3
+  timeout 170 python -m pytest -q -p no:cacheprovider -rfE backends/nvidia_sm100/tests/test_kernels_gpu.py \
+    backends/nvidia_sm100/tests/test_model_gpu.py -k "sampled_rows or fp32_greedy or async_scheduling or prefill_graph" \
+    2>&1 | tail -4 | tee "$RES/tests.txt"; save
+  BENCH_TIMEOUT=120 bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
+  BENCH_TIMEOUT=120 bench b256 --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256
   what=summary
 fi
 if [[ $what == sched ]]; then

@@ -126,6 +126,26 @@ def test_fork_inside_a_cuda_graph_replays_both_branches():
     assert torch.equal(run(a), a * 4 + 1)
 
 
+def test_sampled_rows_reach_the_host_beside_the_next_step():
+    """The engine's copy of a step's sampled rows (``SampledRowsCopy``) runs on a side stream after the sampler: the
+    rows read back exact, and the copy is done while work queued after it on the current stream still runs."""
+    from deepinfer_core.engine.model_runner import SampledRowsCopy
+    from deepinfer_core.sampling.sampler import SamplerOutput
+
+    ids = torch.tensor([5, 129279, 0], device="cuda")
+    out = SamplerOutput(ids, torch.tensor([-0.5, -1.25, -3.0], device="cuda"), torch.tensor([1, 2, 7], device="cuda"))
+    copy = SampledRowsCopy.start(out)
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(40):  # the next step, queued after the copy: tens of milliseconds
+        a = a @ a * 1e-2
+    later = torch.cuda.Event()
+    later.record()
+    rows = copy.read()
+    assert not later.query(), "the copy waited for the work queued after it"
+    assert rows.token_ids == [5, 129279, 0] and rows.logprobs == [-0.5, -1.25, -3.0] and rows.ranks == [1, 2, 7]
+    torch.cuda.synchronize()
+
+
 def test_backend_contract_on_device():
     from deepinfer_nvidia_sm100.backend import NvidiaBackend
 
