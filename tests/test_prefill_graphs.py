@@ -103,3 +103,24 @@ def test_prefill_graphs_take_lone_prompts_in_their_buckets(engines):
 def test_bad_prefill_buckets_are_refused(buckets):
     with pytest.raises(ValueError, match="prefill_graph_buckets"):
         _llm(cuda_graph_sizes=[1], prefill_graph_buckets=buckets)
+
+
+def test_a_failed_capture_prefills_eagerly_from_then_on(caplog):
+    """A capture that fails (an op synchronising with the host, say) is logged once with its reason; that prompt and
+    every later one are prefilled eagerly, with the eager engine's tokens."""
+    llm = _llm(cuda_graph_sizes=[1], prefill_graph_buckets=BUCKETS)
+    graphs = llm.engine.runner.prefill_graphs
+
+    def failing(step_fn, example_inputs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs.capture = failing
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompts = [{"prompt_token_ids": _prompt(length, seed=9)} for length in (200, 300)]
+    with caplog.at_level("WARNING", logger="deepinfer"):
+        got = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    want = [out.outputs[0].token_ids for out in _llm().generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert graphs.num_replays == 0 and not graphs.captured
+    assert "prefill graph of 256 tokens: capture failed: operation not permitted" in graphs.disabled_reason
+    assert sum("capture failed" in r.getMessage() for r in caplog.records) == 1

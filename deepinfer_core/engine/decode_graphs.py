@@ -3,7 +3,8 @@
 The chunks of a step that fold exactly one token and sample (decode chunks, prompt logprobs aside) are
 padded to the next captured batch size with dummy sequences, and their layout to the static widths of a
 ``StaticShape`` (keys to the window, compressed entries to the context bucket divided by the ratio); the
-step's other chunks (prefill) run eagerly beside them, so a long prompt chunk never pads the decodes. The host
+step's other chunks (prefill) run eagerly beside them, so a long prompt chunk never pads the decodes (a lone
+prompt replays its own graph: ``engine/prefill_graphs.py``). The host
 uploads the step's token ids, positions and per-sequence inputs (context lengths, slots, block tables) into fixed
 buffers in one copy and replays the graph, which computes the step's index layout from them on the device
 (``DecodeLayout``) and runs the model. Dummy sequences read and write only the state's spare slot and spare
@@ -96,24 +97,19 @@ class DecodeGraphs:
         return min(-(-bucket // multiple) * multiple, self.max_context)
 
     def _capture(self, size: int, context: int) -> CapturedStep | None:
-        device = self.model.device
         shape = self.model.static_shape(size, context, self.spare_slot, self.spare_block)
         host = self._padded_batch([], size)  # all dummies: capture touches only the spare slot and block
-        buffers = StaticBuffers(device)
-        self._place_inputs(host, shape, buffers)  # learns the static tensors' shapes
-        buffers.seal()
-        batch, inputs = self._place_inputs(host, shape, buffers)  # now in the buffers' fixed storage
+        buffers, (batch, inputs) = StaticBuffers.sized(self.model.device,
+                                                       lambda buffers: self._place_inputs(host, shape, buffers))
         logits = self.logits[:size]
 
         def step_fn() -> None:
             layout = self.model.decode_layout(inputs, self.state, shape)
             logits.copy_(self.model.forward(batch, self.state, layout=layout).logits)
 
-        try:
-            replay = self.capture(step_fn, ())
-        except RuntimeError as exc:  # e.g. an op that synchronises with the host cannot be captured
-            self.disabled_reason = f"decode graph capture failed at batch {size}, context {context}: {exc}"
-            logger.warning("%s; decode steps run eagerly from now on", self.disabled_reason, exc_info=True)
+        replay, self.disabled_reason = capture_or_explain(self.capture, step_fn,
+                                                          f"decode graph at batch {size}, context {context}")
+        if replay is None:
             return None
         step = CapturedStep(shape, batch, inputs, buffers, replay)
         self.captured[(size, context)] = step
@@ -146,6 +142,18 @@ class DecodeGraphs:
             compressed_write_start=[c.request.replay_until for c in chunks] + [0] * pad,
             sliding_floor=[c.request.sliding_floor for c in chunks] + [0] * pad,
         )
+
+
+def capture_or_explain(capture: Callable, step_fn: Callable[[], None], what: str
+                       ) -> tuple[Callable[[], None] | None, str | None]:
+    """``capture(step_fn, ())``, or (None, why) where capture fails (e.g. an op that synchronises with the host),
+    logged once: the caller runs those steps eagerly from then on."""
+    try:
+        return capture(step_fn, ()), None
+    except RuntimeError as exc:
+        reason = f"{what}: capture failed: {exc}"
+        logger.warning("%s; such steps run eagerly from now on", reason, exc_info=True)
+        return None, reason
 
 
 def default_sizes(max_num_seqs: int) -> list[int]:

@@ -118,7 +118,7 @@ class ModelRunner:
         self.device = model.device
         self.decode_graphs = decode_graphs
         self.prefill_graphs = prefill_graphs
-        self.num_mixed_steps = 0  # steps that replayed a graph for their decodes and ran their prefill eagerly
+        self.num_mixed_steps = 0  # steps that replayed a graph for their decodes beside a prefill
 
     def build_batch(self, output: SchedulerOutput) -> tuple[ForwardBatch, list[int], dict[str, tuple[int, int]]]:
         """The flat batch, the logits row of each sampling chunk, and prompt-logprob row ranges. A token still in

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from deepinfer_core.engine.decode_graphs import capture_or_explain
 from deepinfer_core.engine.scheduler import ScheduledChunk
 from deepinfer_core.forward_batch import ForwardBatch
 from deepinfer_core.models.deepseek_v4.layout import StaticBuffers, StepLayout
@@ -83,21 +84,16 @@ class PrefillGraphs:
 
     def _capture(self, bucket: int) -> CapturedPrefill | None:
         host = self._padded_batch(None, bucket)  # padding only: the capture touches the spare slot and block
-        buffers = StaticBuffers(self.model.device)
-        self._place(host, buffers, bucket)  # learns the static tensors' shapes
-        buffers.seal()
-        batch, layout = self._place(host, buffers, bucket)  # now in the buffers' fixed storage
+        buffers, (batch, layout) = StaticBuffers.sized(self.model.device,
+                                                       lambda buffers: self._place(host, buffers, bucket))
         logits = self.logits
 
         def step_fn() -> None:
             layout.build_masks()
             logits.copy_(self.model.forward(batch, self.state, layout=layout).logits)
 
-        try:
-            replay = self.capture(step_fn, ())
-        except RuntimeError as exc:  # e.g. an op that synchronises with the host cannot be captured
-            self.disabled_reason = f"prefill graph capture failed at {bucket} tokens: {exc}"
-            logger.warning("%s; prompts are prefilled eagerly from now on", self.disabled_reason, exc_info=True)
+        replay, self.disabled_reason = capture_or_explain(self.capture, step_fn, f"prefill graph of {bucket} tokens")
+        if replay is None:
             return None
         step = CapturedPrefill(buffers, replay)
         self.captured[bucket] = step

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -34,6 +36,8 @@ from deepinfer_core.device_copy import arena_offsets, arena_views, record_event,
 from deepinfer_core.forward_batch import ForwardBatch
 from deepinfer_core.ops.reference import entry_places, window_plan
 from deepinfer_core.ops.table import OpTable
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +82,15 @@ class StaticBuffers:
     @property
     def sealed(self) -> bool:
         return self._device_arena is not None
+
+    @classmethod
+    def sized(cls, device: torch.device, place: Callable[[StaticBuffers], T]) -> tuple[StaticBuffers, T]:
+        """New buffers sized by a first pass of ``place`` (which only learns the shapes), sealed, and ``place``'s
+        result from a second pass into their fixed storage."""
+        buffers = cls(device)
+        place(buffers)
+        buffers.seal()
+        return buffers, place(buffers)
 
     def rewind(self) -> None:
         """Start a new build: the next ``place`` fills the first tensor again."""
