@@ -174,3 +174,21 @@ def test_needles_through_the_static_decode_path(tiny_ckpt):
     for (tokens, rows), at in zip(want, where, strict=True):
         got_tokens, got_rows = _decode_rows(outputs[at])
         assert got_tokens == tokens and torch.equal(got_rows, rows)
+
+
+def test_a_lone_needle_through_the_padded_prefill_step_keeps_its_bits(tiny_ckpt):
+    """Each needle alone is prefilled through the padded static prefill step (its prompt padded to a 64-token bucket;
+    run eagerly on CPU, what a captured prefill graph replays on a GPU) and keeps the bits it has inside a random
+    batch on the dynamic path: the padding changes none of the prompt's rows."""
+    needles = [(prompt, SamplingParams(temperature=p.temperature, top_p=p.top_p, seq_seed=p.seed, max_tokens=8,
+                                       ignore_eos=True, logprobs=VOCAB)) for prompt, p in NEEDLES]
+    llm = _llm(tiny_ckpt, batch_invariant=True, cuda_graph_sizes=[1], prefill_graph_buckets=[64],
+               max_num_batched_tokens=512)
+    alone = [_decode_rows(llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0]) for p, sp in needles]
+    assert llm.engine.runner.prefill_graphs.num_replays == len(needles)
+    batched = _llm(tiny_ckpt, batch_invariant=True)
+    prompts, params, where = random_batch(torch.Generator().manual_seed(6), 9, needles, VOCAB)
+    outputs = batched.generate(prompts, params, use_tqdm=False)
+    for (tokens, rows), at in zip(alone, where, strict=True):
+        got_tokens, got_rows = _decode_rows(outputs[at])
+        assert got_tokens == tokens and torch.equal(got_rows, rows)
