@@ -174,13 +174,12 @@ class ModelRunner:
         parts = [graph_logits] if graphed else []
         row_of = {id(c): i for i, c in enumerate(graphed)}  # chunk -> row of the stacked sampling logits
         prompt_logprobs = {}
+        self.num_mixed_steps += bool(graphed and eager.chunks)
         prefill = self.prefill_graphs.run(eager.chunks) if self.prefill_graphs is not None else None  # [1, V]
         if prefill is not None:  # a lone prompt through its bucket's graph
-            self.num_mixed_steps += bool(graphed)
             parts.append(prefill)
             row_of[id(eager.chunks[0])] = len(graphed)
         elif eager.chunks:
-            self.num_mixed_steps += bool(graphed)
             batch, sample_rows, prompt_rows = self.build_batch(eager)
             if previous is not None:
                 previous.feed(batch.input_ids, [end - 1 for end in batch.query_start[1:]], eager.chunks)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer_core.ops.table import reference_op
+from deepinfer_core.sampling.sampler import greedy_rows
 
 
 # ----------------------------------------------------------------------------- concurrency
@@ -597,8 +598,6 @@ def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     log-probability (``log_softmax``) and rank (how many tokens are at least as likely): ``[R]`` int64, float32,
     int64. The sampler calls it for a step whose every row is greedy with nothing to apply first (no penalty, no
     mask, no top-n); it is ``sampling.sampler.greedy_rows``."""
-    from deepinfer_core.sampling.sampler import greedy_rows
-
     return greedy_rows(logits)
 
 

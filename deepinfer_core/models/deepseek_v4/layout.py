@@ -205,7 +205,8 @@ class StepLayout:
         # every sequence folds max_query_len tokens: padded and flat layouts are views of each other
         self.uniform = all(n == self.max_query_len for n in self.query_lens)
         self.buffers, self.spare_block = buffers, spare_block
-        self.written = self.query_lens if written is None else written
+        self.padded = written is not None and list(written) != list(self.query_lens)  # tokens that write no state
+        self.written = written if self.padded else self.query_lens
         self._tables: torch.Tensor | None = None
         self._visible: dict[int, torch.Tensor] = {}  # ratio -> attention_visible of the layout's entries
         self._pending: list[tuple[object, str, torch.Tensor]] = []  # (owner, attribute, host tensor) to upload
@@ -247,7 +248,7 @@ class StepLayout:
         ctx = self._tensor(batch.context_lens)
         valid = offsets[None, :] < lens[:, None]  # [S, Lq]
         self._host_ctx, self._host_starts, self._host_lens = ctx, starts, lens
-        self._host_written = self._tensor(self.written)
+        self._host_written = self._tensor(self.written) if self.padded else lens
         self._host_slots = self._tensor(batch.slots)  # [S]
         token_seq, token_offset = _segments(lens)  # [T]: each token's sequence and offset in its chunk
         self._stage(self, "query_valid", valid)
@@ -399,8 +400,8 @@ class StepLayout:
         plan = WindowPlan(*window_plan(entry, ctx[seq], starts[seq], self._host_slots[seq],
                                        self._block_tables()[seq, entry // per_block], self._tail_writes(span), ratio,
                                        span, per_block, torch.arange(span)))
-        padding = entry >= ((ctx + self._host_written) // ratio)[seq]  # [N]: windows of padding tokens
-        if bool(padding.any()):  # they pool, but write the spare block
+        if self.padded:  # the windows of padding tokens pool, but write the spare block
+            padding = entry >= ((ctx + self._host_written) // ratio)[seq]  # [N]
             plan.write_blocks = torch.where(padding, self.spare_block, plan.write_blocks)
             plan.write_rows = torch.where(padding, 0, plan.write_rows)
         for f in dataclasses.fields(plan):

@@ -73,7 +73,9 @@ def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     """``reference.greedy_sample`` (fp32 ``logits [R, V]``, unit last stride or not) in two launches: token ids,
     raw log-probabilities and ranks, ``[R]`` each (int64, float32, int64)."""
     rows, vocab = logits.shape
-    logits = logits.float() if logits.stride(-1) == 1 else logits.float().contiguous()
+    logits = logits.float()
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
     chunks = triton.cdiv(vocab, BLOCK)
     device = logits.device
     token_ids = torch.empty(rows, dtype=torch.long, device=device)
