@@ -65,6 +65,8 @@
 #            --no-prefill-graphs, the 1K prefill step profiled (through the graph), b64
 #   s17final b1 (median of 3) on the final code, the new paths' GPU tests (the sampled rows' copy beside the next
 #            step; fp32 parity, async against sync, the prefill graphs), b64, b256
+#   s18a     the eighteenth session's first lease: b1 (median of 5), b64 (median of 3), the batch-64 decode trace with
+#            PDL off and the 8 x 1K prefill step's trace (both kept, gzipped), the 8K prompt through its prefill graph
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -336,6 +338,22 @@ if [[ $what == s17final ]]; then
     2>&1 | tail -4 | tee "$RES/tests.txt"; save
   BENCH_TIMEOUT=120 bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64
   BENCH_TIMEOUT=120 bench b256 --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256
+  what=summary
+fi
+if [[ $what == s18a ]]; then  # the spread of b1 and b64, then the two traces batch 64 spends its time in
+  preset_flushed
+  BENCH_TIMEOUT=120 bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --num-iters 5
+  BENCH_TIMEOUT=200 bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64 --num-iters 3
+  DEEPINFER_NVIDIA_PDL=0 timeout 150 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 64 \
+    > "$RES/profile-b64-pdl0.txt" 2>&1
+  gzip -c /tmp/trace-decode-b64.json > "$RES/trace-decode-b64-pdl0.json.gz"; grep -E "^=== batch 64" "$RES/profile-b64-pdl0.txt"
+  save
+  timeout 150 python backends/nvidia_sm100/benchmarks/profile_decode.py --prefill 8 --input-len 1024 \
+    > "$RES/profile-prefill-8x1k.txt" 2>&1
+  gzip -c /tmp/trace-prefill-8x1024.json > "$RES/trace-prefill-8x1k.json.gz"; grep -E "^=== |^step span" "$RES/profile-prefill-8x1k.txt"
+  save
+  BENCH_TIMEOUT=100 bench prefill-8k --input-len 8192 --output-len 1 --num-prompts 1 --max-num-seqs 1 \
+    --max-num-batched-tokens 8192 --num-iters 5
   what=summary
 fi
 if [[ $what == sched ]]; then
