@@ -100,7 +100,7 @@ def test_preset_checkpoint_values_and_cache(cache_dir, hf_result):
 
 
 # ------------------------------------------------------------------------------------------------ runner
-def _check_metrics(metrics: dict, output_tokens: int) -> None:
+def _check_metrics(metrics: dict, output_tokens: int, steps_timed: bool = True) -> None:
     assert set(metrics) == set(runner.result_keys()["metrics"])
     assert metrics["output_tokens"] == output_tokens and metrics["num_requests"] == SMALL["num_prompts"]
     assert metrics["output_throughput"] > 0 and metrics["total_throughput"] > metrics["output_throughput"]
@@ -109,6 +109,12 @@ def _check_metrics(metrics: dict, output_tokens: int) -> None:
     pauses = metrics["gc_pauses"]
     assert pauses["count"] >= pauses["full"] >= 0 and pauses["total_s"] >= pauses["max_s"] >= 0
     assert metrics["iteration_first_token_s"][0] > 0
+    step_times = metrics["step_times_s"]  # the engine's steps one by one; HF's generate is not split
+    if not steps_timed:
+        assert step_times == []
+        return
+    assert len(step_times) == metrics["steps"] and min(step_times) > 0
+    assert abs(sum(step_times) - metrics["total_time_s"]) < 1e-6
 
 
 def test_gc_pauses_are_recorded_with_their_generation_inside_the_block_only():
@@ -124,7 +130,7 @@ def test_bench_result_has_the_expected_keys_and_positive_numbers(hf_result):
     assert set(hf_result) == set(runner.result_keys()["result"])
     tokens = SMALL["num_prompts"] * SMALL["output_len"]
     _check_metrics(hf_result["engine"], tokens)
-    _check_metrics(hf_result["hf"], tokens)
+    _check_metrics(hf_result["hf"], tokens, steps_timed=False)
     assert hf_result["ratio"]["output_throughput"] == pytest.approx(
         hf_result["engine"]["output_throughput"] / hf_result["hf"]["output_throughput"])
     agreement = hf_result["agreement"]

@@ -83,6 +83,7 @@ class RunTimes:
     finished: dict[str, float] = dataclasses.field(default_factory=dict)
     outputs: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     steps: int = 0
+    step_ends: list[float] = dataclasses.field(default_factory=list)  # the host clock as each engine step returned
     gc_pauses: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (generation, seconds)
 
     def first_token_s(self) -> float:
@@ -139,7 +140,7 @@ def result_keys() -> dict[str, list[str]]:
         "result": ["config", "engine", "hf", "ratio", "agreement", "roofline"],
         "metrics": ["total_time_s", "num_requests", "prompt_tokens", "output_tokens", "output_throughput",
                     "total_throughput", "requests_per_s", "ttft_s", "tpot_s", "latency_s", "load_time_s", "steps",
-                    "iteration_total_times_s", "iteration_first_token_s", "gc_pauses"],
+                    "step_times_s", "iteration_total_times_s", "iteration_first_token_s", "gc_pauses"],
     }
 
 
@@ -251,6 +252,7 @@ def _step_to_the_end(engine, prompts: Sequence[Sequence[int]], params, tag: str,
         finished = engine.step()
         now = time.perf_counter()
         times.steps += 1
+        times.step_ends.append(now)
         for group_id, requests in engine.groups.items():
             if group_id not in times.first_token and any(r.output_token_ids for r in requests):
                 times.first_token[group_id] = now
@@ -355,12 +357,19 @@ def summarize(times: RunTimes, prompt_lens: Sequence[int], load_time: float,
         "output_tokens": out_tokens, "output_throughput": out_tokens / total,
         "total_throughput": (out_tokens + sum(prompt_lens)) / total, "requests_per_s": len(keys) / total,
         "ttft_s": stats(ttft), "tpot_s": stats(tpot), "latency_s": stats(latency), "load_time_s": load_time,
-        "steps": times.steps, "iteration_total_times_s": list(iteration_totals or [total]),
+        "steps": times.steps, "step_times_s": _intervals(times.start, times.step_ends),
+        "iteration_total_times_s": list(iteration_totals or [total]),
         "iteration_first_token_s": list(iteration_first_tokens or [times.first_token_s()]),
         "gc_pauses": {"count": len(times.gc_pauses), "total_s": sum(s for _, s in times.gc_pauses),
                       "max_s": max((s for _, s in times.gc_pauses), default=0.0),
                       "full": sum(1 for generation, _ in times.gc_pauses if generation == 2)},
     }
+
+
+def _intervals(start: float, ends: Sequence[float]) -> list[float]:
+    """Seconds each step took from the one before (the first from the run's start); empty where steps were not
+    timed one by one (HF's ``generate``)."""
+    return [end - before for before, end in zip([start, *ends], ends)]
 
 
 def stats(values: Sequence[float]) -> dict[str, float | None]:

@@ -473,6 +473,11 @@ for f in sorted(out.glob("*.json")):
     print(f"{f.stem:14} {e['output_throughput']:10.1f} {e['total_throughput']:11.1f} {ms(e['tpot_s']):>8} "
           f"{ms(e['ttft_s']):>9} {frac:>9} {ratio:>6} {r['config'].get('decode_graph_replays')!s:>8} "
           f"{r['config'].get('max_num_batched_tokens')!s:>7} {r['config'].get('async_scheduling')!s:>6}")
+for f in sorted(out.glob("*.json")):  # the engine's steps one by one: the first six, then the median of the rest
+    steps = json.loads(f.read_text())["engine"].get("step_times_s") or []
+    if len(steps) > 6:
+        rest = sorted(steps[6:])[len(steps[6:]) // 2]
+        print(f"{f.stem:14} steps (ms): {' '.join(f'{1e3 * t:.1f}' for t in steps[:6])} | median after {1e3 * rest:.2f}")
 PY
 fi
 if [[ $what == quick ]]; then  # the graph and attention tests only
