@@ -67,6 +67,8 @@
 #            step; fp32 parity, async against sync, the prefill graphs), b64, b256
 #   s18a     the eighteenth session's first lease: b1 (median of 5), b64 (median of 3), the batch-64 decode trace with
 #            PDL off and the 8 x 1K prefill step's trace (both kept, gzipped), the 8K prompt through its prefill graph
+#   s18b     whole bench runs profiled (profile_run.py): 8 x 1K prompts to one token, then batch 64 (1K -> 128 tokens,
+#            16384-token steps), two runs each right after a warmup, the first 8 x 1K trace kept (gzipped)
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -354,6 +356,17 @@ if [[ $what == s18a ]]; then  # the spread of b1 and b64, then the two traces ba
   save
   BENCH_TIMEOUT=100 bench prefill-8k --input-len 8192 --output-len 1 --num-prompts 1 --max-num-seqs 1 \
     --max-num-batched-tokens 8192 --num-iters 5
+  what=summary
+fi
+if [[ $what == s18b ]]; then  # where the first steps of a run lose time against the same step profiled alone
+  preset_flushed
+  timeout 150 python backends/nvidia_sm100/benchmarks/profile_run.py --num-prompts 8 --input-len 1024 --output-len 1 \
+    --runs 2 > "$RES/profile-run-8x1k.txt" 2>&1
+  gzip -c /tmp/trace-run-8x1024-0.json > "$RES/trace-run-8x1k-0.json.gz"; grep -E "^=== |^step span" "$RES/profile-run-8x1k.txt"
+  save
+  timeout 240 python backends/nvidia_sm100/benchmarks/profile_run.py --num-prompts 64 --input-len 1024 --output-len 128 \
+    --max-num-batched-tokens 16384 --runs 2 > "$RES/profile-run-64.txt" 2>&1
+  grep -E "^=== |^step span" "$RES/profile-run-64.txt"
   what=summary
 fi
 if [[ $what == sched ]]; then
