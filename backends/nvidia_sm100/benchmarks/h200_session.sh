@@ -69,6 +69,9 @@
 #            PDL off and the 8 x 1K prefill step's trace (both kept, gzipped), the 8K prompt through its prefill graph
 #   s18b     whole bench runs profiled (profile_run.py): 8 x 1K prompts to one token, then batch 64 (1K -> 128 tokens,
 #            16384-token steps), two runs each right after a warmup, the first 8 x 1K trace kept (gzipped)
+#   s18c     bench_hc_finish.py (the Sinkhorn's share of hc_pre_normed), then b64 (median of 3) and the 8 x 1K prefill
+#            (median of 5) with glibc's heap kept (MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_: no memory handed
+#            back to the system and faulted in again) and, for the prefill, without
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -81,9 +84,9 @@ export DEEPINFER_BENCH_CACHE=${DEEPINFER_BENCH_CACHE:-$( [[ -n $existing ]] && d
 what=${1:-all}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$RES/gpu.txt"
 python -c "import tilelang" 2>/dev/null && echo "tilelang: yes" || echo "tilelang: no (sink_attention takes the reference op)"
-bench() {  # name, then deepinfer bench arguments
+bench() {  # name, then deepinfer bench arguments (BENCH_ENV: VAR=value words the process starts with)
   local name=$1; shift
-  timeout "${BENCH_TIMEOUT:-1200}" python -m deepinfer_core.cli bench --preset v4-flash-8l64e --backend nvidia_sm100 \
+  env ${BENCH_ENV:-} timeout "${BENCH_TIMEOUT:-1200}" python -m deepinfer_core.cli bench --preset v4-flash-8l64e --backend nvidia_sm100 \
     --dtype bfloat16 --json "$RES/$name.json" "$@" > "$RES/$name.txt" 2> "$RES/$name.log" || echo "bench $name failed: $(tail -3 "$RES/$name.log")"
   save
 }
@@ -367,6 +370,18 @@ if [[ $what == s18b ]]; then  # where the first steps of a run lose time against
   timeout 240 python backends/nvidia_sm100/benchmarks/profile_run.py --num-prompts 64 --input-len 1024 --output-len 128 \
     --max-num-batched-tokens 16384 --runs 2 > "$RES/profile-run-64.txt" 2>&1
   grep -E "^=== |^step span" "$RES/profile-run-64.txt"
+  what=summary
+fi
+if [[ $what == s18c ]]; then  # is the first step's host time page faults of fresh heap memory?
+  preset_flushed
+  (cd backends/nvidia_sm100/benchmarks && timeout 120 python bench_hc_finish.py) 2>&1 | tail -12 | tee "$RES/bench-hc-finish.txt"
+  save
+  heap="MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=17179869184"
+  BENCH_ENV=$heap BENCH_TIMEOUT=200 bench b64-heap --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64 \
+    --num-iters 3
+  args=(--input-len 1024 --output-len 1 --num-prompts 8 --max-num-seqs 8 --max-num-batched-tokens 8192 --num-iters 5)
+  BENCH_TIMEOUT=100 bench prefill-8x1k "${args[@]}"
+  BENCH_ENV=$heap BENCH_TIMEOUT=100 bench prefill-8x1k-heap "${args[@]}"
   what=summary
 fi
 if [[ $what == sched ]]; then
