@@ -376,7 +376,7 @@ if [[ $what == s18c ]]; then  # is the first step's host time page faults of fre
   preset_flushed
   (cd backends/nvidia_sm100/benchmarks && timeout 120 python bench_hc_finish.py) 2>&1 | tail -12 | tee "$RES/bench-hc-finish.txt"
   save
-  heap="MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=17179869184"
+  heap="MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=17179869184"  # 32 MB: glibc's largest
   BENCH_ENV=$heap BENCH_TIMEOUT=200 bench b64-heap --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64 \
     --num-iters 3
   args=(--input-len 1024 --output-len 1 --num-prompts 8 --max-num-seqs 8 --max-num-batched-tokens 8192 --num-iters 5)
