@@ -72,6 +72,9 @@
 #   s18c     bench_hc_finish.py (the Sinkhorn's share of hc_pre_normed), then b64 (median of 3) and the 8 x 1K prefill
 #            (median of 5) with glibc's heap kept (MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_: no memory handed
 #            back to the system and faulted in again) and, for the prefill, without
+#   s18final the eighteenth session's final code, first call: the model GPU tests and the hc kernels' (the Sinkhorn
+#            beside the block), b1 (median of 5) with it and with DEEPINFER_NVIDIA_HC_BESIDE=0, b64 (median of 3)
+#   s18final2 its second call: b64 with DEEPINFER_KEEP_HEAP=0 (2 runs), b256, both prefill shapes (median of 5)
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -382,6 +385,25 @@ if [[ $what == s18c ]]; then  # is the first step's host time page faults of fre
   args=(--input-len 1024 --output-len 1 --num-prompts 8 --max-num-seqs 8 --max-num-batched-tokens 8192 --num-iters 5)
   BENCH_TIMEOUT=100 bench prefill-8x1k "${args[@]}"
   BENCH_ENV=$heap BENCH_TIMEOUT=100 bench prefill-8x1k-heap "${args[@]}"
+  what=summary
+fi
+if [[ $what == s18final ]]; then
+  preset_flushed
+  timeout 200 python -m pytest -q -p no:cacheprovider -rfE backends/nvidia_sm100/tests/test_model_gpu.py \
+    -k "fp32_greedy or graph or async" 2>&1 | tail -4 | tee "$RES/tests.txt"; save
+  timeout 100 python -m pytest -q -p no:cacheprovider -rfE backends/nvidia_sm100/tests/test_triton_kernels.py \
+    -k "deferred or hc_pre or hc_post" 2>&1 | tail -3 | tee -a "$RES/tests.txt"; save
+  args=(--input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --num-iters 5)
+  BENCH_TIMEOUT=100 bench b1 "${args[@]}"
+  BENCH_ENV=DEEPINFER_NVIDIA_HC_BESIDE=0 BENCH_TIMEOUT=100 bench b1-hc-inline "${args[@]}"
+  BENCH_TIMEOUT=150 bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64 --num-iters 3
+  what=summary
+fi
+if [[ $what == s18final2 ]]; then
+  BENCH_ENV=DEEPINFER_KEEP_HEAP=0 BENCH_TIMEOUT=130 bench b64-heap-off --input-len 1024 --output-len 128 \
+    --num-prompts 64 --max-num-seqs 64 --num-iters 2
+  BENCH_TIMEOUT=150 bench b256 --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256
+  BENCH_TIMEOUT=90 prefill_shapes
   what=summary
 fi
 if [[ $what == sched ]]; then

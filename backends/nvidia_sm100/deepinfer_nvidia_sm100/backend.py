@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from deepinfer_core.backends.base import Backend, Capabilities, MemoryInfo
+from deepinfer_core.ops.table import OpTable
 from deepinfer_nvidia_sm100.probe import NAME, arch_path, probe
 
 VERIFIED = {
@@ -82,6 +83,17 @@ class NvidiaBackend(Backend):
     def op_overrides(self) -> Mapping[str, Callable]:
         """The fast ops of this path (``sm90_ops`` / ``sm100_ops``); every other op is the reference op."""
         return sm90_ops() if self.path == "sm90" else sm100_ops()
+
+    def make_op_table(self, plugin_manager: Any = None) -> OpTable:
+        """The base table (reference ops, these overrides, the plugins'); then, where the table's ``hc_post`` and
+        ``hc_post_sum`` are this backend's, ``hc_pre_normed`` with its Sinkhorn beside the block
+        (``hc.hc_pre_normed_deferred``: those two join it)."""
+        from deepinfer_nvidia_sm100.kernels import hc
+
+        table = super().make_op_table(plugin_manager)
+        if hc.defers_weights(table):
+            table.override("hc_pre_normed", hc.hc_pre_normed_deferred, self.name)
+        return table
 
     def capture_graph(self, fn: Callable[..., Any], example_inputs: tuple[Any, ...]) -> Callable[..., Any]:
         """Capture ``fn(*example_inputs)`` in a CUDA graph; the returned callable copies its tensor arguments

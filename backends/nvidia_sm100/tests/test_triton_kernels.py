@@ -99,6 +99,40 @@ def test_hc_pre_normed_matches_hc_pre_then_the_norm(tokens, hc_mult, width, dtyp
         torch.testing.assert_close(g, w, **tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@kernel_runs_here
+@pytest.mark.parametrize("tokens, dtype", [
+    (tokens, dtype) for tokens, dtype in ((1, torch.float32), (7, torch.float32), (1, torch.bfloat16),
+                                          (64, torch.bfloat16)) if not _interpreter_runs_bf16_dot(tokens, dtype)])
+def test_deferred_weights_reach_hc_post_as_the_fused_kernel_makes_them(tokens, dtype):
+    """``hc_pre_normed_deferred`` (the Sinkhorn forked to the side stream, ``pre`` alone in the finishing kernel)
+    then ``hc_post``, which joins it: the same collapsed row, weights and new streams as ``hc_pre_normed``."""
+    streams, fn, base, scale = _case(tokens, 4, 256, dtype, seed=3)
+    gen = torch.Generator(device=DEVICE).manual_seed(4)
+    weight, block = torch.randn(256, device=DEVICE, generator=gen), torch.randn(tokens, 256, device=DEVICE,
+                                                                                  generator=gen).to(dtype)
+    post, comb, x = hc.hc_pre_normed(streams, fn, base, scale, 20, 1e-6, 1e-6, weight)
+    want = hc.hc_post(streams, block, post, comb)
+    d_post, d_comb, d_x = hc.hc_pre_normed_deferred(streams, fn, base, scale, 20, 1e-6, 1e-6, weight)
+    assert id(d_comb) in hc._DEFERRED
+    got = hc.hc_post(streams, block, d_post, d_comb)
+    assert id(d_comb) not in hc._DEFERRED  # joined
+    assert torch.equal(d_x, x)
+    torch.testing.assert_close(d_post, post, atol=0, rtol=1e-6)
+    torch.testing.assert_close(d_comb, comb, atol=0, rtol=1e-6)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_the_weights_are_deferred_only_where_the_tables_hc_post_ops_join_them(monkeypatch):
+    from deepinfer_core.ops.table import OpTable
+
+    ours = {"hc_pre_normed": hc.hc_pre_normed, "hc_post": hc.hc_post, "hc_post_sum": hc.hc_post_sum}
+    assert hc.defers_weights(OpTable(ours))
+    assert not hc.defers_weights(OpTable({**ours, "hc_post_sum": ref.hc_post_sum}))  # a plugin's would read early
+    assert not hc.defers_weights(OpTable({"hc_post": hc.hc_post, "hc_post_sum": hc.hc_post_sum}))
+    monkeypatch.setenv(hc.DEFER_ENV, "0")
+    assert not hc.defers_weights(OpTable(ours))
+
+
 MIX_CASES = [(kernel, tokens, hc_mult, width, dtype) for dtype in (torch.float32, torch.bfloat16)
              for kernel, tokens, hc_mult, width in (
                  (None, 1, 4, 1024), (None, 3, 4, 100), (None, 6, 3, 300), (None, 64, 4, 64),

@@ -161,6 +161,13 @@ def _mix_partials(splits: int, tokens: int, n_p2: int, device: torch.device) -> 
 
 
 @triton.jit
+def _pre_weight(pre_logit, base_ptr, scale_ptr, hc_eps, HC: tl.constexpr, HC_P2: tl.constexpr):
+    """One token's ``pre [HC_P2]`` (fp32) from its ``pre_logit [HC_P2]``: the sigmoid the collapse weighs with."""
+    idx = tl.arange(0, HC_P2)
+    return tl.sigmoid(pre_logit * tl.load(scale_ptr) + tl.load(base_ptr + idx, mask=idx < HC, other=0.0)) + hc_eps
+
+
+@triton.jit
 def _weights(pre_logit, post_logit, comb_logit, base_ptr, scale_ptr, sinkhorn_iters, hc_eps,
              HC: tl.constexpr, HC_P2: tl.constexpr):
     """One token's ``pre [HC_P2]``, ``post [HC_P2]`` and ``comb [HC_P2, HC_P2]`` (fp32) from its raw mixing logits
@@ -168,7 +175,7 @@ def _weights(pre_logit, post_logit, comb_logit, base_ptr, scale_ptr, sinkhorn_it
     (``reference.hc_weights``)."""
     idx = tl.arange(0, HC_P2)  # [HC_P2]
     in_hc = idx < HC
-    pre = tl.sigmoid(pre_logit * tl.load(scale_ptr) + tl.load(base_ptr + idx, mask=in_hc, other=0.0)) + hc_eps
+    pre = _pre_weight(pre_logit, base_ptr, scale_ptr, hc_eps, HC, HC_P2)
     post = 2 * tl.sigmoid(post_logit * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + idx, mask=in_hc, other=0.0))
     rows, cols = idx[:, None], idx[None, :]  # [HC_P2, 1], [1, HC_P2]
     inside = (rows < HC) & (cols < HC)  # [HC_P2, HC_P2]
@@ -184,6 +191,21 @@ def _weights(pre_logit, post_logit, comb_logit, base_ptr, scale_ptr, sinkhorn_it
         comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)  # rows
         comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)  # columns
     return pre, post, comb
+
+
+@triton.jit
+def _mixed_logits(mixed, HC: tl.constexpr, HC_P2: tl.constexpr, N_P2: tl.constexpr):
+    """A token's ``mixed [N_P2]`` row split into ``pre_logit``, ``post_logit [HC_P2]`` and ``comb_logit [HC_P2,
+    HC_P2]`` (as ``reference.hc_weights`` slices it)."""
+    outs = tl.arange(0, N_P2)
+    idx = tl.arange(0, HC_P2)
+    rows, cols = idx[:, None], idx[None, :]
+    pick = mixed[None, :]
+    pre_logit = tl.sum(tl.where(idx[:, None] == outs[None, :], pick, 0.0), axis=1)  # mixed[idx]
+    post_logit = tl.sum(tl.where((HC + idx)[:, None] == outs[None, :], pick, 0.0), axis=1)
+    at = 2 * HC + rows * HC + cols  # [HC_P2, HC_P2]
+    comb_logit = tl.sum(tl.where(at[:, :, None] == outs[None, None, :], mixed[None, None, :], 0.0), axis=2)
+    return pre_logit, post_logit, comb_logit
 
 
 @triton.jit
@@ -217,27 +239,24 @@ def _hc_finish_weights_collapse_kernel(dots_ptr, squares_ptr, base_ptr, scale_pt
                                        out_ptr, norm_w_ptr, tokens, K, splits, norm_eps, sinkhorn_iters, hc_eps, D,
                                        HC: tl.constexpr, HC_P2: tl.constexpr, N_P2: tl.constexpr,
                                        SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr,
-                                       PDL: tl.constexpr = False):
+                                       WEIGHTS: tl.constexpr = True, PDL: tl.constexpr = False):
     """``hc_pre`` after the mixing partials, in one launch. Program (token, channel block): the token's mixing
     logits (``_mix_row``), its weights (``_weights``; the channel block 0 stores ``post`` and ``comb``), then the
     collapse of its ``BLOCK_D`` channels with ``pre`` (``_hc_collapse_kernel``'s arithmetic). With ``NORM``
     (``hc_pre_normed``) one program per token collapses the row (in one block where ``BLOCK_D >= D``, else block by
-    block, re-reading what it wrote) and RMS-norms it with ``norm_w [D]`` (``_rms_norm_kernel``'s arithmetic)."""
+    block, re-reading what it wrote) and RMS-norms it with ``norm_w [D]`` (``_rms_norm_kernel``'s arithmetic). Without
+    ``WEIGHTS`` it computes ``pre`` alone (the Sinkhorn and ``post`` / ``comb`` are another kernel's)."""
     pdl.begin(PDL)
     token = tl.program_id(0)
     mixed = _mix_row(dots_ptr, squares_ptr, token, tokens, K, splits, norm_eps, N_P2, SPLITS_P2)  # [N_P2]
-    outs = tl.arange(0, N_P2)
-    idx = tl.arange(0, HC_P2)
-    rows, cols = idx[:, None], idx[None, :]
-    pick = mixed[None, :]
-    pre_logit = tl.sum(tl.where(idx[:, None] == outs[None, :], pick, 0.0), axis=1)  # mixed[idx]
-    post_logit = tl.sum(tl.where((HC + idx)[:, None] == outs[None, :], pick, 0.0), axis=1)
-    at = 2 * HC + rows * HC + cols  # [HC_P2, HC_P2]
-    comb_logit = tl.sum(tl.where(at[:, :, None] == outs[None, None, :], mixed[None, None, :], 0.0), axis=2)
-    pre, post, comb = _weights(pre_logit, post_logit, comb_logit, base_ptr, scale_ptr, sinkhorn_iters, hc_eps, HC,
-                               HC_P2)
-    if tl.program_id(1) == 0:
-        _store_weights(post_ptr, comb_ptr, token.to(tl.int64), post, comb, HC, HC_P2)
+    pre_logit, post_logit, comb_logit = _mixed_logits(mixed, HC, HC_P2, N_P2)
+    if WEIGHTS:
+        pre, post, comb = _weights(pre_logit, post_logit, comb_logit, base_ptr, scale_ptr, sinkhorn_iters, hc_eps,
+                                   HC, HC_P2)
+        if tl.program_id(1) == 0:
+            _store_weights(post_ptr, comb_ptr, token.to(tl.int64), post, comb, HC, HC_P2)
+    else:  # post and comb come from _hc_mix_weights_kernel (hc_pre_normed_deferred)
+        pre = _pre_weight(pre_logit, base_ptr, scale_ptr, hc_eps, HC, HC_P2)
     if NORM and BLOCK_D >= D:  # the whole row in one block: collapsed, normed and stored once
         collapsed = _collapse(pre, streams_ptr, out_ptr, token.to(tl.int64), 0, D, HC, HC_P2, BLOCK_D, STORE=False)
         scale = 1.0 / tl.sqrt(tl.sum(collapsed * collapsed, axis=0) / D + norm_eps)
@@ -260,6 +279,19 @@ def _hc_finish_weights_collapse_kernel(dots_ptr, squares_ptr, base_ptr, scale_pt
             tl.store(row, (w * (x * scale)).to(out_ptr.dtype.element_ty), mask=ds < D)
     else:
         _collapse(pre, streams_ptr, out_ptr, token.to(tl.int64), tl.program_id(1), D, HC, HC_P2, BLOCK_D)
+
+
+@triton.jit
+def _hc_mix_weights_kernel(dots_ptr, squares_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, tokens, K, splits, norm_eps,
+                           sinkhorn_iters, hc_eps, HC: tl.constexpr, HC_P2: tl.constexpr, N_P2: tl.constexpr,
+                           SPLITS_P2: tl.constexpr):
+    """One program per token: its mixing logits from the partials (``_mix_row``), then ``post [HC]`` and ``comb [HC,
+    HC]`` (``_weights``): what the finishing kernel leaves out without ``WEIGHTS``."""
+    token = tl.program_id(0)
+    mixed = _mix_row(dots_ptr, squares_ptr, token, tokens, K, splits, norm_eps, N_P2, SPLITS_P2)  # [N_P2]
+    pre_logit, post_logit, comb_logit = _mixed_logits(mixed, HC, HC_P2, N_P2)
+    _, post, comb = _weights(pre_logit, post_logit, comb_logit, base_ptr, scale_ptr, sinkhorn_iters, hc_eps, HC, HC_P2)
+    _store_weights(post_ptr, comb_ptr, token.to(tl.int64), post, comb, HC, HC_P2)
 
 
 def hc_weights(mixed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, sinkhorn_iters: int,
@@ -309,6 +341,7 @@ def _hc_post_kernel(streams_ptr, block_ptr, extra_ptr, post_ptr, comb_ptr, out_p
 def _post(streams: torch.Tensor, block_out: torch.Tensor, extra: torch.Tensor | None, post: torch.Tensor,
           comb: torch.Tensor) -> torch.Tensor:
     """``_hc_post_kernel`` over every token and channel block; ``extra`` (or None) is added to ``block_out``."""
+    _join_weights(comb)
     tokens, hc, dim = streams.shape
     out = torch.empty_like(streams)
     if tokens:
@@ -401,8 +434,52 @@ def hc_pre_normed(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, s
     return _pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight)
 
 
-def _pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight):
-    """``hc_pre``, then the RMS norm with ``norm_weight`` unless it is None."""
+def hc_pre_normed_deferred(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                           sinkhorn_iters: int, hc_eps: float, norm_eps: float,
+                           norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Op ``hc_pre_normed`` whose ``post`` and ``comb`` are computed on the side stream (``streams.fork``) while the
+    block runs: the finishing kernel on the caller's stream computes ``pre`` alone, so the Sinkhorn (~2.1 us of its
+    ~8.2 us per call at one token on the H200, docs/performance.md 4.21) leaves the step's critical path. ``post``
+    and ``comb`` are ready only once this module's ``hc_post`` / ``hc_post_sum`` has joined them: the backend puts
+    this op in the table only where those two are its own (``defers_weights``)."""
+    return _pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight, defer=True)
+
+
+DEFER_ENV = "DEEPINFER_NVIDIA_HC_BESIDE"
+_DEFERRED: dict[int, object] = {}
+"""The forked weights of ``hc_pre_normed_deferred`` by ``id`` of their ``comb`` tensor, until ``_post`` joins them."""
+
+
+def defers_weights(table) -> bool:
+    """Whether ``table`` can take ``hc_pre_normed_deferred``: its ``hc_pre_normed``, ``hc_post`` and ``hc_post_sum``
+    are this module's (nothing else reads ``post`` / ``comb`` before a join), decode steps are not compiled whole,
+    and ``DEEPINFER_NVIDIA_HC_BESIDE`` is not 0."""
+    from deepinfer_nvidia_sm100.kernels import compiled
+
+    ours = (table.hc_pre_normed is hc_pre_normed and table.hc_post is hc_post and table.hc_post_sum is hc_post_sum)
+    return ours and compiled.env_flag(DEFER_ENV, "1") and not compiled.step_enabled()
+
+
+def _join_weights(comb: torch.Tensor) -> None:
+    """The caller's stream waits for the weights kernel that writes ``comb`` (if one was forked for it)."""
+    forked = _DEFERRED.pop(id(comb), None)
+    if forked is not None:
+        forked.join()
+
+
+def _mix_weights(post, comb, dots, squares, base, scale, k, splits, norm_eps, sinkhorn_iters, hc_eps, n_p2):
+    """``_hc_mix_weights_kernel`` into ``post`` and ``comb``, a program per token."""
+    hc = post.shape[1]
+    _hc_mix_weights_kernel[(post.shape[0],)](
+        dots, squares, base, scale, post, comb, post.shape[0], k, splits, norm_eps, sinkhorn_iters, hc_eps, HC=hc,
+        HC_P2=triton.next_power_of_2(hc), N_P2=n_p2, SPLITS_P2=triton.next_power_of_2(splits), num_warps=NORM_WARPS)
+
+
+def _pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight, defer=False):
+    """``hc_pre``, then the RMS norm with ``norm_weight`` unless it is None; with ``defer`` (decode sizes) ``post`` and
+    ``comb`` come from a kernel forked to the side stream (``hc_pre_normed_deferred``)."""
+    from deepinfer_nvidia_sm100.kernels import streams as side
+
     if mix_kernel(streams) == "compiled":
         mixed = hc_mix_logits(streams, fn, norm_eps)  # [T, (2 + hc) * hc] fp32
         pre, post, comb = hc_weights(mixed, base, scale, streams.shape[1], sinkhorn_iters, hc_eps)
@@ -413,12 +490,17 @@ def _pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight
     post = torch.empty(tokens, hc, dtype=torch.float32, device=streams.device)
     comb = torch.empty(tokens, hc, hc, dtype=torch.float32, device=streams.device)
     out = torch.empty(tokens, dim, dtype=streams.dtype, device=streams.device)
+    base, scale = base.float().contiguous(), scale.float().contiguous()
+    defer = defer and 0 < tokens <= side.MAX_ROWS
+    if defer:  # post first: the fork judges the work's size by its first tensor's rows
+        _DEFERRED[id(comb)] = side.fork(_mix_weights, post, comb, dots, squares, base, scale, fn.shape[1], splits,
+                                        norm_eps, sinkhorn_iters, hc_eps, n_p2)
     normed = norm_weight is not None
     # normed: a program per token, the whole row in one block up to NORM_MAX_BLOCK_D channels
     block_d = min(triton.next_power_of_2(dim), NORM_MAX_BLOCK_D) if normed else 1024
     _hc_finish_weights_collapse_kernel[(tokens, 1 if normed else triton.cdiv(dim, block_d))](
-        dots, squares, base.float().contiguous(), scale.float().contiguous(), streams.contiguous(), post, comb, out,
+        dots, squares, base, scale, streams.contiguous(), post, comb, out,
         norm_weight.contiguous() if normed else out, tokens, fn.shape[1], splits, norm_eps, sinkhorn_iters, hc_eps,
         dim, HC=hc, HC_P2=triton.next_power_of_2(hc), N_P2=n_p2, SPLITS_P2=triton.next_power_of_2(splits),
-        BLOCK_D=block_d, NORM=normed, num_warps=NORM_WARPS if normed else 4, **pdl.launch())
+        BLOCK_D=block_d, NORM=normed, WEIGHTS=not defer, num_warps=NORM_WARPS if normed else 4, **pdl.launch())
     return post, comb, out
