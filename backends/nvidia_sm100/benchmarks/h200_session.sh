@@ -74,7 +74,8 @@
 #            back to the system and faulted in again) and, for the prefill, without
 #   s18final the eighteenth session's final code, first call: the model GPU tests and the hc kernels' (the Sinkhorn
 #            beside the block), b1 (median of 5) with it and with DEEPINFER_NVIDIA_HC_BESIDE=0, b64 (median of 3)
-#   s18final2 its second call: b64 with DEEPINFER_KEEP_HEAP=0 (2 runs), b256, both prefill shapes (median of 5)
+#   s18final2 its second call: b64 with DEEPINFER_KEEP_HEAP=0 and with DEEPINFER_NVIDIA_HC_BESIDE=0 (2 runs each), b256,
+#            both prefill shapes (median of 5)
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -400,8 +401,9 @@ if [[ $what == s18final ]]; then
   what=summary
 fi
 if [[ $what == s18final2 ]]; then
-  BENCH_ENV=DEEPINFER_KEEP_HEAP=0 BENCH_TIMEOUT=130 bench b64-heap-off --input-len 1024 --output-len 128 \
-    --num-prompts 64 --max-num-seqs 64 --num-iters 2
+  b64=(--input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64 --num-iters 2)
+  BENCH_ENV=DEEPINFER_KEEP_HEAP=0 BENCH_TIMEOUT=130 bench b64-heap-off "${b64[@]}"
+  BENCH_ENV=DEEPINFER_NVIDIA_HC_BESIDE=0 BENCH_TIMEOUT=130 bench b64-hc-inline "${b64[@]}"
   BENCH_TIMEOUT=150 bench b256 --input-len 1024 --output-len 128 --num-prompts 256 --max-num-seqs 256
   BENCH_TIMEOUT=90 prefill_shapes
   what=summary
