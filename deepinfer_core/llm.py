@@ -15,7 +15,6 @@ from deepinfer_core.backends.registry import select_backend
 from deepinfer_core.engine.decode_graphs import DecodeGraphs, default_sizes
 from deepinfer_core.engine.engine import Engine, EngineConfig, RequestRejectedError
 from deepinfer_core.engine.prefill_graphs import BUCKETS, PrefillGraphs
-from deepinfer_core.host_heap import keep_freed_heap
 from deepinfer_core.models.registry import default_registry
 from deepinfer_core.models.resolve import resolve_model
 from deepinfer_core.outputs import RequestOutput
@@ -113,7 +112,6 @@ class LLM:
             memory_fraction = gpu_memory_utilization
         if trust_remote_code:
             logger.warning("trust_remote_code=True is ignored: DeepInfer never executes code from a checkpoint")
-        keep_freed_heap()  # host tensors of every step reuse the process's pages (host_heap.py)
         self.model_dir = resolve_model(model)
         self.plugin_manager = get_plugin_manager()
         self.backend = select_backend(backend)
