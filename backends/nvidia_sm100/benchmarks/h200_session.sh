@@ -77,6 +77,7 @@
 #   s18final2 its second call: b64 with DEEPINFER_KEEP_HEAP=0 and with DEEPINFER_NVIDIA_HC_BESIDE=0 (2 runs each), b256,
 #            both prefill shapes (median of 5)
 #   s18hf    the final code once more: b1 (median of 5), b1 with --compare-hf (HF in the same process), b64 (median of 3)
+#   s18omp   b64 (median of 3) with OMP_NUM_THREADS=1, then with the default threads, then with 1 again
 #   idle     where prefill steps leave the GPU idle: both prefill shapes profiled with the idle report and
 #            --sync-debug, the 8 x 1K step again with the whole-row kernel, then bench_rope.py
 set -uo pipefail
@@ -413,6 +414,13 @@ if [[ $what == s18hf ]]; then
   BENCH_TIMEOUT=100 bench b1-final --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --num-iters 5
   BENCH_TIMEOUT=200 bench b1-hf --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --compare-hf
   BENCH_TIMEOUT=150 bench b64-final --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64 --num-iters 3
+  what=summary
+fi
+if [[ $what == s18omp ]]; then  # is the slow first prefill step of some processes the CPU thread pool's?
+  b64=(--input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64 --num-iters 3)
+  BENCH_ENV=OMP_NUM_THREADS=1 BENCH_TIMEOUT=100 bench b64-omp1 "${b64[@]}"
+  BENCH_TIMEOUT=100 bench b64-omp16 "${b64[@]}"
+  BENCH_ENV=OMP_NUM_THREADS=1 BENCH_TIMEOUT=100 bench b64-omp1b "${b64[@]}"
   what=summary
 fi
 if [[ $what == sched ]]; then
