@@ -115,6 +115,7 @@ class LLM:
         self.model_dir = resolve_model(model)
         self.plugin_manager = get_plugin_manager()
         self.backend = select_backend(backend)
+        _limit_host_threads(self.backend)
         self.max_num_batched_tokens = max_num_batched_tokens or self.backend.default_max_num_batched_tokens
         if async_scheduling is not None and not isinstance(async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True, False or None (the backend's default), "
@@ -270,6 +271,17 @@ def _resolve_dtype(dtype: str | torch.dtype, device_type: str) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use 'auto', {sorted(_DTYPES)} or a torch.dtype")
     return _DTYPES[dtype]
+
+
+def _limit_host_threads(backend) -> None:
+    """torch's CPU threads set to ``backend.host_threads`` (a device backend's host does small bookkeeping ops,
+    where a thread pool only waits on itself), unless the user chose them with ``OMP_NUM_THREADS``."""
+    threads = backend.host_threads
+    if threads is None or "OMP_NUM_THREADS" in os.environ or torch.get_num_threads() == threads:
+        return
+    logger.info("%s: torch CPU threads %d -> %d (the backend's host_threads; OMP_NUM_THREADS overrides)",
+                backend.name, torch.get_num_threads(), threads)
+    torch.set_num_threads(threads)
 
 
 def _check_positive(**values: int) -> None:

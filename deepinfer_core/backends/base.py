@@ -84,6 +84,10 @@ class Backend:
     #: not say (``LLM(async_scheduling=None)``): worth it where the device runs behind the host (GPUs), not on a
     #: CPU, whose ops finish before the host moves on
     default_async_scheduling: ClassVar[bool] = False
+    #: torch's CPU threads where the model runs on a device and the host only builds step layouts and reads tokens:
+    #: ``LLM`` sets ``torch.set_num_threads`` to it unless ``OMP_NUM_THREADS`` chose; None keeps torch's default
+    #: (a CPU backend computes the model with them)
+    host_threads: ClassVar[int | None] = None
 
     def __init__(self, device_index: int | None = None) -> None:
         self.device_index = device_index

@@ -44,6 +44,10 @@ class NvidiaBackend(Backend):
     default_max_num_batched_tokens = 8192
     # the host reads step N's tokens while the GPU computes step N + 1 (docs/performance.md 4.10)
     default_async_scheduling = True
+    # one host thread, as vLLM's GPU workers: with torch's 16 on the H200 machine, the host's small tensor ops of the
+    # first 16-prompt prefill step of some processes took 146 instead of 37-56 ms to launch (the OpenMP pool's
+    # threads waiting on each other), batch 64 74.7% against 78.7-78.9% of the roofline (docs/performance.md 4.21)
+    host_threads = 1
 
     def __init__(self, device_index: int | None = None) -> None:
         from deepinfer_nvidia_sm100.kernels.compiled import StepCompiler
