@@ -201,3 +201,26 @@ def test_probing_imports_no_vendor_extension():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+class _HostThreadsBackend(CpuBackend):
+    host_threads = 1  # as a device backend's, whose host only builds layouts and reads tokens
+
+
+def test_a_device_backends_host_threads_set_torchs_cpu_threads_unless_omp_num_threads_chose(monkeypatch):
+    from deepinfer_core.llm import _limit_host_threads
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        torch.set_num_threads(2)
+        _limit_host_threads(CpuBackend())  # the CPU backend computes the model on these threads: left alone
+        assert CpuBackend.host_threads is None and torch.get_num_threads() == 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        _limit_host_threads(_HostThreadsBackend())  # the user chose
+        assert torch.get_num_threads() == 2
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        _limit_host_threads(_HostThreadsBackend())
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
