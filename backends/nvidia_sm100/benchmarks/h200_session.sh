@@ -106,6 +106,16 @@ preset_flushed() {  # the preset written when the machine has none, then flushed
   python -c "from deepinfer_core.bench.presets import ensure_preset; ensure_preset('v4-flash-8l64e')" \
     > "$RES/preset.log" 2>&1; sync
 }
+traces() {  # the decode step's trace at batch $1 (PDL off) and the $2 x 1K prefill step's, both kept (gzipped)
+  DEEPINFER_NVIDIA_PDL=0 timeout 200 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches "$1" \
+    > "$RES/profile-b$1-pdl0.txt" 2>&1
+  gzip -c "/tmp/trace-decode-b$1.json" > "$RES/trace-decode-b$1-pdl0.json.gz"
+  grep -E "^=== batch $1: decode step" "$RES/profile-b$1-pdl0.txt"; save
+  timeout 150 python backends/nvidia_sm100/benchmarks/profile_decode.py --prefill "$2" --input-len 1024 \
+    > "$RES/profile-prefill-$2x1k.txt" 2>&1
+  gzip -c "/tmp/trace-prefill-$2x1024.json" > "$RES/trace-prefill-$2x1k.json.gz"
+  grep -E "^=== |^step span" "$RES/profile-prefill-$2x1k.txt"; save
+}
 prefill_shapes() {  # both prefill shapes in 8192-token steps, median of 5
   bench prefill-8x1k --input-len 1024 --output-len 1 --num-prompts 8 --max-num-seqs 8 --max-num-batched-tokens 8192 \
     --num-iters 5
@@ -302,14 +312,7 @@ fi
 if [[ $what == s17a ]]; then  # a baseline, then both traces kept for reading off the lease
   preset_flushed
   BENCH_TIMEOUT=120 bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1
-  DEEPINFER_NVIDIA_PDL=0 timeout 200 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 \
-    > "$RES/profile-b1-pdl0.txt" 2>&1
-  gzip -c /tmp/trace-decode-b1.json > "$RES/trace-decode-b1-pdl0.json.gz"; grep -E "^=== |^\|" "$RES/profile-b1-pdl0.txt"
-  save
-  timeout 150 python backends/nvidia_sm100/benchmarks/profile_decode.py --prefill 1 --input-len 1024 \
-    > "$RES/profile-prefill-1k.txt" 2>&1
-  gzip -c /tmp/trace-prefill-1x1024.json > "$RES/trace-prefill-1k.json.gz"; grep -E "^=== |^step span" "$RES/profile-prefill-1k.txt"
-  save
+  traces 1 1
   what=summary
 fi
 if [[ $what == s17b ]]; then
@@ -355,14 +358,7 @@ if [[ $what == s18a ]]; then  # the spread of b1 and b64, then the two traces ba
   preset_flushed
   BENCH_TIMEOUT=120 bench b1 --input-len 1024 --output-len 128 --num-prompts 1 --max-num-seqs 1 --num-iters 5
   BENCH_TIMEOUT=200 bench b64 --input-len 1024 --output-len 128 --num-prompts 64 --max-num-seqs 64 --num-iters 3
-  DEEPINFER_NVIDIA_PDL=0 timeout 150 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 64 \
-    > "$RES/profile-b64-pdl0.txt" 2>&1
-  gzip -c /tmp/trace-decode-b64.json > "$RES/trace-decode-b64-pdl0.json.gz"; grep -E "^=== batch 64" "$RES/profile-b64-pdl0.txt"
-  save
-  timeout 150 python backends/nvidia_sm100/benchmarks/profile_decode.py --prefill 8 --input-len 1024 \
-    > "$RES/profile-prefill-8x1k.txt" 2>&1
-  gzip -c /tmp/trace-prefill-8x1024.json > "$RES/trace-prefill-8x1k.json.gz"; grep -E "^=== |^step span" "$RES/profile-prefill-8x1k.txt"
-  save
+  traces 64 8
   BENCH_TIMEOUT=100 bench prefill-8k --input-len 8192 --output-len 1 --num-prompts 1 --max-num-seqs 1 \
     --max-num-batched-tokens 8192 --num-iters 5
   what=summary
