@@ -26,7 +26,8 @@ import triton.language as tl
 from deepinfer_core.ops import reference as ref
 from deepinfer_nvidia_sm100.kernels import norm as _norm
 from deepinfer_nvidia_sm100.kernels import pdl
-from deepinfer_nvidia_sm100.kernels.compiled import maybe_compile, opaque_under_compile
+from deepinfer_nvidia_sm100.kernels import streams as side
+from deepinfer_nvidia_sm100.kernels.compiled import env_flag, maybe_compile, opaque_under_compile, step_enabled
 
 NORM_MAX_BLOCK_D = 8192  # hc_pre_normed: rows up to this wide are collapsed and normed in registers, in one pass
 NORM_WARPS = 4  # H200 (bench_hc_norm.py): 4 warps 12.8 / 18.6 / 290.6 us at 1 / 256 / 8192 tokens; 8 and 16 slower
@@ -454,10 +455,8 @@ def defers_weights(table) -> bool:
     """Whether ``table`` can take ``hc_pre_normed_deferred``: its ``hc_pre_normed``, ``hc_post`` and ``hc_post_sum``
     are this module's (nothing else reads ``post`` / ``comb`` before a join), decode steps are not compiled whole,
     and ``DEEPINFER_NVIDIA_HC_BESIDE`` is not 0."""
-    from deepinfer_nvidia_sm100.kernels import compiled
-
     ours = (table.hc_pre_normed is hc_pre_normed and table.hc_post is hc_post and table.hc_post_sum is hc_post_sum)
-    return ours and compiled.env_flag(DEFER_ENV, "1") and not compiled.step_enabled()
+    return ours and env_flag(DEFER_ENV, "1") and not step_enabled()
 
 
 def _join_weights(comb: torch.Tensor) -> None:
@@ -478,8 +477,6 @@ def _mix_weights(post, comb, dots, squares, base, scale, k, splits, norm_eps, si
 def _pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight, defer=False):
     """``hc_pre``, then the RMS norm with ``norm_weight`` unless it is None; with ``defer`` (decode sizes) ``post`` and
     ``comb`` come from a kernel forked to the side stream (``hc_pre_normed_deferred``)."""
-    from deepinfer_nvidia_sm100.kernels import streams as side
-
     if mix_kernel(streams) == "compiled":
         mixed = hc_mix_logits(streams, fn, norm_eps)  # [T, (2 + hc) * hc] fp32
         pre, post, comb = hc_weights(mixed, base, scale, streams.shape[1], sinkhorn_iters, hc_eps)
