@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepinfer_core import cli
 from deepinfer_core.bench import presets, roofline, runner
 from deepinfer_core.bench.report import format_report
+from deepinfer_core.cli import main
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -152,7 +152,7 @@ def test_report_table_shows_engine_hf_and_ratio(hf_result):
 def test_cli_bench_prints_the_table_and_writes_json(cache_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("DEEPINFER_NVIDIA_PDL", "0")  # a backend knob: recorded with the run (no effect on CPU)
     path = tmp_path / "out.json"
-    code = cli.main(["bench", "--preset", "tiny", "--cache-dir", str(cache_dir), "--input-len", "8", "--output-len",
+    code = main(["bench", "--preset", "tiny", "--cache-dir", str(cache_dir), "--input-len", "8", "--output-len",
                      "3", "--num-prompts", "2", "--max-num-seqs", "2", "--warmup", "0", "--async-scheduling",
                      "--enable-mixed-chunk", "--num-iters", "3", "--json", str(path)])
     out = capsys.readouterr().out
@@ -172,7 +172,7 @@ def test_cli_bench_prints_the_table_and_writes_json(cache_dir, tmp_path, capsys,
 
 
 def test_cli_bench_bad_values_exit_2(capsys):
-    assert cli.main(["bench", "--preset", "tiny", "--num-prompts", "0"]) == 2
+    assert main(["bench", "--preset", "tiny", "--num-prompts", "0"]) == 2
     assert "num_prompts must be a positive integer" in capsys.readouterr().err
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer_core import cli
+from deepinfer_core.cli.main import SUBCOMMAND_MODULES, main
 
 BROKEN = "DEEPINFER_HOOK_API_VERSION = 1\nraise RuntimeError('boom in cli test plugin')\n"
 GOOD = "DEEPINFER_HOOK_API_VERSION = 1\ndef deepinfer_feature_options():\n    return {'shiny': 'x'}\n"
@@ -47,6 +47,15 @@ def plugin_site(make_distribution) -> Path:
         entry_points={"deepinfer.plugins": {"goodcli": "goodcli_plugin"}},
         modules={"goodcli_plugin": GOOD},
     )
+
+
+def test_python_m_deepinfer_core_cli_runs_the_same_command():
+    result = run(Path(sys.executable), "-m", "deepinfer_core.cli", "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: deepinfer ")
+    for name in ("env", "plugins", "generate", "bench"):
+        assert f"    {name} " in result.stdout, result.stdout
+    assert "unavailable" not in result.stdout  # every registered subcommand module imported
 
 
 def test_env_reports_python_torch_backends_and_the_choice(console_script):
@@ -126,14 +135,14 @@ def run(args):
 
 def test_registered_subcommand_runs(make_distribution, monkeypatch, capsys):
     make_distribution("hello-cmd", modules={"hello_cmd": HELLO})
-    monkeypatch.setitem(cli.SUBCOMMAND_MODULES, "hello", "hello_cmd")
-    assert cli.main(["hello", "world"]) == 3
+    monkeypatch.setitem(SUBCOMMAND_MODULES, "hello", "hello_cmd")
+    assert main(["hello", "world"]) == 3
     assert capsys.readouterr().out == "hello world\n"
 
 
 def test_broken_subcommand_does_not_break_the_others(monkeypatch, capsys):
-    monkeypatch.setitem(cli.SUBCOMMAND_MODULES, "generate", "no_such_module_for_generate")
-    assert cli.main(["generate"]) == 1
+    monkeypatch.setitem(SUBCOMMAND_MODULES, "generate", "no_such_module_for_generate")
+    assert main(["generate"]) == 1
     assert "cannot import no_such_module_for_generate" in capsys.readouterr().err
-    assert cli.main(["env", "--json"]) == 0
+    assert main(["env", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["selected"]["name"]

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from v4_factory import tiny_checkpoint
 
-from deepinfer_core import cli
-from deepinfer_core.engine import cli_generate
+from deepinfer_core.cli import generate as cli_generate
+from deepinfer_core.cli.main import build_parser, main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,7 +48,7 @@ def test_console_script_prints_prompt_and_completion(checkpoint):
 
 
 def test_bad_temperature_exits_2_with_the_message(checkpoint, capsys):
-    assert cli.main(["generate", "--model", str(checkpoint), "--temperature", "-1", "w5"]) == 2
+    assert main(["generate", "--model", str(checkpoint), "--temperature", "-1", "w5"]) == 2
     assert "deepinfer generate: error: temperature must be >= 0, got -1.0" in capsys.readouterr().err
 
 
@@ -63,17 +63,17 @@ def test_bad_temperature_exits_2_with_the_message(checkpoint, capsys):
     ],
 )
 def test_bad_values_exit_2(checkpoint, capsys, flags, message):
-    assert cli.main(["generate", "--model", str(checkpoint), *flags, "w5"]) == 2
+    assert main(["generate", "--model", str(checkpoint), *flags, "w5"]) == 2
     assert message in capsys.readouterr().err
 
 
 def test_missing_model_exits_2(tmp_path, capsys):
-    assert cli.main(["generate", "--model", str(tmp_path / "nowhere"), "w5"]) == 2
+    assert main(["generate", "--model", str(tmp_path / "nowhere"), "w5"]) == 2
     assert "is neither an existing folder nor a hub id" in capsys.readouterr().err
 
 
 def test_json_output_parses_like_request_outputs(checkpoint, capsys):
-    code = cli.main(["generate", "--model", str(checkpoint), "--json", "--max-tokens", "3", "--n", "2",
+    code = main(["generate", "--model", str(checkpoint), "--json", "--max-tokens", "3", "--n", "2",
                      "--seed", "7", "w5 w6", "w9"])
     assert code == 0
     data = json.loads(capsys.readouterr().out)
@@ -86,19 +86,19 @@ def test_json_output_parses_like_request_outputs(checkpoint, capsys):
 
 
 def test_several_prompts_are_ruled_off_and_stop_strings_apply(checkpoint, capsys):
-    code = cli.main(["generate", "--model", str(checkpoint), "--temperature", "0", "--max-tokens", "6",
+    code = main(["generate", "--model", str(checkpoint), "--temperature", "0", "--max-tokens", "6",
                      "w5 w6", "w7"])
     out = capsys.readouterr().out
     assert code == 0
     assert "prompt 1 of 2:\nw5 w6\n" in out and "prompt 2 of 2:\nw7\n" in out
     first_word = out.split("tokens):\n", 1)[1].split()[0]
-    assert cli.main(["generate", "--model", str(checkpoint), "--temperature", "0", "--max-tokens", "6",
+    assert main(["generate", "--model", str(checkpoint), "--temperature", "0", "--max-tokens", "6",
                      "--stop", first_word, "w5 w6"]) == 0
     assert "(finish: stop, " in capsys.readouterr().out
 
 
 def test_chat_applies_the_template(checkpoint, capsys):
-    assert cli.main(["generate", "--model", str(checkpoint), "--chat", "--json", "--max-tokens", "2", "w5"]) == 0
+    assert main(["generate", "--model", str(checkpoint), "--chat", "--json", "--max-tokens", "2", "w5"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data[0]["prompt_token_ids"] == [2, 5, 3]  # the factory template: "w2 {content} w3"
 
@@ -107,7 +107,7 @@ def test_generation_config_supplies_defaults_and_flags_override(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "top_p": 0.9, "top_k": 5}))
     defaults = cli_generate.generation_defaults(tmp_path)
     assert defaults == {"temperature": 0.7, "top_p": 0.9, "top_k": 5}
-    args = cli.build_parser().parse_args(["generate", "--top-p", "0.5", "w5"])
+    args = build_parser().parse_args(["generate", "--top-p", "0.5", "w5"])
     params = cli_generate.sampling_params(args, defaults)
     assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.7, 0.5, 5, 64)
     assert cli_generate.generation_defaults(tmp_path / "absent") == {}
@@ -123,5 +123,5 @@ def test_offline_inference_example_runs(checkpoint):
 
 def test_without_model_uses_the_model_dir_environment_variable(checkpoint, capsys, monkeypatch):
     monkeypatch.setenv("DEEPINFER_HF_MODEL_DIR", str(checkpoint))
-    assert cli.main(["generate", "--json", "--max-tokens", "2", "--temperature", "0", "w5"]) == 0
+    assert main(["generate", "--json", "--max-tokens", "2", "--temperature", "0", "w5"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["prompt_token_ids"] == [5]

@@ -1,6 +1,6 @@
 """Offline benchmarks: random-weight preset checkpoints, the engine / HF runner, roofline estimates.
 
-``deepinfer bench`` (``deepinfer_core.engine.cli_bench``) is the command-line front end; the pieces:
+``deepinfer bench`` (``deepinfer_core.cli.bench``) is the command-line front end; the pieces:
 
 * :mod:`deepinfer_core.bench.presets`: named model shapes written as real safetensors checkpoints;
 * :mod:`deepinfer_core.bench.runner`: runs the engine (and optionally HF ``generate``) and measures;

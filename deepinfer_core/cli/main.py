@@ -1,8 +1,9 @@
-"""The ``deepinfer`` command line: ``deepinfer env``, ``deepinfer plugins`` and registered subcommands.
+"""The ``deepinfer`` parser and its built-in subcommands ``deepinfer env`` and ``deepinfer plugins``.
 
 Adding a subcommand: write a module with ``HELP`` (one line), ``add_arguments(parser)`` and
-``run(args) -> int`` (the exit code), and add one line to ``SUBCOMMAND_MODULES``. A module that fails to
-import does not break the other subcommands: its subcommand prints the error and exits 1.
+``run(args) -> int`` (the exit code), next to this one in ``deepinfer_core/cli/``, and add one line to
+``SUBCOMMAND_MODULES``. A module that fails to import does not break the other subcommands: its subcommand
+prints the error and exits 1.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 SUBCOMMAND_MODULES: dict[str, str] = {
-    # name -> module exposing HELP, add_arguments(parser), run(args) -> int. Planned:
-    "generate": "deepinfer_core.engine.cli_generate",
-    "bench": "deepinfer_core.engine.cli_bench",
+    # name -> module exposing HELP, add_arguments(parser), run(args) -> int
+    "generate": "deepinfer_core.cli.generate",
+    "bench": "deepinfer_core.cli.bench",
 }
 
 
@@ -267,7 +268,3 @@ def _version(distribution: str) -> str:
         return metadata.version(distribution)
     except metadata.PackageNotFoundError:
         return "unknown (not installed)"
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
