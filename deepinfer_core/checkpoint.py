@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from deepinfer_core.errors import DeepInferError
 from deepinfer_core.models.deepseek_v4 import weights as v4_weights
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
 
@@ -33,7 +34,7 @@ _INT_DTYPES = {"I64", "I32", "I16", "I8", "U8"}
 _MAX_LISTED = 20
 
 
-class CheckpointError(ValueError):
+class CheckpointError(DeepInferError, ValueError):
     """A checkpoint folder that cannot be loaded, with the tensor at fault and what to do."""
 
 

@@ -1,8 +1,23 @@
-"""The exceptions the core raises at its edges (backends, plugins, options).
+"""``DeepInferError``, the base of every exception DeepInfer raises on purpose, and the errors at the core's edges.
 
-Every message names what is wrong and what to do about it. All derive from ``DeepInferError`` so a
-caller can catch the whole family; each also derives from the closest built-in so existing
-``except ValueError`` / ``except LookupError`` code keeps working.
+Every message names what is wrong and what to do about it. Every exception class defined in the core or in an
+installed backend or plugin distribution derives from ``DeepInferError``, so a caller can catch the whole family;
+each also derives from the closest built-in so existing ``except ValueError`` / ``except LookupError`` code keeps
+working. tests/test_errors.py walks the modules and checks this rule and the list below.
+
+This module holds the errors at the core's edges (backends, plugins, options). The rest of the family lives
+next to the code that raises it:
+
+* ``deepinfer_core.checkpoint.CheckpointError`` (ValueError): a checkpoint folder that cannot be loaded;
+* ``deepinfer_core.tokenizer.TokenizerError`` (ValueError): an unusable tokenizer folder or chat template;
+* ``deepinfer_core.models.resolve.ModelNotFoundError`` (ValueError): no checkpoint folder for a model argument;
+* ``deepinfer_core.models.registry.UnknownModelTypeError`` (ValueError): a ``model_type`` no loader handles;
+* ``deepinfer_core.models.deepseek_v4.config.ConfigError`` (ValueError): a config.json this engine cannot run;
+* ``deepinfer_core.ops.table.UnknownOpError`` (KeyError): an op override naming no op of the table;
+* ``deepinfer_core.sampling.params.SamplingParamsTypeError`` (TypeError, ValueError): a wrongly typed parameter;
+* ``deepinfer_core.engine.engine.RequestRejectedError`` (ValueError): a request the engine refuses;
+* ``deepinfer_core.engine_args.EngineArgsError`` (ValueError): an engine argument with a value it cannot take;
+* ``deepinfer_core.bench.presets.PresetError`` (ValueError): an unknown or unbuildable benchmark preset.
 """
 
 from __future__ import annotations

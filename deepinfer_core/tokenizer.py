@@ -18,8 +18,10 @@ import jinja2.utils
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from deepinfer_core.errors import DeepInferError
 
-class TokenizerError(ValueError):
+
+class TokenizerError(DeepInferError, ValueError):
     """A tokenizer folder that cannot be used, or a chat template that failed, with what to do."""
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from deepinfer_core.errors import DeepInferError
 from deepinfer_core.models.deepseek_v4 import weights as v4_weights
 from deepinfer_core.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 
@@ -45,7 +46,7 @@ _HF_TOP_LEVEL = {
 }
 
 
-class PresetError(ValueError):
+class PresetError(DeepInferError, ValueError):
     """An unknown preset name, or a preset that cannot be built here."""
 
 

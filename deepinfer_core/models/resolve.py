@@ -10,11 +10,13 @@ import os
 import re
 from pathlib import Path
 
+from deepinfer_core.errors import DeepInferError
+
 MODEL_DIR_ENV = "DEEPINFER_HF_MODEL_DIR"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
-class ModelNotFoundError(ValueError):
+class ModelNotFoundError(DeepInferError, ValueError):
     """The model argument names no usable checkpoint folder; the message says how to get one."""
 
 

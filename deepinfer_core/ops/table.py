@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from deepinfer_core.errors import DeepInferError
+
 _REFERENCE_OPS: dict[str, Callable] = {}
 
 
-class UnknownOpError(KeyError):
+class UnknownOpError(DeepInferError, KeyError):
     """An override names an op the table does not define."""
 
 

@@ -19,10 +19,12 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from deepinfer_core.errors import DeepInferError
+
 _UNSET: Any = object()
 
 
-class SamplingParamsTypeError(TypeError, ValueError):
+class SamplingParamsTypeError(DeepInferError, TypeError, ValueError):
     """A sampling parameter of the wrong type (both a ``TypeError`` and a ``ValueError``)."""
 
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from deepinfer_core.errors import DeepInferError
+
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
@@ -25,7 +27,7 @@ SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
 _RATIO_TO_LAYER_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
 
 
-class ConfigError(ValueError):
+class ConfigError(DeepInferError, ValueError):
     """A config.json that this engine cannot run, with the reason and what to do."""
 
 
