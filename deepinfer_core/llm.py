@@ -159,7 +159,7 @@ class LLM:
                 raise ValueError(f"cuda_graph_sizes must be positive integers, got {bad}")
             return [n for n in sizes if n <= max_num_seqs]
         caps = self.backend.capabilities()
-        return default_sizes(max_num_seqs) if (caps.cuda_graphs or caps.acl_graphs) else []
+        return default_sizes(max_num_seqs) if caps.device_graphs else []
 
     def _num_blocks(self, block_size: int, num_slots: int, budget: int | None, fraction: float) -> int:
         from deepinfer_core.models.deepseek_v4.state import DeepseekV4State

@@ -75,7 +75,7 @@ def test_cpu_backend_contract():
     caps = backend.capabilities()
     assert backend.device == torch.device("cpu")
     assert torch.float32 in caps.dtypes and caps.distributed_backend == "gloo"
-    assert not caps.cuda_graphs and not caps.fp8 and caps.is_verified("dtypes") and not caps.is_verified("fp8")
+    assert not caps.device_graphs and not caps.fp8 and caps.is_verified("dtypes") and not caps.is_verified("fp8")
     memory = backend.memory_info()
     assert 0 < memory.free_bytes <= memory.total_bytes
     overrides = backend.op_overrides()

@@ -45,8 +45,9 @@ class Capabilities:
 
     dtypes: tuple[torch.dtype, ...]
     distributed_backend: str  # torch.distributed backend name: "nccl", "hccl" or "gloo"
-    cuda_graphs: bool = False
-    acl_graphs: bool = False
+    #: the backend captures and replays static-shape steps as device graphs through ``Backend.capture_graph``
+    #: (CUDA graphs on NVIDIA, ACL graphs on Ascend); ``LLM`` then captures decode steps unless ``enforce_eager``
+    device_graphs: bool = False
     batch_invariant: bool = False
     fp8: bool = False
     verified_on_hardware: frozenset[str] = field(default_factory=frozenset)
@@ -103,7 +104,7 @@ class Backend:
         return torch.device(self.device_type, self.device_index)
 
     def capabilities(self) -> Capabilities:
-        """What this backend supports (dtypes, graphs, batch invariance, fp8, distributed backend)."""
+        """What this backend supports (dtypes, device graphs, batch invariance, fp8, distributed backend)."""
         raise NotImplementedError(f"{type(self).__name__} must implement capabilities()")
 
     def memory_info(self) -> MemoryInfo:

@@ -16,8 +16,7 @@ DECLARED = Capabilities(
     # (npu_fused_infer_attention_score_v2 documents fp16 / bf16 queries only).
     dtypes=(torch.bfloat16, torch.float16, torch.float32),
     distributed_backend="hccl",
-    acl_graphs=True,  # torch.npu.NPUGraph / torch.npu.graph exist in torch-npu 2.13.0 (read, not run)
-    cuda_graphs=False,
+    device_graphs=True,  # ACL graphs: torch.npu.NPUGraph / torch.npu.graph exist in torch-npu 2.13.0 (read, not run)
     batch_invariant=False,
     fp8=False,
     verified_on_hardware=frozenset(),
@@ -29,7 +28,7 @@ def summary(capabilities: Capabilities = DECLARED) -> str:
     short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
     dtypes = "/".join(short.get(d, str(d).removeprefix("torch.")) for d in capabilities.dtypes)
     declared = [dtypes, capabilities.distributed_backend]
-    if capabilities.acl_graphs:
+    if capabilities.device_graphs:
         declared.append("ACL graphs")
     verified = sorted(capabilities.verified_on_hardware)
     state = f"verified on hardware: {', '.join(verified)}" if verified else "none verified on Ascend 950 hardware"

@@ -32,9 +32,9 @@ def test_contract_op_table_sources(backend):
 
 def test_contract_capabilities_are_declared_and_none_verified(backend):
     caps = backend.capabilities()
-    assert caps.distributed_backend == "hccl" and caps.acl_graphs and not caps.cuda_graphs
+    assert caps.distributed_backend == "hccl" and caps.device_graphs
     assert caps.verified_on_hardware == frozenset()
-    assert not any(caps.is_verified(name) for name in ("dtypes", "distributed_backend", "acl_graphs", "fp8"))
+    assert not any(caps.is_verified(name) for name in ("dtypes", "distributed_backend", "device_graphs", "fp8"))
     assert caps.as_dict()["verified_on_hardware"] == []
 
 

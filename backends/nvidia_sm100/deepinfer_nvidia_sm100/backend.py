@@ -20,9 +20,9 @@ VERIFIED = {
     # count as verified; everything else is implemented but unverified on that path.
     # H200, 2026-11-29: fp32 end-to-end parity with the CPU reference (64 greedy steps, logprobs to 5e-6), bf16
     # runs (parity open, docs/nvidia.md), CUDA graph capture of moe_experts. NCCL was not exercised (one GPU).
-    # fp16 never ran, so "dtypes" is not claimed; "cuda_graphs": whole decode steps replayed from CUDA graphs
+    # fp16 never ran, so "dtypes" is not claimed; "device_graphs": whole decode steps replayed from CUDA graphs
     # (deepinfer_core/engine/decode_graphs.py) matched eager and the CPU path on the H200, 2026-11-29.
-    "sm90": frozenset({"cuda_graphs"}),
+    "sm90": frozenset({"device_graphs"}),
     "sm100": frozenset(),  # no SM100 GPU has run this code yet
 }
 
@@ -73,7 +73,7 @@ class NvidiaBackend(Backend):
         return Capabilities(
             dtypes=(torch.float32, torch.bfloat16, torch.float16),
             distributed_backend="nccl",
-            cuda_graphs=True,
+            device_graphs=True,
             batch_invariant=False,
             fp8=False,
             verified_on_hardware=VERIFIED[self.path],
