@@ -12,7 +12,7 @@ import torch
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.engine import decode_graphs
-from deepinfer_core.models.deepseek_v4.layout import StaticBuffers
+from deepinfer_core.static_buffers import StaticBuffers
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Foo:\n    def", "# a program\nprint(",
            {"prompt_token_ids": [(7 * i) % 4000 + 50 for i in range(120)]}]  # 120 + 24 crosses the 128 bucket

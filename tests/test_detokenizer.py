@@ -10,11 +10,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from deepinfer_core.engine.detokenizer import (
     IncrementalDetokenizer,
     SequenceDetokenizer,
-    check_stop_token,
     decode_token,
     find_stop_string,
     stop_prefix_holdback,
 )
+from deepinfer_core.engine.stop import check_stop
 from deepinfer_core.outputs import CompletionOutput, Logprob, sample_logprobs_dict
 from deepinfer_core.sampling import SamplingParams
 
@@ -42,9 +42,27 @@ def ids(*pieces: str) -> list[int]:
     return [i for p in pieces for i in TOK.encode(p).ids]
 
 
+class Completion:
+    """One completion as the engine drives it: each token's stop decision (``check_stop``, the scheduler's), then
+    its text and stop strings (``SequenceDetokenizer``, the output processor's)."""
+
+    def __init__(self, tokenizer, params: SamplingParams, prompt=(), max_model_len=None):
+        self.params, self.num_prompt, self.max_model_len = params, len(prompt), max_model_len
+        self.token_ids: list[int] = []
+        self.text_state = SequenceDetokenizer(tokenizer, params, prompt)
+
+    def append(self, token: int, defer_text: bool = False):
+        self.token_ids.append(token)
+        stop = check_stop(self.params, self.num_prompt, self.token_ids, EOS, self.max_model_len)
+        return self.text_state.append(token, stop, defer_text)
+
+    def __getattr__(self, name):  # text, output_text, finish_reason, stop_reason, catch_up, has_deferred_text
+        return getattr(self.text_state, name)
+
+
 def run(token_ids, params: SamplingParams, prompt=(), **kw):
     """Feed ``token_ids`` until finished; return (sequence, deltas, tokens consumed)."""
-    seq = SequenceDetokenizer(TOK, params, prompt, eos_token_id=EOS, **kw)
+    seq = Completion(TOK, params, prompt, **kw)
     deltas = []
     for n, t in enumerate(token_ids, 1):
         update = seq.append(t)
@@ -132,7 +150,7 @@ def test_text_after_stop_string_in_same_token_is_dropped():
 
 def test_partial_stop_string_is_held_back_then_released():
     params = SamplingParams(stop=["END"], max_tokens=50)
-    seq = SequenceDetokenizer(TOK, params, eos_token_id=EOS)
+    seq = Completion(TOK, params)
     assert seq.append(ids("the")[0]).delta_text == "the"
     for i in ids(" EN"):
         seq.append(i)
@@ -262,14 +280,18 @@ def test_detokenize_false():
         SequenceDetokenizer(None, SamplingParams())
 
 
-def test_check_stop_token_directly():
+def test_check_stop_directly():
     p = SamplingParams(stop_token_ids=[7], max_tokens=5, min_tokens=1)
-    assert check_stop_token([], p, EOS) is None
-    assert check_stop_token([7], p, EOS) is None  # index 1 <= min_tokens
-    assert check_stop_token([3, 7], p, EOS) == ("stop", 7)
-    assert check_stop_token([3, EOS], p, EOS) == ("stop", None)
-    assert check_stop_token([3, 4, 5, 6, 8], p, EOS) == ("length", None)
-    assert check_stop_token([3, EOS], p, None) is None
+    assert check_stop(p, 0, [], EOS, None) is None
+    assert check_stop(p, 0, [7], EOS, None) is None  # index 1 <= min_tokens
+    assert check_stop(p, 0, [3, 7], EOS, None) == ("stop", 7)
+    assert check_stop(p, 0, [3, EOS], EOS, None) == ("stop", None)
+    assert check_stop(p, 0, [3, 4, 5, 6, 8], EOS, None) == ("length", None)
+    assert check_stop(p, 0, [3, EOS], None, None) is None
+    assert check_stop(SamplingParams(max_tokens=None), 6, [3, 4], EOS, 8) == ("length", None)  # max_model_len
+    assert check_stop(SamplingParams(max_tokens=None), 6, [3], EOS, 8) is None
+    assert check_stop(SamplingParams(ignore_eos=True, max_tokens=9), 0, [EOS], EOS, None) is None
+    assert check_stop(SamplingParams(max_tokens=2), 0, [3, EOS], EOS, None) == ("stop", None)  # stop beats length
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,7 +330,7 @@ def test_deferred_text_matches_immediate_text(token_ids, params, catch_up_after)
     text, finish and stop reasons as one detokenized token by token, and its streamed deltas add up to its text."""
     params = SamplingParams(**params)
     want, _, used = run(token_ids, params, prompt=ids("hello"))
-    got = SequenceDetokenizer(TOK, params, ids("hello"), eos_token_id=EOS)
+    got = Completion(TOK, params, ids("hello"))
     streamed = []
     for n, token in enumerate(token_ids[:used]):
         update = got.append(token, defer_text=True)
@@ -327,9 +349,9 @@ def test_deferred_text_matches_immediate_text(token_ids, params, catch_up_after)
 
 
 def test_text_is_deferred_only_without_stop_strings():
-    seq = SequenceDetokenizer(TOK, SamplingParams(max_tokens=10), eos_token_id=EOS)
+    seq = Completion(TOK, SamplingParams(max_tokens=10))
     assert seq.append(ids("a")[0], defer_text=True).delta_text == "" and seq.has_deferred_text and seq.text == ""
     assert seq.catch_up() == "a" and seq.text == "a" and not seq.has_deferred_text
-    with_stop = SequenceDetokenizer(TOK, SamplingParams(stop=["x"], max_tokens=10), eos_token_id=EOS)
+    with_stop = Completion(TOK, SamplingParams(stop=["x"], max_tokens=10))
     with_stop.append(ids("a")[0], defer_text=True)
     assert not with_stop.has_deferred_text and with_stop.text == "a"  # a stop string needs the text at once

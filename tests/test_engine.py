@@ -8,7 +8,7 @@ from v4_factory import ALL_TYPES, tiny_checkpoint
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.engine.detokenizer import SequenceDetokenizer
-from deepinfer_core.engine.engine import exact_replay_span
+from deepinfer_core.engine.stop import check_stop
 
 pytest.importorskip("transformers")
 
@@ -66,7 +66,7 @@ def test_greedy_tokens_and_logprobs_match_hf_with_chunked_prefill(ckpt):
 def test_prefix_cache_hits_replay_the_window_exactly(ckpt):
     folder, hf = ckpt
     llm = _llm(folder)
-    span = exact_replay_span(llm.model.config)
+    span = llm.model.prefix_replay_span()
     shared = _prompts([span + 40], seed=3)[0]
     first = llm.generate({"prompt_token_ids": shared + [7, 8, 9]}, GREEDY, use_tqdm=False)
     prompts = [shared + tail for tail in _prompts([3, 11, 1], seed=4)]
@@ -81,7 +81,7 @@ def test_prefix_hit_replays_from_a_nonzero_start(ckpt):
     """The hit is long enough that replay starts after token 0 (the exact-rebuild path, not a recompute)."""
     folder, hf = ckpt
     llm = _llm(folder)
-    span = exact_replay_span(llm.model.config)
+    span = llm.model.prefix_replay_span()
     prompt = _prompts([span + 60], seed=5)[0]
     llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
     starts = []
@@ -186,23 +186,27 @@ def test_text_decoded_while_the_next_step_runs_and_whole_at_finish(ckpt):
     for i, prompt in enumerate(_prompts([5, 9, 3])):
         engine.add_request(f"r{i}", None, prompt, params)
     events = []
-    launch, collect, catch_up = engine.runner.launch, engine.runner.collect, engine._catch_up_text
+    processor = engine.output_processor
+    launch, collect, catch_up = engine.runner.launch, engine.runner.collect, processor.catch_up_text
     engine.runner.launch = lambda *args: events.append("launch") or launch(*args)
     engine.runner.collect = lambda launched: events.append("collect") or collect(launched)
-    engine._catch_up_text = lambda: events.append(len(engine._deferred_text)) or catch_up()
+    processor.catch_up_text = lambda: events.append(len(processor._deferred_text)) or catch_up()
     outputs = []
     while engine.has_unfinished():
         outputs += engine.step()
         running = [r for rs in engine.groups.values() for r in rs if not r.is_finished]
-        assert all(r.detokenizer.has_deferred_text for r in running if r.output_token_ids)
-    assert max(e for e in events if isinstance(e, int)) == 3 and not engine._deferred_text
+        assert all(processor.completions[r.request_id].detokenizer.has_deferred_text
+                   for r in running if r.output_token_ids)
+    assert max(e for e in events if isinstance(e, int)) == 3 and not processor._deferred_text
     assert len(events) % 3 == 0 and events[0::3] == ["launch"] * (len(events) // 3)
     assert events[2::3] == ["collect"] * (len(events) // 3)  # every catch-up between a launch and its read
     for out in outputs:
         completion = out.outputs[0]
         token_by_token = SequenceDetokenizer(engine.tokenizer, params, out.prompt_token_ids)
-        for token in completion.token_ids:
-            token_by_token.append(token)
+        for n, token in enumerate(completion.token_ids, 1):
+            stop = check_stop(params, len(out.prompt_token_ids), completion.token_ids[:n], engine.eos_token_id,
+                              llm.max_model_len)
+            token_by_token.append(token, stop)
         assert len(completion.token_ids) == 6 and token_by_token.finish_reason == completion.finish_reason
         assert completion.text == token_by_token.text and completion.text.strip()
 
@@ -250,7 +254,7 @@ def test_prefix_hit_replay_longer_than_the_step_budget(ckpt):
     """The replay after a hit is itself chunked; chunks ending below the hit complete no window."""
     folder, hf = ckpt
     llm = _llm(folder, max_num_batched_tokens=16)
-    prompt = _prompts([exact_replay_span(llm.model.config) + 30], seed=12)[0]
+    prompt = _prompts([llm.model.prefix_replay_span() + 30], seed=12)[0]
     first = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
     again = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
     assert llm.engine.state_manager.hits == 1

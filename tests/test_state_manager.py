@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepinfer_core.engine.detokenizer import SequenceDetokenizer
+from deepinfer_core.engine.prefix_replay import PrefixReplay
 from deepinfer_core.engine.request import Request, RequestStatus
 from deepinfer_core.engine.scheduler import FcfsScheduler
 from deepinfer_core.engine.state_manager import StateManager, chain_hashes
@@ -23,15 +23,25 @@ BLOCK = 4
 
 def _request(rid: int, tokens: list[int], max_tokens: int = 3) -> Request:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False)
-    return Request(request_id=str(rid), group_id=str(rid), sample_index=0, prompt=None, prompt_token_ids=tokens,
-                   params=params, seed=rid, arrival=rid,
-                   detokenizer=SequenceDetokenizer(None, params, tokens, None, None))
+    return Request(request_id=str(rid), group_id=str(rid), sample_index=0, prompt_token_ids=tokens,
+                   params=params, seed=rid, arrival=rid)
+
+
+class _ChosenReplay(PrefixReplay):
+    """A replay start chosen by the test (a plugin's ``rebuild_sliding_window`` choice, without a plugin)."""
+
+    def __init__(self, choose):
+        super().__init__(replay_span=0, sliding_window=0)
+        self.choose = choose
+
+    def start(self, request: Request, num_cached_tokens: int) -> int:
+        return self.choose(request, num_cached_tokens)
 
 
 def _scheduler(num_blocks=16, num_slots=4, budget=64, replay=lambda r, hit: hit, mixed=False):
     manager = StateManager(num_blocks, num_slots, BLOCK)
-    finish = lambda request, token: request.detokenizer.append(token).finished
-    return manager, FcfsScheduler(manager, num_slots, budget, replay, finish, mixed_chunks=mixed)
+    return manager, FcfsScheduler(manager, num_slots, budget, max_model_len=1 << 20, eos_token_id=None,
+                                  prefix_replay=_ChosenReplay(replay), mixed_chunks=mixed)
 
 
 def _step(scheduler, token=7):

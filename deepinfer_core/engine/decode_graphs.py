@@ -1,13 +1,13 @@
 """Decode steps at static shapes, captured as device graphs once per (batch size, context bucket).
 
 The chunks of a step that fold exactly one token and sample (decode chunks, prompt logprobs aside) are
-padded to the next captured batch size with dummy sequences, and their layout to the static widths of a
-``StaticShape`` (keys to the window, compressed entries to the context bucket divided by the ratio); the
-step's other chunks (prefill) run eagerly beside them, so a long prompt chunk never pads the decodes (a lone
+padded to the next captured batch size with dummy sequences, and their layout to the model's static shape for that
+size and context bucket (``StaticStepModel.static_shape``: for DeepSeek-V4, keys to the window and compressed
+entries to the context bucket divided by the ratio); the step's other chunks (prefill) run eagerly beside them, so a long prompt chunk never pads the decodes (a lone
 prompt replays its own graph: ``engine/prefill_graphs.py``). The host
 uploads the step's token ids, positions and per-sequence inputs (context lengths, slots, block tables) into fixed
-buffers in one copy and replays the graph, which computes the step's index layout from them on the device
-(``DecodeLayout``) and runs the model. Dummy sequences read and write only the state's spare slot and spare
+buffers in one copy (``StaticStepModel.place_decode_inputs``) and replays the graph, which computes the step's
+index layout from them on the device (``StaticStepModel.decode_layout``) and runs the model. Dummy sequences read and write only the state's spare slot and spare
 block, which the state manager never hands out.
 
 The backend captures (``Backend.capture_graph``): a CUDA graph on NVIDIA; on a backend without graphs
@@ -19,12 +19,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from deepinfer_core.engine.scheduler import ScheduledChunk
 from deepinfer_core.forward_batch import ForwardBatch
-from deepinfer_core.models.deepseek_v4.layout import DecodeInputs, StaticBuffers, StaticShape
+from deepinfer_core.models.interface import StaticStepModel
+from deepinfer_core.static_buffers import StaticBuffers
 
 logger = logging.getLogger("deepinfer")
 
@@ -36,9 +38,9 @@ MIN_CONTEXT_BUCKET = 256
 class CapturedStep:
     """One captured decode shape: its static inputs and the callable that replays it."""
 
-    shape: StaticShape
+    shape: Any  # the model's static shape
     batch: ForwardBatch  # input_ids / positions / logits_rows are the fixed device buffers
-    inputs: DecodeInputs  # the layout's inputs, in fixed device buffers too
+    inputs: Any  # the layout's inputs, in fixed device buffers too
     buffers: StaticBuffers
     replay: Callable[[], None]  # runs the step; its logits land in ``DecodeGraphs.logits``
 
@@ -46,7 +48,7 @@ class CapturedStep:
 class DecodeGraphs:
     """Runs decode steps through captured static-shape graphs (see module docstring)."""
 
-    def __init__(self, model, state, capture: Callable, sizes: Sequence[int], max_model_len: int,
+    def __init__(self, model: StaticStepModel, state, capture: Callable, sizes: Sequence[int], max_model_len: int,
                  spare_slot: int, spare_block: int):
         self.model = model
         self.state = state
@@ -54,13 +56,13 @@ class DecodeGraphs:
         self.sizes = sorted(set(sizes))
         if not self.sizes or self.sizes[0] < 1:
             raise ValueError(f"graph batch sizes must be positive integers, got {list(sizes)}")
-        multiple = model.config.block_multiple
+        multiple = model.block_multiple
         self.max_context = -(-max_model_len // multiple) * multiple
         self.spare_slot = spare_slot
         self.spare_block = spare_block
         self.captured: dict[tuple[int, int], CapturedStep] = {}
         # every graph writes its logits here: one [largest size, vocab] buffer instead of one per captured graph
-        self.logits = torch.empty(self.sizes[-1], model.config.vocab_size, dtype=torch.float32, device=model.device)
+        self.logits = torch.empty(self.sizes[-1], model.vocab_size, dtype=torch.float32, device=model.device)
         self.num_replays = 0
         self.disabled_reason: str | None = None
 
@@ -69,7 +71,7 @@ class DecodeGraphs:
         logprobs (decode), at most the largest captured size of them; the engine runs the rest eagerly."""
         if self.disabled_reason is not None:
             return []
-        decode = [c for c in chunks if c.num_tokens == 1 and c.samples and not c.request.wants_prompt_logprobs]
+        decode = [c for c in chunks if c.num_tokens == 1 and c.samples and not c.wants_prompt_logprobs]
         return decode[:self.sizes[-1]]
 
     def run(self, chunks: list[ScheduledChunk],
@@ -93,7 +95,7 @@ class DecodeGraphs:
         """The static context length for sequences of up to ``length`` tokens: a power of two (at least
         ``MIN_CONTEXT_BUCKET``) rounded to the block multiple, at most ``max_model_len`` rounded up."""
         bucket = max(MIN_CONTEXT_BUCKET, 1 << max(0, length - 1).bit_length())
-        multiple = self.model.config.block_multiple
+        multiple = self.model.block_multiple
         return min(-(-bucket // multiple) * multiple, self.max_context)
 
     def _capture(self, size: int, context: int) -> CapturedStep | None:
@@ -116,13 +118,13 @@ class DecodeGraphs:
         logger.debug("captured decode step: batch %d, context %d", size, context)
         return step
 
-    def _place_inputs(self, host: ForwardBatch, shape: StaticShape, buffers: StaticBuffers):
+    def _place_inputs(self, host: ForwardBatch, shape: Any, buffers: StaticBuffers):
         """Write a padded host batch's token ids, positions and layout inputs into ``buffers`` and upload them in
         one copy. Returns the batch and the layout inputs over the buffers' device tensors."""
         buffers.rewind()
         batch = dataclasses.replace(host, input_ids=buffers.place(host.input_ids),
                                     positions=buffers.place(host.positions), logits_rows=buffers.place(host.logits_rows))
-        inputs = self.model.decode_inputs(host, self.state, shape).place(buffers)
+        inputs = self.model.place_decode_inputs(host, self.state, shape, buffers)
         buffers.upload()
         return batch, inputs
 

@@ -1,26 +1,23 @@
-"""Incremental detokenization, stop strings and the per-sequence finish check.
+"""Incremental detokenization and stop strings of one completion.
 
 ``IncrementalDetokenizer`` turns token ids into text one token at a time with vLLM's prefix / read
 offsets: text is emitted only once the pending tokens decode without a trailing U+FFFD (a byte-level
 BPE token can end in the middle of a UTF-8 character).
 
-``SequenceDetokenizer`` drives one completion: for each new token it checks the token-level stop
-conditions (``check_stop_token``), appends the decoded text, looks for stop strings across token
-boundaries and returns the text that is safe to stream.
+``SequenceDetokenizer`` drives one completion's text: for each new token (and the token-level stop decision
+``engine/stop.py`` made for it) it appends the decoded text, looks for stop strings across token boundaries and
+returns the text that is safe to stream.
 
-Stopping rules (as vLLM):
+Text rules (as vLLM):
 
-* EOS (unless ``ignore_eos``) and ``stop_token_ids`` give ``finish_reason="stop"``; ``stop_reason``
-  is the stop token id (None for EOS). The stop token's text is left out of the output text unless
+* A token that stops the request by id (EOS or a stop token id) leaves its text out of the output unless
   ``include_stop_str_in_output``; its id stays in ``token_ids``.
 * A stop string gives ``finish_reason="stop"``, ``stop_reason=`` the string; the text is cut before
   it (after it with ``include_stop_str_in_output``). If several stop strings complete in the same
   step, the one whose match *ends* first wins (ties: the longer one, then list order), which is the
-  result character-by-character generation would give, whatever the tokenization.
-* Nothing but length can end a completion at a token whose 1-based index is <= ``min_tokens``
-  (the sampler masks stop ids for those tokens).
-* ``max_tokens`` generated tokens (or ``max_model_len`` total tokens) give ``finish_reason="length"``
-  unless the same token also stops it.
+  result character-by-character generation would give, whatever the tokenization. Stop strings do not
+  count inside the first ``min_tokens`` tokens.
+* A stop string completed by the token that also reaches the length limit wins over the length.
 * While running, the longest suffix of the text that is a proper prefix of a stop string is held
   back, so streamed text never contains part of a stop string.
 """
@@ -32,7 +29,8 @@ from collections.abc import Sequence
 
 from tokenizers import Tokenizer
 
-from deepinfer_core.outputs import FINISH_LENGTH, FINISH_STOP
+from deepinfer_core.engine.stop import StopDecision
+from deepinfer_core.outputs import FINISH_STOP
 from deepinfer_core.sampling.params import SamplingParams
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -116,44 +114,6 @@ def stop_prefix_holdback(text: str, stop: Sequence[str]) -> int:
     return longest
 
 
-# ---------------------------------------------------------------------------------------------
-# finish check
-
-
-def check_stop_token(
-    token_ids: Sequence[int],
-    params: SamplingParams,
-    eos_token_id: int | None,
-    num_prompt_tokens: int = 0,
-    max_model_len: int | None = None,
-) -> tuple[str, int | None] | None:
-    """Token-level finish check after the last token of ``token_ids`` (the generated ids so far).
-
-    Returns ``(finish_reason, stop_reason)`` or None if the sequence goes on: EOS -> ("stop", None),
-    a stop token id -> ("stop", id), max_tokens / max_model_len -> ("length", None). EOS and stop
-    ids do not count at token indices <= ``min_tokens``.
-    """
-    num_output = len(token_ids)
-    if num_output == 0:
-        return None
-    last = int(token_ids[-1])
-    if num_output > params.min_tokens:
-        if eos_token_id is not None and last == eos_token_id and not params.ignore_eos:
-            return FINISH_STOP, None
-        if last in params.stop_token_ids:
-            return FINISH_STOP, last
-    if reaches_length_limit(params, num_prompt_tokens, num_output, max_model_len):
-        return FINISH_LENGTH, None
-    return None
-
-
-def reaches_length_limit(params: SamplingParams, num_prompt_tokens: int, num_output: int,
-                         max_model_len: int | None) -> bool:
-    """Whether ``num_output`` generated tokens end the sequence by length (``max_tokens`` or ``max_model_len``)."""
-    return ((params.max_tokens is not None and num_output >= params.max_tokens)
-            or (max_model_len is not None and num_prompt_tokens + num_output >= max_model_len))
-
-
 @dataclasses.dataclass
 class SequenceUpdate:
     """The result of adding one token to a ``SequenceDetokenizer``.
@@ -175,28 +135,18 @@ class SequenceUpdate:
 
 
 class SequenceDetokenizer:
-    """Detokenization and stopping for one completion of a request.
+    """Text and stop strings of one completion.
 
-    ``append(token_id)`` after each sampled token. ``token_ids`` holds every generated id;
-    ``text`` the text so far (already cut at a stop string); ``output_text`` the part of it that is
-    safe to show (all of it once finished).
+    ``append(token_id, token_stop)`` after each generated token, with ``engine/stop.py``'s decision for it;
+    ``text`` is the text so far (already cut at a stop string), ``output_text`` the part of it that is safe to
+    show (all of it once finished).
     """
 
-    def __init__(
-        self,
-        tokenizer: Tokenizer | None,
-        params: SamplingParams,
-        prompt_token_ids: Sequence[int] = (),
-        eos_token_id: int | None = None,
-        max_model_len: int | None = None,
-    ) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, params: SamplingParams, prompt_token_ids: Sequence[int] = ()):
         if params.detokenize and tokenizer is None:
             raise ValueError("detokenize=True needs a tokenizer, got None")
         self.params = params
-        self.eos_token_id = eos_token_id
-        self.max_model_len = max_model_len
-        self.num_prompt_tokens = len(prompt_token_ids)
-        self.token_ids: list[int] = []
+        self.num_tokens = 0
         self.text = ""
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -223,19 +173,18 @@ class SequenceDetokenizer:
         """Whether tokens wait for ``catch_up`` to add their text."""
         return bool(self._deferred)
 
-    def append(self, token_id: int, defer_text: bool = False) -> SequenceUpdate:
-        """Add one generated token; return the streamable new text and whether the sequence ended.
+    def append(self, token_id: int, token_stop: StopDecision | None = None, defer_text: bool = False
+               ) -> SequenceUpdate:
+        """Add one generated token (``token_stop``: whether its id or the length limit ends the sequence); return
+        the streamable new text and whether the sequence ended, by the token or by a stop string.
 
-        ``defer_text``: when no stop string can end the sequence, only the token-level rules run now (they alone
-        decide whether it ends) and the token's text waits for ``catch_up``; a token that ends the sequence
-        catches up at once, so a finished sequence always has its whole text. The engine decodes the deferred
-        text while the device computes the next step."""
+        ``defer_text``: when no stop string can end the sequence and the token does not, the token's text waits
+        for ``catch_up`` (the engine decodes it while the device computes the next step); a finished sequence
+        always has its whole text."""
         if self.finished:
             raise RuntimeError(f"sequence already finished ({self.finish_reason}); cannot append token {token_id}")
-        self.token_ids.append(int(token_id))
-        reason = check_stop_token(
-            self.token_ids, self.params, self.eos_token_id, self.num_prompt_tokens, self.max_model_len
-        )
+        self.num_tokens += 1
+        reason = token_stop
         if self._detok is not None:
             if defer_text and reason is None and not self.params.stop:
                 self._deferred.append(int(token_id))
@@ -256,7 +205,7 @@ class SequenceDetokenizer:
         for token_id in deferred:  # never the last token, and no stop strings: text only, no finish
             self._add_text(token_id, None)
 
-    def _add_text(self, token_id: int, reason: tuple[str, int | None] | None) -> tuple[str, int | str | None] | None:
+    def _add_text(self, token_id: int, reason: StopDecision | None) -> StopDecision | None:
         """Decode the token (unless it is an excluded stop token), then look for stop strings."""
         stopped_by_token = reason is not None and reason[0] == FINISH_STOP
         new = "" if stopped_by_token and not self.params.include_stop_str_in_output else self._detok.add(token_id)
@@ -264,7 +213,7 @@ class SequenceDetokenizer:
             new += self._detok.flush()
         searched = len(self.text)
         self.text += new
-        if not new or not self.params.stop or len(self.token_ids) <= self.params.min_tokens:
+        if not new or not self.params.stop or self.num_tokens <= self.params.min_tokens:
             return reason
         match = find_stop_string(self.text, self.params.stop, searched)
         if match is None:

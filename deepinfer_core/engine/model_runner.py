@@ -21,80 +21,44 @@ from deepinfer_core.sampling.sampler import (
 
 
 @dataclasses.dataclass
-class SampledRows:
-    """The sampler's per-row results on the host (row order of ``SamplerOutput``), read in one device copy."""
+class ModelRunnerOutput:
+    """A step's results on the host: one row per request that sampled (``req_ids``' order), and prompt logprobs."""
 
-    token_ids: list[int]
-    logprobs: list[float]
-    ranks: list[int]
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: list[float]  # the raw model's log-probability of each sampled token
+    ranks: list[int]  # 1 = most likely under the raw model
     top_token_ids: list[list[int]]  # [num_rows][n]; empty rows when no logprobs were asked for
     top_logprobs: list[list[float]]
-
-
-@dataclasses.dataclass
-class SampledRowsCopy:
-    """A step's sampled rows on their way to the host: one non-blocking copy queued right behind the sampler, on a
-    side stream (``device_copy.beside``), so neither the packing nor the copy holds up the next step queued behind
-    the sampler (it reads only the sampled ids), and reading them waits for that copy only (``done``). A
-    ``.tolist()`` at read time would queue its copy behind every step launched since: with asynchronous scheduling
-    it waited for the next step too."""
-
-    flat: torch.Tensor  # [3 * rows + 2 * rows * n] float64 on the host
-    rows: int
-    n: int
-    done: torch.Event | None  # recorded after the copy (None: done already)
-
-    @classmethod
-    def start(cls, out: SamplerOutput) -> SampledRowsCopy:
-        rows = out.sampled_token_ids.shape[0]
-        n = out.top_token_ids.shape[1] if out.top_token_ids is not None else 0
-        parts = [out.sampled_token_ids, out.sampled_logprobs, out.sampled_ranks]
-        if n:
-            parts += [out.top_token_ids.flatten(), out.top_logprobs.flatten()]
-        device = out.sampled_token_ids.device
-        with beside(device):
-            flat = torch.cat([p.to(torch.float64) for p in parts])  # exact for int64 ids and float32
-            return cls(to_host(flat), rows, n, record_event(device))
-
-    def read(self) -> SampledRows:
-        """The rows (waits for the copy)."""
-        if self.done is not None:
-            self.done.synchronize()
-        rows, n, flat = self.rows, self.n, self.flat.tolist()
-        ids, lps, ranks = flat[:rows], flat[rows:2 * rows], flat[2 * rows:3 * rows]
-        top_ids, top_lps = flat[3 * rows:3 * rows + rows * n], flat[3 * rows + rows * n:]
-        return SampledRows([int(t) for t in ids], lps, [int(r) for r in ranks],
-                           [[int(t) for t in top_ids[i * n:(i + 1) * n]] for i in range(rows)],
-                           [top_lps[i * n:(i + 1) * n] for i in range(rows)])
-
-
-@dataclasses.dataclass
-class ModelRunnerOutput:
-    """What a step produced: sampled tokens (request id -> token) and their log-probabilities."""
-
-    sampled: dict[str, int]
-    sampler_output: SamplerOutput | None
-    sampled_order: list[str]  # request ids, row order of sampler_output
     prompt_logprobs: dict[str, tuple[int, PromptLogprobsOutput]]  # request id -> (first position, output)
-    rows: SampledRows | None = None  # sampler_output on the host
+
+    @property
+    def sampled(self) -> dict[str, int]:
+        """Request id -> its new token."""
+        return dict(zip(self.req_ids, self.sampled_token_ids))
 
 
 @dataclasses.dataclass
 class LaunchedStep:
-    """A step queued on the device, its results not read yet (``ModelRunner.collect`` reads them)."""
+    """A step queued on the device, its results not read yet (``ModelRunner.collect`` reads them).
+
+    The sampled rows travel to the host in one non-blocking copy queued right behind the sampler on a side stream
+    (``device_copy.beside``), so neither the packing nor the copy holds up the next step queued behind the sampler
+    (which reads only the sampled ids on the device), and reading them waits for that copy only."""
 
     scheduled: SchedulerOutput
-    sampler_output: SamplerOutput | None
-    sampled_order: list[str]  # request ids, row order of sampler_output
+    sampler_output: SamplerOutput | None  # on the device; the next step reads its sampled ids (``feed``)
+    req_ids: list[str]  # row order of sampler_output
     prompt_logprobs: dict[str, tuple[int, PromptLogprobsOutput]]  # on their way to the host
-    rows: SampledRowsCopy | None  # sampler_output on its way to the host
-    ready: torch.Event | None  # recorded after the step's work and its prompt logprobs' copies (None: done already);
-    # the sampled rows' copy has its own event (``SampledRowsCopy.done``)
+    rows_on_host: torch.Tensor | None  # [3 * rows + 2 * rows * n] float64: ids, logprobs, ranks, top ids, top logprobs
+    num_top: int  # n of the top logprobs
+    rows_copied: torch.Event | None  # recorded after the rows' copy (None: done already)
+    ready: torch.Event | None  # recorded after the step's work and its prompt logprobs' copies (None: done already)
 
     def feed(self, input_ids: torch.Tensor, rows: list[int], chunks: list[ScheduledChunk]) -> None:
         """Write the tokens this step sampled into ``input_ids`` (device) of the next step: ``rows[i]`` is the
         row of chunk ``i``'s last input token; only chunks whose last token is in flight are written."""
-        order = {request_id: i for i, request_id in enumerate(self.sampled_order)}
+        order = {request_id: i for i, request_id in enumerate(self.req_ids)}
         pairs = [(row, order[c.request.request_id]) for row, c in zip(rows, chunks) if c.reads_inflight_token]
         if not pairs:
             return
@@ -135,7 +99,7 @@ class ModelRunner:
             positions.extend(range(chunk.start, chunk.end))
             first_row = query_start[-1]
             query_start.append(first_row + chunk.num_tokens)
-            if request.wants_prompt_logprobs:
+            if chunk.wants_prompt_logprobs:
                 prompt_rows[request.request_id] = (len(logits_rows), chunk.num_tokens)
                 logits_rows.extend(range(first_row, first_row + chunk.num_tokens))
             elif chunk.samples:
@@ -192,9 +156,9 @@ class ModelRunner:
             prompt_logprobs = self._prompt_logprobs(eager, logits, prompt_rows)
         sampling_chunks = [c for c in output.chunks if c.samples]
         sampler_output = self._sample(sampling_chunks, parts, [row_of[id(c)] for c in sampling_chunks])
-        rows = SampledRowsCopy.start(sampler_output) if sampler_output is not None else None
+        rows_on_host, num_top, rows_copied = _copy_rows_to_host(sampler_output)
         return LaunchedStep(output, sampler_output, [c.request.request_id for c in sampling_chunks], prompt_logprobs,
-                            rows, record_event(self.device))
+                            rows_on_host, num_top, rows_copied, record_event(self.device))
 
     def _sample(self, chunks: list[ScheduledChunk], parts: list[torch.Tensor], order: list[int]) -> SamplerOutput | None:
         """Sample the chunks' tokens from their logits (``parts`` stacked, row ``order[i]`` for chunk ``i``)."""
@@ -217,17 +181,21 @@ class ModelRunner:
         return sample(stacked, metadata, greedy=self.model.ops.greedy_sample)
 
     def collect(self, launched: LaunchedStep) -> ModelRunnerOutput:
-        """Wait for a launched step and read its sampled tokens to the host."""
+        """Wait for a launched step and read its results to the host."""
         if launched.ready is not None:
             launched.ready.synchronize()
-        rows = launched.rows.read() if launched.rows is not None else None
+        if launched.rows_copied is not None:
+            launched.rows_copied.synchronize()
+        rows, n = len(launched.req_ids), launched.num_top
+        flat = launched.rows_on_host.tolist() if launched.rows_on_host is not None else []
+        ids, lps, ranks = flat[:rows], flat[rows:2 * rows], flat[2 * rows:3 * rows]
+        top_ids, top_lps = flat[3 * rows:3 * rows + rows * n], flat[3 * rows + rows * n:]
         return ModelRunnerOutput(
-            sampled=dict(zip(launched.sampled_order, rows.token_ids if rows else [])),
-            sampler_output=launched.sampler_output,
-            sampled_order=launched.sampled_order,
-            prompt_logprobs=launched.prompt_logprobs,
-            rows=rows,
-        )
+            req_ids=launched.req_ids, sampled_token_ids=[int(t) for t in ids], logprobs=lps,
+            ranks=[int(r) for r in ranks],
+            top_token_ids=[[int(t) for t in top_ids[i * n:(i + 1) * n]] for i in range(rows)],
+            top_logprobs=[top_lps[i * n:(i + 1) * n] for i in range(rows)],
+            prompt_logprobs=launched.prompt_logprobs)
 
     def _prompt_logprobs(self, output, logits, prompt_rows) -> dict[str, tuple[int, PromptLogprobsOutput]]:
         result = {}
@@ -244,3 +212,18 @@ class ModelRunner:
             result[request.request_id] = (chunk.start + 1, PromptLogprobsOutput(
                 *(to_host(getattr(plp, f.name)) for f in dataclasses.fields(plp))))
         return result
+
+
+def _copy_rows_to_host(out: SamplerOutput | None) -> tuple[torch.Tensor | None, int, torch.Event | None]:
+    """Start the sampled rows' copy to the host on the side stream: (the host tensor, n of the top logprobs, the
+    event recorded after the copy)."""
+    if out is None:
+        return None, 0, None
+    n = out.top_token_ids.shape[1] if out.top_token_ids is not None else 0
+    parts = [out.sampled_token_ids, out.sampled_logprobs, out.sampled_ranks]
+    if n:
+        parts += [out.top_token_ids.flatten(), out.top_logprobs.flatten()]
+    device = out.sampled_token_ids.device
+    with beside(device):
+        flat = torch.cat([p.to(torch.float64) for p in parts])  # exact for int64 ids and float32
+        return to_host(flat), n, record_event(device)

@@ -1,15 +1,13 @@
 """Lone prompts prefilled through captured graphs, one per token bucket.
 
-A step that prefills one whole prompt from its first token (no prefix hit, no prompt logprobs) runs eagerly launch
-by launch otherwise: on the H200 the 1024-token prompt of the bench preset is ~500 kernels whose launches take longer
-than the kernels themselves (21.5 ms for 16.8 ms of kernels, docs/performance.md 4.20), and it is the first token of
-every lone request. Here the prompt is padded to the next bucket (``BUCKETS``) with padding tokens (id 0) after it,
-and the step replays a graph captured once per bucket. The host builds the step's index layout for the padded chunk
-into fixed buffers (``StepLayout`` with ``written``: only the prompt's tokens write the sliding ring and the
-compressors' carries; the windows of padding tokens pool but write the spare block) and uploads it in one copy; the
-graph computes the visibility masks and runs the model. The padding comes after every prompt token, so the causal
-masks keep it out of every prompt token's view, and the logits are the last prompt token's. A prompt shorter than
-``model.prefill_min_tokens()`` (its written tail would not fill the ring and the carries) runs eagerly, as does a
+A step that prefills one whole prompt from its first token (no prefix hit, no prompt logprobs) would otherwise run
+eagerly, launch by launch, and a prompt's many small kernels can take longer to launch than to run. Here the prompt
+is padded to the next bucket (``BUCKETS``) with padding tokens (id 0) after it, and the step replays a graph
+captured once per bucket. The host builds the step's layout for the padded chunk into fixed buffers
+(``StaticStepModel.place_prefill_inputs``: only the prompt's tokens write state; the padding writes the spare block)
+and uploads it in one copy; the graph finishes the layout on the device (``prefill_layout``) and runs the model.
+The padding comes after every prompt token, so causal attention keeps it out of every prompt token's view, and the
+logits are the last prompt token's. A prompt shorter than ``model.prefill_min_tokens()`` runs eagerly, as does a
 step with anything else in it. The backend captures (``Backend.capture_graph``); on a backend without graphs the
 same padded step runs eagerly (that is how the CPU tests check it against the eager path).
 """
@@ -25,7 +23,8 @@ import torch
 from deepinfer_core.engine.decode_graphs import capture_or_explain
 from deepinfer_core.engine.scheduler import ScheduledChunk
 from deepinfer_core.forward_batch import ForwardBatch
-from deepinfer_core.models.deepseek_v4.layout import StaticBuffers, StepLayout
+from deepinfer_core.models.interface import StaticStepModel
+from deepinfer_core.static_buffers import StaticBuffers
 
 logger = logging.getLogger("deepinfer")
 
@@ -43,7 +42,7 @@ class CapturedPrefill:
 class PrefillGraphs:
     """Runs the steps that prefill one lone prompt through captured graphs (see module docstring)."""
 
-    def __init__(self, model, state, capture: Callable, max_tokens: int, spare_slot: int, spare_block: int,
+    def __init__(self, model: StaticStepModel, state, capture: Callable, max_tokens: int, spare_slot: int, spare_block: int,
                  buckets: tuple[int, ...] = BUCKETS):
         self.model = model
         self.state = state
@@ -53,7 +52,7 @@ class PrefillGraphs:
         self.spare_slot = spare_slot
         self.spare_block = spare_block
         self.captured: dict[int, CapturedPrefill] = {}
-        self.logits = torch.empty(1, model.config.vocab_size, dtype=torch.float32, device=model.device)
+        self.logits = torch.empty(1, model.vocab_size, dtype=torch.float32, device=model.device)
         self.num_replays = 0
         self.disabled_reason: str | None = None
 
@@ -63,7 +62,7 @@ class PrefillGraphs:
         if self.disabled_reason is not None or len(chunks) != 1:
             return None
         chunk, request = chunks[0], chunks[0].request
-        if (chunk.start != 0 or not chunk.samples or request.wants_prompt_logprobs or chunk.reads_inflight_token
+        if (chunk.start != 0 or not chunk.samples or chunk.wants_prompt_logprobs or chunk.reads_inflight_token
                 or request.replay_until or request.sliding_floor or chunk.num_tokens < self.min_tokens):
             return None
         return next((b for b in self.buckets if b >= chunk.num_tokens), None)
@@ -84,12 +83,12 @@ class PrefillGraphs:
 
     def _capture(self, bucket: int) -> CapturedPrefill | None:
         host = self._padded_batch(None, bucket)  # padding only: the capture touches the spare slot and block
-        buffers, (batch, layout) = StaticBuffers.sized(self.model.device,
+        buffers, (batch, inputs) = StaticBuffers.sized(self.model.device,
                                                        lambda buffers: self._place(host, buffers, bucket))
         logits = self.logits
 
         def step_fn() -> None:
-            layout.build_masks()
+            layout = self.model.prefill_layout(inputs)
             logits.copy_(self.model.forward(batch, self.state, layout=layout).logits)
 
         replay, self.disabled_reason = capture_or_explain(self.capture, step_fn, f"prefill graph of {bucket} tokens")
@@ -100,17 +99,16 @@ class PrefillGraphs:
         logger.debug("captured a prefill step of %d tokens", bucket)
         return step
 
-    def _place(self, host: ForwardBatch, buffers: StaticBuffers, written: int) -> tuple[ForwardBatch, StepLayout]:
-        """Write a padded host batch's token ids, positions, logits row and index layout (its first ``written``
-        tokens writing state) into ``buffers`` and upload them in one copy. Returns the batch and the layout over
-        the buffers' device tensors (the layout's masks not built: the graph builds them)."""
+    def _place(self, host: ForwardBatch, buffers: StaticBuffers, written: int) -> tuple[ForwardBatch, object]:
+        """Write a padded host batch's token ids, positions, logits row and layout inputs (its first ``written``
+        tokens writing state) into ``buffers`` and upload them in one copy. Returns the batch and the layout inputs
+        over the buffers' device tensors."""
         buffers.rewind()
         batch = dataclasses.replace(host, input_ids=buffers.place(host.input_ids),
                                     positions=buffers.place(host.positions), logits_rows=buffers.place(host.logits_rows))
-        layout = self.model.step_layout(batch, self.state, buffers=buffers, written=[written],
-                                        spare_block=self.spare_block, masks=False)
+        inputs = self.model.place_prefill_inputs(batch, self.state, buffers, written, self.spare_block)
         buffers.upload()
-        return batch, layout
+        return batch, inputs
 
     def _padded_batch(self, chunk: ScheduledChunk | None, bucket: int) -> ForwardBatch:
         """The prompt's tokens (none for the capture), then padding tokens to ``bucket``; its block table padded

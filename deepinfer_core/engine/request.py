@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from deepinfer_core.engine.detokenizer import SequenceDetokenizer
-from deepinfer_core.outputs import PromptLogprobs, SampleLogprobs
 from deepinfer_core.sampling.params import SamplingParams
 
 INFLIGHT_PLACEHOLDER = 0  # host-side id of an in-flight token; never reaches the model (the runner fills it)
@@ -30,19 +28,21 @@ class Request:
     ``num_inflight_tokens`` counts tokens a launched step samples that the host has not read yet (with
     asynchronous scheduling, the next step is planned before the last one's tokens are back): they count in
     ``num_tokens``, and a step that takes one as input reads it on the device (``input_tokens``).
+
+    Text and logprobs are not kept here: the output processor (``engine/output_processor.py``) keeps them.
     """
 
     request_id: str
     group_id: str
     sample_index: int
-    prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int
     arrival: int
-    detokenizer: SequenceDetokenizer
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None  # "stop" / "length" once finished
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_computed_tokens: int = 0
     replay_until: int = 0
     sliding_floor: int = 0
@@ -50,10 +50,6 @@ class Request:
     slot: int | None = None
     block_ids: list[int] = dataclasses.field(default_factory=list)
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)
-    logprobs: SampleLogprobs | None = None
-    prompt_logprobs: PromptLogprobs | None = None
-    prompt_logprobs_partial: PromptLogprobs = dataclasses.field(default_factory=lambda: [None])
-    cumulative_logprob: float = 0.0
     num_preemptions: int = 0
     num_inflight_tokens: int = 0
 
@@ -88,10 +84,6 @@ class Request:
     def num_pending_tokens(self) -> int:
         """Tokens not yet folded into the state (the next step's work)."""
         return self.num_tokens - self.num_computed_tokens
-
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        return self.params.prompt_logprobs is not None and self.prompt_logprobs is None
 
     @property
     def is_finished(self) -> bool:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections import deque
-from collections.abc import Callable
 
-from deepinfer_core.engine.detokenizer import reaches_length_limit
+from deepinfer_core.engine.prefix_replay import PrefixReplay
 from deepinfer_core.engine.request import Request, RequestStatus
 from deepinfer_core.engine.state_manager import StateManager
+from deepinfer_core.engine.stop import StopDecision, check_stop, reaches_length_limit
 
 
 @dataclasses.dataclass
@@ -38,6 +38,11 @@ class ScheduledChunk:
     def reads_inflight_token(self) -> bool:
         """Whether the chunk's last input token is still on the device (sampled by the step before)."""
         return self.end > self.request.num_known_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether the step computes the log-probabilities of the prompt tokens this chunk covers."""
+        return self.request.params.prompt_logprobs is not None and self.start < len(self.request.prompt_token_ids)
 
 
 @dataclasses.dataclass
@@ -71,15 +76,19 @@ class Scheduler(abc.ABC):
     @abc.abstractmethod
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Take a step's results (``sampled``: request id -> new token): append the tokens, commit the computed
-        blocks, finish requests; return those finished. With asynchronous scheduling the next step has already
-        been planned: a request that finished or was preempted since keeps no later result of this step."""
+        blocks, finish the requests a token stops (``engine/stop.py``); return the requests that took a token.
+        With asynchronous scheduling the next step has already been planned: a request that finished since keeps
+        no later result of this step."""
+
+    @abc.abstractmethod
+    def finish_request(self, request: Request, reason: StopDecision) -> None:
+        """End a request for a reason the scheduler cannot see (a stop string), releasing its state."""
 
     @abc.abstractmethod
     def has_unfinished(self) -> bool:
         """Whether any request is waiting or running."""
 
 
-ReplayPolicy = Callable[[Request, int], int]
 PADDED_PER_BUDGET = 2  # prompt chunks of a step, padded to its longest, stay within this many token budgets
 
 
@@ -102,15 +111,15 @@ class FcfsScheduler(Scheduler):
     short prompts beside one long chunk would otherwise take memory quadratic in the budget.
     """
 
-    def __init__(self, state: StateManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 replay_start: ReplayPolicy, finish_check: Callable[[Request, int], bool],
-                 mixed_chunks: bool = False):
+    def __init__(self, state: StateManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 eos_token_id: int | None, prefix_replay: PrefixReplay, mixed_chunks: bool = False):
         self.mixed_chunks = mixed_chunks
         self.state = state
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.replay_start = replay_start
-        self.finish_check = finish_check
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+        self.prefix_replay = prefix_replay
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -179,7 +188,7 @@ class FcfsScheduler(Scheduler):
         for a request that will have finished when the step's results are read."""
         return request.num_inflight_tokens > 0 and reaches_length_limit(
             request.params, len(request.prompt_token_ids), len(request.output_token_ids) + request.num_inflight_tokens,
-            request.detokenizer.max_model_len)
+            self.max_model_len)
 
     def _allocate_or_preempt(self, request: Request, num: int, preempted: list[Request]) -> bool:
         while not self.state.allocate(request, request.num_computed_tokens + num):
@@ -193,7 +202,7 @@ class FcfsScheduler(Scheduler):
     def _admit(self, request: Request, budget: int, chunks: list[ScheduledChunk]) -> ScheduledChunk | None:
         cached = self.state.match_prefix(request)
         hit = len(cached) * self.state.block_size
-        start = self.replay_start(request, hit) if hit else 0
+        start = self.prefix_replay.start(request, hit) if hit else 0
         num = self._padded_fit(chunks, min(request.num_tokens - start, budget))
         if num == 0 or not self.state.can_admit(cached, start + num):
             return None
@@ -214,8 +223,6 @@ class FcfsScheduler(Scheduler):
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.replay_until = request.sliding_floor = 0
-        if request.prompt_logprobs is None:  # prompt logprobs are recomputed from the start
-            request.prompt_logprobs_partial = [None]
         request.num_preemptions += 1
         self.num_preemptions += 1
         position = 0  # back into the queue in arrival order
@@ -225,7 +232,7 @@ class FcfsScheduler(Scheduler):
 
     # ------------------------------------------------------------------ update
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        finished = []
+        accepted = []
         for chunk in output.chunks:
             request = chunk.request
             if request.status == RequestStatus.FINISHED:  # ended by an earlier step's token: drop this result
@@ -237,15 +244,20 @@ class FcfsScheduler(Scheduler):
                 continue
             request.num_inflight_tokens -= 1
             request.output_token_ids.append(token)
-            if self.finish_check(request, token):
-                self._finish(request)
-                finished.append(request)
-        return finished
+            accepted.append(request)
+            stop = check_stop(request.params, len(request.prompt_token_ids), request.output_token_ids,
+                              self.eos_token_id, self.max_model_len)
+            if stop is not None:
+                self.finish_request(request, stop)
+        return accepted
 
-    def _finish(self, request: Request) -> None:
+    def finish_request(self, request: Request, reason: StopDecision) -> None:
+        if request.status == RequestStatus.FINISHED:
+            return
         if request.status == RequestStatus.RUNNING:
             self.state.release(request)
             self.running.remove(request)
         else:  # preempted while its last token was in flight: its state is released already
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
+        request.finish_reason, request.stop_reason = reason

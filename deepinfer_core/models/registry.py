@@ -7,12 +7,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 from deepinfer_core.errors import DeepInferError
+from deepinfer_core.models.interface import CausalLM, missing_members
 
-ModelLoader = Callable[..., object]  # (folder, ops, dtype, device) -> model
+ModelLoader = Callable[..., CausalLM]  # (folder, ops, dtype=, device=) -> model
 
 
 class UnknownModelTypeError(DeepInferError, ValueError):
     """A checkpoint whose model_type no registered loader handles."""
+
+
+class InvalidModelError(DeepInferError, TypeError):
+    """A registered loader returned an object that lacks part of the model interface (``models/interface.py``)."""
 
 
 class ModelRegistry:
@@ -22,7 +27,8 @@ class ModelRegistry:
         self._loaders: dict[str, ModelLoader] = {}
 
     def register(self, model_type: str, loader: ModelLoader) -> None:
-        """Register ``loader(folder, ops, dtype, device) -> model`` for ``model_type``."""
+        """Register ``loader(folder, ops, dtype=..., device=...) -> model`` for ``model_type``; the model must satisfy
+        ``models.interface.CausalLM`` (and ``StaticStepModel`` for its steps to run from device graphs)."""
         self._loaders[model_type] = loader
 
     def model_types(self) -> list[str]:
@@ -37,7 +43,13 @@ class ModelRegistry:
                 f"unknown model_type {model_type!r} in {folder / 'config.json'}; supported: {self.model_types()}. "
                 "Use a DeepSeek-V4 checkpoint, or install a plugin that registers this model type."
             )
-        return loader(folder, ops, dtype=dtype, device=device)
+        model = loader(folder, ops, dtype=dtype, device=device)
+        missing = missing_members(model, CausalLM)
+        if missing:
+            raise InvalidModelError(
+                f"the loader registered for model_type {model_type!r} returned a {type(model).__name__} that lacks "
+                f"{missing} of the model interface (deepinfer_core.models.interface.CausalLM); add them to the model")
+        return model
 
 
 def read_model_type(folder: Path) -> str | None:

@@ -18,7 +18,9 @@ from deepinfer_core.forward_batch import ForwardBatch
 from deepinfer_core.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
 from deepinfer_core.models.deepseek_v4.layout import DecodeInputs, DecodeLayout, StaticShape, StepLayout
 from deepinfer_core.models.deepseek_v4.state import CompressorCarry, DeepseekV4State, carry_span
+from deepinfer_core.models.interface import ModelOutput, StateBytes
 from deepinfer_core.ops.table import OpTable
+from deepinfer_core.static_buffers import StaticBuffers
 
 _FP32_SUFFIXES = ("norm.weight", "attn_sink", ".ape", "gate.bias")
 
@@ -363,16 +365,9 @@ class StepContext:
     rope_args: dict[str, tuple]  # rope type -> (inv_freq, scaling, dtype) for other positions
 
 
-@dataclasses.dataclass
-class ModelOutput:
-    """Logits of the requested rows and, when asked, the hc streams after chosen layers."""
-
-    logits: torch.Tensor  # [N, V] fp32
-    hidden_states: dict[int, torch.Tensor]  # layer -> [T, hc, D]
-
-
 class DeepseekV4Model:
-    """DeepSeek-V4 causal LM over flat variable-length batches with explicit state."""
+    """DeepSeek-V4 causal LM over flat variable-length batches with explicit state (``models/interface.py``'s
+    ``StaticStepModel``)."""
 
     def __init__(self, config: DeepseekV4Config, ops: OpTable, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
@@ -412,11 +407,44 @@ class DeepseekV4Model:
     def missing_parameters(self, loaded: set[str]) -> list[str]:
         return sorted(set(self.parameters) - loaded)
 
+    # ------------------------------------------------------------------ what the engine sizes
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.config.max_position_embeddings
+
+    @property
+    def block_multiple(self) -> int:
+        return self.config.block_multiple
+
+    @property
+    def sliding_window(self) -> int:
+        return self.config.sliding_window
+
+    def state_bytes(self, block_size: int, dtype: torch.dtype) -> StateBytes:
+        """Bytes of one paged block (compressed entries, indexer keys) and one slot (rings, carries)."""
+        return StateBytes(DeepseekV4State.bytes_per_block(self.config, block_size, dtype),
+                          DeepseekV4State.bytes_per_slot(self.config, block_size, dtype))
+
     def new_state(self, num_slots: int, num_blocks: int, block_size: int | None = None,
                   dtype: torch.dtype | None = None) -> DeepseekV4State:
         """Allocate state pools for ``num_slots`` running sequences and ``num_blocks`` paged blocks."""
         block_size = block_size or self.config.block_multiple
         return DeepseekV4State(self.config, num_slots, num_blocks, block_size, dtype or self.dtype, self.device)
+
+    def prefix_replay_span(self) -> int:
+        """Tokens to recompute before a prefix hit so every layer's window and carry are rebuilt exactly.
+
+        Each layer's sliding window reaches ``W - 1`` tokens back, so wrong (missing) state at the replay's start
+        stops mattering after ``num_layers * (W - 1)`` tokens; the compressor carry needs the last
+        ``2 * csa_ratio`` tokens' inputs on top.
+        """
+        c = self.config
+        ratios = [c.compress_ratio(i) for i in range(c.num_hidden_layers)]
+        return c.num_hidden_layers * c.sliding_window + 2 * max(ratios, default=0)
 
     # ------------------------------------------------------------------ forward
     def step_layout(self, batch: ForwardBatch, state: DeepseekV4State, **static) -> StepLayout:
@@ -425,15 +453,29 @@ class DeepseekV4Model:
         return StepLayout(batch, self.config.sliding_window, state.block_size, self.device, *self.compressor_plans,
                           **static)
 
+    def place_prefill_inputs(self, batch: ForwardBatch, state: DeepseekV4State, buffers: StaticBuffers,
+                             written: int, spare_block: int) -> StepLayout:
+        """The host-built layout of a padded lone-prompt step (its first ``written`` tokens write state), placed in
+        ``buffers``; its visibility masks are left to ``prefill_layout``."""
+        return self.step_layout(batch, state, buffers=buffers, written=[written], spare_block=spare_block,
+                                masks=False)
+
+    def prefill_layout(self, inputs: StepLayout) -> StepLayout:
+        """The static prefill step's layout with its masks built (on the device, inside the graph)."""
+        inputs.build_masks()
+        return inputs
+
     def prefill_min_tokens(self) -> int:
         """The shortest chunk a padded static prefill step takes: its written tail fills the sliding ring and every
         compressor's carry, so those writes keep one shape whatever the chunk's length."""
         spans = [span for _, span in self.compressor_plans[0]]
         return max([self.config.sliding_window, *spans])
 
-    def decode_inputs(self, batch: ForwardBatch, state: DeepseekV4State, static: StaticShape) -> DecodeInputs:
-        """The host tensors a static decode step's layout is computed from (``batch``: one token per sequence)."""
-        return DecodeInputs.from_batch(batch, static, state.block_size)
+    def place_decode_inputs(self, batch: ForwardBatch, state: DeepseekV4State, static: StaticShape,
+                            buffers: StaticBuffers) -> DecodeInputs:
+        """The per-sequence tensors a static decode step's layout is computed from (``batch``: one token per
+        sequence), placed in ``buffers``."""
+        return DecodeInputs.from_batch(batch, static, state.block_size).place(buffers)
 
     def decode_layout(self, inputs: DecodeInputs, state: DeepseekV4State, static: StaticShape) -> DecodeLayout:
         """The layout of a static decode step, computed by ops on ``inputs``' device (inside a captured graph)."""
@@ -456,8 +498,8 @@ class DeepseekV4Model:
         return tuple(dict.fromkeys(windows)), tuple(dict.fromkeys(ratios))
 
     @_inference
-    def forward(self, batch: ForwardBatch, state: DeepseekV4State, capture_layers: Iterable[int] = (),
-                layout: StepLayout | None = None) -> ModelOutput:
+    def forward(self, batch: ForwardBatch, state: DeepseekV4State, layout: StepLayout | None = None,
+                capture_layers: Iterable[int] = ()) -> ModelOutput:
         """Run one step: fold the batch's tokens into ``state`` and return the requested logits.
 
         ``layout``: the batch's ``StepLayout`` when the caller built it (static decode steps); else built here.

@@ -1,0 +1,150 @@
+"""What the user sees of a request: its text, stop strings, logprobs and prompt logprobs, and its final output.
+
+The scheduler appends each new token to its request and ends the request when the token stops it
+(``engine/stop.py``). The output processor then turns the step's tokens into text (``SequenceDetokenizer``), looks
+for stop strings (a match ends the request: the engine tells the scheduler), records logprobs, and builds a
+``RequestOutput`` once every completion of a prompt has finished.
+
+A token's text is decoded at once when a stop string could end the request or the token ends it; otherwise it
+waits for ``catch_up_text``, which the engine calls while the device computes the next step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from deepinfer_core.engine.detokenizer import SequenceDetokenizer
+from deepinfer_core.engine.model_runner import ModelRunnerOutput
+from deepinfer_core.engine.request import Request
+from deepinfer_core.engine.stop import StopDecision
+from deepinfer_core.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestOutput,
+    SampleLogprobs,
+    sample_logprobs_dict,
+)
+
+
+@dataclasses.dataclass
+class CompletionState:
+    """The output side of one request: its text and the logprobs it asked for."""
+
+    group_id: str
+    detokenizer: SequenceDetokenizer
+    logprobs: SampleLogprobs | None
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: PromptLogprobs | None = None  # complete ones
+    prompt_logprobs_partial: PromptLogprobs = dataclasses.field(default_factory=lambda: [None])
+
+
+@dataclasses.dataclass
+class GroupState:
+    """A prompt's ``n`` completions."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    requests: list[Request]
+
+
+class OutputProcessor:
+    """Text, stop strings and logprobs of every live request; request outputs once a prompt's group finishes."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.groups: dict[str, GroupState] = {}
+        self.completions: dict[str, CompletionState] = {}
+        self._deferred_text: list[SequenceDetokenizer] = []  # tokens whose text waits for catch_up_text
+
+    def add_group(self, group_id: str, prompt: str | None, prompt_token_ids: list[int],
+                  requests: list[Request]) -> None:
+        """Start tracking a prompt's completions."""
+        self.groups[group_id] = GroupState(prompt, prompt_token_ids, requests)
+        for request in requests:
+            params = request.params
+            self.completions[request.request_id] = CompletionState(
+                group_id, SequenceDetokenizer(self.tokenizer if params.detokenize else None, params, prompt_token_ids),
+                [] if params.logprobs is not None else None)
+
+    def process(self, accepted: list[Request], result: ModelRunnerOutput) -> list[tuple[Request, StopDecision]]:
+        """Take a step's results: prompt logprobs, then each request that took a token (``accepted``, the token
+        already appended and the request ended where the token stops it). Returns the requests a stop string
+        ends, with the reason, for the engine to end in the scheduler."""
+        self._add_prompt_logprobs(result)
+        row_of = {request_id: row for row, request_id in enumerate(result.req_ids)}
+        stopped = []
+        for request in accepted:
+            completion = self.completions[request.request_id]
+            row = row_of[request.request_id]
+            self._add_logprobs(completion, result, row)
+            token_stop = (request.finish_reason, request.stop_reason) if request.is_finished else None
+            update = completion.detokenizer.append(result.sampled_token_ids[row], token_stop, defer_text=True)
+            if completion.detokenizer.has_deferred_text:
+                self._deferred_text.append(completion.detokenizer)
+            if update.finished and not request.is_finished:
+                stopped.append((request, (update.finish_reason, update.stop_reason)))
+        return stopped
+
+    def catch_up_text(self) -> None:
+        """Decode the text the last step deferred (while the device computes the next one)."""
+        deferred, self._deferred_text = self._deferred_text, []
+        for detokenizer in deferred:
+            detokenizer.catch_up()
+
+    def finished_outputs(self, requests: list[Request]) -> list[RequestOutput]:
+        """The outputs of the groups among ``requests``' whose completions have all finished; those groups are
+        forgotten."""
+        outputs = []
+        for group_id in dict.fromkeys(r.group_id for r in requests):
+            group = self.groups.get(group_id)
+            if group is not None and all(r.is_finished for r in group.requests):
+                outputs.append(self._group_output(group_id, group))
+        return outputs
+
+    def _group_output(self, group_id: str, group: GroupState) -> RequestOutput:
+        states = [self.completions.pop(r.request_id) for r in group.requests]
+        completions = [
+            CompletionOutput(index=r.sample_index, text=state.detokenizer.text, token_ids=list(r.output_token_ids),
+                             cumulative_logprob=state.cumulative_logprob, logprobs=state.logprobs,
+                             finish_reason=r.finish_reason, stop_reason=r.stop_reason)
+            for r, state in zip(group.requests, states)
+        ]
+        del self.groups[group_id]
+        return RequestOutput(request_id=group_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
+                             prompt_logprobs=states[0].prompt_logprobs, outputs=completions, finished=True)
+
+    def _add_logprobs(self, completion: CompletionState, result: ModelRunnerOutput, row: int) -> None:
+        logprob = result.logprobs[row]
+        completion.cumulative_logprob += logprob
+        if completion.logprobs is not None:
+            n = completion.detokenizer.params.logprobs
+            completion.logprobs.append(sample_logprobs_dict(
+                result.sampled_token_ids[row], logprob, result.ranks[row], result.top_token_ids[row][:n],
+                result.top_logprobs[row][:n], self._decode))
+
+    def _add_prompt_logprobs(self, result: ModelRunnerOutput) -> None:
+        """Prompt logprobs arrive chunk by chunk; a chunk from the prompt's start (after a preemption too) starts
+        them over, and a complete set takes no more."""
+        for request_id, (first, plp) in result.prompt_logprobs.items():
+            completion = self.completions.get(request_id)
+            if completion is None or completion.prompt_logprobs is not None:
+                continue
+            if first == 1:
+                completion.prompt_logprobs_partial = [None]
+            group = self.groups[completion.group_id]
+            entries = _prompt_entries(group.prompt_token_ids, first, plp, self._decode)
+            completion.prompt_logprobs_partial.extend(entries)
+            if first + len(entries) >= len(group.prompt_token_ids):
+                completion.prompt_logprobs = completion.prompt_logprobs_partial
+
+    def _decode(self, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer is not None else None
+
+
+def _prompt_entries(prompt_token_ids: list[int], first: int, plp, decode) -> list[dict[int, Logprob]]:
+    entries = []
+    for i, token in enumerate(prompt_token_ids[first:first + plp.token_logprobs.shape[0]]):
+        entries.append(sample_logprobs_dict(token, float(plp.token_logprobs[i]), int(plp.ranks[i]),
+                                            plp.top_token_ids[i].tolist(), plp.top_logprobs[i].tolist(), decode))
+    return entries

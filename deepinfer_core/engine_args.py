@@ -1,0 +1,139 @@
+"""``EngineArgs``: every engine argument ``LLM`` and the CLI take, with vLLM's names, validated in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from deepinfer_core.errors import DeepInferError
+
+logger = logging.getLogger("deepinfer")
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+class EngineArgsError(DeepInferError, ValueError):
+    """An engine argument with a value it cannot take; the message names the argument and what it accepts."""
+
+
+@dataclasses.dataclass
+class EngineArgs:
+    """What the user asks of an engine; ``LLM(model, **kwargs)`` fills it from keyword arguments.
+
+    Attributes:
+        model: checkpoint folder, hub id in the local HF cache, or None for ``$DEEPINFER_HF_MODEL_DIR`` or the
+            embedded tiny default model.
+        backend: backend name (``cpu``, ``nvidia_sm100``, ...); default ``$DEEPINFER_ACCELERATOR`` or automatic.
+        dtype: ``"auto"`` (float32 on CPU, bfloat16 on accelerators), or a torch dtype / name.
+        tokenizer: a folder with tokenizer.json to use instead of the checkpoint's.
+        max_model_len: longest prompt + output in tokens (default: the model's max_position_embeddings).
+        max_num_seqs: most sequences running at once.
+        max_num_batched_tokens: token budget per step (default: the backend's ``default_max_num_batched_tokens``).
+        kv_cache_memory_bytes: bytes for the model state (paged blocks and per-sequence slots); default a fraction
+            (``gpu_memory_utilization``) of free device memory, or up to 2 GiB on CPU.
+        gpu_memory_utilization: the fraction of free device memory the state may take by default (``memory_fraction``
+            is an older name for it).
+        block_size: tokens per state block (a multiple of the model's ``block_multiple``).
+        enable_prefix_caching: share full blocks of identical prefixes between requests.
+        seed: base seed for requests without ``SamplingParams.seed``.
+        enforce_eager: never replay steps from captured device graphs.
+        cuda_graph_sizes: decode batch sizes to capture; default ``1, 2, 4, 8, 16, 24, 32, 48, 64, ...`` up to
+            ``max_num_seqs`` on a backend with device graphs, none on one without (CPU). Given explicitly on CPU,
+            decode steps take the same static-shape path, run eagerly.
+        prefill_graph_buckets: token counts of the captured prefill steps for lone prompts (each prompt padded to
+            the next); default ``512, 1024, ..., 8192`` up to ``max_num_batched_tokens`` wherever decode steps
+            replay graphs; ``[]`` turns them off.
+        enable_mixed_chunk: decode running requests in the steps that prefill prompts too (vLLM's way; SGLang's
+            ``--enable-mixed-chunk``). Off by default (SGLang's default): while prompt tokens wait, a step folds
+            only those, and the running requests decode in the steps between.
+        async_scheduling: plan and launch each step before the previous step's tokens are read, so the host's
+            per-step work overlaps the device's; the outputs are the same. Default: the backend's
+            ``default_async_scheduling`` (on for NVIDIA, off on CPU).
+        tensor_parallel_size: accepted so vLLM code runs; one device per engine for now.
+        trust_remote_code: accepted so vLLM code runs; no code from a checkpoint is ever executed.
+        options: feature options claimed by plugins (e.g. ``batch_invariant=True``); an option no loaded plugin
+            claims is an error.
+    """
+
+    model: str | os.PathLike | None = None
+    backend: str | None = None
+    dtype: str | torch.dtype = "auto"
+    tokenizer: str | os.PathLike | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    block_size: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    enforce_eager: bool = False
+    cuda_graph_sizes: Sequence[int] | None = None
+    prefill_graph_buckets: Sequence[int] | None = None
+    enable_mixed_chunk: bool = False
+    async_scheduling: bool | None = None
+    tensor_parallel_size: int = 1
+    trust_remote_code: bool = False
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_kwargs(cls, model: str | os.PathLike | None = None, **kwargs: Any) -> EngineArgs:
+        """Engine arguments from keyword arguments; keywords that are not engine arguments are feature options
+        for plugins. ``memory_fraction`` is taken as ``gpu_memory_utilization``."""
+        if "memory_fraction" in kwargs:
+            fraction = kwargs.pop("memory_fraction")
+            kwargs.setdefault("gpu_memory_utilization", fraction)
+        names = {f.name for f in dataclasses.fields(cls)} - {"model", "options"}
+        known = {k: v for k, v in kwargs.items() if k in names}
+        options = {k: v for k, v in kwargs.items() if k not in names}
+        return cls(model=model, **known, options=options)
+
+    def __post_init__(self) -> None:
+        _check_int("max_num_seqs", self.max_num_seqs)
+        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes", "block_size"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name))
+        for name in ("cuda_graph_sizes", "prefill_graph_buckets"):
+            values = getattr(self, name)
+            if values is not None:
+                bad = [n for n in values if not _is_positive_int(n)]
+                if bad:
+                    raise EngineArgsError(f"{name} must be positive integers, got {bad}")
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise EngineArgsError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise EngineArgsError(f"async_scheduling must be True, False or None (the backend's default), "
+                                  f"got {self.async_scheduling!r}")
+        if self.tensor_parallel_size != 1:
+            raise EngineArgsError(f"tensor_parallel_size={self.tensor_parallel_size}: this engine runs one device "
+                                  "per engine for now; use tensor_parallel_size=1")
+        if not isinstance(self.dtype, torch.dtype) and self.dtype != "auto" and self.dtype not in DTYPES:
+            raise EngineArgsError(f"unknown dtype {self.dtype!r}; use 'auto', {sorted(DTYPES)} or a torch.dtype")
+        if self.trust_remote_code:
+            logger.warning("trust_remote_code=True is ignored: DeepInfer never executes code from a checkpoint")
+
+    def torch_dtype(self, device_type: str) -> torch.dtype:
+        """The model dtype on a device of ``device_type`` (``"auto"``: float32 on CPU, bfloat16 elsewhere)."""
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
+        if self.dtype == "auto":
+            return torch.float32 if device_type == "cpu" else torch.bfloat16
+        return DTYPES[self.dtype]
+
+    def feature_options(self) -> Mapping[str, Any]:
+        return dict(self.options)
+
+
+def _is_positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_int(name: str, value: object) -> None:
+    if not _is_positive_int(value):
+        raise EngineArgsError(f"{name} must be a positive integer, got {value!r}")

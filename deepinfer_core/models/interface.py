@@ -1,0 +1,121 @@
+"""The model interface: everything the engine may use of a model, and nothing else.
+
+The engine (``engine/``) and ``LLM`` never import a model package. A model registered for a ``model_type``
+(``models/registry.py``, or a plugin's ``deepinfer_register_models``) returns an object that satisfies
+``CausalLM``; the registry checks that when it loads one, naming what is missing. A model whose steps can be
+replayed from device graphs also satisfies ``StaticStepModel``; the engine captures graphs only for those.
+
+State is opaque to the engine: the model allocates it (``new_state``), says what it costs (``state_bytes``) and
+reads / writes it in ``forward`` through the ``ForwardBatch``'s slots and block tables, which the engine's state
+manager hands out. A block covers ``block_size`` tokens, a multiple of ``block_multiple``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from deepinfer_core.forward_batch import ForwardBatch
+from deepinfer_core.ops.table import OpTable
+from deepinfer_core.static_buffers import StaticBuffers
+
+
+@dataclasses.dataclass(frozen=True)
+class StateBytes:
+    """What a model's state costs in memory at one block size and dtype."""
+
+    per_block: int  # one paged block (what prefix caching keeps per block); 0 when nothing is paged
+    per_slot: int  # one running sequence's per-sequence state
+
+
+@dataclasses.dataclass
+class ModelOutput:
+    """One step's result: logits of the batch's ``logits_rows`` and, when asked, hidden states of chosen layers."""
+
+    logits: torch.Tensor  # [num_rows, vocab] fp32
+    hidden_states: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # layer -> [T, ...]
+
+
+class ModelState(Protocol):
+    """The state pools ``CausalLM.new_state`` returns; the engine only reads their block size."""
+
+    block_size: int
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A causal LM the engine can serve: sizes, state, one forward over a flat batch, prefix replay."""
+
+    ops: OpTable  # the op table the model runs on (the sampler takes ``greedy_sample`` from it)
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the logits."""
+
+    @property
+    def max_position_embeddings(self) -> int:
+        """The longest sequence the model supports (``max_model_len``'s default)."""
+
+    @property
+    def block_multiple(self) -> int:
+        """A state block's token count must be a multiple of this (1 when any size works)."""
+
+    @property
+    def sliding_window(self) -> int:
+        """Tokens a sliding-window layer attends (0: none); given to the ``rebuild_sliding_window`` hook."""
+
+    def state_bytes(self, block_size: int, dtype: torch.dtype) -> StateBytes:
+        """Bytes of one paged block and one sequence slot of this model's state."""
+
+    def new_state(self, num_slots: int, num_blocks: int, block_size: int) -> ModelState:
+        """Allocate state for ``num_slots`` running sequences and ``num_blocks`` paged blocks."""
+
+    def forward(self, batch: ForwardBatch, state: ModelState, layout: Any = None) -> ModelOutput:
+        """Fold the batch's tokens into ``state`` and return the logits of ``batch.logits_rows``. ``layout``: one a
+        static step built (``StaticStepModel``), else the model builds its own."""
+
+    def prefix_replay_span(self) -> int:
+        """Tokens to recompute before a prefix-cache hit so the per-sequence state (sliding windows, carries) the
+        cache does not keep is rebuilt exactly; 0 when a hit needs no replay."""
+
+
+@runtime_checkable
+class StaticStepModel(CausalLM, Protocol):
+    """A model whose decode steps and lone-prompt prefills run at static shapes, so a backend can capture them as
+    device graphs (``engine/decode_graphs.py``, ``engine/prefill_graphs.py``).
+
+    A static step has a host phase and a device phase. The host phase writes the step's inputs into fixed
+    ``StaticBuffers`` (``place_decode_inputs`` / ``place_prefill_inputs``); the device phase
+    (``decode_layout`` / ``prefill_layout``) runs inside the captured graph and returns the layout ``forward``
+    takes. Padding rows read and write only ``spare_slot`` and ``spare_block``, which the engine never hands out.
+    """
+
+    def static_shape(self, num_seqs: int, context_len: int, spare_slot: int, spare_block: int) -> Any:
+        """The fixed sizes of a decode step of ``num_seqs`` one-token sequences at most ``context_len`` long."""
+
+    def place_decode_inputs(self, batch: ForwardBatch, state: ModelState, shape: Any, buffers: StaticBuffers) -> Any:
+        """Host phase of a decode step: the padded one-token ``batch``'s layout inputs, placed in ``buffers``."""
+
+    def decode_layout(self, inputs: Any, state: ModelState, shape: Any) -> Any:
+        """Device phase of a decode step: its layout, computed from the placed inputs by device ops."""
+
+    def prefill_min_tokens(self) -> int:
+        """The shortest prompt a static prefill step takes."""
+
+    def place_prefill_inputs(self, batch: ForwardBatch, state: ModelState, buffers: StaticBuffers, written: int,
+                             spare_block: int) -> Any:
+        """Host phase of a lone prompt's prefill padded to a bucket: its layout, placed in ``buffers``; only the
+        first ``written`` tokens write state (the padding writes ``spare_block``)."""
+
+    def prefill_layout(self, inputs: Any) -> Any:
+        """Device phase of a static prefill step: the layout ``forward`` takes."""
+
+
+def missing_members(model: object, protocol: type = CausalLM) -> list[str]:
+    """The members of ``protocol`` that ``model`` lacks (empty: it satisfies the interface)."""
+    names = [n for n in dir(protocol) if not n.startswith("_")] + list(getattr(protocol, "__annotations__", {}))
+    return sorted({n for n in names if not hasattr(model, n)})
