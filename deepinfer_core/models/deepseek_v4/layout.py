@@ -5,14 +5,12 @@ unpadded token axis into padded per-sequence views (``[S, Lq, ...]``) and says, 
 attention may read, whether it comes from this step's tokens or from a sequence's state.
 
 Every index tensor is built on the host from the batch's Python lists, every compressor's plan with the rest (the
-model names them), and all of them are copied to the device together: one pinned buffer, one non-blocking copy.
-(Copied one by one from pageable memory, each copy waited until the stream was idle, so the host stalled behind the
-step still running, and again mid-forward where a plan was built on first use; pinning each small tensor measured
-slower on the H200, docs/performance.md.) Building them with small device ops, or from device tensors,
-would stall the host on every ``torch.tensor(..., device=cuda)`` copy and ``nonzero()``. The two visibility masks
-(``[S, Lq, Lk]`` and ``[S, Lq, E]``, the only ones that grow with the square of the step's tokens) are the
-exception: they are broadcast comparisons of small per-row / per-key tensors already copied, so they are computed
-where the model runs (on the 2-core sandbox, building them on the host took 0.5 s for one 8K-token prompt).
+model names them), and all of them are copied to the device together: one pinned buffer, one non-blocking copy (a
+copy from pageable memory waits until the stream is idle, which would stall the host behind the step still running
+once per tensor). Building them with small device ops, or from device tensors, would stall the host on every
+``torch.tensor(..., device=cuda)`` copy and ``nonzero()``. The two visibility masks (``[S, Lq, Lk]`` and
+``[S, Lq, E]``, the only ones that grow with the square of the step's tokens) are the exception: they are broadcast
+comparisons of small per-row / per-key tensors already copied, so they are computed where the model runs.
 
 Decode steps replayed from a CUDA graph use ``DecodeLayout`` instead: the same tensors at shapes fixed by a
 ``StaticShape`` alone (keys padded to the window, compressed entries to ``context_len // ratio``, one compressor
@@ -155,7 +153,7 @@ class StepLayout:
     def _upload(self) -> None:
         """Every index tensor built since the last upload to the target device in one pinned, non-blocking copy: a
         copy from pageable memory would wait until the stream is idle, stalling the host once per tensor behind
-        the step still running (docs/performance.md 4.12). With ``buffers``: into their fixed tensors (the caller
+        the step still running. With ``buffers``: into their fixed tensors (the caller
         uploads)."""
         pending, self._pending = self._pending, []
         hosts = [host for _, _, host in pending]
