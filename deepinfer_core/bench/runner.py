@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from deepinfer_core import envs
 from deepinfer_core.bench import presets
 from deepinfer_core.bench.roofline import roofline
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
@@ -175,7 +176,7 @@ def describe(config: BenchConfig, folder: Path, device: torch.device, dtype: tor
         "cpu_count": os.cpu_count(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "environment": {name: value for name, value in sorted(os.environ.items()) if name.startswith("DEEPINFER_")},
+        "environment": envs.settings(),
     }
 
 
@@ -206,7 +207,7 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
               async_scheduling=config.async_scheduling)
     load_time = time.perf_counter() - t0
     device, dtype = llm.backend.device, llm.dtype
-    warm = random_prompts(len(prompts), len(prompts[0]), llm.model.config.vocab_size, config.seed + 1)
+    warm = random_prompts(len(prompts), len(prompts[0]), llm.model.vocab_size, config.seed + 1)
     for i in range(config.warmup):
         log(f"engine warmup {i + 1}/{config.warmup} ...")
         time_engine(llm, warm, config.output_len, f"warmup{i}")  # the timed run's shape: every graph it replays
@@ -214,7 +215,7 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
     for i in range(config.num_iters):  # run 0 takes the prompts HF gets; later runs fresh ones (no prefix hits)
         log(f"engine: timed run {i + 1}/{config.num_iters} ...")
         run_prompts = prompts if i == 0 else random_prompts(len(prompts), len(prompts[0]),
-                                                            llm.model.config.vocab_size, config.seed + 1 + i)
+                                                            llm.model.vocab_size, config.seed + 1 + i)
         runs.append(time_engine(llm, run_prompts, config.output_len, f"bench{i or ''}"))
     totals = [max(run.finished.values()) - run.start for run in runs]
     median = sorted(range(len(runs)), key=totals.__getitem__)[len(runs) // 2]

@@ -55,6 +55,23 @@ class LaunchedStep:
     rows_copied: torch.Event | None  # recorded after the rows' copy (None: done already)
     ready: torch.Event | None  # recorded after the step's work and its prompt logprobs' copies (None: done already)
 
+    def read(self) -> ModelRunnerOutput:
+        """Wait for the step and its rows' copy, and return its results on the host."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        if self.rows_copied is not None:
+            self.rows_copied.synchronize()
+        rows, n = len(self.req_ids), self.num_top
+        flat = self.rows_on_host.tolist() if self.rows_on_host is not None else []
+        ids, lps, ranks = flat[:rows], flat[rows:2 * rows], flat[2 * rows:3 * rows]
+        top_ids, top_lps = flat[3 * rows:3 * rows + rows * n], flat[3 * rows + rows * n:]
+        return ModelRunnerOutput(
+            req_ids=self.req_ids, sampled_token_ids=[int(t) for t in ids], logprobs=lps,
+            ranks=[int(r) for r in ranks],
+            top_token_ids=[[int(t) for t in top_ids[i * n:(i + 1) * n]] for i in range(rows)],
+            top_logprobs=[top_lps[i * n:(i + 1) * n] for i in range(rows)],
+            prompt_logprobs=self.prompt_logprobs)
+
     def feed(self, input_ids: torch.Tensor, rows: list[int], chunks: list[ScheduledChunk]) -> None:
         """Write the tokens this step sampled into ``input_ids`` (device) of the next step: ``rows[i]`` is the
         row of chunk ``i``'s last input token; only chunks whose last token is in flight are written."""
@@ -156,7 +173,7 @@ class ModelRunner:
             prompt_logprobs = self._prompt_logprobs(eager, logits, prompt_rows)
         sampling_chunks = [c for c in output.chunks if c.samples]
         sampler_output = self._sample(sampling_chunks, parts, [row_of[id(c)] for c in sampling_chunks])
-        rows_on_host, num_top, rows_copied = _copy_rows_to_host(sampler_output)
+        rows_on_host, num_top, rows_copied = copy_rows_to_host(sampler_output)
         return LaunchedStep(output, sampler_output, [c.request.request_id for c in sampling_chunks], prompt_logprobs,
                             rows_on_host, num_top, rows_copied, record_event(self.device))
 
@@ -182,20 +199,7 @@ class ModelRunner:
 
     def collect(self, launched: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step and read its results to the host."""
-        if launched.ready is not None:
-            launched.ready.synchronize()
-        if launched.rows_copied is not None:
-            launched.rows_copied.synchronize()
-        rows, n = len(launched.req_ids), launched.num_top
-        flat = launched.rows_on_host.tolist() if launched.rows_on_host is not None else []
-        ids, lps, ranks = flat[:rows], flat[rows:2 * rows], flat[2 * rows:3 * rows]
-        top_ids, top_lps = flat[3 * rows:3 * rows + rows * n], flat[3 * rows + rows * n:]
-        return ModelRunnerOutput(
-            req_ids=launched.req_ids, sampled_token_ids=[int(t) for t in ids], logprobs=lps,
-            ranks=[int(r) for r in ranks],
-            top_token_ids=[[int(t) for t in top_ids[i * n:(i + 1) * n]] for i in range(rows)],
-            top_logprobs=[top_lps[i * n:(i + 1) * n] for i in range(rows)],
-            prompt_logprobs=launched.prompt_logprobs)
+        return launched.read()
 
     def _prompt_logprobs(self, output, logits, prompt_rows) -> dict[str, tuple[int, PromptLogprobsOutput]]:
         result = {}
@@ -214,7 +218,7 @@ class ModelRunner:
         return result
 
 
-def _copy_rows_to_host(out: SamplerOutput | None) -> tuple[torch.Tensor | None, int, torch.Event | None]:
+def copy_rows_to_host(out: SamplerOutput | None) -> tuple[torch.Tensor | None, int, torch.Event | None]:
     """Start the sampled rows' copy to the host on the side stream: (the host tensor, n of the top logprobs, the
     event recorded after the copy)."""
     if out is None:

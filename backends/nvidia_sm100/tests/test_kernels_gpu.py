@@ -127,14 +127,15 @@ def test_fork_inside_a_cuda_graph_replays_both_branches():
 
 
 def test_sampled_rows_reach_the_host_beside_the_next_step():
-    """The engine's copy of a step's sampled rows (``SampledRowsCopy``) runs on a side stream after the sampler: the
+    """The engine's copy of a step's sampled rows (``copy_rows_to_host``) runs on a side stream after the sampler: the
     rows read back exact, and the copy is done while work queued after it on the current stream still runs."""
-    from deepinfer_core.engine.model_runner import SampledRowsCopy
+    from deepinfer_core.engine.model_runner import LaunchedStep, copy_rows_to_host
+    from deepinfer_core.engine.scheduler import SchedulerOutput
     from deepinfer_core.sampling.sampler import SamplerOutput
 
     ids = torch.tensor([5, 129279, 0], device="cuda")
     out = SamplerOutput(ids, torch.tensor([-0.5, -1.25, -3.0], device="cuda"), torch.tensor([1, 2, 7], device="cuda"))
-    copy = SampledRowsCopy.start(out)
+    copy = LaunchedStep(SchedulerOutput([], []), out, ["a", "b", "c"], {}, *copy_rows_to_host(out), ready=None)
     a = torch.randn(4096, 4096, device="cuda")
     for _ in range(40):  # the next step, queued after the copy: tens of milliseconds
         a = a @ a * 1e-2
@@ -142,7 +143,8 @@ def test_sampled_rows_reach_the_host_beside_the_next_step():
     later.record()
     rows = copy.read()
     assert not later.query(), "the copy waited for the work queued after it"
-    assert rows.token_ids == [5, 129279, 0] and rows.logprobs == [-0.5, -1.25, -3.0] and rows.ranks == [1, 2, 7]
+    assert rows.sampled_token_ids == [5, 129279, 0] and rows.logprobs == [-0.5, -1.25, -3.0]
+    assert rows.ranks == [1, 2, 7] and rows.sampled == {"a": 5, "b": 129279, "c": 0}
     torch.cuda.synchronize()
 
 
