@@ -129,7 +129,9 @@ def deepinfer_register_models(registry: Any) -> None:
     - ``registry``: the engine's ``deepinfer_core.models.registry.ModelRegistry``. Call
       ``registry.register(model_type, loader)``: ``model_type`` is the ``model_type`` of a checkpoint's
       ``config.json``, ``loader(folder, ops, dtype=..., device=...)`` builds the model from that folder
-      and calls only ops of the op table ``ops``.
+      and calls only ops of the op table ``ops``. The model must satisfy ``deepinfer_core.models.interface.CausalLM``
+      (the registry refuses one that lacks a member, naming it); one that also satisfies ``StaticStepModel`` has its
+      decode steps and lone prompts replayed from device graphs.
 
     Return: ignored. Registering a ``model_type`` the core already handles replaces the core's loader.
     """
@@ -169,15 +171,15 @@ def deepinfer_before_step(engine: Any, scheduler_output: Any) -> None:
 def deepinfer_after_step(engine: Any, scheduler_output: Any, model_output: Any) -> None:
     """A batch has run; its outputs are about to update the scheduler.
 
-    Runs: every engine step, once the step's sampled tokens are read, before ``Scheduler.update()``. With
+    Runs: every engine step, once the step's sampled tokens are read, before ``Scheduler.update()`` appends them. With
     asynchronous scheduling (``LLM(async_scheduling=True)``, the NVIDIA default) the next step has already been
     scheduled and launched by then: ``deepinfer_before_step`` of step N + 1 runs before this hook of step N.
 
     Arguments:
     - ``engine``: the engine.
     - ``scheduler_output``: the same object ``deepinfer_before_step`` saw.
-    - ``model_output``: the step's outputs (sampled tokens, and per-layer statistics such as expert load
-      when the model records them).
+    - ``model_output``: the step's ``deepinfer_core.engine.model_runner.ModelRunnerOutput`` on the host:
+      ``req_ids`` (row order), ``sampled_token_ids``, ``logprobs``, ``ranks``, top logprobs, prompt logprobs.
 
     Return: ignored. Treat ``model_output`` as read-only; keep it cheap, it is on the hot path.
     """
