@@ -1,8 +1,8 @@
 # Source from the repository root on a machine where this repo's packages are not installed (the lent GPU
 # machine: no package index, no hatchling). Writes dist-info folders for the core, the NVIDIA backend and the
 # batch-invariant plugin, with the entry points their pyproject.toml files declare, and puts them and the
-# sources on PYTHONPATH, so backends and plugins are found as if installed. /tmp/site (wheels staged by
-# ../shared/tools/gpu-wheels.sh: TileLang, transformers) goes first when present.
+# sources on PYTHONPATH, so backends and plugins are found as if installed. /tmp/site (wheels unpacked
+# there beforehand: TileLang, transformers) goes first when present.
 GPU_SITE=${GPU_SITE:-/tmp/site-di}
 python3 - "$GPU_SITE" <<'PY'
 import sys, tomllib

@@ -4,7 +4,7 @@ A preset is an HF ``DeepseekV4Config`` dict. :func:`ensure_preset` writes it onc
 real checkpoint (``config.json``, ``model.safetensors`` shards through
 :func:`deepinfer_core.checkpoint.write_checkpoint` under the names HF ``save_pretrained`` uses, and a
 word-level ``tokenizer.json``), so both the engine and HF transformers load it from disk like any other
-model. Weights follow /work/shared/design/BENCHMARKS.md: matrices normal(0, 0.02), norms and scales 1,
+model. Random weights: matrices normal(0, 0.02), norms and scales 1,
 biases 0, hash-routing tables (``tid2eid``) random distinct experts per token.
 
 Presets:
@@ -115,7 +115,7 @@ def _tiny_config() -> dict[str, Any]:
 
 
 def _flash_8l64e_config() -> dict[str, Any]:
-    """BENCHMARKS.md ``v4-flash-8l64e``: V4-Flash per-layer shapes, 8 layers, 64 routed experts."""
+    """``v4-flash-8l64e``: V4-Flash per-layer shapes, 8 layers, 64 routed experts."""
     config = _common(vocab_size=129280, max_positions=65536)
     config.update(
         hidden_size=4096, num_hidden_layers=8, layer_types=[SLIDING, SLIDING] + [CSA, HCA] * 3,
@@ -222,7 +222,7 @@ def write_random_checkpoint(
 
 def random_tensors(config: DeepseekV4Config, seed: int, weight_dtype: torch.dtype,
                    device: torch.device) -> dict[str, torch.Tensor]:
-    """Every canonical tensor of ``config`` with BENCHMARKS.md's random values, drawn in name order."""
+    """Every canonical tensor of ``config`` with the presets' random values, drawn in name order."""
     gen = torch.Generator(device=device).manual_seed(seed)
     out = {}
     for name, (shape, kind) in sorted(v4_weights.expected_tensors(config).items()):

@@ -1,4 +1,4 @@
-"""Roofline floors of an offline run, per /work/shared/design/BENCHMARKS.md.
+"""Roofline floors of an offline run (docs/performance.md, "The roofline").
 
 * decode floor per step = (weight bytes touched + state bytes read) / peak bandwidth, where weight bytes
   touched = dense weights + shared experts + the expected unique routed experts of ``E`` with top-``k``
@@ -31,7 +31,8 @@ class DevicePeak:
     flops: float
 
 
-# Measured on the lent machine, 2026-11-29 (BENCHMARKS.md). Matched against torch.cuda.get_device_name().
+# Measured ceilings: a device-to-device copy's bandwidth (read + write counted) and a bf16 8192^3 matmul's FLOP/s.
+# Matched against torch.cuda.get_device_name().
 KNOWN_PEAKS: dict[str, DevicePeak] = {"H200": DevicePeak("NVIDIA H200", 4.25e12, 799e12)}
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One H200 session for the batch-invariant plugin: the GPU tests, then `deepinfer bench` with and without
-# DEEPINFER_BATCH_INVARIANT=1 (docs/performance.md, "Batch-invariant mode"). For a machine where the packages
-# are not installed (the lent H200: no package index): entry points come from tools/gpu_site.sh.
+# The batch-invariant plugin on a GPU machine: the GPU tests, then `deepinfer bench` with and without
+# DEEPINFER_BATCH_INVARIANT=1 (docs/performance.md, "Current results"). For a machine where the packages
+# are not installed (a lent GPU machine: no package index): entry points come from tools/gpu_site.sh.
 # Run from the repository root. OUT (default /tmp/bi-out) receives the logs and JSON results.
 set -u
 OUT=${OUT:-/tmp/bi-out}; mkdir -p "$OUT"

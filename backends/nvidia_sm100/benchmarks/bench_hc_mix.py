@@ -4,8 +4,8 @@ the compiled reference, the split-row kernels and the tensor-core kernel, by bat
     python backends/nvidia_sm100/benchmarks/bench_hc_mix.py      # on a GPU; prints one table
 
 Checks each variant against the reference op first (fp32 results, max relative error), then times each in a CUDA
-graph (CUDA events, median of repeats, after warmup). Floor = bf16 stream bytes / 4.25 TB/s (BENCHMARKS.md
-ceilings; the 24 x 16,384 fp32 weight is read once more per program). Decides ``MIX_KERNEL_MAX_TOKENS``.
+graph (CUDA events, median of repeats, after warmup). Floor = bf16 stream bytes / 4.25 TB/s (the H200's
+copy bandwidth; the 24 x 16,384 fp32 weight is read once more per program). Sets ``MIX_KERNEL_MAX_TOKENS``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The fused ops of the twelfth session against their parts on the bench preset's shapes (bf16, D 4096, hc 4):
+"""The fused norm ops against their parts on the bench preset's shapes (bf16, D 4096, hc 4):
 ``hc_pre_normed`` (one finishing kernel that also norms) against ``hc_pre`` then ``rms_norm``, and ``rms_norm_rope``
 (one pass) against the norm then ``apply_rope_``, at decode (1, 256 tokens) and prefill (8192) sizes.
 

@@ -5,7 +5,7 @@ op against the Triton kernel (``kernels/indexer.py``), at one 8K-token prompt's 
 
 Checks the kernel against the reference op first (max relative error), then times both (CUDA events, median of
 repeats, after warmup). Floor = max(FLOPs / 799 TFLOP/s, bytes of q, keys, weights and scores / 4.25 TB/s)
-(BENCHMARKS.md ceilings).
+(the H200's ceilings, docs/performance.md).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Checks the Triton kernels and the grouped-GEMM path (``torch._grouped_mm``, expe
 unpadded) against the reference op first, then times (CUDA events, median of repeats, after warmup; weights
 normal(0, 0.02), never zeros) the reference op (eager), the op as the backend runs it, the Triton kernels, the
 grouped-GEMM path, and the op replayed from a CUDA graph. Floor = max(unique experts' weight bytes / 4.25 TB/s,
-FLOPs / 799 TFLOP/s) (BENCHMARKS.md ceilings).
+FLOPs / 799 TFLOP/s) (the H200's ceilings, docs/performance.md).
 """
 
 from __future__ import annotations

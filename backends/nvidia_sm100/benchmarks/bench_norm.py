@@ -1,11 +1,11 @@
-"""RMS norms on the bench preset's decode shapes (bf16): the compiled reference against the candidate Triton kernel
-of ``kernels/norm.py``.
+"""RMS norms on the bench preset's decode shapes (bf16): the compiled reference against the Triton kernel
+of ``kernels/norm.py`` (in the op table by default; ``DEEPINFER_NVIDIA_NORM=0`` takes the compiled reference).
 
     python backends/nvidia_sm100/benchmarks/bench_norm.py      # on a GPU; prints one table
 
 Checks the kernel against the reference op first, then times both in CUDA graphs (CUDA events, median of repeats,
-after warmup). Floor = bytes read and written / 4.25 TB/s (BENCHMARKS.md ceilings). Decides whether
-``DEEPINFER_NVIDIA_NORM=1`` (the kernel in the op table) becomes the default.
+after warmup). Floor = bytes read and written / 4.25 TB/s (the H200's copy bandwidth,
+docs/performance.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """CUDA timing shared by the benchmark scripts in this folder (run them as scripts: this folder is on sys.path).
 
-Method (BENCHMARKS.md): warm up, time with CUDA events, median of repeats.
+Method (docs/performance.md): warm up, time with CUDA events, median of repeats.
 """
 
 from __future__ import annotations

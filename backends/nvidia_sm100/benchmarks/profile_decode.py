@@ -191,7 +191,7 @@ def device_events(events) -> list:
 
 
 def kernel_seconds(events) -> float:
-    """Device time of the kernels alone (summing every row counted an eager step's kernels twice: 4.12)."""
+    """Device time of the kernels alone (summing every row would count an eager step's kernels twice)."""
     return sum(e.self_device_time_total for e in device_events(events)) / 1e6
 
 

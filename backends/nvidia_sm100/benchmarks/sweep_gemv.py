@@ -7,7 +7,7 @@ Each candidate is checked against ``F.linear`` first; the default launch (``gemv
 launches unless ``DEEPINFER_NVIDIA_PDL=0``). Timing: one
 CUDA graph replays the projection over enough copies of the weight that the copies exceed the L2 cache (each call
 reads its weight from HBM, as in a decode step, where every weight is read once), CUDA events, median of repeats,
-seconds per call. Floor = weight bytes / 4.25 TB/s (BENCHMARKS.md ceilings).
+seconds per call. Floor = weight bytes / 4.25 TB/s (the H200's copy bandwidth, docs/performance.md).
 """
 
 from __future__ import annotations

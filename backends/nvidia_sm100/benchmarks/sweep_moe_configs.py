@@ -4,7 +4,7 @@
 
 For each token count: every (BLOCK_M, BLOCK_N, BLOCK_K, num_warps) candidate is checked against the reference
 op, then timed replayed from a CUDA graph (CUDA events, median of 20 after warmup). Prints, per token count,
-the current default (``moe._config``), the best candidate and the % of the weight-read floor (BENCHMARKS.md:
+the current default (``moe._config``), the best candidate and the % of the weight-read floor (docs/performance.md:
 unique experts' bytes / 4.25 TB/s); the full table goes to --out.
 """
 

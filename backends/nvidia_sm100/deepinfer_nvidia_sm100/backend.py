@@ -16,12 +16,10 @@ from deepinfer_core.ops.table import OpTable
 from deepinfer_nvidia_sm100.probe import NAME, arch_path, probe
 
 VERIFIED = {
-    # What ran on real hardware, by path (docs/nvidia.md says what, where and when). Only these names
-    # count as verified; everything else is implemented but unverified on that path.
-    # H200, 2026-11-29: fp32 end-to-end parity with the CPU reference (64 greedy steps, logprobs to 5e-6), bf16
-    # runs (parity open, docs/nvidia.md), CUDA graph capture of moe_experts. NCCL was not exercised (one GPU).
-    # fp16 never ran, so "dtypes" is not claimed; "device_graphs": whole decode steps replayed from CUDA graphs
-    # (deepinfer_core/engine/decode_graphs.py) matched eager and the CPU path on the H200, 2026-11-29.
+    # What ran on real hardware, by path (docs/nvidia.md, "Hardware"). Only these names count as verified;
+    # everything else is implemented but unverified on that path. sm90 (an H200): "device_graphs", decode steps
+    # replayed from CUDA graphs match eager steps and the CPU path (backends/nvidia_sm100/tests/test_model_gpu.py).
+    # fp16 has not run, so "dtypes" is not claimed; NCCL has not run either (one GPU).
     "sm90": frozenset({"device_graphs"}),
     "sm100": frozenset(),  # no SM100 GPU has run this code yet
 }
@@ -37,16 +35,14 @@ class NvidiaBackend(Backend):
     name = NAME
     device_type = "cuda"
     probe = staticmethod(probe)
-    # SGLang's chunked-prefill size on H100 / H200, vLLM's server default: at 2048 tokens per step the bench's batch
-    # of 64 x 1K prompts ran at 28.9% of the roofline, prefilled in one step 50.6% (docs/performance.md 4.9). On a
-    # GPU of at least 70 GiB ``__init__`` raises it to vLLM's offline (``LLM`` class) default there,
-    # ``LARGE_GPU_BATCHED_TOKENS``: batch 256 63.2% -> 65.2% of the roofline on the H200 (docs/performance.md 4.14)
+    # SGLang's chunked-prefill size on H100 / H200, vLLM's server default: small prefill steps leave the GPU waiting
+    # on the host. On a GPU of at least 70 GiB ``__init__`` raises it to vLLM's offline (``LLM`` class) default
+    # there, ``LARGE_GPU_BATCHED_TOKENS``
     default_max_num_batched_tokens = 8192
-    # the host reads step N's tokens while the GPU computes step N + 1 (docs/performance.md 4.10)
+    # the host reads step N's tokens while the GPU computes step N + 1
     default_async_scheduling = True
-    # one host thread, as vLLM's GPU workers: with torch's 16 on the H200 machine, the host's small tensor ops of the
-    # first 16-prompt prefill step of some processes took 146 instead of 37-56 ms to launch (the OpenMP pool's
-    # threads waiting on each other), batch 64 74.7% against 78.7-78.9% of the roofline (docs/performance.md 4.21)
+    # one host thread, as vLLM's GPU workers: the host's work is launching small ops, and with a pool of many
+    # threads some processes launch them several times slower (the OpenMP threads waiting on each other)
     host_threads = 1
 
     def __init__(self, device_index: int | None = None) -> None:
@@ -177,7 +173,7 @@ def triton_ops() -> dict[str, Callable]:
         ops["greedy_sample"] = greedy.greedy_sample
     if gemv.enabled():  # one-row products: faster than cuBLAS on every preset projection (kernels/gemv.py)
         ops.update(linear=gemv.linear, grouped_linear=gemv.grouped_linear)
-    if norm.enabled():  # measured faster than the compiled reference (kernels/norm.py); traced when compiling
+    if norm.enabled():  # faster than the compiled reference (kernels/norm.py); traced when compiling
         ops.update(rms_norm=norm.rms_norm, unweighted_rms_norm=norm.unweighted_rms_norm,  # and the norms fused into
                    rms_norm_rope=norm.rms_norm_rope, hc_pre_normed=hc.hc_pre_normed,  # their neighbours' kernels
                    compressor_entries_rope=compressor.compressor_entries_rope)

@@ -1,6 +1,6 @@
 """``compiled.StepCompiler``: decode steps compiled before capture while compiling works; after the first compiler
 failure, steps are captured as they are (on the CPU: a TorchDynamo backend that raises stands in for a TorchInductor
-failure such as the H200's ``ValueError: ... is not comparable``; Dynamo wraps it as it wraps Inductor's)."""
+failure such as Inductor's ``ValueError: ... is not comparable``; Dynamo wraps it as it wraps Inductor's)."""
 
 from __future__ import annotations
 

@@ -90,10 +90,10 @@ def test_kernel_logic_on_tilelang_cpu_target(S, Lq, Lk, H, splits, sparse):
 
 
 def test_split_heuristic_and_switch(monkeypatch):
-    """One wave of CTAs at most (measured best on the H200), >= 2 key blocks per split; env overrides."""
+    """One wave of CTAs at most (one per SM), >= 2 key blocks per split; env overrides."""
     from deepinfer_nvidia_sm100.kernels import tl_attention as tla
 
-    assert tla.num_splits(64, 2048, 132) == 2  # 128 CTAs; 3 splits (192 CTAs) measured 30% slower
+    assert tla.num_splits(64, 2048, 132) == 2  # 128 CTAs; 3 splits (192 CTAs) would start a second, partial wave
     assert tla.num_splits(16, 2048, 132) == 8
     assert tla.num_splits(1, 2048, 132) == 16  # 32 key blocks, 2 per split
     assert tla.num_splits(512, 320, 132) == 1

@@ -226,8 +226,8 @@ def _bf16_source(fn, constants: dict, divisible, floats: tuple[str, ...] = ()) -
 @pytest.mark.parametrize("capability", sorted(ARCHS))
 def test_rope_in_place_moves_the_rotary_channels_as_16_byte_vectors(capability):
     """``apply_rope_`` reads and writes each row's 64 rotary channels as contiguous runs, split into even / odd
-    lanes in registers: 16-byte vector accesses, never two-byte scalars (the first version loaded even and odd
-    channels with stride 2 and ran at 12% of its floor on the H200, docs/performance.md 4.12). Divisibility as the
+    lanes in registers: 16-byte vector accesses, never two-byte scalars (even and odd channels loaded with
+    stride 2 run far below the copy bandwidth). Divisibility as the
     JIT sees the preset's shapes (pointers, the row width and the pass-through width multiples of 16)."""
     from deepinfer_nvidia_sm100.kernels import rope
 

@@ -4,8 +4,8 @@ The reference's ``einsum("tgi,goi->tgo")`` lowers to ``bmm`` over ``x`` permuted
 copies to contiguous memory first, and returns a permuted result that the model's next ``flatten`` copies again (at
 8192 prefill tokens ~670 MB copied per attention output projection, ``wo_a``, 8 times a step on the bench preset).
 Here ``torch.bmm`` gets ``x [T, g, in]`` as ``[g, T, in]`` with a row stride of ``g * in`` and writes into the
-``[T, g, out]`` result seen as ``[g, T, out]``: strides cuBLAS takes as leading dimensions. On the H200 a batch-256
-decode step ran 8 fewer copy kernels with it (docs/performance.md 4.14).
+``[T, g, out]`` result seen as ``[g, T, out]``: strides cuBLAS takes as leading dimensions, so
+neither operand nor the result is copied.
 """
 
 from __future__ import annotations

@@ -98,9 +98,8 @@ def _concatenations_copied():
     ``ConcatKernel``), never as a masked pointwise kernel. On CUDA, Inductor's pointwise cat indexes each input with
     ``Identity(i - start)``; fused with the layout's integer divisions, its loop-reordering check substitutes 0 and
     builds ``Max(FloorDiv(Identity(-128), 32), ...)``, which sympy rejects ("ValueError: The argument
-    '(((-128))//32)' is not comparable", torch 2.11 on the H200). Its ``max_pointwise_cat_inputs=0`` setting did
-    not avoid it there; replacing the lowering did (``benchmarks/diagnose_compile_step.py --variant
-    pointwise-cat`` runs without the replacement). Compiles happen inside the first call per shape, so the
+    '(((-128))//32)' is not comparable", torch 2.11). Inductor's ``max_pointwise_cat_inputs=0`` setting does not
+    avoid it; replacing the lowering does. Compiles happen inside the first call per shape, so the
     replacement is scoped to the call."""
     from torch._inductor import ir, lowering
 
@@ -114,8 +113,8 @@ def _concatenations_copied():
 
 GRAPH_ONLY_OPS = ("rope_cos_sin", "hc_head")
 """Compiled where a CUDA graph captures them, eager elsewhere: a few small kernels whose compiled call costs the host
-more (TorchDynamo's guards, ~0.3-0.4 ms a call in an eager 1K-token prefill step on the H200, docs/performance.md
-4.18) than their eager launches, while in a graph only the one fused kernel replays."""
+more (TorchDynamo's guard checks on every call) than their eager launches, while in a graph only the one fused
+kernel replays."""
 
 
 def compiled_ops() -> dict[str, Callable]:

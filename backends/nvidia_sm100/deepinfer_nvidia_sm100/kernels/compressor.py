@@ -1,10 +1,9 @@
 """Op ``compressor_entries`` in two Triton launches: every window's slots pooled in one pass (gathered from this
 step's rows or the carry, gated by a softmax over slots per channel), then the RMS norm kernel (``kernels/norm.py``).
 
-The reference gathers each window into ``[N, slots, d]`` kv and gate tensors, then pools them: TorchInductor compiled
-that into kernels that took ~3.8 of a 13.6 ms batch-256 decode step on the H200 (docs/performance.md 4.12's
-profile: the heavily compressed layers pool 128 slots per window, and a static decode step pools a window for every
-sequence). Here each slot row is read once, the softmax runs online in fp32 (no intermediate rounding: within a
+The reference gathers each window into ``[N, slots, d]`` kv and gate tensors, then pools them: costly at decode,
+where the heavily compressed layers pool 128 slots per window and a static decode step pools a window for every
+sequence. Here each slot row is read once, the softmax runs online in fp32 (no intermediate rounding: within a
 step of the dtype of the reference, which rounds the weights and the products), and nothing is written but the
 pooled rows.
 """

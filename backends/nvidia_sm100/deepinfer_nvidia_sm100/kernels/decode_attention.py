@@ -3,9 +3,9 @@
 Matches ``deepinfer_core.ops.reference.sink_attention`` (shared-KV MQA with per-head sinks; see
 ``kernels/tl_attention.py`` for the math). A decode row is ``H`` query heads over at most a few hundred keys at the
 bench's contexts (the window's 128 plus the compressed entries): the TileLang kernel, built for prefill's 64-head
-wgmma tiles, took ~12 us a call there whatever the keys (docs/performance.md 4.4: 15.5 us for 128 keys in a graph,
-20.4 us for 2048), one CTA per 64 heads. Here a program takes ``BLOCK_H`` heads (16: one ``mma`` row tile) and a
-contiguous share of the row's visible key blocks (``key_blocks.visible_blocks``), so a batch-1 row spreads over
+wgmma tiles, runs one CTA per 64 heads there, and its fixed cost outweighs the few keys. Here a program takes
+``BLOCK_H`` heads (16: one ``mma`` row tile) and a contiguous share of the row's visible key blocks
+(``key_blocks.visible_blocks``), so a batch-1 row spreads over
 ``H / BLOCK_H x splits`` programs:
 
 1. ``_split_kernel``: grid ``(splits, H / BLOCK_H, rows)``. Online softmax in base 2 in fp32, the running max
@@ -16,7 +16,7 @@ contiguous share of the row's visible key blocks (``key_blocks.visible_blocks``)
 2. ``_combine_kernel`` (two or more splits): ``M = max_s m_s``, ``L = sum_s l_s 2^(m_s - M) + 2^(sink - M)`` (the
    sink in the denominator only), ``out = sum_s O_s 2^(m_s - M) / L``.
 
-Decode steps of one sequence take it (``MAX_ROWS``: where it was timed, docs/performance.md 4.17); prefill rows and
+Decode steps of one sequence take it (``MAX_ROWS``: the rows it is tuned for); prefill rows and
 larger batches keep the fallback (the TileLang kernel where installed). ``DEEPINFER_NVIDIA_DECODE_ATTN=0`` turns it
 off; ``DEEPINFER_NVIDIA_DECODE_ATTN_MAX_ROWS`` raises the row limit and ``DEEPINFER_NVIDIA_DECODE_ATTN_SPLITS`` fixes
 the split count (A/B runs).

@@ -4,14 +4,11 @@ At batch 1 a decode step of the bench preset reads ~1.8 GB of dense projection w
 split-K GEMVs (a GEMV kernel plus a reduction kernel each: 32 reductions per step). Here each program owns
 ``block_n`` output columns over the whole ``K``: an fp32 ``[block_n, block_k]`` product accumulated over ``K`` and
 summed once (no ``tl.dot``: its 16-row tile would be all padding), one rounding to the output dtype, as
-``F.linear``; ``grouped_linear`` runs the groups on the grid's second axis. The launch (``row_config``) comes from
-``benchmarks/sweep_gemv.py`` on the H200 (docs/performance.md 4.16): per preset projection the best of 138
-configurations took 101 us where cuBLAS took 121 us (one of each shape, weights read from HBM).
+``F.linear``; ``grouped_linear`` runs the groups on the grid's second axis. The launch (``row_config``) is the
+fastest of ``benchmarks/sweep_gemv.py``'s configurations for each preset projection, weights read from HBM.
 
 On by default; ``DEEPINFER_NVIDIA_GEMV=0`` keeps cuBLAS. More rows, narrower outputs than ``MIN_COLUMNS`` and other
 dtypes take cuBLAS (``F.linear``, ``blas.grouped_linear``).
-(A 16-row ``tl.dot`` variant for decode batches up to 16 was within 10% of cuBLAS either way, docs/performance.md
-4.9 and 4.15, and was removed.)
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ from deepinfer_nvidia_sm100.kernels import blas, pdl
 from deepinfer_nvidia_sm100.kernels.compiled import env_flag, opaque_under_compile
 
 ENV = "DEEPINFER_NVIDIA_GEMV"
-MIN_COLUMNS = 64  # the router (64 experts): 32 programs of two columns, where cuBLAS took 11 us in split-K
+MIN_COLUMNS = 64  # the narrowest output it takes: the router (64 experts), 32 programs of two columns
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -42,8 +39,7 @@ def _gemv_row_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_xg, stride_wn, stride_o
     """Program (column block, group g) for one input row: ``out[g, n] = sum_k x[g, k] * w[g * N + n, k]``.
 
     No ``tl.dot`` (its 16-row tile is all padding at one row): an fp32 ``[BLOCK_N, BLOCK_K]`` product accumulated
-    over ``K``, summed once at the end. ``EVEN`` (``N % BLOCK_N == 0`` and ``K % BLOCK_K == 0``) drops the masks.
-    (Reading the first weight tile before the PDL wait measured no faster: docs/performance.md 4.17.)"""
+    over ``K``, summed once at the end. ``EVEN`` (``N % BLOCK_N == 0`` and ``K % BLOCK_K == 0``) drops the masks."""
     pdl.begin(PDL)
     group = tl.program_id(1).to(tl.int64)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -87,7 +83,7 @@ class RowConfig:
 
 
 def row_config(n: int, k: int, groups: int = 1) -> RowConfig:
-    """The launch for a ``[groups * n, k]`` weight, after ``benchmarks/sweep_gemv.py`` on the H200: two columns a
+    """The launch for a ``[groups * n, k]`` weight, from ``benchmarks/sweep_gemv.py``: two columns a
     program (most programs in flight) where ``K`` is at most 4096; wider tiles for the 8192-wide ``wo_b`` and the
     grouped ``wo_a`` (few columns per group)."""
     if groups > 1:

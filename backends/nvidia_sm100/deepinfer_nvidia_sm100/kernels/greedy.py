@@ -1,9 +1,8 @@
 """Op ``greedy_sample`` as two Triton kernels: each row's argmax, its raw log-probability and its rank.
 
 The reference (``sampling.sampler.greedy_rows``) is ~16 torch kernels after every decode step: ``log_softmax``,
-``max``, the lowest-id ``min``, the rank's ``sum``, each a one-block reduction over the whole vocabulary at batch 1.
-On the H200 they took ~165 us of a 2.0 ms batch-1 step (the preset's 129,280 logits; docs/performance.md 4.20), on
-the path to the next step, which reads the sampled token. Here ``_partials_kernel`` splits each row into chunks
+``max``, the lowest-id ``min``, the rank's ``sum``, each a one-block reduction over the whole vocabulary at batch 1,
+all on the path to the next step, which reads the sampled token. Here ``_partials_kernel`` splits each row into chunks
 (``BLOCK`` logits a program): per chunk its maximum, the lowest id holding it, how many hold it and the sum of
 ``exp(x - max)``. ``_finish_kernel`` merges a row's chunks: the argmax (lowest id among equals), the log-probability
 ``-log(sum of exp(x - max))`` (the argmax's ``x - max`` is 0, as in ``log_softmax``) and the rank, the count of

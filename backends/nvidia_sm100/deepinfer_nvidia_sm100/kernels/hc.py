@@ -11,10 +11,8 @@ The mixing logits: the row is split over many programs, each returning its share
 the ``fn`` dot products, and ``_hc_mix_finish_kernel`` adds the shares in a fixed order and scales by the norm (the
 norm is a per-row scalar, so it can follow the dot products). For 16-bit streams (the served dtypes)
 ``_hc_mix_partial_kernel`` computes the shares on tensor cores in 64-token tiles (``TENSOR_CORES``), ``fn`` split
-into three 16-bit parts so the products keep fp32 accuracy; on the H200 (docs/performance.md 4.11) that takes 11-18 us
-from 1 to 256 tokens and 189 us at 8K (the compiled reference: 14-45 us and 685 us; fp32 products, which fp32
-streams take up to 16 tokens: 11-22 us). An fp32 ``tl.dot`` (IEEE) variant lost to the compiled pair
-(docs/performance.md 4.9) and was removed.
+into three 16-bit parts so the products keep fp32 accuracy. fp32 streams take fp32 products up to
+``MIX_KERNEL_MAX_TOKENS`` tokens and the compiled reference beyond (``benchmarks/bench_hc_mix.py`` times each form).
 """
 
 from __future__ import annotations
@@ -30,8 +28,8 @@ from deepinfer_nvidia_sm100.kernels import streams as side
 from deepinfer_nvidia_sm100.kernels.compiled import env_flag, maybe_compile, opaque_under_compile, step_enabled
 
 NORM_MAX_BLOCK_D = 8192  # hc_pre_normed: rows up to this wide are collapsed and normed in registers, in one pass
-NORM_WARPS = 4  # H200 (bench_hc_norm.py): 4 warps 12.8 / 18.6 / 290.6 us at 1 / 256 / 8192 tokens; 8 and 16 slower
-MIX_KERNEL_MAX_TOKENS = 16  # fp32 streams above this: the compiled reference (H200: 49.7 vs 21 us at 64 tokens)
+NORM_WARPS = 4  # warps of the finishing kernel that norms (bench_hc_norm.py: 8 and 16 are slower at every size)
+MIX_KERNEL_MAX_TOKENS = 16  # fp32 streams above this take the compiled reference (faster there)
 MIX_K_PER_SPLIT = 128  # row elements per program (128 programs for one token of V4-Flash)
 
 
@@ -103,7 +101,7 @@ def _hc_mix_finish_kernel(dots_ptr, squares_ptr, out_ptr, tokens, K, N, splits, 
 
 
 MIX_DOT_BLOCK_T, MIX_DOT_BLOCK_K = 64, 128
-MIX_DOT_PROGRAMS = 264  # two per SM of an H200 (132 SMs): the splits of the row fill the GPU at any batch
+MIX_DOT_PROGRAMS = 264  # two per SM of a 132-SM GPU (H100 / H200): the row's splits fill the GPU at any batch
 
 
 def mix_kernel(streams: torch.Tensor) -> str:
@@ -116,7 +114,7 @@ def mix_kernel(streams: torch.Tensor) -> str:
 def hc_mix_logits(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float, kernel: str | None = None,
                   partials: bool = False):
     """``reference.hc_mix_logits``: ``[T, (2 + hc) * hc]`` fp32. 16-bit streams take the tensor-core kernel
-    (``"dot"``; as fast as the split rows at 1 token on the H200, faster from 4 on); fp32 streams the split-row kernels
+    (``"dot"``; as fast as the split rows at 1 token, faster from 4 on); fp32 streams the split-row kernels
     (``"split"``) up to ``MIX_KERNEL_MAX_TOKENS`` tokens, else the compiled reference (``"compiled"``). ``kernel``
     forces one (``benchmarks/bench_hc_mix.py``). ``partials`` (split kernels only): the per-split shares before the
     finish, ``(dots, squares, splits, N_P2)``, for a kernel that finishes them itself."""
@@ -359,7 +357,7 @@ def _post(streams: torch.Tensor, block_out: torch.Tensor, extra: torch.Tensor | 
 def hc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """Op ``hc_post`` (``reference.hc_post``) in one launch: new streams ``[T, hc, D]`` from ``streams [T, hc, D]``,
     ``block_out [T, D]``, ``post [T, hc]`` and ``comb [T, hc, hc]``. (Compiled, the reference's batched
-    ``hc x hc`` matmul stayed a cuBLAS bmm of 4 x 4 tiles: 2.5 ms per call on 8K prefill tokens.)"""
+    ``hc x hc`` matmul stays a cuBLAS bmm of 4 x 4 tiles, slow on long prefill steps.)"""
     return _post(streams, block_out, None, post, comb)
 
 
@@ -399,7 +397,7 @@ def _hc_collapse_kernel(pre_ptr, streams_ptr, out_ptr, D, HC: tl.constexpr, HC_P
 
 def hc_collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     """``reference.hc_collapse``: ``[T, D]`` in the streams' dtype from ``pre [T, hc]`` (fp32) and ``streams
-    [T, hc, D]``. (Compiled, this reduction over 4 strided rows took 0.43-2.5 ms per call on 8K prefill tokens.)"""
+    [T, hc, D]``. (Compiled, this reduction over 4 strided rows is slow on long prefill steps.)"""
     tokens, hc, dim = streams.shape
     out = torch.empty(tokens, dim, dtype=streams.dtype, device=streams.device)
     if tokens:
@@ -439,8 +437,8 @@ def hc_pre_normed_deferred(streams: torch.Tensor, fn: torch.Tensor, base: torch.
                            sinkhorn_iters: int, hc_eps: float, norm_eps: float,
                            norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Op ``hc_pre_normed`` whose ``post`` and ``comb`` are computed on the side stream (``streams.fork``) while the
-    block runs: the finishing kernel on the caller's stream computes ``pre`` alone, so the Sinkhorn (~2.1 us of its
-    ~8.2 us per call at one token on the H200, docs/performance.md 4.21) leaves the step's critical path. ``post``
+    block runs: the finishing kernel on the caller's stream computes ``pre`` alone, so the Sinkhorn (about a quarter
+    of the op's time at one token) leaves the step's critical path. ``post``
     and ``comb`` are ready only once this module's ``hc_post`` / ``hc_post_sum`` has joined them: the backend puts
     this op in the table only where those two are its own (``defers_weights``)."""
     return _pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight, defer=True)

@@ -2,7 +2,7 @@
 
 The reference gathers the ring (an ``index`` kernel that moves two bytes per thread), gathers this step's rows,
 merges them with ``torch.where``, gathers the compressed entries and concatenates: five kernels and three full
-copies of the keys. On the H200 at batch 256 those took ~2 ms of a 15 ms decode step (docs/performance.md 4.12).
+copies of the keys, a large share of a batch-256 decode step.
 Here each program copies ``BLOCK_K`` whole key rows from wherever they live (ring slot, step row or store block)
 into the output, so every key is read once and written once, in contiguous rows.
 """

@@ -19,12 +19,12 @@ Intermediates are rounded to the model dtype where the reference op rounds them,
 reference's rounding too (fp32 runs are unaffected).
 
 One token (a batch-1 decode step) takes ``moe_experts_one_token``: two one-row kernels by expert id, no align and
-no combine (four launches of ~4 us each became two at batch 1: docs/performance.md 4.17).
+no combine: two launches instead of four.
 
 Prefill (bf16, more than ``GROUPED_GEMM_MIN_PER_EXPERT`` assignments per expert) replaces steps 2-3 by CUTLASS grouped
 GEMMs (``moe_experts_grouped``: ``torch._grouped_mm`` over the same sorted layout, then ``_swiglu_kernel``; the
-routing weight moves into the combine): ~660 TFLOP/s in an 8 x 1K prefill step on the H200, where the Triton tiles
-reached 40% of the peak (docs/performance.md 4.11).
+routing weight moves into the combine), whose wgmma / tcgen05 tiles run prefill sizes far faster than the Triton
+tiles.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from deepinfer_nvidia_sm100.kernels import gemv, pdl
 from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile, reference_under_compile
 
 ALIGN_KERNEL_MAX_EXPERTS = 256  # the align kernels hold per-expert counters in registers
-ALIGN_ONE_PROGRAM_MAX_ASSIGN = 128  # one program loops over them (27 us at 384, H200, batch 64 x top-6)
+ALIGN_ONE_PROGRAM_MAX_ASSIGN = 128  # one program loops over them (beyond this, its serial loop gets slow)
 ALIGN_CHUNKED_MAX_ASSIGN = 8192  # chunks of them in parallel, three launches; torch ops beyond (prefill)
 ALIGN_CHUNK_CELLS = 4096  # assignments x experts one program of the chunked kernels holds
 
@@ -51,7 +51,7 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int):
     [P // block_m]`` (-1 past the end) and ``dest [T * k]`` (row of each assignment in the sorted layout).
     Up to ``ALIGN_KERNEL_MAX_EXPERTS`` experts: one launch of ``_align_kernel`` up to
     ``ALIGN_ONE_PROGRAM_MAX_ASSIGN`` assignments, the three chunked kernels up to ``ALIGN_CHUNKED_MAX_ASSIGN``;
-    otherwise ``align_torch`` (~20 small torch ops, a sort among them: ~120 us per layer at batch 256).
+    otherwise ``align_torch`` (~20 small torch ops, a sort among them).
     """
     flat = ids.reshape(-1)
     n = flat.numel()
@@ -274,8 +274,8 @@ def _down_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, assign_ptr, block_expert_ptr
 
 
 TILES = {
-    # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps) by the mean tokens per expert; within 1-7% of the best of a sweep
-    # on the H200 (docs/performance.md 4.5). 16-row tiles run mma.sync (decode is weight-bandwidth bound);
+    # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps) by the mean tokens per expert; close to the best of a sweep
+    # (``benchmarks/sweep_moe_configs.py``). 16-row tiles run mma.sync (decode is weight-bandwidth bound);
     # 64-row tiles compile to wgmma on sm_90a and tcgen05 on sm_100a (tests/test_triton_compile.py).
     "decode": (16, 64, 128, 4),  # <= 16 tokens per expert
     "mid": (64, 64, 64, 4),  # <= 64
@@ -434,7 +434,7 @@ GROUP_ALIGN = 16  # rows per expert run in the grouped layout are padded to this
 def uses_grouped_gemm(x: torch.Tensor, num_assign: int, num_experts: int) -> bool:
     """Whether ``moe_experts`` runs through ``torch._grouped_mm`` (CUTLASS grouped GEMM on SM90 / SM100): bf16
     batches with more than ``GROUPED_GEMM_MIN_PER_EXPERT`` assignments per expert on average (prefill), where
-    wgmma / tcgen05 tiles beat the Triton kernels' (docs/performance.md); decode sizes keep the Triton kernels."""
+    wgmma / tcgen05 tiles beat the Triton kernels'; decode sizes keep the Triton kernels."""
     return (x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
             and num_assign > GROUPED_GEMM_MIN_PER_EXPERT * num_experts)
 

@@ -3,9 +3,8 @@ the normed rows' trailing channels, in the same pass).
 
 A program normalises ``ROWS`` whole rows held in registers, with the reference's arithmetic: fp32 sum of squares,
 ``rms_norm`` scales by the weight in fp32 and rounds once, ``unweighted_rms_norm`` rounds the scale to the input
-dtype first (as the reference multiplies in that dtype). On the H200 (``benchmarks/bench_norm.py``,
-docs/performance.md 4.9) it matches the per-op compiled reference at decode sizes (9.5-20 us, launch-bound) and is
-1.5-4x faster at 8K-token prefill rows (D 4096: 73 -> 38 us; per-head q norm: 388 -> 257 us, 99% of HBM bandwidth).
+dtype first (as the reference multiplies in that dtype). It is as fast as the per-op compiled reference at decode
+sizes (launch-bound) and faster on long prefill rows, near the copy bandwidth (``benchmarks/bench_norm.py`` times both).
 
 In the op table by default; ``DEEPINFER_NVIDIA_NORM=0`` takes the compiled reference instead. Inside a decode step
 compiled whole (``DEEPINFER_NVIDIA_COMPILE_STEP=1``) the reference op is traced, so Inductor fuses each norm with

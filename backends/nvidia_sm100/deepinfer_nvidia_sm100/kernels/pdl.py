@@ -8,9 +8,7 @@ the launches become programmatic edges.
 
 Every kernel that takes part starts with ``begin(PDL)``; its launch passes ``**pdl.launch()``: ``PDL=True`` and
 ``launch_pdl=True`` when ``DEEPINFER_NVIDIA_PDL`` is on (the default; ``0`` turns it off) and Triton compiles for a
-GPU, else ``PDL=False`` alone (Triton's interpreter has no ``griddepcontrol``). On the H200 (docs/performance.md
-4.16) it took a batch-1 decode step from 2.34 to 2.28 ms (bench: 403.1 -> 415.9 tok/s) and was as fast or faster
-at batch 64 and 256.
+GPU, else ``PDL=False`` alone (Triton's interpreter has no ``griddepcontrol``).
 """
 
 from __future__ import annotations

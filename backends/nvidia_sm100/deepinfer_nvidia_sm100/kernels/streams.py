@@ -4,11 +4,10 @@ CUDA graphs alike (a graph captured across two streams replays their kernels as 
 The model forks an attention layer's key path (the key norm, the compressor fold, the key gather, the ring write)
 beside its query path, the indexer's fold beside the attention, and the shared expert beside the routing. At batch
 1 those are chains of small kernels that leave most of the GPU idle; beside the weight-reading GEMVs of the other
-path they fill it (H200, docs/performance.md 4.13: batch-1 TPOT 3.08 -> 2.87 ms with the folds and the shared
-expert; 4.18: the key path forked, 2.098 -> 2.059 ms). ``join()`` waits for its own fork's work only (an event
+path they fill it. ``join()`` waits for its own fork's work only (an event
 recorded after it), not for work forked later; the side stream runs at high priority (``SIDE_PRIORITY``). Work on
-more than ``MAX_ROWS`` rows (prefill) runs in place: its kernels fill the GPU alone, and forked, a 1K-token prompt's
-first token came 19 ms later and an 8 x 1K prefill step took 153 instead of ~100 ms (4.13; why was not measured).
+more than ``MAX_ROWS`` rows (prefill) runs in place: its kernels fill the GPU alone, and forking them makes prefill
+steps slower.
 ``DEEPINFER_NVIDIA_STREAMS=0`` runs all forked work in place (the reference op) and ``DEEPINFER_NVIDIA_FORK_INLINE``
 the forks of the functions it names, for A/B runs; a step being compiled by TorchInductor also runs it in place.
 """
@@ -46,7 +45,7 @@ def inlined(fn: Callable) -> bool:
 SIDE_PRIORITY = -1
 """The side stream's priority (lower is higher; the default streams' is 0): its blocks are scheduled ahead of a
 running main-stream kernel's next blocks, so the forked chains of small kernels do not wait behind a GEMV's
-thousands of blocks (batch-1 TPOT 2.059 -> 2.036 ms on the H200, docs/performance.md 4.18)."""
+thousands of blocks."""
 
 
 @functools.cache

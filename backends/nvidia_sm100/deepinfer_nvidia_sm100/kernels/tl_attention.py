@@ -502,7 +502,7 @@ def _sm_count(index: int) -> int:
 
 def num_splits(rows: int, lk: int, sms: int, block_n: int = BLOCK_N) -> int:
     """Key splits per row: at most one wave of CTAs (one CTA per SM: ~200 KB of shared memory each), at least two
-    key blocks per split. H200 sweep (docs/performance.md): a second partial wave costs ~30% at S=64, Lk=2048."""
+    key blocks per split: a second, partial wave of CTAs costs more than the extra splits gain."""
     env = os.environ.get("DEEPINFER_TL_ATTN_SPLITS")
     n_blocks = max(1, math.ceil(lk / block_n))
     if env:
@@ -540,8 +540,7 @@ def sink_attention(
 def _launch(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor, scale: float,
             splits: int | None) -> torch.Tensor:
     """The split and combine kernels on ``supported`` inputs of at most ``MAX_ROWS`` query rows; on SM90, rows of
-    one split (prefill: more rows than SMs) take the whole-row kernel instead (no fp32 partials, no combine pass:
-    9.6 against 10.1 + 6.0 ms of an 8 x 1K prefill step on the H200, docs/performance.md 4.13);
+    one split (prefill: more rows than SMs) take the whole-row kernel instead (no fp32 partials, no combine pass);
     ``DEEPINFER_TL_ATTN_WHOLE=0`` keeps split + combine there."""
     S, Lq, H, d = q.shape
     Lk = kv.shape[1]
