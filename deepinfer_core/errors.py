@@ -57,3 +57,7 @@ class UnknownOptionError(DeepInferError, ValueError):
 
 class UnsupportedBackendError(DeepInferError, ValueError):
     """An active plugin does not support the selected backend."""
+
+
+class EnvironmentVariableError(DeepInferError, ValueError):
+    """A ``DEEPINFER_*`` environment variable holds a value its declaration (``deepinfer_core.envs``) does not accept."""

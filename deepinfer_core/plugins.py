@@ -15,7 +15,6 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
-import os
 import threading
 import traceback
 from collections.abc import Iterable, Mapping
@@ -25,7 +24,7 @@ from typing import Any
 
 import pluggy
 
-from deepinfer_core import hookspecs
+from deepinfer_core import envs, hookspecs
 from deepinfer_core.errors import PluginValidationError, UnknownOptionError, UnsupportedBackendError
 
 try:  # the stdlib version lacks some selection helpers on older Pythons; the backport is a core dependency
@@ -106,7 +105,7 @@ def discover_entry_points(group: str = ENTRY_POINT_GROUP) -> list[metadata.Entry
 
 def allow_list(env: Mapping[str, str] | None = None) -> set[str] | None:
     """Entry-point names allowed by ``DEEPINFER_PLUGINS``: ``None`` for all, an empty set for none."""
-    raw = (os.environ if env is None else env).get(ENV_PLUGINS, "").strip()
+    raw = envs.get(ENV_PLUGINS, env) or ""
     if not raw:
         return None
     names = {part.strip() for part in raw.split(",") if part.strip()}

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from deepinfer_core import envs
 from deepinfer_core.backends.base import Backend, ProbeResult
 from deepinfer_core.errors import BackendUnavailableError, InvalidBackendError, UnknownBackendError
 
@@ -97,7 +97,7 @@ def requested_backend(name: str | None = None, env: Mapping[str, str] | None = N
     if name:
         source = f"requested as {name!r}"
     else:
-        name = (os.environ if env is None else env).get(ENV_ACCELERATOR, "").strip()
+        name = envs.get(ENV_ACCELERATOR, env) or ""
         source = f"requested by {ENV_ACCELERATOR}={name}"
     if not name:
         return None

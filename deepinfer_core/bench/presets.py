@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
+from deepinfer_core import envs
 from deepinfer_core.errors import DeepInferError
 from deepinfer_core.models.deepseek_v4 import weights as v4_weights
 from deepinfer_core.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 
-CACHE_ENV = "DEEPINFER_BENCH_CACHE"
 MARKER_FILE = "bench_preset.json"  # written last: a folder without it is incomplete and is rebuilt
 WEIGHT_STD = 0.02
 _HF_TOP_LEVEL = {
@@ -157,8 +157,9 @@ def hf_saved_name(canonical: str) -> str:
 # ------------------------------------------------------------------------------------------------ cache
 def default_cache_dir() -> Path:
     """``$DEEPINFER_BENCH_CACHE``, else ``$XDG_CACHE_HOME/deepinfer/bench``, else ``~/.cache/deepinfer/bench``."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
+    given = envs.DEEPINFER_BENCH_CACHE
+    if given is not None:
+        return given
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return base / "deepinfer" / "bench"
 

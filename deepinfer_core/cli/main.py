@@ -12,7 +12,6 @@ import argparse
 import importlib
 import json
 import logging
-import os
 import platform
 import sys
 import traceback
@@ -41,10 +40,11 @@ class Subcommand:
 
 
 def env_report(backend: str | None = None) -> dict[str, Any]:
-    """Python, torch, the installed backends with their probe results, and which backend would be selected."""
+    """Python, torch, the ``DEEPINFER_*`` variables set, the installed backends with their probe results, and which
+    backend would be selected."""
     import torch
 
-    from deepinfer_core import hookspecs
+    from deepinfer_core import envs, hookspecs
     from deepinfer_core.backends import registry
     from deepinfer_core.errors import DeepInferError
 
@@ -68,7 +68,8 @@ def env_report(backend: str | None = None) -> dict[str, Any]:
             "debug": torch.version.debug,
             "threads": torch.get_num_threads(),
         },
-        "environment": {name: os.environ.get(name) for name in (registry.ENV_ACCELERATOR, "DEEPINFER_PLUGINS")},
+        "environment": envs.settings(),
+        "undeclared": envs.undeclared(envs.declarations()),
         "backends": backends,
         "selected": selected,
     }
@@ -99,7 +100,9 @@ def _format_env(report: dict[str, Any]) -> str:
             f"HIP build: {torch_info['hip_build'] or 'none'}, threads: {torch_info['threads']})"
         ),
     ]
-    lines += [f"{name}={value}" for name, value in report["environment"].items() if value is not None]
+    lines += [f"{name}={value}" for name, value in report["environment"].items()]
+    lines += [f"warning: {name} is set, but no installed package reads it (docs/configuration.md)"
+              for name in report["undeclared"]]
     lines += ["", "Backends:"]
     for b in report["backends"]:
         state = "available" if b["available"] else "unavailable"
@@ -120,14 +123,14 @@ def _format_env(report: dict[str, Any]) -> str:
 
 def plugins_report() -> dict[str, Any]:
     """Every plugin the process tried to load: distribution, version, hook API version, hooks, status."""
-    from deepinfer_core import hookspecs, plugins
+    from deepinfer_core import envs, hookspecs, plugins
 
     logging.getLogger("deepinfer.plugins").setLevel(logging.ERROR)  # the report shows the failures itself
     pm = plugins.get_plugin_manager()
     return {
         "hook_api_version": hookspecs.HOOK_API_VERSION,
         "entry_point_group": plugins.ENTRY_POINT_GROUP,
-        "environment": {plugins.ENV_PLUGINS: os.environ.get(plugins.ENV_PLUGINS)},
+        "environment": {plugins.ENV_PLUGINS: envs.get(plugins.ENV_PLUGINS)},
         "plugins": [record.as_dict() for _, record in sorted(pm.records.items())],
     }
 
