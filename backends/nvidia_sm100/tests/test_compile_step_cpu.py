@@ -64,7 +64,7 @@ STEP_GRAPHS: list[int] = []  # graphs TorchDynamo made of each captured step: 1 
 
 @pytest.mark.skipif(not ASSET.is_dir(), reason="the tiny checkpoint ships with the source tree only")
 def test_compiled_static_decode_steps_match_eager(monkeypatch):
-    monkeypatch.setenv(compiled.ENV, "1")
+    monkeypatch.setenv("DEEPINFER_NVIDIA_COMPILE", "1")
     eager, eager_replays = _generate(_eager)
     torch._dynamo.reset()
     got, replays = _generate(_compiled)

@@ -43,7 +43,7 @@ def _calls(num_seqs: int, seed: int):
 
 @pytest.mark.parametrize("num_seqs", [1, 5])
 def test_compiled_decode_index_ops_equal_the_reference(monkeypatch, num_seqs):
-    monkeypatch.setenv(compiled.ENV, "1")
+    monkeypatch.setenv("DEEPINFER_NVIDIA_COMPILE", "1")
     ops = compiled.compiled_ops()
     for seed in range(2):
         for name, args in _calls(num_seqs, seed):
@@ -55,18 +55,18 @@ def test_compiled_decode_index_ops_equal_the_reference(monkeypatch, num_seqs):
 
 
 def test_the_index_ops_are_compiled_overrides(monkeypatch):
-    monkeypatch.setenv(compiled.ENV, "1")
+    monkeypatch.setenv("DEEPINFER_NVIDIA_COMPILE", "1")
     ops = compiled.compiled_ops()
     for name in ("decode_key_index", "decode_entry_places", "decode_window_plan"):
         assert ops[name] is not getattr(ref, name) and ops[name].__name__ == name
-    monkeypatch.setenv(compiled.ENV, "0")
+    monkeypatch.setenv("DEEPINFER_NVIDIA_COMPILE", "0")
     assert compiled.compiled_ops() == {}
 
 
 def test_graph_only_ops_run_eagerly_outside_a_capture_and_compiled_inside(monkeypatch):
     """``compiled_in_graphs``: outside ``capturing()`` a call runs the function itself, inside (nested too) its
     ``maybe_compile`` form; the table's graph-only ops are built that way."""
-    monkeypatch.setenv(compiled.ENV, "1")
+    monkeypatch.setenv("DEEPINFER_NVIDIA_COMPILE", "1")
     routed = []
     monkeypatch.setattr(compiled, "maybe_compile", lambda fn: lambda *a: routed.append("compiled") or fn(*a))
 

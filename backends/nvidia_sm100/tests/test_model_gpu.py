@@ -6,11 +6,11 @@ random checkpoint written by ``tests/v4_factory.py`` (needs transformers with De
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
+from deepinfer_nvidia_sm100 import envs
 
 pytestmark = pytest.mark.nvidia
 
@@ -21,9 +21,9 @@ PROMPTS = [[1, 5, 9, 13, 2], list(range(3, 40)), [7] * 11 + list(range(20, 60, 3
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    env = os.environ.get("DEEPINFER_TINY_CHECKPOINT")
-    if env:
-        return Path(env)
+    given = envs.DEEPINFER_TINY_CHECKPOINT
+    if given is not None:
+        return given
     shipped = REPO / "deepinfer_core" / "assets" / "tiny_v4"
     if (shipped / "config.json").exists():
         return shipped

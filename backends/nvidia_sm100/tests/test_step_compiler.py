@@ -29,7 +29,7 @@ def _warm_capture(step):
 
 
 def test_steps_are_compiled_while_compiling_works(monkeypatch):
-    monkeypatch.setenv(compiled.STEP_ENV, "1")
+    monkeypatch.setenv("DEEPINFER_NVIDIA_COMPILE_STEP", "1")
     graphs = []
 
     def backend(gm, example_inputs):
@@ -43,7 +43,7 @@ def test_steps_are_compiled_while_compiling_works(monkeypatch):
 
 
 def test_a_compile_failure_captures_this_and_every_later_step_uncompiled(monkeypatch, caplog):
-    monkeypatch.setenv(compiled.STEP_ENV, "1")
+    monkeypatch.setenv("DEEPINFER_NVIDIA_COMPILE_STEP", "1")
     attempts = []
 
     def failing_backend(gm, example_inputs):
@@ -61,5 +61,5 @@ def test_a_compile_failure_captures_this_and_every_later_step_uncompiled(monkeyp
 
 
 def test_switched_off_steps_are_never_compiled(monkeypatch):
-    monkeypatch.setenv(compiled.STEP_ENV, "0")
+    monkeypatch.setenv("DEEPINFER_NVIDIA_COMPILE_STEP", "0")
     assert compiled.StepCompiler(lambda gm, inputs: pytest.fail("compiled")).capture(_step(), _warm_capture)() == 30.0

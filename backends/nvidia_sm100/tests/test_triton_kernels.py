@@ -129,7 +129,7 @@ def test_the_weights_are_deferred_only_where_the_tables_hc_post_ops_join_them(mo
     assert hc.defers_weights(OpTable(ours))
     assert not hc.defers_weights(OpTable({**ours, "hc_post_sum": ref.hc_post_sum}))  # a plugin's would read early
     assert not hc.defers_weights(OpTable({"hc_post": hc.hc_post, "hc_post_sum": hc.hc_post_sum}))
-    monkeypatch.setenv(hc.DEFER_ENV, "0")
+    monkeypatch.setenv("DEEPINFER_NVIDIA_HC_BESIDE", "0")
     assert not hc.defers_weights(OpTable(ours))
 
 
@@ -819,17 +819,15 @@ def test_visible_block_lists_are_planned_once_per_mask():
         assert torch.equal(first[0][row, :count], want[0][row, :count])
 
 
-def test_decode_attention_splits_fill_the_gpu_once_with_two_key_blocks_each(monkeypatch):
+def test_decode_attention_splits_fill_the_gpu_once_with_two_key_blocks_each():
     """The split heuristic: two key blocks a split at batch 1 (the preset's 384 keys: 3 splits x 4 head blocks), no
-    more programs than SMs at larger batches, at least one split; the environment variable fixes the count."""
+    more programs than SMs at larger batches, at least one split."""
     from deepinfer_nvidia_sm100.kernels import decode_attention as da
 
     assert da.num_splits(1, 64, 384, 132) == 3
     assert da.num_splits(1, 64, 128, 132) == 1
     assert da.num_splits(16, 64, 2048, 132) == 2  # 64 programs a split
     assert da.num_splits(64, 64, 2048, 132) == 1
-    monkeypatch.setenv(da.SPLITS_ENV, "8")
-    assert da.num_splits(1, 64, 384, 132) == 6  # capped at the key blocks
 
 
 def test_decode_attention_takes_one_row_unless_told_otherwise(monkeypatch):
@@ -844,5 +842,5 @@ def test_decode_attention_takes_one_row_unless_told_otherwise(monkeypatch):
     assert da.covered(*case(1, 1))
     assert not da.covered(*case(2, 1)) and not da.covered(*case(1, 7))
     assert not da.covered(*case(1, 1, dtype=torch.float32)) and not da.covered(*case(1, 1, heads=24))
-    monkeypatch.setenv(da.MAX_ROWS_ENV, "16")
+    monkeypatch.setenv("DEEPINFER_NVIDIA_DECODE_ATTN_MAX_ROWS", "16")
     assert da.covered(*case(16, 1)) and not da.covered(*case(17, 1))

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -29,27 +28,22 @@ import torch
 from torch._dynamo.exc import TorchDynamoException
 
 from deepinfer_core.ops import reference as ref
+from deepinfer_nvidia_sm100 import envs
 
 logger = logging.getLogger("deepinfer")
 
 COMPILED_OPS = ("rms_norm", "unweighted_rms_norm", "rope_cos_sin", "hc_head", "compressor_window", "compressor_pool",
                 "decode_key_index", "decode_entry_places", "decode_window_plan")
-ENV = "DEEPINFER_NVIDIA_COMPILE"
-STEP_ENV = "DEEPINFER_NVIDIA_COMPILE_STEP"
-
-
-def env_flag(name: str, default: str) -> bool:
-    """Whether the environment variable ``name`` (``default`` when unset) is on: anything but 0 / false / no / off."""
-    return os.environ.get(name, default).strip() not in ("0", "false", "no", "off", "")
 
 
 def enabled() -> bool:
-    return env_flag(ENV, "1")
+    """Whether these ops are compiled (``DEEPINFER_NVIDIA_COMPILE``, on by default)."""
+    return envs.DEEPINFER_NVIDIA_COMPILE
 
 
 def step_enabled() -> bool:
     """Whether decode steps are compiled whole before capture (``DEEPINFER_NVIDIA_COMPILE_STEP``, off by default)."""
-    return enabled() and env_flag(STEP_ENV, "0")
+    return enabled() and envs.DEEPINFER_NVIDIA_COMPILE_STEP
 
 
 def compile_step(fn: Callable, backend: str | Callable = "inductor") -> Callable:
@@ -88,7 +82,7 @@ class StepCompiler:
             except TorchDynamoException as exc:
                 self.failure = f"{type(exc).__name__}: {exc}".strip()
                 logger.warning("compiling the decode step failed; decode steps are captured uncompiled from now on "
-                               "(%s=0 skips compiling)", STEP_ENV, exc_info=True)
+                               "(DEEPINFER_NVIDIA_COMPILE_STEP=0 skips compiling)", exc_info=True)
         return capture(fn)
 
 

@@ -16,17 +16,15 @@ wgmma tiles, runs one CTA per 64 heads there, and its fixed cost outweighs the f
 2. ``_combine_kernel`` (two or more splits): ``M = max_s m_s``, ``L = sum_s l_s 2^(m_s - M) + 2^(sink - M)`` (the
    sink in the denominator only), ``out = sum_s O_s 2^(m_s - M) / L``.
 
-Decode steps of one sequence take it (``MAX_ROWS``: the rows it is tuned for); prefill rows and
-larger batches keep the fallback (the TileLang kernel where installed). ``DEEPINFER_NVIDIA_DECODE_ATTN=0`` turns it
-off; ``DEEPINFER_NVIDIA_DECODE_ATTN_MAX_ROWS`` raises the row limit and ``DEEPINFER_NVIDIA_DECODE_ATTN_SPLITS`` fixes
-the split count (A/B runs).
+Decode steps of one sequence take it (the rows it is tuned for); prefill rows and larger batches
+keep the fallback (the TileLang kernel where installed). ``DEEPINFER_NVIDIA_DECODE_ATTN=0`` turns it off;
+``DEEPINFER_NVIDIA_DECODE_ATTN_MAX_ROWS`` raises the row limit.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 import weakref
 from collections.abc import Callable
 
@@ -34,23 +32,20 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_nvidia_sm100 import envs
 from deepinfer_nvidia_sm100.kernels import pdl
-from deepinfer_nvidia_sm100.kernels.compiled import env_flag, opaque_under_compile
+from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 from deepinfer_nvidia_sm100.kernels.key_blocks import visible_blocks
 
-ENV = "DEEPINFER_NVIDIA_DECODE_ATTN"
-SPLITS_ENV = "DEEPINFER_NVIDIA_DECODE_ATTN_SPLITS"
 BLOCK_H = 16  # heads per program: one mma row tile
 BLOCK_N = 64  # keys per block (the visible-block lists' unit)
-MAX_ROWS_ENV = "DEEPINFER_NVIDIA_DECODE_ATTN_MAX_ROWS"
-MAX_ROWS = 1  # decode rows (sequences) per call up to which this kernel runs: batch 1, where it was timed (4.17)
 BLOCKS_PER_SPLIT = 2  # key blocks a split takes at least
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
 def enabled() -> bool:
     """Whether ``DEEPINFER_NVIDIA_DECODE_ATTN`` puts the kernel in the op table (on by default)."""
-    return env_flag(ENV, "1")
+    return envs.DEEPINFER_NVIDIA_DECODE_ATTN
 
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # the kernels keep logits in base 2
@@ -129,9 +124,9 @@ def _combine_kernel(opart_ptr, mpart_ptr, lpart_ptr, sinks_ptr, out_ptr, H, spli
 
 
 def max_rows() -> int:
-    """Most decode rows a call may have to take the kernel: ``MAX_ROWS``, or ``DEEPINFER_NVIDIA_DECODE_ATTN_MAX_ROWS``
-    (A/B runs at larger batches, which keep the fallback until timed)."""
-    return int(os.environ.get(MAX_ROWS_ENV, MAX_ROWS))
+    """Most decode rows a call may have to take the kernel: ``DEEPINFER_NVIDIA_DECODE_ATTN_MAX_ROWS``, 1 by default
+    (batch 1, the rows the kernel is tuned for; larger batches keep the fallback)."""
+    return envs.DEEPINFER_NVIDIA_DECODE_ATTN_MAX_ROWS
 
 
 def covered(q: torch.Tensor, kv: torch.Tensor) -> bool:
@@ -145,11 +140,8 @@ def covered(q: torch.Tensor, kv: torch.Tensor) -> bool:
 
 def num_splits(rows: int, heads: int, lk: int, sms: int) -> int:
     """Key splits per row: at least ``BLOCKS_PER_SPLIT`` key blocks each, and at most one program per SM (of ``sms``)
-    in all (``DEEPINFER_NVIDIA_DECODE_ATTN_SPLITS`` fixes it)."""
+    in all."""
     blocks = max(1, math.ceil(lk / BLOCK_N))
-    env = os.environ.get(SPLITS_ENV)
-    if env:
-        return max(1, min(int(env), blocks))
     programs = rows * (heads // BLOCK_H)
     return max(1, min(math.ceil(blocks / BLOCKS_PER_SPLIT), sms // programs))
 

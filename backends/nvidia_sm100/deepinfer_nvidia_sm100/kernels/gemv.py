@@ -20,17 +20,17 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.ops import reference as ref
+from deepinfer_nvidia_sm100 import envs
 from deepinfer_nvidia_sm100.kernels import blas, pdl
-from deepinfer_nvidia_sm100.kernels.compiled import env_flag, opaque_under_compile
+from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 
-ENV = "DEEPINFER_NVIDIA_GEMV"
 MIN_COLUMNS = 64  # the narrowest output it takes: the router (64 experts), 32 programs of two columns
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
 def enabled() -> bool:
     """Whether ``DEEPINFER_NVIDIA_GEMV`` puts these ops in the op table (on by default)."""
-    return env_flag(ENV, "1")
+    return envs.DEEPINFER_NVIDIA_GEMV
 
 
 @triton.jit

@@ -17,16 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_nvidia_sm100 import envs
 from deepinfer_nvidia_sm100.kernels import pdl
-from deepinfer_nvidia_sm100.kernels.compiled import env_flag
 
-ENV = "DEEPINFER_NVIDIA_GREEDY"
 BLOCK = 4096  # logits a program: the preset's vocabulary in 32 programs a row
 
 
 def enabled() -> bool:
     """Whether ``DEEPINFER_NVIDIA_GREEDY`` puts the op in the op table (on by default; ``0``: the reference)."""
-    return env_flag(ENV, "1")
+    return envs.DEEPINFER_NVIDIA_GREEDY
 
 
 @triton.jit

@@ -22,10 +22,11 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.ops import reference as ref
+from deepinfer_nvidia_sm100 import envs
 from deepinfer_nvidia_sm100.kernels import norm as _norm
 from deepinfer_nvidia_sm100.kernels import pdl
 from deepinfer_nvidia_sm100.kernels import streams as side
-from deepinfer_nvidia_sm100.kernels.compiled import env_flag, maybe_compile, opaque_under_compile, step_enabled
+from deepinfer_nvidia_sm100.kernels.compiled import maybe_compile, opaque_under_compile, step_enabled
 
 NORM_MAX_BLOCK_D = 8192  # hc_pre_normed: rows up to this wide are collapsed and normed in registers, in one pass
 NORM_WARPS = 4  # warps of the finishing kernel that norms (bench_hc_norm.py: 8 and 16 are slower at every size)
@@ -444,7 +445,6 @@ def hc_pre_normed_deferred(streams: torch.Tensor, fn: torch.Tensor, base: torch.
     return _pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight, defer=True)
 
 
-DEFER_ENV = "DEEPINFER_NVIDIA_HC_BESIDE"
 _DEFERRED: dict[int, object] = {}
 """The forked weights of ``hc_pre_normed_deferred`` by ``id`` of their ``comb`` tensor, until ``_post`` joins them."""
 
@@ -454,7 +454,7 @@ def defers_weights(table) -> bool:
     are this module's (nothing else reads ``post`` / ``comb`` before a join), decode steps are not compiled whole,
     and ``DEEPINFER_NVIDIA_HC_BESIDE`` is not 0."""
     ours = (table.hc_pre_normed is hc_pre_normed and table.hc_post is hc_post and table.hc_post_sum is hc_post_sum)
-    return ours and env_flag(DEFER_ENV, "1") and not step_enabled()
+    return ours and envs.DEEPINFER_NVIDIA_HC_BESIDE and not step_enabled()
 
 
 def _join_weights(comb: torch.Tensor) -> None:

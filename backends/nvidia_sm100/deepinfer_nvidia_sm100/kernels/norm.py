@@ -18,16 +18,16 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.ops import reference as ref
+from deepinfer_nvidia_sm100 import envs
 from deepinfer_nvidia_sm100.kernels import pdl
-from deepinfer_nvidia_sm100.kernels.compiled import env_flag, reference_under_compile
+from deepinfer_nvidia_sm100.kernels.compiled import reference_under_compile
 
-ENV = "DEEPINFER_NVIDIA_NORM"
 MAX_WIDTH = 16384  # a row lives in registers
 
 
 def enabled() -> bool:
     """Whether ``DEEPINFER_NVIDIA_NORM`` puts these ops in the op table (on by default)."""
-    return env_flag(ENV, "1")
+    return envs.DEEPINFER_NVIDIA_NORM
 
 
 @triton.jit

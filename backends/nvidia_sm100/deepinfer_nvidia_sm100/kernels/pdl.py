@@ -13,18 +13,23 @@ GPU, else ``PDL=False`` alone (Triton's interpreter has no ``griddepcontrol``).
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from deepinfer_nvidia_sm100.kernels.compiled import env_flag
-
-ENV = "DEEPINFER_NVIDIA_PDL"
+from deepinfer_nvidia_sm100 import envs
 
 
 def enabled() -> bool:
     """Whether launches use PDL: ``DEEPINFER_NVIDIA_PDL`` on (the default) and not under Triton's interpreter."""
-    return env_flag(ENV, "1") and not env_flag("TRITON_INTERPRET", "0")
+    return envs.DEEPINFER_NVIDIA_PDL and not _interpreted()
+
+
+def _interpreted() -> bool:
+    """Whether Triton's interpreter runs the kernels: ``TRITON_INTERPRET`` set to anything but 0 / false / no / off."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip() not in ("0", "false", "no", "off", "")
 
 
 def launch() -> dict:

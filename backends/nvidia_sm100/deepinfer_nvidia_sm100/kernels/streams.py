@@ -8,38 +8,28 @@ path they fill it. ``join()`` waits for its own fork's work only (an event
 recorded after it), not for work forked later; the side stream runs at high priority (``SIDE_PRIORITY``). Work on
 more than ``MAX_ROWS`` rows (prefill) runs in place: its kernels fill the GPU alone, and forking them makes prefill
 steps slower.
-``DEEPINFER_NVIDIA_STREAMS=0`` runs all forked work in place (the reference op) and ``DEEPINFER_NVIDIA_FORK_INLINE``
-the forks of the functions it names, for A/B runs; a step being compiled by TorchInductor also runs it in place.
+``DEEPINFER_NVIDIA_STREAMS=0`` runs all forked work in place (the reference op); a step being compiled by
+TorchInductor also runs it in place.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from deepinfer_core.ops import reference as ref
+from deepinfer_nvidia_sm100 import envs
 
 MAX_ROWS = 512
 """Forked work whose first tensor argument (the activations, by the op's convention) has more rows runs in place."""
 
 
-INLINE_ENV = "DEEPINFER_NVIDIA_FORK_INLINE"
-PRIORITY_ENV = "DEEPINFER_NVIDIA_SIDE_PRIORITY"
-
-
 def enabled() -> bool:
     """Forked work on a second stream, unless ``DEEPINFER_NVIDIA_STREAMS=0``."""
-    return os.environ.get("DEEPINFER_NVIDIA_STREAMS", "1") != "0"
-
-
-def inlined(fn: Callable) -> bool:
-    """Whether ``fn`` is named in ``DEEPINFER_NVIDIA_FORK_INLINE`` (comma-separated function names whose forks run
-    in place: A/B runs of one fork)."""
-    return getattr(fn, "__name__", "") in os.environ.get(INLINE_ENV, "").split(",")
+    return envs.DEEPINFER_NVIDIA_STREAMS
 
 
 SIDE_PRIORITY = -1
@@ -51,8 +41,8 @@ thousands of blocks."""
 @functools.cache
 def side_stream(device: torch.device) -> torch.cuda.Stream:
     """The side stream of ``device``, made on first use and kept (every fork and every captured graph shares it);
-    priority ``SIDE_PRIORITY``, or ``DEEPINFER_NVIDIA_SIDE_PRIORITY`` (A/B runs)."""
-    return torch.cuda.Stream(device, priority=int(os.environ.get(PRIORITY_ENV, SIDE_PRIORITY)))
+    priority ``SIDE_PRIORITY``."""
+    return torch.cuda.Stream(device, priority=SIDE_PRIORITY)
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -87,7 +77,7 @@ def fork(fn: Callable[..., Any], *args: Any) -> Forked | ref.Finished:
     to here, then runs ``fn``."""
     tensors = list(_tensors(args))
     small = bool(tensors) and (tensors[0].dim() == 0 or tensors[0].shape[0] <= MAX_ROWS)
-    if not enabled() or torch.compiler.is_compiling() or not small or not tensors[0].is_cuda or inlined(fn):
+    if not enabled() or torch.compiler.is_compiling() or not small or not tensors[0].is_cuda:
         return ref.fork(fn, *args)
     main = torch.cuda.current_stream()
     side = side_stream(main.device)

@@ -36,12 +36,12 @@ CPU tensors), to the reference op. TileLang is imported lazily, inside the build
 
 import importlib.util
 import math
-import os
 from functools import cache
 
 import torch
 
 from deepinfer_core.ops import reference as ref
+from deepinfer_nvidia_sm100 import envs
 from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 from deepinfer_nvidia_sm100.kernels.key_blocks import visible_blocks, visible_blocks_torch
 
@@ -57,8 +57,8 @@ def _pass_configs(arch: str) -> dict:
     import tilelang
 
     # SM100: the TileLang 0.1.15 tcgen05 path wants plain copies and no warp specialisation. SM90 uses TMA and a
-    # warp-specialised producer unless DEEPINFER_TL_ATTN_NO_WS=1.
-    if arch == "sm_100a" or os.environ.get("DEEPINFER_TL_ATTN_NO_WS") == "1":
+    # warp-specialised producer.
+    if arch == "sm_100a":
         return {tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
                 tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
     return {}
@@ -502,17 +502,18 @@ def _sm_count(index: int) -> int:
 
 def num_splits(rows: int, lk: int, sms: int, block_n: int = BLOCK_N) -> int:
     """Key splits per row: at most one wave of CTAs (one CTA per SM: ~200 KB of shared memory each), at least two
-    key blocks per split: a second, partial wave of CTAs costs more than the extra splits gain."""
-    env = os.environ.get("DEEPINFER_TL_ATTN_SPLITS")
+    key blocks per split (``DEEPINFER_TL_ATTN_SPLITS`` fixes the count): a second, partial wave of CTAs
+    costs more than the extra splits gain."""
+    fixed = envs.DEEPINFER_TL_ATTN_SPLITS
     n_blocks = max(1, math.ceil(lk / block_n))
-    if env:
-        return max(1, min(int(env), n_blocks))
+    if fixed is not None:
+        return max(1, min(fixed, n_blocks))
     return max(1, min(sms // rows, math.ceil(n_blocks / 2)))
 
 
 def available() -> bool:
     """TileLang importable (without importing it) and not switched off by ``DEEPINFER_NVIDIA_TILELANG=0``."""
-    return os.environ.get("DEEPINFER_NVIDIA_TILELANG", "1") != "0" and importlib.util.find_spec("tilelang") is not None
+    return envs.DEEPINFER_NVIDIA_TILELANG and importlib.util.find_spec("tilelang") is not None
 
 
 def supported(q: torch.Tensor, kv: torch.Tensor) -> bool:
@@ -552,7 +553,7 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sinks: tor
     blocks, counts = visible_blocks(vis, BLOCK_N)  # [B, NB], [B]
     sk = sinks.float().contiguous()  # [H]
     out = torch.empty(B, H, d, device=q.device, dtype=q.dtype)
-    if ns == 1 and arch == "sm_90a" and os.environ.get("DEEPINFER_TL_ATTN_WHOLE", "1") != "0":
+    if ns == 1 and arch == "sm_90a" and envs.DEEPINFER_TL_ATTN_WHOLE:
         _compiled_whole(_DTYPES[q.dtype], float(scale))(qf, kv.contiguous(), vis, blocks, counts, sk, out)
         return out.view(S, Lq, H, d)
     split, combine = _compiled(arch, _DTYPES[q.dtype], float(scale))

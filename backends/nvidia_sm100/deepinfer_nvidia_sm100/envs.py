@@ -1,0 +1,56 @@
+"""The NVIDIA backend's environment variables (``deepinfer_core.envs`` explains the declarations and the values).
+
+Most switch one of the backend's kernels off, back to the reference op (or cuBLAS), for A/B runs and profiles;
+docs/nvidia.md says what each kernel covers. Read them as ``envs.DEEPINFER_NVIDIA_PDL`` (the value now).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from deepinfer_core.envs import Variable, Variables
+
+VARIABLES = Variables(
+    "deepinfer-nvidia-sm100",
+    Variable("DEEPINFER_NVIDIA_COMPILE", bool, True,
+             "Fuse the small reference ops (norms, RoPE tables, `hc_head`, the compressor and decode index ops) "
+             "with `torch.compile`; 0: run them eagerly."),
+    Variable("DEEPINFER_NVIDIA_COMPILE_STEP", bool, False,
+             "Compile whole decode steps with TorchInductor before their CUDA graphs are captured (needs "
+             "`DEEPINFER_NVIDIA_COMPILE` on)."),
+    Variable("DEEPINFER_NVIDIA_PDL", bool, True,
+             "Launch the Triton kernels with programmatic dependent launch; 0 for per-kernel times in a profile."),
+    Variable("DEEPINFER_NVIDIA_GEMV", bool, True,
+             "Triton GEMV for one-row `linear` / `grouped_linear` (batch-1 decode); 0: cuBLAS."),
+    Variable("DEEPINFER_NVIDIA_NORM", bool, True, "Triton RMS-norm kernels; 0: the compiled reference ops."),
+    Variable("DEEPINFER_NVIDIA_GREEDY", bool, True, "Triton sampler for all-greedy steps; 0: the reference sampler."),
+    Variable("DEEPINFER_NVIDIA_DECODE_ATTN", bool, True,
+             "Triton `sink_attention` for decode rows; 0: the TileLang kernel (SM90, where installed) or the "
+             "reference."),
+    Variable("DEEPINFER_NVIDIA_DECODE_ATTN_MAX_ROWS", int, 1,
+             "Most decode rows (sequences) a call may have to take the Triton decode attention kernel."),
+    Variable("DEEPINFER_NVIDIA_STREAMS", bool, True,
+             "Run forked work (an attention layer's key path, the folds, the shared expert) on a second CUDA "
+             "stream; 0: in place."),
+    Variable("DEEPINFER_NVIDIA_HC_BESIDE", bool, True,
+             "Compute the mHC `post` / `comb` weights (the Sinkhorn) on the side stream beside the block; 0: inline."),
+    Variable("DEEPINFER_NVIDIA_TILELANG", bool, True,
+             "TileLang `sink_attention` where `tilelang` is installed (SM90); 0: the reference."),
+    Variable("DEEPINFER_TL_ATTN_SPLITS", int, None,
+             "Key splits per row of the TileLang attention; unset: at most one wave of CTAs, two key blocks a split."),
+    Variable("DEEPINFER_TL_ATTN_WHOLE", bool, True,
+             "On SM90, rows of one key split take the whole-row TileLang kernel; 0: split kernel + combine."),
+    Variable("DEEPINFER_TINY_CHECKPOINT", Path, None,
+             "Checkpoint of the backend's GPU model tests; unset: `deepinfer_core/assets/tiny_v4`, else one "
+             "written by the test."),
+)
+
+
+def get(name: str) -> Any:
+    """The value of the backend's variable ``name``, read now."""
+    return VARIABLES.get(name)
+
+
+def __getattr__(name: str) -> Any:
+    return VARIABLES.attribute(name)
