@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 
+from deepinfer_batch_invariant import envs
 from deepinfer_core.errors import UnsupportedBackendError
 from deepinfer_core.hookspecs import hookimpl
 
@@ -73,7 +73,8 @@ def reset() -> None:
 
 
 def parse_flag(value: Any, name: str) -> bool:
-    """``True`` / ``False`` from a bool, 0 / 1, or a string such as "1", "true", "off"; ValueError otherwise."""
+    """An option's ``True`` / ``False`` from a bool, 0 / 1, or a string such as "1", "true", "off"; ValueError
+    otherwise."""
     if isinstance(value, bool):
         return value
     if isinstance(value, int) and value in (0, 1):
@@ -85,16 +86,11 @@ def parse_flag(value: Any, name: str) -> bool:
 
 def resolve(options: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> State:
     """The state for an engine configured with ``options`` under ``environ`` (default ``os.environ``)."""
-    environ = os.environ if environ is None else environ
     if OPTION in options:
         enabled, source = parse_flag(options[OPTION], f"option {OPTION}"), "option"
-    elif environ.get(ENV, "").strip():
-        enabled, source = parse_flag(environ[ENV], ENV), "env"
     else:
-        enabled, source = False, None
-    raw_varlen = environ.get(ENV_MTP_VARLEN, "").strip()
-    varlen = parse_flag(raw_varlen, ENV_MTP_VARLEN) if raw_varlen else None
-    return State(enabled, source if enabled else None, varlen)
+        enabled, source = envs.get(ENV, environ), "env"
+    return State(enabled, source if enabled else None, envs.get(ENV_MTP_VARLEN, environ))
 
 
 # ----------------------------------------------------------------------------- hooks

@@ -1,0 +1,26 @@
+"""The batch-invariant plugin's environment variables (``deepinfer_core.envs`` explains the declarations)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from deepinfer_core.envs import Variable, Variables
+
+VARIABLES = Variables(
+    "deepinfer-batch-invariant",
+    Variable("DEEPINFER_BATCH_INVARIANT", bool, False,
+             "Batch-invariant mode for engines built without the `batch_invariant` option (the option wins)."),
+    Variable("DEEPINFER_ENABLE_MTP_VARLEN", bool, None,
+             "The reference engine's switch for deterministic sampling with speculative decoding: checked and "
+             "logged, no effect yet (no speculative decoding)."),
+)
+
+
+def get(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """The value of the plugin's variable ``name`` in ``environ`` (default ``os.environ``), read now."""
+    return VARIABLES.get(name, environ)
+
+
+def __getattr__(name: str) -> Any:
+    return VARIABLES.attribute(name)
