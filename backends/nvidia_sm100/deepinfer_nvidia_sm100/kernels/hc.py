@@ -29,7 +29,7 @@ from deepinfer_nvidia_sm100.kernels import streams as side
 from deepinfer_nvidia_sm100.kernels.compiled import maybe_compile, opaque_under_compile, step_enabled
 
 NORM_MAX_BLOCK_D = 8192  # hc_pre_normed: rows up to this wide are collapsed and normed in registers, in one pass
-NORM_WARPS = 4  # warps of the finishing kernel that norms (bench_hc_norm.py: 8 and 16 are slower at every size)
+NORM_WARPS = 4  # warps of the finishing kernel that norms (bench_hc_norm.py times 4, 8 and 16)
 MIX_KERNEL_MAX_TOKENS = 16  # fp32 streams above this take the compiled reference (faster there)
 MIX_K_PER_SPLIT = 128  # row elements per program (128 programs for one token of V4-Flash)
 
