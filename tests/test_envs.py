@@ -27,7 +27,7 @@ ENVIRON = re.compile(r"\benviron\b")  # os.environ, an ``environ`` argument; not
 NOT_VARIABLES = {"DEEPINFER_HOOK_API_VERSION"}  # a plugin module's attribute (docs/plugins.md), not a variable
 EXAMPLE_PREFIX = "DEEPINFER_MYFEATURE_"  # docs/plugins.md's example package
 
-PENDING_READS = {"deepinfer_core/models/resolve.py"}
+PENDING_READS: set[str] = set()
 """Files under a concurrent rewrite that still read a variable directly; switch each to ``envs``, then drop it."""
 
 

@@ -10,6 +10,7 @@ import os
 import re
 from pathlib import Path
 
+from deepinfer_core import envs
 from deepinfer_core.errors import DeepInferError
 
 MODEL_DIR_ENV = "DEEPINFER_HF_MODEL_DIR"
@@ -33,9 +34,9 @@ def resolve_model(model: str | os.PathLike | None = None) -> Path:
     Raises ModelNotFoundError saying how to download the model or set the environment variable.
     """
     if model is None:
-        env = os.environ.get(MODEL_DIR_ENV)
-        if env:
-            return _checked_folder(Path(env).expanduser(), f"${MODEL_DIR_ENV}")
+        given = envs.DEEPINFER_HF_MODEL_DIR
+        if given is not None:
+            return _checked_folder(given, f"${MODEL_DIR_ENV}")
         return _checked_folder(default_model_dir(), "the embedded default model")
     path = Path(model).expanduser()
     if path.is_dir():
