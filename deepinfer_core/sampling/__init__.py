@@ -1,5 +1,6 @@
-"""Sampling: per-request parameters and the pure, batch-invariant sampler."""
+"""Sampling: per-request parameters, logits processors and the pure, batch-invariant sampler."""
 
+from deepinfer_core.sampling.logits_processor import LogitsProcessor, LogitsProcessorLike, LogitsRow
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.sampling.sampler import (
     PromptLogprobsOutput,
@@ -11,6 +12,9 @@ from deepinfer_core.sampling.sampler import (
 )
 
 __all__ = [
+    "LogitsProcessor",
+    "LogitsProcessorLike",
+    "LogitsRow",
     "PromptLogprobsOutput",
     "SamplerOutput",
     "SamplingMetadata",

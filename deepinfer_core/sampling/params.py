@@ -9,6 +9,11 @@ the value and the allowed range. Normalisations (all as vLLM does):
   "off" values since they cannot change an argmax.
 * ``seed`` may also be given as ``seq_seed`` (the reference engine's name); both are accepted,
   giving two different values is an error.
+* ``logit_bias`` keys may be given as strings of digits (JSON objects have string keys); they are stored as ints.
+  ``allowed_token_ids`` and ``bad_words`` become lists; an empty ``logit_bias`` / ``bad_words`` becomes ``None``.
+
+Token ids in ``logit_bias`` and ``allowed_token_ids`` are checked against the model's vocabulary when the engine
+takes the request (``RequestRejectedError``); ``bad_words`` are tokenized by the engine's tokenizer then.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from deepinfer_core.errors import DeepInferError
@@ -73,6 +78,14 @@ class SamplingParams:
             decides spacing).
         include_stop_str_in_output: keep the matched stop string (or stop token text) in the text.
         detokenize: produce text; stop strings need it.
+        logit_bias: token id -> a finite number added to that token's logit before sampling (vLLM's
+            ``logit_bias``; greedy rows see it too), or None.
+        allowed_token_ids: the only token ids that may be sampled (non-empty), or None for all.
+        bad_words: words that are never completed: a word's last token is banned whenever the tokens before it
+            in the word were just generated (single-token words are always banned). Each word is tokenized with
+            and without a leading space, as vLLM does.
+        extra_args: free-form JSON-like values for plugins and logits processors (str keys), or None; the core
+            never reads it.
     """
 
     n: int = 1
@@ -95,6 +108,10 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    extra_args: dict[str, Any] | None = None
 
     def __init__(
         self,
@@ -120,6 +137,10 @@ class SamplingParams:
         spaces_between_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
         detokenize: bool = True,
+        logit_bias: Mapping[int, float] | None = None,
+        allowed_token_ids: Sequence[int] | None = None,
+        bad_words: Sequence[str] | None = None,
+        extra_args: Mapping[str, Any] | None = None,
     ) -> None:
         self.n = n
         self.temperature = temperature
@@ -141,6 +162,10 @@ class SamplingParams:
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self.include_stop_str_in_output = include_stop_str_in_output
         self.detokenize = detokenize
+        self.logit_bias = _normalise_logit_bias(logit_bias)
+        self.allowed_token_ids = _normalise_allowed_token_ids(allowed_token_ids)
+        self.bad_words = _normalise_bad_words(bad_words)
+        self.extra_args = _normalise_extra_args(extra_args)
         self._validate()
         self._normalise()
 
@@ -160,6 +185,11 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         """Whether a repetition, presence or frequency penalty is on (they need the ids generated so far)."""
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def uses_logits_controls(self) -> bool:
+        """Whether ``logit_bias``, ``allowed_token_ids`` or ``bad_words`` change this request's logits."""
+        return self.logit_bias is not None or self.allowed_token_ids is not None or self.bad_words is not None
 
     def clone(self) -> SamplingParams:
         """A deep copy (lists are not shared with the original)."""
@@ -278,3 +308,67 @@ def _normalise_stop_token_ids(ids: Any) -> list[int]:
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
             raise ValueError(f"stop_token_ids must contain ints >= 0, got {t!r} in {out!r}")
     return out
+
+
+def _normalise_logit_bias(bias: Any) -> dict[int, float] | None:
+    """``None`` or ``{}`` -> ``None``; a mapping of token id (int, or a str of digits) to a finite number -> dict."""
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise SamplingParamsTypeError(f"logit_bias must be a dict of token id -> number or None, got {bias!r} "
+                                      f"({type(bias).__name__})")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids >= 0, got {key!r}")
+        _check_number(f"logit_bias[{token}]", value)
+        if math.isinf(value):
+            raise ValueError(f"logit_bias[{token}] must be finite, got {value!r}; use bad_words or "
+                             "allowed_token_ids to ban a token")
+        out[token] = float(value)
+    return out or None
+
+
+def _normalise_allowed_token_ids(ids: Any) -> list[int] | None:
+    """``None`` -> ``None``; a non-empty sequence of ids >= 0 -> list (vLLM refuses an empty list too)."""
+    if ids is None:
+        return None
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+        raise SamplingParamsTypeError(f"allowed_token_ids must be a list of int or None, got {ids!r} "
+                                      f"({type(ids).__name__})")
+    out = list(ids)
+    if not out:
+        raise ValueError("allowed_token_ids must not be empty: no token could be sampled; pass None to allow all")
+    for t in out:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise ValueError(f"allowed_token_ids must contain ints >= 0, got {t!r} in {out!r}")
+    return out
+
+
+def _normalise_bad_words(words: Any) -> list[str] | None:
+    """``None`` or ``[]`` -> ``None``; a sequence of non-blank strings -> list."""
+    if words is None:
+        return None
+    if isinstance(words, str) or not isinstance(words, Sequence):
+        raise SamplingParamsTypeError(f"bad_words must be a list of str or None, got {words!r} "
+                                      f"({type(words).__name__})")
+    out = list(words)
+    for w in out:
+        if not isinstance(w, str):
+            raise SamplingParamsTypeError(f"bad_words must contain only strings, got {w!r} ({type(w).__name__})")
+        if not w.strip():
+            raise ValueError(f"bad_words must not contain a blank string, got {out!r}")
+    return out or None
+
+
+def _normalise_extra_args(extra: Any) -> dict[str, Any] | None:
+    """``None`` -> ``None``; a mapping with str keys -> dict (values are not looked at)."""
+    if extra is None:
+        return None
+    if not isinstance(extra, Mapping):
+        raise SamplingParamsTypeError(f"extra_args must be a dict or None, got {extra!r} ({type(extra).__name__})")
+    bad = [k for k in extra if not isinstance(k, str)]
+    if bad:
+        raise SamplingParamsTypeError(f"extra_args keys must be strings, got {bad[0]!r}")
+    return dict(extra)

@@ -4,13 +4,19 @@ Order of operations (as vLLM):
 
 1. log-probabilities to return: ``log_softmax`` of the *raw* logits (vLLM's default
    ``logprobs_mode="raw_logprobs"``), before any penalty, mask, temperature or filter.
-2. penalties on the raw logits: repetition (tokens in the prompt or the output), then frequency and
-   presence (tokens in the output).
-3. masks: stop / EOS ids of rows that have fewer than ``min_tokens`` output tokens, and the
+2. per-request controls (vLLM's order): tokens outside ``allowed_token_ids`` and the ``bad_words`` a row would
+   complete are set to ``-inf``, then ``logit_bias`` is added.
+3. penalties: repetition (tokens in the prompt or the output), then frequency and presence (tokens in the
+   output).
+4. masks: stop / EOS ids of rows that have fewer than ``min_tokens`` output tokens, and the
    optional allowed-token mask (grammars), set to ``-inf``.
-4. greedy rows (temperature 0) take the argmax of these logits.
-5. random rows: divide by temperature, then top-k, top-p, min-p filtering, then Gumbel-max with
+5. logits processors (``logits_processor.py``), each on the rows it applies to.
+6. greedy rows (temperature 0) take the argmax of these logits.
+7. random rows: divide by temperature, then top-k, top-p, min-p filtering, then Gumbel-max with
    counter-based noise (``noise.py``): ``argmax(logits / T + gumbel(seed, position, vocab id))``.
+
+Every step but the processors is a per-row mask, add or scale, so a row's result never depends on the other rows
+(batch invariance); a processor keeps that as long as it treats each row on its own.
 
 Ties in any argmax (greedy, or the measure-zero Gumbel ties) go to the lowest token id. Top-k
 keeps exactly k tokens: ranking is a stable descending sort, so among equal logits the lower id wins.
@@ -20,11 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from deepinfer_core.device_copy import to_device
+from deepinfer_core.sampling.bad_words import banned_next_ids
+from deepinfer_core.sampling.logits_processor import LogitsRow, ProcessorRows, applies_to, apply_logits_processors
 from deepinfer_core.sampling.noise import derive_seed, gumbel_noise, to_int64_seed
 from deepinfer_core.sampling.params import SamplingParams
 
@@ -57,6 +65,11 @@ class SamplingMetadata:
             device (asynchronous scheduling); None means ``len(output_token_ids[i])``.
         kinds: which features the rows use, known on the host (``from_params`` sets it); None makes the
             sampler find out from the tensors, which waits for the device.
+        logit_bias: per row, token id -> bias, or None for the row; None for every row.
+        allowed_token_ids: per row, the only ids it may sample, or None for the row; None for every row.
+        bad_words_token_ids: per row, the token sequences of its bad words (``bad_words.tokenize_bad_words``).
+        logits_processors: the processors to run, each with the rows it applies to.
+        logits_rows: one ``LogitsRow`` per row, for the processors (empty when there are none).
     """
 
     temperature: torch.Tensor
@@ -76,6 +89,11 @@ class SamplingMetadata:
     num_logprobs: int | None = None
     num_output_tokens: Sequence[int] | None = None
     kinds: RowKinds | None = None
+    logit_bias: Sequence[Mapping[int, float] | None] | None = None
+    allowed_token_ids: Sequence[Sequence[int] | None] | None = None
+    bad_words_token_ids: Sequence[Sequence[Sequence[int]]] | None = None
+    logits_processors: Sequence[ProcessorRows] = ()
+    logits_rows: Sequence[LogitsRow] = ()
 
     @property
     def num_rows(self) -> int:
@@ -96,11 +114,11 @@ class SamplingMetadata:
         return rows, cols
 
     def plain_greedy(self) -> bool:
-        """Whether every row takes the argmax of its raw logits: greedy, no penalty, no mask, no top-n
-        log-probabilities (then ``greedy_rows`` is the whole sampler)."""
+        """Whether every row takes the argmax of its raw logits: greedy, no penalty, no mask, no control, no logits
+        processor, no top-n log-probabilities (then ``greedy_rows`` is the whole sampler)."""
         kinds = self.row_kinds()
-        return (kinds.all_greedy and not kinds.penalties and self.allowed_token_mask is None
-                and self.num_logprobs is None and not self.blocked_stop_ids()[0])
+        return (kinds.all_greedy and not kinds.penalties and not kinds.controls and self.allowed_token_mask is None
+                and not self.logits_processors and self.num_logprobs is None and not self.blocked_stop_ids()[0])
 
     def row_kinds(self) -> RowKinds:
         """``kinds``, or (hand-built metadata) the same flags read from the tensors."""
@@ -111,7 +129,9 @@ class SamplingMetadata:
             all_greedy=bool(greedy.all()), any_greedy=bool(greedy.any()),
             penalties=bool(((self.repetition_penalty != 1) | (self.presence_penalty != 0)
                             | (self.frequency_penalty != 0)).any()),
-            top_k_top_p=bool(((self.top_k > 0) | (self.top_p < 1)).any()), min_p=bool((self.min_p > 0).any()))
+            top_k_top_p=bool(((self.top_k > 0) | (self.top_p < 1)).any()), min_p=bool((self.min_p > 0).any()),
+            controls=any(any(rows or ()) for rows in (self.logit_bias, self.allowed_token_ids,
+                                                      self.bad_words_token_ids)))
 
     @classmethod
     def from_params(
@@ -125,6 +145,9 @@ class SamplingMetadata:
         positions: Sequence[int] | None = None,
         num_output_tokens: Sequence[int] | None = None,
         allowed_token_mask: torch.Tensor | None = None,
+        bad_words_token_ids: Sequence[Sequence[Sequence[int]]] | None = None,
+        logits_processors: Sequence[Callable] = (),
+        request_ids: Sequence[str] | None = None,
         device: torch.device | str = "cpu",
     ) -> SamplingMetadata:
         """Build metadata for rows described by ``SamplingParams``.
@@ -139,6 +162,10 @@ class SamplingMetadata:
             num_output_tokens: per row, tokens generated before this one when some are still on the device
                 (``SamplingMetadata.num_output_tokens``); None: ``len(output)``.
             allowed_token_mask: optional bool ``[num_rows, vocab]``.
+            bad_words_token_ids: per row, its bad words tokenized (``bad_words.tokenize_bad_words``); needed when a
+                row has ``bad_words``.
+            logits_processors: processors to run on the rows they apply to (``logits_processor.py``).
+            request_ids: per row, the request id the processors see (default: the row index).
             device: where to put the per-row tensors (the logits' device); they stay on the host where every row is
                 greedy without penalties (no upload: the sampler reads none of them on the device then).
         """
@@ -158,6 +185,16 @@ class SamplingMetadata:
         if not kinds.all_greedy or kinds.penalties:
             floats, ints = to_device(floats, device), to_device(ints, device)
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        if bad_words_token_ids is None and any(p.bad_words for p in params):
+            raise ValueError("rows have bad_words but no bad_words_token_ids were given; tokenize them first "
+                             "(deepinfer_core.sampling.bad_words.tokenize_bad_words)")
+        plan = [ProcessorRows(proc, rows) for proc in logits_processors
+                if (rows := tuple(i for i, p in enumerate(params) if applies_to(proc, p)))]
+        logits_rows = []
+        if plan:
+            counts = num_output_tokens or [len(o) for o in output_token_ids]
+            ids = request_ids or [str(i) for i in range(rows)]
+            logits_rows = [LogitsRow(*row) for row in zip(ids, params, prompt_token_ids, output_token_ids, counts)]
         return cls(
             **dict(zip(_FLOAT_FIELDS, floats, strict=True)),
             top_k=ints[0],
@@ -171,6 +208,11 @@ class SamplingMetadata:
             num_logprobs=max(logprobs) if logprobs else None,
             num_output_tokens=num_output_tokens,
             kinds=kinds,
+            logit_bias=[p.logit_bias for p in params] if kinds.controls else None,
+            allowed_token_ids=[p.allowed_token_ids for p in params] if kinds.controls else None,
+            bad_words_token_ids=bad_words_token_ids if kinds.controls else None,
+            logits_processors=plan,
+            logits_rows=logits_rows,
         )
 
 
@@ -187,6 +229,7 @@ class RowKinds:
     penalties: bool
     top_k_top_p: bool
     min_p: bool
+    controls: bool = False  # logit_bias, allowed_token_ids or bad_words
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams]) -> RowKinds:
@@ -194,7 +237,8 @@ class RowKinds:
         return cls(
             all_greedy=all(greedy), any_greedy=any(greedy),
             penalties=any(p.uses_penalties for p in params),
-            top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in params), min_p=any(p.min_p > 0 for p in params))
+            top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in params), min_p=any(p.min_p > 0 for p in params),
+            controls=any(p.uses_logits_controls for p in params))
 
 
 @dataclasses.dataclass
@@ -262,8 +306,10 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata,
         return SamplerOutput(*(greedy or greedy_rows)(logits))
     raw_logprobs = torch.log_softmax(logits, dim=-1)  # [num_rows, vocab]
 
-    processed = apply_penalties(logits, metadata)  # [num_rows, vocab]
+    processed = apply_logits_controls(logits, metadata)  # [num_rows, vocab]
+    processed = apply_penalties(processed, metadata)  # [num_rows, vocab]
     processed = _apply_masks(processed, metadata)  # [num_rows, vocab]
+    processed = apply_logits_processors(processed, metadata.logits_processors, metadata.logits_rows)
 
     greedy = metadata.temperature == 0  # [num_rows]
     token_ids = _sample_ids(processed, greedy, metadata)  # [num_rows]
@@ -318,6 +364,47 @@ def token_counts(token_ids: Sequence[Sequence[int]], vocab_size: int, device: to
     counts = torch.zeros((rows, vocab_size + 1), dtype=torch.int64, device=device)  # [num_rows, vocab + 1]
     counts.scatter_add_(1, padded, torch.ones_like(padded))
     return counts[:, :vocab_size]  # [num_rows, vocab]; the pad column dropped
+
+
+def apply_logits_controls(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """``allowed_token_ids`` and ``bad_words`` (to ``-inf``), then ``logit_bias`` (added); returns a new tensor.
+
+    The index lists are built on the host from the rows' parameters and output ids; each row's changes touch only
+    that row.
+    """
+    if not metadata.row_kinds().controls:
+        return logits
+    rows = metadata.num_rows
+    allowed = metadata.allowed_token_ids or [None] * rows
+    bias = metadata.logit_bias or [None] * rows
+    words = metadata.bad_words_token_ids or [()] * rows
+    restricted = [i for i, ids in enumerate(allowed) if ids is not None]
+    allowed_at = [(i, t) for i in restricted for t in allowed[i]]
+    banned_at = [(i, t) for i, word_ids in enumerate(words) if word_ids
+                 for t in banned_next_ids(word_ids, metadata.output_token_ids[i])]
+    bias_at = [(i, t) for i, b in enumerate(bias) if b for t in b]
+    logits = logits.clone()  # [num_rows, vocab]
+    if restricted:
+        keep = torch.zeros_like(logits, dtype=torch.bool)  # [num_rows, vocab]
+        keep[_device_index(restricted, logits.device)] = True  # restricted rows: nothing kept yet
+        keep = ~keep
+        keep[_device_pairs(allowed_at, logits.device)] = True
+        logits.masked_fill_(~keep, NEG_INF)
+    if banned_at:
+        logits[_device_pairs(banned_at, logits.device)] = NEG_INF
+    if bias_at:
+        values = to_device(torch.tensor([bias[i][t] for i, t in bias_at], dtype=logits.dtype), logits.device)
+        logits.index_put_(_device_pairs(bias_at, logits.device), values, accumulate=True)
+    return logits
+
+
+def _device_index(values: list[int], device: torch.device) -> torch.Tensor:
+    return to_device(torch.tensor(values, dtype=torch.long), device)  # [k]
+
+
+def _device_pairs(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    index = to_device(torch.tensor(pairs, dtype=torch.long).T.contiguous(), device)  # [2, k]
+    return index[0], index[1]
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -475,6 +562,7 @@ __all__ = [
     "RowKinds",
     "SamplerOutput",
     "SamplingMetadata",
+    "apply_logits_controls",
     "apply_min_p",
     "apply_penalties",
     "apply_top_k_top_p",
