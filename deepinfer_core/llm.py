@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from deepinfer_core.backends.host_threads import OMP_VARIABLE
 from deepinfer_core.backends.registry import select_backend
 from deepinfer_core.engine.decode_graphs import DecodeGraphs, default_sizes
 from deepinfer_core.engine.engine import Engine, EngineConfig, RequestRejectedError
@@ -196,11 +197,14 @@ def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
 
 
 def _limit_host_threads(backend) -> None:
-    """torch's CPU threads set to ``backend.host_threads`` (a device backend's host does small bookkeeping ops,
-    where a thread pool only waits on itself), unless the user chose them with ``OMP_NUM_THREADS``."""
-    threads = backend.host_threads
-    if threads is None or "OMP_NUM_THREADS" in os.environ or torch.get_num_threads() == threads:
+    """torch's CPU threads set to the backend's choice (``Backend.host_thread_choice``: a device backend's host does
+    small bookkeeping ops; the CPU backend takes the idle cores), never above torch's current count, unless the user
+    chose them with ``OMP_NUM_THREADS``."""
+    choice = backend.host_thread_choice()
+    if choice is None or OMP_VARIABLE in os.environ:
         return
-    logger.info("%s: torch CPU threads %d -> %d (the backend's host_threads; OMP_NUM_THREADS overrides)",
-                backend.name, torch.get_num_threads(), threads)
+    threads = min(choice.count, torch.get_num_threads())
+    if threads == torch.get_num_threads():
+        return
+    logger.info("%s: torch CPU threads %d -> %d (%s)", backend.name, torch.get_num_threads(), threads, choice.why)
     torch.set_num_threads(threads)

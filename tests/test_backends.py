@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 
@@ -10,6 +12,7 @@ import torch
 
 from deepinfer_core.backends import Backend, ProbeResult, registry
 from deepinfer_core.backends.cpu import CpuBackend, probe
+from deepinfer_core.backends.host_threads import cpu_host_threads, cpu_threads_for, others_load, physical_cores
 from deepinfer_core.errors import BackendUnavailableError, InvalidBackendError, UnknownBackendError
 from deepinfer_core.ops.table import DERIVED, OpTable
 
@@ -203,6 +206,27 @@ def test_probing_imports_no_vendor_extension():
     assert out.strip() == "[]"
 
 
+def test_cpu_threads_take_the_idle_physical_cores_and_at_least_one():
+    assert cpu_threads_for(physical_cores=8, others_load=0.2).count == 8
+    assert cpu_threads_for(physical_cores=8, others_load=2.6).count == 5
+    busy = cpu_threads_for(physical_cores=2, others_load=3.4)  # the busy 2-core machine: one thread, not a pool
+    assert busy.count == 1
+    assert "2 physical core(s) usable, about 2 busy" in busy.why and "OMP_NUM_THREADS overrides" in busy.why
+    assert 1 <= physical_cores() <= (os.cpu_count() or 1)
+    assert others_load() >= 0.0
+
+
+def test_env_names_the_engine_threads_and_why_and_omp_num_threads_wins():
+    environ = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "DEEPINFER_ACCELERATOR")}
+    chosen = subprocess.run([sys.executable, "-m", "deepinfer_core.cli", "env", "--json", "--backend", "cpu"],
+                            capture_output=True, text=True, check=True, env=environ).stdout
+    threads = json.loads(chosen)["selected"]["threads"]
+    assert threads["count"] >= 1 and "idle core" in threads["why"]
+    forced = subprocess.run([sys.executable, "-m", "deepinfer_core.cli", "env", "--backend", "cpu"],
+                            capture_output=True, text=True, check=True, env={**environ, "OMP_NUM_THREADS": "1"}).stdout
+    assert "Engine CPU threads: 1 (OMP_NUM_THREADS=1 chose)" in forced
+
+
 class _HostThreadsBackend(CpuBackend):
     host_threads = 1  # as a device backend's, whose host only builds layouts and reads tokens
 
@@ -214,8 +238,9 @@ def test_a_device_backends_host_threads_set_torchs_cpu_threads_unless_omp_num_th
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     try:
         torch.set_num_threads(2)
-        _limit_host_threads(CpuBackend())  # the CPU backend computes the model on these threads: left alone
-        assert CpuBackend.host_threads is None and torch.get_num_threads() == 2
+        _limit_host_threads(CpuBackend())  # the CPU backend computes the model on the cores others leave idle
+        assert torch.get_num_threads() == min(2, cpu_host_threads().count)
+        torch.set_num_threads(2)
         monkeypatch.setenv("OMP_NUM_THREADS", "2")
         _limit_host_threads(_HostThreadsBackend())  # the user chose
         assert torch.get_num_threads() == 2

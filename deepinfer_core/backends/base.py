@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from deepinfer_core.backends.host_threads import HostThreads
 from deepinfer_core.ops.table import OpTable
 
 
@@ -87,7 +88,7 @@ class Backend:
     default_async_scheduling: ClassVar[bool] = False
     #: torch's CPU threads where the model runs on a device and the host only builds step layouts and reads tokens:
     #: ``LLM`` sets ``torch.set_num_threads`` to it unless ``OMP_NUM_THREADS`` chose; None keeps torch's default
-    #: (a CPU backend computes the model with them)
+    #: (a CPU backend computes the model with them, and chooses its count in ``host_thread_choice``)
     host_threads: ClassVar[int | None] = None
 
     def __init__(self, device_index: int | None = None) -> None:
@@ -110,6 +111,15 @@ class Backend:
     def memory_info(self) -> MemoryInfo:
         """Free and total device memory, in bytes."""
         raise NotImplementedError(f"{type(self).__name__} must implement memory_info()")
+
+    @classmethod
+    def host_thread_choice(cls) -> HostThreads | None:
+        """torch's CPU thread count for this backend and why (``host_threads``), or None to keep torch's; ``LLM``
+        applies it unless ``OMP_NUM_THREADS`` is set."""
+        if cls.host_threads is None:
+            return None
+        return HostThreads(cls.host_threads, f"{cls.name} computes on its device; the host only builds step "
+                                              "layouts and reads tokens, where a thread pool waits on itself")
 
     def op_overrides(self) -> Mapping[str, Callable]:
         """Op name -> this backend's implementation; ops left out use the reference op."""

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from deepinfer_core.backends.base import Backend, Capabilities, MemoryInfo, ProbeResult
+from deepinfer_core.backends.host_threads import HostThreads, cpu_host_threads
 
 NAME = "cpu"
 
@@ -46,6 +47,11 @@ class CpuBackend(Backend):
             distributed_backend="gloo",
             verified_on_hardware=frozenset({"dtypes", "distributed_backend"}),
         )
+
+    @classmethod
+    def host_thread_choice(cls) -> HostThreads:
+        """One thread per physical core that other processes leave idle (``host_threads.cpu_host_threads``)."""
+        return cpu_host_threads()
 
     def op_overrides(self) -> Mapping[str, Callable]:
         """Fewer-dispatch versions of norms, RoPE and mHC mixing (checked against the reference ops)."""

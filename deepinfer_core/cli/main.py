@@ -54,7 +54,7 @@ def env_report(backend: str | None = None) -> dict[str, Any]:
         backends.append({**probe.as_dict(), "name": name, "distribution": entry.distribution, "version": entry.version})
     try:
         choice = registry.choose_backend(backend)
-        selected: dict[str, Any] = {"name": choice.name, "why": choice.why}
+        selected: dict[str, Any] = {"name": choice.name, "why": choice.why, "threads": _engine_threads(choice)}
     except DeepInferError as exc:
         selected = {"name": None, "error": f"{type(exc).__name__}: {exc}"}
     return {
@@ -73,6 +73,26 @@ def env_report(backend: str | None = None) -> dict[str, Any]:
         "backends": backends,
         "selected": selected,
     }
+
+
+def _engine_threads(choice) -> dict[str, Any]:
+    """The torch CPU threads an engine on the chosen backend would run with, and why (``LLM`` applies this)."""
+    import os
+
+    import torch
+
+    from deepinfer_core.backends import registry
+    from deepinfer_core.backends.host_threads import OMP_VARIABLE
+
+    if OMP_VARIABLE in os.environ:
+        return {"count": torch.get_num_threads(), "why": f"{OMP_VARIABLE}={os.environ[OMP_VARIABLE]} chose"}
+    try:
+        decided = registry.load_backend_class(choice.probe).host_thread_choice()
+    except Exception as exc:  # noqa: BLE001  (the report shows why instead of failing)
+        return {"count": None, "why": f"cannot ask backend {choice.name}: {type(exc).__name__}: {exc}"}
+    if decided is None:
+        return {"count": torch.get_num_threads(), "why": "torch's default; the backend keeps it"}
+    return {"count": min(decided.count, torch.get_num_threads()), "why": decided.why}
 
 
 def _add_env_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,6 +133,8 @@ def _format_env(report: dict[str, Any]) -> str:
     lines.append("")
     if selected["name"]:
         lines.append(f"Selected backend: {selected['name']} ({selected['why']})")
+        threads = selected["threads"]
+        lines.append(f"Engine CPU threads: {threads['count']} ({threads['why']})")
     else:
         lines.append(f"Selected backend: none: {selected['error']}")
     return "\n".join(lines)
@@ -200,37 +222,83 @@ def subcommands() -> list[Subcommand]:
     return [*BUILTIN_SUBCOMMANDS, *(_module_subcommand(n, m) for n, m in SUBCOMMAND_MODULES.items())]
 
 
+class _SubcommandParser(argparse.ArgumentParser):
+    """A subcommand's parser that adds the subcommand's options only when it is parsed or its help is shown.
+
+    Some option lists come from modules that import torch (``bench --preset``'s choices), so ``deepinfer --help``
+    and every other subcommand parse without importing them. Before adding the options it checks that ``import
+    torch`` works, and exits 1 with the fix where it does not (``torch_import_problem``).
+    """
+
+    def __init__(self, *args: Any, add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+                 **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._pending_arguments = add_arguments
+
+    def _add_pending_arguments(self) -> None:
+        add, self._pending_arguments = self._pending_arguments, None
+        if add is None:
+            return
+        problem = torch_import_problem()
+        if problem is not None:  # say how to fix a broken `import torch` instead of dying in a traceback
+            print(problem, file=sys.stderr)
+            raise SystemExit(1)
+        add(self)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._add_pending_arguments()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._add_pending_arguments()
+        return super().format_help()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``deepinfer`` argument parser with every subcommand."""
+    """The ``deepinfer`` argument parser with every subcommand (each adds its options when it is parsed)."""
     parser = argparse.ArgumentParser(prog="deepinfer", description="DeepInfer, open: inference for DeepSeek-V4.")
     parser.add_argument("--version", action="version", version=f"deepinfer {_version('deepinfer')}")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-v", "--verbose", action="count", default=0, help="more detail (tracebacks, debug logs)")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    common.add_argument("-v", "--verbose", action="count", default=0,
+                        help="-v: what the engine is doing (info logs) and tracebacks; -vv: debug logs too")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_SubcommandParser)
     for command in subcommands():
-        child = sub.add_parser(command.name, help=command.help, description=command.help, parents=[common])
-        command.add_arguments(child)
+        child = sub.add_parser(command.name, help=command.help, description=command.help, parents=[common],
+                               add_arguments=command.add_arguments)
         child.set_defaults(run=command.run)
     return parser
 
 
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: what a shell reports for a command Ctrl-C stopped
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console-script entry point: parse ``argv`` and run the subcommand; returns its exit code."""
-    problem = torch_import_problem()
-    if problem is not None:  # say how to fix a broken `import torch` instead of dying in a traceback
-        print(problem, file=sys.stderr)
-        return 1
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.WARNING, format="%(name)s: %(message)s")
-    return args.run(args)
+    """Console-script entry point: parse ``argv`` and run the subcommand; returns its exit code (130 after Ctrl-C,
+    with one line on stderr instead of a traceback)."""
+    try:
+        args = build_parser().parse_args(argv)
+        configure_logging(args.verbose)
+        return args.run(args)
+    except KeyboardInterrupt:
+        print("deepinfer: interrupted", file=sys.stderr)
+        return INTERRUPTED_EXIT_CODE
+
+
+def configure_logging(verbose: int) -> None:
+    """Warnings only by default; ``-v`` adds DeepInfer's info logs (model, backend, sizes, timings), ``-vv`` every
+    library's debug logs."""
+    logging.basicConfig(level=logging.DEBUG if verbose > 1 else logging.WARNING, format="%(name)s: %(message)s")
+    if verbose == 1:
+        logging.getLogger("deepinfer").setLevel(logging.INFO)
 
 
 # --- `import torch` guard --------------------------------------------------------------------------------
 # torch auto-loads out-of-tree device extensions registered in entry-point group "torch.backends" (torch/__init__.py,
 # _import_device_backends). One that cannot load makes `import torch` itself raise, e.g. torch_npu installed
 # without CANN: "Failed to load the backend extension: torch_npu" caused by "libhccl.so: cannot open shared object
-# file". Every subcommand needs torch, so main() checks first and prints the fix (added with the ascend950 backend,
-# issue 7; see docs/ascend950.md). The cause chain names the failing extension; torch_npu is only the worked example.
+# file". Every subcommand needs torch, so its parser checks before adding its options and prints the fix (added
+# with the ascend950 backend, issue 7; see docs/ascend950.md). The cause chain names the failing extension;
+# torch_npu is only the worked example.
 
 TORCH_AUTOLOAD_VARIABLE = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 
