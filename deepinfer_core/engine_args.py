@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from deepinfer_core.errors import DeepInferError
+from deepinfer_core.sampling.logits_processor import check_processors
 
 logger = logging.getLogger("deepinfer")
 
@@ -57,6 +58,8 @@ class EngineArgs:
             ``default_async_scheduling`` (on for NVIDIA, off on CPU).
         tensor_parallel_size: accepted so vLLM code runs; one device per engine for now.
         trust_remote_code: accepted so vLLM code runs; no code from a checkpoint is ever executed.
+        logits_processors: logits processors for every request (``deepinfer_core.sampling.LogitsProcessor``, or
+            any callable ``processor(logits, rows) -> logits``), instances, run before the plugins' processors.
         options: feature options claimed by plugins (e.g. ``batch_invariant=True``); an option no loaded plugin
             claims is an error.
     """
@@ -80,6 +83,7 @@ class EngineArgs:
     async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
     trust_remote_code: bool = False
+    logits_processors: Sequence[Callable[..., Any]] = ()
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
@@ -115,6 +119,10 @@ class EngineArgs:
                                   "per engine for now; use tensor_parallel_size=1")
         if not isinstance(self.dtype, torch.dtype) and self.dtype != "auto" and self.dtype not in DTYPES:
             raise EngineArgsError(f"unknown dtype {self.dtype!r}; use 'auto', {sorted(DTYPES)} or a torch.dtype")
+        try:
+            self.logits_processors = check_processors(self.logits_processors, "logits_processors")
+        except TypeError as exc:
+            raise EngineArgsError(str(exc)) from None
         if self.trust_remote_code:
             logger.warning("trust_remote_code=True is ignored: DeepInfer never executes code from a checkpoint")
 

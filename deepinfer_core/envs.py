@@ -143,6 +143,9 @@ VARIABLES = Variables(
              "unset: the one available accelerator, else `cpu`. `backend=` / `--backend` win."),
     Variable("DEEPINFER_PLUGINS", str, None,
              "Plugins to load, by entry-point name (`a,b`), or `none`; unset: every installed plugin."),
+    Variable("DEEPINFER_STRICT_PLUGINS", bool, False,
+             "`1`: refuse to build an engine while any plugin failed to load (or is listed in `DEEPINFER_PLUGINS` "
+             "but not installed); unset or `0`: report them and run without them."),
     Variable("DEEPINFER_HF_MODEL_DIR", Path, None,
              "Checkpoint folder used when no model is given; unset: the embedded default model."),
     Variable("DEEPINFER_BENCH_CACHE", Path, None,

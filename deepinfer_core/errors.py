@@ -12,12 +12,16 @@ next to the code that raises it:
 * ``deepinfer_core.tokenizer.TokenizerError`` (ValueError): an unusable tokenizer folder or chat template;
 * ``deepinfer_core.models.resolve.ModelNotFoundError`` (ValueError): no checkpoint folder for a model argument;
 * ``deepinfer_core.models.registry.UnknownModelTypeError`` (ValueError): a ``model_type`` no loader handles;
+* ``deepinfer_core.models.registry.ConfigFileError`` (ValueError): a config.json that is not a readable JSON object;
 * ``deepinfer_core.models.registry.InvalidModelError`` (TypeError): a loaded model lacking part of the model interface;
 * ``deepinfer_core.models.deepseek_v4.config.ConfigError`` (ValueError): a config.json this engine cannot run;
 * ``deepinfer_core.ops.table.UnknownOpError`` (KeyError): an op override naming no op of the table;
 * ``deepinfer_core.sampling.params.SamplingParamsTypeError`` (TypeError, ValueError): a wrongly typed parameter;
 * ``deepinfer_core.engine.engine.RequestRejectedError`` (ValueError): a request the engine refuses;
 * ``deepinfer_core.engine_args.EngineArgsError`` (ValueError): an engine argument with a value it cannot take;
+* ``deepinfer_core.sampling.logits_processor.LogitsProcessorError`` (RuntimeError): a logits processor that raised
+  or returned logits of the wrong shape;
+* ``deepinfer_core.cli.options.CommandLineOptionError`` (ValueError): a malformed ``--option NAME=VALUE``;
 * ``deepinfer_core.bench.presets.PresetError`` (ValueError): an unknown or unbuildable benchmark preset.
 """
 
@@ -49,6 +53,19 @@ class PluginError(DeepInferError):
 
 class PluginValidationError(PluginError, TypeError):
     """A plugin's hook implementations or declared hook API version do not match ``deepinfer_core.hookspecs``."""
+
+
+class PluginHookError(PluginError, RuntimeError):
+    """A plugin's hook implementation raised while the core called it; names the plugin, the hook and the original
+    exception (also kept as ``__cause__`` and ``original``)."""
+
+    plugin: str | None = None
+    hook: str | None = None
+    original: BaseException | None = None
+
+
+class StrictPluginsError(PluginError, RuntimeError):
+    """``DEEPINFER_STRICT_PLUGINS=1`` and some plugin failed to load."""
 
 
 class UnknownOptionError(DeepInferError, ValueError):

@@ -11,7 +11,14 @@ A plugin is a module (or object) that
   that matches no spec, makes the core reject the plugin at load time, naming the plugin and the hook.
 
 Hooks are called in pluggy's order: the plugin registered last runs first. The core registers
-entry-point plugins sorted by entry-point name, so the order is the same in every process.
+entry-point plugins sorted by entry-point name, so the order is the same in every process. The core calls
+every hook through ``deepinfer_core.plugins.call_hook``: an implementation that raises fails the call with an
+error naming the plugin, the hook and the original exception (``PluginHookError``; a ``DeepInferError`` the
+plugin raises on purpose keeps its class, its message prefixed with the plugin and the hook).
+
+Every argument is typed with a class the core exports; ``HOOK_ARGUMENT_TYPES`` lists them and the generated
+reference shows their fields. Per-engine state belongs in ``EngineContext.plugin_state``, not in module globals:
+two engines in one process get two contexts.
 
 Run ``python -m deepinfer_core.hookspecs --markdown`` to print the hook reference that
 ``docs/plugins.md`` embeds (``--write docs/plugins.md`` updates it in place).
@@ -19,12 +26,24 @@ Run ``python -m deepinfer_core.hookspecs --markdown`` to print the hook referenc
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import inspect
 import sys
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import pluggy
+
+if TYPE_CHECKING:
+    from deepinfer_core.engine.engine import Engine
+    from deepinfer_core.engine.model_runner import ModelRunnerOutput
+    from deepinfer_core.engine.request import Request
+    from deepinfer_core.engine.scheduler import SchedulerOutput
+    from deepinfer_core.engine_context import EngineContext
+    from deepinfer_core.models.registry import ModelRegistry
+    from deepinfer_core.ops.table import OpTable
+    from deepinfer_core.sampling.logits_processor import LogitsProcessorLike
 
 PROJECT_NAME = "deepinfer"
 """The pluggy project name: markers made with another name are ignored by the core."""
@@ -79,22 +98,29 @@ def deepinfer_supported_backends() -> Iterable[str] | None:
 
 
 @hookspec(historic=True)
-def deepinfer_configure(config: Any, options: Mapping[str, Any]) -> None:
-    """Receive the engine configuration and the feature options, once per engine.
+def deepinfer_configure(
+    config: Mapping[str, str] | None, options: Mapping[str, object], context: EngineContext
+) -> None:
+    """Receive the engine's context and the feature options, once per engine.
 
     Runs: when an engine is created, after option validation and the backend check, before the op
     table, the model and the scheduler are built; in every process that builds an engine or an engine
     worker. Historic: a plugin registered after the call is called at registration with the arguments
-    of every earlier call. It may run more than once per process (one call per engine); the latest call
-    describes the engine being built.
+    of every earlier call. It runs once per engine, so several times in a process that builds several.
 
     Arguments:
-    - ``config``: the engine's configuration (at least the model path); treat it as read-only.
+    - ``config``: ``{"model": <checkpoint folder>}`` (the same as ``context.model_dir``; kept for plugins
+      written before ``context``), or None outside an engine.
     - ``options``: a read-only mapping of every feature option the user set, by name (options not
       claimed by any plugin never get here: they are rejected first). A plugin reads its own options
-      here, e.g. ``options.get("batch_invariant", False)``.
+      here, e.g. ``options.get("batch_invariant", False)``. The same mapping as ``context.options``.
+    - ``context``: the engine's ``EngineContext`` (backend, device, dtype, model folder and config,
+      tokenizer, engine arguments). Keep what you decide for this engine in
+      ``context.plugin_state["<your plugin>"]`` and read it back in the other hooks, which get the same
+      context; module globals would leak between two engines of one process.
 
-    Return: ignored. Raise to refuse the configuration; the message reaches the user unchanged.
+    Return: ignored. Raise to refuse the configuration: the user gets the message with the plugin's and
+    the hook's names in front.
     """
 
 
@@ -102,7 +128,7 @@ def deepinfer_configure(config: Any, options: Mapping[str, Any]) -> None:
 
 
 @hookspec
-def deepinfer_register_ops(op_table: Any, backend_name: str) -> None:
+def deepinfer_register_ops(op_table: OpTable, backend_name: str, context: EngineContext) -> None:
     """Add op overrides to the op table the model will call.
 
     Runs: once per op table, in ``Backend.make_op_table``, after the backend's own overrides and after
@@ -113,6 +139,8 @@ def deepinfer_register_ops(op_table: Any, backend_name: str) -> None:
       ``op_table.override(name, fn, source="<your plugin>")``; ``getattr(op_table, name)`` gives the
       current implementation, so an override may wrap it. Never patch modules instead.
     - ``backend_name``: the selected backend's name, for plugins whose ops differ per device.
+    - ``context``: the engine's ``EngineContext`` (the one ``deepinfer_configure`` got), or a bare
+      context of ``backend_name`` with no options when a table is built outside an engine.
 
     Return: ignored. An override must match the reference op's signature and results (within the op's
     documented tolerance); ``op_table.sources()`` shows who provides each op.
@@ -120,7 +148,7 @@ def deepinfer_register_ops(op_table: Any, backend_name: str) -> None:
 
 
 @hookspec
-def deepinfer_register_models(registry: Any) -> None:
+def deepinfer_register_models(registry: ModelRegistry, context: EngineContext | None) -> None:
     """Register model loaders with the core's model registry.
 
     Runs: once per engine, when it builds its model registry, before the checkpoint is loaded.
@@ -132,8 +160,31 @@ def deepinfer_register_models(registry: Any) -> None:
       and calls only ops of the op table ``ops``. The model must satisfy ``deepinfer_core.models.interface.CausalLM``
       (the registry refuses one that lacks a member, naming it); one that also satisfies ``StaticStepModel`` has its
       decode steps and lone prompts replayed from device graphs.
+    - ``context``: the engine's ``EngineContext``, or None when a registry is built outside an engine.
 
     Return: ignored. Registering a ``model_type`` the core already handles replaces the core's loader.
+    """
+
+
+@hookspec
+def deepinfer_logits_processors(context: EngineContext) -> Sequence[LogitsProcessorLike] | None:
+    """Contribute logits processors to an engine.
+
+    Runs: once per engine, after ``deepinfer_configure`` and the model load, before the first step.
+
+    Arguments:
+    - ``context``: the engine's ``EngineContext`` (its options, tokenizer, ``plugin_state``).
+
+    Return: a list of logits processors, or ``None`` / ``[]`` for none. A processor is called as
+    ``processor(logits, rows) -> logits`` on every step with ``logits`` float32 ``[num_rows, vocab]`` on the
+    device, after the built-in sampling controls (penalties, ``min_tokens``, ``allowed_token_ids``,
+    ``bad_words``, ``logit_bias``), and ``rows`` one ``deepinfer_core.sampling.LogitsRow`` per row (request id,
+    ``SamplingParams`` with ``extra_args``, prompt and output token ids). Only rows sampled this step are
+    passed, and of those only the ones whose ``params`` the processor's optional ``applies_to(params)`` accepts.
+    ``needs_latest_tokens = True`` on the processor makes ``output_token_ids`` include the token sampled in the
+    step before under asynchronous scheduling (the engine then waits for it). Processors run after any device
+    graph, in this order: ``LLM(logits_processors=[...])``, then the plugins' in entry-point name order.
+    Subclass ``deepinfer_core.sampling.LogitsProcessor`` for the defaults.
     """
 
 
@@ -141,34 +192,36 @@ def deepinfer_register_models(registry: Any) -> None:
 
 
 @hookspec
-def deepinfer_engine_start(engine: Any) -> None:
+def deepinfer_engine_start(engine: Engine) -> None:
     """The engine is built and about to serve its first request.
 
     Runs: once per engine, after the model is loaded and the KV cache is allocated.
 
     Arguments:
-    - ``engine``: the engine; use its public attributes (config, backend, op table) read-only.
+    - ``engine``: the ``deepinfer_core.engine.engine.Engine``; read-only. ``engine.context`` is the
+      ``EngineContext`` the configure hooks got (``plugin_state`` included); ``engine.config`` its sizes.
 
     Return: ignored. Raise to abort start-up; the engine shuts down and re-raises.
     """
 
 
 @hookspec
-def deepinfer_before_step(engine: Any, scheduler_output: Any) -> None:
+def deepinfer_before_step(engine: Engine, scheduler_output: SchedulerOutput) -> None:
     """A scheduled batch is about to run on the device.
 
     Runs: every engine step, after ``Scheduler.schedule()`` and before the model runs.
 
     Arguments:
     - ``engine``: the engine.
-    - ``scheduler_output``: what the scheduler chose for this step (requests and their token counts).
+    - ``scheduler_output``: the ``SchedulerOutput`` the scheduler chose for this step: ``chunks`` (each a
+      ``ScheduledChunk``: ``request``, ``start``, ``num_tokens``, ``samples``) and ``preempted`` requests.
 
     Return: ignored. Must not change the token counts of the batch; keep it cheap, it is on the hot path.
     """
 
 
 @hookspec
-def deepinfer_after_step(engine: Any, scheduler_output: Any, model_output: Any) -> None:
+def deepinfer_after_step(engine: Engine, scheduler_output: SchedulerOutput, model_output: ModelRunnerOutput) -> None:
     """A batch has run; its outputs are about to update the scheduler.
 
     Runs: every engine step, once the step's sampled tokens are read, before ``Scheduler.update()`` appends them. With
@@ -186,7 +239,7 @@ def deepinfer_after_step(engine: Any, scheduler_output: Any, model_output: Any) 
 
 
 @hookspec
-def deepinfer_engine_shutdown(engine: Any) -> None:
+def deepinfer_engine_shutdown(engine: Engine) -> None:
     """The engine is shutting down.
 
     Runs: once per engine that ran ``deepinfer_engine_start``, on normal exit and on errors.
@@ -202,7 +255,7 @@ def deepinfer_engine_shutdown(engine: Any) -> None:
 
 
 @hookspec(firstresult=True)
-def deepinfer_rebuild_sliding_window(request: Any, num_cached_tokens: int, sliding_window: int) -> int | None:
+def deepinfer_rebuild_sliding_window(request: Request, num_cached_tokens: int, sliding_window: int) -> int | None:
     """Choose how a request rebuilds its sliding-window KV after a prefix-cache hit that lacks it.
 
     Runs: in the scheduler, when a request's prefix-cache hit covers ``num_cached_tokens`` tokens of
@@ -210,7 +263,7 @@ def deepinfer_rebuild_sliding_window(request: Any, num_cached_tokens: int, slidi
     something other than ``None`` decides; later plugins are not called.
 
     Arguments:
-    - ``request``: the engine's request (id, prompt token ids, sampling parameters).
+    - ``request``: the engine's ``Request`` (``request_id``, ``prompt_token_ids``, ``params``, ...).
     - ``num_cached_tokens``: length of the prefix-cache hit, in tokens.
     - ``sliding_window``: the model's attention window, in tokens (128 for DeepSeek-V4).
 
@@ -228,7 +281,23 @@ HOOK_REFERENCE_BEGIN = "<!-- BEGIN HOOK REFERENCE: generated by `python -m deepi
 HOOK_REFERENCE_END = "<!-- END HOOK REFERENCE -->"
 
 
-def hook_specs() -> list[Any]:
+HOOK_ARGUMENT_TYPES: dict[str, str] = {
+    "EngineContext": "deepinfer_core.engine_context",
+    "OpTable": "deepinfer_core.ops.table",
+    "ModelRegistry": "deepinfer_core.models.registry",
+    "Engine": "deepinfer_core.engine.engine",
+    "EngineConfig": "deepinfer_core.engine.engine",
+    "SchedulerOutput": "deepinfer_core.engine.scheduler",
+    "ScheduledChunk": "deepinfer_core.engine.scheduler",
+    "Request": "deepinfer_core.engine.request",
+    "ModelRunnerOutput": "deepinfer_core.engine.model_runner",
+    "LogitsRow": "deepinfer_core.sampling.logits_processor",
+    "LogitsProcessor": "deepinfer_core.sampling.logits_processor",
+}
+"""The classes hook arguments are typed with (and the ones they lead to), by name -> module."""
+
+
+def hook_specs() -> list[Callable[..., object]]:
     """The hookspec functions of this module, in definition order."""
     module = sys.modules[__name__]
     specs = [
@@ -239,7 +308,7 @@ def hook_specs() -> list[Any]:
     return sorted(specs, key=lambda fn: fn.__code__.co_firstlineno)
 
 
-def _spec_kind(fn: Any) -> str:
+def _spec_kind(fn: Callable[..., object]) -> str:
     opts = getattr(fn, f"{PROJECT_NAME}_spec")
     kinds = [kind for kind in ("firstresult", "historic") if opts.get(kind)]
     return ", ".join(kinds) if kinds else "broadcast (every implementation runs; results are collected)"
@@ -254,10 +323,39 @@ def render_markdown() -> str:
         "",
     ]
     for fn in hook_specs():
-        params = ", ".join(inspect.signature(fn).parameters)
+        params = ", ".join(f"{name}: {p.annotation}" for name, p in inspect.signature(fn).parameters.items())
         lines += [f"### `{fn.__name__}({params})`", "", f"Kind: {_spec_kind(fn)}.", "", inspect.getdoc(fn), ""]
+    lines += ["### Hook argument types", "",
+              "The classes the hook arguments are typed with; fields first, then the public methods.", ""]
+    for name, module in HOOK_ARGUMENT_TYPES.items():
+        lines += _render_type(getattr(importlib.import_module(module), name), module)
     lines.append(HOOK_REFERENCE_END)
     return "\n".join(lines) + "\n"
+
+
+def _render_type(cls: type, module: str) -> list[str]:
+    """One argument type: its docstring's first paragraph, its fields (dataclasses) and its public methods."""
+    doc = (inspect.getdoc(cls) or "").split("\n\n")[0].replace("\n", " ")
+    lines = [f"#### `{module}.{cls.__name__}`", "", doc, ""]
+    if dataclasses.is_dataclass(cls):
+        lines += [f"- `{f.name}: {f.type}`" for f in dataclasses.fields(cls)]
+    members = [(n, m) for n, m in vars(cls).items() if not n.startswith("_") and callable(m) or isinstance(m, property)]
+    for member_name, member in members:
+        if member_name.startswith("_"):
+            continue
+        target = member.fget if isinstance(member, property) else member
+        summary = (inspect.getdoc(target) or "").split("\n\n")[0].replace("\n", " ")
+        shown = member_name if isinstance(member, property) else f"{member_name}{_signature(target)}"
+        lines.append(f"- `{shown}`" + (f": {summary}" if summary else ""))
+    return [*lines, ""]
+
+
+def _signature(fn: Callable[..., object]) -> str:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return "(...)"
+    return "(" + ", ".join(str(p) for p in params if p.name != "self") + ")"
 
 
 def replace_reference(document: str) -> str:

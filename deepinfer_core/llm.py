@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -12,16 +13,17 @@ from typing import Any
 import torch
 
 from deepinfer_core.backends.host_threads import OMP_VARIABLE
-from deepinfer_core.backends.registry import select_backend
+from deepinfer_core.backends.registry import choose_backend, load_backend_class
 from deepinfer_core.engine.decode_graphs import DecodeGraphs, default_sizes
 from deepinfer_core.engine.engine import Engine, EngineConfig, RequestRejectedError
 from deepinfer_core.engine.prefill_graphs import BUCKETS, PrefillGraphs
 from deepinfer_core.engine_args import EngineArgs
+from deepinfer_core.engine_context import EngineContext
 from deepinfer_core.models.interface import StaticStepModel
 from deepinfer_core.models.registry import default_registry
 from deepinfer_core.models.resolve import resolve_model
 from deepinfer_core.outputs import RequestOutput
-from deepinfer_core.plugins import configure_plugins, get_plugin_manager
+from deepinfer_core.plugins import check_strict, configure_plugins, get_plugin_manager, plugin_logits_processors
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.tokenizer import Tokenizer
 
@@ -38,25 +40,34 @@ class LLM:
     ``LLM(model=None, **kwargs)``: ``model`` is a checkpoint folder, a hub id in the local HF cache, or None for
     ``$DEEPINFER_HF_MODEL_DIR`` or the embedded default; every keyword is an engine argument (``EngineArgs``, with
     vLLM's names: ``max_model_len``, ``max_num_seqs``, ``enable_prefix_caching``, ``gpu_memory_utilization``, ...)
-    or a feature option a plugin claims (e.g. ``batch_invariant=True``).
+    or a feature option a plugin claims (e.g. ``batch_invariant=True``). ``logits_processors=[...]`` adds logits
+    processors (``deepinfer_core.sampling.LogitsProcessor``) to those the plugins contribute.
+
+    ``llm.context`` is the ``EngineContext`` the plugins see; ``llm.backend_choice`` says which backend runs and why.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, **kwargs: Any):
         self.args = args = EngineArgs.from_kwargs(model, **kwargs)
         self.model_dir = resolve_model(args.model)
         self.plugin_manager = get_plugin_manager()
-        self.backend = select_backend(args.backend)
+        check_strict(self.plugin_manager)
+        self.backend_choice = choose_backend(args.backend)
+        self.backend = load_backend_class(self.backend_choice.probe)()
+        logger.info("backend %s: %s", self.backend_choice.name, self.backend_choice.why)
         _limit_host_threads(self.backend)
         self.max_num_batched_tokens = args.max_num_batched_tokens or self.backend.default_max_num_batched_tokens
         self.async_scheduling = (self.backend.default_async_scheduling if args.async_scheduling is None
                                  else args.async_scheduling)
-        registry = default_registry(self.plugin_manager)
-        configure_plugins(self.plugin_manager, {"model": str(self.model_dir)}, args.feature_options(),
-                          self.backend.name)
-        ops = self.backend.make_op_table(self.plugin_manager)
         self.dtype = args.torch_dtype(self.backend.device.type)
-        self.model = registry.load(self.model_dir, ops, self.dtype, self.backend.device)
         self.tokenizer = Tokenizer.from_folder(Path(args.tokenizer) if args.tokenizer is not None else self.model_dir)
+        self.context = EngineContext(
+            backend_name=self.backend.name, options=args.feature_options(), backend_reason=self.backend_choice.why,
+            device=self.backend.device, dtype=self.dtype, model_dir=Path(self.model_dir),
+            model_config=_model_config(self.model_dir), tokenizer=self.tokenizer, args=args)
+        configure_plugins(self.plugin_manager, context=self.context)
+        registry = default_registry(self.plugin_manager, self.context)
+        ops = self.backend.make_op_table(self.plugin_manager, self.context)
+        self.model = registry.load(self.model_dir, ops, self.dtype, self.backend.device)
         self.max_model_len = args.max_model_len or self.model.max_position_embeddings
         self.engine = self._build_engine(args)
         self._ids = itertools.count()
@@ -84,7 +95,9 @@ class LLM:
             buckets = BUCKETS if args.prefill_graph_buckets is None else tuple(args.prefill_graph_buckets)
             prefill = PrefillGraphs(self.model, state, self.backend.capture_graph, self.max_num_batched_tokens,
                                     num_slots, num_blocks, buckets) if buckets else None
-        return Engine(self.model, state, self.tokenizer, config, self.plugin_manager, graphs, prefill)
+        processors = [*args.logits_processors, *plugin_logits_processors(self.plugin_manager, self.context)]
+        return Engine(self.model, state, self.tokenizer, config, self.plugin_manager, graphs, prefill,
+                      logits_processors=processors, context=self.context)
 
     def _graph_sizes(self, args: EngineArgs) -> list[int]:
         """Decode batch sizes to capture: none when eager or when the model has no static steps."""
@@ -183,6 +196,15 @@ class LLM:
                     progress.update(1)
         if progress is not None:
             progress.close()
+
+
+def _model_config(model_dir: str | os.PathLike) -> dict[str, Any]:
+    """The checkpoint's config.json as plugins see it (``EngineContext.model_config``); empty if it cannot be read
+    (the model registry then says why)."""
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
 
 
 def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:

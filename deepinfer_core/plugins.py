@@ -8,6 +8,10 @@ the failure is recorded (entry-point name, distribution, error, full traceback),
 
 Environment: ``DEEPINFER_PLUGINS`` unset or empty loads every installed plugin; ``DEEPINFER_PLUGINS=a,b``
 loads only the entry points named ``a`` and ``b``; ``DEEPINFER_PLUGINS=none`` loads none.
+``DEEPINFER_STRICT_PLUGINS=1`` makes ``check_strict`` (called by ``LLM``) refuse to run while any plugin failed.
+
+The core calls hooks only through ``call_hook`` / ``call_historic_hook``: an implementation that raises fails the
+call with an error naming the plugin, its distribution, the hook and the original exception.
 """
 
 from __future__ import annotations
@@ -17,15 +21,22 @@ import inspect
 import logging
 import threading
 import traceback
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
 import pluggy
 
 from deepinfer_core import envs, hookspecs
-from deepinfer_core.errors import PluginValidationError, UnknownOptionError, UnsupportedBackendError
+from deepinfer_core.engine_context import EngineContext
+from deepinfer_core.errors import (
+    DeepInferError,
+    PluginHookError,
+    PluginValidationError,
+    StrictPluginsError,
+    UnknownOptionError,
+    UnsupportedBackendError,
+)
 
 try:  # the stdlib version lacks some selection helpers on older Pythons; the backport is a core dependency
     import importlib_metadata as metadata
@@ -34,6 +45,7 @@ except ImportError:  # pragma: no cover
 
 ENTRY_POINT_GROUP = "deepinfer.plugins"
 ENV_PLUGINS = "DEEPINFER_PLUGINS"
+ENV_STRICT = "DEEPINFER_STRICT_PLUGINS"
 HOOK_PREFIX = "deepinfer_"
 
 LOADED, FAILED, SKIPPED, MISSING = "loaded", "failed", "skipped", "missing"
@@ -181,7 +193,8 @@ def _load_entry_point(pm: PluginManager, ep: metadata.EntryPoint) -> None:
     except Exception as exc:  # noqa: BLE001  (a broken plugin must never take the others down with it)
         record = _record(ep, FAILED, error=f"{type(exc).__name__}: {exc}", tb=traceback.format_exc())
         record.hook_api_version = None if plugin is None else _declared_api_version(plugin)
-        log.warning("could not load %s:\n%s", _describe(ep.name, dist), record.traceback)
+        log.warning("could not load %s: %s", _describe(ep.name, dist), record.error)
+        log.debug("%s", record.traceback)
     else:
         record.value = ep.value
     pm.records[ep.name] = record
@@ -273,7 +286,7 @@ def claimed_options(pm: pluggy.PluginManager) -> dict[str, list[str]]:
     for impl in pm.hook.deepinfer_feature_options.get_hookimpls():
         if impl.hookwrapper or impl.wrapper:
             continue
-        for option in impl.function() or {}:
+        for option in _call_impl(pm, "deepinfer_feature_options", impl, {}) or {}:
             claims.setdefault(option, []).append(impl.plugin_name)
     return claims
 
@@ -297,7 +310,7 @@ def check_backend_support(pm: pluggy.PluginManager, backend_name: str, options: 
     for impl in pm.hook.deepinfer_supported_backends.get_hookimpls():
         if impl.hookwrapper or impl.wrapper:
             continue
-        supported = impl.function()
+        supported = _call_impl(pm, "deepinfer_supported_backends", impl, {})
         if supported is None:
             continue
         supported = sorted(supported)
@@ -312,12 +325,120 @@ def check_backend_support(pm: pluggy.PluginManager, backend_name: str, options: 
             )
 
 
-def configure_plugins(pm: pluggy.PluginManager, config: Any, options: Mapping[str, Any], backend_name: str) -> None:
-    """Validate ``options``, check backend support, then call the historic ``deepinfer_configure``."""
-    validate_options(pm, options)
-    check_backend_support(pm, backend_name, options)
-    frozen = MappingProxyType(dict(options))
-    pm.hook.deepinfer_configure.call_historic(kwargs={"config": config, "options": frozen})
+def configure_plugins(
+    pm: pluggy.PluginManager,
+    config: Mapping[str, str] | None = None,
+    options: Mapping[str, Any] | None = None,
+    backend_name: str | None = None,
+    *,
+    context: EngineContext | None = None,
+) -> EngineContext:
+    """Validate the options, check backend support, then call the historic ``deepinfer_configure``.
+
+    ``context`` is the engine's ``EngineContext``; without one, a bare context of ``backend_name`` (default
+    ``"cpu"``) and ``options`` is made (tests). Returns the context, to pass on to ``Backend.make_op_table``.
+    """
+    if context is None:
+        context = EngineContext(backend_name or "cpu", options or {})
+    validate_options(pm, context.options)
+    check_backend_support(pm, context.backend_name, context.options)
+    if config is None and context.model_dir is not None:
+        config = {"model": str(context.model_dir)}
+    call_historic_hook(pm, "deepinfer_configure", {"config": config, "options": context.options, "context": context})
+    return context
+
+
+def plugin_logits_processors(pm: pluggy.PluginManager, context: EngineContext) -> list[Callable]:
+    """The logits processors the plugins contribute for ``context``'s engine (``deepinfer_logits_processors``), in
+    the plugins' registration order (entry-point names, sorted)."""
+    from deepinfer_core.sampling.logits_processor import check_processors
+
+    processors: list[Callable] = []
+    for impl in pm.hook.deepinfer_logits_processors.get_hookimpls():
+        if impl.hookwrapper or impl.wrapper:
+            continue
+        contributed = _call_impl(pm, "deepinfer_logits_processors", impl, {"context": context})
+        if contributed:
+            who = _describe(impl.plugin_name, _distribution_name(pm, impl.plugin_name))
+            processors += check_processors(contributed, f"{who}, hook deepinfer_logits_processors")
+    return processors
+
+
+def check_strict(pm: PluginManager, env: Mapping[str, str] | None = None) -> None:
+    """With ``DEEPINFER_STRICT_PLUGINS=1``, raise ``StrictPluginsError`` naming every plugin that failed to load
+    or is listed in ``DEEPINFER_PLUGINS`` but missing."""
+    if not envs.get(ENV_STRICT, env):
+        return
+    bad = [record for record in pm.records.values() if record.status in (FAILED, MISSING)]
+    if bad:
+        listed = "; ".join(f"{_describe(r.name, r.distribution)}: {r.error}" for r in bad)
+        raise StrictPluginsError(f"{ENV_STRICT}=1 and {len(bad)} plugin(s) failed: {listed}. Fix or uninstall them, "
+                                 f"leave them out with {ENV_PLUGINS}, or unset {ENV_STRICT} "
+                                 "(`deepinfer plugins -v` shows the tracebacks)")
+
+
+def failure_lines(pm: PluginManager) -> list[str]:
+    """One line per plugin that failed to load or is missing: who, and the error."""
+    return [f"{_describe(r.name, r.distribution)} {'failed to load' if r.status == FAILED else 'is missing'}: "
+            f"{r.error}" for r in pm.records.values() if r.status in (FAILED, MISSING)]
+
+
+# --- calling hooks --------------------------------------------------------------------------------------
+
+
+def call_hook(pm: pluggy.PluginManager, name: str, **kwargs: Any) -> Any:
+    """Call hook ``name`` with ``kwargs`` (pluggy's result); a raising implementation fails it naming its plugin."""
+    try:
+        return getattr(pm.hook, name)(**kwargs)
+    except Exception as exc:
+        raise _blamed(pm, name, exc, _culprit(pm, name, exc)) from exc
+
+
+def call_historic_hook(pm: pluggy.PluginManager, name: str, kwargs: Mapping[str, Any]) -> None:
+    """``call_hook`` for a historic hook: also replayed to plugins registered later."""
+    try:
+        getattr(pm.hook, name).call_historic(kwargs=dict(kwargs))
+    except Exception as exc:
+        raise _blamed(pm, name, exc, _culprit(pm, name, exc)) from exc
+
+
+def _call_impl(pm: pluggy.PluginManager, name: str, impl: Any, kwargs: Mapping[str, Any]) -> Any:
+    """One implementation of hook ``name``, given the arguments it asks for."""
+    try:
+        return impl.function(*(kwargs[arg] for arg in impl.argnames))
+    except Exception as exc:
+        raise _blamed(pm, name, exc, impl) from exc
+
+
+def _culprit(pm: pluggy.PluginManager, name: str, exc: Exception) -> Any:
+    """The hook implementation a traceback passes through (the frame pluggy called), or None."""
+    impls = {getattr(impl.function, "__code__", None): impl for impl in getattr(pm.hook, name).get_hookimpls()}
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code in impls:
+            return impls[tb.tb_frame.f_code]
+        tb = tb.tb_next
+    return None
+
+
+def _blamed(pm: pluggy.PluginManager, name: str, exc: Exception, impl: Any) -> Exception:
+    """The error to raise for ``exc`` from ``impl`` of hook ``name``: a ``DeepInferError`` the plugin raised on purpose
+    keeps its class and gains the plugin and hook in its message; any other becomes a ``PluginHookError``."""
+    if impl is None or isinstance(exc, PluginHookError):
+        return exc
+    who = _describe(impl.plugin_name, _distribution_name(pm, impl.plugin_name))
+    if isinstance(exc, DeepInferError):
+        message = exc.args[0] if exc.args and isinstance(exc.args[0], str) else str(exc)
+        exc.args = (f"{who}, hook {name}: {message}", *exc.args[1:])
+        return exc
+    error = PluginHookError(f"{who} failed in hook {name}: {type(exc).__name__}: {exc}")
+    error.plugin, error.hook, error.original = impl.plugin_name, name, exc
+    return error
+
+
+def _distribution_name(pm: pluggy.PluginManager, plugin_name: str) -> str | None:
+    record = getattr(pm, "records", {}).get(plugin_name)
+    return record.distribution if record is not None else None
 
 
 # --- the process-wide manager -------------------------------------------------------------------------

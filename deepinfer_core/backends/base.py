@@ -125,12 +125,18 @@ class Backend:
         """Op name -> this backend's implementation; ops left out use the reference op."""
         return {}
 
-    def make_op_table(self, plugin_manager: Any = None) -> OpTable:
+    def make_op_table(self, plugin_manager: Any = None, context: Any = None) -> OpTable:
         """The op table the model calls: reference ops, then this backend's overrides, then the plugins'
-        ``deepinfer_register_ops`` (when ``plugin_manager`` is given)."""
+        ``deepinfer_register_ops`` (when ``plugin_manager`` is given) with ``context``, the engine's
+        ``EngineContext`` (default: a bare one of this backend, without options)."""
         table = OpTable(self.op_overrides(), source=self.name)
         if plugin_manager is not None:
-            plugin_manager.hook.deepinfer_register_ops(op_table=table, backend_name=self.name)
+            from deepinfer_core.engine_context import EngineContext
+            from deepinfer_core.plugins import call_hook
+
+            context = context if context is not None else EngineContext(self.name)
+            call_hook(plugin_manager, "deepinfer_register_ops", op_table=table, backend_name=self.name,
+                      context=context)
         return table
 
     def capture_graph(self, fn: Callable[..., Any], example_inputs: tuple[Any, ...]) -> Callable[..., Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -92,8 +93,9 @@ class ModelRunner:
     """Owns the model and its state pools; turns a ``SchedulerOutput`` into sampled tokens."""
 
     def __init__(self, model, state, eos_token_id: int | None, decode_graphs: DecodeGraphs | None = None,
-                 prefill_graphs: PrefillGraphs | None = None):
+                 prefill_graphs: PrefillGraphs | None = None, logits_processors: Sequence[Callable] = ()):
         self.model = model
+        self.logits_processors = list(logits_processors)  # run by the sampler, after the graphs, on sampled rows
         self.state = state
         self.eos_token_id = eos_token_id
         self.device = model.device
@@ -193,6 +195,9 @@ class ModelRunner:
             eos_token_id=self.eos_token_id,
             positions=[c.end for c in chunks],
             num_output_tokens=[c.end - len(r.prompt_token_ids) for c, r in zip(chunks, requests)],
+            bad_words_token_ids=[r.bad_words_token_ids for r in requests],
+            logits_processors=self.logits_processors,
+            request_ids=[r.request_id for r in requests],
             device=stacked.device,
         )
         return sample(stacked, metadata, greedy=self.model.ops.greedy_sample)

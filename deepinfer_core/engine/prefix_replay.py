@@ -9,6 +9,7 @@ start through the ``deepinfer_rebuild_sliding_window`` hook (e.g. bounded replay
 from __future__ import annotations
 
 from deepinfer_core.engine.request import Request
+from deepinfer_core.plugins import call_hook
 
 
 class PrefixReplay:
@@ -22,8 +23,8 @@ class PrefixReplay:
     def start(self, request: Request, num_cached_tokens: int) -> int:
         """The first token to compute for ``request`` whose first ``num_cached_tokens`` tokens hit the cache."""
         if self.plugin_manager is not None:
-            start = self.plugin_manager.hook.deepinfer_rebuild_sliding_window(
-                request=request, num_cached_tokens=num_cached_tokens, sliding_window=self.sliding_window)
+            start = call_hook(self.plugin_manager, "deepinfer_rebuild_sliding_window",
+                              request=request, num_cached_tokens=num_cached_tokens, sliding_window=self.sliding_window)
             if start is not None:
                 if not 0 <= start <= num_cached_tokens:
                     raise ValueError(f"rebuild_sliding_window returned {start}, outside [0, {num_cached_tokens}]")

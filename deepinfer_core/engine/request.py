@@ -52,6 +52,8 @@ class Request:
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)
     num_preemptions: int = 0
     num_inflight_tokens: int = 0
+    bad_words_token_ids: list[list[int]] = dataclasses.field(default_factory=list)  # params.bad_words, tokenized
+    needs_host_tokens: bool = False  # a step sampling it needs its latest token on the host (penalties, ...)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -60,12 +60,15 @@ def read_model_type(folder: Path) -> str | None:
         raise UnknownModelTypeError(f"{folder} has no config.json; point at a checkpoint folder") from None
 
 
-def default_registry(plugin_manager=None) -> ModelRegistry:
-    """The core's models plus whatever plugins register through ``deepinfer_register_models``."""
+def default_registry(plugin_manager=None, context=None) -> ModelRegistry:
+    """The core's models plus whatever plugins register through ``deepinfer_register_models`` (given ``context``, the
+    engine's ``EngineContext``, or None)."""
     from deepinfer_core.models.deepseek_v4.loader import load_deepseek_v4
 
     registry = ModelRegistry()
     registry.register("deepseek_v4", load_deepseek_v4)
     if plugin_manager is not None:
-        plugin_manager.hook.deepinfer_register_models(registry=registry)
+        from deepinfer_core.plugins import call_hook
+
+        call_hook(plugin_manager, "deepinfer_register_models", registry=registry, context=context)
     return registry

@@ -84,13 +84,13 @@ class NvidiaBackend(Backend):
         """The fast ops of this path (``sm90_ops`` / ``sm100_ops``); every other op is the reference op."""
         return sm90_ops() if self.path == "sm90" else sm100_ops()
 
-    def make_op_table(self, plugin_manager: Any = None) -> OpTable:
+    def make_op_table(self, plugin_manager: Any = None, context: Any = None) -> OpTable:
         """The base table (reference ops, these overrides, the plugins'); then, where the table's ``hc_post`` and
         ``hc_post_sum`` are this backend's, ``hc_pre_normed`` with its Sinkhorn beside the block
         (``hc.hc_pre_normed_deferred``: those two join it)."""
         from deepinfer_nvidia_sm100.kernels import hc
 
-        table = super().make_op_table(plugin_manager)
+        table = super().make_op_table(plugin_manager, context)
         if hc.defers_weights(table):
             table.override("hc_pre_normed", hc.hc_pre_normed_deferred, self.name)
         return table
