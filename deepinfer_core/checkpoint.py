@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from deepinfer_core.errors import DeepInferError
@@ -137,13 +137,25 @@ def _raise_no_safetensors(folder: Path) -> None:
     raise CheckpointError(f"no *.safetensors files in {folder}; point the engine at a safetensors checkpoint folder")
 
 
+def open_shard(path: Path):
+    """``safe_open(path)`` (use it in a ``with``); a truncated or corrupt file raises one CheckpointError naming the
+    file and what is wrong with it."""
+    try:
+        return safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as exc:
+        reason = str(exc).removeprefix("Error while deserializing header: ")
+        raise CheckpointError(
+            f"{path} is not a readable safetensors file ({path.stat().st_size} bytes; {reason}): it is truncated "
+            "or corrupt; re-download or re-convert it") from None
+
+
 # ---------------------------------------------------------------------------------------------- planning
 def read_headers(folder: str | Path) -> dict[str, dict[str, tuple[tuple[int, ...], str]]]:
     """``{shard: {name: (shape, safetensors dtype)}}`` read from the shard headers, one shard at a time."""
     folder = Path(folder)
     headers = {}
     for shard in list_shards(folder):
-        with safe_open(folder / shard, framework="pt") as handle:
+        with open_shard(folder / shard) as handle:
             names = handle.keys()
             headers[shard] = {name: _header(handle.get_slice(name)) for name in names}
     _check_index(folder, headers)
@@ -283,7 +295,7 @@ def iter_checkpoint(
     for shard in plan.shards:
         if not by_shard[shard]:
             continue
-        with safe_open(plan.folder / shard, framework="pt") as handle:
+        with open_shard(plan.folder / shard) as handle:
             for source in by_shard[shard]:
                 yield source.name, _convert(_read(handle, source), source.kind, dtype, device)
 

@@ -183,9 +183,12 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+        content = json.loads(path.read_text())
+    except ValueError as exc:  # invalid JSON, or bytes that are not UTF-8
         raise TokenizerError(f"{path} is not valid JSON ({exc}); re-download the checkpoint") from None
+    if not isinstance(content, dict):
+        raise TokenizerError(f"{path} holds a {type(content).__name__}, not a JSON object; fix or re-download it")
+    return content
 
 
 def _template_from_config(config: dict[str, Any]) -> str | None:

@@ -16,6 +16,10 @@ class UnknownModelTypeError(DeepInferError, ValueError):
     """A checkpoint whose model_type no registered loader handles."""
 
 
+class ConfigFileError(DeepInferError, ValueError):
+    """A checkpoint's config.json that is not a readable JSON object."""
+
+
 class InvalidModelError(DeepInferError, TypeError):
     """A registered loader returned an object that lacks part of the model interface (``models/interface.py``)."""
 
@@ -53,11 +57,17 @@ class ModelRegistry:
 
 
 def read_model_type(folder: Path) -> str | None:
+    """The ``model_type`` of ``folder``'s config.json (None when it has none)."""
     path = Path(folder) / "config.json"
     try:
-        return json.loads(path.read_text()).get("model_type")
+        config = json.loads(path.read_text())
     except FileNotFoundError:
         raise UnknownModelTypeError(f"{folder} has no config.json; point at a checkpoint folder") from None
+    except ValueError as exc:  # invalid JSON, or bytes that are not UTF-8
+        raise ConfigFileError(f"{path} is not valid JSON ({exc}); fix or re-download it") from None
+    if not isinstance(config, dict):
+        raise ConfigFileError(f"{path} holds a {type(config).__name__}, not a JSON object; fix or re-download it")
+    return config.get("model_type")
 
 
 def default_registry(plugin_manager=None, context=None) -> ModelRegistry:

@@ -158,8 +158,10 @@ class DeepseekV4Config:
             raw = json.loads(path.read_text())
         except FileNotFoundError:
             raise ConfigError(f"no config.json at {path}") from None
-        except json.JSONDecodeError as exc:
+        except ValueError as exc:  # invalid JSON, or bytes that are not UTF-8
             raise ConfigError(f"{path} is not valid JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path} holds a {type(raw).__name__}, not a JSON object; fix or re-download it")
         return cls.from_dict(raw)
 
     def _fold_legacy(self, raw: dict[str, Any]) -> None:
