@@ -13,7 +13,6 @@ next to the code that raises it:
 * ``deepinfer_core.models.resolve.ModelNotFoundError`` (ValueError): no checkpoint folder for a model argument;
 * ``deepinfer_core.models.registry.UnknownModelTypeError`` (ValueError): a ``model_type`` no loader handles;
 * ``deepinfer_core.models.registry.ConfigFileError`` (ValueError): a config.json that is not a readable JSON object;
-* ``deepinfer_core.models.registry.ConfigFileError`` (ValueError): a config.json that is not a readable JSON object;
 * ``deepinfer_core.models.registry.InvalidModelError`` (TypeError): a loaded model lacking part of the model interface;
 * ``deepinfer_core.models.deepseek_v4.config.ConfigError`` (ValueError): a config.json this engine cannot run;
 * ``deepinfer_core.ops.table.UnknownOpError`` (KeyError): an op override naming no op of the table;
