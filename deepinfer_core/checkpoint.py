@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,9 @@ from safetensors.torch import save_file
 from deepinfer_core.errors import DeepInferError
 from deepinfer_core.models.deepseek_v4 import weights as v4_weights
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer_core.quant import tensors as quant_tensors
+from deepinfer_core.quant.config import QuantizationConfig
+from deepinfer_core.quant.tensors import QuantizedTensor
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -62,6 +65,7 @@ class CheckpointPlan:
     # (canonical name, expected shape, found shape, shard, on-disk name)
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...], str, str]] = dataclasses.field(default_factory=list)
     skipped: list[str] = dataclasses.field(default_factory=list)  # mtp.* tensors
+    quantized: dict[str, QuantizedTensor] = dataclasses.field(default_factory=dict)  # canonical weight name -> format
 
     @property
     def ok(self) -> bool:
@@ -184,16 +188,18 @@ def plan_checkpoint(folder: str | Path, config: DeepseekV4Config) -> CheckpointP
     expected = v4_weights.expected_tensors(config)
     headers = read_headers(folder)
     plan = CheckpointPlan(folder=folder, shards=list(headers), sources={})
+    scales = _take_scales(headers)
     for shard, tensors in headers.items():
         for name, (shape, dtype) in tensors.items():
-            _plan_tensor(plan, expected, config, name, shape, dtype, shard)
+            _plan_tensor(plan, expected, config, name, shape, dtype, shard, scales)
+    _check_unused_scales(plan, scales, headers)
     _alias_tied_head(plan, expected, config)
     plan.missing = [(name, spec[0]) for name, spec in expected.items() if name not in plan.sources]
     plan.missing = [m for m in plan.missing if not _shape_reported(plan, m[0])]
     return plan
 
 
-def _plan_tensor(plan, expected, config, name: str, shape, dtype: str, shard: str) -> None:
+def _plan_tensor(plan, expected, config, name: str, shape, dtype: str, shard: str, scales) -> None:
     canonical = v4_weights.canonical_name(name)
     if canonical is None:
         plan.skipped.append(name)
@@ -205,6 +211,9 @@ def _plan_tensor(plan, expected, config, name: str, shape, dtype: str, shard: st
         plan.unexpected.append((name, shard))
         return
     want, kind = expected[canonical]
+    if kind == v4_weights.WEIGHT and dtype in _QUANTIZED_DTYPES:
+        _plan_quantized(plan, config, canonical, name, shape, dtype, shard, scales.pop(canonical, None), want)
+        return
     _check_dtype(name, dtype, kind, shard)
     if shape != want:
         plan.mismatched.append((canonical, want, shape, shard, name))
@@ -241,10 +250,119 @@ def _check_dtype(name: str, dtype: str, kind: str, shard: str) -> None:
     if dtype in (_INT_DTYPES if is_int else _FLOAT_DTYPES):
         return
     wanted = "an integer" if is_int else "a bf16, fp16 or fp32"
-    raise CheckpointError(
-        f"tensor {name} in {shard} has dtype {dtype}; expected {wanted} tensor. "
-        "Quantized (fp8/fp4) weights are not supported yet: dequantize the checkpoint first"
-    )
+    hint = ("fp8 / fp4 weights load from DeepSeek's per-expert names (layers.N.ffn.experts.E.w1.weight) with a "
+            "sibling .scale, not from fused expert tensors" if dtype in _QUANTIZED_DTYPES else
+            "re-convert the checkpoint")
+    raise CheckpointError(f"tensor {name} in {shard} has dtype {dtype}; expected {wanted} tensor: {hint}")
+
+
+# ---------------------------------------------------------------------------------------------- quantized tensors
+_QUANTIZED_DTYPES = {"F8_E4M3", "F8_E5M2", "I8", "U8"}  # a linear weight stored so is quantized (with its .scale)
+_FP8_SCALE_DTYPES = ("F8_E8M0", "F32")
+_MXFP4_SCALE_DTYPES = ("F8_E8M0",)
+_UNQUANTIZED_ONLY = ("embed.weight", "head.weight")  # a table lookup and the logits op read float weights
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scale:
+    """An ``X.scale`` tensor of the checkpoint, as its header describes it."""
+
+    source: str
+    shard: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def _take_scales(headers: dict[str, dict[str, tuple]]) -> dict[str, _Scale]:
+    """Take every ``X.scale`` tensor out of ``headers``; return them by the canonical name of their ``X.weight``."""
+    scales = {}
+    for shard, tensors in headers.items():
+        for name in [n for n in tensors if _is_scale(n)]:
+            shape, dtype = tensors.pop(name)
+            weight = v4_weights.canonical_name(quant_tensors.weight_name(name))
+            if weight is not None:  # mtp.* scales are skipped with their weights
+                scales[weight] = _Scale(name, shard, shape, dtype)
+    return scales
+
+
+def _is_scale(name: str) -> bool:
+    """``X.scale`` beside a quantized ``X.weight`` (HF's ``attn_hc.scale`` is the mHC scale ``hc_attn_scale``)."""
+    canonical = v4_weights.canonical_name(name)
+    return name.endswith(quant_tensors.SCALE_SUFFIX) and (canonical is None or canonical.endswith(".scale"))
+
+
+def _plan_quantized(plan: CheckpointPlan, config: DeepseekV4Config, canonical: str, name: str, shape, dtype: str,
+                    shard: str, scale: _Scale | None, want: tuple[int, ...]) -> None:
+    """Plan a quantized weight and its scale, or raise CheckpointError naming the tensor at fault."""
+    where = f"tensor {name} in {shard}"
+    quant = config.quantization
+    if quant is None:
+        raise CheckpointError(f"{where} is {dtype}, a quantized dtype, but config.json has no quantization_config; "
+                              "add the quantization_config the checkpoint was written with (docs/quantization.md)")
+    if canonical in _UNQUANTIZED_ONLY:
+        raise CheckpointError(f"{where} is {dtype}; the embedding and the head are read unquantized: store them as "
+                              "bf16, fp16 or fp32")
+    if scale is None:
+        raise CheckpointError(f"{where} is {dtype} but its scale {quant_tensors.scale_name(name)} is missing; a "
+                              "quantized weight needs its scale: re-download or re-write the checkpoint")
+    spec = _quantized_spec(quant, canonical, where, dtype, scale, want)
+    if spec.stored_shape != tuple(shape):
+        plan.mismatched.append((canonical, spec.stored_shape, tuple(shape), shard, name))
+        return
+    if spec.scale_shape != tuple(scale.shape):
+        raise CheckpointError(f"scale {scale.source} in {scale.shard} has shape {tuple(scale.shape)}; weight {name} "
+                              f"({spec.format}, {list(spec.shape)} dequantized, scale blocks {list(spec.block)}) needs "
+                              f"{spec.scale_shape}: check weight_block_size in config.json's quantization_config")
+    plan.quantized[canonical] = spec
+    _add_source(plan, TensorSource(canonical, name, shard, tuple(shape), v4_weights.STORED))
+    _add_source(plan, TensorSource(quant_tensors.scale_name(canonical), scale.source, scale.shard,
+                                   tuple(scale.shape), v4_weights.STORED))
+
+
+def _quantized_spec(quant: QuantizationConfig, canonical: str, where: str, dtype: str, scale: _Scale,
+                    want: tuple[int, ...]) -> QuantizedTensor:
+    """What the dtype of a quantized weight and the config say it is: fp8 blocks or MXFP4."""
+    expert = ".ffn.experts." in canonical
+    if dtype == "F8_E5M2":
+        raise CheckpointError(f"{where} is float8_e5m2; DeepSeek-V4 checkpoints store fp8 weights as e4m3 "
+                              "(float8_e4m3fn): re-write it with deepinfer quantize")
+    if dtype == "F8_E4M3":
+        if expert and quant.expert_dtype != "fp8":
+            raise CheckpointError(f"{where} is an fp8 routed expert, but config.json's expert_dtype is "
+                                  f"{quant.expert_dtype!r}; set \"expert_dtype\": \"fp8\" for fp8 experts")
+        _check_scale_dtype(scale, _FP8_SCALE_DTYPES, "an fp8 block weight's")
+        return QuantizedTensor(canonical, quant_tensors.FP8_BLOCK, want, quant.weight_block_size,
+                               quant_tensors.SAFETENSORS_DTYPES[scale.dtype])
+    if not expert:
+        raise CheckpointError(f"{where} is {dtype} with a scale: packed fp4 (MXFP4) is read for routed experts "
+                              "(layers.N.ffn.experts.E.w1/w2/w3) only; store this weight as fp8, bf16 or fp32")
+    if quant.expert_dtype != "fp4":
+        raise CheckpointError(f"{where} is a packed fp4 expert, but config.json's expert_dtype is "
+                              f"{quant.expert_dtype!r}; set \"expert_dtype\": \"fp4\" for MXFP4 experts")
+    if want[-1] % 32:
+        raise CheckpointError(f"{where} is a packed fp4 expert of input width {want[-1]}; MXFP4 scales groups of 32 "
+                              "inputs, so the width must be a multiple of 32: keep this model's experts in fp8 or bf16")
+    _check_scale_dtype(scale, _MXFP4_SCALE_DTYPES, "an MXFP4 expert's")
+    return QuantizedTensor(canonical, quant_tensors.MXFP4, want, (1, 32), torch.float8_e8m0fnu)
+
+
+def _check_scale_dtype(scale: _Scale, allowed: tuple[str, ...], whose: str) -> None:
+    if scale.dtype not in allowed:
+        raise CheckpointError(f"scale {scale.source} in {scale.shard} has dtype {scale.dtype}; {whose} scale is "
+                              f"{' or '.join(allowed)} (F8_E8M0: ue8m0 powers of two): re-write the checkpoint")
+
+
+def _check_unused_scales(plan: CheckpointPlan, scales: dict[str, _Scale], headers) -> None:
+    """A scale beside an unquantized weight is an error; a scale with no weight at all is an unexpected tensor."""
+    for weight, scale in scales.items():
+        source = plan.sources.get(weight)
+        if source is None:
+            plan.unexpected.append((scale.source, scale.shard))
+            continue
+        dtype = headers[source.shard][source.source][1]
+        raise CheckpointError(f"scale {scale.source} in {scale.shard} sits beside {source.source}, which is {dtype}, "
+                              "not a quantized dtype (fp8 e4m3, or int8 / uint8 for MXFP4 experts): drop the scale "
+                              "or store the weight quantized")
 
 
 def _alias_tied_head(plan: CheckpointPlan, expected, config: DeepseekV4Config) -> None:
@@ -307,6 +425,9 @@ def _read(handle, source: TensorSource) -> torch.Tensor:
 
 
 def _convert(tensor: torch.Tensor, kind: str, dtype: torch.dtype, device) -> torch.Tensor:
+    if kind == v4_weights.STORED:  # quantized weights and scales keep their bytes; packed fp4 is held as uint8
+        stored = tensor.view(torch.uint8) if tensor.dtype == torch.int8 else tensor
+        return stored.to(device=device)
     if kind == v4_weights.INT:
         target = torch.int64
     elif kind == v4_weights.FP32 and dtype.itemsize < 4:
@@ -324,15 +445,17 @@ def load_checkpoint(
     dtype: torch.dtype,
     device: torch.device | str,
     consume: Callable[[str, torch.Tensor], None],
+    plan: CheckpointPlan | None = None,
 ) -> LoadReport:
     """Validate a checkpoint against ``config`` (headers only), then stream every tensor into ``consume``.
 
     Raises CheckpointError before reading any tensor data when tensors are missing, unexpected or
     mis-shaped. ``consume(name, tensor)`` is called once per canonical name (see
     ``deepinfer_core.models.deepseek_v4.weights.expected_tensors``); it should copy the tensor into
-    its parameter and not keep a reference, so host memory stays bounded by one shard.
+    its parameter and not keep a reference, so host memory stays bounded by one shard. ``plan``: the folder's
+    ``plan_checkpoint`` when the caller made it already (to size the model by its quantized tensors).
     """
-    plan = plan_checkpoint(folder, config)
+    plan = plan or plan_checkpoint(folder, config)
     plan.raise_for_problems()
     loaded = 0
     for name, tensor in iter_checkpoint(plan, dtype, device):
@@ -344,29 +467,35 @@ def load_checkpoint(
 # ---------------------------------------------------------------------------------------------- writing
 def write_checkpoint(
     folder: str | Path,
-    tensors: Mapping[str, torch.Tensor],
+    tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
     config_dict: Mapping[str, Any] | None,
     max_shard_bytes: int = 5 * 2**30,
 ) -> list[str]:
-    """Write ``tensors`` as safetensors shards (plus ``config.json`` when ``config_dict`` is given).
+    """Write ``tensors`` (a mapping, or ``(name, tensor)`` pairs consumed one at a time) as safetensors shards, plus
+    ``config.json`` when ``config_dict`` is given.
 
     One shard is written as ``model.safetensors``; several as ``model-0000i-of-0000n.safetensors`` with a
     ``model.safetensors.index.json`` weight map. Tensors go into shards in the given order, a new shard
-    starting when the next tensor would push the current one past ``max_shard_bytes``. Returns the
-    shard file names.
+    starting when the next tensor would push the current one past ``max_shard_bytes``; each shard is saved as
+    soon as it is full, so memory stays around one shard. Returns the shard file names.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    groups = _group_by_size(tensors, max_shard_bytes)
-    names = [SINGLE_FILE] if len(groups) == 1 else [
-        f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))
+    pending: list[Path] = []
+    weight_maps: list[list[str]] = []
+    total = 0
+    for group in _groups_by_size(tensors.items() if isinstance(tensors, Mapping) else tensors, max_shard_bytes):
+        pending.append(folder / f".shard-{len(pending):05d}.tmp")
+        save_file(group, str(pending[-1]), metadata={"format": "pt"})
+        weight_maps.append(list(group))
+        total += sum(t.numel() * t.element_size() for t in group.values())
+    names = [SINGLE_FILE] if len(pending) == 1 else [
+        f"model-{i + 1:05d}-of-{len(pending):05d}.safetensors" for i in range(len(pending))
     ]
-    weight_map = {}
-    for shard, group in zip(names, groups, strict=True):
-        save_file({k: _savable(v) for k, v in group.items()}, str(folder / shard), metadata={"format": "pt"})
-        weight_map.update({k: shard for k in group})
+    for tmp, name in zip(pending, names, strict=True):
+        tmp.rename(folder / name)
     if len(names) > 1:
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map = {tensor: shard for shard, group in zip(names, weight_maps, strict=True) for tensor in group}
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (folder / INDEX_FILE).write_text(json.dumps(index, indent=2))
     if config_dict is not None:
@@ -374,17 +503,20 @@ def write_checkpoint(
     return names
 
 
-def _group_by_size(tensors: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
-    groups: list[dict[str, torch.Tensor]] = [{}]
+def _groups_by_size(tensors: Iterable[tuple[str, torch.Tensor]], max_shard_bytes: int
+                    ) -> Iterator[dict[str, torch.Tensor]]:
+    """Savable copies of ``tensors`` in consecutive groups of at most ``max_shard_bytes`` (a larger tensor alone);
+    always at least one group."""
+    group: dict[str, torch.Tensor] = {}
     size = 0
-    for name, tensor in tensors.items():
+    for name, tensor in tensors:
         nbytes = tensor.numel() * tensor.element_size()
-        if groups[-1] and size + nbytes > max_shard_bytes:
-            groups.append({})
-            size = 0
-        groups[-1][name] = tensor
+        if group and size + nbytes > max_shard_bytes:
+            yield group
+            group, size = {}, 0
+        group[name] = _savable(tensor)
         size += nbytes
-    return groups
+    yield group
 
 
 def _savable(tensor: torch.Tensor) -> torch.Tensor:

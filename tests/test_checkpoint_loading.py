@@ -300,10 +300,10 @@ def test_unknown_model_type_is_refused(tmp_path):
         DeepseekV4Config.from_file(tmp_path / "config.json")
 
 
-def test_quantization_config_is_refused(tmp_path):
-    raw = {**CONFIG_DICT, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}
+def test_a_quantization_this_engine_does_not_read_is_refused(tmp_path):
+    raw = {**CONFIG_DICT, "quantization_config": {"quant_method": "gptq", "bits": 4}}
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ConfigError, match="quantized checkpoints are not supported"):
+    with pytest.raises(ConfigError, match="quantization_config.quant_method is 'gptq'; this engine reads 'fp8'"):
         DeepseekV4Config.from_file(tmp_path / "config.json")
 
 

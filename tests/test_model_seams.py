@@ -102,8 +102,10 @@ def test_input_projections_load_into_one_fused_weight(folder):
             names += [f"{prefix}.indexer.weights_proj.weight", f"{prefix}.indexer.compressor.wkv.weight",
                       f"{prefix}.indexer.compressor.wgate.weight"]
         blocks = [model.parameters[n] for n in names]
-        assert all(b.untyped_storage().data_ptr() == attn.w_input.untyped_storage().data_ptr() for b in blocks)
-        assert torch.equal(torch.cat(blocks), attn.w_input) and attn.w_input.abs().sum() > 0
+        (run,) = attn.input_runs  # unquantized weights fuse into one run
+        assert run.names == names
+        assert all(b.untyped_storage().data_ptr() == run.weight.untyped_storage().data_ptr() for b in blocks)
+        assert torch.equal(torch.cat(blocks), run.weight) and run.weight.abs().sum() > 0
         projected = attn.project(model.ops, x)
         for role, block in zip(attn.input_roles, blocks, strict=True):
             torch.testing.assert_close(projected[role], x @ block.T, atol=1e-5, rtol=1e-5)
@@ -118,7 +120,8 @@ def test_a_fused_block_refuses_another_shape():
     from deepinfer_core.models.deepseek_v4.model import ParameterRegistry
 
     registry = ParameterRegistry(torch.float32, torch.device("cpu"))
-    fused = registry.add_fused({"a.weight": 3, "b.weight": 2}, 4)
+    (run,) = registry.add_fused({"a.weight": 3, "b.weight": 2}, 4)
+    fused = run.weight
     assert registry.add("b.weight", (2, 4)).data_ptr() == fused[3:].data_ptr()
     with pytest.raises(ValueError, match="was allocated as"):
         registry.add("a.weight", (4, 4))

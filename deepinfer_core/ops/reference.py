@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer_core.ops.table import reference_op
+from deepinfer_core.quant import fp8_block, mxfp4
 from deepinfer_core.sampling.sampler import greedy_rows
 
 
@@ -568,10 +569,18 @@ def moe_experts(
     variant keep this combine and swap the per-expert MLP.
     """
     expert_mlp = expert_mlp or swiglu_mlp
+    return routed_sum(x, ids, weights, w1.shape[0],
+                      lambda expert, rows: expert_mlp(rows, w1[expert], w2[expert], w3[expert], limit))
+
+
+def routed_sum(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, num_experts: int,
+               run_expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``sum_k weights[t, k] * run_expert(ids[t, k], x[t])`` for every token: each touched expert runs once on its
+    rows (``run_expert(expert, rows [n, D]) -> [n, D]``), combined by expert, then by token."""
     out = torch.zeros_like(x)  # [T, D]
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=w1.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
@@ -579,10 +588,65 @@ def moe_experts(
         picks = order[start : start + count]  # flat (token, slot) indices
         start += count
         tokens = picks // ids.shape[1]
-        expert_out = expert_mlp(x[tokens], w1[expert], w2[expert], w3[expert], limit)  # [count, D]
+        expert_out = run_expert(expert, x[tokens])  # [count, D]
         scale = weights.reshape(-1)[picks].unsqueeze(-1).to(expert_out.dtype)
         out.index_add_(0, tokens, (expert_out * scale).to(out.dtype))
     return out
+
+
+# ----------------------------------------------------------------------------- quantized weights
+# Weights held as stored (deepinfer_core.quant): each op dequantizes exactly (fp32), casts to the activations' dtype
+# and runs its unquantized twin's math; activations are never quantized. A backend overrides these names with
+# kernels that read the stored bytes; ``linear`` / ``moe_experts`` never see a quantized tensor.
+@reference_op
+def linear_fp8_block(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                     block: tuple[int, int]) -> torch.Tensor:
+    """``linear`` with an fp8 block weight: ``weight`` float8_e4m3fn ``[out, in]``, ``scale`` (ue8m0 or float32)
+    ``[ceil(out / B0), ceil(in / B1)]`` for ``block = (B0, B1)``; ``x``: ``[..., in]``."""
+    return F.linear(x, fp8_block.dequantize(weight, scale, block).to(x.dtype))
+
+
+@reference_op
+def grouped_linear_fp8_block(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                             groups: int) -> torch.Tensor:
+    """``grouped_linear`` with an fp8 block weight (``weight [groups * out_per_group, in_per_group]``)."""
+    return grouped_linear(x, fp8_block.dequantize(weight, scale, block).to(x.dtype), groups)
+
+
+@reference_op
+def swiglu_mlp_fp8_block(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+                         w3: torch.Tensor, s3: torch.Tensor, block: tuple[int, int], limit: float) -> torch.Tensor:
+    """``swiglu_mlp`` with fp8 block weights, each followed by its scale (the shared expert)."""
+    w1, w2, w3 = (fp8_block.dequantize(w, s, block).to(x.dtype) for w, s in ((w1, s1), (w2, s2), (w3, s3)))
+    return swiglu_mlp(x, w1, w2, w3, limit)
+
+
+@reference_op
+def moe_experts_fp8_block(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
+                          s1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor,
+                          block: tuple[int, int], limit: float) -> torch.Tensor:
+    """``moe_experts`` with fp8 block experts: ``w1`` / ``w3`` ``[E, I, D]``, ``w2`` ``[E, D, I]`` float8_e4m3fn,
+    each followed by its scale ``[E, ceil(rows / B0), ceil(cols / B1)]``."""
+
+    def run_expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        w = [fp8_block.dequantize(w[e], s[e], block).to(x.dtype) for w, s in ((w1, s1), (w2, s2), (w3, s3))]
+        return swiglu_mlp(rows, *w, limit)
+
+    return routed_sum(x, ids, weights, w1.shape[0], run_expert)
+
+
+@reference_op
+def moe_experts_mxfp4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
+                      w2: torch.Tensor, s2: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor,
+                      limit: float) -> torch.Tensor:
+    """``moe_experts`` with MXFP4 experts: ``w1`` / ``w3`` uint8 ``[E, I, D / 2]``, ``w2`` ``[E, D, I / 2]`` (two
+    e2m1 codes per byte, low nibble first), each followed by its ue8m0 scale ``[E, rows, cols / 32]``."""
+
+    def run_expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        w = [mxfp4.dequantize(w[e], s[e]).to(x.dtype) for w, s in ((w1, s1), (w2, s2), (w3, s3))]
+        return swiglu_mlp(rows, *w, limit)
+
+    return routed_sum(x, ids, weights, w1.shape[0], run_expert)
 
 
 # ----------------------------------------------------------------------------- head

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from deepinfer_core.errors import DeepInferError
+from deepinfer_core.quant.config import QuantizationConfig
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -76,8 +77,16 @@ class DeepseekV4Config:
     hidden_act: str = "silu"
     model_type: str = "deepseek_v4"
     torch_dtype: str | None = None
+    quantization_config: dict[str, Any] | None = None  # fp8 / fp4 checkpoints (deepinfer_core.quant.config)
+    expert_dtype: str | None = None
 
     # ----------------------------------------------------------------- derived
+    @property
+    def quantization(self) -> QuantizationConfig | None:
+        """The checkpoint's declared quantization (``quantization_config`` and ``expert_dtype``), or None."""
+        return QuantizationConfig.from_config({"quantization_config": self.quantization_config,
+                                               "expert_dtype": self.expert_dtype})
+
     @property
     def rope_head_dim(self) -> int:
         """Channels per head that carry RoPE (the trailing slice of each head)."""
@@ -131,16 +140,6 @@ class DeepseekV4Config:
             raise ConfigError(
                 f"unknown model_type {model_type!r} in config.json; this engine runs {list(SUPPORTED_MODEL_TYPES)}. "
                 "Point it at a DeepSeek-V4 checkpoint folder."
-            )
-        quant = raw.get("quantization_config")
-        if quant:
-            method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-            detail = f"quant_method={method!r}"
-            if isinstance(quant, dict) and quant.get("expert_dtype") or raw.get("expert_dtype"):
-                detail += f", expert_dtype={(quant.get('expert_dtype') if isinstance(quant, dict) else None) or raw.get('expert_dtype')!r}"
-            raise ConfigError(
-                f"quantized checkpoints are not supported yet (quantization_config: {detail}). "
-                "Use a bf16 or fp32 checkpoint (dequantize the fp8/fp4 weights first)."
             )
         if "torch_dtype" not in raw and "dtype" in raw:
             raw["torch_dtype"] = raw["dtype"]
@@ -222,6 +221,7 @@ class DeepseekV4Config:
             raise ConfigError(f"scoring_func {self.scoring_func!r} is not supported (sqrtsoftplus, sigmoid, softmax)")
         if self.hidden_act != "silu":
             raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported; DeepSeek-V4 uses 'silu'")
+        _ = self.quantization  # parsing it raises ConfigError for a quantization this engine does not read
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -2,7 +2,9 @@
 
 The model holds plain tensors named by their canonical checkpoint names (DeepSeek's own:
 ``layers.N.attn.wq_a.weight``, ...); routed experts are stacked per layer (``[E, I, D]``) and each
-``ffn.experts.E.w1.weight`` name addresses a view into the stack, so loading copies once.
+``ffn.experts.E.w1.weight`` name addresses a view into the stack, so loading copies once. A quantized weight
+(``deepinfer_core.quant.tensors``) is held as stored, its ``X.scale`` beside it, and its linear runs through the
+op of its format (``linear_fp8_block``, ``moe_experts_mxfp4``, ...; :func:`linear` and friends pick the op).
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import NamedTuple
 
 import torch
 
@@ -20,7 +23,11 @@ from deepinfer_core.models.deepseek_v4.layout import DecodeInputs, DecodeLayout,
 from deepinfer_core.models.deepseek_v4.state import CompressorCarry, DeepseekV4State, carry_span
 from deepinfer_core.models.interface import ModelOutput, StateBytes
 from deepinfer_core.ops.table import OpTable
+from deepinfer_core.quant import tensors as quant_tensors
+from deepinfer_core.quant.tensors import Fp8BlockWeight, Mxfp4Weight, QuantizedTensor
 from deepinfer_core.static_buffers import StaticBuffers
+
+Weight = torch.Tensor | Fp8BlockWeight | Mxfp4Weight  # a linear weight as the model holds it
 
 _FP32_SUFFIXES = ("norm.weight", "attn_sink", ".ape", "gate.bias")
 
@@ -31,17 +38,37 @@ def keeps_fp32(name: str) -> bool:
     return name.endswith(_FP32_SUFFIXES) or leaf.startswith(("hc_attn_", "hc_ffn_", "hc_head_"))
 
 
-class ParameterRegistry:
-    """Canonical name -> the tensor (or stacked-expert view) a checkpoint tensor is copied into."""
+class FusedRun(NamedTuple):
+    """Adjacent weights held as one: ``weight`` (``[sum rows, cols]``) has the ``names``' row blocks in order."""
 
-    def __init__(self, dtype: torch.dtype, device: torch.device):
+    weight: Weight
+    names: list[str]
+    rows: list[int]
+
+
+class ParameterRegistry:
+    """Canonical name -> the tensor (or stacked-expert view) a checkpoint tensor is copied into.
+
+    ``quantized``: the checkpoint's quantized weights by canonical name (``checkpoint.CheckpointPlan.quantized``);
+    each is allocated as stored (its weight under its name, its scale under ``X.scale``) and :meth:`add` returns
+    its ``Fp8BlockWeight`` / ``Mxfp4Weight``."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device,
+                 quantized: Mapping[str, QuantizedTensor] | None = None):
         self.dtype = dtype
         self.device = device
+        self.quantized = dict(quantized or {})
         self.slots: dict[str, torch.Tensor] = {}
+        self.weights: dict[str, Fp8BlockWeight | Mxfp4Weight] = {}  # quantized names -> the model's view
+        self.allocated: list[torch.Tensor] = []  # every tensor allocated (views excluded): the bytes held
 
-    def add(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+    def add(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> Weight:
         """Allocate a parameter (or return its view in a fused tensor from ``add_fused``); fp32-kept names stay
-        fp32 whatever the model dtype."""
+        fp32 whatever the model dtype; a quantized name gets its stored weight and scale."""
+        if name in self.weights:
+            return self.weights[name]
+        if name in self.quantized:
+            return self._add_quantized([name], shape[-1:], ())[0]
         dtype = dtype or (torch.float32 if keeps_fp32(name) else self.dtype)
         if name in self.slots:
             tensor = self.slots[name]
@@ -49,24 +76,87 @@ class ParameterRegistry:
                 raise ValueError(f"parameter {name!r} was allocated as {tuple(tensor.shape)} {tensor.dtype}, "
                                  f"now asked for {tuple(shape)} {dtype}")
             return tensor
-        tensor = torch.zeros(shape, dtype=dtype, device=self.device)
+        tensor = self._zeros(shape, dtype)
         self.slots[name] = tensor
         return tensor
 
-    def add_fused(self, rows: dict[str, int], cols: int) -> torch.Tensor:
-        """One ``[sum(rows), cols]`` tensor whose row blocks are the named weights (in order): projections of
-        the same input then run as one GEMM, and each name still loads into its own block."""
-        fused = torch.zeros((sum(rows.values()), cols), dtype=self.dtype, device=self.device)
-        for name, block in zip(rows, fused.split(list(rows.values())), strict=True):
-            self.slots[name] = block
-        return fused
+    def add_fused(self, rows: dict[str, int], cols: int) -> list[FusedRun]:
+        """Row blocks of fused weights: projections of the same input then run as one GEMM per run, and each name
+        still loads into its own block. Unquantized names fuse into one run; quantized ones fuse while their format
+        agrees and every block but the run's last fills whole scale blocks (else a new run starts)."""
+        runs: list[FusedRun] = []
+        for name, count in rows.items():
+            if runs and self._extends(runs[-1], name):
+                runs[-1].names.append(name)
+                runs[-1].rows.append(count)
+            else:
+                runs.append(FusedRun(None, [name], [count]))
+        return [self._allocate_run(run, cols) for run in runs]
 
-    def add_stacked(self, pattern: str, count: int, shape: tuple[int, ...]) -> torch.Tensor:
-        """Allocate ``[count, *shape]``; ``pattern.format(i)`` names slice ``i``."""
-        stacked = torch.zeros((count, *shape), dtype=self.dtype, device=self.device)
-        for i in range(count):
-            self.slots[pattern.format(i)] = stacked[i]
+    def add_stacked(self, pattern: str, count: int, shape: tuple[int, ...]) -> Weight:
+        """Allocate ``[count, *shape]``; ``pattern.format(i)`` names slice ``i`` (quantized: every slice alike)."""
+        names = [pattern.format(i) for i in range(count)]
+        if any(name in self.quantized for name in names):
+            self._same_format(names)
+            return self._add_quantized(names, shape[-1:], (count,))[1]
+        stacked = self._zeros((count, *shape), self.dtype)
+        for i, name in enumerate(names):
+            self.slots[name] = stacked[i]
         return stacked
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        tensor = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.allocated.append(tensor)
+        return tensor
+
+    def _extends(self, run: FusedRun, name: str) -> bool:
+        first = self.quantized.get(run.names[0])
+        spec = self.quantized.get(name)
+        if first is None or spec is None:
+            return first is None and spec is None
+        return first.key() == spec.key() and sum(run.rows) % first.block[0] == 0
+
+    def _allocate_run(self, run: FusedRun, cols: int) -> FusedRun:
+        if run.names[0] in self.quantized:
+            weight = self._add_quantized(run.names, (cols,), ())[1]
+            return FusedRun(weight, run.names, run.rows)
+        fused = self._zeros((sum(run.rows), cols), self.dtype)
+        for name, block in zip(run.names, fused.split(run.rows), strict=True):
+            self.slots[name] = block
+        return FusedRun(fused, run.names, run.rows)
+
+    def _add_quantized(self, names: list[str], cols: tuple[int], stack: tuple[int, ...]):
+        """Allocate quantized ``names`` as one stored weight and one scale: row blocks of them (``stack`` empty) or
+        slices of a stack of ``stack[0]``. Returns ``(view of names[0], view of the whole)``."""
+        specs = [self.quantized[name] for name in names]
+        spec = specs[0]
+        if stack:
+            rows = [spec.shape[0]]
+        else:
+            rows = [s.shape[0] for s in specs]
+        whole = dataclasses.replace(spec, shape=(sum(rows), cols[0]))
+        weight = self._zeros((*stack, *whole.stored_shape), whole.stored_dtype)
+        scale = self._zeros((*stack, *whole.scale_shape), whole.scale_dtype)
+        if stack:
+            pieces = [(weight[i], scale[i]) for i in range(stack[0])]
+        else:
+            scale_rows = [s.scale_shape[0] for s in specs]
+            pieces = list(zip(weight.split(rows), scale.split(scale_rows), strict=True))
+        for name, s, (w, sc) in zip(names, specs, pieces, strict=True):
+            self.slots[name] = w
+            self.slots[quant_tensors.scale_name(name)] = sc
+            self.weights[name] = quant_tensors.view(s, w, sc)
+        return self.weights[names[0]], quant_tensors.view(spec, weight, scale)
+
+    def _same_format(self, names: list[str]) -> None:
+        specs = [self.quantized.get(name) for name in names]
+        keys = {None if s is None else s.key() for s in specs}
+        if len(keys) > 1:
+            from deepinfer_core.checkpoint import CheckpointError
+
+            raise CheckpointError(f"{names[0]} and the tensors stacked with it are not stored alike (some quantized, "
+                                  f"some not, or different scale formats: {sorted(map(str, keys))}); write every "
+                                  "routed expert of a layer in one format")
 
 
 class ExpertMap:
@@ -89,6 +179,36 @@ class ExpertMap:
 
     def to_physical(self, logical_ids: torch.Tensor) -> torch.Tensor:
         return logical_ids if self._identity else self._map[logical_ids]
+
+
+def linear(ops: OpTable, x: torch.Tensor, weight: Weight) -> torch.Tensor:
+    """``x @ W.T`` through the op of ``weight``'s storage: ``linear`` or ``linear_fp8_block``."""
+    if isinstance(weight, Fp8BlockWeight):
+        return ops.linear_fp8_block(x, weight.weight, weight.scale, weight.block)
+    return ops.linear(x, weight)
+
+
+def grouped_linear(ops: OpTable, x: torch.Tensor, weight: Weight, groups: int) -> torch.Tensor:
+    """The block-diagonal projection through ``grouped_linear`` or ``grouped_linear_fp8_block``."""
+    if isinstance(weight, Fp8BlockWeight):
+        return ops.grouped_linear_fp8_block(x, weight.weight, weight.scale, weight.block, groups)
+    return ops.grouped_linear(x, weight, groups)
+
+
+def mlp_op(base: str, w1: Weight, w2: Weight, w3: Weight, where: str) -> tuple[str, tuple]:
+    """The op (``base``, ``base + "_fp8_block"`` or ``base + "_mxfp4"``) of a SwiGLU MLP's weights, and their
+    tensors as that op takes them (each weight, then its scale; the fp8 block size last)."""
+    kinds = {type(w) for w in (w1, w2, w3)}
+    blocks = {w.block for w in (w1, w2, w3) if isinstance(w, Fp8BlockWeight)}
+    if len(kinds) > 1 or len(blocks) > 1:
+        from deepinfer_core.checkpoint import CheckpointError
+
+        raise CheckpointError(f"{where}: w1, w2 and w3 are stored in different formats; write them alike")
+    if isinstance(w1, Fp8BlockWeight):
+        return f"{base}_fp8_block", (w1.weight, w1.scale, w2.weight, w2.scale, w3.weight, w3.scale, w1.block)
+    if isinstance(w1, Mxfp4Weight):
+        return f"{base}_mxfp4", (w1.packed, w1.scale, w2.packed, w2.scale, w3.packed, w3.scale)
+    return base, (w1, w2, w3)
 
 
 def _compressor_input_rows(prefix: str, layer_type: str, dim: int) -> dict[str, int]:
@@ -151,7 +271,7 @@ class Indexer:
             return visible
         folding.join()
         keys = layout.gather_entries(keys_store, ratio)  # [S, E, di]
-        q = ops.linear(q_residual, self.wq_b).view(-1, self.heads, self.dim)  # [T, Hi, di]
+        q = linear(ops, q_residual, self.wq_b).view(-1, self.heads, self.dim)  # [T, Hi, di]
         q = ops.apply_rope_(q, *query_rope)
         head_weights = inputs["index_weights"].float() * self.heads**-0.5  # [T, Hi]
         scores = ops.indexer_scores(layout.pad(q), keys, layout.pad(head_weights), self.dim**-0.5)
@@ -170,13 +290,10 @@ class Attention:
         self.eps = c.rms_norm_eps
         rows = self._input_rows(prefix, c)
         self.input_roles = [role for role, _ in rows]
-        self.input_rows = [n for _, (_, n) in rows]
-        self.w_input = reg.add_fused(dict(name_rows for _, name_rows in rows), c.hidden_size)  # [sum rows, D]
-        starts = dict(zip(self.input_roles, itertools.accumulate([0, *self.input_rows]), strict=False))
-        widths = dict(zip(self.input_roles, self.input_rows, strict=True))
-        self.compressor_columns = {  # per compressor its kv, then gate columns (adjacent: ``_input_rows``)
-            name: (starts[f"{name}_kv"], widths[f"{name}_kv"] + widths[f"{name}_gate"])
-            for name in ("compress", "index") if f"{name}_kv" in starts}
+        role_of = {name: role for role, (name, _) in rows}
+        self.input_runs = reg.add_fused(dict(name_rows for _, name_rows in rows), c.hidden_size)  # [rows, D] each
+        self.run_roles = [[role_of[name] for name in run.names] for run in self.input_runs]
+        self.compressor_columns = self._compressor_columns()
         self.wq_a = reg.add(f"{prefix}.wq_a.weight", (c.q_lora_rank, c.hidden_size))
         self.q_norm = reg.add(f"{prefix}.q_norm.weight", (c.q_lora_rank,))
         self.wq_b = reg.add(f"{prefix}.wq_b.weight", (self.heads * self.head_dim, c.q_lora_rank))
@@ -205,13 +322,36 @@ class Attention:
             rows += zip(("index_kv", "index_gate"), index.items(), strict=True)
         return rows
 
+    def _compressor_columns(self) -> dict[str, tuple[int, int, int] | None]:
+        """Per compressor (``compress``, ``index``): (run, first column, width) of its kv then gate columns where one
+        fused run holds both (adjacent: ``_input_rows``), else None (their outputs are joined)."""
+        columns = {}
+        for name in ("compress", "index"):
+            kv, gate = f"{name}_kv", f"{name}_gate"
+            for run, roles in enumerate(self.run_roles):
+                if kv not in roles:
+                    continue
+                if gate not in roles:
+                    columns[name] = None
+                    break
+                starts = list(itertools.accumulate([0, *self.input_runs[run].rows]))
+                first, last = roles.index(kv), roles.index(gate)
+                columns[name] = (run, starts[first], starts[last + 1] - starts[first])
+        return columns
+
     def project(self, ops: OpTable, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Every projection of ``x [T, D]`` in one GEMM with the fused weight: role -> ``[T, rows]``; and per
-        compressor (``compress``, ``index``) its kv and gate columns side by side, ``[T, 2 * width]``."""
-        projected = ops.linear(x, self.w_input)  # [T, sum rows] in column blocks
-        roles = dict(zip(self.input_roles, projected.split(self.input_rows, dim=-1), strict=True))
-        roles.update({name: projected.narrow(-1, start, width)
-                      for name, (start, width) in self.compressor_columns.items()})
+        """Every projection of ``x [T, D]``, one GEMM per fused run (one run unless quantized): role -> ``[T, rows]``;
+        and per compressor (``compress``, ``index``) its kv and gate columns side by side, ``[T, 2 * width]``."""
+        outputs = [linear(ops, x, run.weight) for run in self.input_runs]  # [T, run rows] in column blocks
+        roles = {}
+        for run, out, names in zip(self.input_runs, outputs, self.run_roles, strict=True):
+            roles.update(zip(names, out.split(run.rows, dim=-1), strict=True))
+        for name, place in self.compressor_columns.items():
+            if place is None:
+                roles[name] = torch.cat([roles[f"{name}_kv"], roles[f"{name}_gate"]], dim=-1)
+            else:
+                run, start, width = place
+                roles[name] = outputs[run].narrow(-1, start, width)
         return roles
 
     def __call__(self, ops: OpTable, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -222,7 +362,7 @@ class Attention:
         keys = ops.fork(self._keys, ops, inputs, ctx)
         index_fold = ops.fork(self._fold_index, ops, inputs, ctx) if self.indexer is not None else None
         q_residual = ops.rms_norm(inputs["q"], self.q_norm, self.eps)  # [T, q_lora]
-        q = ops.linear(q_residual, self.wq_b).view(T, self.heads, self.head_dim)  # [T, H, hd], normed in the attention
+        q = linear(ops, q_residual, self.wq_b).view(T, self.heads, self.head_dim)  # [T, H, hd], normed in attention
         keys = keys.join()  # [S, Lk (+ E), hd]
         layout = ctx.layout
         visible = layout.sliding_visible  # [S, Lq, Lk]
@@ -232,8 +372,8 @@ class Attention:
         cos, sin = (layout.pad(t) for t in ctx.rope[self.rope_type])  # [S, Lq, rope_dim // 2] each
         out = ops.roped_sink_attention(layout.pad(q), keys, visible, self.sinks, self.head_dim**-0.5, self.eps, cos,
                                        sin)  # [S, Lq, H, hd]
-        grouped = ops.grouped_linear(layout.unpad(out).reshape(T, self.groups, -1), self.wo_a, self.groups)
-        out = ops.linear(grouped.flatten(1), self.wo_b)  # [T, D]
+        grouped = grouped_linear(ops, layout.unpad(out).reshape(T, self.groups, -1), self.wo_a, self.groups)
+        out = linear(ops, grouped.flatten(1), self.wo_b)  # [T, D]
         if index_fold is not None:
             index_fold.join()
         return out
@@ -290,14 +430,17 @@ class MoE:
         shared = {w: f"{prefix}.shared_experts.{w}.weight" for w in ("w1", "w2", "w3")}
         reg.add_fused({shared["w1"]: I, shared["w3"]: I}, D)  # adjacent: a backend may read both in one GEMM
         self.shared = [reg.add(shared[w], shape) for w, shape in (("w1", (I, D)), ("w2", (D, I)), ("w3", (I, D)))]
+        self.shared_op, self.shared_weights = mlp_op("swiglu_mlp", *self.shared, f"{prefix}.shared_experts")
+        self.experts_op, self.expert_weights = mlp_op("moe_experts", self.w1, self.w2, self.w3, f"{prefix}.experts")
         self.expert_map = ExpertMap(E, reg.device)
         self.record_load = False
         self.expert_load = torch.zeros(E, dtype=torch.long, device=reg.device)  # tokens per logical expert
 
     def __call__(self, ops: OpTable, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The routed experts' and the shared expert's outputs ``[T, D]`` (the block output is their sum)."""
-        router_logits = ops.linear(x, self.gate)  # [T, E]; first: the routing's short chain leads to the experts
-        shared = ops.fork(ops.swiglu_mlp, x, *self.shared, self.limit)  # beside the routing (a backend may overlap)
+        router_logits = linear(ops, x, self.gate)  # [T, E]; first: the routing's short chain leads to the experts
+        # beside the routing (a backend may overlap)
+        shared = ops.fork(getattr(ops, self.shared_op), x, *self.shared_weights, self.limit)
         if self.is_hash:
             weights, ids = ops.moe_route_hash(router_logits, token_ids, self.tid2eid, self.scaling, self.scoring)
         else:
@@ -305,8 +448,33 @@ class MoE:
         if self.record_load:
             self.expert_load += torch.bincount(ids.reshape(-1), minlength=self.expert_load.shape[0])
         physical = self.expert_map.to_physical(ids)  # [T, k]
-        routed = ops.moe_experts(x, physical, weights, self.w1, self.w2, self.w3, self.limit)
+        routed = getattr(ops, self.experts_op)(x, physical, weights, *self.expert_weights, self.limit)
         return routed, shared.join()
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldBytes:
+    """Weight bytes a model holds, by dtype (``float8_e4m3fn``: fp8 weights, ``uint8``: packed fp4 experts,
+    ``float8_e8m0fnu``: ue8m0 scales)."""
+
+    by_dtype: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_dtype.values())
+
+    def describe(self) -> str:
+        """``"weights held: 8.05 GB (float8_e4m3fn 5.2 GB, uint8 2.6 GB, ...)"``, largest first."""
+        parts = ", ".join(f"{dtype} {_size(n)}" for dtype, n in sorted(self.by_dtype.items(), key=lambda kv: -kv[1]))
+        return f"weights held: {_size(self.total)} ({parts})"
+
+
+def _size(nbytes: int) -> str:
+    """``1234567`` -> ``"1.23 MB"`` (decimal units)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes} B"
 
 
 class DecoderLayer:
@@ -370,12 +538,13 @@ class DeepseekV4Model:
     ``StaticStepModel``)."""
 
     def __init__(self, config: DeepseekV4Config, ops: OpTable, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", quantized: Mapping[str, QuantizedTensor] | None = None):
+        """``quantized``: the checkpoint's quantized weights (``CheckpointPlan.quantized``), held as stored."""
         self.config = config
         self.ops = ops
         self.dtype = dtype
         self.device = torch.device(device)
-        reg = ParameterRegistry(dtype, self.device)
+        reg = ParameterRegistry(dtype, self.device, quantized)
         c = config
         self.embed = reg.add("embed.weight", (c.vocab_size, c.hidden_size))
         self.head = reg.add("head.weight", (c.vocab_size, c.hidden_size))
@@ -386,6 +555,7 @@ class DeepseekV4Model:
         self.layers = [DecoderLayer(reg, c, i) for i in range(c.num_hidden_layers)]
         self.compressor_plans = self._compressor_plans()  # every step's layout builds these plans up front
         self.parameters = reg.slots
+        self._allocated = reg.allocated
         self.rope_inv_freq = {t: c.rope_inv_freq(t).to(self.device) for t in ("main", "compress")}
         self.rope_scaling = {t: float(c.rope_parameters[t].get("attention_factor", 1.0) or 1.0)
                              for t in ("main", "compress")}
@@ -406,6 +576,14 @@ class DeepseekV4Model:
 
     def missing_parameters(self, loaded: set[str]) -> list[str]:
         return sorted(set(self.parameters) - loaded)
+
+    def held_bytes(self) -> HeldBytes:
+        """Bytes of the weights held, by dtype (quantized weights and scales as stored)."""
+        by_dtype: dict[str, int] = {}
+        for tensor in self._allocated:
+            key = str(tensor.dtype).removeprefix("torch.")
+            by_dtype[key] = by_dtype.get(key, 0) + tensor.numel() * tensor.element_size()
+        return HeldBytes(by_dtype)
 
     # ------------------------------------------------------------------ what the engine sizes
     @property

@@ -26,6 +26,7 @@ from deepinfer_core.models.deepseek_v4.config import CSA, HCA, DeepseekV4Config
 WEIGHT = "weight"  # floating point, converted to the dtype the caller asks for
 FP32 = "fp32"  # floating point kept in float32 (norms, hyper-connection mixers, sinks, biases, APE)
 INT = "int"  # integer table (hash routing), loaded as int64
+STORED = "stored"  # a quantized weight or its scale (deepinfer_core.quant.tensors), kept as stored
 
 Shape = tuple[int, ...]
 Spec = tuple[Shape, str]
