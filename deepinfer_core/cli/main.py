@@ -23,6 +23,7 @@ SUBCOMMAND_MODULES: dict[str, str] = {
     # name -> module exposing HELP, add_arguments(parser), run(args) -> int
     "generate": "deepinfer_core.cli.generate",
     "bench": "deepinfer_core.cli.bench",
+    "quantize": "deepinfer_core.cli.quantize",
 }
 
 
