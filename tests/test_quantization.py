@@ -214,13 +214,20 @@ def test_bad_quantized_checkpoints_name_the_tensor(fp4, tmp_path, what, _, tenso
         load_deepseek_v4(folder, OpTable())
 
 
+def _tiny_config():
+    from deepinfer_core.bench.presets import PRESETS
+
+    return PRESETS["tiny"].config_dict()
+
+
 def test_a_packed_expert_whose_input_width_is_not_a_multiple_of_32(tmp_path):
     narrow = {**TINY, "moe_intermediate_size": 48}  # w2's input width
     src = write_random_checkpoint(tmp_path / "src", json.loads(json.dumps({**_tiny_config(), **narrow})))
     with pytest.raises(QuantizeError, match=r"layers.0.ffn.experts.0.w2.weight has input width 48; MXFP4 needs a "
                                             "multiple of 32"):
         quantize_checkpoint(src, tmp_path / "q", QuantRecipe("fp4"))
-    fp8 = quantize_checkpoint(src, tmp_path / "fp8", QuantRecipe("fp8", block=32)) and tmp_path / "fp8"
+    fp8 = tmp_path / "fp8"
+    quantize_checkpoint(src, fp8, QuantRecipe("fp8", block=32))
 
     def pack_w2(tensors):  # what a checkpoint with packed 48-wide experts would hold
         for name in [n for n in tensors if n.endswith(".w2.weight") and ".experts." in n]:
@@ -243,12 +250,6 @@ def test_a_packed_expert_whose_input_width_is_not_a_multiple_of_32(tmp_path):
         plan_checkpoint(folder, DeepseekV4Config.from_file(folder / "config.json"))
 
 
-def _tiny_config():
-    from deepinfer_core.bench.presets import PRESETS
-
-    return PRESETS["tiny"].config_dict()
-
-
 def test_the_writer_refuses_a_quantized_source_and_a_full_destination(fp4, source, tmp_path):
     with pytest.raises(QuantizeError, match="already quantized"):
         quantize_checkpoint(fp4, tmp_path / "again", QuantRecipe())
@@ -256,3 +257,18 @@ def test_the_writer_refuses_a_quantized_source_and_a_full_destination(fp4, sourc
         quantize_checkpoint(source, fp4, QuantRecipe())
     with pytest.raises(QuantizeError, match="experts 'int4' is not a choice"):
         QuantRecipe("int4")
+
+
+def test_deepinfer_quantize_then_generate_on_cpu(source, tmp_path, capsys):
+    from deepinfer_core.cli.main import main
+
+    dst = tmp_path / "cli-fp4"
+    assert main(["quantize", str(source), str(dst), "--experts", "fp4", "--linear", "fp8", "--block", "32"]) == 0
+    assert "experts fp4, linear fp8 in 32x32 blocks with ue8m0 scales" in capsys.readouterr().out
+    assert json.loads((dst / "config.json").read_text())["expert_dtype"] == "fp4" and (dst / "tokenizer.json").exists()
+    assert main(["generate", "--model", str(dst), "--max-tokens", "3", "--temperature", "0", "w5 w6 w7"]) == 0
+    out = capsys.readouterr().out
+    assert "--- completion (finish: length, 3 tokens):" in out
+    assert main(["quantize", str(dst), str(tmp_path / "again")]) == 2
+    err = capsys.readouterr().err
+    assert "deepinfer quantize: error:" in err and "is already quantized" in err
