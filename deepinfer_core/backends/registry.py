@@ -84,7 +84,20 @@ def probe_backend(entry: BackendEntry) -> ProbeResult:
         return _unavailable(entry, f"probe {entry.value} failed: {type(exc).__name__}: {exc}")
     if not isinstance(result, ProbeResult):
         return _unavailable(entry, f"probe {entry.value} returned {type(result).__name__}, not a ProbeResult")
+    warning = name_mismatch(entry, result)
+    if warning:
+        log.warning("%s", warning)
     return result
+
+
+def name_mismatch(entry: BackendEntry, probe: ProbeResult) -> str | None:
+    """A warning when a probe names its backend differently from its entry point, else None (selection, errors and
+    plugins use the entry-point name)."""
+    if probe.name == entry.name:
+        return None
+    return (f"backend entry point {entry.name!r} ({entry.distribution or 'unknown distribution'}) has a probe that "
+            f"names itself {probe.name!r}; selection uses {entry.name!r}: make ProbeResult.name and the entry-point "
+            "name the same")
 
 
 def probe_backends() -> dict[str, ProbeResult]:

@@ -59,6 +59,7 @@ class BenchConfig:
     seed: int = 0
     cache_dir: str | None = None
     preset_overrides: Mapping[str, Any] | None = None
+    options: Mapping[str, Any] | None = None  # plugin feature options (``--option NAME=VALUE``)
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -204,7 +205,7 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
               max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed,
               enforce_eager=config.enforce_eager, enable_mixed_chunk=config.enable_mixed_chunk,
               prefill_graph_buckets=None if config.prefill_graphs else [],
-              async_scheduling=config.async_scheduling)
+              async_scheduling=config.async_scheduling, **dict(config.options or {}))
     load_time = time.perf_counter() - t0
     device, dtype = llm.backend.device, llm.dtype
     warm = random_prompts(len(prompts), len(prompts[0]), llm.model.vocab_size, config.seed + 1)

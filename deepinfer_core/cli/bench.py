@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+from deepinfer_core.cli.options import add_option_argument, parse_options
+
 HELP = "benchmark offline throughput and latency (optionally against HF transformers)"
 
 
@@ -54,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "on for NVIDIA, off on CPU)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and preset weights (default 0)")
     parser.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
+    add_option_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,15 +64,22 @@ def run(args: argparse.Namespace) -> int:
     from deepinfer_core.bench.presets import PresetError
     from deepinfer_core.bench.report import format_report
     from deepinfer_core.bench.runner import BenchConfig, run_bench
+    from deepinfer_core.cli.plugin_failures import report_plugin_failures
     from deepinfer_core.errors import DeepInferError
 
+    try:
+        options = parse_options(args.option)
+    except DeepInferError as exc:
+        print(f"deepinfer bench: error: {exc}", file=sys.stderr)
+        return 2
+    report_plugin_failures("deepinfer bench", args.verbose)
     config = BenchConfig(
         model=args.model, preset=args.preset, input_len=args.input_len, output_len=args.output_len,
         num_prompts=args.num_prompts, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, backend=args.backend, dtype=args.dtype,
         compare_hf=args.compare_hf, warmup=args.warmup, num_iters=args.num_iters, enforce_eager=args.enforce_eager,
         prefill_graphs=args.prefill_graphs, enable_mixed_chunk=args.enable_mixed_chunk,
-        async_scheduling=args.async_scheduling, seed=args.seed, cache_dir=args.cache_dir,
+        async_scheduling=args.async_scheduling, seed=args.seed, cache_dir=args.cache_dir, options=options,
     )
     try:
         result = run_bench(config, log=lambda msg: print(msg, file=sys.stderr, flush=True))

@@ -21,6 +21,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from deepinfer_core.cli.options import add_option_argument, parse_options
+from deepinfer_core.cli.plugin_failures import report_plugin_failures
+
 HELP = "generate completions for prompts with the offline engine"
 DEFAULT_MAX_TOKENS = 64
 _GENERATION_DEFAULTS = ("temperature", "top_p", "top_k")
@@ -47,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true",
                         help="treat each prompt as a user message and apply the model's chat template")
     parser.add_argument("--json", action="store_true", help="print RequestOutput-like JSON (one object per prompt)")
+    add_option_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,7 +59,11 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         _check_sampling_flags(args)  # fail fast, before loading anything
-        llm = _load(args)
+        options = parse_options(args.option)
+        report_plugin_failures("deepinfer generate", args.verbose)
+        llm = _load(args, options)
+        if args.verbose:
+            print(f"deepinfer generate: backend {llm.backend_choice.name} ({llm.backend_choice.why})", file=sys.stderr)
         params = sampling_params(args, generation_defaults(llm.model_dir))
         outputs = _generate(llm, args, params)
     except (DeepInferError, ValueError, TypeError) as exc:
@@ -108,11 +116,11 @@ def sampling_params(args: argparse.Namespace, defaults: dict[str, Any]):
     return SamplingParams(**{**defaults, **_explicit_params(args)})
 
 
-def _load(args: argparse.Namespace):
+def _load(args: argparse.Namespace, options: dict[str, Any]):
     from deepinfer_core.llm import LLM
 
     return LLM(args.model, backend=args.backend, dtype=args.dtype, max_model_len=args.max_model_len,
-               max_num_seqs=max(1, min(64, len(args.prompts) * args.n)), seed=args.seed)
+               max_num_seqs=max(1, min(64, len(args.prompts) * args.n)), seed=args.seed, **options)
 
 
 def _generate(llm, args: argparse.Namespace, params) -> list:

@@ -52,7 +52,8 @@ def env_report(backend: str | None = None) -> dict[str, Any]:
     backends = []
     for name, entry in registry.installed_backends().items():
         probe = registry.probe_backend(entry)
-        backends.append({**probe.as_dict(), "name": name, "distribution": entry.distribution, "version": entry.version})
+        backends.append({**probe.as_dict(), "name": name, "distribution": entry.distribution, "version": entry.version,
+                         "warning": registry.name_mismatch(entry, probe)})
     try:
         choice = registry.choose_backend(backend)
         selected: dict[str, Any] = {"name": choice.name, "why": choice.why, "threads": _engine_threads(choice)}
@@ -130,6 +131,8 @@ def _format_env(report: dict[str, Any]) -> str:
         kind = "accelerator" if b["is_accelerator"] else "host"
         origin = f"{b['distribution'] or '?'} {b['version'] or ''}".strip()
         lines.append(f"  {b['name']:<14} {state:<12} {kind:<12} {b['reason']}  [{origin}]")
+        if b["warning"]:
+            lines.append(f"    warning: {b['warning']}")
     selected = report["selected"]
     lines.append("")
     if selected["name"]:

@@ -157,8 +157,8 @@ __all__ = [
     "LogitsProcessorLike",
     "LogitsRow",
     "ProcessorRows",
-    "apply_logits_processors",
     "applies_to",
+    "apply_logits_processors",
     "check_processors",
     "needs_latest_tokens",
 ]
