@@ -65,7 +65,7 @@ def test_gpu_only_preset_is_refused_on_cpu(tmp_path):
 
 
 def test_unknown_preset_names_the_known_ones():
-    with pytest.raises(presets.PresetError, match="known presets: tiny, v4-flash-8l64e"):
+    with pytest.raises(presets.PresetError, match="known presets: tiny, v4-flash-20l-fp4, v4-flash-8l64e, v4-flash-8l64e-fp4"):
         presets.get_preset("huge")
 
 

@@ -272,3 +272,27 @@ def test_deepinfer_quantize_then_generate_on_cpu(source, tmp_path, capsys):
     assert main(["quantize", str(dst), str(tmp_path / "again")]) == 2
     err = capsys.readouterr().err
     assert "deepinfer quantize: error:" in err and "is already quantized" in err
+
+
+def test_quantized_presets_and_the_roofline_count_the_bytes_stored(tmp_path):
+    from deepinfer_core.bench.presets import PRESETS
+    from deepinfer_core.bench.roofline import model_bytes
+    from deepinfer_core.quant.writer import planned_quantization
+
+    recipe = QuantRecipe("fp4", "fp8", 32)
+    config_dict = PRESETS["tiny"].config_dict(TINY)
+    folder = write_random_checkpoint(tmp_path / "preset", config_dict, quantize=recipe)
+    config = DeepseekV4Config.from_file(folder / "config.json")
+    stored = plan_checkpoint(folder, config).quantized
+    assert stored == planned_quantization(recipe, config)
+    expert = model_bytes(config, torch.bfloat16, quantized=stored).expert_bytes
+    assert expert == 3 * 32 * 64 * (0.5 + 1 / 32)  # MXFP4: half a byte per value plus a ue8m0 byte per 32
+
+    def touched(name, batch):
+        preset = PRESETS[name]
+        cfg = DeepseekV4Config.from_dict(preset.config_dict())
+        planned = planned_quantization(preset.quantize, cfg) if preset.quantize else None
+        return model_bytes(cfg, torch.bfloat16, quantized=planned).weight_bytes_touched(batch)
+
+    for batch, fewer in ((1, 2.0), (64, 3.2)):  # experts 3.8x smaller, fp8 linears 2x, the bf16 head unchanged
+        assert touched("v4-flash-8l64e", batch) / touched("v4-flash-8l64e-fp4", batch) == pytest.approx(fewer, 0.02)

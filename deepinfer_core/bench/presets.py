@@ -13,6 +13,10 @@ Presets:
   about 5 M parameters), random weights. Fine on CPU.
 * ``v4-flash-8l64e``: DeepSeek-V4-Flash per-layer shapes with 8 layers and 64 experts (15.08 B parameters,
   30 GB in bf16). GPU only; never create it in tests.
+* ``v4-flash-8l64e-fp4``: the same weights written through ``deepinfer quantize --experts fp4 --linear fp8``
+  (MXFP4 experts, fp8 128 x 128 blocks with ue8m0 scales; 10.1 GB), like for like with the bf16 preset.
+* ``v4-flash-20l-fp4``: V4-Flash's 256 routed experts and per-layer shapes with 20 layers, written quantized as
+  DeepSeek ships V4-Flash (73.5 GB: fits one H200). Drawn and quantized tensor by tensor, never whole in bf16.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +37,7 @@ from deepinfer_core import envs
 from deepinfer_core.errors import DeepInferError
 from deepinfer_core.models.deepseek_v4 import weights as v4_weights
 from deepinfer_core.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
+from deepinfer_core.quant.writer import QuantRecipe, quantize_tensors, quantized_config
 
 MARKER_FILE = "bench_preset.json"  # written last: a folder without it is incomplete and is rebuilt
 WEIGHT_STD = 0.02
@@ -59,6 +64,7 @@ class Preset:
     config: Mapping[str, Any]
     weight_dtype: torch.dtype = torch.bfloat16
     gpu_only: bool = False
+    quantize: QuantRecipe | None = None  # written through ``deepinfer quantize``'s writer with this recipe
 
     def config_dict(self, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The config.json content (a deep copy) with ``overrides`` applied on top."""
@@ -127,10 +133,24 @@ def _flash_8l64e_config() -> dict[str, Any]:
     return config
 
 
+def _flash_20l_config() -> dict[str, Any]:
+    """``v4-flash-20l-fp4``: V4-Flash per-layer shapes and its 256 routed experts, 20 layers (3 hash-routed)."""
+    config = _flash_8l64e_config()
+    config.update(num_hidden_layers=20, layer_types=[SLIDING, SLIDING] + [CSA, HCA] * 9,
+                  mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 17, n_routed_experts=256)
+    return config
+
+
+FLASH_FP4 = QuantRecipe(experts="fp4", linear="fp8", block=128)  # how DeepSeek ships V4-Flash
+
 PRESETS: dict[str, Preset] = {
     "tiny": Preset("tiny", "the embedded default model's shape (~5 M params), random weights", _tiny_config()),
     "v4-flash-8l64e": Preset("v4-flash-8l64e", "V4-Flash layer shapes, 8 layers, 64 experts (15.08 B params, GPU)",
                              _flash_8l64e_config(), gpu_only=True),
+    "v4-flash-8l64e-fp4": Preset("v4-flash-8l64e-fp4", "v4-flash-8l64e with MXFP4 experts and fp8 linears (GPU)",
+                                 _flash_8l64e_config(), gpu_only=True, quantize=FLASH_FP4),
+    "v4-flash-20l-fp4": Preset("v4-flash-20l-fp4", "V4-Flash layer shapes, 20 layers, 256 experts, MXFP4 experts "
+                               "and fp8 linears (73.5 GB, GPU)", _flash_20l_config(), gpu_only=True, quantize=FLASH_FP4),
 }
 
 
@@ -193,7 +213,8 @@ def ensure_preset(
         return folder
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    write_random_checkpoint(tmp, config, seed=seed, weight_dtype=preset.weight_dtype, device=device)
+    write_random_checkpoint(tmp, config, seed=seed, weight_dtype=preset.weight_dtype, device=device,
+                            quantize=preset.quantize)
     (tmp / MARKER_FILE).write_text(json.dumps({"preset": name, "seed": seed, "device": device.type,
                                                "parameters": count_parameters(config)}, indent=2))
     shutil.rmtree(folder, ignore_errors=True)
@@ -208,15 +229,19 @@ def write_random_checkpoint(
     seed: int = 0,
     weight_dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
+    quantize: QuantRecipe | None = None,
 ) -> Path:
-    """Write a random-weight checkpoint of ``config_dict`` plus a word-level tokenizer into ``folder``."""
+    """Write a random-weight checkpoint of ``config_dict`` plus a word-level tokenizer into ``folder``, tensor by
+    tensor; with ``quantize``, each weight goes through the quantized writer (DeepSeek's names and format)."""
     from deepinfer_core.checkpoint import write_checkpoint
 
     folder = Path(folder)
     config = DeepseekV4Config.from_dict(dict(config_dict))
-    tensors = random_tensors(config, seed, weight_dtype, torch.device(device))
-    write_checkpoint(folder, {hf_saved_name(name): t for name, t in tensors.items()}, config_dict)
-    del tensors
+    tensors = iter_random_tensors(config, seed, weight_dtype, torch.device(device))
+    if quantize is None:
+        write_checkpoint(folder, ((hf_saved_name(name), t) for name, t, _ in tensors), config_dict)
+    else:
+        write_checkpoint(folder, quantize_tensors(quantize, tensors), quantized_config(dict(config_dict), quantize))
     write_word_tokenizer(folder, config.vocab_size)
     return folder
 
@@ -224,14 +249,18 @@ def write_random_checkpoint(
 def random_tensors(config: DeepseekV4Config, seed: int, weight_dtype: torch.dtype,
                    device: torch.device) -> dict[str, torch.Tensor]:
     """Every canonical tensor of ``config`` with the presets' random values, drawn in name order."""
+    return {name: tensor for name, tensor, _ in iter_random_tensors(config, seed, weight_dtype, device)}
+
+
+def iter_random_tensors(config: DeepseekV4Config, seed: int, weight_dtype: torch.dtype,
+                        device: torch.device) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """``(canonical name, tensor, kind)`` of every tensor of ``config``, drawn one at a time in name order."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    out = {}
     for name, (shape, kind) in sorted(v4_weights.expected_tensors(config).items()):
         if kind == v4_weights.INT:
-            out[name] = _random_tid2eid(shape, config.n_routed_experts, gen, device)
+            yield name, _random_tid2eid(shape, config.n_routed_experts, gen, device), kind
         else:
-            out[name] = _random_tensor(name, shape, kind, gen, weight_dtype, device)
-    return out
+            yield name, _random_tensor(name, shape, kind, gen, weight_dtype, device), kind
 
 
 def _random_tid2eid(shape: tuple[int, ...], experts: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:

@@ -6,6 +6,9 @@
 * prefill floor = 2 * active parameters * tokens / peak FLOP/s (attention FLOPs left out, so the floor
   is slightly optimistic for long prompts).
 
+Quantized weights count the bytes actually stored: an fp8 weight 1 B per value plus its block scales, an MXFP4
+expert 0.5 B per value plus 1/32 B of ue8m0 scale (``quantized``: the checkpoint's ``CheckpointPlan.quantized``).
+
 State bytes read per sequence and step are approximated by the paged state of its context
 (``bytes_per_block / block_size`` per token) plus its slot state (sliding ring, compressor carry). Only
 devices with measured peak numbers get a fraction; anything else reports ``n/a``.
@@ -15,11 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 
 import torch
 
 from deepinfer_core.models.deepseek_v4 import weights as v4_weights
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer_core.quant.tensors import QuantizedTensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +85,10 @@ class ModelBytes:
         return self.dense_bytes + self.shared_bytes + experts + batch * self.embed_row_bytes + self.head_bytes
 
 
-def model_bytes(config: DeepseekV4Config, dtype: torch.dtype, block_size: int | None = None) -> ModelBytes:
-    """Count a model's bytes by tensor class from its expected tensor shapes (``dtype`` for matrices)."""
+def model_bytes(config: DeepseekV4Config, dtype: torch.dtype, block_size: int | None = None,
+                quantized: Mapping[str, QuantizedTensor] | None = None) -> ModelBytes:
+    """Count a model's bytes by tensor class from its expected tensor shapes (``dtype`` for matrices, the stored
+    bytes with scales for ``quantized`` ones)."""
     from deepinfer_core.models.deepseek_v4.state import DeepseekV4State
 
     sizes = {"dense": 0, "shared": 0, "routed": 0, "embed": 0, "head": 0}
@@ -91,7 +98,10 @@ def model_bytes(config: DeepseekV4Config, dtype: torch.dtype, block_size: int | 
         if kind == v4_weights.INT:  # hash-routing rows: one per token, negligible
             continue
         part = _tensor_class(name)
-        sizes[part] += math.prod(shape) * (itemsize if kind == v4_weights.WEIGHT else 4)
+        if quantized and name in quantized:
+            sizes[part] += quantized[name].nbytes
+        else:
+            sizes[part] += math.prod(shape) * (itemsize if kind == v4_weights.WEIGHT else 4)
         params[part] += math.prod(shape)
     moe_layers = config.num_hidden_layers
     expert_params = params["routed"] // max(moe_layers * config.n_routed_experts, 1)
@@ -139,10 +149,12 @@ def run_floor(mb: ModelBytes, peak: DevicePeak, num_prompts: int, input_len: int
 
 
 def roofline(config: DeepseekV4Config, dtype: torch.dtype, device: torch.device | str, measured_s: float,
-             num_prompts: int, input_len: int, output_len: int, batch: int) -> dict[str, float] | str:
+             num_prompts: int, input_len: int, output_len: int, batch: int,
+             quantized: Mapping[str, QuantizedTensor] | None = None) -> dict[str, float] | str:
     """The floor of a run and ``fraction`` = floor / measured, or the reason none applies (``"n/a (CPU)"``)."""
     peak = device_peak(device)
     if peak is None:
         return unavailable_reason(device)
-    floors = run_floor(model_bytes(config, dtype), peak, num_prompts, input_len, output_len, batch)
+    floors = run_floor(model_bytes(config, dtype, quantized=quantized), peak, num_prompts, input_len, output_len,
+                       batch)
     return {**floors, "measured_s": measured_s, "fraction": floors["floor_s"] / measured_s, "device": peak.name}

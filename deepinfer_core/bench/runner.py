@@ -30,6 +30,7 @@ import torch
 from deepinfer_core import envs
 from deepinfer_core.bench import presets
 from deepinfer_core.bench.roofline import roofline
+from deepinfer_core.checkpoint import plan_checkpoint
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer_core.models.resolve import resolve_model
 
@@ -117,6 +118,10 @@ def run_bench(config: BenchConfig, log: Log = lambda msg: None) -> dict[str, Any
     config.validate()
     folder = model_folder(config, log)
     model_config = DeepseekV4Config.from_file(folder / "config.json")
+    quantized = plan_checkpoint(folder, model_config).quantized  # the roofline counts their stored bytes
+    if quantized and config.compare_hf:
+        raise ValueError(f"--compare-hf needs a bf16 / fp32 checkpoint; {folder} is quantized (fp8 / fp4), which "
+                         "HF transformers does not read in this format: compare on the unquantized preset")
     prompts = random_prompts(config.num_prompts, config.input_len, model_config.vocab_size, config.seed)
     engine, device, dtype = run_engine(folder, config, prompts, log)
     result: dict[str, Any] = {"config": describe(config, folder, device, dtype), "engine": engine["metrics"]}
@@ -125,12 +130,12 @@ def run_bench(config: BenchConfig, log: Log = lambda msg: None) -> dict[str, Any
     result["config"]["max_num_batched_tokens"] = engine["max_num_batched_tokens"]  # the backend's default if unset
     result["config"]["async_scheduling"] = engine["async_scheduling"]
     result["config"]["op_sources"] = engine["op_sources"]
-    result["roofline"] = {"engine": _roofline(model_config, dtype, device, engine["metrics"], config)}
+    result["roofline"] = {"engine": _roofline(model_config, dtype, device, engine["metrics"], config, quantized)}
     result["hf"] = result["ratio"] = result["agreement"] = None
     if config.compare_hf:
         hf = run_hf(folder, config, prompts, device, dtype, log)
         result["hf"] = hf["metrics"]
-        result["roofline"]["hf"] = _roofline(model_config, dtype, device, hf["metrics"], config)
+        result["roofline"]["hf"] = _roofline(model_config, dtype, device, hf["metrics"], config, quantized)
         result["ratio"] = ratios(engine["metrics"], hf["metrics"])
         result["agreement"] = agreement(engine["outputs"], hf["outputs"])
     return result
@@ -187,9 +192,9 @@ def _device_name(device: torch.device) -> str:
     return f"{device} ({platform.processor() or platform.machine()})"
 
 
-def _roofline(model_config, dtype, device, metrics: Mapping[str, Any], config: BenchConfig):
+def _roofline(model_config, dtype, device, metrics: Mapping[str, Any], config: BenchConfig, quantized):
     return roofline(model_config, dtype, device, metrics["total_time_s"], config.num_prompts, config.input_len,
-                    config.output_len, min(config.max_num_seqs, config.num_prompts))
+                    config.output_len, min(config.max_num_seqs, config.num_prompts), quantized)
 
 
 # ------------------------------------------------------------------------------------------------ engine

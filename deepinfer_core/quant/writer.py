@@ -22,7 +22,15 @@ from deepinfer_core.models.deepseek_v4 import weights as v4_weights
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer_core.quant import fp8_block, mxfp4
 from deepinfer_core.quant.config import QuantizationConfig
-from deepinfer_core.quant.tensors import SCALE_SUFFIX, scale_name, view, weight_name
+from deepinfer_core.quant.tensors import (
+    FP8_BLOCK,
+    MXFP4,
+    SCALE_SUFFIX,
+    QuantizedTensor,
+    scale_name,
+    view,
+    weight_name,
+)
 
 EXPERT_FORMATS = ("fp4", "fp8")
 LINEAR_FORMATS = ("fp8", "none")
@@ -70,6 +78,19 @@ class QuantRecipe:
         if ".ffn.experts." in name:
             return self.experts
         return None if self.linear == "none" else self.linear
+
+
+def planned_quantization(recipe: QuantRecipe, config: DeepseekV4Config) -> dict[str, QuantizedTensor]:
+    """What ``recipe`` writes for a checkpoint of ``config``, as the loader will read it (canonical name -> format)."""
+    planned = {}
+    for name, (shape, kind) in v4_weights.expected_tensors(config).items():
+        fmt = recipe.format_of(name, kind)
+        if fmt == "fp4":
+            planned[name] = QuantizedTensor(name, MXFP4, shape, (1, mxfp4.GROUP), torch.float8_e8m0fnu)
+        elif fmt == "fp8":
+            scale = torch.float8_e8m0fnu if recipe.ue8m0 else torch.float32
+            planned[name] = QuantizedTensor(name, FP8_BLOCK, shape, (recipe.block, recipe.block), scale)
+    return planned
 
 
 def quantize_tensors(recipe: QuantRecipe, tensors: Iterable[tuple[str, torch.Tensor, str]]
