@@ -57,6 +57,11 @@ class EngineArgs:
             per-step work overlaps the device's; the outputs are the same. Default: the backend's
             ``default_async_scheduling`` (on for NVIDIA, off on CPU).
         tensor_parallel_size: accepted so vLLM code runs; one device per engine for now.
+        data_parallel_size: ranks, each with its own engine on a share of the requests (docs/distributed.md);
+            ``LLM`` starts them itself, or each process of a torchrun launch is one (1, the default, takes
+            torchrun's world size).
+        enable_expert_parallel: split the routed experts across the data-parallel ranks (rank r holds experts
+            ``[r * E / N, (r + 1) * E / N)``), tokens reaching them by all-to-all; off: every rank holds them all.
         trust_remote_code: accepted so vLLM code runs; no code from a checkpoint is ever executed.
         logits_processors: logits processors for every request (``deepinfer_core.sampling.LogitsProcessor``, or
             any callable ``processor(logits, rows) -> logits``), instances, run before the plugins' processors.
@@ -82,6 +87,8 @@ class EngineArgs:
     enable_mixed_chunk: bool = False
     async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     trust_remote_code: bool = False
     logits_processors: Sequence[Callable[..., Any]] = ()
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -117,6 +124,9 @@ class EngineArgs:
         if self.tensor_parallel_size != 1:
             raise EngineArgsError(f"tensor_parallel_size={self.tensor_parallel_size}: this engine runs one device "
                                   "per engine for now; use tensor_parallel_size=1")
+        _check_int("data_parallel_size", self.data_parallel_size)
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise EngineArgsError(f"enable_expert_parallel must be True or False, got {self.enable_expert_parallel!r}")
         if not isinstance(self.dtype, torch.dtype) and self.dtype != "auto" and self.dtype not in DTYPES:
             raise EngineArgsError(f"unknown dtype {self.dtype!r}; use 'auto', {sorted(DTYPES)} or a torch.dtype")
         try:

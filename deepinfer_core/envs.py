@@ -148,6 +148,9 @@ VARIABLES = Variables(
              "but not installed); unset or `0`: report them and run without them."),
     Variable("DEEPINFER_HF_MODEL_DIR", Path, None,
              "Checkpoint folder used when no model is given; unset: the embedded default model."),
+    Variable("DEEPINFER_DISTRIBUTED_TIMEOUT", int, 600,
+             "Seconds a collective of a data/expert-parallel engine waits for the other ranks before it fails, and "
+             "that `LLM(data_parallel_size=N)` waits for its ranks to start."),
     Variable("DEEPINFER_BENCH_CACHE", Path, None,
              "Where `deepinfer bench` keeps its preset checkpoints; unset: `$XDG_CACHE_HOME/deepinfer/bench`, "
              "else `~/.cache/deepinfer/bench`. `--cache-dir` wins."),

@@ -22,7 +22,9 @@ next to the code that raises it:
 * ``deepinfer_core.sampling.logits_processor.LogitsProcessorError`` (RuntimeError): a logits processor that raised
   or returned logits of the wrong shape;
 * ``deepinfer_core.cli.options.CommandLineOptionError`` (ValueError): a malformed ``--option NAME=VALUE``;
-* ``deepinfer_core.bench.presets.PresetError`` (ValueError): an unknown or unbuildable benchmark preset.
+* ``deepinfer_core.bench.presets.PresetError`` (ValueError): an unknown or unbuildable benchmark preset;
+* ``deepinfer_core.distributed.launcher.RankFailedError`` (RuntimeError): a rank of a data-parallel engine that
+  raised, died or did not start in time (every rank is stopped).
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ import torch
 
 from deepinfer_core.backends.host_threads import OMP_VARIABLE
 from deepinfer_core.backends.registry import choose_backend, load_backend_class
+from deepinfer_core.distributed.launcher import SpawnedRanks, spawns_ranks
+from deepinfer_core.distributed.worker import DataParallelWorker
 from deepinfer_core.engine.decode_graphs import DecodeGraphs, default_sizes
 from deepinfer_core.engine.engine import Engine, EngineConfig, RequestRejectedError
 from deepinfer_core.engine.prefill_graphs import BUCKETS, PrefillGraphs
@@ -44,15 +46,27 @@ class LLM:
     processors (``deepinfer_core.sampling.LogitsProcessor``) to those the plugins contribute.
 
     ``llm.context`` is the ``EngineContext`` the plugins see; ``llm.backend_choice`` says which backend runs and why.
+
+    ``data_parallel_size=N`` (with ``enable_expert_parallel=True`` to split the routed experts) runs N ranks, each
+    its own engine (docs/distributed.md): started here, or this process is one of them under torchrun. The process
+    that started the ranks holds no engine or model (``llm.engine``); ``shutdown()`` stops the ranks.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, **kwargs: Any):
         self.args = args = EngineArgs.from_kwargs(model, **kwargs)
         self.model_dir = resolve_model(args.model)
+        self._parallel: SpawnedRanks | DataParallelWorker | None = None
+        if spawns_ranks(args):
+            self._start_ranks(model, kwargs)
+            return
+        self._parallel = DataParallelWorker.from_environment(args)
         self.plugin_manager = get_plugin_manager()
         check_strict(self.plugin_manager)
         self.backend_choice = choose_backend(args.backend)
-        self.backend = load_backend_class(self.backend_choice.probe)()
+        rank = self._parallel.info.local_rank if self._parallel is not None else None
+        self.backend = load_backend_class(self.backend_choice.probe)(device_index=rank)
+        if self._parallel is not None:
+            self._parallel.connect(self.backend)
         logger.info("backend %s: %s", self.backend_choice.name, self.backend_choice.why)
         _limit_host_threads(self.backend)
         self.max_num_batched_tokens = args.max_num_batched_tokens or self.backend.default_max_num_batched_tokens
@@ -68,9 +82,23 @@ class LLM:
         registry = default_registry(self.plugin_manager, self.context)
         ops = self.backend.make_op_table(self.plugin_manager, self.context)
         self.model = registry.load(self.model_dir, ops, self.dtype, self.backend.device)
+        if self._parallel is not None:
+            self._parallel.prepare(self.model)
         self.max_model_len = args.max_model_len or self.model.max_position_embeddings
         self.engine = self._build_engine(args)
         self._ids = itertools.count()
+
+    def _start_ranks(self, model, kwargs: dict[str, Any]) -> None:
+        """Start ``data_parallel_size`` ranks (``distributed/launcher.py``); this process keeps the tokenizer."""
+        self.backend_choice = choose_backend(self.args.backend)
+        self.tokenizer = Tokenizer.from_folder(Path(self.args.tokenizer) if self.args.tokenizer is not None
+                                               else self.model_dir)
+        self._parallel = SpawnedRanks(model, kwargs, self.args.data_parallel_size)
+
+    def shutdown(self) -> None:
+        """Stop the ranks this ``LLM`` started (nothing to do for one process)."""
+        if isinstance(self._parallel, SpawnedRanks):
+            self._parallel.shutdown()
 
     def _build_engine(self, args: EngineArgs) -> Engine:
         """Size the state for the memory budget, allocate it, and build the engine with its graphs."""
@@ -103,6 +131,8 @@ class LLM:
         """Decode batch sizes to capture: none when eager or when the model has no static steps."""
         if args.enforce_eager or not isinstance(self.model, StaticStepModel):
             return []
+        if self._parallel is not None:  # a rank runs one eager forward per step, in lockstep with the others;
+            return []  # graphs with expert-parallel collectives inside are for the multi-GPU work
         if args.cuda_graph_sizes is not None:
             return [n for n in args.cuda_graph_sizes if n <= args.max_num_seqs]
         caps = self.backend.capabilities()
@@ -144,6 +174,8 @@ class LLM:
         """
         prompt_list = [prompts] if isinstance(prompts, (str, Mapping)) else list(prompts)
         params = _params_per_prompt(sampling_params, len(prompt_list))
+        if self._parallel is not None:  # data-parallel ranks (deepinfer_core/distributed)
+            return self._parallel.generate(self, prompt_list, params)
         results: list[RequestOutput | None] = [None] * len(prompt_list)
         index_of: dict[str, int] = {}
         for i, (prompt, p) in enumerate(zip(prompt_list, params)):

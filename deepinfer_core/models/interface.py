@@ -115,6 +115,23 @@ class StaticStepModel(CausalLM, Protocol):
         """Device phase of a static prefill step: the layout ``forward`` takes."""
 
 
+@runtime_checkable
+class ExpertParallelModel(CausalLM, Protocol):
+    """A model whose routed experts can be split across ranks (expert parallelism, ``deepinfer_core/distributed``).
+
+    After ``shard_experts``, every ``forward`` (and every ``idle_step``) is a collective over the ranks: all of them
+    must make the same number of calls, in the same order.
+    """
+
+    def shard_experts(self, rank: int, world_size: int, group: Any = None) -> None:
+        """Keep routed experts ``[rank * E / N, (rank + 1) * E / N)`` of every MoE layer (``N = world_size``), drop the
+        others, and from now on send each token's routed work to the rank that holds its expert (all-to-all over
+        ``group``, None: the default process group)."""
+
+    def idle_step(self) -> None:
+        """Take part in one forward's collectives with no tokens of its own (a rank with no work while others step)."""
+
+
 def missing_members(model: object, protocol: type = CausalLM) -> list[str]:
     """The members of ``protocol`` that ``model`` lacks (empty: it satisfies the interface)."""
     names = [n for n in dir(protocol) if not n.startswith("_")] + list(getattr(protocol, "__annotations__", {}))

@@ -25,7 +25,7 @@ def reference_op(fn: Callable) -> Callable:
 
 def reference_ops() -> dict[str, Callable]:
     """All reference ops by name (imports the reference module on first use)."""
-    from deepinfer_core.ops import reference  # noqa: F401  (registers the ops)
+    from deepinfer_core.ops import expert_parallel, reference  # noqa: F401  (register the ops)
 
     return dict(_REFERENCE_OPS)
 

@@ -624,6 +624,20 @@ class DeepseekV4Model:
         ratios = [c.compress_ratio(i) for i in range(c.num_hidden_layers)]
         return c.num_hidden_layers * c.sliding_window + 2 * max(ratios, default=0)
 
+    # ------------------------------------------------------------------ expert parallelism
+    def shard_experts(self, rank: int, world_size: int, group=None) -> None:
+        """Keep this rank's share of every layer's routed experts; later forwards dispatch to their owners
+        (``models/interface.py``'s ``ExpertParallelModel``; ``deepseek_v4/expert_parallel.py``)."""
+        from deepinfer_core.models.deepseek_v4 import expert_parallel
+
+        expert_parallel.shard_model(self, rank, world_size, group)
+
+    def idle_step(self) -> None:
+        """One forward's expert-parallel collectives with no tokens of this rank's own."""
+        from deepinfer_core.models.deepseek_v4 import expert_parallel
+
+        expert_parallel.idle_step(self)
+
     # ------------------------------------------------------------------ forward
     def step_layout(self, batch: ForwardBatch, state: DeepseekV4State, **static) -> StepLayout:
         """The index layout of one step over ``state``, built on the host (every compressor's plan with it);
