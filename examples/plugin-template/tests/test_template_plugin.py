@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from deepinfer_core.backends.cpu import CpuBackend
+from deepinfer_core.engine_context import EngineContext
 from deepinfer_core.errors import UnknownOptionError
 from deepinfer_core.ops.table import OpTable
 from deepinfer_core.plugins import configure_plugins, load_plugins, new_plugin_manager
@@ -15,9 +16,7 @@ from deepinfer_core.plugins import configure_plugins, load_plugins, new_plugin_m
 @pytest.fixture
 def pm(monkeypatch):
     monkeypatch.delenv("DEEPINFER_PLUGINS", raising=False)
-    template.reset()
-    yield load_plugins(new_plugin_manager())
-    template.reset()
+    return load_plugins(new_plugin_manager())
 
 
 def test_entry_point_is_found_and_loads(pm):
@@ -29,14 +28,14 @@ def test_entry_point_is_found_and_loads(pm):
 
 
 def test_option_is_claimed_and_a_typo_is_rejected(pm):
-    configure_plugins(pm, config=None, options={"count_rms_norm": True}, backend_name="cpu")
+    configure_plugins(pm, context=EngineContext("cpu", {"count_rms_norm": True}))
     with pytest.raises(UnknownOptionError, match="count_rms_nrom"):
-        configure_plugins(pm, config=None, options={"count_rms_nrom": True}, backend_name="cpu")
+        configure_plugins(pm, context=EngineContext("cpu", {"count_rms_nrom": True}))
 
 
 def test_enabled_wraps_rms_norm_and_counts_calls(pm):
-    configure_plugins(pm, config=None, options={"count_rms_norm": True}, backend_name="cpu")
-    table = CpuBackend().make_op_table(pm)
+    context = configure_plugins(pm, context=EngineContext("cpu", {"count_rms_norm": True}))
+    table = CpuBackend().make_op_table(pm, context)
     assert table.sources()["rms_norm"] == "template"
 
     x, weight = torch.randn(3, 8), torch.rand(8)
@@ -44,12 +43,14 @@ def test_enabled_wraps_rms_norm_and_counts_calls(pm):
     assert torch.equal(table.rms_norm(x, weight, 1e-6), expected)
     torch.testing.assert_close(expected, OpTable().rms_norm(x, weight, 1e-6))
     table.rms_norm(x, weight, 1e-6)
-    assert template.calls() == 2
+    assert template.calls(context) == 2
 
 
-def test_disabled_leaves_the_reference_op(pm):
-    configure_plugins(pm, config=None, options={}, backend_name="cpu")
-    table = CpuBackend().make_op_table(pm)
-    assert table.sources() == CpuBackend().make_op_table().sources()  # nothing from the plugin
-    table.rms_norm(torch.randn(2, 4), torch.ones(4), 1e-6)
-    assert template.calls() == 0
+def test_two_engines_count_separately(pm):
+    counting = configure_plugins(pm, context=EngineContext("cpu", {"count_rms_norm": True}))
+    plain = configure_plugins(pm, context=EngineContext("cpu", {}))  # built after: must not turn the first off
+    counted, untouched = CpuBackend().make_op_table(pm, counting), CpuBackend().make_op_table(pm, plain)
+    counted.rms_norm(torch.randn(2, 4), torch.ones(4), 1e-6)
+    untouched.rms_norm(torch.randn(2, 4), torch.ones(4), 1e-6)
+    assert (template.calls(counting), template.calls(plain)) == (1, 0)
+    assert untouched.sources() == CpuBackend().make_op_table().sources()  # nothing from the plugin
