@@ -371,7 +371,8 @@ def replace_reference(document: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``--markdown`` prints the hook reference; ``--write PATH`` updates it inside PATH."""
+    """``--markdown`` prints the hook reference; ``--write PATH`` updates it inside PATH, and the op catalogue
+    (``deepinfer_core.ops.catalogue``) where PATH has its markers."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m deepinfer_core.hookspecs", description=main.__doc__)
@@ -382,10 +383,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         sys.stdout.write(render_markdown())
         return 0
+    from deepinfer_core.ops.catalogue import CATALOGUE_BEGIN, replace_catalogue
+
     with open(args.write, encoding="utf-8") as f:
-        document = f.read()
+        document = replace_reference(f.read())
+    if CATALOGUE_BEGIN in document:
+        document = replace_catalogue(document)
     with open(args.write, "w", encoding="utf-8") as f:
-        f.write(replace_reference(document))
+        f.write(document)
     return 0
 
 
