@@ -144,6 +144,22 @@ class EngineArgs:
             return torch.float32 if device_type == "cpu" else torch.bfloat16
         return DTYPES[self.dtype]
 
+    def resolve_max_model_len(self, max_positions: int) -> int:
+        """``max_model_len``, or the model's ``max_positions`` when unset. Longer than the model's positions is
+        refused unless ``DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN=1`` (vLLM's ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``)."""
+        from deepinfer_core import envs
+
+        if self.max_model_len is None:
+            return max_positions
+        if self.max_model_len > max_positions:
+            beyond = (f"max_model_len={self.max_model_len} is longer than the model's max_position_embeddings="
+                      f"{max_positions}")
+            if not envs.DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN:
+                raise EngineArgsError(f"{beyond}; lower it, or set DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN=1 to run past "
+                                      "the positions the model was trained on (its outputs there may be wrong)")
+            logger.warning("%s; running anyway (DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN=1)", beyond)
+        return self.max_model_len
+
     def feature_options(self) -> Mapping[str, Any]:
         return dict(self.options)
 

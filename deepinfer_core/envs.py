@@ -146,6 +146,9 @@ VARIABLES = Variables(
     Variable("DEEPINFER_STRICT_PLUGINS", bool, False,
              "`1`: refuse to build an engine while any plugin failed to load (or is listed in `DEEPINFER_PLUGINS` "
              "but not installed); unset or `0`: report them and run without them."),
+    Variable("DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN", bool, False,
+             "`1`: accept a `max_model_len` longer than the model's `max_position_embeddings` (with a warning; "
+             "outputs past the trained positions may be wrong); unset or `0`: refuse it."),
     Variable("DEEPINFER_HF_MODEL_DIR", Path, None,
              "Checkpoint folder used when no model is given; unset: the embedded default model."),
     Variable("DEEPINFER_DISTRIBUTED_TIMEOUT", int, 600,

@@ -5,8 +5,9 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import operator
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from deepinfer_core.models.resolve import resolve_model
 from deepinfer_core.outputs import RequestOutput
 from deepinfer_core.plugins import check_strict, configure_plugins, get_plugin_manager, plugin_logits_processors
 from deepinfer_core.sampling.params import SamplingParams
-from deepinfer_core.tokenizer import Tokenizer
+from deepinfer_core.tokenizer import Tokenizer, TokenizerError
 
 logger = logging.getLogger("deepinfer")
 
@@ -81,11 +82,19 @@ class LLM:
         configure_plugins(self.plugin_manager, context=self.context)
         registry = default_registry(self.plugin_manager, self.context)
         ops = self.backend.make_op_table(self.plugin_manager, self.context)
+        positions = self.context.model_config.get("max_position_embeddings")
+        if isinstance(positions, int):
+            args.resolve_max_model_len(positions)  # refuse a too-long max_model_len before loading any weight
         self.model = registry.load(self.model_dir, ops, self.dtype, self.backend.device)
         if self._parallel is not None:
             self._parallel.prepare(self.model)
-        self.max_model_len = args.max_model_len or self.model.max_position_embeddings
+        self.max_model_len = args.resolve_max_model_len(self.model.max_position_embeddings)
         self.engine = self._build_engine(args)
+        config = self.engine.config
+        logger.info("model %s: %s, max_model_len %d, %d sequence slots, %d state blocks of %d tokens, %d tokens per "
+                    "step, %s scheduling", self.model_dir, self.dtype, self.max_model_len, config.max_num_seqs,
+                    config.num_blocks, config.block_size, config.max_num_batched_tokens,
+                    "asynchronous" if config.async_scheduling else "synchronous")
         self._ids = itertools.count()
 
     def _start_ranks(self, model, kwargs: dict[str, Any]) -> None:
@@ -172,23 +181,57 @@ class LLM:
         A prompt the engine refuses (longer than ``max_model_len``, empty, bad token ids) gets a
         ``RequestOutput`` with ``error`` set and no completions; the other prompts still run.
         """
+        if self._parallel is not None:  # data-parallel ranks (deepinfer_core/distributed)
+            prompt_list = [prompts] if isinstance(prompts, (str, Mapping)) else list(prompts)
+            return self._parallel.generate(self, prompt_list, _params_per_prompt(sampling_params, len(prompt_list)))
+        results, index_of = self._add_requests(prompts, sampling_params)
+        self._run(results, index_of, use_tqdm)
+        return results  # type: ignore[return-value]
+
+    def stream(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[list[RequestOutput]]:
+        """``generate`` one step at a time: after every engine step, one output per prompt in input order. A prompt
+        still running has its completions' tokens and the text safe to show so far, ``finished`` False and no
+        logprobs (vLLM's ``RequestOutputKind.CUMULATIVE``); the last list is what ``generate`` returns. Each step
+        copies every running prompt's tokens: meant for watching a few prompts (``deepinfer generate`` on a
+        terminal), not for large batches."""
+        if self._parallel is not None:
+            raise NotImplementedError("LLM.stream steps this process's engine; with data_parallel_size > 1 use "
+                                      "generate")
+        results, running = self._add_requests(prompts, sampling_params)
+        if not running:  # every prompt refused
+            yield results  # type: ignore[misc]
+        while self.engine.has_unfinished():
+            for output in self.engine.step():
+                results[running.pop(output.request_id)] = output
+            snapshot = list(results)
+            for group_id, i in running.items():
+                snapshot[i] = self.engine.partial_output(group_id)
+            yield snapshot  # type: ignore[misc]
+
+    def _add_requests(self, prompts: Prompt | Sequence[Prompt],
+                      sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                      ) -> tuple[list[RequestOutput | None], dict[str, int]]:
+        """Queue every prompt; returns the outputs list (refused prompts already filled in) and the prompt index of
+        each queued group id."""
         prompt_list = [prompts] if isinstance(prompts, (str, Mapping)) else list(prompts)
         params = _params_per_prompt(sampling_params, len(prompt_list))
-        if self._parallel is not None:  # data-parallel ranks (deepinfer_core/distributed)
-            return self._parallel.generate(self, prompt_list, params)
         results: list[RequestOutput | None] = [None] * len(prompt_list)
         index_of: dict[str, int] = {}
         for i, (prompt, p) in enumerate(zip(prompt_list, params)):
-            text, token_ids = self._tokenize(prompt)
             group_id = str(next(self._ids))
+            text, token_ids = _shown_prompt(prompt), None
             try:
+                text, token_ids = self._tokenize(prompt)
                 self.engine.add_request(group_id, text, token_ids, p)
                 index_of[group_id] = i
             except RequestRejectedError as exc:
                 logger.warning("request %d refused: %s", i, exc)
                 results[i] = RequestOutput(group_id, text, token_ids, None, [], True, error=str(exc))
-        self._run(results, index_of, use_tqdm)
-        return results  # type: ignore[return-value]
+        return results, index_of
 
     def chat(
         self,
@@ -207,13 +250,17 @@ class LLM:
         return self.tokenizer
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+        """The prompt's text and token ids; RequestRejectedError for text that is not UTF-8 or ids that are not
+        integers (1.7 is refused, never truncated)."""
         if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-        if isinstance(prompt, Mapping) and "prompt" in prompt:
-            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-        raise TypeError(f"a prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', got {prompt!r}")
+            return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
+        text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, Mapping) else None
+        if text is None:
+            raise TypeError(f"a prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', got {prompt!r}")
+        try:
+            return text, self.tokenizer.encode(text)
+        except TokenizerError as exc:
+            raise RequestRejectedError(str(exc)) from None
 
     def _run(self, results: list[RequestOutput | None], index_of: dict[str, int], use_tqdm: bool) -> None:
         progress = None
@@ -237,6 +284,26 @@ def _model_config(model_dir: str | os.PathLike) -> dict[str, Any]:
         return json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
         return {}
+
+
+def _token_ids(ids: Any) -> list[int]:
+    """``ids`` as a list of ints; RequestRejectedError naming the first id that is not an integer."""
+    token_ids = []
+    for position, token in enumerate(ids):
+        try:
+            if isinstance(token, bool):
+                raise TypeError
+            token_ids.append(operator.index(token))  # ints and integer numpy / torch scalars, never floats
+        except TypeError:
+            raise RequestRejectedError(f"prompt token id {token!r} at position {position} is not an integer; "
+                                       "token ids are ints") from None
+    return token_ids
+
+
+def _shown_prompt(prompt: Any) -> str | None:
+    """The prompt text to put in a refused prompt's output, when there is one."""
+    text = prompt.get("prompt") if isinstance(prompt, Mapping) else prompt
+    return text if isinstance(text, str) else None
 
 
 def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:

@@ -130,6 +130,7 @@ class Tokenizer:
         ``tokenizer_config.json`` says ``add_bos_token`` (``add_eos_token``) and the post-processor did
         not already add it, so BOS is never doubled.
         """
+        _check_text(text)
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         if not add_special_tokens:
             return ids
@@ -177,6 +178,20 @@ class Tokenizer:
         except jinja2.TemplateError as exc:
             raise TokenizerError(f"the chat template failed: {exc}") from exc
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _check_text(text: str) -> None:
+    """Raise TokenizerError when ``text`` is not a string of Unicode text (a byte that was not UTF-8, kept by Python's
+    ``surrogateescape`` as a lone surrogate, cannot be tokenized)."""
+    if not isinstance(text, str):
+        raise TokenizerError(f"a prompt must be text (str), got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
+        raise TokenizerError(f"the text is not valid UTF-8 ({what} at character {exc.start}); pass UTF-8 text") \
+            from None
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -8,8 +8,10 @@ Examples::
     deepinfer generate --json "def f(x):" | jq '.[0].outputs[0].text'
 
 Sampling defaults (temperature, top-p, top-k) come from the checkpoint's ``generation_config.json`` when it
-has them, else from ``SamplingParams``; the flags override both. Exit codes: 0 done, 2 bad arguments or model
-(invalid sampling values, unknown backend, model not found, a prompt the engine refuses).
+has them, else from ``SamplingParams``; the flags override both. On a terminal the completions stream as they are
+generated (``--stream`` / ``--no-stream`` choose); ``--json`` prints the whole result at the end. Exit codes: 0 done,
+2 bad arguments or model (invalid sampling values, unknown backend, model not found, a prompt the engine refuses),
+130 interrupted (Ctrl-C; what was streamed stays on the screen).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +30,8 @@ from deepinfer_core.cli.plugin_failures import report_plugin_failures
 HELP = "generate completions for prompts with the offline engine"
 DEFAULT_MAX_TOKENS = 64
 _GENERATION_DEFAULTS = ("temperature", "top_p", "top_k")
-_RULE = "=" * 72
+RULE = "=" * 72
+_SHOWN_REFUSED_CHARS = 200  # a refused prompt longer than this is shown by its start and length
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true",
                         help="treat each prompt as a user message and apply the model's chat template")
     parser.add_argument("--json", action="store_true", help="print RequestOutput-like JSON (one object per prompt)")
+    parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                        help="print completions as they are generated (default: on when stdout is a terminal, "
+                             "off with --json)")
     add_option_argument(parser)
 
 
@@ -59,20 +66,44 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         _check_sampling_flags(args)  # fail fast, before loading anything
+        check_prompts(args.prompts)
         options = parse_options(args.option)
         report_plugin_failures("deepinfer generate", args.verbose)
         llm = _load(args, options)
         if args.verbose:
             print(f"deepinfer generate: backend {llm.backend_choice.name} ({llm.backend_choice.why})", file=sys.stderr)
         params = sampling_params(args, generation_defaults(llm.model_dir))
-        outputs = _generate(llm, args, params)
+        started = time.perf_counter()
+        outputs = _stream(llm, args, params) if _streams(args) else _generate(llm, args, params)
+        if args.verbose:
+            print(_throughput(outputs, time.perf_counter() - started), file=sys.stderr)
     except (DeepInferError, ValueError, TypeError) as exc:
         return _fail(exc, args)
-    print(json.dumps([output_dict(o) for o in outputs], indent=2) if args.json else format_outputs(outputs, args.prompts))
-    refused = [o for o in outputs if o.error]
-    for o in refused:
-        print(f"deepinfer generate: error: prompt {o.request_id}: {o.error}", file=sys.stderr)
+    if args.json:
+        print(json.dumps([output_dict(o) for o in outputs], indent=2))
+    elif not _streams(args):
+        print(format_outputs(outputs, args.prompts))
+    refused = [(i, o) for i, o in enumerate(outputs) if o.error]
+    for i, o in refused:
+        print(f"deepinfer generate: error: prompt {i + 1}: {o.error}", file=sys.stderr)
     return 2 if refused else 0
+
+
+def _throughput(outputs: list, seconds: float) -> str:
+    tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return (f"deepinfer generate: {tokens} tokens for {len(outputs)} prompt(s) in {seconds:.2f} s "
+            f"({tokens / max(seconds, 1e-9):.1f} tokens/s)")
+
+
+def check_prompts(prompts: list[str]) -> None:
+    """Raise ValueError naming the first prompt that is not UTF-8 text (a shell passes bytes through as they are)."""
+    for i, prompt in enumerate(prompts):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raw = prompt[exc.start:exc.end].encode("utf-8", "surrogateescape").hex(" ")
+            raise ValueError(f"prompt {i + 1} is not valid UTF-8 (bytes {raw} at character {exc.start}); pass UTF-8 "
+                             "text (e.g. convert it with iconv -t UTF-8)") from None
 
 
 def _fail(exc: Exception, args: argparse.Namespace) -> int:
@@ -124,10 +155,38 @@ def _load(args: argparse.Namespace, options: dict[str, Any]):
 
 
 def _generate(llm, args: argparse.Namespace, params) -> list:
-    if args.chat:
-        conversations = [[{"role": "user", "content": p}] for p in args.prompts]
-        return llm.chat(conversations, params, use_tqdm=False)
-    return llm.generate(list(args.prompts), params, use_tqdm=False)
+    return llm.generate(_engine_prompts(llm, args), params, use_tqdm=False)
+
+
+def _engine_prompts(llm, args: argparse.Namespace) -> list:
+    """The prompts as given, or with ``--chat`` each as a user message in the model's chat template (``LLM.chat``)."""
+    if not args.chat:
+        return list(args.prompts)
+    return [{"prompt_token_ids": llm.tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                                                    add_generation_prompt=True, tokenize=True)}
+            for p in args.prompts]
+
+
+def _streams(args: argparse.Namespace) -> bool:
+    """Whether completions print as they are generated: never with --json, else as ``--stream`` says, else on a
+    terminal."""
+    return not args.json and (args.stream if args.stream is not None else sys.stdout.isatty())
+
+
+def _stream(llm, args: argparse.Namespace, params) -> list:
+    """Generate, printing each snapshot's new text (``StreamPrinter``); returns the final outputs."""
+    from deepinfer_core.cli.stream import StreamPrinter
+
+    printer = StreamPrinter(args.prompts)
+    outputs: list = []
+    try:
+        for outputs in llm.stream(_engine_prompts(llm, args), params):
+            printer.update(outputs)
+    except KeyboardInterrupt:
+        printer.interrupted()
+        raise
+    printer.close()
+    return outputs
 
 
 # ------------------------------------------------------------------------------------------------ output
@@ -135,17 +194,31 @@ def format_outputs(outputs: list, prompts: list[str] | None = None) -> str:
     """Each prompt (as given, else the output's text or ids) followed by its completion(s), ruled off."""
     blocks = []
     for i, output in enumerate(outputs):
-        lines = [f"{_RULE}\nprompt {i + 1} of {len(outputs)}:" if len(outputs) > 1 else f"{_RULE}\nprompt:"]
-        shown = prompts[i] if prompts is not None else output.prompt
-        lines.append(shown if shown is not None else str(output.prompt_token_ids))
-        if output.error:
-            lines.append(f"--- refused: {output.error}")
+        lines = prompt_lines(i, len(outputs), output, prompts[i] if prompts is not None else None)
         for c in output.outputs:
-            label = f"completion {c.index + 1} of {len(output.outputs)}" if len(output.outputs) > 1 else "completion"
-            lines.append(f"--- {label} (finish: {c.finish_reason}, {len(c.token_ids)} tokens):")
+            lines.append(f"--- {completion_label(c, len(output.outputs))} (finish: {c.finish_reason}, "
+                         f"{len(c.token_ids)} tokens):")
             lines.append(c.text)
         blocks.append("\n".join(lines))
-    return "\n".join(blocks) + f"\n{_RULE}"
+    return "\n".join(blocks) + f"\n{RULE}"
+
+
+def prompt_lines(index: int, total: int, output, shown: str | None = None) -> list[str]:
+    """A prompt's header: the rule, its number, its text (``shown``, else the output's text or ids; a refused
+    prompt's only by its start and length) and why it was refused."""
+    shown = shown if shown is not None else output.prompt
+    shown = shown if shown is not None else str(output.prompt_token_ids)
+    if output.error and len(shown) > _SHOWN_REFUSED_CHARS:
+        shown = f"{shown[:_SHOWN_REFUSED_CHARS]}... ({len(shown)} characters)"
+    lines = [f"{RULE}\nprompt {index + 1} of {total}:" if total > 1 else f"{RULE}\nprompt:", shown]
+    if output.error:
+        lines.append(f"--- refused: {output.error}")
+    return lines
+
+
+def completion_label(completion, total: int) -> str:
+    """``completion``, or ``completion i of n`` when the prompt has several."""
+    return f"completion {completion.index + 1} of {total}" if total > 1 else "completion"
 
 
 def output_dict(output) -> dict[str, Any]:

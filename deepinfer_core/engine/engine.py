@@ -154,6 +154,10 @@ class Engine:
         """The live prompts' completions, by group id."""
         return {group_id: group.requests for group_id, group in self.output_processor.groups.items()}
 
+    def partial_output(self, group_id: str) -> RequestOutput:
+        """The output so far of a prompt that has not finished (text safe to show, tokens; ``finished`` False)."""
+        return self.output_processor.partial_output(group_id)
+
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the outputs of the prompts whose completions all finished in it (with asynchronous

@@ -102,6 +102,19 @@ class OutputProcessor:
                 outputs.append(self._group_output(group_id, group))
         return outputs
 
+    def partial_output(self, group_id: str) -> RequestOutput:
+        """A live prompt's output so far (vLLM's ``RequestOutputKind.CUMULATIVE``): each completion's tokens and the
+        text safe to show (``SequenceDetokenizer.output_text``); ``finished`` False; logprobs left out."""
+        group = self.groups[group_id]
+        completions = [
+            CompletionOutput(index=r.sample_index, text=self.completions[r.request_id].detokenizer.output_text,
+                             token_ids=list(r.output_token_ids), cumulative_logprob=None, logprobs=None,
+                             finish_reason=r.finish_reason, stop_reason=r.stop_reason)
+            for r in group.requests
+        ]
+        return RequestOutput(request_id=group_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
+                             prompt_logprobs=None, outputs=completions, finished=False)
+
     def _group_output(self, group_id: str, group: GroupState) -> RequestOutput:
         states = [self.completions.pop(r.request_id) for r in group.requests]
         completions = [
