@@ -296,6 +296,9 @@ HOOK_ARGUMENT_TYPES: dict[str, str] = {
 }
 """The classes hook arguments are typed with (and the ones they lead to), by name -> module."""
 
+ENGINE_ATTRIBUTES = ("config", "context", "tokenizer", "vocab_size", "eos_token_id", "num_steps")
+"""What a plugin may read on the ``Engine`` the lifecycle hooks get (its methods drive the engine: not for plugins)."""
+
 
 def hook_specs() -> list[Callable[..., object]]:
     """The hookspec functions of this module, in definition order."""
@@ -339,6 +342,8 @@ def _render_type(cls: type, module: str) -> list[str]:
     lines = [f"#### `{module}.{cls.__name__}`", "", doc, ""]
     if dataclasses.is_dataclass(cls):
         lines += [f"- `{f.name}: {f.type}`" for f in dataclasses.fields(cls)]
+    if cls.__name__ == "Engine":
+        return [*lines, f"Read-only attributes for plugins: {', '.join(f'`{a}`' for a in ENGINE_ATTRIBUTES)}.", ""]
     members = [(n, m) for n, m in vars(cls).items() if not n.startswith("_") and callable(m) or isinstance(m, property)]
     for member_name, member in members:
         if member_name.startswith("_"):
