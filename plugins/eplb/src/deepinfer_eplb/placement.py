@@ -50,12 +50,23 @@ class Placement(NamedTuple):
     def from_slots(cls, phy2log: torch.Tensor, replica: torch.Tensor, num_logical: int) -> Placement:
         """Build the maps from ``phy2log`` and each slot's replica number (both ``[layers, num_physical]``)."""
         layers, num_physical = phy2log.shape
+        if replica.shape != phy2log.shape or phy2log.numel() == 0:
+            raise EplbError(f"phy2log and replica must be the same non-empty [layers, num_physical] shape, got "
+                            f"{list(phy2log.shape)} and {list(replica.shape)}")
+        if phy2log.min() < 0 or phy2log.max() >= num_logical:
+            raise EplbError(f"phy2log holds expert ids outside [0, {num_logical})")
         logcnt = torch.zeros(layers, num_logical, dtype=torch.int64)
         logcnt.scatter_add_(1, phy2log, torch.ones_like(phy2log))  # [layers, num_logical]
         width = int(logcnt.max())
         log2phy = torch.full((layers, num_logical * width), -1, dtype=torch.int64)
         slots = torch.arange(num_physical, dtype=torch.int64).expand(layers, num_physical)
+        if logcnt.min() < 1:
+            raise EplbError("every logical expert needs at least one physical slot; phy2log leaves some out")
+        if replica.min() < 0 or (replica >= logcnt.gather(1, phy2log)).any():
+            raise EplbError("replica numbers must run 0 .. count - 1 for each expert")
         log2phy.scatter_(1, phy2log * width + replica, slots)
+        if int((log2phy >= 0).sum()) != layers * num_physical:
+            raise EplbError("two slots of one expert share a replica number")
         return cls(phy2log, log2phy.view(layers, num_logical, width), logcnt)
 
     def slots_per_rank(self, num_ranks: int) -> int:
