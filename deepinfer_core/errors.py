@@ -23,6 +23,7 @@ next to the code that raises it:
   or returned logits of the wrong shape;
 * ``deepinfer_core.cli.options.CommandLineOptionError`` (ValueError): a malformed ``--option NAME=VALUE``;
 * ``deepinfer_core.bench.presets.PresetError`` (ValueError): an unknown or unbuildable benchmark preset;
+* ``deepinfer_core.quant.writer.QuantizeError`` (ValueError): a checkpoint or recipe ``deepinfer quantize`` cannot use;
 * ``deepinfer_core.distributed.launcher.RankFailedError`` (RuntimeError): a rank of a data-parallel engine that
   raised, died or did not start in time (every rank is stopped).
 """
@@ -76,6 +77,10 @@ class UnknownOptionError(DeepInferError, ValueError):
 
 class UnsupportedBackendError(DeepInferError, ValueError):
     """An active plugin does not support the selected backend."""
+
+
+class MissingDependencyError(DeepInferError, ImportError):
+    """An option needs a package this environment lacks; the message names the option and how to install it."""
 
 
 class EnvironmentVariableError(DeepInferError, ValueError):
