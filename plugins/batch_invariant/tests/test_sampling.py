@@ -83,3 +83,28 @@ def test_prompt_logprobs_rows_are_batch_independent():
 
 def test_seq_seed_is_seed():
     assert SamplingParams(seq_seed=5).seed == SamplingParams(seed=5).seed == 5
+
+
+def test_sampling_controls_keep_a_row_the_same_inside_any_batch():
+    """logit_bias, allowed_token_ids and bad_words are per-row masks and adds: a row's token and log-probabilities
+    do not depend on its neighbours' controls."""
+    gen = torch.Generator().manual_seed(2)
+    params = SamplingParams(temperature=0.9, seed=7, logprobs=3, logit_bias={3: 2.5, 11: -1.0},
+                            allowed_token_ids=list(range(0, VOCAB, 3)), bad_words=["w"])
+    logits, words = torch.randn(VOCAB, generator=gen) * 3, [[6], [9, 12]]
+
+    def run(batch_logits, rows, where):
+        outputs = [[9]] * len(rows)
+        metadata = SamplingMetadata.from_params(
+            rows, seeds=[p.seed or 0 for p in rows], prompt_token_ids=[[1, 2]] * len(rows), output_token_ids=outputs,
+            bad_words_token_ids=[words if i == where else [[5]] for i in range(len(rows))])
+        return _row(sample(batch_logits, metadata), where)
+
+    alone = run(logits[None], [params], 0)
+    for size in (1, 5, 33):
+        others = [SamplingParams(temperature=float(t), seed=i, logit_bias={i % VOCAB: 5.0}, bad_words=["x"], logprobs=3)
+                  for i, t in enumerate(torch.rand(size, generator=gen) + 0.1)]
+        where = int(torch.randint(0, size + 1, (1,), generator=gen))
+        batch = torch.randn(size + 1, VOCAB, generator=gen) * 3
+        batch[where] = logits
+        assert _same(run(batch, others[:where] + [params] + others[where:], where), alone), size
