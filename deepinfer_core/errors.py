@@ -79,5 +79,9 @@ class UnsupportedBackendError(DeepInferError, ValueError):
     """An active plugin does not support the selected backend."""
 
 
+class MissingDependencyError(DeepInferError, ImportError):
+    """An option needs a package this environment lacks; the message names the option and how to install it."""
+
+
 class EnvironmentVariableError(DeepInferError, ValueError):
     """A ``DEEPINFER_*`` environment variable holds a value its declaration (``deepinfer_core.envs``) does not accept."""

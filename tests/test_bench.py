@@ -6,6 +6,7 @@ import gc
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -174,6 +175,17 @@ def test_cli_bench_prints_the_table_and_writes_json(cache_dir, tmp_path, capsys,
 def test_cli_bench_bad_values_exit_2(capsys):
     assert main(["bench", "--preset", "tiny", "--num-prompts", "0"]) == 2
     assert "num_prompts must be a positive integer" in capsys.readouterr().err
+
+
+def test_compare_hf_without_transformers_fails_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed: `import transformers` fails
+    cache = tmp_path / "cache"
+    assert main(["bench", "--preset", "tiny", "--cache-dir", str(cache), "--compare-hf", "--input-len", "8",
+                 "--output-len", "2", "--num-prompts", "1", "--max-num-seqs", "1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("deepinfer bench: error: --compare-hf needs HF transformers with DeepSeek-V4 (")
+    assert "pip install 'transformers==5.23.*'" in captured.err and len(captured.err.splitlines()) == 1
+    assert not cache.exists() and captured.out == ""  # no preset written, no engine run, no table
 
 
 def test_stats_and_percentiles():

@@ -31,6 +31,7 @@ from deepinfer_core import envs
 from deepinfer_core.bench import presets
 from deepinfer_core.bench.roofline import roofline
 from deepinfer_core.checkpoint import plan_checkpoint
+from deepinfer_core.errors import MissingDependencyError
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer_core.models.resolve import resolve_model
 
@@ -116,6 +117,8 @@ def recording_gc_pauses(into: list[tuple[int, float]]) -> Iterator[None]:
 def run_bench(config: BenchConfig, log: Log = lambda msg: None) -> dict[str, Any]:
     """Run the benchmark described by ``config``; returns the result dict (see ``result_keys``)."""
     config.validate()
+    if config.compare_hf:
+        hf_model_class()  # before any work: a missing transformers fails now, not after the engine's run
     folder = model_folder(config, log)
     model_config = DeepseekV4Config.from_file(folder / "config.json")
     quantized = plan_checkpoint(folder, model_config).quantized  # the roofline counts their stored bytes
@@ -273,14 +276,9 @@ def _step_to_the_end(engine, prompts: Sequence[Sequence[int]], params, tag: str,
 def run_hf(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int]], device: torch.device,
            dtype: torch.dtype, log: Log) -> dict[str, Any]:
     """Load ``folder`` with HF transformers and time greedy ``generate`` in batches of ``max_num_seqs``."""
-    try:
-        from transformers import DeepseekV4ForCausalLM
-    except ImportError as exc:
-        raise RuntimeError(f"--compare-hf needs transformers with DeepSeek-V4 (pip install 'transformers==5.23.*'): "
-                           f"{exc}") from None
     log("loading HF transformers ...")
     t0 = time.perf_counter()
-    model = _load_hf(DeepseekV4ForCausalLM, folder, dtype, device)
+    model = _load_hf(hf_model_class(), folder, dtype, device)
     load_time = time.perf_counter() - t0
     batch = min(config.max_num_seqs, len(prompts))
     warm = random_prompts(len(prompts), len(prompts[0]), model.config.vocab_size, config.seed + 1)
@@ -294,6 +292,17 @@ def run_hf(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int]], 
     del model
     _free(device)
     return {"metrics": metrics, "outputs": outputs}
+
+
+def hf_model_class() -> type:
+    """HF transformers' ``DeepseekV4ForCausalLM``; MissingDependencyError naming the install command when this
+    environment's transformers lacks it (or there is none)."""
+    try:
+        from transformers import DeepseekV4ForCausalLM
+    except ImportError as exc:
+        raise MissingDependencyError(f"--compare-hf needs HF transformers with DeepSeek-V4 ({exc}); install it with "
+                                     "pip install 'transformers==5.23.*', or leave out --compare-hf") from None
+    return DeepseekV4ForCausalLM
 
 
 def _load_hf(model_class, folder: Path, dtype: torch.dtype, device: torch.device):
