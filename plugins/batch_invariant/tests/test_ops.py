@@ -158,3 +158,25 @@ def test_kept_reference_ops_are_invariant(name):
     case = CASES[name]
     for seed in range(3):
         assert check_rows(case, REF[case.op], sizes=(0, 1, 5, 16, 17, 100, 1000), seed=seed) == []
+
+
+def test_quantized_weight_ops_are_batch_invariant_and_match_the_reference():
+    """``linear_fp8_block`` and ``moe_experts_mxfp4``: a row alone equals the same row inside a batch, bit for bit."""
+    from deepinfer_core.quant import fp8_block, mxfp4
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 64, generator=gen)
+    weight, scale = fp8_block.quantize(torch.randn(48, 64, generator=gen), (32, 32), True)
+    assert torch.equal(VARIANTS["linear_fp8_block"](x[:1], weight, scale, (32, 32))[0],
+                       VARIANTS["linear_fp8_block"](x, weight, scale, (32, 32))[0])
+    torch.testing.assert_close(VARIANTS["linear_fp8_block"](x, weight, scale, (32, 32)),
+                               REF["linear_fp8_block"](x, weight, scale, (32, 32)))
+    w13 = [mxfp4.quantize(torch.randn(4, 32, 64, generator=gen)) for _ in range(2)]
+    w2 = mxfp4.quantize(torch.randn(4, 64, 32, generator=gen))
+    args = (w13[0][0].view(torch.uint8), w13[0][1], w2[0].view(torch.uint8), w2[1], w13[1][0].view(torch.uint8),
+            w13[1][1], 10.0)
+    ids = torch.randint(0, 4, (37, 2), generator=gen)
+    weights = torch.rand(37, 2, generator=gen)
+    batch = VARIANTS["moe_experts_mxfp4"](x, ids, weights, *args)
+    assert torch.equal(VARIANTS["moe_experts_mxfp4"](x[:1], ids[:1], weights[:1], *args)[0], batch[0])
+    torch.testing.assert_close(batch, REF["moe_experts_mxfp4"](x, ids, weights, *args))

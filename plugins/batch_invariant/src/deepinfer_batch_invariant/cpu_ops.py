@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from deepinfer_batch_invariant import quantized
 from deepinfer_batch_invariant.forms import ROW_FORMS, InvariantOps, Kit
 from deepinfer_batch_invariant.primitives import KV_CHUNK, chunks_for, fold, matmul_nt, sigmoid, silu, softplus
 from deepinfer_core.ops import reference as _ref
@@ -158,6 +159,8 @@ VARIANTS["hc_post_sum"] = _ref.post_sum(VARIANTS["hc_post"])
 VARIANTS["roped_sink_attention"] = _ref.roped_attention(_ref.rms_norm_rope, VARIANTS["sink_attention"],
                                                        _ref.apply_rope_)
 """The reference query norm and RoPE (kept below), this module's ``sink_attention``, the reference's RoPE back."""
+VARIANTS.update(quantized.variants(VARIANTS))
+"""The quantized-weight ops: exact dequantization, then this module's linear / MLP / expert ops."""
 
 REFERENCE_KEPT: dict[str, str] = {
     "rms_norm": "row reduction of fixed length; torch splits a reduction across threads only when the output "

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from deepinfer_batch_invariant import primitives
+from deepinfer_batch_invariant import primitives, quantized
 from deepinfer_batch_invariant import triton_kernels as tk
 from deepinfer_batch_invariant.forms import ROW_FORMS, InvariantOps, Kit
 from deepinfer_core.ops import reference as _ref
@@ -98,6 +98,8 @@ VARIANTS["hc_post_sum"] = _ref.post_sum(VARIANTS["hc_post"])
 VARIANTS["roped_sink_attention"] = _ref.roped_attention(VARIANTS["rms_norm_rope"], VARIANTS["sink_attention"],
                                                        _ref.apply_rope_)
 """The fused ops as their parts above, one after the other."""
+VARIANTS.update(quantized.variants(VARIANTS))
+"""The quantized-weight ops: exact dequantization, then this module's linear / MLP / expert ops."""
 
 REFERENCE_KEPT: dict[str, str] = {
     "rope_cos_sin": "elementwise cos / sin: one functor per element, wherever it sits",
