@@ -48,6 +48,7 @@ class SpawnedRanks:
         plain = messages.plain_engine_kwargs(kwargs)
         context = torch.multiprocessing.get_context("spawn")
         self.world_size = world_size
+        self.stats: list[dict[str, int]] = []  # per rank, after each generate (``DataParallelWorker.stats``)
         self._outbox = context.Queue()
         self._inboxes = [context.Queue() for _ in range(world_size)]
         threads = max(1, torch.get_num_threads() // world_size)
@@ -72,7 +73,8 @@ class SpawnedRanks:
         for inbox in self._inboxes:
             inbox.put(message)
         replies = self._await()
-        return [messages.output_from_plain(o) for o in replies[0]]
+        self.stats = [reply["stats"] for reply in replies]
+        return [messages.output_from_plain(o) for o in replies[0]["outputs"]]
 
     def shutdown(self) -> None:
         """Stop every rank (politely, then by signal); safe to call twice."""

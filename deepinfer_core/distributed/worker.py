@@ -18,8 +18,13 @@ import torch.distributed as dist
 
 from deepinfer_core.distributed import messages
 from deepinfer_core.distributed.placement import outstanding_tokens, spread_requests
-from deepinfer_core.distributed.rank import (RankInfo, check_world_size, collective_device, join_process_group,
-                                             rank_from_environment)
+from deepinfer_core.distributed.rank import (
+    RankInfo,
+    check_world_size,
+    collective_device,
+    join_process_group,
+    rank_from_environment,
+)
 from deepinfer_core.engine.engine import Engine, RequestRejectedError
 from deepinfer_core.engine_args import EngineArgs, EngineArgsError
 from deepinfer_core.models.interface import CausalLM, ExpertParallelModel
@@ -46,6 +51,8 @@ class DataParallelWorker:
         self._flag_device = torch.device("cpu")
         self._ids = itertools.count()
         self._unseeded = itertools.count()
+        self.num_idle_steps = 0
+        self.stats: dict[str, int] = {}
 
     @classmethod
     def from_environment(cls, args: EngineArgs) -> DataParallelWorker | None:
@@ -91,7 +98,15 @@ class DataParallelWorker:
                 local[i] = RequestOutput(group_ids[i], text, ids, None, [], True, error=str(exc))
         for output in self.run(llm.engine, llm.model):
             local[index_of[output.request_id]] = output
+        self.stats = self._stats(llm.engine, len(index_of))
         return self._gather(local, len(prompts))
+
+    def _stats(self, engine: Engine, num_requests: int) -> dict[str, int]:
+        """This rank's counters after a ``generate`` (requests of the last call; steps, idle steps, preemptions and
+        prefix-cache hits since the engine started)."""
+        return {"rank": self.info.rank, "requests": num_requests, "steps": engine.num_steps,
+                "idle_steps": self.num_idle_steps, "preemptions": engine.scheduler.num_preemptions,
+                "prefix_hits": engine.state_manager.hits}
 
     def run(self, engine: Engine, model: CausalLM) -> Iterator[RequestOutput]:
         """Step ``engine`` until no rank has work left, one forward (or idle step) per rank per iteration."""
@@ -106,6 +121,7 @@ class DataParallelWorker:
                 self._idle(model)
 
     def _idle(self, model: CausalLM) -> None:
+        self.num_idle_steps += 1
         if self.expert_parallel:
             model.idle_step()
 
@@ -170,8 +186,8 @@ def rank_main(launch: RankLaunch, inbox, outbox) -> None:
         while (message := _receive(inbox, launch.parent_pid)) is not None:
             _, prompts, params = message
             outputs = llm.generate(prompts, [messages.params_from_plain(p) for p in params], use_tqdm=False)
-            payload = [messages.output_to_plain(o) for o in outputs] if launch.rank == 0 else None
-            outbox.put(("outputs", launch.rank, payload))
+            plain = [messages.output_to_plain(o) for o in outputs] if launch.rank == 0 else None
+            outbox.put(("outputs", launch.rank, {"outputs": plain, "stats": llm._parallel.stats}))
     except BaseException:  # noqa: BLE001 - the parent reports it and stops every rank
         failed = True
         outbox.put(("error", launch.rank, traceback.format_exc()))

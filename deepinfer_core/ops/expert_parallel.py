@@ -70,7 +70,7 @@ def combine(expert_rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     outputs = torch.empty_like(back)
     outputs[sent.order] = back  # [P, D] in (token, slot) order
     scale = weights.reshape(-1, 1).to(outputs.dtype)  # [P, 1]
-    scaled = (outputs * scale).to(out_dtype).view(T, k, -1)  # [T, k, D]
+    scaled = (outputs * scale).to(out_dtype).view(T, k, outputs.shape[-1])  # [T, k, D]
     by_expert = torch.sort(ids, dim=1, stable=True).indices  # [T, k]
     scaled = scaled.gather(1, by_expert.unsqueeze(-1).expand_as(scaled))
     out = torch.zeros((T, scaled.shape[-1]), dtype=out_dtype, device=scaled.device)  # [T, D]
