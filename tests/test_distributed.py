@@ -234,3 +234,21 @@ def test_a_rank_that_dies_fails_generate_and_stops_every_rank():
     with pytest.raises(RankFailedError, match=r"rank 0 of 2 died \(exit code -9\)"):
         llm.generate(_prompts([5, 6], seed=0), GREEDY, use_tqdm=False)
     assert _all_stopped(llm)
+
+
+# ---------------------------------------------------------------------------------------------- torchrun
+def test_torchrun_generate_prints_what_one_process_prints():
+    """``torchrun --nproc-per-node 2 -m deepinfer_core.cli generate --enable-expert-parallel``: one rank per process,
+    rank 0 prints, the text equals one process's."""
+    import subprocess
+    import sys
+
+    flags = ["generate", "--dtype", "float32", "--temperature", "0", "--max-tokens", "6", "def f(x):", "a b c"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    single = subprocess.run([sys.executable, "-m", "deepinfer_core.cli", *flags], check=False, capture_output=True,
+                            text=True, timeout=TIMEOUT_S, env=env)
+    ranks = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            "-m", "deepinfer_core.cli", *flags, "--enable-expert-parallel"],
+                           check=False, capture_output=True, text=True, timeout=2 * TIMEOUT_S, env=env)
+    assert single.returncode == 0 and ranks.returncode == 0, ranks.stderr[-2000:]
+    assert ranks.stdout == single.stdout and "completion" in single.stdout

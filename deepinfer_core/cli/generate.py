@@ -57,6 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                         help="print completions as they are generated (default: on when stdout is a terminal, "
                              "off with --json)")
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="ranks, each its own engine on a share of the prompts (default 1; under torchrun: its "
+                             "world size); see docs/distributed.md")
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="split the routed experts across the data-parallel ranks")
     add_option_argument(parser)
 
 
@@ -79,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
             print(_throughput(outputs, time.perf_counter() - started), file=sys.stderr)
     except (DeepInferError, ValueError, TypeError) as exc:
         return _fail(exc, args)
+    if not _prints_outputs():
+        return 2 if any(o.error for o in outputs) else 0
     if args.json:
         print(json.dumps([output_dict(o) for o in outputs], indent=2))
     elif not _streams(args):
@@ -151,7 +158,17 @@ def _load(args: argparse.Namespace, options: dict[str, Any]):
     from deepinfer_core.llm import LLM
 
     return LLM(args.model, backend=args.backend, dtype=args.dtype, max_model_len=args.max_model_len,
-               max_num_seqs=max(1, min(64, len(args.prompts) * args.n)), seed=args.seed, **options)
+               max_num_seqs=max(1, min(64, len(args.prompts) * args.n)), seed=args.seed,
+               data_parallel_size=args.data_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
+               **options)
+
+
+def _prints_outputs() -> bool:
+    """Under torchrun every rank has the outputs; rank 0 prints them."""
+    from deepinfer_core.distributed.rank import rank_from_environment
+
+    info = rank_from_environment()
+    return info is None or info.rank == 0
 
 
 def _generate(llm, args: argparse.Namespace, params) -> list:
@@ -170,7 +187,15 @@ def _engine_prompts(llm, args: argparse.Namespace) -> list:
 def _streams(args: argparse.Namespace) -> bool:
     """Whether completions print as they are generated: never with --json, else as ``--stream`` says, else on a
     terminal."""
-    return not args.json and (args.stream if args.stream is not None else sys.stdout.isatty())
+    if args.json or args.data_parallel_size > 1 or _under_launcher():  # ranks step in lockstep: no streaming
+        return False
+    return args.stream if args.stream is not None else sys.stdout.isatty()
+
+
+def _under_launcher() -> bool:
+    from deepinfer_core.distributed.rank import rank_from_environment
+
+    return rank_from_environment() is not None
 
 
 def _stream(llm, args: argparse.Namespace, params) -> list:
