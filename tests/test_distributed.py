@@ -93,6 +93,7 @@ def test_expert_parallel_op_matches_one_process_experts(world, tmp_path):
 
 # ---------------------------------------------------------------------------------------------- LLM parity
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+SAMPLED = SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True, logprobs=1)  # unseeded: seeds by arrival
 
 
 def _prompts(lengths, seed, prefix=()):
@@ -112,17 +113,17 @@ def _assert_same(reference, outputs):
                 assert [pa[t].rank for t in pa] == [pb[t].rank for t in pb]
 
 
-def _compare(model, kwargs, batches, world):
+def _compare(model, kwargs, batches, world, params=(GREEDY, GREEDY)):
     """Each batch through one process, then through ``world`` ranks of one LLM; returns the ranks' stats."""
     one = LLM(model, **kwargs)
-    reference = [one.generate(prompts, GREEDY, use_tqdm=False) for prompts in batches]
+    reference = [one.generate(prompts, p, use_tqdm=False) for prompts, p in zip(batches, params)]
     assert one.engine.scheduler.num_preemptions > 0 and one.engine.state_manager.hits > 0
     start = time.monotonic()
     ranks = LLM(model, data_parallel_size=world, enable_expert_parallel=True, **kwargs)
     try:
         stats = []
-        for prompts, want in zip(batches, reference):
-            _assert_same(want, ranks.generate(prompts, GREEDY, use_tqdm=False))
+        for prompts, want, p in zip(batches, reference, params):
+            _assert_same(want, ranks.generate(prompts, p, use_tqdm=False))
             stats = ranks._parallel.stats
     finally:
         ranks.shutdown()
@@ -157,7 +158,7 @@ def mixed_ckpt(tmp_path_factory):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_mixed_layers_match_one_process(world, mixed_ckpt):
-    """Sliding, CSA and HCA layers with a hash-routed MoE layer; blocks of 8 tokens; prompts share a 72-token
+    """Sliding, CSA and HCA layers with a hash-routed MoE layer, greedy then unseeded sampling; blocks of 8 tokens; prompts share a 72-token
     prefix (past the 64-token replay span, so hits replay from a nonzero start) and the state holds 12 blocks, so
     sequences crossing into their next block while decoding preempt."""
     shared = _prompts([72], seed=5)[0]["prompt_token_ids"]
@@ -165,7 +166,7 @@ def test_mixed_layers_match_one_process(world, mixed_ckpt):
                _prompts([30, 5], seed=7) + _prompts([7, 6, 5], seed=8, prefix=shared)]
     probe = LLM(mixed_ckpt, block_size=8, enforce_eager=True).model.state_bytes(8, torch.float32)
     kwargs = {"block_size": 8, "max_num_seqs": 4, "kv_cache_memory_bytes": 4 * probe.per_slot + 12 * probe.per_block}
-    stats = _compare(mixed_ckpt, kwargs, batches, world)
+    stats = _compare(mixed_ckpt, kwargs, batches, world, params=(GREEDY, SAMPLED))
     assert sum(s["preemptions"] for s in stats) > 0 and sum(s["prefix_hits"] for s in stats) > 0
     assert sum(s["requests"] for s in stats) == 5
 
