@@ -67,6 +67,11 @@ class PluginHookError(PluginError, RuntimeError):
     original: BaseException | None = None
 
 
+class PluginReturnError(PluginError, ValueError):
+    """A plugin's hook returned a value outside what the hook's spec allows (e.g. a prefix hit longer than the
+    cache's)."""
+
+
 class StrictPluginsError(PluginError, RuntimeError):
     """``DEEPINFER_STRICT_PLUGINS=1`` and some plugin failed to load."""
 

@@ -38,6 +38,7 @@ import pluggy
 if TYPE_CHECKING:
     from deepinfer_core.engine.engine import Engine
     from deepinfer_core.engine.model_runner import ModelRunnerOutput
+    from deepinfer_core.engine.prefix_replay import PrefixHit
     from deepinfer_core.engine.request import Request
     from deepinfer_core.engine.scheduler import SchedulerOutput
     from deepinfer_core.engine_context import EngineContext
@@ -255,23 +256,51 @@ def deepinfer_engine_shutdown(engine: Engine) -> None:
 
 
 @hookspec(firstresult=True)
-def deepinfer_rebuild_sliding_window(request: Request, num_cached_tokens: int, sliding_window: int) -> int | None:
+def deepinfer_adopt_prefix_hit(hit: PrefixHit, context: EngineContext | None) -> int | None:
+    """Choose how much of a prefix-cache hit a request adopts.
+
+    Runs: in the scheduler, when a waiting request is admitted and the cache holds blocks of its first
+    ``hit.num_cached_tokens`` tokens; before ``deepinfer_rebuild_sliding_window``. The first plugin that
+    returns something other than ``None`` decides; later plugins are not called.
+
+    Arguments:
+    - ``hit``: the ``deepinfer_core.engine.prefix_replay.PrefixHit`` (the request, the hit's length, the
+      block size, the model's window and its exact replay span).
+    - ``context``: the engine's ``EngineContext`` (read this engine's decision from its ``plugin_state``),
+      or None for an engine built without one.
+
+    Return: ``None`` adopts the whole hit. An int ``adopted``, a multiple of ``hit.block_size`` with
+    ``0 <= adopted <= hit.num_cached_tokens``, adopts the cached blocks of the first ``adopted`` tokens
+    only: their compressed entries are read from the cache and the request computes the rest
+    (``0``: no block is taken, a cold run). Any other value fails admission with ``PluginReturnError``.
+    """
+
+
+@hookspec(firstresult=True)
+def deepinfer_rebuild_sliding_window(
+    request: Request, num_cached_tokens: int, sliding_window: int, hit: PrefixHit, context: EngineContext | None
+) -> int | None:
     """Choose how a request rebuilds its sliding-window KV after a prefix-cache hit that lacks it.
 
-    Runs: in the scheduler, when a request's prefix-cache hit covers ``num_cached_tokens`` tokens of
-    compressed KV but the sliding-window KV of those tokens is not cached. The first plugin that returns
-    something other than ``None`` decides; later plugins are not called.
+    Runs: in the scheduler, when a request adopts a prefix-cache hit of ``num_cached_tokens`` tokens of
+    compressed KV (after ``deepinfer_adopt_prefix_hit``; never for a hit adopted to 0 tokens) but the
+    sliding-window KV of those tokens is not cached. The first plugin that returns something other than
+    ``None`` decides; later plugins are not called.
 
     Arguments:
     - ``request``: the engine's ``Request`` (``request_id``, ``prompt_token_ids``, ``params``, ...).
-    - ``num_cached_tokens``: length of the prefix-cache hit, in tokens.
+    - ``num_cached_tokens``: length of the adopted prefix-cache hit, in tokens.
     - ``sliding_window``: the model's attention window, in tokens (128 for DeepSeek-V4).
+    - ``hit``: the whole ``PrefixHit`` (``hit.num_cached_tokens`` is the hit before adoption).
+    - ``context``: the engine's ``EngineContext``, or None for an engine built without one.
 
     Return: ``None`` means "use the default": the core rebuilds the window KV exactly, giving the same
     outputs as a cold run. An int ``start`` with ``0 <= start <= num_cached_tokens`` means: keep the
     cached prefix below ``start`` and recompute tokens ``[start, num_cached_tokens)`` with the attention
     window truncated inside the recomputed segment (approximate window KV, e.g. bounded replay returns
-    ``num_cached_tokens - sliding_window``). ``start == 0`` drops the hit.
+    ``num_cached_tokens - sliding_window``); compressed entries below ``num_cached_tokens`` still come
+    from the cache. ``start == 0`` recomputes every token. Any other value fails admission with
+    ``PluginReturnError``.
     """
 
 
@@ -290,6 +319,7 @@ HOOK_ARGUMENT_TYPES: dict[str, str] = {
     "SchedulerOutput": "deepinfer_core.engine.scheduler",
     "ScheduledChunk": "deepinfer_core.engine.scheduler",
     "Request": "deepinfer_core.engine.request",
+    "PrefixHit": "deepinfer_core.engine.prefix_replay",
     "ModelRunnerOutput": "deepinfer_core.engine.model_runner",
     "LogitsRow": "deepinfer_core.sampling.logits_processor",
     "LogitsProcessor": "deepinfer_core.sampling.logits_processor",

@@ -80,7 +80,8 @@ def test_plugin_raising_on_import_is_reported_by_name_while_others_load(make_dis
     assert "Traceback" in broken.traceback and "broken_plugin.py" in broken.traceback
     assert pm.get_plugin("broken") is None
     assert pm.records["good"].status == "loaded"
-    assert pm.hook.deepinfer_rebuild_sliding_window(request=None, num_cached_tokens=1000, sliding_window=128) == 872
+    assert pm.hook.deepinfer_rebuild_sliding_window(request=None, num_cached_tokens=1000, sliding_window=128, hit=None,
+                                                   context=None) == 872
 
 
 def test_failure_is_logged_with_traceback(make_distribution, caplog):
@@ -338,4 +339,5 @@ def test_override_of_unknown_op_names_the_plugin(make_distribution):
 
 def test_rebuild_sliding_window_defaults_to_none_without_plugins():
     pm = new_plugin_manager()
-    assert pm.hook.deepinfer_rebuild_sliding_window(request=None, num_cached_tokens=500, sliding_window=128) is None
+    assert pm.hook.deepinfer_rebuild_sliding_window(request=None, num_cached_tokens=500, sliding_window=128, hit=None,
+                                                   context=None) is None

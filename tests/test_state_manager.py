@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepinfer_core.engine.prefix_replay import PrefixReplay
+from deepinfer_core.engine.prefix_replay import PrefixHit, PrefixReplay
 from deepinfer_core.engine.request import Request, RequestStatus
 from deepinfer_core.engine.scheduler import FcfsScheduler
 from deepinfer_core.engine.state_manager import StateManager, chain_hashes
@@ -34,8 +34,8 @@ class _ChosenReplay(PrefixReplay):
         super().__init__(replay_span=0, sliding_window=0)
         self.choose = choose
 
-    def start(self, request: Request, num_cached_tokens: int) -> int:
-        return self.choose(request, num_cached_tokens)
+    def start(self, hit: PrefixHit, num_cached_tokens: int) -> int:
+        return self.choose(hit.request, num_cached_tokens)
 
 
 def _scheduler(num_blocks=16, num_slots=4, budget=64, replay=lambda r, hit: hit, mixed=False):

@@ -75,7 +75,7 @@ class Engine:
         self.vocab_size = model.vocab_size
         self.state_manager = StateManager(config.num_blocks, config.max_num_seqs, config.block_size,
                                           config.enable_prefix_caching)
-        replay = PrefixReplay(model.prefix_replay_span(), model.sliding_window, plugin_manager)
+        replay = PrefixReplay(model.prefix_replay_span(), model.sliding_window, plugin_manager, context)
         self.scheduler: Scheduler = FcfsScheduler(
             self.state_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
             self.eos_token_id, replay, config.enable_mixed_chunk)

@@ -201,8 +201,11 @@ class FcfsScheduler(Scheduler):
 
     def _admit(self, request: Request, budget: int, chunks: list[ScheduledChunk]) -> ScheduledChunk | None:
         cached = self.state.match_prefix(request)
-        hit = len(cached) * self.state.block_size
-        start = self.prefix_replay.start(request, hit) if hit else 0
+        hit = start = 0
+        if cached:
+            plan = self.prefix_replay.plan(request, len(cached) * self.state.block_size, self.state.block_size)
+            hit, start = plan.adopted, plan.start
+            cached = cached[: hit // self.state.block_size]
         num = self._padded_fit(chunks, min(request.num_tokens - start, budget))
         if num == 0 or not self.state.can_admit(cached, start + num):
             return None
