@@ -253,3 +253,13 @@ def test_torchrun_generate_prints_what_one_process_prints():
                            check=False, capture_output=True, text=True, timeout=2 * TIMEOUT_S, env=env)
     assert single.returncode == 0 and ranks.returncode == 0, ranks.stderr[-2000:]
     assert ranks.stdout == single.stdout and "completion" in single.stdout
+
+
+def test_one_rank_is_the_one_process_path():
+    """data_parallel_size=1 (with or without expert parallelism) starts nothing and joins no process group; the MoE
+    layers keep the one-process experts op."""
+    import torch.distributed as dist
+
+    llm = LLM(dtype="float32", enable_expert_parallel=True)
+    assert llm._parallel is None and not dist.is_initialized()
+    assert {layer.ffn.experts_op for layer in llm.model.layers} == {"moe_experts"}

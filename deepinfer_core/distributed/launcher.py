@@ -90,7 +90,7 @@ class SpawnedRanks:
                 self._check_running(deadline)
                 continue
             if kind == "error":
-                self._fail(f"rank {rank} of {self.world_size} failed:\n{payload}")
+                self._fail(self._died_first(rank) + f"rank {rank} of {self.world_size} failed:\n{payload}")
             replies[rank] = payload
         return [replies[rank] for rank in range(self.world_size)]
 
@@ -108,6 +108,22 @@ class SpawnedRanks:
         if deadline is not None and time.monotonic() > deadline:
             self._fail(f"the ranks did not start within {timeout().total_seconds():.0f} s "
                        "(DEEPINFER_DISTRIBUTED_TIMEOUT)")
+
+    def _died_first(self, failed: int) -> str:
+        """A rank that died without a word is the likelier cause of another rank's error (its peers see the
+        connection close): named first when there is one."""
+        time.sleep(_POLL_S)
+        reported = {failed}
+        while True:
+            try:
+                kind, rank, _ = self._outbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "error":
+                reported.add(rank)
+        dead = [(rank, p.exitcode) for rank, p in enumerate(self._processes)
+                if rank not in reported and not p.is_alive()]
+        return "".join(f"rank {rank} of {self.world_size} died (exit code {code}); " for rank, code in dead)
 
     def _fail(self, message: str) -> None:
         _stop(self._processes, self._inboxes, self._outbox, polite=False)
