@@ -16,12 +16,13 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from deepinfer_core import LLM
 from deepinfer_swa_replay import measure
 from deepinfer_swa_replay.accuracy import greedy_params
 
+from deepinfer_core import LLM
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import train_tiny  # noqa: E402  (the held-out rule)
+import train_tiny
 
 HITS = (256, 384, 512, 640)
 DISTANCES = (134, 261)  # the nearest the sampled position gets to an adopted hit, and the farthest in its block

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from deepinfer_swa_replay import ReplayStats, SwaReplayOptionError, stats
+from deepinfer_swa_replay.plugin import OPTION, parse_flag
 
 from deepinfer_core.engine.prefix_replay import PrefixHit, PrefixReplay
 from deepinfer_core.engine.request import Request
 from deepinfer_core.engine_context import EngineContext
 from deepinfer_core.plugins import configure_plugins, get_plugin_manager
 from deepinfer_core.sampling.params import SamplingParams
-from deepinfer_swa_replay import ReplayStats, SwaReplayOptionError, stats
-from deepinfer_swa_replay.plugin import OPTION, parse_flag
 
 
 def _request(num_tokens: int) -> Request:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from deepinfer_swa_replay import ROLLBACK_TOKENS, BoundedReplay
 
 V4 = BoundedReplay(window=128)
