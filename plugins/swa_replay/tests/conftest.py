@@ -15,8 +15,6 @@ _CORE_TESTS = Path(__file__).resolve().parents[3] / "tests"
 if (_CORE_TESTS / "v4_factory.py").is_file() and str(_CORE_TESTS) not in sys.path:
     sys.path.append(str(_CORE_TESTS))
 
-BLOCK = 8  # the factory's window is 8 and its compression ratios 4 and 8
-
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BLOCK
 from deepinfer_swa_replay import measure, stats
 
 from deepinfer_core import LLM, SamplingParams
@@ -17,6 +16,7 @@ from deepinfer_core.engine.state_manager import chain_hashes
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
 WINDOW = 8  # the factory's sliding window
+BLOCK = 8  # the factory's compression ratios are 4 and 8
 VOCAB = 64
 
 
