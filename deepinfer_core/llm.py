@@ -64,8 +64,9 @@ class LLM:
         self.plugin_manager = get_plugin_manager()
         check_strict(self.plugin_manager)
         self.backend_choice = choose_backend(args.backend)
-        rank = self._parallel.info.local_rank if self._parallel is not None else None
-        self.backend = load_backend_class(self.backend_choice.probe)(device_index=rank)
+        backend_class = load_backend_class(self.backend_choice.probe)
+        self.backend = (backend_class() if self._parallel is None  # a backend class may take no arguments
+                        else backend_class(device_index=self._parallel.info.local_rank))
         if self._parallel is not None:
             self._parallel.connect(self.backend)
         logger.info("backend %s: %s", self.backend_choice.name, self.backend_choice.why)
