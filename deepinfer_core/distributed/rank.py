@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import logging
@@ -58,7 +59,13 @@ def join_process_group(info: RankInfo, backend_name: str, device: torch.device) 
         return
     dist.init_process_group(backend_name, init_method="env://", rank=info.rank, world_size=info.world_size,
                             timeout=timeout())
+    atexit.register(_leave_process_group)  # a group left to interpreter shutdown aborts in gloo's threads
     logger.info("rank %d of %d joined the %s process group", info.rank, info.world_size, backend_name)
+
+
+def _leave_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def collective_device(backend_name: str, device: torch.device) -> torch.device:
