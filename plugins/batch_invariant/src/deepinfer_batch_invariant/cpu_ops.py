@@ -179,6 +179,9 @@ REFERENCE_KEPT: dict[str, str] = {
     "decode_key_index": "integer index math per sequence: no floating point",
     "decode_entry_places": "integer index math per sequence and a gather: no floating point",
     "decode_window_plan": "integer index math per sequence and a gather: no floating point",
+    "moe_experts_expert_parallel": "whole rows moved by all-to-all; the local experts run through the table's "
+                                   "moe_experts (this mode's invariant one); each token's expert outputs are summed "
+                                   "in a fixed order (by expert id, then slot)",
     "greedy_sample": "per row: an exact max and lowest-id min, the sampler's log_softmax (vectorised over the row "
                      "whatever the batch) and an integer count",
 }
