@@ -15,6 +15,7 @@ from deepinfer_batch_invariant import plugin
 
 from deepinfer_core.backends.base import Backend, Capabilities, MemoryInfo
 from deepinfer_core.backends.cpu import CpuBackend
+from deepinfer_core.engine_context import EngineContext
 from deepinfer_core.errors import DeepInferError, UnsupportedBackendError
 from deepinfer_core.ops.table import reference_ops
 from deepinfer_core.plugins import configure_plugins, load_plugins, new_plugin_manager, register_plugin
@@ -111,18 +112,35 @@ def test_state_follows_each_configure_call_and_tables_keep_their_ops(pm):
     assert SOURCE not in second.sources().values()
 
 
+def _configure_call(options):
+    return {"config": None, "options": options, "context": EngineContext("cpu", options)}
+
+
 def test_late_registration_replays_configure_calls_in_order():
-    """``deepinfer_configure`` is historic: a plugin registered late ends in the latest engine's state."""
+    """``deepinfer_configure`` is historic: a plugin registered late decides for every engine configured before,
+    each in its own context, and the latest one is the process's default."""
     pm = new_plugin_manager()
-    pm.hook.deepinfer_configure.call_historic(kwargs={"config": None, "options": {"batch_invariant": True}})
-    pm.hook.deepinfer_configure.call_historic(kwargs={"config": None, "options": {}})
+    on, off = _configure_call({"batch_invariant": True}), _configure_call({})
+    pm.hook.deepinfer_configure.call_historic(kwargs=on)
+    pm.hook.deepinfer_configure.call_historic(kwargs=off)
     register_plugin(pm, plugin, "batch_invariant")
+    assert bi.state(on["context"]).enabled and not bi.state(off["context"]).enabled
     assert not bi.state().enabled
     pm2 = new_plugin_manager()
-    pm2.hook.deepinfer_configure.call_historic(kwargs={"config": None, "options": {}})
-    pm2.hook.deepinfer_configure.call_historic(kwargs={"config": None, "options": {"batch_invariant": True}})
+    pm2.hook.deepinfer_configure.call_historic(kwargs=_configure_call({}))
+    pm2.hook.deepinfer_configure.call_historic(kwargs=_configure_call({"batch_invariant": True}))
     register_plugin(pm2, plugin, "batch_invariant")
     assert bi.state().enabled
+
+
+def test_each_engine_keeps_its_own_decision(pm):
+    """Two engines configured one after the other: each op table follows its own engine's option, whatever was
+    configured last."""
+    on = configure_plugins(pm, None, {"batch_invariant": True}, "cpu")
+    off = configure_plugins(pm, None, {}, "cpu")
+    assert _all_ours(CpuBackend().make_op_table(pm, on))
+    assert SOURCE not in CpuBackend().make_op_table(pm, off).sources().values()
+    assert bi.state(on).enabled and not bi.state(off).enabled
 
 
 def test_core_refuses_another_backend_when_the_option_is_set(pm):

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from deepinfer_batch_invariant import envs
+from deepinfer_core.engine_context import EngineContext
 from deepinfer_core.errors import UnsupportedBackendError
 from deepinfer_core.hookspecs import hookimpl
 
@@ -51,7 +52,7 @@ _FALSE = {"0", "false", "no", "off", ""}
 
 @dataclasses.dataclass(frozen=True)
 class State:
-    """What the latest ``deepinfer_configure`` decided (for the engine being built)."""
+    """What ``deepinfer_configure`` decided for one engine (kept in its context's ``plugin_state``)."""
 
     enabled: bool = False
     source: str | None = None  # "option", "env" or None (off by default)
@@ -61,9 +62,11 @@ class State:
 _state = State()
 
 
-def state() -> State:
-    """The plugin's current decision (the latest engine configured in this process)."""
-    return _state
+def state(context: EngineContext | None = None) -> State:
+    """The decision for ``context``'s engine; without a context (or for one never configured), the latest engine's
+    configured in this process."""
+    decided = context.plugin_state.get(SOURCE) if context is not None else None
+    return decided if isinstance(decided, State) else _state
 
 
 def reset() -> None:
@@ -105,21 +108,24 @@ def deepinfer_supported_backends() -> list[str]:
 
 
 @hookimpl
-def deepinfer_configure(options: Mapping[str, Any]) -> None:
-    """Decide on/off for the engine being built (option first, then the environment)."""
+def deepinfer_configure(options: Mapping[str, Any], context: EngineContext) -> None:
+    """Decide on/off for the engine being built (option first, then the environment), in its context."""
     global _state
-    _state = resolve(options)
-    if _state.enabled:
-        log.info("batch-invariant mode on (from %s)", "option batch_invariant" if _state.source == "option" else ENV)
-    if _state.mtp_varlen is not None:
+    decided = resolve(options)
+    context.plugin_state[SOURCE] = decided
+    _state = decided  # for op tables built without their engine's context
+    if decided.enabled:
+        log.info("batch-invariant mode on (from %s)", "option batch_invariant" if decided.source == "option" else ENV)
+    if decided.mtp_varlen is not None:
         log.info("%s=%d has no effect: this engine has no speculative decoding (MTP / DSpark) yet, and decoding "
-                 "is already deterministic per request seed", ENV_MTP_VARLEN, _state.mtp_varlen)
+                 "is already deterministic per request seed", ENV_MTP_VARLEN, decided.mtp_varlen)
 
 
 @hookimpl
-def deepinfer_register_ops(op_table: Any, backend_name: str) -> None:
-    """In batch-invariant mode, pin every op of the table to a batch-invariant implementation."""
-    if not _state.enabled:
+def deepinfer_register_ops(op_table: Any, backend_name: str, context: EngineContext) -> None:
+    """In batch-invariant mode (as decided for ``context``'s engine), pin every op of the table to a
+    batch-invariant implementation."""
+    if not state(context).enabled:
         return
     if backend_name not in SUPPORTED_BACKENDS:
         raise UnsupportedBackendError(
