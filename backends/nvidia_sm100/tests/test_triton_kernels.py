@@ -341,12 +341,13 @@ def test_align_kernel_matches_torch_align(tokens, top_k, experts, block_m):
 @kernel_runs_here
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("top_k, experts, dim, inter, repeat", [
-    (6, 64, 128, 64, False), (6, 8, 96, 40, True), (1, 4, 64, 32, False),
+    (6, 64, 32, 16, False), (6, 8, 45, 19, True), (1, 4, 64, 32, False),
     *([(3, 5, 4096, 2048, True)] if DEVICE == "cuda" else [])])  # the interpreter takes minutes at these widths
 def test_moe_experts_one_token_matches_reference(top_k, experts, dim, inter, repeat, dtype):
-    """One token (``moe_experts_one_token``, what ``moe_experts`` runs for it): picks in any order, an expert
-    picked twice (hash routing can), widths that leave partial column and ``K`` blocks (96, 40), on the GPU the
-    preset's widths (4096 / 2048). bf16 to the rounding of the reference's own steps."""
+    """One token (``moe_experts_one_token``, what ``moe_experts`` runs for it): picks in any order (6 of a
+    ``K_P2`` of 8), full blocks (no masks), an expert picked twice (hash routing can), odd widths that leave partial
+    column and ``K`` blocks in both kernels (45, 19), on the GPU the preset's widths (4096 / 2048). bf16 to the
+    rounding of the reference's own steps."""
     gen = torch.Generator(device=DEVICE).manual_seed(top_k * experts + dim)
 
     def rnd(*shape, scale=1.0):
@@ -436,10 +437,11 @@ def test_indexer_scores_matches_reference(seqs, queries, entries, heads, dim, dt
 
 @kernel_runs_here
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("rows, n, k", [(1, 2048, 300), (1, 1030, 4096), (5, 2048, 64)])
+@pytest.mark.parametrize("rows, n, k", [(1, 129, 300), (1, 65, 4096), (5, 2048, 64)])
 def test_gemv_linear_matches_reference(rows, n, k, dtype):
-    """One row takes the kernel (a column block past ``N``, ``K`` not a multiple of the block); more rows and narrow
-    outputs take ``F.linear``."""
+    """One row takes the kernel with ``row_config``'s launch for ``K`` below 4096 (``K`` not a multiple of the block)
+    and from 4096 (four ``K`` blocks), each with a column block past ``N`` (odd widths, two columns a program); more
+    rows and narrow outputs take ``F.linear``."""
     from deepinfer_nvidia_sm100.kernels import gemv
 
     gen = torch.Generator(device=DEVICE).manual_seed(rows + k)
@@ -456,9 +458,9 @@ def test_gemv_linear_matches_reference(rows, n, k, dtype):
 @kernel_runs_here
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("n, k, groups, config", [
-    (2048, 1024, 1, None),  # the default launch, every block full (no masks)
-    (2050, 1000, 1, (8, 512, 4, 3)),  # a column block and a K block past the ends
-    (96, 256, 3, (2, 128, 2, 1)),  # groups on the grid's second axis
+    (128, 1024, 1, None),  # the default launch, every block full (no masks)
+    (130, 1000, 1, (8, 512, 4, 3)),  # a column block and a K block past the ends
+    (48, 256, 3, (16, 128, 2, 1)),  # groups on the grid's second axis
     (64, 128, 1, (2, 128, 2, 1)),  # one K block
 ])
 def test_gemv_row_kernel_matches_reference(n, k, groups, config, dtype):
@@ -476,15 +478,16 @@ def test_gemv_row_kernel_matches_reference(n, k, groups, config, dtype):
 
 @kernel_runs_here
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("tokens, groups, per_group, k", [(1, 8, 1024, 300), (1, 2, 1040, 128), (3, 2, 1040, 128)])
+@pytest.mark.parametrize("tokens, groups, per_group, k", [(1, 8, 72, 300), (1, 2, 80, 128), (3, 2, 80, 128)])
 def test_gemv_grouped_linear_matches_reference(tokens, groups, per_group, k, dtype):
-    """One token: groups on the grid's second axis (each reads its own block of the weight), a strided input; more
-    tokens take the strided cuBLAS batched GEMM."""
+    """One token: groups on the grid's second axis (each reads its own block of the weight; 72 columns: a column
+    block past the group's end), a strided input; more tokens take the strided cuBLAS batched GEMM."""
     from deepinfer_nvidia_sm100.kernels import gemv
 
     gen = torch.Generator(device=DEVICE).manual_seed(groups)
     x = torch.randn(tokens, k, groups, device=DEVICE, generator=gen).to(dtype).transpose(1, 2)
     w = (torch.randn(groups * per_group, k, device=DEVICE, generator=gen) * 0.05).to(dtype)
+    assert gemv.covered(x, w, tokens, per_group) == (tokens == 1)
     got = gemv.grouped_linear(x, w, groups)
     want = ref.grouped_linear(x.float(), w.float(), groups).to(dtype)
     assert got.shape == (tokens, groups, per_group)
@@ -684,13 +687,19 @@ def _window_case(windows: int, ratio: int, d: int, overlap: bool, dtype: torch.d
 @kernel_runs_here
 @pytest.mark.parametrize("dtype, carry_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                 (torch.bfloat16, torch.float32)])
-@pytest.mark.parametrize("windows, ratio, d, overlap", [(5, 4, 64, True), (3, 16, 96, False), (2, 128, 512, False),
-                                                        (0, 4, 64, True), (70, 16, 160, True)])
-def test_compressor_entries_match_reference(windows, ratio, d, overlap, dtype, carry_dtype):
+@pytest.mark.parametrize("windows, ratio, d, overlap, many_from", [
+    (5, 4, 64, True, None), (3, 16, 96, False, None), (2, 128, 512, False, None), (0, 4, 64, True, None),
+    (9, 16, 160, True, 9)])
+def test_compressor_entries_match_reference(windows, ratio, d, overlap, many_from, dtype, carry_dtype, monkeypatch):
     """CSA (overlapping halves, 8 slots) and HCA-like windows (up to 128 slots, several slot blocks), channels
     that are not a multiple of the channel block, carried and new slots, slots before position 0 (the kernel's slot
     loop starts at the first valid one), a dummy window pooling its last slot; few windows (narrow channel blocks, one
-    slot loop) and many (70: wide blocks, several slot iterations); then with RoPE (``compressor_entries_rope``)."""
+    slot loop) and many (wide blocks, 160 channels = 128 + 32, several slot iterations); then with RoPE
+    (``compressor_entries_rope``). The many-windows launch is taken from ``many_from`` windows on (the threshold
+    ``FEW_WINDOWS`` lowered): the kernel with the same launch constants as from 64 windows on, at a seventh of the
+    programs the interpreter would simulate there."""
+    if many_from is not None:
+        monkeypatch.setattr(compressor, "FEW_WINDOWS", many_from)
     args = _window_case(windows, ratio, d, overlap, dtype, carry_dtype, seed=windows * 31 + ratio + d)
     got, want = compressor.compressor_entries(*args), ref.compressor_entries(*args)
     assert got.shape == want.shape == (windows, d) and got.dtype == want.dtype
