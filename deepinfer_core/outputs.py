@@ -67,6 +67,9 @@ class RequestOutput:
         outputs: one ``CompletionOutput`` per completion (``n`` of them).
         finished: whether every completion has finished.
         error: why the engine refused the request (then ``outputs`` is empty), else None.
+        num_cached_tokens: prompt tokens that came from the prefix cache (whole blocks; with a plugin that adopts
+            only part of a hit, the adopted part), taken from the request's latest admission (after a preemption,
+            the re-admission's) and, for ``n > 1``, from the first completion's; None for a refused request.
     """
 
     request_id: str
@@ -76,6 +79,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     error: str | None = None
+    num_cached_tokens: int | None = None
 
 
 def make_logprobs_dict(

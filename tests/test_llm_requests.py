@@ -85,3 +85,32 @@ def test_stream_grows_each_prompts_output_to_what_generate_returns(llm):
             assert seen[-1].text == final[i].outputs[j].text
             assert list(seen[-1].token_ids) == list(final[i].outputs[j].token_ids)
         assert snapshots[-1][i].finished and not snapshots[0][i].finished
+
+
+def _random_prompt(length: int, seed: int) -> dict:
+    """``length`` random token ids of the tiny checkpoint's vocabulary (64), away from its special ids."""
+    gen = np.random.default_rng(seed)
+    return {"prompt_token_ids": gen.integers(3, 64, length).tolist()}
+
+
+def test_num_cached_tokens_counts_a_repeated_prompts_prefix_hit(llm):
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    prompt = _random_prompt(50, seed=34)
+    block = llm.engine.config.block_size
+    fresh, = llm.generate(prompt, params, use_tqdm=False)
+    again, = llm.generate(prompt, params, use_tqdm=False)
+    assert fresh.num_cached_tokens == 0
+    assert again.num_cached_tokens == (50 - 1) // block * block  # whole blocks, one token at least left to compute
+    assert 0 < again.num_cached_tokens < 50 and again.num_cached_tokens % block == 0
+    group, = llm.generate(prompt, SamplingParams(max_tokens=2, n=2, seed=1, ignore_eos=True), use_tqdm=False)
+    assert group.num_cached_tokens == again.num_cached_tokens  # one value per request, as vLLM reports
+    streamed = [outputs[0].num_cached_tokens for outputs in llm.stream([prompt], params)]
+    assert streamed[-1] == again.num_cached_tokens and len(streamed) >= 2
+
+
+def test_num_cached_tokens_is_0_with_prefix_caching_off(checkpoint):
+    llm = LLM(str(checkpoint), max_num_seqs=2, seed=0, enable_prefix_caching=False)
+    prompt = _random_prompt(50, seed=35)
+    params = SamplingParams(max_tokens=1, temperature=0)
+    outputs = [llm.generate(prompt, params, use_tqdm=False)[0] for _ in range(2)]
+    assert [o.num_cached_tokens for o in outputs] == [0, 0] and outputs[1].error is None

@@ -113,7 +113,8 @@ class OutputProcessor:
             for r in group.requests
         ]
         return RequestOutput(request_id=group_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
-                             prompt_logprobs=None, outputs=completions, finished=False)
+                             prompt_logprobs=None, outputs=completions, finished=False,
+                             num_cached_tokens=_num_cached_prompt_tokens(group))
 
     def _group_output(self, group_id: str, group: GroupState) -> RequestOutput:
         states = [self.completions.pop(r.request_id) for r in group.requests]
@@ -125,7 +126,8 @@ class OutputProcessor:
         ]
         del self.groups[group_id]
         return RequestOutput(request_id=group_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
-                             prompt_logprobs=states[0].prompt_logprobs, outputs=completions, finished=True)
+                             prompt_logprobs=states[0].prompt_logprobs, outputs=completions, finished=True,
+                             num_cached_tokens=_num_cached_prompt_tokens(group))
 
     def _add_logprobs(self, completion: CompletionState, result: ModelRunnerOutput, row: int) -> None:
         logprob = result.logprobs[row]
@@ -153,6 +155,12 @@ class OutputProcessor:
 
     def _decode(self, token_id: int) -> str | None:
         return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer is not None else None
+
+
+def _num_cached_prompt_tokens(group: GroupState) -> int:
+    """Prompt tokens the first completion's latest admission took from the prefix cache (vLLM reports one value per
+    request); a re-admission after a preemption may hit generated tokens too, which are not prompt tokens."""
+    return min(group.requests[0].num_cached_tokens, len(group.prompt_token_ids))
 
 
 def _prompt_entries(prompt_token_ids: list[int], first: int, plp, decode) -> list[dict[int, Logprob]]:

@@ -24,6 +24,8 @@ class Request:
     into the request's state; the step computes the next chunk. Tokens below ``replay_until`` are
     recomputed only to rebuild the sliding-window state after a prefix-cache hit (their compressed
     entries come from the cache); ``sliding_floor`` is the first token such a replay started from.
+    ``num_cached_tokens`` is the prefix-cache hit its latest admission adopted (a plugin may adopt only part of a
+    hit); ``RequestOutput.num_cached_tokens`` reports it.
 
     ``num_inflight_tokens`` counts tokens a launched step samples that the host has not read yet (with
     asynchronous scheduling, the next step is planned before the last one's tokens are back): they count in

@@ -52,8 +52,9 @@ def test_a_hit_adopts_up_to_l_minus_window_plus_6_and_replays_exactly_the_window
     prompt = _tokens(110, seed=1)
     llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)  # caches 104 tokens of it (13 blocks)
     steps = _recording(llm)
-    llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
+    again, = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
     adopted = (110 - (WINDOW + 6)) // BLOCK * BLOCK  # 96 of the 104 cached tokens
+    assert again.num_cached_tokens == adopted  # what the request took from the cache, not what the cache held
     (_, start, computed), = steps[0]
     assert (start, computed) == (adopted - WINDOW, 110 - adopted + WINDOW)
     assert adopted - start == WINDOW  # the replayed span: the window, not layers x window + carry (64 here)
