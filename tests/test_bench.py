@@ -188,6 +188,61 @@ def test_compare_hf_without_transformers_fails_before_any_work(tmp_path, capsys,
     assert not cache.exists() and captured.out == ""  # no preset written, no engine run, no table
 
 
+# ------------------------------------------------------------------------------------------------ prefix share
+SHARED = {"output_len": 2, "num_prompts": 2, "max_num_seqs": 2, "warmup": 1}  # the tiny preset's blocks: 128 tokens
+
+
+def test_no_prefix_share_keeps_todays_prompts_and_takes_nothing_from_the_cache(hf_result):
+    expected = torch.randint(0, 4096, (2, 8), generator=torch.Generator().manual_seed(0)).tolist()
+    assert runner.random_prompts(2, 8, 4096, 0) == expected
+    engine = hf_result["engine"]
+    assert engine["num_cached_tokens"]["max"] == 0 and engine["computed_prompt_tokens"] == engine["prompt_tokens"]
+    assert hf_result["config"]["prefix_share"] == 0 and hf_result["config"]["prefix_len"] == 0
+
+
+def test_prefix_share_prompts_start_with_one_common_prefix():
+    config = runner.BenchConfig(input_len=10, prefix_share=0.45)
+    prefix = runner.common_prefix(config.prefix_len, 4096, seed=0)
+    prompts = runner.random_prompts(3, 10, 4096, 0, prefix)
+    assert config.prefix_len == 4 and all(p[:4] == prefix and len(p) == 10 for p in prompts)
+    assert len({tuple(p[4:]) for p in prompts}) == 3
+    assert runner.BenchConfig(input_len=10, prefix_share=0.99).prefix_len == 9  # one token of its own is kept
+
+
+def test_prefix_share_makes_the_timed_run_hit_the_warmups_prefix(cache_dir):
+    config = runner.BenchConfig(preset="tiny", cache_dir=str(cache_dir), input_len=320, prefix_share=0.5, **SHARED)
+    result = runner.run_bench(config)
+    engine = result["engine"]
+    assert result["config"]["prefix_len"] == 160
+    assert engine["num_cached_tokens"]["mean"] == 128 == engine["num_cached_tokens"]["min"]  # the prefix's one block
+    # the exact rebuild's replay (4 layers x 128 + 2 x 128 tokens) reaches token 0: every prompt token is computed
+    assert engine["computed_prompt_tokens"] == engine["prompt_tokens"] == 640
+    assert engine["ttft_s"]["mean"] > 0
+    table = format_report(result)
+    assert "the first 160 a common prefix, share 0.5" in table and "cached tok mean" in table
+
+
+def test_prefix_share_with_swa_replay_adopts_part_of_the_hit_and_computes_less(cache_dir):
+    pytest.importorskip("deepinfer_swa_replay")
+    config = runner.BenchConfig(preset="tiny", cache_dir=str(cache_dir), input_len=512, prefix_share=0.75,
+                                options={"enable_swa_replay": "true"}, **SHARED)
+    result = runner.run_bench(config)
+    engine = result["engine"]
+    # 384 prefix tokens cached; adopted: (512 - 134) // 128 blocks = 256; recomputed from 256 - 128
+    assert engine["num_cached_tokens"]["mean"] == 256
+    assert engine["computed_prompt_tokens"] == 2 * (512 - 128)
+    assert "1024 prompt tokens (768 computed)" in format_report(result)
+
+
+@pytest.mark.parametrize("share", ["1", "-0.1", "nan"])
+def test_cli_bench_refuses_a_prefix_share_outside_0_to_1(share, tmp_path, capsys):
+    cache = tmp_path / "cache"
+    assert main(["bench", "--preset", "tiny", "--cache-dir", str(cache), f"--prefix-share={share}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("deepinfer bench: error: prefix_share must be a number in [0, 1) (the share of each prompt")
+    assert f"got {float(share)!r}" in err and not cache.exists()
+
+
 def test_stats_and_percentiles():
     s = runner.stats([float(i) for i in range(1, 101)])
     assert (s["mean"], s["p50"], s["p99"], s["min"], s["max"]) == (50.5, 50.0, 99.0, 1.0, 100.0)
@@ -207,6 +262,9 @@ def test_roofline_matches_benchmarks_md_for_the_flash_preset():
     state = (1025 * mb.state_bytes_per_token + mb.state_bytes_per_seq) / peak.bandwidth
     assert floors["decode_floor_s"] == pytest.approx(mb.weight_bytes_touched(1) / peak.bandwidth + state)
     assert math.isclose(floors["floor_s"], floors["prefill_floor_s"] + floors["decode_floor_s"])
+    hit = roofline.run_floor(mb, peak, num_prompts=1, input_len=1024, output_len=2, batch=1, prefill_tokens=256)
+    assert hit["prefill_floor_s"] == pytest.approx(floors["prefill_floor_s"] / 4) and hit["prefill_tokens"] == 256
+    assert hit["decode_floor_s"] == floors["decode_floor_s"] and floors["prefill_tokens"] == 1024
 
 
 def test_roofline_is_not_applicable_on_cpu():

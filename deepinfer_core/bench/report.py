@@ -18,6 +18,7 @@ _ROWS = (
     ("TPOT p50", "tpot_s", "p50", 1e3, "ms"),
     ("TPOT p99", "tpot_s", "p99", 1e3, "ms"),
     ("latency mean", "latency_s", "mean", 1.0, "s"),
+    ("cached tok mean", "num_cached_tokens", "mean", 1.0, ""),
     ("steps", "steps", None, 1.0, ""),
     ("GC pauses", "gc_pauses", "count", 1.0, ""),
     ("GC total", "gc_pauses", "total_s", 1e3, "ms"),
@@ -48,14 +49,30 @@ def _header(config: Mapping[str, Any], engine: Mapping[str, Any]) -> list[str]:
     source = f"preset {config['preset']}" if config.get("preset") else "model"
     return [
         f"deepinfer bench: {source} {config['model_folder']}",
-        (f"  {config['num_prompts']} prompts x {config['input_len']} tokens in, {config['output_len']} out "
+        (f"  {config['num_prompts']} prompts x {config['input_len']} tokens in{_share(config)}, "
+         f"{config['output_len']} out "
          f"(greedy, EOS ignored); max_num_seqs {config['max_num_seqs']}, max_num_batched_tokens "
          f"{config['max_num_batched_tokens']}, async scheduling {_on(config.get('async_scheduling'))}, "
          f"mixed chunks {_on(config.get('enable_mixed_chunk'))}, warmup {config['warmup']}{_iterations(engine)}"),
         (f"  device {config['device']}, dtype {config['dtype']}, torch {config['torch']} "
          f"({config['torch_threads']} threads), {config['date']}{_load(config)}"),
-        f"  {engine['output_tokens']} output tokens, {engine['prompt_tokens']} prompt tokens",
+        f"  {engine['output_tokens']} output tokens, {engine['prompt_tokens']} prompt tokens{_computed(engine)}",
     ] + _environment(config)
+
+
+def _share(config: Mapping[str, Any]) -> str:
+    """The common prefix of every prompt (``--prefix-share``), or nothing without one."""
+    share = config.get("prefix_share")
+    if not share:
+        return ""
+    cached = "cached by the warm-up" if config.get("warmup") else "no warm-up to cache it"
+    return f" (the first {config['prefix_len']} a common prefix, share {share:g}, {cached})"
+
+
+def _computed(engine: Mapping[str, Any]) -> str:
+    """How many prompt tokens the engine computed, where prefix hits left some out."""
+    computed = engine.get("computed_prompt_tokens")
+    return "" if computed in (None, engine["prompt_tokens"]) else f" ({computed} computed)"
 
 
 def _environment(config: Mapping[str, Any]) -> list[str]:
@@ -88,7 +105,7 @@ def _value(metrics: Mapping[str, Any], key: str, stat: str | None) -> float | No
 
 def _ratio(key: str, e: float | None, h: float | None) -> str:
     """engine/HF for rates; HF/engine (a speed-up) for times; blank for counts."""
-    if e is None or h is None or not e or not h or key in ("steps", "gc_pauses"):
+    if e is None or h is None or not e or not h or key in ("steps", "gc_pauses", "num_cached_tokens"):
         return ""
     value = e / h if key.endswith(("throughput", "per_s")) else h / e
     return f"{value:.2f}x"
@@ -111,8 +128,9 @@ def _roofline_lines(roofline: Mapping[str, Any]) -> list[str]:
             lines.append(f"roofline ({name}): {value}")
         else:
             lines.append(f"roofline ({name}): {100 * value['fraction']:.1f}% of the {value['device']} floor "
-                         f"({value['floor_s'] * 1e3:.2f} ms: prefill {value['prefill_floor_s'] * 1e3:.2f} ms, "
-                         f"decode {value['decode_floor_s'] * 1e3:.2f} ms)")
+                         f"({value['floor_s'] * 1e3:.2f} ms: prefill {value['prefill_floor_s'] * 1e3:.2f} ms "
+                         f"of {value['prefill_tokens']:,} prompt tokens, decode {value['decode_floor_s'] * 1e3:.2f} "
+                         "ms)")
     return lines
 
 

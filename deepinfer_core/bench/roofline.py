@@ -4,7 +4,8 @@
   touched = dense weights + shared experts + the expected unique routed experts of ``E`` with top-``k``
   over ``B`` tokens (``E * (1 - (1 - k/E)^B)`` per MoE layer) + one embedding row per token + lm_head;
 * prefill floor = 2 * active parameters * tokens / peak FLOP/s (attention FLOPs left out, so the floor
-  is slightly optimistic for long prompts).
+  is slightly optimistic for long prompts); the tokens are every prompt token, or the prompt tokens the run
+  computed when prompts hit the prefix cache (``prefill_tokens``: uncached tokens plus the replay before a hit).
 
 Quantized weights count the bytes actually stored: an fp8 weight 1 B per value plus its block scales, an MXFP4
 expert 0.5 B per value plus 1/32 B of ue8m0 scale (``quantized``: the checkpoint's ``CheckpointPlan.quantized``).
@@ -131,30 +132,33 @@ def _tensor_class(name: str) -> str:
 
 
 def run_floor(mb: ModelBytes, peak: DevicePeak, num_prompts: int, input_len: int, output_len: int,
-              batch: int) -> dict[str, float]:
+              batch: int, prefill_tokens: int | None = None) -> dict[str, float]:
     """Floors (seconds) of an offline run: prompts in waves of ``batch``, prefill then ``output_len - 1`` decodes.
 
     The first output token of each request comes out of its prefill step; each later token costs one
-    decode step of the whole wave.
+    decode step of the whole wave. ``prefill_tokens``: the prompt tokens computed (default all of them).
     """
-    prefill = decode = 0.0
+    computed = num_prompts * input_len if prefill_tokens is None else prefill_tokens
+    prefill = 2 * mb.active_params * computed / peak.flops  # linear in tokens: the waves' sum
+    decode = 0.0
     for start in range(0, num_prompts, batch):
         wave = min(batch, num_prompts - start)
-        prefill += 2 * mb.active_params * wave * input_len / peak.flops
         for step in range(1, output_len):
             context = input_len + step
             state = wave * (context * mb.state_bytes_per_token + mb.state_bytes_per_seq)
             decode += (mb.weight_bytes_touched(wave) + state) / peak.bandwidth
-    return {"prefill_floor_s": prefill, "decode_floor_s": decode, "floor_s": prefill + decode}
+    return {"prefill_floor_s": prefill, "decode_floor_s": decode, "floor_s": prefill + decode,
+            "prefill_tokens": computed}
 
 
 def roofline(config: DeepseekV4Config, dtype: torch.dtype, device: torch.device | str, measured_s: float,
              num_prompts: int, input_len: int, output_len: int, batch: int,
-             quantized: Mapping[str, QuantizedTensor] | None = None) -> dict[str, float] | str:
+             quantized: Mapping[str, QuantizedTensor] | None = None,
+             prefill_tokens: int | None = None) -> dict[str, float] | str:
     """The floor of a run and ``fraction`` = floor / measured, or the reason none applies (``"n/a (CPU)"``)."""
     peak = device_peak(device)
     if peak is None:
         return unavailable_reason(device)
     floors = run_floor(model_bytes(config, dtype, quantized=quantized), peak, num_prompts, input_len, output_len,
-                       batch)
+                       batch, prefill_tokens)
     return {**floors, "measured_s": measured_s, "fraction": floors["floor_s"] / measured_s, "device": peak.name}

@@ -6,8 +6,15 @@ process after the engine has been freed, in batches of ``max_num_seqs`` prompts.
 compressors pool raw token windows without looking at ``attention_mask`` (and number compressed
 positions from 0 per row), so left-padded batches would be wrong; equal-length prompts need no padding.
 
+With ``prefix_share`` F > 0, every prompt (warm-up and timed) starts with the same ``prefix_len`` =
+round(F * input_len) random tokens (seeded; at most ``input_len - 1``), the rest random per prompt. The warm-up's
+prompts put the prefix in the prefix cache, so the timed run measures prefix hits.
+
 Per request the engine run records the time of its first token (TTFT, by stepping the engine and
 watching ``output_token_ids`` after each step) and of its last; TPOT is (last - first) / (tokens - 1).
+It also records the prompt tokens each request took from the prefix cache (``RequestOutput.num_cached_tokens``)
+and the prompt tokens it computed (from where its latest admission started: ``Request.sliding_floor``, so the
+replay that rebuilds the sliding window after a hit counts as computed).
 HF's times come from a logits processor that notes when each of its decoding steps starts sampling.
 """
 
@@ -34,8 +41,10 @@ from deepinfer_core.checkpoint import plan_checkpoint
 from deepinfer_core.errors import MissingDependencyError
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer_core.models.resolve import resolve_model
+from deepinfer_core.sampling.noise import derive_seed
 
 Log = Callable[[str], None]
+PREFIX_STREAM = 1  # derive_seed sub-stream of the common prefix (the prompts use seed, seed + 1, ...)
 
 
 @dataclasses.dataclass
@@ -59,6 +68,7 @@ class BenchConfig:
     enable_mixed_chunk: bool = False
     async_scheduling: bool | None = None  # None: the backend's default
     seed: int = 0
+    prefix_share: float = 0.0  # share of each prompt that is one common prefix, in [0, 1)
     cache_dir: str | None = None
     preset_overrides: Mapping[str, Any] | None = None
     options: Mapping[str, Any] | None = None  # plugin feature options (``--option NAME=VALUE``)
@@ -75,6 +85,15 @@ class BenchConfig:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if self.model is not None and self.preset is not None:
             raise ValueError("give either a model folder or a preset, not both")
+        share = self.prefix_share
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share < 1:
+            raise ValueError(f"prefix_share must be a number in [0, 1) (the share of each prompt that is a common "
+                             f"prefix), got {share!r}")
+
+    @property
+    def prefix_len(self) -> int:
+        """Tokens of the common prefix: round(prefix_share * input_len), leaving each prompt one token of its own."""
+        return min(round(self.prefix_share * self.input_len), self.input_len - 1)
 
 
 @dataclasses.dataclass
@@ -86,6 +105,8 @@ class RunTimes:
     first_token: dict[str, float] = dataclasses.field(default_factory=dict)
     finished: dict[str, float] = dataclasses.field(default_factory=dict)
     outputs: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    cached_tokens: dict[str, int] = dataclasses.field(default_factory=dict)  # prompt tokens from the prefix cache
+    computed_prompt_tokens: dict[str, int] = dataclasses.field(default_factory=dict)  # prompt tokens computed
     steps: int = 0
     step_ends: list[float] = dataclasses.field(default_factory=list)  # the host clock as each engine step returned
     gc_pauses: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (generation, seconds)
@@ -125,7 +146,8 @@ def run_bench(config: BenchConfig, log: Log = lambda msg: None) -> dict[str, Any
     if quantized and config.compare_hf:
         raise ValueError(f"--compare-hf needs a bf16 / fp32 checkpoint; {folder} is quantized (fp8 / fp4), which "
                          "HF transformers does not read in this format: compare on the unquantized preset")
-    prompts = random_prompts(config.num_prompts, config.input_len, model_config.vocab_size, config.seed)
+    prefix = common_prefix(config.prefix_len, model_config.vocab_size, config.seed)
+    prompts = random_prompts(config.num_prompts, config.input_len, model_config.vocab_size, config.seed, prefix)
     engine, device, dtype = run_engine(folder, config, prompts, log)
     result: dict[str, Any] = {"config": describe(config, folder, device, dtype), "engine": engine["metrics"]}
     result["config"]["decode_graph_replays"] = engine["graph_replays"]["decode"]
@@ -150,7 +172,8 @@ def result_keys() -> dict[str, list[str]]:
         "result": ["config", "engine", "hf", "ratio", "agreement", "roofline"],
         "metrics": ["total_time_s", "num_requests", "prompt_tokens", "output_tokens", "output_throughput",
                     "total_throughput", "requests_per_s", "ttft_s", "tpot_s", "latency_s", "load_time_s", "steps",
-                    "step_times_s", "iteration_total_times_s", "iteration_first_token_s", "gc_pauses"],
+                    "step_times_s", "iteration_total_times_s", "iteration_first_token_s", "gc_pauses",
+                    "num_cached_tokens", "computed_prompt_tokens"],
     }
 
 
@@ -164,16 +187,25 @@ def model_folder(config: BenchConfig, log: Log) -> Path:
     return folder
 
 
-def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
-    """``count`` prompts of exactly ``length`` random token ids in ``[0, vocab_size)``."""
+def random_prompts(count: int, length: int, vocab_size: int, seed: int,
+                   prefix: Sequence[int] = ()) -> list[list[int]]:
+    """``count`` prompts of exactly ``length`` token ids: ``prefix``, then random ids in ``[0, vocab_size)``."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size, (count, length), generator=gen).tolist()
+    tails = torch.randint(0, vocab_size, (count, length - len(prefix)), generator=gen).tolist()
+    return [list(prefix) + tail for tail in tails]
+
+
+def common_prefix(length: int, vocab_size: int, seed: int) -> list[int]:
+    """The ``length`` random token ids every prompt of a run starts with (a seed stream apart from the prompts')."""
+    gen = torch.Generator().manual_seed(derive_seed(seed, PREFIX_STREAM) % 2**63)
+    return torch.randint(0, vocab_size, (length,), generator=gen).tolist()
 
 
 def describe(config: BenchConfig, folder: Path, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     """The run's settings and machine, for the JSON file and the table header."""
     fields = dataclasses.asdict(config)
     fields["preset_overrides"] = dict(config.preset_overrides or {}) or None
+    fields["prefix_len"] = config.prefix_len
     return {
         **fields,
         "model_folder": str(folder),
@@ -196,8 +228,10 @@ def _device_name(device: torch.device) -> str:
 
 
 def _roofline(model_config, dtype, device, metrics: Mapping[str, Any], config: BenchConfig, quantized):
+    """The run's roofline; with a prefix share the prefill floor counts the prompt tokens the side computed."""
+    prefill_tokens = metrics["computed_prompt_tokens"] if config.prefix_share else None
     return roofline(model_config, dtype, device, metrics["total_time_s"], config.num_prompts, config.input_len,
-                    config.output_len, min(config.max_num_seqs, config.num_prompts), quantized)
+                    config.output_len, min(config.max_num_seqs, config.num_prompts), quantized, prefill_tokens)
 
 
 # ------------------------------------------------------------------------------------------------ engine
@@ -216,15 +250,16 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
               async_scheduling=config.async_scheduling, **dict(config.options or {}))
     load_time = time.perf_counter() - t0
     device, dtype = llm.backend.device, llm.dtype
-    warm = random_prompts(len(prompts), len(prompts[0]), llm.model.vocab_size, config.seed + 1)
+    prefix = prompts[0][:config.prefix_len]
+    warm = random_prompts(len(prompts), len(prompts[0]), llm.model.vocab_size, config.seed + 1, prefix)
     for i in range(config.warmup):
         log(f"engine warmup {i + 1}/{config.warmup} ...")
         time_engine(llm, warm, config.output_len, f"warmup{i}")  # the timed run's shape: every graph it replays
     runs = []
-    for i in range(config.num_iters):  # run 0 takes the prompts HF gets; later runs fresh ones (no prefix hits)
+    for i in range(config.num_iters):  # run 0 takes the prompts HF gets; later runs fresh ones (hits: the prefix)
         log(f"engine: timed run {i + 1}/{config.num_iters} ...")
         run_prompts = prompts if i == 0 else random_prompts(len(prompts), len(prompts[0]),
-                                                            llm.model.vocab_size, config.seed + 1 + i)
+                                                            llm.model.vocab_size, config.seed + 1 + i, prefix)
         runs.append(time_engine(llm, run_prompts, config.output_len, f"bench{i or ''}"))
     totals = [max(run.finished.values()) - run.start for run in runs]
     median = sorted(range(len(runs)), key=totals.__getitem__)[len(runs) // 2]
@@ -256,8 +291,10 @@ def time_engine(llm, prompts: Sequence[Sequence[int]], output_len: int, tag: str
 
 
 def _step_to_the_end(engine, prompts: Sequence[Sequence[int]], params, tag: str, times: RunTimes) -> None:
+    first_request = {}
     for i, ids in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", None, list(ids), params)
+        first_request[f"{tag}-{i}"] = engine.groups[f"{tag}-{i}"][0]
     while engine.has_unfinished():
         finished = engine.step()
         now = time.perf_counter()
@@ -270,6 +307,15 @@ def _step_to_the_end(engine, prompts: Sequence[Sequence[int]], params, tag: str,
             times.first_token.setdefault(output.request_id, now)
             times.finished[output.request_id] = now
             times.outputs[output.request_id] = list(output.outputs[0].token_ids)
+            _note_prompt_work(times, output, first_request[output.request_id])
+
+
+def _note_prompt_work(times: RunTimes, output, request) -> None:
+    """A finished request's prompt tokens from the prefix cache, and those it computed from where its latest admission
+    started (the replay before a hit included)."""
+    prompt_len = len(output.prompt_token_ids)
+    times.cached_tokens[output.request_id] = output.num_cached_tokens
+    times.computed_prompt_tokens[output.request_id] = max(prompt_len - request.sliding_floor, 0)
 
 
 # ------------------------------------------------------------------------------------------------ HF
@@ -281,7 +327,8 @@ def run_hf(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int]], 
     model = _load_hf(hf_model_class(), folder, dtype, device)
     load_time = time.perf_counter() - t0
     batch = min(config.max_num_seqs, len(prompts))
-    warm = random_prompts(len(prompts), len(prompts[0]), model.config.vocab_size, config.seed + 1)
+    warm = random_prompts(len(prompts), len(prompts[0]), model.config.vocab_size, config.seed + 1,
+                          prompts[0][:config.prefix_len])
     for i in range(config.warmup):
         log(f"HF warmup {i + 1}/{config.warmup} ...")
         time_hf(model, warm, min(config.output_len, 4), batch, device)
@@ -358,9 +405,9 @@ def time_hf(model, prompts: Sequence[Sequence[int]], output_len: int, batch: int
 def summarize(times: RunTimes, prompt_lens: Sequence[int], load_time: float,
               iteration_totals: Sequence[float] | None = None,
               iteration_first_tokens: Sequence[float] | None = None) -> dict[str, Any]:
-    """Throughputs, per-request latency statistics and Python's collections of one timed run
+    """Throughputs, per-request latency statistics, prefix-cache use and Python's collections of one timed run
     (``iteration_totals`` / ``iteration_first_tokens``: the total time / first token of every timed run it was picked
-    from, default its own)."""
+    from, default its own). A side that records no prefix-cache use (HF) took none and computed every prompt token."""
     keys = sorted(times.finished)
     total = max(times.finished.values()) - times.start
     out_tokens = sum(len(times.outputs[k]) for k in keys)
@@ -379,6 +426,9 @@ def summarize(times: RunTimes, prompt_lens: Sequence[int], load_time: float,
         "gc_pauses": {"count": len(times.gc_pauses), "total_s": sum(s for _, s in times.gc_pauses),
                       "max_s": max((s for _, s in times.gc_pauses), default=0.0),
                       "full": sum(1 for generation, _ in times.gc_pauses if generation == 2)},
+        "num_cached_tokens": stats([times.cached_tokens.get(k, 0) for k in keys]),
+        "computed_prompt_tokens": (sum(times.computed_prompt_tokens.values()) if times.computed_prompt_tokens
+                                   else sum(prompt_lens)),
     }
 
 

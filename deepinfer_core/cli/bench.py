@@ -4,6 +4,7 @@ Examples::
 
     deepinfer bench --preset tiny --input-len 128 --output-len 64 --num-prompts 16 --max-num-seqs 16 --compare-hf
     deepinfer bench --model /path/to/checkpoint --json result.json
+    deepinfer bench --preset tiny --input-len 512 --prefix-share 0.75 --option enable_swa_replay=true
     deepinfer bench --preset v4-flash-8l64e --input-len 1024 --output-len 128 --num-prompts 64   # GPU only
 """
 
@@ -55,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="launch each step before reading the last one's tokens (default: the backend's, "
                              "on for NVIDIA, off on CPU)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and preset weights (default 0)")
+    parser.add_argument("--prefix-share", type=float, default=0.0, metavar="F",
+                        help="share of each prompt (0 <= F < 1) that is one common random prefix; the warm-up "
+                             "caches it, so the timed run measures prefix hits (default 0: no common prefix)")
     parser.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
     add_option_argument(parser)
 
@@ -79,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, backend=args.backend, dtype=args.dtype,
         compare_hf=args.compare_hf, warmup=args.warmup, num_iters=args.num_iters, enforce_eager=args.enforce_eager,
         prefill_graphs=args.prefill_graphs, enable_mixed_chunk=args.enable_mixed_chunk,
-        async_scheduling=args.async_scheduling, seed=args.seed, cache_dir=args.cache_dir, options=options,
+        async_scheduling=args.async_scheduling, seed=args.seed, prefix_share=args.prefix_share,
+        cache_dir=args.cache_dir, options=options,
     )
     try:
         result = run_bench(config, log=lambda msg: print(msg, file=sys.stderr, flush=True))
