@@ -76,7 +76,8 @@ def _install(make_distribution, monkeypatch, name: str, source: str) -> None:
 
 
 def _llm(folder, **kwargs) -> LLM:
-    return LLM(str(folder), block_size=8, max_num_seqs=4, enforce_eager=True, **kwargs)
+    kwargs.setdefault("enforce_eager", True)
+    return LLM(str(folder), block_size=8, max_num_seqs=4, **kwargs)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -116,10 +117,13 @@ class Steer(LogitsProcessor):
         return logits
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_a_processor_steers_one_request_and_leaves_its_neighbour_alone(ckpt, async_scheduling):
+@pytest.mark.parametrize("async_scheduling, graphs", [(False, False), (True, False), (True, True)])
+def test_a_processor_steers_one_request_and_leaves_its_neighbour_alone(ckpt, async_scheduling, graphs):
+    """Also on the static-shape decode path that device graphs replay (run eagerly on CPU with
+    ``cuda_graph_sizes``): a processor sees the logits the graph wrote."""
     steer = Steer()
-    llm = _llm(ckpt, logits_processors=[steer], async_scheduling=async_scheduling)
+    static = {"enforce_eager": False, "cuda_graph_sizes": [1, 2, 4]} if graphs else {}
+    llm = _llm(ckpt, logits_processors=[steer], async_scheduling=async_scheduling, **static)
     (alone,) = _tokens(llm)
     steered = SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=4, ignore_eos=True, extra_args={"force": 7})
     outputs = llm.generate([PROMPT, PROMPT], [GREEDY, steered], use_tqdm=False)
@@ -129,6 +133,8 @@ def test_a_processor_steers_one_request_and_leaves_its_neighbour_alone(ckpt, asy
     assert len(ids) == 2 and all(request_id.startswith(outputs[1].request_id) for request_id in ids)
     # needs_latest_tokens: the ids so far are complete even when steps overlap
     assert all(len(seen) == count for step in steer.seen for _, seen, count in step)
+    if graphs:
+        assert llm.engine.runner.decode_graphs.num_replays > 0
 
 
 def test_bad_words_are_never_completed(ckpt):
