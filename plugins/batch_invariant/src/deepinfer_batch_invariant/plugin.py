@@ -35,6 +35,7 @@ from deepinfer_batch_invariant import envs
 from deepinfer_core.engine_context import EngineContext
 from deepinfer_core.errors import UnsupportedBackendError
 from deepinfer_core.hookspecs import hookimpl
+from deepinfer_core.options import parse_flag as read_flag
 
 DEEPINFER_HOOK_API_VERSION = 1
 
@@ -45,10 +46,6 @@ SOURCE = "batch_invariant"
 SUPPORTED_BACKENDS = ("cpu", "nvidia_sm100")
 
 log = logging.getLogger("deepinfer.batch_invariant")
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
-
 
 @dataclasses.dataclass(frozen=True)
 class State:
@@ -78,12 +75,9 @@ def reset() -> None:
 def parse_flag(value: Any, name: str) -> bool:
     """An option's ``True`` / ``False`` from a bool, 0 / 1, or a string such as "1", "true", "off"; ValueError
     otherwise."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-        return value.strip().lower() in _TRUE
+    flag = read_flag(value)
+    if flag is not None:
+        return flag
     raise ValueError(f"{name} must be a boolean (true/false, 1/0), got {value!r}")
 
 

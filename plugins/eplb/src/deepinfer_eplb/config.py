@@ -12,13 +12,12 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from deepinfer_core.options import parse_flag as read_flag
 from deepinfer_eplb.errors import EplbConfigError
 
 ENABLE = "enable_eplb"
 CONFIG = "eplb_config"
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,10 +87,7 @@ def parse_config(raw: Any) -> EplbConfig:
 
 
 def _flag(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-        return value.strip().lower() in _TRUE
+    flag = read_flag(value)
+    if flag is not None:
+        return flag
     raise EplbConfigError(f"{ENABLE} must be a boolean (true/false, 1/0), got {value!r}")

@@ -24,6 +24,7 @@ from typing import Any
 from deepinfer_core.engine.prefix_replay import PrefixHit
 from deepinfer_core.engine_context import EngineContext
 from deepinfer_core.hookspecs import hookimpl
+from deepinfer_core.options import parse_flag as read_flag
 from deepinfer_swa_replay.errors import SwaReplayOptionError
 from deepinfer_swa_replay.policy import BoundedReplay
 from deepinfer_swa_replay.stats import ReplayStats
@@ -33,18 +34,11 @@ DEEPINFER_HOOK_API_VERSION = 1
 OPTION = "enable_swa_replay"
 KEY = "swa_replay"  # our entry-point name: the key of our state in context.plugin_state
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
-
 def parse_flag(value: Any) -> bool:
     """The option's value as a bool: a bool, 0 / 1, or "true" / "false" / "1" / "0" / "on" / "off" / "yes" / "no"."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-        return value.strip().lower() in _TRUE
+    flag = read_flag(value)
+    if flag is not None:
+        return flag
     raise SwaReplayOptionError(f"option {OPTION} must be a boolean (true/false, 1/0), got {value!r}")
 
 
