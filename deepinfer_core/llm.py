@@ -158,6 +158,7 @@ class LLM:
             wanted = slots + cost.per_block * num_slots * -(-self.max_model_len // block_size)
             cap = _CPU_DEFAULT_BUDGET if self.backend.device.type == "cpu" else int(free * fraction)
             budget = min(wanted, cap, int(free * fraction))
+            self._check_one_full_sequence(budget, slots, cost.per_block, block_size, num_slots)
         if cost.per_block == 0:  # no paged state (sliding-window layers only): blocks only count tokens
             if budget < slots:
                 raise ValueError(f"kv_cache_memory_bytes={budget} cannot hold {num_slots} sequence slots "
@@ -169,6 +170,19 @@ class LLM:
                 f"kv_cache_memory_bytes={budget} cannot hold {num_slots} sequence slots ({slots} bytes) plus one "
                 f"{cost.per_block}-byte state block; raise it or lower max_num_seqs")
         return int(num_blocks)
+
+    def _check_one_full_sequence(self, budget: int, slots: int, per_block: int, block_size: int,
+                                 num_slots: int) -> None:
+        """Refuse at start-up a device budget that cannot hold the slots plus one ``max_model_len`` sequence."""
+        blocks = -(-self.max_model_len // block_size)
+        needed = slots + per_block * blocks  # bytes
+        if budget >= needed:
+            return
+        raise ValueError(
+            f"max_model_len={self.max_model_len} needs {needed / 2**30:.2f} GiB of model state ({blocks} blocks of "
+            f"{per_block} bytes, {per_block / block_size:.0f} bytes per token, plus {slots} bytes of slots for "
+            f"{num_slots} sequences) but the state budget on {self.backend.device} is {budget / 2**30:.2f} GiB; "
+            "lower max_model_len or max_num_seqs, raise gpu_memory_utilization, or pass kv_cache_memory_bytes")
 
     # ------------------------------------------------------------------ generation
     def generate(

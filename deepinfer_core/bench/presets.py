@@ -13,6 +13,9 @@ Presets:
   about 5 M parameters), random weights. Fine on CPU.
 * ``v4-flash-8l64e``: DeepSeek-V4-Flash per-layer shapes with 8 layers and 64 experts (15.08 B parameters,
   30 GB in bf16). GPU only; never create it in tests.
+* ``v4-flash-8l64e-1m``: the same shapes with V4-Flash's position range (1,048,576) and RoPE: plain RoPE (theta
+  10,000) in sliding layers, yarn (theta 160,000, factor 16 over 65,536 original positions, beta 32 / 1,
+  attention factor 1.0) in compressed ones. ``v4-flash-8l64e`` keeps 65,536 positions and plain RoPE.
 * ``v4-flash-8l64e-fp4``: the same weights written through ``deepinfer quantize --experts fp4 --linear fp8``
   (MXFP4 experts, fp8 128 x 128 blocks with ue8m0 scales; 10.1 GB), like for like with the bf16 preset.
 * ``v4-flash-20l-fp4``: V4-Flash's 256 routed experts and per-layer shapes with 20 layers, written quantized as
@@ -133,6 +136,22 @@ def _flash_8l64e_config() -> dict[str, Any]:
     return config
 
 
+# V4-Flash's position range and RoPE (its config.json's ``rope_scaling``; HF transformers' DeepseekV4Config applies
+# the yarn part to the compressed layers only, with attention_factor 1.0; sliding layers keep plain RoPE).
+FLASH_MAX_POSITIONS = 1_048_576
+FLASH_COMPRESS_ROPE = {"rope_type": "yarn", "rope_theta": 160000.0, "partial_rotary_factor": 64 / 512, "factor": 16,
+                       "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1,
+                       "attention_factor": 1.0}
+
+
+def _flash_8l64e_1m_config() -> dict[str, Any]:
+    """``v4-flash-8l64e-1m``: ``v4-flash-8l64e`` with V4-Flash's 1,048,576 positions and yarn-scaled RoPE."""
+    config = _flash_8l64e_config()
+    config["max_position_embeddings"] = FLASH_MAX_POSITIONS
+    config["rope_parameters"]["compress"] = dict(FLASH_COMPRESS_ROPE)
+    return config
+
+
 def _flash_20l_config() -> dict[str, Any]:
     """``v4-flash-20l-fp4``: V4-Flash per-layer shapes and its 256 routed experts, 20 layers (3 hash-routed)."""
     config = _flash_8l64e_config()
@@ -147,6 +166,8 @@ PRESETS: dict[str, Preset] = {
     "tiny": Preset("tiny", "the embedded default model's shape (~5 M params), random weights", _tiny_config()),
     "v4-flash-8l64e": Preset("v4-flash-8l64e", "V4-Flash layer shapes, 8 layers, 64 experts (15.08 B params, GPU)",
                              _flash_8l64e_config(), gpu_only=True),
+    "v4-flash-8l64e-1m": Preset("v4-flash-8l64e-1m", "v4-flash-8l64e with V4-Flash's 1,048,576 positions and "
+                                "yarn RoPE (GPU)", _flash_8l64e_1m_config(), gpu_only=True),
     "v4-flash-8l64e-fp4": Preset("v4-flash-8l64e-fp4", "v4-flash-8l64e with MXFP4 experts and fp8 linears (GPU)",
                                  _flash_8l64e_config(), gpu_only=True, quantize=FLASH_FP4),
     "v4-flash-20l-fp4": Preset("v4-flash-20l-fp4", "V4-Flash layer shapes, 20 layers, 256 experts, MXFP4 experts "

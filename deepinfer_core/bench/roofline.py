@@ -1,18 +1,19 @@
 """Roofline floors of an offline run (docs/performance.md, "The roofline").
 
-* decode floor per step = (weight bytes touched + state bytes read) / peak bandwidth, where weight bytes
-  touched = dense weights + shared experts + the expected unique routed experts of ``E`` with top-``k``
-  over ``B`` tokens (``E * (1 - (1 - k/E)^B)`` per MoE layer) + one embedding row per token + lm_head;
-* prefill floor = 2 * active parameters * tokens / peak FLOP/s (attention FLOPs left out, so the floor
-  is slightly optimistic for long prompts); the tokens are every prompt token, or the prompt tokens the run
-  computed when prompts hit the prefix cache (``prefill_tokens``: uncached tokens plus the replay before a hit).
+* decode floor per step = max((weight bytes touched + state bytes read) / peak bandwidth, FLOPs / peak FLOP/s),
+  where weight bytes touched = dense weights + shared experts + the expected unique routed experts of ``E`` with
+  top-``k`` over ``B`` tokens (``E * (1 - (1 - k/E)^B)`` per MoE layer) + one embedding row per token + lm_head,
+  and the state bytes are what attention reads at that context (:class:`AttentionShape`: the window, the top-k
+  CSA entries, every HCA entry, every indexer key, the compressor carries);
+* prefill floor per wave = max(FLOPs / peak FLOP/s, bytes / peak bandwidth): FLOPs = 2 * active parameters per
+  computed token + each query's attention, indexer and compressor FLOPs; bytes = the weights the wave's tokens
+  touch + the state it writes. The computed tokens are every prompt token, or the prompt tokens the run computed
+  when prompts hit the prefix cache (``prefill_tokens``: uncached tokens plus the replay before a hit; each prompt
+  then computes its last ``prefill_tokens / num_prompts`` positions).
 
 Quantized weights count the bytes actually stored: an fp8 weight 1 B per value plus its block scales, an MXFP4
 expert 0.5 B per value plus 1/32 B of ue8m0 scale (``quantized``: the checkpoint's ``CheckpointPlan.quantized``).
-
-State bytes read per sequence and step are approximated by the paged state of its context
-(``bytes_per_block / block_size`` per token) plus its slot state (sliding ring, compressor carry). Only
-devices with measured peak numbers get a fraction; anything else reports ``n/a``.
+Only devices with measured peak numbers get a fraction; anything else reports ``n/a``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Mapping
 import torch
 
 from deepinfer_core.models.deepseek_v4 import weights as v4_weights
-from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer_core.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from deepinfer_core.quant.tensors import QuantizedTensor
 
 
@@ -60,6 +61,134 @@ def unavailable_reason(device: torch.device | str) -> str:
     return f"n/a (no measured peak numbers for {name})"
 
 
+def _sum_min(n: int, cap: int) -> int:
+    """``sum(min(L, cap) for L in 1..n)``."""
+    if n <= cap:
+        return n * (n + 1) // 2
+    return cap * (cap + 1) // 2 + (n - cap) * cap
+
+
+def _sum_floor(n: int, m: int) -> int:
+    """``sum(L // m for L in 1..n)``: ``m`` values of each ``j < q = n // m``, then ``n - q*m + 1`` of ``q``."""
+    q, r = divmod(n, m)
+    return m * q * (q - 1) // 2 + q * (r + 1)
+
+
+def _sum_min_floor(n: int, m: int, k: int) -> int:
+    """``sum(min(k, L // m) for L in 1..n)``: ``L // m`` reaches ``k`` at ``L = k*m``."""
+    if n < k * m:
+        return _sum_floor(n, m)
+    return _sum_floor(k * m - 1, m) + k * (n - k * m + 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionShape:
+    """What attention, the indexer and the compressors compute and read per query, by layer type.
+
+    ``L`` below is a query's context: the tokens it may see, itself included (position ``t`` has ``L = t + 1``).
+    Keys per query: the window ``min(L, W)`` in every layer; CSA adds its top-k of the ``L // m_csa`` visible
+    compressed entries, ``min(index_topk, L // m_csa)``; HCA adds all ``L // m_hca`` visible entries.
+    """
+
+    sliding_layers: int
+    csa_layers: int
+    hca_layers: int
+    heads: int
+    head_dim: int  # one shared K == V head of this width (MQA)
+    window: int
+    csa_ratio: int
+    hca_ratio: int
+    index_topk: int
+    index_heads: int
+    index_dim: int
+    itemsize: int  # bytes per state element
+    csa_carry_bytes: int  # one CSA layer's carries (kv + gate, attention and indexer) of one sequence
+    hca_carry_bytes: int  # one HCA layer's carry of one sequence
+
+    @classmethod
+    def from_config(cls, config: DeepseekV4Config, dtype: torch.dtype, block_size: int) -> AttentionShape:
+        """The counts of ``config`` with its state stored in ``dtype``."""
+        from deepinfer_core.models.deepseek_v4.state import cache_groups
+
+        types = config.layer_types
+        carry = {g.name: g.bytes_per_unit(dtype) // len(g.layers) for g in cache_groups(config, block_size)
+                 if g.name.endswith(":carry")}
+        return cls(sliding_layers=types.count(SLIDING), csa_layers=types.count(CSA), hca_layers=types.count(HCA),
+                   heads=config.num_attention_heads, head_dim=config.head_dim, window=config.sliding_window,
+                   csa_ratio=config.compress_rates[CSA], hca_ratio=config.compress_rates[HCA],
+                   index_topk=config.index_topk, index_heads=config.index_n_heads, index_dim=config.index_head_dim,
+                   itemsize=torch.empty((), dtype=dtype).element_size(),
+                   csa_carry_bytes=carry.get(f"{CSA}:carry", 0), hca_carry_bytes=carry.get(f"{HCA}:carry", 0))
+
+    @property
+    def layers(self) -> int:
+        return self.sliding_layers + self.csa_layers + self.hca_layers
+
+    def _per_key(self) -> int:
+        """FLOPs per query and key: ``2 * heads * head_dim`` for the scores, as many for the values."""
+        return 4 * self.heads * self.head_dim
+
+    def _indexer_per_entry(self) -> int:
+        """Indexer FLOPs per query and compressed entry: every head's dot product, then the head-weighted sum."""
+        return 2 * self.index_heads * self.index_dim + 2 * self.index_heads
+
+    def compressor_flops_per_token(self) -> int:
+        """Pooling FLOPs per token (the projections are weights, in the active parameters): each entry is a
+        weighted sum of its window's rows, ``2 * span * width / ratio`` per token; CSA windows overlap
+        (span ``2 * m``) for the attention entry and the indexer key, HCA's do not (span ``m``)."""
+        csa = 4 * (self.head_dim + self.index_dim)  # 2 * (2 * m) * width / m
+        hca = 2 * self.head_dim  # 2 * m * width / m
+        return self.csa_layers * csa + self.hca_layers * hca
+
+    def query_flops(self, context: int) -> dict[str, int]:
+        """FLOPs of one query with ``context`` visible tokens, summed over the layers of each type."""
+        window = min(context, self.window)
+        csa_seen, hca_seen = context // self.csa_ratio, context // self.hca_ratio
+        return {
+            "sliding": self.sliding_layers * self._per_key() * window,
+            "csa": self.csa_layers * self._per_key() * (window + min(self.index_topk, csa_seen)),
+            "hca": self.hca_layers * self._per_key() * (window + hca_seen),
+            "indexer": self.csa_layers * self._indexer_per_entry() * csa_seen,
+            "compressor": self.compressor_flops_per_token(),
+        }
+
+    def prefill_flops(self, end: int, start: int = 0) -> int:
+        """Attention, indexer and compressor FLOPs of the queries at contexts ``start + 1 .. end`` (positions
+        ``start .. end - 1`` of one prompt), from closed forms of the per-query counts."""
+        def window(n: int) -> int:
+            return _sum_min(n, self.window)
+
+        def total(n: int) -> int:
+            csa_keys = window(n) + _sum_min_floor(n, self.csa_ratio, self.index_topk)
+            hca_keys = window(n) + _sum_floor(n, self.hca_ratio)
+            keys = self.sliding_layers * window(n) + self.csa_layers * csa_keys + self.hca_layers * hca_keys
+            indexer = self.csa_layers * self._indexer_per_entry() * _sum_floor(n, self.csa_ratio)
+            return self._per_key() * keys + indexer + self.compressor_flops_per_token() * n
+
+        return total(end) - total(start)
+
+    def state_bytes(self, context: int) -> dict[str, float]:
+        """State bytes one decode step of one sequence reads at ``context`` visible tokens, by layer type:
+        every layer's window rows; CSA's selected entries, every visible indexer key and its carries; every
+        visible HCA entry and its carry."""
+        window_row, seen = min(context, self.window) * self.head_dim, context // self.csa_ratio
+        csa = window_row + min(self.index_topk, seen) * self.head_dim + seen * self.index_dim
+        hca = window_row + context // self.hca_ratio * self.head_dim
+        return {
+            "sliding": self.sliding_layers * window_row * self.itemsize,
+            "csa": self.csa_layers * (csa * self.itemsize + self._carry(self.csa_carry_bytes, 2 * self.csa_ratio,
+                                                                         self.csa_ratio)),
+            "hca": self.hca_layers * (hca * self.itemsize + self._carry(self.hca_carry_bytes, self.hca_ratio,
+                                                                         self.hca_ratio)),
+        }
+
+    @staticmethod
+    def _carry(carry_bytes: int, span: int, ratio: int) -> float:
+        """Carry bytes per step: the row the step writes, plus the ``span`` rows pooled once every ``ratio``
+        steps (amortised)."""
+        return carry_bytes / span + carry_bytes / ratio
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelBytes:
     """Byte and parameter counts of a model that the floors need."""
@@ -75,6 +204,7 @@ class ModelBytes:
     active_params: int  # parameters one token multiplies through (no embedding)
     state_bytes_per_token: float  # paged state per context token
     state_bytes_per_seq: int  # slot state per running sequence
+    attention: AttentionShape  # per-query attention FLOPs and state reads
 
     def unique_experts(self, batch: int) -> float:
         """Expected distinct routed experts touched per MoE layer by ``batch`` tokens."""
@@ -116,6 +246,7 @@ def model_bytes(config: DeepseekV4Config, dtype: torch.dtype, block_size: int | 
         + config.num_experts_per_tok * expert_params * moe_layers,
         state_bytes_per_token=DeepseekV4State.bytes_per_block(config, block, dtype) / block,
         state_bytes_per_seq=DeepseekV4State.bytes_per_slot(config, block, dtype),
+        attention=AttentionShape.from_config(config, dtype, block),
     )
 
 
@@ -139,16 +270,34 @@ def run_floor(mb: ModelBytes, peak: DevicePeak, num_prompts: int, input_len: int
     decode step of the whole wave. ``prefill_tokens``: the prompt tokens computed (default all of them).
     """
     computed = num_prompts * input_len if prefill_tokens is None else prefill_tokens
-    prefill = 2 * mb.active_params * computed / peak.flops  # linear in tokens: the waves' sum
-    decode = 0.0
+    per_prompt = min(input_len, round(computed / max(num_prompts, 1)))  # each prompt computes its last positions
+    prefill = decode = 0.0
     for start in range(0, num_prompts, batch):
         wave = min(batch, num_prompts - start)
-        for step in range(1, output_len):
-            context = input_len + step
-            state = wave * (context * mb.state_bytes_per_token + mb.state_bytes_per_seq)
-            decode += (mb.weight_bytes_touched(wave) + state) / peak.bandwidth
+        prefill += prefill_wave_floor(mb, peak, wave, input_len, per_prompt)
+        decode += sum(decode_step_floor(mb, peak, wave, input_len + step) for step in range(1, output_len))
     return {"prefill_floor_s": prefill, "decode_floor_s": decode, "floor_s": prefill + decode,
             "prefill_tokens": computed}
+
+
+def prefill_wave_floor(mb: ModelBytes, peak: DevicePeak, wave: int, input_len: int, computed: int) -> float:
+    """Seconds of one wave's prefill: ``wave`` prompts of ``input_len`` tokens computing their last ``computed``.
+
+    FLOPs: 2 x active parameters per token + every query's attention, indexer and compressor FLOPs. Bytes: the
+    weights the wave's tokens touch once + the state the prompts write (paged per token, plus each slot).
+    """
+    tokens = wave * computed
+    flops = 2 * mb.active_params * tokens + wave * mb.attention.prefill_flops(input_len, input_len - computed)
+    state = wave * (computed * mb.state_bytes_per_token + mb.state_bytes_per_seq)
+    return max(flops / peak.flops, (mb.weight_bytes_touched(tokens) + state) / peak.bandwidth)
+
+
+def decode_step_floor(mb: ModelBytes, peak: DevicePeak, wave: int, context: int) -> float:
+    """Seconds of one decode step of ``wave`` sequences whose query sees ``context`` tokens: the step's bytes
+    (weights touched + each sequence's state reads) over bandwidth, or its FLOPs over peak FLOP/s if larger."""
+    state = wave * sum(mb.attention.state_bytes(context).values())
+    flops = wave * (2 * mb.active_params + sum(mb.attention.query_flops(context).values()))
+    return max((mb.weight_bytes_touched(wave) + state) / peak.bandwidth, flops / peak.flops)
 
 
 def roofline(config: DeepseekV4Config, dtype: torch.dtype, device: torch.device | str, measured_s: float,
