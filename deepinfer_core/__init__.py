@@ -19,7 +19,12 @@ def __getattr__(name: str):
         from deepinfer_core.sampling.params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from deepinfer_core.sampling.structured_outputs import StructuredOutputsParams
+
+        return StructuredOutputsParams
     raise AttributeError(f"module 'deepinfer_core' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "StructuredOutputsParams",
+           "__version__"]

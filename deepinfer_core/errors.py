@@ -17,6 +17,8 @@ next to the code that raises it:
 * ``deepinfer_core.models.deepseek_v4.config.ConfigError`` (ValueError): a config.json this engine cannot run;
 * ``deepinfer_core.ops.table.UnknownOpError`` (KeyError): an op override naming no op of the table;
 * ``deepinfer_core.sampling.params.SamplingParamsTypeError`` (TypeError, ValueError): a wrongly typed parameter;
+* ``deepinfer_core.sampling.structured_outputs.StructuredOutputsError`` (ValueError): a ``StructuredOutputsParams``
+  without exactly one well-formed constraint;
 * ``deepinfer_core.engine.engine.RequestRejectedError`` (ValueError): a request the engine refuses;
 * ``deepinfer_core.engine_args.EngineArgsError`` (ValueError): an engine argument with a value it cannot take;
 * ``deepinfer_core.sampling.logits_processor.LogitsProcessorError`` (RuntimeError): a logits processor that raised

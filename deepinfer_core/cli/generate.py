@@ -6,6 +6,8 @@ Examples::
     deepinfer generate --model ./ckpt --max-tokens 32 --temperature 0 "first prompt" "second prompt"
     deepinfer generate --chat --n 2 --stop "return" "Write a function that adds two numbers"
     deepinfer generate --json "def f(x):" | jq '.[0].outputs[0].text'
+    deepinfer generate --json-schema person.json "A person:"      # structured output (deepinfer[structured-output])
+    deepinfer generate --choice yes,no "Is water wet?"
 
 Sampling defaults (temperature, top-p, top-k) come from the checkpoint's ``generation_config.json`` when it
 has them, else from ``SamplingParams``; the flags override both. On a terminal the completions stream as they are
@@ -51,6 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", type=int, default=1, help="completions per prompt (default 1)")
     parser.add_argument("--stop", action="append", metavar="STR",
                         help="stop string; repeat the flag for several")
+    constraint = parser.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", metavar="FILE",
+                            help="constrain the output to JSON satisfying the JSON schema in FILE (needs the "
+                                 "deepinfer-structured-output plugin)")
+    constraint.add_argument("--regex", metavar="R", help="constrain the output to match the regular expression R")
+    constraint.add_argument("--choice", metavar="A,B",
+                            help="constrain the output to one of the comma-separated strings")
     parser.add_argument("--chat", action="store_true",
                         help="treat each prompt as a user message and apply the model's chat template")
     parser.add_argument("--json", action="store_true", help="print RequestOutput-like JSON (one object per prompt)")
@@ -131,8 +140,26 @@ def _check_sampling_flags(args: argparse.Namespace) -> None:
 def _explicit_params(args: argparse.Namespace) -> dict[str, Any]:
     """SamplingParams keyword arguments given on the command line."""
     values = {"n": args.n, "max_tokens": args.max_tokens, "stop": args.stop,
-              "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+              "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+              "structured_outputs": _structured_outputs(args)}
     return {k: v for k, v in values.items() if v is not None}
+
+
+def _structured_outputs(args: argparse.Namespace):
+    """The ``StructuredOutputsParams`` of ``--json-schema`` / ``--regex`` / ``--choice``, or None."""
+    from deepinfer_core.sampling.structured_outputs import StructuredOutputsParams
+
+    if getattr(args, "json_schema", None) is not None:
+        try:
+            text = Path(args.json_schema).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"--json-schema {args.json_schema}: {exc.strerror or exc}") from None
+        return StructuredOutputsParams(json=text)
+    if getattr(args, "regex", None) is not None:
+        return StructuredOutputsParams(regex=args.regex)
+    if getattr(args, "choice", None) is not None:
+        return StructuredOutputsParams(choice=[c for c in args.choice.split(",") if c])
+    return None
 
 
 def generation_defaults(model_dir: str | Path) -> dict[str, Any]:

@@ -21,9 +21,10 @@ from deepinfer_core.models.interface import CausalLM
 from deepinfer_core.outputs import RequestOutput
 from deepinfer_core.plugins import call_hook
 from deepinfer_core.sampling.bad_words import tokenize_bad_words
-from deepinfer_core.sampling.logits_processor import applies_to, needs_latest_tokens
+from deepinfer_core.sampling.logits_processor import applies_to, needs_latest_tokens, processor_name, validate_params
 from deepinfer_core.sampling.noise import derive_seed
 from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_core.sampling.structured_outputs import PLUGIN_HINT
 
 logger = logging.getLogger("deepinfer")
 
@@ -125,12 +126,29 @@ class Engine:
             if outside:
                 raise RequestRejectedError(f"{name} has token ids {outside[:5]} outside the vocabulary "
                                            f"[0, {self.vocab_size})")
+        self._validate_processors(params)
         longest = min(len(token_ids) + (params.max_tokens or self.config.max_model_len), self.config.max_model_len)
         blocks = -(-longest // self.config.block_size)
         if blocks > self.config.num_blocks:
             raise RequestRejectedError(
                 f"a sequence of {longest} tokens needs {blocks} state blocks but the memory budget holds "
                 f"{self.config.num_blocks}; raise kv_cache_memory_bytes or lower max_tokens / max_model_len")
+
+    def _validate_processors(self, params: SamplingParams) -> None:
+        """Let each logits processor that applies to ``params`` refuse it (``validate_params``); refuse
+        ``structured_outputs`` that no processor applies (one that says so with ``applies_structured_outputs``)."""
+        applying = [p for p in self.logits_processors if applies_to(p, params)]
+        if params.structured_outputs is not None and not any(
+                getattr(p, "applies_structured_outputs", False) for p in applying):
+            raise RequestRejectedError(PLUGIN_HINT)
+        for processor in applying:
+            try:
+                validate_params(processor, params)
+            except (ValueError, TypeError) as exc:
+                raise RequestRejectedError(str(exc)) from exc
+            except Exception as exc:  # a processor's bug refuses this request, named
+                raise RequestRejectedError(f"logits processor {processor_name(processor)} raised "
+                                           f"{type(exc).__name__} validating the request: {exc}") from exc
 
     def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
         """``params.bad_words`` tokenized with the engine's tokenizer (``sampling/bad_words.py``)."""

@@ -10,6 +10,7 @@ from deepinfer_core.sampling.sampler import (
     request_seed,
     sample,
 )
+from deepinfer_core.sampling.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LogitsProcessor",
@@ -19,6 +20,7 @@ __all__ = [
     "SamplerOutput",
     "SamplingMetadata",
     "SamplingParams",
+    "StructuredOutputsParams",
     "compute_prompt_logprobs",
     "request_seed",
     "sample",

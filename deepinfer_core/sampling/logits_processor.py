@@ -17,6 +17,12 @@ defaults; a plain function gets them too):
   on the device when the next step is planned, so ``LogitsRow.output_token_ids`` lacks it (``num_output_tokens``
   counts it). ``True`` makes the engine read that token first for the requests the processor applies to, as it does
   for penalties: ``output_token_ids`` is then complete, at the cost of the overlap for those steps.
+* ``validate_params(params)``: called when the engine takes a request the processor applies to; raising
+  ``ValueError`` / ``TypeError`` refuses that request alone (``RequestRejectedError`` with the message), where a
+  processor that raised in a step would fail the whole step (vLLM's ``validate_params``).
+* ``applies_structured_outputs``: True on a processor that enforces ``SamplingParams.structured_outputs`` (the
+  ``deepinfer-structured-output`` plugin's); the engine refuses a request with ``structured_outputs`` that no such
+  processor applies to, rather than ignore the constraint.
 """
 
 from __future__ import annotations
@@ -65,7 +71,8 @@ class LogitsProcessorLike(Protocol):
 class LogitsProcessor:
     """Base class for logits processors (optional: any callable with the same signature works).
 
-    Subclasses implement ``__call__`` and may override ``applies_to`` and ``needs_latest_tokens``.
+    Subclasses implement ``__call__`` and may override ``applies_to``, ``validate_params`` and
+    ``needs_latest_tokens``.
     """
 
     needs_latest_tokens: bool = False
@@ -74,6 +81,11 @@ class LogitsProcessor:
         """Whether this processor changes the logits of a request with ``params`` (default: every request)."""
         del params
         return True
+
+    def validate_params(self, params: SamplingParams) -> None:
+        """Raise ``ValueError`` to refuse a request this processor applies to when the engine takes it (default:
+        accept)."""
+        del params
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[LogitsRow]) -> torch.Tensor:
         """The processed logits ``[len(rows), vocab]``."""
@@ -90,6 +102,13 @@ def applies_to(processor: Callable, params: SamplingParams) -> bool:
     """``processor.applies_to(params)``, or True for a processor without that method."""
     check = getattr(processor, "applies_to", None)
     return True if check is None else bool(check(params))
+
+
+def validate_params(processor: Callable, params: SamplingParams) -> None:
+    """``processor.validate_params(params)`` if it has that method (raises to refuse the request)."""
+    check = getattr(processor, "validate_params", None)
+    if check is not None:
+        check(params)
 
 
 def needs_latest_tokens(processor: Callable) -> bool:
@@ -161,4 +180,5 @@ __all__ = [
     "apply_logits_processors",
     "check_processors",
     "needs_latest_tokens",
+    "validate_params",
 ]

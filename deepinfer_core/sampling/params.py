@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from deepinfer_core.errors import DeepInferError
+from deepinfer_core.sampling.structured_outputs import StructuredOutputsParams
 
 _UNSET: Any = object()
 
@@ -86,6 +87,9 @@ class SamplingParams:
             and without a leading space, as vLLM does.
         extra_args: free-form JSON-like values for plugins and logits processors (str keys), or None; the core
             never reads it.
+        structured_outputs: a ``StructuredOutputsParams`` (or a dict of its fields) constraining the output to a
+            JSON schema, regex, choice or grammar, or None. A logits processor applies it (the
+            ``deepinfer-structured-output`` plugin); an engine without one refuses the request.
     """
 
     n: int = 1
@@ -112,6 +116,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     extra_args: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __init__(
         self,
@@ -141,6 +146,7 @@ class SamplingParams:
         allowed_token_ids: Sequence[int] | None = None,
         bad_words: Sequence[str] | None = None,
         extra_args: Mapping[str, Any] | None = None,
+        structured_outputs: StructuredOutputsParams | Mapping[str, Any] | None = None,
     ) -> None:
         self.n = n
         self.temperature = temperature
@@ -166,6 +172,7 @@ class SamplingParams:
         self.allowed_token_ids = _normalise_allowed_token_ids(allowed_token_ids)
         self.bad_words = _normalise_bad_words(bad_words)
         self.extra_args = _normalise_extra_args(extra_args)
+        self.structured_outputs = StructuredOutputsParams.coerce(structured_outputs)
         self._validate()
         self._normalise()
 
