@@ -19,7 +19,7 @@ next to the code that raises it:
 * ``deepinfer_core.sampling.params.SamplingParamsTypeError`` (TypeError, ValueError): a wrongly typed parameter;
 * ``deepinfer_core.sampling.structured_outputs.StructuredOutputsError`` (ValueError): a ``StructuredOutputsParams``
   without exactly one well-formed constraint;
-* ``deepinfer_core.engine.engine.RequestRejectedError`` (ValueError): a request the engine refuses;
+* ``deepinfer_core.engine.input_processor.RequestRejectedError`` (ValueError): a request the engine refuses;
 * ``deepinfer_core.engine_args.EngineArgsError`` (ValueError): an engine argument with a value it cannot take;
 * ``deepinfer_core.sampling.logits_processor.LogitsProcessorError`` (RuntimeError): a logits processor that raised
   or returned logits of the wrong shape;

@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from deepinfer_core.engine.decode_graphs import DecodeGraphs
+from deepinfer_core.engine.input_processor import InputProcessor, RequestRejectedError
 from deepinfer_core.engine.model_runner import LaunchedStep, ModelRunner
 from deepinfer_core.engine.output_processor import OutputProcessor
 from deepinfer_core.engine.prefill_graphs import PrefillGraphs
@@ -16,21 +17,13 @@ from deepinfer_core.engine.request import Request, RequestStatus
 from deepinfer_core.engine.scheduler import FcfsScheduler, Scheduler, SchedulerOutput
 from deepinfer_core.engine.state_manager import StateManager
 from deepinfer_core.engine_context import EngineContext
-from deepinfer_core.errors import DeepInferError
 from deepinfer_core.models.interface import CausalLM
 from deepinfer_core.outputs import RequestOutput
 from deepinfer_core.plugins import call_hook
-from deepinfer_core.sampling.bad_words import tokenize_bad_words
-from deepinfer_core.sampling.logits_processor import applies_to, needs_latest_tokens, processor_name, validate_params
 from deepinfer_core.sampling.noise import derive_seed
 from deepinfer_core.sampling.params import SamplingParams
-from deepinfer_core.sampling.structured_outputs import PLUGIN_HINT
 
 logger = logging.getLogger("deepinfer")
-
-
-class RequestRejectedError(DeepInferError, ValueError):
-    """A request the engine refuses before running it (too long, empty, bad token ids)."""
 
 
 @dataclasses.dataclass
@@ -82,6 +75,8 @@ class Engine:
             self.eos_token_id, replay, config.enable_mixed_chunk)
         self.runner = ModelRunner(model, state, self.eos_token_id, decode_graphs, prefill_graphs,
                                   self.logits_processors)
+        self.input_processor = InputProcessor(config.max_model_len, config.block_size, config.num_blocks,
+                                              self.vocab_size, tokenizer, self.logits_processors)
         self.output_processor = OutputProcessor(tokenizer)
         self._arrivals = itertools.count()
         self._unseeded = itertools.count()
@@ -96,73 +91,18 @@ class Engine:
     def add_request(self, group_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:
         """Queue ``params.n`` completions of a prompt; raises RequestRejectedError for bad requests."""
-        self._validate(prompt_token_ids, params)
-        bad_words = self._bad_words_token_ids(params)
-        needs_host_tokens = (params.uses_penalties or any(len(word) > 1 for word in bad_words)
-                             or any(needs_latest_tokens(p) and applies_to(p, params) for p in self.logits_processors))
+        prepared = self.input_processor.prepare(prompt_token_ids, params)
         base_seed = params.seed if params.seed is not None else derive_seed(self.config.seed, next(self._unseeded))
         requests = [
             Request(request_id=f"{group_id}-{index}", group_id=group_id, sample_index=index,
                     prompt_token_ids=list(prompt_token_ids), params=params, seed=derive_seed(base_seed, index),
-                    arrival=next(self._arrivals), bad_words_token_ids=bad_words, needs_host_tokens=needs_host_tokens)
+                    arrival=next(self._arrivals), bad_words_token_ids=prepared.bad_words_token_ids,
+                    needs_host_tokens=prepared.needs_host_tokens)
             for index in range(params.n)
         ]
         self.output_processor.add_group(group_id, prompt, list(prompt_token_ids), requests)
         for request in requests:
             self.scheduler.add(request)
-
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise RequestRejectedError("the prompt is empty; give at least one token")
-        if len(token_ids) > self.config.max_model_len:
-            raise RequestRejectedError(
-                f"the prompt has {len(token_ids)} tokens, longer than max_model_len={self.config.max_model_len}; "
-                "shorten the prompt or raise max_model_len")
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestRejectedError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
-            outside = sorted(t for t in ids if t >= self.vocab_size)
-            if outside:
-                raise RequestRejectedError(f"{name} has token ids {outside[:5]} outside the vocabulary "
-                                           f"[0, {self.vocab_size})")
-        self._validate_processors(params)
-        longest = min(len(token_ids) + (params.max_tokens or self.config.max_model_len), self.config.max_model_len)
-        blocks = -(-longest // self.config.block_size)
-        if blocks > self.config.num_blocks:
-            raise RequestRejectedError(
-                f"a sequence of {longest} tokens needs {blocks} state blocks but the memory budget holds "
-                f"{self.config.num_blocks}; raise kv_cache_memory_bytes or lower max_tokens / max_model_len")
-
-    def _validate_processors(self, params: SamplingParams) -> None:
-        """Let each logits processor that applies to ``params`` refuse it (``validate_params``); refuse
-        ``structured_outputs`` that no processor applies (one that says so with ``applies_structured_outputs``)."""
-        applying = [p for p in self.logits_processors if applies_to(p, params)]
-        if params.structured_outputs is not None and not any(
-                getattr(p, "applies_structured_outputs", False) for p in applying):
-            raise RequestRejectedError(PLUGIN_HINT)
-        for processor in applying:
-            try:
-                validate_params(processor, params)
-            except (ValueError, TypeError) as exc:
-                raise RequestRejectedError(str(exc)) from exc
-            except Exception as exc:  # a processor's bug refuses this request, named
-                raise RequestRejectedError(f"logits processor {processor_name(processor)} raised "
-                                           f"{type(exc).__name__} validating the request: {exc}") from exc
-
-    def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
-        """``params.bad_words`` tokenized with the engine's tokenizer (``sampling/bad_words.py``)."""
-        if not params.bad_words:
-            return []
-        if self.tokenizer is None:
-            raise RequestRejectedError("bad_words need a tokenizer, and this engine has none; ban token ids with "
-                                       "allowed_token_ids or logit_bias instead")
-        words = tokenize_bad_words(params.bad_words, lambda text: self.tokenizer.encode(text, add_special_tokens=False))
-        outside = sorted({t for word in words for t in word if t >= self.vocab_size})
-        if outside:
-            raise RequestRejectedError(f"bad_words {params.bad_words!r} tokenize to ids {outside[:5]} outside the "
-                                       f"model's vocabulary [0, {self.vocab_size})")
-        return words
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None

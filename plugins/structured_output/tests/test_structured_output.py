@@ -10,7 +10,7 @@ import re
 import pytest
 
 from deepinfer_core import LLM, SamplingParams, StructuredOutputsParams
-from deepinfer_core.engine.engine import Engine, RequestRejectedError
+from deepinfer_core.engine.input_processor import InputProcessor, RequestRejectedError
 from deepinfer_core.plugins import get_plugin_manager
 
 PROMPTS = ["hello", "def f(x):"]
@@ -155,7 +155,9 @@ def test_without_a_processor_the_engine_refuses_structured_outputs():
         def __call__(self, logits, rows):
             return logits
 
-    stub = type("EngineStub", (), {"logits_processors": [Everything()]})()
+    checks = InputProcessor(max_model_len=64, block_size=16, num_blocks=8, vocab_size=100, tokenizer=None,
+                            logits_processors=[Everything()])
     params = SamplingParams(structured_outputs={"regex": "a+"})
     with pytest.raises(RequestRejectedError, match="deepinfer-structured-output plugin: pip install"):
-        Engine._validate_processors(stub, params)
+        checks.prepare([1, 2, 3], params)
+    assert checks.prepare([1, 2, 3], SamplingParams()).needs_host_tokens is False
