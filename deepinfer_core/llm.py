@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import operator
 import os
@@ -23,7 +22,7 @@ from deepinfer_core.engine.prefill_graphs import BUCKETS, PrefillGraphs
 from deepinfer_core.engine_args import EngineArgs
 from deepinfer_core.engine_context import EngineContext
 from deepinfer_core.models.interface import StaticStepModel
-from deepinfer_core.models.registry import default_registry
+from deepinfer_core.models.registry import default_registry, read_model_config
 from deepinfer_core.models.resolve import resolve_model
 from deepinfer_core.outputs import RequestOutput
 from deepinfer_core.plugins import check_strict, configure_plugins, get_plugin_manager, plugin_logits_processors
@@ -79,7 +78,7 @@ class LLM:
         self.context = EngineContext(
             backend_name=self.backend.name, options=args.feature_options(), backend_reason=self.backend_choice.why,
             device=self.backend.device, dtype=self.dtype, model_dir=Path(self.model_dir),
-            model_config=_model_config(self.model_dir), tokenizer=self.tokenizer, args=args)
+            model_config=read_model_config(self.model_dir), tokenizer=self.tokenizer, args=args)
         configure_plugins(self.plugin_manager, context=self.context)
         registry = default_registry(self.plugin_manager, self.context)
         ops = self.backend.make_op_table(self.plugin_manager, self.context)
@@ -290,15 +289,6 @@ class LLM:
                     progress.update(1)
         if progress is not None:
             progress.close()
-
-
-def _model_config(model_dir: str | os.PathLike) -> dict[str, Any]:
-    """The checkpoint's config.json as plugins see it (``EngineContext.model_config``); empty if it cannot be read
-    (the model registry then says why)."""
-    try:
-        return json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
 
 
 def _token_ids(ids: Any) -> list[int]:

@@ -137,7 +137,7 @@ class Engine:
         scheduled = self._schedule()
         if scheduled is None:  # every running request ends with the tokens in flight
             return outputs + (self._update(self._take_in_flight()) if self._in_flight is not None else [])
-        previous, self._in_flight = self._in_flight, None
+        previous = self._in_flight
         self._in_flight = self._launch(scheduled, previous)
         self.num_overlapped_steps += previous is not None
         self.output_processor.catch_up_text()  # while the device computes

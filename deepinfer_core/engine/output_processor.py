@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from deepinfer_core.engine.detokenizer import SequenceDetokenizer
+from deepinfer_core.engine.detokenizer import SequenceDetokenizer, decode_token
 from deepinfer_core.engine.model_runner import ModelRunnerOutput
 from deepinfer_core.engine.request import Request
 from deepinfer_core.engine.stop import StopDecision
@@ -154,7 +154,7 @@ class OutputProcessor:
                 completion.prompt_logprobs = completion.prompt_logprobs_partial
 
     def _decode(self, token_id: int) -> str | None:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer is not None else None
+        return decode_token(self.tokenizer, token_id) if self.tokenizer is not None else None
 
 
 def _num_cached_prompt_tokens(group: GroupState) -> int:

@@ -58,6 +58,12 @@ class ModelRegistry:
 
 def read_model_type(folder: Path) -> str | None:
     """The ``model_type`` of ``folder``'s config.json (None when it has none)."""
+    return read_model_config(folder).get("model_type")
+
+
+def read_model_config(folder: Path) -> dict:
+    """``folder``'s config.json as a dict; ``UnknownModelTypeError`` without one, ``ConfigFileError`` naming the file
+    when it is not a JSON object."""
     path = Path(folder) / "config.json"
     try:
         config = json.loads(path.read_text())
@@ -67,7 +73,7 @@ def read_model_type(folder: Path) -> str | None:
         raise ConfigFileError(f"{path} is not valid JSON ({exc}); fix or re-download it") from None
     if not isinstance(config, dict):
         raise ConfigFileError(f"{path} holds a {type(config).__name__}, not a JSON object; fix or re-download it")
-    return config.get("model_type")
+    return config
 
 
 def default_registry(plugin_manager=None, context=None) -> ModelRegistry:
