@@ -480,9 +480,10 @@ def _size(nbytes: int) -> str:
 class DecoderLayer:
     """mHC around attention, then mHC around the MoE."""
 
-    def __init__(self, reg: ParameterRegistry, config: DeepseekV4Config, layer_idx: int):
+    def __init__(self, reg: ParameterRegistry, config: DeepseekV4Config, layer_idx: int, prefix: str | None = None):
+        """``prefix``: the checkpoint names' prefix (``layers.N`` by default; ``mtp.K`` for a draft layer's block)."""
         c = config
-        p = f"layers.{layer_idx}"
+        p = prefix or f"layers.{layer_idx}"
         hc, D = c.hc_mult, c.hidden_size
         self.config = c
         self.attn_norm = reg.add(f"{p}.attn_norm.weight", (D,))

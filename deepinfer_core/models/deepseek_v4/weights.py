@@ -13,7 +13,8 @@ schemes map onto them through :func:`canonical_name`:
   / ``layers.N.ffn.experts.down_proj``; :func:`fused_pieces` says how to cut them into the
   per-expert canonical tensors.
 
-``mtp.*`` tensors (multi-token-prediction draft layers) map to ``None``: the loader skips them.
+``mtp.*`` tensors (multi-token-prediction draft layers) map to ``None``: the target's loader skips them;
+``deepinfer_core.models.deepseek_v4.mtp`` reads them.
 """
 
 from __future__ import annotations
@@ -229,3 +230,16 @@ def _moe_specs(config: DeepseekV4Config, layer: int) -> dict[str, Spec]:
     specs["ffn.shared_experts.w3.weight"] = ((shared, D), WEIGHT)
     specs["ffn.shared_experts.w2.weight"] = ((D, shared), WEIGHT)
     return specs
+
+
+def hf_layer_tensors(state_dict, prefix: str, config: DeepseekV4Config):
+    """Yield ``(prefix + "." + DeepSeek suffix, tensor)`` for an HF ``DeepseekV4DecoderLayer``'s ``state_dict``
+    (in-memory names such as ``self_attn.q_a_proj.weight``; fused experts cut per expert). ``prefix``: ``layers.N``
+    or a draft layer's ``mtp.K``."""
+    for name, tensor in state_dict.items():
+        suffix = _layer_suffix(name)
+        if suffix in (FUSED_GATE_UP, FUSED_DOWN):
+            for piece, index in fused_pieces(f"{prefix}.{suffix}", config):
+                yield piece, tensor[index].squeeze(0)
+        else:
+            yield f"{prefix}.{suffix}", tensor

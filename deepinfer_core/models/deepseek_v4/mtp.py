@@ -1,0 +1,313 @@
+"""DeepSeek-V4 multi-token-prediction (MTP) draft layers: the checkpoint's ``mtp.K.*`` tensors, run as a drafter.
+
+One draft layer ``mtp.K`` (DeepSeek's names; vLLM ``deepseek_v4_mtp.py`` reads the same):
+
+=============================== ======================================================================
+``enorm.weight`` / ``hnorm``    RMSNorms of the next token's embedding and of the previous hidden streams
+``e_proj`` / ``h_proj``         ``[D, D]`` projections of each (V4 keeps them apart; V3 fused ``eh_proj``)
+block (``attn.*``, ``ffn.*``,   one decoder block, the target's own ``DecoderLayer`` code: a sliding-window
+``hc_attn_*``, ...)             layer (V4 configs list a trailing ``compress_ratios`` 0 for it) with a routed MoE
+``hc_head_*``, ``norm.weight``  the layer's own stream collapse and final norm
+``confidence_head.{weight,      optional (DeepSpec style): ``sigmoid(w . hidden + b)``, the chance the drafted
+bias}``                         token is accepted; absent, the draft's own probability of its token stands in
+=============================== ======================================================================
+
+The embedding and the vocabulary head are the target's (shared). The forward of draft row ``i`` (at position ``i``)::
+
+    e = e_proj(enorm(embed(t[i + 1])))            # zero at position 0, as vLLM masks it
+    streams = h_proj(hnorm(h[i])) + e             # h[i]: the target's last streams [hc, D] at position i
+    streams = block(streams)                      # the draft layer's own sliding-window KV over positions
+    logits = head(norm(hc_head(streams)))         # predicts t[i + 2]
+
+Drafting ``k`` tokens runs the layer ``k`` times: the first run folds the newly verified rows (target hidden
+states) into the draft's state and drafts ``d1`` from the last one; run ``j`` feeds the previous run's streams and
+``d(j-1)`` one position further. Speculative rows never stay in the draft's state: the sliding ring rows they
+overwrite are restored after drafting, so the draft's state only ever holds rows built from verified tokens and
+target hidden states, and a rejection needs no draft rollback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import torch
+
+from deepinfer_core.checkpoint import CheckpointError, list_shards, open_shard
+from deepinfer_core.forward_batch import ForwardBatch
+from deepinfer_core.models.deepseek_v4.config import SLIDING, DeepseekV4Config
+from deepinfer_core.models.deepseek_v4.layout import StepLayout
+from deepinfer_core.models.deepseek_v4.model import (
+    DecoderLayer,
+    DeepseekV4Model,
+    ParameterRegistry,
+    StepContext,
+    _inference,
+    keeps_fp32,
+    linear,
+)
+from deepinfer_core.models.deepseek_v4.state import DeepseekV4State
+
+_MTP_NAME = re.compile(r"^(?:model\.)?mtp\.(\d+)\.(.+)$")
+CONFIDENCE_WEIGHT = "confidence_head.weight"
+CONFIDENCE_BIAS = "confidence_head.bias"
+
+
+def mtp_name(name: str) -> tuple[int, str] | None:
+    """``(K, DeepSeek name)`` of a checkpoint tensor of draft layer ``K`` (``mtp.K.*``, or HF's ``model.mtp.K.*``);
+    None for any other tensor."""
+    match = _MTP_NAME.match(name)
+    if match is None:
+        return None
+    return int(match.group(1)), f"mtp.{match.group(1)}.{match.group(2)}"
+
+
+def draft_block_config(config: DeepseekV4Config) -> DeepseekV4Config:
+    """The config of a draft layer's block alone: one sliding-window layer with a routed (top-k) MoE."""
+    return dataclasses.replace(config, num_hidden_layers=1, layer_types=[SLIDING], mlp_layer_types=["moe"],
+                               num_nextn_predict_layers=0)
+
+
+@dataclasses.dataclass
+class DraftStep:
+    """One draft forward: ``streams [T, hc, D]`` (every row's block output: the next run's previous hidden),
+    ``hidden [N, D]``, ``logits [N, V]`` and ``confidence [N]`` (None without a confidence head) at the batch's
+    logits rows."""
+
+    streams: torch.Tensor
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    confidence: torch.Tensor | None
+
+
+@dataclasses.dataclass
+class Drafts:
+    """``k`` drafted tokens per sequence: ``token_ids [S, k]``, ``logits [S, k, V]`` (fp32), ``confidence [S, k]``
+    (the confidence head's, else the draft's probability of its token)."""
+
+    token_ids: torch.Tensor
+    logits: torch.Tensor
+    confidence: torch.Tensor
+
+
+class MTPLayer:
+    """The parameters of draft layer ``mtp.K`` and its forward (the module docstring gives the formula)."""
+
+    def __init__(self, reg: ParameterRegistry, config: DeepseekV4Config, index: int, confidence_head: bool):
+        c, D, hc = config, config.hidden_size, config.hc_mult
+        p = f"mtp.{index}"
+        self.prefix = p
+        self.config = c
+        self.enorm = reg.add(f"{p}.enorm.weight", (D,))
+        self.hnorm = reg.add(f"{p}.hnorm.weight", (D,))
+        self.e_proj = reg.add(f"{p}.e_proj.weight", (D, D))
+        self.h_proj = reg.add(f"{p}.h_proj.weight", (D, D))
+        self.norm = reg.add(f"{p}.norm.weight", (D,))
+        self.hc_head = [reg.add(f"{p}.hc_head_{n}", s) for n, s in (("fn", (hc, hc * D)), ("base", (hc,)),
+                                                                    ("scale", (1,)))]
+        self.block = DecoderLayer(reg, draft_block_config(c), 0, prefix=p)
+        self.confidence_weight = self.confidence_bias = None
+        if confidence_head:
+            self.confidence_weight = reg.add(f"{p}.{CONFIDENCE_WEIGHT}", (1, D), dtype=torch.float32)
+            self.confidence_bias = reg.add(f"{p}.{CONFIDENCE_BIAS}", (1,), dtype=torch.float32)
+
+    def __call__(self, target: DeepseekV4Model, batch: ForwardBatch, state: DeepseekV4State,
+                 hidden: torch.Tensor) -> DraftStep:
+        """Draft rows for ``batch`` (row ``i``: token ``t[i + 1]`` at position ``i``), ``hidden [T, hc, D]`` the
+        streams each row continues (the target's at position ``i``, or the previous draft run's)."""
+        ops, c = target.ops, self.config
+        eps = c.rms_norm_eps
+        layout = StepLayout(batch, c.sliding_window, state.block_size, target.device)
+        rope_args = {t: (target.rope_inv_freq[t], target.rope_scaling[t], target.dtype) for t in ("main", "compress")}
+        rope = {t: ops.rope_cos_sin(batch.positions, *rope_args[t]) for t in rope_args}
+        ctx = StepContext(layout, state, batch.input_ids, rope, rope_args)
+        embeds = ops.embed(batch.input_ids, target.embed)  # [T, D]
+        embeds = embeds.masked_fill((batch.positions == 0).unsqueeze(-1), 0)
+        e = linear(ops, ops.rms_norm(embeds, self.enorm, eps), self.e_proj)  # [T, D]
+        h = linear(ops, ops.rms_norm(hidden.to(target.dtype), self.hnorm, eps), self.h_proj)  # [T, hc, D]
+        streams = self.block(ops, h + e.unsqueeze(1), ctx)  # [T, hc, D]
+        rows = streams[batch.logits_rows]  # [N, hc, D]
+        final = ops.hc_head(rows, *self.hc_head, c.hc_eps, eps)  # [N, D]
+        final = ops.rms_norm(final, self.norm, eps)
+        logits = ops.logits(final, target.head)  # [N, V]
+        return DraftStep(streams, final, logits, self.confidence(final))
+
+    def confidence(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``sigmoid(hidden [N, D] . w + b)`` -> ``[N]`` acceptance probabilities; None without a head."""
+        if self.confidence_weight is None:
+            return None
+        return torch.sigmoid(hidden.float() @ self.confidence_weight[0] + self.confidence_bias[0])  # [N]
+
+
+class DraftState:
+    """The draft layers' state: one single-layer ``DeepseekV4State`` (a sliding ring per slot) per draft layer."""
+
+    def __init__(self, layers: list[DeepseekV4State]):
+        self.layers = layers
+
+    @property
+    def rings(self) -> list[torch.Tensor]:
+        return [state.swa[0] for state in self.layers]  # [slots, W, hd] each
+
+    def save(self, slots: list[int]) -> list[torch.Tensor]:
+        """Copies of ``slots``' ring rows (before speculative runs overwrite them)."""
+        index = torch.tensor(slots, dtype=torch.long, device=self.rings[0].device)
+        return [ring.index_select(0, index) for ring in self.rings]  # [S, W, hd] each
+
+    def restore(self, slots: list[int], saved: list[torch.Tensor]) -> None:
+        """Put back what :meth:`save` copied."""
+        index = torch.tensor(slots, dtype=torch.long, device=self.rings[0].device)
+        for ring, rows in zip(self.rings, saved, strict=True):
+            ring.index_copy_(0, index, rows)
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy one sequence's rings into another slot (n > 1 samples sharing a prompt)."""
+        for ring in self.rings:
+            ring[dst] = ring[src]
+
+
+class MTPDraft:
+    """The draft layers of a checkpoint, sharing the target model's embedding, head and op table."""
+
+    def __init__(self, target: DeepseekV4Model, num_layers: int, confidence_head: bool = False):
+        if num_layers < 1:
+            raise ValueError(f"an MTP draft needs at least one layer; got num_layers={num_layers}")
+        self.target = target
+        self.config = target.config
+        reg = ParameterRegistry(target.dtype, target.device)
+        self.layers = [MTPLayer(reg, target.config, k, confidence_head) for k in range(num_layers)]
+        self.parameters = reg.slots
+        self.has_confidence_head = confidence_head
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def new_state(self, num_slots: int, block_size: int | None = None) -> DraftState:
+        """The draft's own state: each layer's sliding ring per slot (draft layers keep no paged state)."""
+        config = draft_block_config(self.config)
+        block_size = block_size or self.config.block_multiple
+        return DraftState([DeepseekV4State(config, num_slots, 1, block_size, self.target.dtype, self.target.device)
+                           for _ in self.layers])
+
+    def load_weights(self, tensors) -> set[str]:
+        """Copy ``(DeepSeek name, tensor)`` pairs into place; returns the names loaded."""
+        loaded = set()
+        for name, tensor in tensors:
+            slot = self.parameters.get(name)
+            if slot is None:
+                raise CheckpointError(f"unexpected draft tensor {name!r}: an MTP layer has no parameter of that name")
+            if tuple(slot.shape) != tuple(tensor.shape):
+                raise CheckpointError(f"draft tensor {name!r} has shape {tuple(tensor.shape)}, expected "
+                                      f"{tuple(slot.shape)}")
+            slot.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+    def layer(self, step: int) -> MTPLayer:
+        """The layer run at draft step ``step`` (0-based): layers in turn, cycling when ``k`` exceeds them."""
+        return self.layers[step % self.num_layers]
+
+    @_inference
+    def forward(self, batch: ForwardBatch, state: DraftState, hidden: torch.Tensor, step: int = 0) -> DraftStep:
+        """One draft run of layer ``step % num_layers`` over ``batch``; its rows are folded into ``state``."""
+        index = step % self.num_layers
+        return self.layers[index](self.target, batch, state.layers[index], hidden)
+
+    @_inference
+    def propose(self, batch: ForwardBatch, state: DraftState, hidden: torch.Tensor, k: int) -> Drafts:
+        """Draft ``k`` greedy tokens per sequence of ``batch``.
+
+        ``batch``: each sequence's newly verified draft rows (row ``i``: token ``t[i + 1]`` at position ``i``, its
+        context the rows already in ``state``), one logits row per sequence (its last); ``hidden [T, hc, D]``: the
+        target's last streams at those positions. Those rows stay in ``state``; the speculative runs 2..k do not
+        (the ring rows they overwrite are restored)."""
+        first = self.forward(batch, state, hidden, 0)
+        steps = [first]
+        tokens = [first.logits.argmax(-1)]  # [S] each
+        saved = state.save(batch.slots) if k > 1 else None
+        streams = first.streams[batch.logits_rows]  # [S, hc, D]
+        positions = batch.positions[batch.logits_rows]  # [S]
+        for j in range(1, k):
+            run = _next_batch(batch, tokens[-1], positions + j)
+            step = self.forward(run, state, streams, j)
+            steps.append(step)
+            tokens.append(step.logits.argmax(-1))
+            streams = step.streams
+        if saved is not None:
+            state.restore(batch.slots, saved)
+        logits = torch.stack([s.logits for s in steps], dim=1)  # [S, k, V]
+        token_ids = torch.stack(tokens, dim=1)  # [S, k]
+        return Drafts(token_ids, logits, self._confidence(steps, logits, token_ids))
+
+    def _confidence(self, steps: list[DraftStep], logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """``[S, k]``: the confidence head's, else the draft's own probability of each drafted token."""
+        if self.has_confidence_head:
+            return torch.stack([s.confidence for s in steps], dim=1)
+        return logits.softmax(-1).gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
+
+
+def _next_batch(batch: ForwardBatch, tokens: torch.Tensor, positions: torch.Tensor) -> ForwardBatch:
+    """One speculative row per sequence of ``batch``: ``tokens [S]`` at ``positions [S]``."""
+    S = batch.num_seqs
+    context = positions.tolist()
+    return ForwardBatch(input_ids=tokens, positions=positions, query_start=list(range(S + 1)),
+                        context_lens=context, slots=list(batch.slots), block_tables=[list(b) for b in batch.block_tables],
+                        logits_rows=torch.arange(S, device=tokens.device))
+
+
+def checkpoint_draft_layers(folder: str | Path) -> dict[int, dict[str, str]]:
+    """``{K: {DeepSeek name: shard}}`` of the ``mtp.K.*`` tensors in a checkpoint folder (empty when it has none)."""
+    folder = Path(folder)
+    layers: dict[int, dict[str, str]] = {}
+    for shard in list_shards(folder):
+        with open_shard(folder / shard) as handle:
+            names = handle.keys()
+            for name in names:
+                parsed = mtp_name(name)
+                if parsed is not None:
+                    layers.setdefault(parsed[0], {})[name] = shard
+    return layers
+
+
+def load_mtp_draft(folder: str | Path, target: DeepseekV4Model) -> MTPDraft | None:
+    """The draft layers of the checkpoint in ``folder`` (``config.num_nextn_predict_layers`` of them), sharing
+    ``target``'s embedding and head; None when the config declares none or the checkpoint holds none."""
+    folder = Path(folder)
+    wanted = target.config.num_nextn_predict_layers
+    present = checkpoint_draft_layers(folder)
+    if wanted < 1 or not present:
+        return None
+    missing = [k for k in range(wanted) if k not in present]
+    if missing:
+        raise CheckpointError(f"{folder}: config.json declares num_nextn_predict_layers={wanted} but the checkpoint "
+                              f"has no mtp.{missing[0]}.* tensors; set num_nextn_predict_layers to the draft layers "
+                              "it holds")
+    sources = {name: shard for k in range(wanted) for name, shard in present[k].items()}
+    names = {mtp_name(name)[1] for name in sources}
+    confidence = all(f"mtp.{k}.{CONFIDENCE_WEIGHT}" in names for k in range(wanted))
+    draft = MTPDraft(target, wanted, confidence_head=confidence)
+    loaded = draft.load_weights(_read(folder, sources, target.dtype, target.device))
+    unset = sorted(set(draft.parameters) - loaded)
+    if unset:
+        raise CheckpointError(f"{folder}: the draft layers' tensors {unset[:5]} are missing; the checkpoint's mtp.* "
+                              "tensors are incomplete")
+    return draft
+
+
+def _read(folder: Path, sources: dict[str, str], dtype: torch.dtype, device: torch.device):
+    """Yield ``(DeepSeek name, tensor)`` shard by shard, converted to the model dtype (fp32-kept names stay fp32)."""
+    for shard in sorted(set(sources.values())):
+        with open_shard(folder / shard) as handle:
+            for name in (n for n, s in sources.items() if s == shard):
+                canonical = mtp_name(name)[1]
+                tensor = handle.get_tensor(name)
+                if tensor.dtype.itemsize == 1:
+                    raise CheckpointError(f"{folder}: draft tensor {name} is stored quantized ({tensor.dtype}); "
+                                          "quantized MTP layers are not read yet: dequantize the mtp.* tensors")
+                if canonical.endswith("tid2eid"):
+                    yield canonical, tensor.to(device=device, dtype=torch.long)
+                    continue
+                wanted = torch.float32 if keeps_fp32(canonical) or "confidence_head" in canonical else dtype
+                yield canonical, tensor.to(device=device, dtype=wanted)

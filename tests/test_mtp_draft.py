@@ -1,0 +1,216 @@
+"""The MTP draft layer (deepseek_v4/mtp.py) against a hand computation: the MTP formula in plain torch around HF
+transformers' own DeepseekV4DecoderLayer (the reference block), on a tiny random checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from v4_factory import randomize, tiny_hf_config, tiny_hf_model
+
+from deepinfer_core.checkpoint import CheckpointError
+from deepinfer_core.forward_batch import ForwardBatch
+from deepinfer_core.models.deepseek_v4.loader import load_deepseek_v4
+from deepinfer_core.models.deepseek_v4.mtp import load_mtp_draft
+from deepinfer_core.models.deepseek_v4.weights import hf_layer_tensors
+from deepinfer_core.ops.table import OpTable
+
+pytest.importorskip("transformers")
+
+LAYERS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
+WINDOW = 8  # tiny_hf_config's sliding window: sequences here are longer, so the draft's ring wraps
+
+
+class ReferenceMTP:
+    """The draft layer by hand: plain torch for the MTP parts, HF's decoder layer for the block."""
+
+    def __init__(self, seed: int, confidence: bool):
+        from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+
+        config = tiny_hf_config(layer_types=["sliding_attention"], num_hash_layers=0)
+        self.config = config
+        torch.manual_seed(seed)
+        self.block = hf.DeepseekV4DecoderLayer(config, 0).eval()
+        self.hc_head = hf.DeepseekV4HyperHead(config)
+        self.rope = hf.DeepseekV4RotaryEmbedding(config)
+        randomize(self.block, seed)
+        randomize(self.hc_head, seed + 1)
+        gen = torch.Generator().manual_seed(seed + 2)
+        D = config.hidden_size
+        self.tensors = {
+            "enorm.weight": 1 + 0.1 * torch.randn(D, generator=gen),
+            "hnorm.weight": 1 + 0.1 * torch.randn(D, generator=gen),
+            "norm.weight": 1 + 0.1 * torch.randn(D, generator=gen),
+            "e_proj.weight": 0.2 * torch.randn(D, D, generator=gen),
+            "h_proj.weight": 0.2 * torch.randn(D, D, generator=gen),
+            "hc_head_fn": self.hc_head.hc_fn.detach(),
+            "hc_head_base": self.hc_head.hc_base.detach(),
+            "hc_head_scale": self.hc_head.hc_scale.detach(),
+        }
+        if confidence:
+            self.tensors["confidence_head.weight"] = 0.3 * torch.randn(1, D, generator=gen)
+            self.tensors["confidence_head.bias"] = torch.tensor([0.2])
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        out = {f"mtp.0.{name}": t.clone() for name, t in self.tensors.items()}
+        out.update((name, t.detach().clone()) for name, t in hf_layer_tensors(self.block.state_dict(), "mtp.0",
+                                                                                self.config))
+        return out
+
+    def _rms(self, x, weight):
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps))
+
+    def block_input(self, hidden, next_tokens, positions, embed):
+        """``[T, hc, D]``: h_proj(hnorm(h)) + e_proj(enorm(embed(t[i + 1]))), the embedding zeroed at position 0."""
+        e = embed[next_tokens] * (positions != 0).unsqueeze(-1)
+        e = F.linear(self._rms(e, self.tensors["enorm.weight"]), self.tensors["e_proj.weight"])
+        h = F.linear(self._rms(hidden, self.tensors["hnorm.weight"]), self.tensors["h_proj.weight"])
+        return h + e.unsqueeze(1)
+
+    @torch.no_grad()
+    def run(self, x, positions, head):
+        """The block over rows ``x [T, hc, D]`` at ``positions`` (causal, window 8): streams, logits, confidence."""
+        T = x.shape[0]
+        i, j = positions[:, None], positions[None, :]
+        mask = torch.where((j <= i) & (i - j < WINDOW), 0.0, float("-inf"))[None, None]  # [1, 1, T, T]
+        pos = positions[None]
+        emb = {t: self.rope(x[None, :, 0], position_ids=pos, layer_type=t) for t in ("main", "compress")}
+        streams = self.block(x[None], position_embeddings=emb, position_ids=pos, attention_mask=mask)[0]
+        final = self._rms(self.hc_head(streams[None])[0], self.tensors["norm.weight"])  # [T, D]
+        confidence = None
+        if "confidence_head.weight" in self.tensors:
+            w, b = self.tensors["confidence_head.weight"], self.tensors["confidence_head.bias"]
+            confidence = torch.sigmoid(final @ w[0] + b[0])
+        assert streams.shape[0] == T
+        return streams, F.linear(final, head), confidence
+
+
+def _write_checkpoint(folder, reference: ReferenceMTP, num_nextn: int = 1):
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    tiny_hf_model(folder, seed=3, layer_types=LAYERS)
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    tensors.update(reference.checkpoint_tensors())
+    save_file(tensors, path, metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["num_nextn_predict_layers"] = num_nextn
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["confidence-head", "no-head"])
+def setup(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mtp")
+    reference = ReferenceMTP(seed=5, confidence=request.param)
+    _write_checkpoint(folder, reference)
+    target = load_deepseek_v4(folder, OpTable())
+    draft = load_mtp_draft(folder, target)
+    return reference, target, draft
+
+
+def _target_hidden(target, tokens):
+    """The target's last streams ``[T, hc, D]`` over ``tokens`` (one sequence)."""
+    state = target.new_state(1, 8)
+    batch = ForwardBatch.build([tokens], [0], [0], [list(range(8))], logits="all")
+    last = target.config.num_hidden_layers - 1
+    return target.forward(batch, state, capture_layers=[last]).hidden_states[last]
+
+
+TOKENS = [5, 9, 17, 3, 3, 40, 22, 8, 61, 12, 7, 30, 30, 2, 19, 44, 11]
+
+
+def test_draft_rows_match_the_hand_computation(setup):
+    reference, target, draft = setup
+    hidden = _target_hidden(target, TOKENS)  # [T, hc, D]
+    n = len(TOKENS) - 1  # draft rows 0 .. n - 1: token t[i + 1] with h[i]
+    positions = torch.arange(n)
+    state = draft.new_state(2)
+    batch = ForwardBatch.build([TOKENS[1:]], [0], [1], [[]], logits="all")
+    got = draft.forward(batch, state, hidden[:n])
+    x = reference.block_input(hidden[:n], torch.tensor(TOKENS[1:]), positions, target.embed)
+    streams, logits, confidence = reference.run(x, positions, target.head)
+    torch.testing.assert_close(got.streams, streams, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.logits, logits, atol=1e-4, rtol=1e-5)
+    if confidence is None:
+        assert got.confidence is None
+    else:
+        torch.testing.assert_close(got.confidence, confidence, atol=1e-6, rtol=1e-5)
+
+
+def test_chunked_rows_match_one_pass(setup):
+    _, target, draft = setup
+    hidden = _target_hidden(target, TOKENS)
+    n = len(TOKENS) - 1
+    whole = draft.forward(ForwardBatch.build([TOKENS[1:]], [0], [0], [[]], logits="all"), draft.new_state(1),
+                          hidden[:n])
+    state = draft.new_state(1)
+    split = 6
+    draft.forward(ForwardBatch.build([TOKENS[1:split + 1]], [0], [0], [[]]), state, hidden[:split])
+    rest = draft.forward(ForwardBatch.build([TOKENS[split + 1:]], [split], [0], [[]], logits="all"), state,
+                         hidden[split:n])
+    torch.testing.assert_close(rest.logits, whole.logits[split:], atol=1e-5, rtol=1e-5)
+
+
+def test_k_step_drafts_match_the_hand_chain_and_leave_the_ring_as_verified(setup):
+    reference, target, draft = setup
+    k = 4
+    hidden = _target_hidden(target, TOKENS)
+    n = len(TOKENS) - 1
+    state = draft.new_state(3)
+    batch = ForwardBatch.build([TOKENS[1:]], [0], [2], [[]])
+    drafts = draft.propose(batch, state, hidden[:n], k)
+    assert drafts.token_ids.shape == (1, k) and drafts.logits.shape == (1, k, target.vocab_size)
+
+    # by hand: committed rows, then each speculative row appended (it sees the committed rows and earlier drafts)
+    positions = torch.arange(n)
+    x = reference.block_input(hidden[:n], torch.tensor(TOKENS[1:]), positions, target.embed)
+    streams, logits, confidence = reference.run(x, positions, target.head)
+    expected_logits, expected_conf = [logits[-1]], [None if confidence is None else confidence[-1]]
+    token = logits[-1].argmax()
+    for j in range(1, k):
+        pos = torch.tensor([n - 1 + j])
+        row = reference.block_input(streams[-1:], token[None], pos, target.embed)
+        x = torch.cat([x, row])
+        positions = torch.cat([positions, pos])
+        streams, logits, confidence = reference.run(x, positions, target.head)
+        expected_logits.append(logits[-1])
+        expected_conf.append(None if confidence is None else confidence[-1])
+        token = logits[-1].argmax()
+    expected = torch.stack(expected_logits)
+    torch.testing.assert_close(drafts.logits[0], expected, atol=1e-4, rtol=1e-5)
+    assert drafts.token_ids[0].tolist() == expected.argmax(-1).tolist()
+    if draft.has_confidence_head:
+        torch.testing.assert_close(drafts.confidence[0], torch.stack(expected_conf), atol=1e-5, rtol=1e-5)
+    else:  # the draft's own probability of its token
+        probs = expected.softmax(-1).gather(-1, drafts.token_ids[0][:, None])[:, 0]
+        torch.testing.assert_close(drafts.confidence[0], probs, atol=1e-5, rtol=1e-5)
+
+    # the speculative rows left nothing behind: the ring is what folding the verified rows alone leaves
+    alone = draft.new_state(3)
+    draft.forward(batch, alone, hidden[:n])
+    assert torch.equal(state.rings[0][2], alone.rings[0][2])
+
+
+def test_batch_of_two_sequences_matches_each_alone(setup):
+    _, target, draft = setup
+    a, b = TOKENS, TOKENS[3:12]
+    ha, hb = _target_hidden(target, a), _target_hidden(target, b)
+    both = draft.propose(ForwardBatch.build([a[1:], b[1:]], [0, 0], [0, 1], [[], []]), draft.new_state(2),
+                         torch.cat([ha[:-1], hb[:-1]]), 3)
+    for s, (tokens, hidden) in enumerate(((a, ha), (b, hb))):
+        alone = draft.propose(ForwardBatch.build([tokens[1:]], [0], [0], [[]]), draft.new_state(1), hidden[:-1], 3)
+        assert both.token_ids[s].tolist() == alone.token_ids[0].tolist()
+        torch.testing.assert_close(both.logits[s], alone.logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_checkpoint_without_draft_layers_gives_none_and_a_short_one_is_refused(tmp_path):
+    plain = tmp_path / "plain"
+    tiny_hf_model(plain, seed=1, layer_types=LAYERS)
+    target = load_deepseek_v4(plain, OpTable())
+    assert load_mtp_draft(plain, target) is None
+    short = tmp_path / "short"
+    _write_checkpoint(short, ReferenceMTP(seed=2, confidence=False), num_nextn=2)
+    with pytest.raises(CheckpointError, match="num_nextn_predict_layers=2.*mtp.1"):
+        load_mtp_draft(short, load_deepseek_v4(short, OpTable()))
