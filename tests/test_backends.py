@@ -14,7 +14,7 @@ from deepinfer_core.backends import Backend, ProbeResult, registry
 from deepinfer_core.backends.cpu import CpuBackend, probe
 from deepinfer_core.backends.host_threads import cpu_host_threads, cpu_threads_for, others_load, physical_cores
 from deepinfer_core.errors import BackendUnavailableError, InvalidBackendError, UnknownBackendError
-from deepinfer_core.ops.table import DERIVED, OpTable
+from deepinfer_core.ops.table import DERIVED, OpTable, UnknownOpError
 
 FAKE_BACKEND = """
 from deepinfer_core.backends.base import Backend, Capabilities, MemoryInfo, ProbeResult
@@ -249,3 +249,29 @@ def test_a_device_backends_host_threads_set_torchs_cpu_threads_unless_omp_num_th
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+class _InvariantBackend(CpuBackend):
+    """A backend offering one op of its own for the batch-invariant mode (``Backend.op_variants``)."""
+
+    @staticmethod
+    def invariant_norm(x, weight, eps):
+        return x * weight
+
+    def op_variants(self, kind):
+        return {"rms_norm": self.invariant_norm} if kind == "batch_invariant" else {}
+
+
+def test_the_op_table_hands_a_plugin_the_backends_variants_without_installing_them():
+    table = _InvariantBackend().make_op_table()
+    assert table.variants("batch_invariant") == {"rms_norm": _InvariantBackend.invariant_norm}
+    assert table.variants("something_else") == {}
+    assert table.sources()["rms_norm"] != "batch_invariant" and table.rms_norm is not _InvariantBackend.invariant_norm
+    assert CpuBackend().make_op_table().variants("batch_invariant") == {}
+    assert OpTable().variants("batch_invariant") == {}
+
+
+def test_a_variant_of_an_unknown_op_is_refused_naming_it():
+    table = OpTable(variants=lambda kind: {"no_such_op": abs})
+    with pytest.raises(UnknownOpError, match="no_such_op"):
+        table.variants("batch_invariant")

@@ -49,6 +49,8 @@ class Capabilities:
     #: the backend captures and replays static-shape steps as device graphs through ``Backend.capture_graph``
     #: (CUDA graphs on NVIDIA, ACL graphs on Ascend); ``LLM`` then captures decode steps unless ``enforce_eager``
     device_graphs: bool = False
+    #: the backend offers batch-invariant variants of its ops (``Backend.op_variants("batch_invariant")``), which the
+    #: batch-invariant plugin installs over its own portable forms
     batch_invariant: bool = False
     fp8: bool = False
     verified_on_hardware: frozenset[str] = field(default_factory=frozenset)
@@ -129,7 +131,7 @@ class Backend:
         """The op table the model calls: reference ops, then this backend's overrides, then the plugins'
         ``deepinfer_register_ops`` (when ``plugin_manager`` is given) with ``context``, the engine's
         ``EngineContext`` (default: a bare one of this backend, without options)."""
-        table = OpTable(self.op_overrides(), source=self.name)
+        table = OpTable(self.op_overrides(), source=self.name, variants=self.op_variants)
         if plugin_manager is not None:
             from deepinfer_core.engine_context import EngineContext
             from deepinfer_core.plugins import call_hook
@@ -138,6 +140,19 @@ class Backend:
             call_hook(plugin_manager, "deepinfer_register_ops", op_table=table, backend_name=self.name,
                       context=context)
         return table
+
+    def op_variants(self, kind: str) -> Mapping[str, Callable]:
+        """This backend's own implementations of ops for a mode that a feature plugin turns on, by ``kind``; the op
+        table hands them to the plugin (``OpTable.variants``), which installs them. Default: none.
+
+        ``"batch_invariant"``: ops whose result for one row (token, query, window, sequence) is bitwise the same
+        whatever the other rows are: each kernel runs with one configuration (tiles, splits, warps) chosen from the
+        model's and the weights' shapes only, never from the number of rows; no atomics; reductions in a fixed order.
+        The backend knows its kernels' reduction orders, so it can run its fast kernels this way; the
+        batch-invariant plugin keeps its own portable forms for the ops not offered. A backend that offers them sets
+        ``Capabilities.batch_invariant``."""
+        del kind
+        return {}
 
     def capture_graph(self, fn: Callable[..., Any], example_inputs: tuple[Any, ...]) -> Callable[..., Any]:
         """Return a callable equivalent to ``fn`` that replays a captured device graph (CUDA / ACL graphs).

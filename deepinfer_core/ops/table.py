@@ -75,10 +75,12 @@ class OpTable:
     version and every other op its reference version. ``table.sources()`` says which is which.
     """
 
-    def __init__(self, overrides: Mapping[str, Callable] | None = None, source: str = "override"):
+    def __init__(self, overrides: Mapping[str, Callable] | None = None, source: str = "override",
+                 variants: Callable[[str], Mapping[str, Callable]] | None = None):
         self._ops: dict[str, Callable] = reference_ops()
         self._sources: dict[str, str] = {name: "reference" for name in self._ops}
         self._derived: set[str] = set()  # DERIVED ops currently built from their parts
+        self._variants = variants  # the backend's ``op_variants`` (``variants``), or None
         for name, fn in (overrides or {}).items():
             self.override(name, fn, source)
 
@@ -111,6 +113,20 @@ class OpTable:
 
     def names(self) -> list[str]:
         return sorted(self._ops)
+
+    def variants(self, kind: str) -> dict[str, Callable]:
+        """The backend's own implementations of ops for the mode ``kind`` a feature plugin turns on (e.g.
+        ``"batch_invariant"``; ``Backend.op_variants``): op name -> implementation, none installed yet. A plugin that
+        runs the mode installs them with ``override``. Empty for a table built without a backend or a backend that
+        offers none for ``kind``."""
+        if self._variants is None:
+            return {}
+        offered = dict(self._variants(kind))
+        unknown = sorted(set(offered) - set(self._ops))
+        if unknown:
+            raise UnknownOpError(f"the backend offers {kind!r} variants of unknown ops {unknown}; known ops: "
+                                 f"{sorted(self._ops)}")
+        return offered
 
     def sources(self) -> dict[str, str]:
         """Op name -> who implements it ("reference" or the overriding backend / plugin)."""
