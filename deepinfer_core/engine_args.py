@@ -65,6 +65,9 @@ class EngineArgs:
         trust_remote_code: accepted so vLLM code runs; no code from a checkpoint is ever executed.
         logits_processors: logits processors for every request (``deepinfer_core.sampling.LogitsProcessor``, or
             any callable ``processor(logits, rows) -> logits``), instances, run before the plugins' processors.
+        speculative_config: vLLM's dict for speculative decoding, e.g. ``{"method": "ngram",
+            "num_speculative_tokens": 3}`` (docs/speculative.md); checked against the registered proposers when the
+            engine is built. None: ``$DEEPINFER_USE_NEXTN_DECODE`` (DSpark with that many tokens), else none.
         options: feature options claimed by plugins (e.g. ``batch_invariant=True``); an option no loaded plugin
             claims is an error.
     """
@@ -91,6 +94,7 @@ class EngineArgs:
     enable_expert_parallel: bool = False
     trust_remote_code: bool = False
     logits_processors: Sequence[Callable[..., Any]] = ()
+    speculative_config: Mapping[str, Any] | None = None
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
@@ -133,6 +137,9 @@ class EngineArgs:
             self.logits_processors = check_processors(self.logits_processors, "logits_processors")
         except TypeError as exc:
             raise EngineArgsError(str(exc)) from None
+        if self.speculative_config is not None and not isinstance(self.speculative_config, Mapping):
+            raise EngineArgsError(f"speculative_config must be a dict like {{'method': 'ngram', "
+                                  f"'num_speculative_tokens': 3}} or None, got {self.speculative_config!r}")
         if self.trust_remote_code:
             logger.warning("trust_remote_code=True is ignored: DeepInfer never executes code from a checkpoint")
 

@@ -154,6 +154,10 @@ VARIABLES = Variables(
     Variable("DEEPINFER_DISTRIBUTED_TIMEOUT", int, 600,
              "Seconds a collective of a data/expert-parallel engine waits for the other ranks before it fails, and "
              "that `LLM(data_parallel_size=N)` waits for its ranks to start."),
+    Variable("DEEPINFER_USE_NEXTN_DECODE", int, None,
+             "Draft tokens per step for DSpark speculative decoding, as in the reference engine (`5` there): "
+             "`k` means `speculative_config={\"method\": \"dspark\", \"num_speculative_tokens\": k}` when no "
+             "`speculative_config` is given (needs deepinfer-dspark); unset or `0`: no speculation."),
     Variable("DEEPINFER_BENCH_CACHE", Path, None,
              "Where `deepinfer bench` keeps its preset checkpoints; unset: `$XDG_CACHE_HOME/deepinfer/bench`, "
              "else `~/.cache/deepinfer/bench`. `--cache-dir` wins."),

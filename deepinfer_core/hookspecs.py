@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from deepinfer_core.models.registry import ModelRegistry
     from deepinfer_core.ops.table import OpTable
     from deepinfer_core.sampling.logits_processor import LogitsProcessorLike
+    from deepinfer_core.spec_decode.proposer import ProposerRegistry
 
 PROJECT_NAME = "deepinfer"
 """The pluggy project name: markers made with another name are ignored by the core."""
@@ -164,6 +165,26 @@ def deepinfer_register_models(registry: ModelRegistry, context: EngineContext | 
     - ``context``: the engine's ``EngineContext``, or None when a registry is built outside an engine.
 
     Return: ignored. Registering a ``model_type`` the core already handles replaces the core's loader.
+    """
+
+
+@hookspec
+def deepinfer_register_proposers(registry: ProposerRegistry, context: EngineContext | None) -> None:
+    """Register speculative-decoding proposers (draft methods) with the core's proposer registry.
+
+    Runs: once per engine whose ``speculative_config`` (or ``DEEPINFER_USE_NEXTN_DECODE``) is set, after the model
+    is loaded and before the config is checked (so a method this hook registers is a valid ``"method"``).
+
+    Arguments:
+    - ``registry``: the engine's ``deepinfer_core.spec_decode.ProposerRegistry`` (the core's ``"ngram"`` already
+      in it). Call ``registry.register(method, factory, keys=(...))``: ``factory(config, target, context)`` returns
+      a ``deepinfer_core.spec_decode.Proposer`` given the ``SpeculativeConfig``, the target model and ``context``;
+      ``keys`` are the ``speculative_config`` keys the method takes beyond ``method`` and
+      ``num_speculative_tokens``. Each step the engine calls ``Proposer.propose(DraftBatch) -> list[Draft]``
+      (docs/speculative.md); verification, rollback and metrics are the core's.
+    - ``context``: the engine's ``EngineContext``, or None when a registry is built outside an engine.
+
+    Return: ignored. Registering a method again (``"ngram"`` too) replaces it.
     """
 
 
@@ -323,6 +344,12 @@ HOOK_ARGUMENT_TYPES: dict[str, str] = {
     "ModelRunnerOutput": "deepinfer_core.engine.model_runner",
     "LogitsRow": "deepinfer_core.sampling.logits_processor",
     "LogitsProcessor": "deepinfer_core.sampling.logits_processor",
+    "ProposerRegistry": "deepinfer_core.spec_decode.proposer",
+    "Proposer": "deepinfer_core.spec_decode.proposer",
+    "DraftBatch": "deepinfer_core.spec_decode.proposer",
+    "DraftSequence": "deepinfer_core.spec_decode.proposer",
+    "Draft": "deepinfer_core.spec_decode.proposer",
+    "SpeculativeConfig": "deepinfer_core.spec_decode.config",
 }
 """The classes hook arguments are typed with (and the ones they lead to), by name -> module."""
 

@@ -36,6 +36,7 @@ class ModelOutput:
 
     logits: torch.Tensor  # [num_rows, vocab] fp32
     hidden_states: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # layer -> [T, ...]
+    final_hidden: torch.Tensor | None = None  # [T, ...] what a draft model reads (``SpeculativeModel.forward``)
 
 
 class ModelState(Protocol):
@@ -113,6 +114,40 @@ class StaticStepModel(CausalLM, Protocol):
 
     def prefill_layout(self, inputs: Any) -> Any:
         """Device phase of a static prefill step: the layout ``forward`` takes."""
+
+
+@runtime_checkable
+class SpeculativeModel(CausalLM, Protocol):
+    """A model that can verify draft tokens (speculative decoding, ``deepinfer_core/spec_decode``): a step may compute
+    a sequence's newest token followed by up to ``max_draft_tokens`` draft tokens, and the state written for the
+    drafts after the first rejected one is undone before any later step reads it.
+
+    Paged state (compressed entries, indexer keys) needs no undoing when, as in DeepSeek-V4, an entry is written
+    again by the step that computes its last token and no query reads it before: the engine rewinds
+    ``num_computed_tokens`` and registers prefix-cache blocks only over accepted tokens. Per-sequence state that a
+    draft position overwrites (a sliding-window ring, a compressor carry) is saved before the step
+    (``save_draft_state``) and put back for the rejected positions (``rollback_draft_state``). A model without these
+    members refuses speculative decoding when the engine is built.
+    """
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """The most draft tokens one sequence's step may carry (its per-sequence rings must not wrap inside one
+        step's drafts)."""
+
+    def forward(self, batch: ForwardBatch, state: ModelState, layout: Any = None,
+                return_hidden: bool = False) -> ModelOutput:
+        """``CausalLM.forward``; with ``return_hidden`` also ``ModelOutput.final_hidden``: the hidden state a draft
+        model reads, for every token of the batch (the model defines which)."""
+
+    def save_draft_state(self, state: ModelState, slots: list[int], positions: list[list[int]]) -> Any:
+        """Before a step: copy the per-sequence state that computing ``positions[i]`` (sequence ``i``'s draft
+        positions, in slot ``slots[i]``) will overwrite. Returns an opaque save for ``rollback_draft_state``."""
+
+    def rollback_draft_state(self, state: ModelState, saved: Any, keep_until: torch.Tensor) -> None:
+        """After the step: put back the saved state of every position ``>= keep_until[i]`` (int64 ``[num_seqs]`` on
+        the model's device: sequence ``i``'s first rejected position), so the state equals that of a run that never
+        computed the rejected tokens. Device ops only (no host sync)."""
 
 
 @runtime_checkable

@@ -305,15 +305,32 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata,
     if metadata.plain_greedy():
         return SamplerOutput(*(greedy or greedy_rows)(logits))
     raw_logprobs = torch.log_softmax(logits, dim=-1)  # [num_rows, vocab]
-
-    processed = apply_logits_controls(logits, metadata)  # [num_rows, vocab]
-    processed = apply_penalties(processed, metadata)  # [num_rows, vocab]
-    processed = _apply_masks(processed, metadata)  # [num_rows, vocab]
-    processed = apply_logits_processors(processed, metadata.logits_processors, metadata.logits_rows)
-
+    processed = processed_logits(logits, metadata)  # [num_rows, vocab]
     greedy = metadata.temperature == 0  # [num_rows]
     token_ids = _sample_ids(processed, greedy, metadata)  # [num_rows]
     return _logprob_output(raw_logprobs, token_ids, metadata.num_logprobs)
+
+
+def processed_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Steps 2-5 of the module docstring (controls, penalties, masks, logits processors) on float32 ``logits``
+    ``[num_rows, vocab]``: what greedy rows take the argmax of; a new tensor."""
+    processed = apply_logits_controls(logits, metadata)  # [num_rows, vocab]
+    processed = apply_penalties(processed, metadata)  # [num_rows, vocab]
+    processed = _apply_masks(processed, metadata)  # [num_rows, vocab]
+    return apply_logits_processors(processed, metadata.logits_processors, metadata.logits_rows)
+
+
+def sampling_probs(processed: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The distribution random rows sample from (step 7 before the noise): ``softmax`` of the processed logits
+    divided by temperature and filtered by top-k / top-p / min-p; float32 ``[num_rows, vocab]``. (Greedy rows:
+    temperature 1; the caller treats them as one-hot on their argmax.)"""
+    return torch.softmax(_filtered_scaled_logits(processed, metadata), dim=-1)
+
+
+def logprob_output(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int | None) -> SamplerOutput:
+    """A ``SamplerOutput`` for given ``token_ids`` ``[num_rows]``: their raw log-probabilities and ranks under
+    ``logits`` ``[num_rows, vocab]``, and the top ``num_logprobs``."""
+    return _logprob_output(torch.log_softmax(logits.float(), dim=-1), token_ids, num_logprobs)
 
 
 def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, top_n: int) -> PromptLogprobsOutput:
@@ -568,7 +585,10 @@ __all__ = [
     "apply_top_k_top_p",
     "argmax_lowest",
     "compute_prompt_logprobs",
+    "logprob_output",
+    "processed_logits",
     "request_seed",
     "sample",
+    "sampling_probs",
     "token_counts",
 ]
