@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 
 from deepinfer_core.engine.decode_graphs import DecodeGraphs
 from deepinfer_core.engine.input_processor import InputProcessor, RequestRejectedError
+from deepinfer_core.engine.logits_preparer import LogitsPreparer
 from deepinfer_core.engine.model_runner import LaunchedStep, ModelRunner
 from deepinfer_core.engine.output_processor import OutputProcessor
 from deepinfer_core.engine.prefill_graphs import PrefillGraphs
@@ -52,6 +53,12 @@ class Engine:
     the previous token's id on the host (repetition, presence or frequency penalties, multi-token ``bad_words``, a
     logits processor with ``needs_latest_tokens``) waits for the step before, as without it.
 
+    Two-phase logits processors (a grammar's token masks: ``sampling/logits_processor.py``) prepare on a host worker
+    thread (``logits_preparer.py``) while the device runs the step's forward pass: a step with such rows queues its
+    forward, reads the previous step's tokens, starts ``prepare``, applies the previous step's results, then queues
+    its sampling, which waits for ``prepare`` only if it has not finished. Where the previous tokens are on the host
+    before the forward is queued (the synchronous loop; the CPU), ``prepare`` starts before the forward.
+
     ``context`` is the ``EngineContext`` the plugins were configured with (``engine.context`` in the lifecycle
     hooks); ``logits_processors`` run in the sampler on every step (``sampling/logits_processor.py``).
     """
@@ -78,6 +85,7 @@ class Engine:
         self.input_processor = InputProcessor(config.max_model_len, config.block_size, config.num_blocks,
                                               self.vocab_size, tokenizer, self.logits_processors)
         self.output_processor = OutputProcessor(tokenizer)
+        self.preparer = LogitsPreparer(self.logits_processors)
         self._arrivals = itertools.count()
         self._unseeded = itertools.count()
         self._in_flight: LaunchedStep | None = None  # launched, results not read yet (asynchronous scheduling)
@@ -126,8 +134,7 @@ class Engine:
         scheduled = self._schedule()
         if scheduled is None:
             return []
-        launched = self._launch(scheduled, previous=None)
-        self.output_processor.catch_up_text()  # while the device computes
+        launched, _ = self._launch(scheduled, previous=None)
         return self._update(launched)
 
     def _async_step(self) -> list[RequestOutput]:
@@ -138,10 +145,9 @@ class Engine:
         if scheduled is None:  # every running request ends with the tokens in flight
             return outputs + (self._update(self._take_in_flight()) if self._in_flight is not None else [])
         previous = self._in_flight
-        self._in_flight = self._launch(scheduled, previous)
+        self._in_flight, applied = self._launch(scheduled, previous)
         self.num_overlapped_steps += previous is not None
-        self.output_processor.catch_up_text()  # while the device computes
-        return outputs + (self._update(previous) if previous is not None else [])
+        return outputs + applied
 
     def _schedule(self) -> SchedulerOutput | None:
         """The next step's plan, or None when there is nothing to run."""
@@ -154,9 +160,26 @@ class Engine:
             call_hook(self.plugin_manager, "deepinfer_before_step", engine=self, scheduler_output=scheduled)
         return scheduled
 
-    def _launch(self, scheduled: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
+    def _launch(self, scheduled: SchedulerOutput,
+                previous: LaunchedStep | None) -> tuple[LaunchedStep, list[RequestOutput]]:
+        """Queue the step (forward and sampling) and apply ``previous``'s results (their outputs returned) while the
+        device computes; with two-phase processors' rows, their ``prepare`` starts as soon as the rows' tokens are on
+        the host, and ``previous`` is applied before the sampling is queued (the class docstring)."""
         self.num_steps += 1
-        return self.runner.launch(scheduled, previous)
+        if not self.preparer.applies(scheduled):
+            launched = self.runner.launch(scheduled, previous)
+            self.output_processor.catch_up_text()  # while the device computes
+            return launched, self._update(previous) if previous is not None else []
+        prepared = None
+        if previous is None or previous.is_ready():  # the tokens are on the host: prepare beside the forward
+            prepared = self.preparer.start(scheduled, previous.read().sampled if previous is not None else None)
+        forward = self.runner.forward(scheduled, previous)
+        if prepared is None:  # read the tokens while the device runs the forward
+            prepared = self.preparer.start(scheduled, previous.read().sampled)
+        applied = self._update(previous) if previous is not None else []
+        launched = self.runner.sample(forward, prepared)
+        self.output_processor.catch_up_text()  # while the device computes
+        return launched, applied
 
     def _needs_host_tokens(self) -> bool:
         """Whether a running request needs the previous token's id on the host to plan the next step
@@ -181,6 +204,7 @@ class Engine:
         return self.output_processor.finished_outputs(accepted)
 
     def shutdown(self) -> None:
+        self.preparer.shutdown()
         if self.plugin_manager is not None:
             call_hook(self.plugin_manager, "deepinfer_engine_shutdown", engine=self)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -55,9 +55,19 @@ class LaunchedStep:
     num_top: int  # n of the top logprobs
     rows_copied: torch.Event | None  # recorded after the rows' copy (None: done already)
     ready: torch.Event | None  # recorded after the step's work and its prompt logprobs' copies (None: done already)
+    _result: ModelRunnerOutput | None = dataclasses.field(default=None, init=False, repr=False)
+
+    def is_ready(self) -> bool:
+        """Whether ``read`` would return without waiting for the device."""
+        return all(event is None or event.query() for event in (self.ready, self.rows_copied))
 
     def read(self) -> ModelRunnerOutput:
-        """Wait for the step and its rows' copy, and return its results on the host."""
+        """Wait for the step and its rows' copy, and return its results on the host (read once, then kept)."""
+        if self._result is None:
+            self._result = self._read()
+        return self._result
+
+    def _read(self) -> ModelRunnerOutput:
         if self.ready is not None:
             self.ready.synchronize()
         if self.rows_copied is not None:
@@ -87,6 +97,17 @@ class LaunchedStep:
             return
         index = to_device(torch.tensor(pairs, dtype=torch.long).T.contiguous(), input_ids.device)  # [2, n]
         input_ids[index[0]] = sampled[index[1]]
+
+
+@dataclasses.dataclass
+class ForwardStep:
+    """A step whose forward pass is queued and whose sampling is not (``ModelRunner.sample`` queues it)."""
+
+    scheduled: SchedulerOutput
+    parts: list[torch.Tensor]  # logits of the sampling chunks, stacked in ``order``
+    order: list[int]  # row of the stacked logits of each sampling chunk
+    sampling_chunks: list[ScheduledChunk]
+    prompt_logprobs: dict[str, tuple[int, PromptLogprobsOutput]]
 
 
 class ModelRunner:
@@ -141,10 +162,13 @@ class ModelRunner:
         return batch, sample_rows, prompt_rows
 
     def launch(self, output: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
-        """Queue the step on the device without waiting for it: its decode chunks through the captured graphs
-        (when there are), a lone prompt through its bucket's prefill graph, the rest eagerly in one forward; then
-        sampling of every chunk that samples, in the step's order. A chunk whose last input token is in flight reads
-        it from ``previous`` (the step before) on the device."""
+        """Queue the step on the device without waiting for it: ``forward``, then ``sample``."""
+        return self.sample(self.forward(output, previous))
+
+    def forward(self, output: SchedulerOutput, previous: LaunchedStep | None = None) -> ForwardStep:
+        """Queue the step's forward pass without waiting for it: its decode chunks through the captured graphs
+        (when there are), a lone prompt through its bucket's prefill graph, the rest eagerly in one forward. A chunk
+        whose last input token is in flight reads it from ``previous`` (the step before) on the device."""
         if previous is None and any(c.reads_inflight_token for c in output.chunks):
             raise RuntimeError("a chunk reads a token still in flight, but no launched step was given to read it from")
         graphed = self.decode_graphs.select(output.chunks) if self.decode_graphs is not None else []
@@ -174,12 +198,20 @@ class ModelRunner:
             row_of.update({id(c): len(graphed) + i for i, c in enumerate(c for c in eager.chunks if c.samples)})
             prompt_logprobs = self._prompt_logprobs(eager, logits, prompt_rows)
         sampling_chunks = [c for c in output.chunks if c.samples]
-        sampler_output = self._sample(sampling_chunks, parts, [row_of[id(c)] for c in sampling_chunks])
-        rows_on_host, num_top, rows_copied = copy_rows_to_host(sampler_output)
-        return LaunchedStep(output, sampler_output, [c.request.request_id for c in sampling_chunks], prompt_logprobs,
-                            rows_on_host, num_top, rows_copied, record_event(self.device))
+        return ForwardStep(output, parts, [row_of[id(c)] for c in sampling_chunks], sampling_chunks, prompt_logprobs)
 
-    def _sample(self, chunks: list[ScheduledChunk], parts: list[torch.Tensor], order: list[int]) -> SamplerOutput | None:
+    def sample(self, step: ForwardStep, prepared: Mapping[int, object] | None = None) -> LaunchedStep:
+        """Queue the sampling of every chunk of ``step`` that samples, in the step's order, and the copy of its
+        results to the host. ``prepared``: the two-phase logits processors' ``prepare`` started for this step
+        (``logits_preparer.LogitsPreparer.start``; the others run in the sampler)."""
+        chunks = step.sampling_chunks
+        sampler_output = self._sample(chunks, step.parts, step.order, prepared)
+        rows_on_host, num_top, rows_copied = copy_rows_to_host(sampler_output)
+        return LaunchedStep(step.scheduled, sampler_output, [c.request.request_id for c in chunks],
+                            step.prompt_logprobs, rows_on_host, num_top, rows_copied, record_event(self.device))
+
+    def _sample(self, chunks: list[ScheduledChunk], parts: list[torch.Tensor], order: list[int],
+                prepared: Mapping[int, object] | None = None) -> SamplerOutput | None:
         """Sample the chunks' tokens from their logits (``parts`` stacked, row ``order[i]`` for chunk ``i``)."""
         if not chunks:
             return None
@@ -199,6 +231,7 @@ class ModelRunner:
             logits_processors=self.logits_processors,
             request_ids=[r.request_id for r in requests],
             device=stacked.device,
+            prepared=prepared,
         )
         return sample(stacked, metadata, greedy=self.model.ops.greedy_sample)
 

@@ -23,6 +23,15 @@ defaults; a plain function gets them too):
 * ``applies_structured_outputs``: True on a processor that enforces ``SamplingParams.structured_outputs`` (the
   ``deepinfer-structured-output`` plugin's); the engine refuses a request with ``structured_outputs`` that no such
   processor applies to, rather than ignore the constraint.
+* ``prepare(rows) -> handle`` and ``apply(logits, rows, handle) -> logits``: a two-phase processor, whose host work
+  (a grammar's token mask) leaves the critical path. The engine calls ``prepare`` on its host worker thread as soon as
+  every row's output tokens are on the host: before the step's forward pass is launched when they already are (the
+  synchronous loop; the CPU), otherwise while the device runs that forward pass (asynchronous scheduling reads the
+  previous step's tokens then). ``rows`` are complete there (``len(output_token_ids) == num_output_tokens``). The
+  sampler then calls ``apply`` with the handle ``prepare`` returned, waiting for it only if it has not finished. Such
+  a processor needs no ``needs_latest_tokens``. ``prepare`` runs beside the engine's thread: it may touch only the
+  processor's own state, guarded against ``validate_params`` (which runs on the engine's thread). Called as a plain
+  processor (hand-built ``SamplingMetadata``), it is ``apply(logits, rows, prepare(rows))``.
 """
 
 from __future__ import annotations
@@ -92,6 +101,24 @@ class LogitsProcessor:
         raise NotImplementedError(f"{type(self).__name__} must implement __call__(logits, rows)")
 
 
+class TwoPhaseLogitsProcessor(LogitsProcessor):
+    """Base class for a processor whose host work runs off the critical path: ``prepare(rows)`` on the engine's
+    worker thread once the rows' tokens are on the host, ``apply(logits, rows, handle)`` in the sampler (the module
+    docstring says when each runs)."""
+
+    def prepare(self, rows: Sequence[LogitsRow]) -> object:
+        """The host work for ``rows`` (complete output ids); returns the handle ``apply`` gets."""
+        raise NotImplementedError(f"{type(self).__name__} must implement prepare(rows)")
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[LogitsRow], handle: object) -> torch.Tensor:
+        """The processed logits ``[len(rows), vocab]``, from ``handle`` (what ``prepare(rows)`` returned)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement apply(logits, rows, handle)")
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[LogitsRow]) -> torch.Tensor:
+        """Both phases at once, on the caller's thread."""
+        return self.apply(logits, rows, self.prepare(rows))
+
+
 def processor_name(processor: Callable) -> str:
     """A readable name for error messages: the function's or the class's qualified name."""
     named = processor if hasattr(processor, "__qualname__") else type(processor)
@@ -116,6 +143,11 @@ def needs_latest_tokens(processor: Callable) -> bool:
     return bool(getattr(processor, "needs_latest_tokens", False))
 
 
+def is_two_phase(processor: Callable) -> bool:
+    """Whether ``processor`` has ``prepare`` and ``apply`` (a two-phase processor)."""
+    return callable(getattr(processor, "prepare", None)) and callable(getattr(processor, "apply", None))
+
+
 def check_processors(processors: Sequence[object], source: str) -> list[Callable]:
     """``processors`` as a list after checking each is a callable instance; raise ``TypeError`` naming ``source``."""
     if isinstance(processors, (str, bytes)) or not isinstance(processors, Sequence):
@@ -131,10 +163,13 @@ def check_processors(processors: Sequence[object], source: str) -> list[Callable
 
 @dataclasses.dataclass(frozen=True)
 class ProcessorRows:
-    """One processor and the step's rows it applies to (indices into the step's logits, ascending)."""
+    """One processor and the step's rows it applies to (indices into the step's logits, ascending); for a two-phase
+    processor, ``prepared``: its ``prepare`` started on the engine's worker thread (an object whose ``result()`` is the
+    handle, waiting for it if need be), or None to prepare in the sampler."""
 
     processor: Callable
     indices: tuple[int, ...]
+    prepared: object | None = None
 
 
 def apply_logits_processors(logits: torch.Tensor, plan: Sequence[ProcessorRows],
@@ -149,17 +184,26 @@ def apply_logits_processors(logits: torch.Tensor, plan: Sequence[ProcessorRows],
     logits = logits.clone()  # [num_rows, vocab]; the caller's tensor stays as it was
     for entry in plan:
         if len(entry.indices) == logits.shape[0]:
-            logits = _call(entry.processor, logits, rows)
+            logits = _call(entry, logits, rows)
             continue
         index = torch.tensor(entry.indices, dtype=torch.long).to(logits.device, non_blocking=True)  # [k]
-        picked = _call(entry.processor, logits.index_select(0, index), [rows[i] for i in entry.indices])  # [k, V]
+        picked = _call(entry, logits.index_select(0, index), [rows[i] for i in entry.indices])  # [k, V]
         logits.index_copy_(0, index, picked)
     return logits
 
 
-def _call(processor: Callable, logits: torch.Tensor, rows: Sequence[LogitsRow]) -> torch.Tensor:
+def _run(entry: ProcessorRows, logits: torch.Tensor, rows: Sequence[LogitsRow]) -> torch.Tensor:
+    processor = entry.processor
+    if not is_two_phase(processor):
+        return processor(logits, rows)
+    handle = entry.prepared.result() if entry.prepared is not None else processor.prepare(rows)
+    return processor.apply(logits, rows, handle)
+
+
+def _call(entry: ProcessorRows, logits: torch.Tensor, rows: Sequence[LogitsRow]) -> torch.Tensor:
+    processor = entry.processor
     try:
-        out = processor(logits, rows)
+        out = _run(entry, logits, rows)
     except Exception as exc:
         raise LogitsProcessorError(
             f"logits processor {processor_name(processor)} raised {type(exc).__name__}: {exc}") from exc
@@ -176,9 +220,11 @@ __all__ = [
     "LogitsProcessorLike",
     "LogitsRow",
     "ProcessorRows",
+    "TwoPhaseLogitsProcessor",
     "applies_to",
     "apply_logits_processors",
     "check_processors",
+    "is_two_phase",
     "needs_latest_tokens",
     "validate_params",
 ]

@@ -149,6 +149,7 @@ class SamplingMetadata:
         logits_processors: Sequence[Callable] = (),
         request_ids: Sequence[str] | None = None,
         device: torch.device | str = "cpu",
+        prepared: Mapping[int, object] | None = None,
     ) -> SamplingMetadata:
         """Build metadata for rows described by ``SamplingParams``.
 
@@ -168,6 +169,8 @@ class SamplingMetadata:
             request_ids: per row, the request id the processors see (default: the row index).
             device: where to put the per-row tensors (the logits' device); they stay on the host where every row is
                 greedy without penalties (no upload: the sampler reads none of them on the device then).
+            prepared: index into ``logits_processors`` -> the ``prepare`` of that two-phase processor, started for
+                the rows it applies to (``ProcessorRows.prepared``); the others prepare in the sampler.
         """
         rows = len(params)
         for name, values in (("seeds", seeds), ("prompt_token_ids", prompt_token_ids),
@@ -188,7 +191,8 @@ class SamplingMetadata:
         if bad_words_token_ids is None and any(p.bad_words for p in params):
             raise ValueError("rows have bad_words but no bad_words_token_ids were given; tokenize them first "
                              "(deepinfer_core.sampling.bad_words.tokenize_bad_words)")
-        plan = [ProcessorRows(proc, rows) for proc in logits_processors
+        prepared = prepared or {}
+        plan = [ProcessorRows(proc, rows, prepared.get(k)) for k, proc in enumerate(logits_processors)
                 if (rows := tuple(i for i, p in enumerate(params) if applies_to(proc, p)))]
         logits_rows = []
         if plan:

@@ -1,9 +1,11 @@
 """The logits processor that enforces ``SamplingParams.structured_outputs`` with llguidance.
 
-One ``llguidance.LLMatcher`` per request id, advanced with the row's output token ids (``needs_latest_tokens``: the
-engine reads the token sampled in the step before first, as for penalties). Each step the processor computes the
-row's token mask on the host, synchronously, and sets the disallowed logits to -inf; once the grammar is complete
-only EOS is allowed, so the completion ends there (finish_reason "stop").
+A two-phase processor (``deepinfer_core.sampling.logits_processor``): ``prepare`` runs on the engine's host worker
+thread while the device computes the step's forward pass. It advances one ``llguidance.LLMatcher`` per request id
+with the row's output token ids and fills the rows' token masks, packed 32 tokens to an int32 word, with llguidance's
+parallel executor (which releases the GIL). ``apply`` in the sampler moves the packed masks to the device and sets the
+disallowed logits to -inf. Once the grammar is complete only EOS is allowed, so the completion ends there
+(finish_reason "stop").
 
 A matcher is a cache of the request's state, never the truth: a request the processor has not seen (or lost, after
 a long preemption) gets a fresh matcher fed with all its output tokens, and fewer output tokens than the matcher
@@ -14,14 +16,17 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from deepinfer_core.sampling import LogitsProcessor, LogitsRow, SamplingParams
+from deepinfer_core.sampling import LogitsRow, SamplingParams
+from deepinfer_core.sampling.logits_processor import TwoPhaseLogitsProcessor
 from deepinfer_core.sampling.structured_outputs import StructuredOutputsParams
+from deepinfer_core.sampling.token_bitmask import apply_token_bitmask, bitmask_words
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +62,12 @@ class _Entry:
     last_call: int
 
 
-class StructuredOutputProcessor(LogitsProcessor):
-    """Masks each constrained row to the tokens its grammar allows next (EOS only once the grammar is complete)."""
+class StructuredOutputProcessor(TwoPhaseLogitsProcessor):
+    """Masks each constrained row to the tokens its grammar allows next (EOS only once the grammar is complete).
 
-    needs_latest_tokens = True
+    ``prepare`` (the engine's worker thread) owns the matchers; ``validate_params`` (the engine's thread) shares only
+    the grammar cache and the tokenizer, under a lock."""
+
     applies_structured_outputs = True
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_id: int | None):
@@ -68,7 +75,10 @@ class StructuredOutputProcessor(LogitsProcessor):
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self._ll_tokenizer = None  # built on first use: engines without constrained requests pay nothing
+        self._ll_executor = None  # llguidance.LLExecutor: a batch's masks in parallel, without the GIL
         self._grammars: dict[str, str] = {}  # constraint key -> llguidance grammar
+        self._shared = threading.Lock()  # the grammar cache and the tokenizer
+        self._matchers = threading.Lock()  # the entries: prepare vs rollback / forget
         self._entries: dict[str, _Entry] = {}
         self._calls = 0
 
@@ -99,58 +109,91 @@ class StructuredOutputProcessor(LogitsProcessor):
         key, grammar = self._grammar(params.structured_outputs)
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer())
         if error:
-            self._grammars.pop(key, None)
+            self._forget_grammar(key)
             raise ValueError(f"structured_outputs.{params.structured_outputs.kind} is invalid: {error.strip()}")
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[LogitsRow]) -> torch.Tensor:
-        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+    def prepare(self, rows: Sequence[LogitsRow]) -> torch.Tensor:
+        """Advance each row's matcher to the row's output tokens and fill the rows' packed token masks: int32
+        ``[len(rows), ceil(vocab / 32)]`` on the host (pinned where CUDA is there), EOS alone for a matcher that has
+        stopped or failed."""
+        from llguidance.torch import fill_next_token_bitmask_par
 
-        self._calls += 1
-        vocab = logits.shape[1]
-        words = self._tokenizer().vocab_size
-        bitmask = allocate_token_bitmask(len(rows), words)  # [rows, ceil(words / 32)] int32, all allowed
-        eos_only = []
-        for i, row in enumerate(rows):
-            matcher = self._advance(row)
-            if matcher.is_error() or matcher.is_stopped():
-                if matcher.is_error():
-                    logger.warning("request %s: the grammar matcher failed (%s); ending the output with EOS",
-                                   row.request_id, matcher.get_error())
-                eos_only.append(i)
-                continue
-            fill_next_token_bitmask(matcher, bitmask, i)
-        shifts = torch.arange(32, dtype=torch.int32)
-        allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # [rows, 32 * ceil(words / 32)]
-        allowed = allowed[:, :vocab]
-        if allowed.shape[1] < vocab:  # logits wider than the tokenizer: the padding ids are never allowed
-            allowed = torch.cat([allowed, allowed.new_zeros(len(rows), vocab - allowed.shape[1])], dim=1)
-        if eos_only:
-            index = torch.tensor(eos_only, dtype=torch.long)
-            allowed[index] = False
-            allowed[index, self.eos_token_id] = True
-        self._evict_stale()
-        return logits.masked_fill_(~allowed.to(logits.device, non_blocking=True), float("-inf"))
+        bitmask = torch.empty((len(rows), bitmask_words(self.vocab_size)), dtype=torch.int32,
+                              pin_memory=torch.cuda.is_available())  # [rows, words]
+        pending = []
+        with self._matchers:
+            self._calls += 1
+            for i, row in enumerate(rows):
+                matcher = self._advance(row)
+                if matcher.is_error() or matcher.is_stopped():
+                    if matcher.is_error():
+                        logger.warning("request %s: the grammar matcher failed (%s); ending the output with EOS",
+                                       row.request_id, matcher.get_error())
+                    self._eos_only(bitmask[i])
+                else:
+                    pending.append((matcher, i))
+            if pending:
+                fill_next_token_bitmask_par(self._executor(), pending, bitmask)
+            self._evict_stale()
+        return bitmask
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[LogitsRow], handle: torch.Tensor) -> torch.Tensor:
+        """Mask ``logits`` ``[len(rows), vocab]`` with the packed masks ``prepare`` filled (``handle``)."""
+        del rows
+        return apply_token_bitmask(logits, handle)
+
+    def rollback(self, request_id: str, num_tokens: int) -> None:
+        """Take back a request's last ``num_tokens`` consumed tokens (rejected speculative drafts). Not needed when
+        the request's output shrinks between steps (``prepare`` rolls back to it), only between draft positions."""
+        with self._matchers:
+            entry = self._entries.get(request_id)
+            if entry is None or num_tokens <= 0:
+                return
+            if num_tokens > entry.num_tokens:
+                raise ValueError(f"request {request_id}: cannot roll back {num_tokens} tokens, its matcher consumed "
+                                 f"{entry.num_tokens}")
+            entry.matcher.rollback(num_tokens)
+            entry.num_tokens -= num_tokens
 
     # ------------------------------------------------------------------ matchers
-    def _tokenizer(self):
-        if self._ll_tokenizer is None:
+    def _eos_only(self, row: torch.Tensor) -> None:
+        row.zero_()
+        word, bit = divmod(self.eos_token_id, 32)
+        row[word] = (1 << bit) if bit < 31 else -(1 << 31)  # int32: bit 31 is the sign
+
+    def _executor(self):
+        if self._ll_executor is None:
             import llguidance
 
-            self._ll_tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
-                                                        eos_token=self.eos_token_id)
-        return self._ll_tokenizer
+            self._ll_executor = llguidance.LLExecutor()
+        return self._ll_executor
+
+    def _tokenizer(self):
+        with self._shared:
+            if self._ll_tokenizer is None:
+                import llguidance
+
+                self._ll_tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+                                                            eos_token=self.eos_token_id)
+            return self._ll_tokenizer
 
     def _grammar(self, constraint: StructuredOutputsParams) -> tuple[str, str]:
         value = constraint.schema() if constraint.kind in ("json", "json_object") else getattr(constraint,
                                                                                              constraint.kind)
         key = f"{constraint.kind}:{int(constraint.disable_any_whitespace)}:{json.dumps(value, sort_keys=True)}"
-        grammar = self._grammars.get(key)
+        with self._shared:
+            grammar = self._grammars.get(key)
         if grammar is None:
             grammar = grammar_of(constraint)
-            if len(self._grammars) >= GRAMMAR_CACHE_SIZE:
-                self._grammars.pop(next(iter(self._grammars)))
-            self._grammars[key] = grammar
+            with self._shared:
+                if len(self._grammars) >= GRAMMAR_CACHE_SIZE:
+                    self._grammars.pop(next(iter(self._grammars)))
+                self._grammars[key] = grammar
         return key, grammar
+
+    def _forget_grammar(self, key: str) -> None:
+        with self._shared:
+            self._grammars.pop(key, None)
 
     def _advance(self, row: LogitsRow):
         """The row's matcher, having consumed exactly the row's output tokens."""
@@ -180,7 +223,8 @@ class StructuredOutputProcessor(LogitsProcessor):
 
     def forget(self, request_id: str) -> None:
         """Drop a request's matcher (it finished)."""
-        self._entries.pop(request_id, None)
+        with self._matchers:
+            self._entries.pop(request_id, None)
 
 
 __all__ = ["StructuredOutputProcessor", "grammar_of"]

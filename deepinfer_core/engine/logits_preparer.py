@@ -1,0 +1,142 @@
+"""Runs the two-phase logits processors' ``prepare`` on a host worker thread, off the step's critical path.
+
+A two-phase processor (``sampling/logits_processor.py``: a grammar's token masks) does its host work in
+``prepare(rows)`` and its device work in ``apply`` in the sampler. The engine starts ``prepare`` here as soon as every
+row the step samples has its output tokens on the host: before the forward pass is launched when they already are,
+or, under asynchronous scheduling, right after reading the previous step's tokens while the device runs this step's
+forward pass. The tokens just read are passed in (``latest``), because the scheduler appends them to their requests
+only after ``prepare`` has started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from deepinfer_core.engine.scheduler import ScheduledChunk, SchedulerOutput
+from deepinfer_core.sampling.logits_processor import LogitsRow, applies_to, is_two_phase
+
+
+@dataclasses.dataclass
+class PrepareStats:
+    """Where the two-phase processors' host time went: ``prepare_s`` on the worker thread, of which the sampler
+    waited ``wait_s`` (the rest overlapped the device and the engine's own host work)."""
+
+    prepare_s: float = 0.0
+    wait_s: float = 0.0
+    num_prepares: int = 0
+    num_rows: int = 0
+
+    @property
+    def hidden_share(self) -> float | None:
+        """The share of ``prepare_s`` the engine did not wait for (None before any prepare)."""
+        return None if self.prepare_s <= 0 else max(0.0, 1.0 - self.wait_s / self.prepare_s)
+
+
+class PreparedHandle:
+    """A ``prepare`` running on the worker thread; ``result()`` is its handle, waiting only if it has not finished."""
+
+    def __init__(self, future: Future, stats: PrepareStats):
+        self._future = future
+        self._stats = stats
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> object:
+        if not self._future.done():
+            start = time.perf_counter()
+            self._future.exception()  # waits
+            self._stats.wait_s += time.perf_counter() - start
+        return self._future.result()
+
+
+class OutputSoFar(Sequence[int]):
+    """A request's output ids as ``prepare`` sees them: the first ``length`` of its append-only list (the engine's
+    thread may append meanwhile), then the token the engine has just read, if any."""
+
+    __slots__ = ("_ids", "_latest", "_length")
+
+    def __init__(self, ids: Sequence[int], length: int, latest: int | None):
+        self._ids, self._length, self._latest = ids, length, latest
+
+    def __len__(self) -> int:
+        return self._length + (self._latest is not None)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError("output token index out of range")
+        return self._ids[index] if index < self._length else self._latest
+
+
+class LogitsPreparer:
+    """Starts the ``prepare`` of each two-phase processor among ``processors`` (the sampler's list, same order)."""
+
+    def __init__(self, processors: Sequence[Callable]):
+        self.processors = list(processors)
+        self._two_phase = [k for k, p in enumerate(self.processors) if is_two_phase(p)]
+        self._pool: ThreadPoolExecutor | None = None  # started on first use
+        self.stats = PrepareStats()
+
+    def applies(self, scheduled: SchedulerOutput) -> bool:
+        """Whether a two-phase processor applies to a row the step samples."""
+        return bool(self._two_phase) and any(
+            applies_to(self.processors[k], c.request.params) for c in scheduled.chunks if c.samples
+            for k in self._two_phase)
+
+    def start(self, scheduled: SchedulerOutput, latest: Mapping[str, int] | None = None) -> dict[int, PreparedHandle]:
+        """Start ``prepare`` for each two-phase processor on the step's sampled rows it applies to; returns index in
+        ``processors`` -> handle (``SamplingMetadata.from_params(prepared=...)``). ``latest``: tokens of the step
+        before that the host has read but not yet appended to their requests (request id -> token id)."""
+        chunks = [c for c in scheduled.chunks if c.samples]
+        started = {}
+        for k in self._two_phase:
+            processor = self.processors[k]
+            rows = [row_of(c, latest or {}) for c in chunks if applies_to(processor, c.request.params)]
+            if rows:
+                started[k] = PreparedHandle(self._executor().submit(self._prepare, processor, rows), self.stats)
+        return started
+
+    def _prepare(self, processor, rows: list[LogitsRow]) -> object:
+        start = time.perf_counter()
+        try:
+            return processor.prepare(rows)
+        finally:
+            self.stats.prepare_s += time.perf_counter() - start
+            self.stats.num_prepares += 1
+            self.stats.num_rows += len(rows)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-prepare")
+        return self._pool
+
+    def shutdown(self) -> None:
+        """Stop the worker thread (after the prepare in progress, if any)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def row_of(chunk: ScheduledChunk, latest: Mapping[str, int]) -> LogitsRow:
+    """The ``LogitsRow`` of a sampling chunk with its output complete: the request's read tokens plus, when its
+    previous token was read but not appended yet, that one."""
+    request = chunk.request
+    count = chunk.end - len(request.prompt_token_ids)  # output tokens before the one this step samples
+    known = len(request.output_token_ids)
+    extra = latest.get(request.request_id) if known == count - 1 else None
+    if known + (extra is not None) != count:
+        raise RuntimeError(f"request {request.request_id}: {count} output tokens precede this step but the host has "
+                           f"{known}{' and the one just read' if extra is not None else ''}; a two-phase logits "
+                           "processor needs them all")
+    return LogitsRow(request.request_id, request.params, request.prompt_token_ids,
+                     OutputSoFar(request.output_token_ids, known, extra), count)
+
+
+__all__ = ["LogitsPreparer", "OutputSoFar", "PrepareStats", "PreparedHandle", "row_of"]
