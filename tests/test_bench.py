@@ -197,6 +197,7 @@ def test_no_prefix_share_keeps_todays_prompts_and_takes_nothing_from_the_cache(h
     assert runner.random_prompts(2, 8, 4096, 0) == expected
     engine = hf_result["engine"]
     assert engine["num_cached_tokens"]["max"] == 0 and engine["computed_prompt_tokens"] == engine["prompt_tokens"]
+    assert engine["ttft_miss_s"] == engine["ttft_s"] and engine["ttft_hit_s"]["mean"] is None
     assert hf_result["config"]["prefix_share"] == 0 and hf_result["config"]["prefix_len"] == 0
 
 
@@ -218,8 +219,10 @@ def test_prefix_share_makes_the_timed_run_hit_the_warmups_prefix(cache_dir):
     # the exact rebuild's replay (4 layers x 128 + 2 x 128 tokens) reaches token 0: every prompt token is computed
     assert engine["computed_prompt_tokens"] == engine["prompt_tokens"] == 640
     assert engine["ttft_s"]["mean"] > 0
+    assert engine["ttft_hit_s"] == engine["ttft_s"] and engine["ttft_miss_s"]["mean"] is None  # every prompt hit
     table = format_report(result)
     assert "the first 160 a common prefix, share 0.5" in table and "cached tok mean" in table
+    assert "TTFT hit mean" in table and "TTFT miss mean" in table
 
 
 def test_prefix_share_with_swa_replay_adopts_part_of_the_hit_and_computes_less(cache_dir):

@@ -14,6 +14,8 @@ _ROWS = (
     ("TTFT mean", "ttft_s", "mean", 1e3, "ms"),
     ("TTFT p50", "ttft_s", "p50", 1e3, "ms"),
     ("TTFT p99", "ttft_s", "p99", 1e3, "ms"),
+    ("TTFT hit mean", "ttft_hit_s", "mean", 1e3, "ms"),
+    ("TTFT miss mean", "ttft_miss_s", "mean", 1e3, "ms"),
     ("TPOT mean", "tpot_s", "mean", 1e3, "ms"),
     ("TPOT p50", "tpot_s", "p50", 1e3, "ms"),
     ("TPOT p99", "tpot_s", "p99", 1e3, "ms"),

@@ -173,7 +173,7 @@ def result_keys() -> dict[str, list[str]]:
         "metrics": ["total_time_s", "num_requests", "prompt_tokens", "output_tokens", "output_throughput",
                     "total_throughput", "requests_per_s", "ttft_s", "tpot_s", "latency_s", "load_time_s", "steps",
                     "step_times_s", "iteration_total_times_s", "iteration_first_token_s", "gc_pauses",
-                    "num_cached_tokens", "computed_prompt_tokens"],
+                    "num_cached_tokens", "computed_prompt_tokens", "ttft_hit_s", "ttft_miss_s"],
     }
 
 
@@ -429,6 +429,9 @@ def summarize(times: RunTimes, prompt_lens: Sequence[int], load_time: float,
         "num_cached_tokens": stats([times.cached_tokens.get(k, 0) for k in keys]),
         "computed_prompt_tokens": (sum(times.computed_prompt_tokens.values()) if times.computed_prompt_tokens
                                    else sum(prompt_lens)),
+        # TTFT of the requests that took prompt tokens from the prefix cache, and of those that took none
+        "ttft_hit_s": stats([t for k, t in zip(keys, ttft) if times.cached_tokens.get(k, 0) > 0]),
+        "ttft_miss_s": stats([t for k, t in zip(keys, ttft) if times.cached_tokens.get(k, 0) == 0]),
     }
 
 

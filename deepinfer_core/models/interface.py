@@ -108,9 +108,12 @@ class StaticStepModel(CausalLM, Protocol):
         """The shortest prompt a static prefill step takes."""
 
     def place_prefill_inputs(self, batch: ForwardBatch, state: ModelState, buffers: StaticBuffers, written: int,
-                             spare_block: int) -> Any:
-        """Host phase of a lone prompt's prefill padded to a bucket: its layout, placed in ``buffers``; only the
-        first ``written`` tokens write state (the padding writes ``spare_block``)."""
+                             spare_block: int, context_len: int | None = None) -> Any:
+        """Host phase of a lone chunk's prefill padded to a bucket: its layout, placed in ``buffers``; only the
+        first ``written`` tokens write state (the padding writes ``spare_block``). The chunk may start past token 0
+        (a replay after a prefix hit: ``batch.compressed_write_start`` and ``sliding_floor`` are data, not shapes);
+        its shapes depend only on the bucket and ``context_len`` (a bound on the chunk's padded end; None: the
+        bucket, a chunk from token 0)."""
 
     def prefill_layout(self, inputs: Any) -> Any:
         """Device phase of a static prefill step: the layout ``forward`` takes."""

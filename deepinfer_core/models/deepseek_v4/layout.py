@@ -110,13 +110,18 @@ class StepLayout:
     fixed storage; the caller uploads them), ``written`` (per sequence, how many of its tokens write state: the rest
     pad the chunk to its bucket and only read, and the causal masks keep them out of every real token's view) and
     ``spare_block`` (where the windows of padding tokens write), and without ``masks`` (the graph computes them:
-    ``build_masks``).
+    ``build_masks``). A chunk that starts past token 0 (a replay after a prefix hit, a later chunk) also gives
+    ``context_len``, a bound on its end: then every shape depends on the chunk's padded length and ``context_len``
+    alone, not on where it starts: sliding keys span ``Lq + window - 1`` positions (ring keys, then the chunk's),
+    entries ``context_len // ratio`` (the block table padded to ``context_len``), and the compressor plan has every
+    window the chunk completes, those before ``compressed_write_start`` (their entries come from the cache) writing
+    the spare block.
     """
 
     def __init__(self, batch: ForwardBatch, sliding_window: int, block_size: int, device: torch.device,
                  windows: tuple[tuple[int, int], ...] = (), entry_ratios: tuple[int, ...] = (),
                  buffers: StaticBuffers | None = None, written: list[int] | None = None, spare_block: int = 0,
-                 masks: bool = True):
+                 masks: bool = True, context_len: int | None = None):
         self.batch = batch
         self.window = sliding_window
         self.block_size = block_size
@@ -130,6 +135,7 @@ class StepLayout:
         self.buffers, self.spare_block = buffers, spare_block
         self.padded = written is not None and list(written) != list(self.query_lens)  # tokens that write no state
         self.written = written if self.padded else self.query_lens
+        self.context_len = context_len
         self._tables: torch.Tensor | None = None
         self._visible: dict[int, torch.Tensor] = {}  # ratio -> attention_visible of the layout's entries
         self._pending: list[tuple[object, str, torch.Tensor]] = []  # (owner, attribute, host tensor) to upload
@@ -212,6 +218,8 @@ class StepLayout:
             spans.append(min(ctx, max(0, ctx - (W - 1), floors[s])))
         ends = [ctx + n for ctx, n in zip(batch.context_lens, self.query_lens)]
         width = max(end - first for first, end in zip(spans, ends))
+        if self.context_len is not None:  # static: ring keys (at most W - 1), then the chunk's
+            width = self.max_query_len + (W - 1 if self.context_len > self.max_query_len else 0)
         first, end = self._tensor(spans)[:, None], self._tensor(ends)[:, None]  # [S, 1]
         key_positions = first + torch.arange(width)[None, :]  # [S, Lk]
         key_positions = torch.where(key_positions < end, key_positions, -1)
@@ -278,7 +286,8 @@ class StepLayout:
         """The entries' places (uploaded with the layout); their visibility mask comes after the upload."""
         per_block = self.block_size // ratio
         counts = [(ctx + n) // ratio for ctx, n in zip(self.batch.context_lens, self.query_lens)]
-        blocks, rows, _ = entry_places(self._block_tables(), torch.arange(max(counts)), self._tensor(counts), per_block)
+        width = max(counts) if self.context_len is None else self.context_len // ratio
+        blocks, rows, _ = entry_places(self._block_tables(), torch.arange(width), self._tensor(counts), per_block)
         entries = EntryLayout(blocks, rows, None)
         self._stage(entries, "blocks", blocks)
         self._stage(entries, "rows", rows)
@@ -317,14 +326,15 @@ class StepLayout:
         per_block = self.block_size // ratio
         ctx, starts = self._host_ctx, self._host_starts  # [S]
         write_start = self._tensor(self.batch.compressed_write_start or [0] * self.num_seqs)
-        first_w = torch.maximum(ctx // ratio, -((-write_start) // ratio))  # [S]: nothing before the write start
+        first_cached = -((-write_start) // ratio)  # [S]: windows before it come from the cache
+        first_w = ctx // ratio if self.context_len is not None else torch.maximum(ctx // ratio, first_cached)  # [S]
         seq, offset = _segments(((ctx + self._host_lens) // ratio - first_w).clamp(min=0))  # windows ending now
         entry = first_w[seq] + offset  # [N]
         plan = WindowPlan(*window_plan(entry, ctx[seq], starts[seq], self._host_slots[seq],
                                        self._block_tables()[seq, entry // per_block], self._tail_writes(span), ratio,
                                        span, per_block, torch.arange(span)))
-        if self.padded:  # the windows of padding tokens pool, but write the spare block
-            padding = entry >= ((ctx + self._host_written) // ratio)[seq]  # [N]
+        if self.padded or self.context_len is not None:  # padding's and cached windows pool, write the spare block
+            padding = (entry >= ((ctx + self._host_written) // ratio)[seq]) | (entry < first_cached[seq])  # [N]
             plan.write_blocks = torch.where(padding, self.spare_block, plan.write_blocks)
             plan.write_rows = torch.where(padding, 0, plan.write_rows)
         for f in dataclasses.fields(plan):

@@ -647,11 +647,11 @@ class DeepseekV4Model:
                           **static)
 
     def place_prefill_inputs(self, batch: ForwardBatch, state: DeepseekV4State, buffers: StaticBuffers,
-                             written: int, spare_block: int) -> StepLayout:
-        """The host-built layout of a padded lone-prompt step (its first ``written`` tokens write state), placed in
-        ``buffers``; its visibility masks are left to ``prefill_layout``."""
+                             written: int, spare_block: int, context_len: int | None = None) -> StepLayout:
+        """The host-built layout of a padded lone-chunk step (its first ``written`` tokens write state; it ends by
+        ``context_len``), placed in ``buffers``; its visibility masks are left to ``prefill_layout``."""
         return self.step_layout(batch, state, buffers=buffers, written=[written], spare_block=spare_block,
-                                masks=False)
+                                masks=False, context_len=context_len)
 
     def prefill_layout(self, inputs: StepLayout) -> StepLayout:
         """The static prefill step's layout with its masks built (on the device, inside the graph)."""
