@@ -64,13 +64,13 @@ class NvidiaBackend(Backend):
         self._step_compiler = StepCompiler()
 
     def capabilities(self) -> Capabilities:
-        """fp32 / bf16 / fp16, NCCL, CUDA graphs through ``capture_graph``; no fp8. Batch invariance comes from the
-        plugin ``deepinfer-batch-invariant``, not from this backend's own kernels."""
+        """fp32 / bf16 / fp16, NCCL, CUDA graphs through ``capture_graph``; no fp8. Batch-invariant variants of its
+        ops (``op_variants``), which the plugin ``deepinfer-batch-invariant`` installs when the mode is on."""
         return Capabilities(
             dtypes=(torch.float32, torch.bfloat16, torch.float16),
             distributed_backend="nccl",
             device_graphs=True,
-            batch_invariant=False,
+            batch_invariant=True,
             fp8=False,
             verified_on_hardware=VERIFIED[self.path],
         )
@@ -83,6 +83,15 @@ class NvidiaBackend(Backend):
     def op_overrides(self) -> Mapping[str, Callable]:
         """The fast ops of this path (``sm90_ops`` / ``sm100_ops``); every other op is the reference op."""
         return sm90_ops() if self.path == "sm90" else sm100_ops()
+
+    def op_variants(self, kind: str) -> Mapping[str, Callable]:
+        """``"batch_invariant"``: this backend's kernels that run with a configuration fixed by the model's shapes
+        (``kernels/invariant.py``); none for other kinds."""
+        if kind != "batch_invariant":
+            return {}
+        from deepinfer_nvidia_sm100.kernels import invariant
+
+        return invariant.batch_invariant_ops()
 
     def make_op_table(self, plugin_manager: Any = None, context: Any = None) -> OpTable:
         """The base table (reference ops, these overrides, the plugins'); then, where the table's ``hc_post`` and
@@ -140,7 +149,8 @@ def triton_ops() -> dict[str, Callable]:
     ``hc_post_sum``, ``apply_rope`` and ``apply_rope_``, ``sink_attention`` of decode rows, ``indexer_scores``,
     ``gather_keys``, ``compressor_entries`` and ``compressor_entries_rope``, the cache writes, ``greedy_sample``, the
     RMS norms, alone and fused into RoPE (``rms_norm_rope``) and the ``hc`` collapse (``hc_pre_normed``), the
-    shared expert), ``grouped_linear`` as a strided cuBLAS batched GEMM (``kernels/blas.py``), the small ops that
+    shared expert), the ops of quantized weights (``quantized_ops``), ``grouped_linear`` as a strided cuBLAS batched
+    GEMM (``kernels/blas.py``), the small ops that
     TorchInductor compiles to Triton, and ``fork`` on a second CUDA stream (``kernels/streams.py``)."""
     from deepinfer_core.ops import reference as ref
     from deepinfer_nvidia_sm100.kernels import (
@@ -166,7 +176,8 @@ def triton_ops() -> dict[str, Callable]:
            "indexer_scores": indexer.indexer_scores, "gather_keys": keys.gather_keys, "fork": streams.fork,
            "moe_route_topk": route.moe_route_topk, "moe_route_hash": route.moe_route_hash,
            "compressor_entries": compressor.compressor_entries, "swiglu_mlp": moe.swiglu_mlp,
-           "write_rows_": cache_writes.write_rows_, "grouped_linear": blas.grouped_linear}
+           "write_rows_": cache_writes.write_rows_, "grouped_linear": blas.grouped_linear,
+           **quantized_ops()}
     if decode_attention.enabled():  # decode rows; the others the reference (sm90_ops: TileLang)
         ops["sink_attention"] = decode_attention.with_fallback(ref.sink_attention)
     if greedy.enabled():  # the sampler of an all-greedy step: ~16 one-block reductions -> two launches
@@ -178,6 +189,18 @@ def triton_ops() -> dict[str, Callable]:
                    rms_norm_rope=norm.rms_norm_rope, hc_pre_normed=hc.hc_pre_normed,  # their neighbours' kernels
                    compressor_entries_rope=compressor.compressor_entries_rope)
     return ops
+
+
+def quantized_ops() -> dict[str, Callable]:
+    """The ops of quantized weights (docs/quantization.md), read as stored and decoded in registers: MXFP4 and fp8
+    block experts (``kernels/moe_quant.py``), fp8 block linears, grouped linears and the shared expert, weight-only
+    or on fp8 tensor cores by row count (``kernels/fp8_linear.py``)."""
+    from deepinfer_nvidia_sm100.kernels import fp8_linear, moe_quant
+
+    return {"moe_experts_mxfp4": moe_quant.moe_experts_mxfp4, "moe_experts_fp8_block": moe_quant.moe_experts_fp8_block,
+            "linear_fp8_block": fp8_linear.linear_fp8_block,
+            "grouped_linear_fp8_block": fp8_linear.grouped_linear_fp8_block,
+            "swiglu_mlp_fp8_block": fp8_linear.swiglu_mlp_fp8_block}
 
 
 class CudaGraphRunner:

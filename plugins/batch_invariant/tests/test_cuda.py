@@ -47,11 +47,15 @@ def on_cuda(op):
     return run
 
 
-@pytest.fixture(scope="module")
-def bi():
+@pytest.fixture(scope="module", params=["installed", "portable"])
+def bi(request):
+    """The ops as the mode installs them on this backend (its own batch-invariant kernels where it offers them,
+    through the op table), or the plugin's portable forms alone."""
     from deepinfer_batch_invariant.ops import implementations
+    from deepinfer_nvidia_sm100.backend import NvidiaBackend
 
-    return implementations("nvidia_sm100")
+    offered = NvidiaBackend().make_op_table().variants("batch_invariant") if request.param == "installed" else {}
+    return implementations("nvidia_sm100", offered)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -127,7 +131,8 @@ def test_needles_bitwise_identical_in_random_batches_on_gpu(dtype):
                    max_num_seqs=64, enable_prefix_caching=False, **kwargs)
 
     solo = llm(max_num_batched_tokens=512)
-    assert set(solo.model.ops.sources().values()) == {"batch_invariant"}
+    sources = set(solo.model.ops.sources().values())
+    assert sources == {"batch_invariant", "batch_invariant (nvidia_sm100)"}, sources  # the backend's kernels too
     alone = [record(solo.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0], VOCAB) for p, sp in needles]
     del solo
     batched = llm(max_num_batched_tokens=128)  # chunked prefill: prompts split, mixed with decode tokens

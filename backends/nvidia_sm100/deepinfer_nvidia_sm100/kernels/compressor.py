@@ -92,6 +92,15 @@ def pool_windows(raw_kv: torch.Tensor, raw_gate: torch.Tensor, carry_kv: torch.T
                  from_new: torch.Tensor, new_rows: torch.Tensor, carry_slots: torch.Tensor, carry_index: torch.Tensor,
                  valid: torch.Tensor, ape: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
     """The pooled windows ``[N, d]`` before the norm (``reference.compressor_entries`` without its RMS norm)."""
+    N = from_new.shape[0]
+    return launch_pool(raw_kv, raw_gate, carry_kv, carry_gate, from_new, new_rows, carry_slots, carry_index, valid, ape,
+                       ratio, overlap, few=N < FEW_WINDOWS)  # few, e.g. a batch-1 decode step: more, shorter programs
+
+
+def launch_pool(raw_kv, raw_gate, carry_kv, carry_gate, from_new, new_rows, carry_slots, carry_index, valid, ape,
+                ratio: int, overlap: bool, few: bool) -> torch.Tensor:
+    """``pool_windows`` with the launch for ``few`` windows or for many, whatever the number of windows: a window's
+    slots are then summed in blocks of one size (``invariant.py``: the batch-invariant mode always takes many)."""
     N, span = from_new.shape
     width = raw_kv.shape[-1]
     d = width // 2 if overlap else width
@@ -101,7 +110,6 @@ def pool_windows(raw_kv: torch.Tensor, raw_gate: torch.Tensor, carry_kv: torch.T
     raw_kv, raw_gate = _rows_contiguous(raw_kv), _rows_contiguous(raw_gate)
     if carry_kv.stride(-1) != 1 or carry_gate.stride() != carry_kv.stride():  # the kernel reads both with one stride
         carry_kv, carry_gate = carry_kv.contiguous(), carry_gate.contiguous()  # (the model's halves of one carry do)
-    few = N < FEW_WINDOWS  # e.g. a batch-1 decode step: more, shorter programs (latency over loop iterations)
     block_d = FEW_BLOCK_D if few else BLOCK_D
     block_s = min(FEW_MAX_BLOCK_S if few else MAX_BLOCK_S, triton.next_power_of_2(span))
     _pool_windows_kernel[(N, triton.cdiv(d, block_d))](

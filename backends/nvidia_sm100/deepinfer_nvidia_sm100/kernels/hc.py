@@ -112,14 +112,23 @@ def mix_kernel(streams: torch.Tensor) -> str:
             else "split" if tokens <= MIX_KERNEL_MAX_TOKENS else "compiled")
 
 
+INVARIANT_MIX_SPLITS = 32
+"""Most K splits of the mixing logits in the batch-invariant launch (``hc_mix_logits(..., invariant=True)``): the
+split count then follows the row length alone."""
+
+
 def hc_mix_logits(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float, kernel: str | None = None,
-                  partials: bool = False):
+                  partials: bool = False, invariant: bool = False):
     """``reference.hc_mix_logits``: ``[T, (2 + hc) * hc]`` fp32. 16-bit streams take the tensor-core kernel
     (``"dot"``; as fast as the split rows at 1 token, faster from 4 on); fp32 streams the split-row kernels
     (``"split"``) up to ``MIX_KERNEL_MAX_TOKENS`` tokens, else the compiled reference (``"compiled"``). ``kernel``
     forces one (``benchmarks/bench_hc_mix.py``). ``partials`` (split kernels only): the per-split shares before the
-    finish, ``(dots, squares, splits, N_P2)``, for a kernel that finishes them itself."""
+    finish, ``(dots, squares, splits, N_P2)``, for a kernel that finishes them itself. ``invariant``: one launch
+    whatever the token count (16-bit: the tensor-core kernel, fp32: the split rows in 4-token blocks), the split count
+    a function of the row length only (``INVARIANT_MIX_SPLITS``), so a token's logits do not depend on the others."""
     tokens = streams.shape[0]
+    if invariant:
+        kernel = "dot" if streams.dtype in (torch.bfloat16, torch.float16) else "split"
     kernel = kernel or mix_kernel(streams)
     if kernel == "compiled":
         return maybe_compile(ref.hc_mix_logits)(streams, fn, norm_eps)
@@ -131,7 +140,7 @@ def hc_mix_logits(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float, kern
         n_p2 = max(16, n_p2)  # tl.dot needs N >= 16
         token_blocks = triton.cdiv(tokens, MIX_DOT_BLOCK_T)
         steps = triton.cdiv(k, MIX_DOT_BLOCK_K)
-        splits = min(steps, triton.cdiv(MIX_DOT_PROGRAMS, token_blocks))
+        splits = min(steps, INVARIANT_MIX_SPLITS if invariant else triton.cdiv(MIX_DOT_PROGRAMS, token_blocks))
         per_split = triton.cdiv(steps, splits) * MIX_DOT_BLOCK_K
         splits = triton.cdiv(k, per_split)
         dots, squares = _mix_partials(splits, tokens, n_p2, x.device)
@@ -139,7 +148,7 @@ def hc_mix_logits(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float, kern
             x, fn, dots, squares, tokens, k, n, per_split, BLOCK_T=MIX_DOT_BLOCK_T, BLOCK_K=MIX_DOT_BLOCK_K,
             N_P2=n_p2, TENSOR_CORES=True, num_warps=4, **pdl.launch())
     else:
-        block_t, per_split = min(4, triton.next_power_of_2(tokens)), MIX_K_PER_SPLIT
+        block_t, per_split = 4 if invariant else min(4, triton.next_power_of_2(tokens)), MIX_K_PER_SPLIT
         block_k = per_split // max(1, block_t // 2)  # [block_t, n_p2, block_k] products: 64 registers a thread
         splits = triton.cdiv(k, per_split)
         dots, squares = _mix_partials(splits, tokens, n_p2, x.device)
@@ -472,16 +481,19 @@ def _mix_weights(post, comb, dots, squares, base, scale, k, splits, norm_eps, si
         HC_P2=triton.next_power_of_2(hc), N_P2=n_p2, SPLITS_P2=triton.next_power_of_2(splits), num_warps=NORM_WARPS)
 
 
-def _pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight, defer=False):
+def _pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight, defer=False, invariant=False):
     """``hc_pre``, then the RMS norm with ``norm_weight`` unless it is None; with ``defer`` (decode sizes) ``post`` and
-    ``comb`` come from a kernel forked to the side stream (``hc_pre_normed_deferred``)."""
-    if mix_kernel(streams) == "compiled":
+    ``comb`` come from a kernel forked to the side stream (``hc_pre_normed_deferred``); ``invariant``: the mixing
+    logits' batch-invariant launch (``hc_mix_logits``), then the same per-token finishing kernel."""
+    if invariant and streams.shape[0] == 0:
+        return _hc_pre_fake(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+    if not invariant and mix_kernel(streams) == "compiled":
         mixed = hc_mix_logits(streams, fn, norm_eps)  # [T, (2 + hc) * hc] fp32
         pre, post, comb = hc_weights(mixed, base, scale, streams.shape[1], sinkhorn_iters, hc_eps)
         collapsed = hc_collapse(pre, streams)
         return post, comb, collapsed if norm_weight is None else _norm.rms_norm(collapsed, norm_weight, norm_eps)
     tokens, hc, dim = streams.shape
-    dots, squares, splits, n_p2 = hc_mix_logits(streams, fn, norm_eps, partials=True)
+    dots, squares, splits, n_p2 = hc_mix_logits(streams, fn, norm_eps, partials=True, invariant=invariant)
     post = torch.empty(tokens, hc, dtype=torch.float32, device=streams.device)
     comb = torch.empty(tokens, hc, hc, dtype=torch.float32, device=streams.device)
     out = torch.empty(tokens, dim, dtype=streams.dtype, device=streams.device)

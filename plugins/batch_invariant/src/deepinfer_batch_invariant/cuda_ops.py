@@ -8,10 +8,15 @@ are position independent (one functor per element, whatever the vectorisation), 
 stays.
 
 Here every reduction runs in a fixed-configuration Triton kernel (``triton_kernels``): GEMMs with one tile
-and a full K loop, one program per row for norms and sums, attention over each query's own keys in fixed
-``KV_CHUNK`` chunks, the indexer with one program per (query, entry block). The logic shared with the CPU
-variants lives once in ``forms.InvariantOps``; this module supplies the CUDA primitives (``CUDA_KIT``) and the
-CUDA-only ops. Nothing here synchronises with the host, so the ops can be captured in CUDA graphs.
+and a K split fixed by the weight's shape, one program per row for norms and sums, attention over each query's own
+keys in fixed ``KV_CHUNK`` chunks, the indexer with one program per (query, entry block). The logic shared with the
+CPU variants lives once in ``forms.InvariantOps``; this module supplies the CUDA primitives (``CUDA_KIT``) and the
+CUDA-only ops. Nothing here synchronises with the host, so the ops can be captured in CUDA graphs (except the
+portable ``moe_experts`` form, whose reference loop reads expert counts on the host).
+
+These are portable forms: the backend's own kernels run with a fixed configuration where it offers them
+(``Backend.op_variants("batch_invariant")``, installed over these by ``ops.install``); this module never imports
+a backend package.
 
 Triton is imported on first use (``implementations("nvidia_sm100")``), never when the plugin loads.
 """
@@ -27,10 +32,6 @@ from deepinfer_batch_invariant import primitives, quantized
 from deepinfer_batch_invariant import triton_kernels as tk
 from deepinfer_batch_invariant.forms import ROW_FORMS, InvariantOps, Kit
 from deepinfer_core.ops import reference as _ref
-
-MOE_CONFIG = (64, 64, 64, 4)
-"""(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of the backend's Triton MoE kernels, fixed for every batch (the
-backend's own choice follows the tokens per expert, which follows the batch)."""
 
 
 def _elementwise(cuda_fn: Callable, cpu_fn: Callable) -> Callable:
@@ -54,15 +55,40 @@ def _pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return tk.pool(kv, gate)
 
 
-def _hc_weights(mixed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int, eps: float):
-    """The backend's one-launch ``hc_weights`` kernel: one program per token, a fixed order inside it."""
-    from deepinfer_nvidia_sm100.kernels.hc import hc_weights
+_sigmoid = _elementwise(torch.sigmoid, primitives.sigmoid)
 
-    return hc_weights(mixed, base, scale, hc, iters, eps)
+
+def _fold(x: torch.Tensor, dim: int, combine: Callable) -> torch.Tensor:
+    """``combine`` folded left over the small axis ``dim`` (kept), element by element: no reduction kernel."""
+    parts = x.unbind(dim)
+    total = parts[0]
+    for part in parts[1:]:
+        total = combine(total, part)
+    return total.unsqueeze(dim)
+
+
+def _hc_weights(mixed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, iters: int, eps: float):
+    """``reference.hc_weights`` with every sum and max over the ``hc``-wide axes as an elementwise left fold (torch's
+    CUDA reductions choose their launch by the number of rows); ``[T, (2 + hc) * hc]`` -> ``pre``, ``post``,
+    ``comb``. Elementwise launches only; the backend's ``hc_pre`` (``Backend.op_variants``) keeps them in one kernel."""
+    tokens = mixed.shape[0]
+    pre_w, post_w, comb_w = mixed.split([hc, hc, hc * hc], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
+    pre_s, post_s, comb_s = scale.float().unbind(0)
+    pre = _sigmoid(pre_w * pre_s + pre_b) + eps  # [T, hc]
+    post = 2 * _sigmoid(post_w * post_s + post_b)  # [T, hc]
+    logits = comb_w.reshape(tokens, hc, hc) * comb_s + comb_b.view(hc, hc)  # [T, hc, hc]
+    e = torch.exp(logits - _fold(logits, -1, torch.maximum))
+    comb = e / _fold(e, -1, torch.add) + eps  # softmax over the last axis, plus eps
+    comb = comb / (_fold(comb, -2, torch.add) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (_fold(comb, -1, torch.add) + eps)
+        comb = comb / (_fold(comb, -2, torch.add) + eps)
+    return pre, post, comb
 
 
 CUDA_KIT = Kit(
-    matmul_nt=tk.matmul_nt, sigmoid=_elementwise(torch.sigmoid, primitives.sigmoid),
+    matmul_nt=tk.matmul_nt, sigmoid=_sigmoid,
     silu=_elementwise(F.silu, primitives.silu), softplus=_elementwise(F.softplus, primitives.softplus), row_sum=tk.row_sum,
     collapse=_collapse, hc_weights=_hc_weights, pool=_pool, rms_norm=tk.rms_norm,
     unweighted_rms_norm=tk.unweighted_rms_norm,
@@ -71,18 +97,39 @@ CUDA_OPS = InvariantOps(CUDA_KIT)
 """The shared forms over the CUDA primitives."""
 
 
-def moe_experts(x, ids, weights, w1, w2, w3, limit: float) -> torch.Tensor:
-    """The backend's Triton ``moe_experts`` (sorted grouped GEMMs, combine by ascending expert id) with one
-    fixed tile configuration (``MOE_CONFIG``): every row of a tile is computed alike, so a token's result
-    depends only on its own routing and input. No host synchronisation (the reference loop has one)."""
-    from deepinfer_nvidia_sm100.kernels.moe import moe_experts as triton_moe_experts
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """Block-diagonal projection ``x [T, g, i]`` -> ``[T, g, o]``: every group's fixed-split GEMM in one launch."""
+    return tk.grouped_matmul_nt(x, weight, groups)
 
-    return triton_moe_experts(x, ids, weights, w1, w2, w3, limit, config=MOE_CONFIG)
+
+def swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, limit: float) -> torch.Tensor:
+    """``forms.InvariantOps.swiglu_mlp`` in fewer launches: where ``w3``'s rows follow ``w1``'s in one storage (the
+    model allocates them as one tensor) one GEMM for both, then the clamps, SiLU and product in one elementwise
+    kernel, then ``w2``. Each GEMM's split follows its weight's shape, so a row's bits still depend on that row
+    only."""
+    rows = x.reshape(-1, x.shape[-1])  # [T, D]
+    both = _rows_together(w1, w3)
+    if both is not None:
+        gate_up = tk.matmul_nt(rows, both)  # [T, 2 I]
+        gate, up = gate_up[:, : w1.shape[0]], gate_up[:, w1.shape[0]:]
+    else:
+        gate, up = tk.matmul_nt(rows, w1), tk.matmul_nt(rows, w3)  # [T, I] each
+    return tk.matmul_nt(tk.swiglu(gate, up, limit), w2).reshape(*x.shape[:-1], w2.shape[0])
+
+
+def _rows_together(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor | None:
+    """``[w1; w3]`` as one ``[2 I, D]`` view when ``w3``'s rows directly follow ``w1``'s in one storage, else None."""
+    if (w1.shape != w3.shape or w1.dtype != w3.dtype or w1.device != w3.device or not w1.is_contiguous()
+            or not w3.is_contiguous() or w3.data_ptr() != w1.data_ptr() + w1.numel() * w1.element_size()
+            or w1.untyped_storage().data_ptr() != w3.untyped_storage().data_ptr()):
+        return None
+    return w1.as_strided((2 * w1.shape[0], w1.shape[1]), (w1.shape[1], 1))
 
 
 VARIANTS: dict[str, Callable] = {
     **CUDA_OPS.table(ROW_FORMS),
-    "moe_experts": moe_experts,
+    "grouped_linear": grouped_linear,
+    "swiglu_mlp": swiglu_mlp,
     "sink_attention": tk.sink_attention,
     "indexer_scores": tk.indexer_scores,
     "rms_norm": tk.rms_norm,

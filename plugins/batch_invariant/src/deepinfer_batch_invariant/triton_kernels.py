@@ -93,14 +93,19 @@ def split_k(n: int, k: int, block_n: int, block_k: int) -> int:
 
 
 @triton.jit(do_not_specialize=["M"])
-def _matmul_nt_kernel(x_ptr, w_ptr, out_ptr, M, N, K, K_SPLIT, sxm, sxk, swn, swk, som, son, sos,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _matmul_nt_kernel(x_ptr, w_ptr, out_ptr, M, N, K, K_SPLIT, SPLITS, sxm, sxk, swn, swk, som, son, sos,
+                      sxg, swg, sog, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       PRECISION: tl.constexpr, EMULATE: tl.constexpr):
-    """One ``[BLOCK_M, BLOCK_N]`` tile of ``x @ w.T`` over the K range of split ``program_id(2)`` (``K_SPLIT``
+    """One ``[BLOCK_M, BLOCK_N]`` tile of ``x @ w.T`` for group ``program_id(2) // SPLITS`` (its operands and
+    output ``sxg`` / ``swg`` / ``sog`` elements on) over the K range of split ``program_id(2) % SPLITS`` (``K_SPLIT``
     long), fp32 accumulation; written to ``out`` (split ``s`` at offset ``s * sos``)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
+    group = (tl.program_id(2) // SPLITS).to(tl.int64)
+    pid_k = tl.program_id(2) % SPLITS
+    x_ptr += group * sxg
+    w_ptr += group * swg
+    out_ptr += group * sog
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < M
@@ -137,29 +142,69 @@ def matmul_nt(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for ``x [..., K]``, ``weight [N, K]`` (same dtype), fp32 accumulation, result in
     ``x.dtype``. One fixed tile per dtype (``MM_CONFIGS``) and a K split fixed by the weight's shape
     (``split_k``): partial sums in fp32, folded in split order. Nothing depends on the row count."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, 1, k)  # [M, 1, K] (a view where possible)
+    return _grouped_matmul(rows, weight, 1).reshape(*lead, weight.shape[0])
+
+
+def grouped_matmul_nt(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """Block-diagonal ``x [M, G, K]`` times ``weight [G * N, K]`` -> ``[M, G, N]`` (group ``g``: ``x[:, g] @
+    weight[g * N:(g + 1) * N].T``) in one launch; each group as ``matmul_nt`` computes it (the split by the
+    ``[N, K]`` block's shape)."""
+    return _grouped_matmul(x, weight, groups)
+
+
+def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """``x [M, G, K]`` (any strides), ``weight [G * N, K]`` -> ``[M, G, N]`` in ``x.dtype`` (docstrings above)."""
     if x.dtype != weight.dtype:
         raise TypeError(f"matmul_nt: x is {x.dtype}, weight is {weight.dtype}")
-    lead, k = x.shape[:-1], x.shape[-1]
-    n = weight.shape[0]
-    rows = x.reshape(-1, k)  # [M, K] (a view where possible)
-    m = rows.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [M, N]
+    m, _, k = x.shape
+    n = weight.shape[0] // groups
+    out = torch.empty(m, groups, n, dtype=x.dtype, device=x.device)  # [M, G, N]
     if m == 0 or n == 0:
-        return out.reshape(*lead, n)
+        return out
     block_m, block_n, block_k, warps, stages = MM_CONFIGS[x.dtype]
     splits = split_k(n, k, block_n, block_k)
     k_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_split)  # every split non-empty
-    target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)  # [S, M, N]
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)
-    _matmul_nt_kernel[grid](rows, weight, target, m, n, k, k_split, rows.stride(0), rows.stride(1),
-                            weight.stride(0), weight.stride(1), n, 1, m * n,
+    size = m * groups * n
+    target = out if splits == 1 else torch.empty(splits, m, groups, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits * groups)
+    _matmul_nt_kernel[grid](x, weight, target, m, n, k, k_split, splits, x.stride(0), x.stride(2),
+                            weight.stride(0), weight.stride(1), groups * n, 1, size,
+                            x.stride(1), n * weight.stride(0), n,
                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                             PRECISION=_precision(x.dtype), EMULATE=_EMULATE, num_warps=warps, num_stages=stages)
-    if splits > 1:
-        size = m * n
+    if splits > 1:  # [S, M, G, N] partials, folded in split order
         _fold_splits_kernel[(triton.cdiv(size, 1024),)](target, out, size, splits, BLOCK=1024, num_warps=4)
-    return out.reshape(*lead, n)
+    return out
+
+
+@triton.jit(do_not_specialize=["SIZE"])
+def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, SIZE, COLS, s_gate, s_up, limit, BLOCK: tl.constexpr):
+    """``out = silu(min(gate, limit)) * clamp(up, -limit, limit)`` element by element over ``[rows, COLS]`` (``gate``
+    / ``up`` rows ``s_gate`` / ``s_up`` apart), rounded as ``forms.InvariantOps.swiglu_mlp``: the clamps in the
+    model dtype, the silu in fp32 (``x / (1 + exp(-x))``) rounded to it, the product rounded once."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < SIZE
+    row, col = offs // COLS, offs % COLS
+    dt = out_ptr.dtype.element_ty
+    gate = tl.minimum(tl.load(gate_ptr + row * s_gate + col, mask=mask, other=0.0).to(tl.float32), limit)
+    up = tl.load(up_ptr + row * s_up + col, mask=mask, other=0.0).to(tl.float32)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+    tl.store(out_ptr + offs, (silu * up).to(dt), mask=mask)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` of ``gate`` / ``up [rows, I]`` (unit column stride; rows
+    may be apart: column blocks of one GEMM's output) in one elementwise pass: ``[rows, I]`` in their dtype."""
+    rows, cols = gate.shape
+    out = torch.empty(rows, cols, dtype=gate.dtype, device=gate.device)
+    if out.numel():
+        _swiglu_kernel[(triton.cdiv(out.numel(), 1024),)](gate, up, out, out.numel(), cols, gate.stride(0),
+                                                          up.stride(0), float(limit), BLOCK=1024, num_warps=4)
+    return out
 
 
 # ----------------------------------------------------------------------------- row reductions

@@ -1,0 +1,134 @@
+"""This backend's batch-invariant ops (``Backend.op_variants("batch_invariant")``): its own fast kernels, each run with
+one configuration chosen from the model's and the weights' shapes only, never from the number of rows.
+
+A kernel is batch invariant when the arithmetic that produces one output element depends on that element's own row
+(token, window, query) and on model shapes only. Most of this backend's kernels already work that way: a program owns
+whole rows (or one row's channel block), its tiles are set by the row width, and nothing is split across programs by
+a count that follows the batch. Those are offered as they are. Three choose a launch from the number of rows in the
+fast path and are offered with a fixed launch instead:
+
+* ``moe_experts``: the Triton grouped GEMMs with one tile (``MOE_TILE``, the decode tile; no CUTLASS grouped GEMM for
+  prefill, no one-token kernels: their products are summed in another order). Every row of a ``tl.dot`` tile is
+  computed alike, and a token's experts are combined in ascending expert id, so a token's result depends only on its
+  own input and routing. No atomics.
+* ``hc_pre`` / ``hc_pre_normed``: the mixing logits' K split follows the row length alone
+  (``hc.INVARIANT_MIX_SPLITS``), one kernel for every token count (``hc_mix_logits(..., invariant=True)``); the
+  weights stay on the caller's stream.
+* ``compressor_entries`` / ``compressor_entries_rope``: the many-windows launch whatever the number of windows
+  (``compressor.launch_pool(..., few=False)``), so a window's slots are summed in blocks of one size.
+
+Not offered (the batch-invariant plugin keeps its own portable forms): the dense GEMMs (``linear``, ``logits``,
+``grouped_linear``, ``swiglu_mlp``: cuBLAS and the one-row GEMV choose by the row count), ``sink_attention`` (the
+decode kernel's key blocks are blocks of the step's padded key axis, which chunked prefill moves), ``indexer_scores``
+(two kernels by query count), ``greedy_sample`` (its log-probability is not the sampler's ``log_softmax``, which a
+greedy row takes in a step with sampled rows) and the ops TorchInductor compiles with reductions (``hc_head``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from deepinfer_core.errors import UnsupportedBackendError
+from deepinfer_nvidia_sm100.kernels import (
+    cache_writes,
+    compiled,
+    compressor,
+    hc,
+    keys,
+    moe,
+    norm,
+    rope,
+    route,
+    streams,
+)
+
+MOE_TILE = moe.TILES["decode"]
+"""(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of ``moe_experts`` in the batch-invariant mode, for every batch: the plain
+path's decode tile (16-row ``mma`` tiles), so decode steps pay nothing for the fixed tile; prefill steps take it too."""
+
+INDEX_OPS = ("compressor_window", "decode_key_index", "decode_entry_places", "decode_window_plan")
+"""Compiled reference ops without floating-point reductions (gathers, integer index math, one addition per element)."""
+
+
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                w3: torch.Tensor, limit: float) -> torch.Tensor:
+    """``reference.moe_experts`` through the Triton grouped GEMMs at ``MOE_TILE`` for every batch."""
+    return moe.moe_experts(x, ids, weights, w1, w2, w3, limit, config=MOE_TILE)
+
+
+def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int,
+           hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``reference.hc_pre``: the mixing logits split by the row length only, then the per-token finishing kernel."""
+    return hc._pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, None, invariant=True)
+
+
+def hc_pre_normed(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                  sinkhorn_iters: int, hc_eps: float, norm_eps: float,
+                  norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``reference.hc_pre_normed``: ``hc_pre`` above, the collapsed row RMS-normed in the same finishing kernel."""
+    return hc._pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm_weight, invariant=True)
+
+
+def _pool(raw_kv, raw_gate, carry_kv, carry_gate, from_new, new_rows, carry_slots, carry_index, valid, ape, ratio,
+          overlap) -> torch.Tensor:
+    return compressor.launch_pool(raw_kv, raw_gate, carry_kv, carry_gate, from_new, new_rows, carry_slots,
+                                  carry_index, valid, ape, ratio, overlap, few=False)  # [N, d]
+
+
+def compressor_entries(raw_kv, raw_gate, carry_kv, carry_gate, from_new, new_rows, carry_slots, carry_index, valid,
+                       ape, norm_weight, eps: float, ratio: int, overlap: bool) -> torch.Tensor:
+    """``reference.compressor_entries``: the windows pooled with one launch for any number of them, then the row
+    norm kernel."""
+    pooled = _pool(raw_kv, raw_gate, carry_kv, carry_gate, from_new, new_rows, carry_slots, carry_index, valid, ape,
+                   ratio, overlap)
+    return _rms_norm(pooled, norm_weight, eps)
+
+
+def compressor_entries_rope(raw_kv, raw_gate, carry_kv, carry_gate, from_new, new_rows, carry_slots, carry_index,
+                            valid, ape, norm_weight, eps: float, ratio: int, overlap: bool, cos: torch.Tensor,
+                            sin: torch.Tensor) -> torch.Tensor:
+    """``reference.compressor_entries_rope``: ``compressor_entries`` above with the norm and RoPE in one pass."""
+    pooled = _pool(raw_kv, raw_gate, carry_kv, carry_gate, from_new, new_rows, carry_slots, carry_index, valid, ape,
+                   ratio, overlap)
+    return _rms_norm_rope(pooled, norm_weight, eps, cos, sin)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``norm.rms_norm`` without its reference fallback (torch's CUDA reductions pick their launch by the row
+    count): the kernel takes rows of up to ``norm.MAX_WIDTH`` channels."""
+    _check_width(x, "rms_norm")
+    return norm.rms_norm(x, weight, eps)
+
+
+def _unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    _check_width(x, "unweighted_rms_norm")
+    return norm.unweighted_rms_norm(x, eps)
+
+
+def _rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                   sin: torch.Tensor) -> torch.Tensor:
+    _check_width(x, "rms_norm_rope")
+    return norm.rms_norm_rope(x, weight, eps, cos, sin)
+
+
+def _check_width(x: torch.Tensor, op: str) -> None:
+    if not norm.covered(x) and x.numel():
+        raise UnsupportedBackendError(f"{op}: rows of {x.shape[-1]} channels; the batch-invariant norm kernel takes 1 to "
+                         f"{norm.MAX_WIDTH} channels; run this model without batch-invariant mode")
+
+
+def batch_invariant_ops() -> dict[str, Callable]:
+    """Op name -> this backend's batch-invariant implementation (module docstring)."""
+    ops: dict[str, Callable] = {
+        "rms_norm": _rms_norm, "unweighted_rms_norm": _unweighted_rms_norm, "rms_norm_rope": _rms_norm_rope,
+        "apply_rope": rope.apply_rope, "apply_rope_": rope.apply_rope_,
+        "moe_route_topk": route.moe_route_topk, "moe_route_hash": route.moe_route_hash, "moe_experts": moe_experts,
+        "hc_pre": hc_pre, "hc_pre_normed": hc_pre_normed, "hc_post": hc.hc_post, "hc_post_sum": hc.hc_post_sum,
+        "compressor_entries": compressor_entries, "compressor_entries_rope": compressor_entries_rope,
+        "gather_keys": keys.gather_keys, "write_rows_": cache_writes.write_rows_, "fork": streams.fork,
+    }
+    compiled_index_ops = compiled.compiled_ops()
+    ops.update({name: compiled_index_ops[name] for name in INDEX_OPS if name in compiled_index_ops})
+    return ops
