@@ -177,6 +177,17 @@ def test_cli_bench_bad_values_exit_2(capsys):
     assert "num_prompts must be a positive integer" in capsys.readouterr().err
 
 
+def test_cli_bench_batch_invariant_flag_sets_the_plugin_option_and_refuses_a_contradiction(capsys):
+    from deepinfer_core.cli.bench import with_batch_invariant
+
+    assert with_batch_invariant({"x": 1}, None) == {"x": 1}
+    assert with_batch_invariant({}, True) == {"batch_invariant": True}
+    assert with_batch_invariant({"batch_invariant": False}, False) == {"batch_invariant": False}
+    assert main(["bench", "--preset", "tiny", "--batch-invariant", "--option", "batch_invariant=false"]) == 2
+    err = capsys.readouterr().err
+    assert "--batch-invariant contradicts --option batch_invariant=False" in err and len(err.splitlines()) == 1
+
+
 def test_compare_hf_without_transformers_fails_before_any_work(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed: `import transformers` fails
     cache = tmp_path / "cache"

@@ -60,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of each prompt (0 <= F < 1) that is one common random prefix; the warm-up "
                              "caches it, so the timed run measures prefix hits (default 0: no common prefix)")
     parser.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
+    parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                        help="batch-invariant mode (the deepinfer-batch-invariant plugin's option batch_invariant: the "
+                             "same switch as DEEPINFER_BATCH_INVARIANT=1; --no-batch-invariant turns it off whatever the "
+                             "variable says)")
     add_option_argument(parser)
 
 
@@ -72,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     from deepinfer_core.errors import DeepInferError
 
     try:
-        options = parse_options(args.option)
+        options = with_batch_invariant(parse_options(args.option), args.batch_invariant)
     except DeepInferError as exc:
         print(f"deepinfer bench: error: {exc}", file=sys.stderr)
         return 2
@@ -96,3 +100,16 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
         print(f"\nwrote {args.json}")
     return 0
+
+
+def with_batch_invariant(options: dict, flag: bool | None) -> dict:
+    """``options`` with ``batch_invariant`` set from ``--batch-invariant`` / ``--no-batch-invariant`` (``flag``; None:
+    unchanged); raise ``CommandLineOptionError`` when ``--option batch_invariant=...`` says otherwise."""
+    from deepinfer_core.cli.options import CommandLineOptionError
+
+    if flag is None:
+        return options
+    if "batch_invariant" in options and options["batch_invariant"] != flag:
+        raise CommandLineOptionError(f"--{'' if flag else 'no-'}batch-invariant contradicts --option "
+                                     f"batch_invariant={options['batch_invariant']!r}; give one of them")
+    return {**options, "batch_invariant": flag}

@@ -13,8 +13,11 @@ left() { echo $(( DEADLINE - $(date +%s) )); }
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c \
   "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; date -u; } > "$OUT/machine.txt" 2>&1
 
-# STEPS: what to run, in order (default: every GPU test, then the four bench runs).
-STEPS=${STEPS:-"tests b1_plain b1_bi b64_plain b64_bi"}
+# STEPS: what to run, in order (default: every GPU test, then the overhead table). "overhead": plain vs
+# batch-invariant at batches 1, 16, 64 and 256 (BATCHES) in one process (bench_overhead.py: one engine per mode,
+# 1,024 in / 128 out, a warm-up and ITERS timed runs per batch), the ratio per batch; b1_plain ... b64_bi: separate
+# `deepinfer bench` processes as in docs/performance.md.
+STEPS=${STEPS:-"tests overhead"}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 if want tests || want optests; then
     select=(); want tests || select=(-k "not needles")  # optests: the op-level tests only
@@ -45,12 +48,20 @@ if want profile_b1; then  # GPU kernel time of an eager batch-invariant decode s
         backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 --enforce-eager > "$OUT/profile_b1.log" 2>&1
     echo "profile rc=$?" >> "$OUT/profile_b1.log"
 fi
+if want overhead; then
+    timeout "$(left)" python3 plugins/batch_invariant/bench_overhead.py ${CACHE:+--cache-dir $CACHE} \
+        --preset v4-flash-8l64e --backend nvidia_sm100 --dtype bfloat16 --input-len 1024 --output-len 128 \
+        --batches ${BATCHES:-1 16 64 256} --num-iters "${ITERS:-1}" --json "$OUT/overhead.json" \
+        > "$OUT/overhead.txt" 2> "$OUT/overhead.log"
+    echo "overhead rc=$?" >> "$OUT/overhead.log"
+fi
 want b1_plain && run b1_plain 0 --num-prompts 1 --max-num-seqs 1
 want b1_bi && run b1_bi 1 --num-prompts 1 --max-num-seqs 1
 want b64_plain && run b64_plain 0 --num-prompts 64 --max-num-seqs 64
 want b64_bi && run b64_bi 1 --num-prompts 64 --max-num-seqs 64
 
 cat "$OUT/machine.txt"; tail -n 3 "$OUT/pytest_cuda.log" 2>/dev/null
+cat "$OUT/overhead.txt" 2>/dev/null; grep -E "round|rc=|Error|error" "$OUT/overhead.log" 2>/dev/null | tail -n 20
 grep -A 22 "=== batch" "$OUT/profile_b1.log" 2>/dev/null | cut -c 1-150
 grep -E "^==|rc=|output tok/s|TPOT|TTFT|skipped|Error|error" "$OUT/bench.log" | head -n 60
 python3 - "$OUT" <<'PY'

@@ -192,3 +192,18 @@ def test_deepinfer_plugins_lists_it():
     out = subprocess.run([str(script), "plugins", "--json"], check=True, capture_output=True, text=True, env=env)
     record = next(p for p in json.loads(out.stdout)["plugins"] if p["name"] == "batch_invariant")
     assert record["status"] == "loaded", record["traceback"]
+
+
+def test_deepinfer_bench_batch_invariant_runs_the_mode(tmp_path, monkeypatch):
+    """``deepinfer bench --batch-invariant`` is the option (the same switch as the variable): every op of the run's
+    table is this plugin's; ``--no-batch-invariant`` wins over the variable."""
+    pytest.importorskip("transformers")
+    from deepinfer_core.cli import main
+
+    common = ["bench", "--preset", "tiny", "--cache-dir", str(tmp_path / "cache"), "--input-len", "8", "--output-len",
+              "2", "--num-prompts", "2", "--max-num-seqs", "2", "--warmup", "0", "--json"]
+    assert main([*common, str(tmp_path / "on.json"), "--batch-invariant"]) == 0
+    assert set(json.loads((tmp_path / "on.json").read_text())["config"]["op_sources"].values()) == {SOURCE}
+    monkeypatch.setenv(plugin.ENV, "1")
+    assert main([*common, str(tmp_path / "off.json"), "--no-batch-invariant"]) == 0
+    assert SOURCE not in json.loads((tmp_path / "off.json").read_text())["config"]["op_sources"].values()
