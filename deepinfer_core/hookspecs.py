@@ -261,6 +261,41 @@ def deepinfer_after_step(engine: Engine, scheduler_output: SchedulerOutput, mode
 
 
 @hookspec
+def deepinfer_step_boundary(engine: Engine) -> None:
+    """A data-parallel rank is between two steps, at the same point as every other rank.
+
+    Runs: on each rank of a data-parallel engine (``data_parallel_size > 1``, ``deepinfer_core/distributed``), after
+    every lockstep iteration, whether the rank ran an engine step or an idle step (no work of its own), before the
+    next iteration's forward. Every rank calls it the same number of times in the same order, so an implementation
+    may run collectives over the ranks (EPLB all-reduces the router load and moves expert weights here). With
+    asynchronous scheduling the step just launched may still be running on the device: device work the hook enqueues
+    runs after it. Not called in one process.
+
+    Arguments:
+    - ``engine``: the rank's engine; ``engine.model`` its model (``models/interface.py``: change it only through its
+      declared interface, e.g. ``ExpertBalancedModel.set_expert_placement``).
+
+    Return: ignored. Must leave every request's results as they would be without the hook (no request added, dropped
+    or changed); a collective it starts must be one every rank starts.
+    """
+
+
+@hookspec
+def deepinfer_engine_metrics(engine: Engine) -> Mapping[str, float] | None:
+    """Figures the plugin reports about its engine's work (EPLB: ``moe_lb``).
+
+    Runs: when a data-parallel rank finishes a ``generate`` call (the figures join that rank's statistics,
+    ``LLM._parallel.stats``) and when ``deepinfer bench`` reports a run; not on the hot path.
+
+    Arguments:
+    - ``engine``: the engine.
+
+    Return: a mapping of figure name to number, or None for nothing. Names must not clash with another plugin's
+    (a clash fails the call, naming the figure).
+    """
+
+
+@hookspec
 def deepinfer_engine_shutdown(engine: Engine) -> None:
     """The engine is shutting down.
 
@@ -353,7 +388,7 @@ HOOK_ARGUMENT_TYPES: dict[str, str] = {
 }
 """The classes hook arguments are typed with (and the ones they lead to), by name -> module."""
 
-ENGINE_ATTRIBUTES = ("config", "context", "tokenizer", "vocab_size", "eos_token_id", "num_steps")
+ENGINE_ATTRIBUTES = ("config", "context", "tokenizer", "vocab_size", "eos_token_id", "num_steps", "model")
 """What a plugin may read on the ``Engine`` the lifecycle hooks get (its methods drive the engine: not for plugins)."""
 
 

@@ -61,6 +61,21 @@ def test_the_identity_expert_map_costs_no_gather():
     assert expert_map.to_physical(ids) is ids
 
 
+def test_replicas_take_an_experts_pairs_round_robin():
+    """With replicas (EPLB's redundant experts) the j-th pair routed to expert e goes to replica
+    (j + offset) % count[e]: deterministic, split evenly, an expert with one slot always to it."""
+    expert_map = ExpertMap(3, torch.device("cpu"))
+    log2phy = torch.tensor([[0, 3, 4], [1, -1, -1], [2, -1, -1]])  # expert 0 in slots 0, 3, 4
+    expert_map.set_replicas(log2phy, torch.tensor([3, 1, 1]))
+    ids = torch.tensor([[0, 1], [0, 2], [2, 0], [0, 1]])  # expert 0's pairs: 4, in rows 0 to 3
+    assert expert_map.to_physical(ids).tolist() == [[0, 1], [3, 2], [2, 4], [0, 1]]
+    expert_map.set_replicas(log2phy, torch.tensor([3, 1, 1]), offset=1)  # another rank starts one replica later
+    assert expert_map.to_physical(ids)[:, 0].tolist() == [3, 4, 2, 3]
+    assert expert_map.to_physical(ids)[2, 1].item() == 0
+    expert_map.set_replicas(torch.tensor([[0], [1], [2]]), torch.ones(3, dtype=torch.long))  # no replicas: identity
+    assert expert_map.to_physical(ids) is ids
+
+
 def test_expert_load_counts_every_routed_token(folder):
     model = load_deepseek_v4(folder, OpTable())
     for layer in model.layers:

@@ -52,7 +52,7 @@ class DataParallelWorker:
         self._ids = itertools.count()
         self._unseeded = itertools.count()
         self.num_idle_steps = 0
-        self.stats: dict[str, int] = {}
+        self.stats: dict[str, float] = {}
 
     @classmethod
     def from_environment(cls, args: EngineArgs) -> DataParallelWorker | None:
@@ -101,12 +101,12 @@ class DataParallelWorker:
         self.stats = self._stats(llm.engine, len(index_of))
         return self._gather(local, len(prompts))
 
-    def _stats(self, engine: Engine, num_requests: int) -> dict[str, int]:
+    def _stats(self, engine: Engine, num_requests: int) -> dict[str, float]:
         """This rank's counters after a ``generate`` (requests of the last call; steps, idle steps, preemptions and
-        prefix-cache hits since the engine started)."""
+        prefix-cache hits since the engine started), and the figures plugins report (``deepinfer_engine_metrics``)."""
         return {"rank": self.info.rank, "requests": num_requests, "steps": engine.num_steps,
                 "idle_steps": self.num_idle_steps, "preemptions": engine.scheduler.num_preemptions,
-                "prefix_hits": engine.state_manager.hits}
+                "prefix_hits": engine.state_manager.hits, **engine.plugin_metrics()}
 
     def run(self, engine: Engine, model: CausalLM) -> Iterator[RequestOutput]:
         """Step ``engine`` until no rank has work left, one forward (or idle step) per rank per iteration."""
@@ -119,6 +119,7 @@ class DataParallelWorker:
                 yield from engine.step()
             if engine.num_steps == steps:  # no forward this iteration: serve the others' tokens
                 self._idle(model)
+            engine.step_boundary()  # every rank, every iteration: plugins may run collectives (EPLB)
 
     def _idle(self, model: CausalLM) -> None:
         self.num_idle_steps += 1

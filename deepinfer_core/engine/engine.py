@@ -18,6 +18,7 @@ from deepinfer_core.engine.request import Request, RequestStatus
 from deepinfer_core.engine.scheduler import FcfsScheduler, Scheduler, SchedulerOutput
 from deepinfer_core.engine.state_manager import StateManager
 from deepinfer_core.engine_context import EngineContext
+from deepinfer_core.errors import PluginReturnError
 from deepinfer_core.models.interface import CausalLM
 from deepinfer_core.outputs import RequestOutput
 from deepinfer_core.plugins import call_hook
@@ -202,6 +203,25 @@ class Engine:
         for request, reason in self.output_processor.process(accepted, result):
             self.scheduler.finish_request(request, reason)
         return self.output_processor.finished_outputs(accepted)
+
+    def step_boundary(self) -> None:
+        """Call ``deepinfer_step_boundary``: a data-parallel rank's lockstep loop does, after each iteration on every
+        rank (``distributed/worker.py``)."""
+        if self.plugin_manager is not None:
+            call_hook(self.plugin_manager, "deepinfer_step_boundary", engine=self)
+
+    def plugin_metrics(self) -> dict[str, float]:
+        """The figures plugins report about this engine (``deepinfer_engine_metrics``), by name."""
+        merged: dict[str, float] = {}
+        if self.plugin_manager is None:
+            return merged
+        for figures in call_hook(self.plugin_manager, "deepinfer_engine_metrics", engine=self):
+            for name, value in (figures or {}).items():
+                if name in merged:
+                    raise PluginReturnError(f"two plugins report the engine figure {name!r} "
+                                            "(deepinfer_engine_metrics); each figure needs one owner")
+                merged[name] = value
+        return merged
 
     def shutdown(self) -> None:
         self.preparer.shutdown()

@@ -170,6 +170,52 @@ class ExpertParallelModel(CausalLM, Protocol):
         """Take part in one forward's collectives with no tokens of its own (a rank with no work while others step)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertParallelLayout:
+    """How a sharded model's routed experts sit over the expert-parallel ranks: this ``rank`` of ``world_size`` (over
+    ``group``, None: the default process group) holds ``slots_per_rank`` physical expert slots of each of its
+    ``num_moe_layers`` MoE layers, which route to ``num_logical_experts`` experts."""
+
+    rank: int
+    world_size: int
+    group: Any
+    num_moe_layers: int
+    num_logical_experts: int
+    slots_per_rank: int
+
+
+@runtime_checkable
+class ExpertBalancedModel(ExpertParallelModel, Protocol):
+    """An expert-parallel model whose expert placement can change while it serves (EPLB, ``plugins/eplb``).
+
+    MoE layers are numbered ``0 .. num_moe_layers - 1`` in forward order. Physical slots are numbered rank-major over
+    all ranks (rank r holds ``[r * S, (r + 1) * S)`` for ``S = slots_per_rank``); a logical expert may have several
+    slots (replicas), each (token, expert) pair going to one of them.
+    """
+
+    def expert_parallel_layout(self) -> ExpertParallelLayout | None:
+        """The layout after ``shard_experts``; None before (or in one process)."""
+
+    def record_expert_load(self, enabled: bool) -> None:
+        """Count (or stop counting) the tokens each MoE layer's router sends to each logical expert."""
+
+    def expert_load(self) -> torch.Tensor:
+        """This rank's counts since the last call, ``[num_moe_layers, num_logical_experts]`` int64 on the model's
+        device, and zero the counters."""
+
+    def expert_slots(self, layer: int) -> tuple:
+        """MoE layer ``layer``'s local expert weights as the experts op takes them: each tensor stacked by this rank's
+        physical slot (``[slots_per_rank, ...]``; quantized weights followed by their scales), other arguments (a
+        block size) as they are."""
+
+    def set_expert_placement(self, layer: int, phy2log: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor,
+                             weights: tuple) -> None:
+        """Swap in MoE layer ``layer``'s new placement and this rank's weights for it together: ``phy2log`` ``[P]``
+        (logical expert of every physical slot, all ranks), ``log2phy`` ``[E, max_replicas]`` (-1 padded), ``logcnt``
+        ``[E]``, ``weights`` shaped like ``expert_slots(layer)`` with ``P / world_size`` slots. Call it only between
+        two forwards, on every rank with the same placement."""
+
+
 def missing_members(model: object, protocol: type = CausalLM) -> list[str]:
     """The members of ``protocol`` that ``model`` lacks (empty: it satisfies the interface)."""
     names = [n for n in dir(protocol) if not n.startswith("_")] + list(getattr(protocol, "__annotations__", {}))

@@ -24,7 +24,9 @@ class ExpertShard:
 
     ``run_local(rows [R, D], local_ids [R, 1], weights [R, 1]) -> [R, D]`` runs the local experts (the model's
     ``moe_experts`` op, or its quantized variant, over ``local_weights``); ``group`` is the process group the
-    experts are split over (None: the default group)."""
+    experts are split over (None: the default group). ``slot_to_logical`` ``[count * world_size]``: the logical
+    expert of every physical slot when they differ (EPLB's placements, replicas), so the combine sums a token's
+    outputs in logical expert order whatever slots served them; None: slot ``i`` holds expert ``i``."""
 
     rank: int
     world_size: int
@@ -33,6 +35,7 @@ class ExpertShard:
     local_weights: tuple
     run_local: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     group: dist.ProcessGroup | None = None
+    slot_to_logical: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -63,15 +66,16 @@ def dispatch(x: torch.Tensor, ids: torch.Tensor, shard: ExpertShard) -> Dispatch
 
 def combine(expert_rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, sent: Dispatched,
             shard: ExpertShard, out_dtype: torch.dtype) -> torch.Tensor:
-    """Return each computed row to its token's rank and sum a token's ``weights``-scaled expert outputs by expert id,
-    then slot, as ``routed_sum`` does. ``expert_rows``: ``[R, D]``, the experts' outputs of ``sent.rows``."""
+    """Return each computed row to its token's rank and sum a token's ``weights``-scaled expert outputs by logical
+    expert id, then slot, as ``routed_sum`` does. ``expert_rows``: ``[R, D]``, the experts' outputs of ``sent.rows``."""
     T, k = ids.shape
     back = _exchange(expert_rows, sent.send_splits, sent.recv_splits, shard)  # [P, D], in ``sent.order``
     outputs = torch.empty_like(back)
     outputs[sent.order] = back  # [P, D] in (token, slot) order
     scale = weights.reshape(-1, 1).to(outputs.dtype)  # [P, 1]
     scaled = (outputs * scale).to(out_dtype).view(T, k, outputs.shape[-1])  # [T, k, D]
-    by_expert = torch.sort(ids, dim=1, stable=True).indices  # [T, k]
+    logical = ids if shard.slot_to_logical is None else shard.slot_to_logical[ids]  # [T, k]
+    by_expert = torch.sort(logical, dim=1, stable=True).indices  # [T, k]
     scaled = scaled.gather(1, by_expert.unsqueeze(-1).expand_as(scaled))
     out = torch.zeros((T, scaled.shape[-1]), dtype=out_dtype, device=scaled.device)  # [T, D]
     for slot in range(k):

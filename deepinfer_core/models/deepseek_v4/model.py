@@ -160,25 +160,59 @@ class ParameterRegistry:
 
 
 class ExpertMap:
-    """Logical expert id -> physical expert slot. Identity by default; EPLB assigns ``logical_to_physical`` a new
-    ``[E]`` map (assign a new tensor: a write into the current one in place is not seen while it is the identity,
-    which costs no gather)."""
+    """Logical expert id -> physical expert slot. Identity by default (no gather).
+
+    With one slot per expert, assign ``logical_to_physical`` a new ``[E]`` map (a new tensor: a write into the
+    current one in place is not seen while it is the identity). With replicas (EPLB's redundant experts),
+    ``set_replicas(log2phy [E, max_replicas], logcnt [E])``: the ``j``-th (token, slot) pair of a step routed to
+    expert ``e`` (in token, then slot order) goes to replica ``(j + offset) % logcnt[e]`` (``offset``: the
+    expert-parallel rank, so ranks start on different replicas): a deterministic round-robin that splits an expert's
+    pairs evenly over its replicas, as the placement plan assumes."""
 
     def __init__(self, num_experts: int, device: torch.device):
         self._map = torch.arange(num_experts, device=device)  # [E]
         self._identity = True
+        self._log2phy: torch.Tensor | None = None  # [E, max_replicas] when some expert has more than one slot
+        self._logcnt: torch.Tensor | None = None  # [E]
+        self._offset = 0
 
     @property
     def logical_to_physical(self) -> torch.Tensor:
+        """Each logical expert's first physical slot ``[E]``."""
         return self._map
 
     @logical_to_physical.setter
     def logical_to_physical(self, mapping: torch.Tensor) -> None:
         self._map = mapping
+        self._log2phy = self._logcnt = None
         self._identity = torch.equal(mapping.cpu(), torch.arange(mapping.shape[0]))
 
+    def set_replicas(self, log2phy: torch.Tensor, logcnt: torch.Tensor, offset: int = 0) -> None:
+        """Every logical expert's physical slots: ``log2phy`` ``[E, max_replicas]`` (-1 padded), ``logcnt`` ``[E]``."""
+        if log2phy.dim() != 2 or logcnt.shape != log2phy.shape[:1] or int(logcnt.min()) < 1:
+            raise ValueError(f"set_replicas wants log2phy [E, max_replicas] and logcnt [E] >= 1, got "
+                             f"{list(log2phy.shape)} and {list(logcnt.shape)}")
+        if int(logcnt.max()) == 1:
+            self.logical_to_physical = log2phy[:, 0].clone()
+            return
+        self._map = log2phy[:, 0].clone()
+        self._identity = False
+        self._log2phy, self._logcnt, self._offset = log2phy, logcnt, offset
+
     def to_physical(self, logical_ids: torch.Tensor) -> torch.Tensor:
-        return logical_ids if self._identity else self._map[logical_ids]
+        """Physical slots ``[T, k]`` of the routed ``logical_ids`` ``[T, k]``."""
+        if self._identity:
+            return logical_ids
+        if self._log2phy is None:
+            return self._map[logical_ids]
+        flat = logical_ids.reshape(-1)  # [P = T * k]
+        order = torch.argsort(flat, stable=True)  # [P] grouped by expert, in (token, slot) order inside
+        counts = torch.bincount(flat, minlength=self._logcnt.shape[0])  # [E]
+        first = torch.cumsum(counts, 0) - counts  # [E] where each expert's group starts in ``order``
+        occurrence = torch.empty_like(flat)
+        occurrence[order] = torch.arange(flat.shape[0], device=flat.device) - first[flat[order]]  # [P]
+        replica = (occurrence + self._offset) % self._logcnt[flat]  # [P]
+        return self._log2phy[flat, replica].view_as(logical_ids)
 
 
 def linear(ops: OpTable, x: torch.Tensor, weight: Weight) -> torch.Tensor:
@@ -638,6 +672,37 @@ class DeepseekV4Model:
         from deepinfer_core.models.deepseek_v4 import expert_parallel
 
         expert_parallel.idle_step(self)
+
+    def expert_parallel_layout(self):
+        """The experts' layout over the ranks after ``shard_experts`` (``ExpertBalancedModel``); None before."""
+        from deepinfer_core.models.deepseek_v4 import expert_parallel
+
+        return expert_parallel.layout(self)
+
+    def record_expert_load(self, enabled: bool) -> None:
+        """Count (or stop counting) tokens per logical expert in every MoE layer's router."""
+        from deepinfer_core.models.deepseek_v4 import expert_parallel
+
+        expert_parallel.record_load(self, enabled)
+
+    def expert_load(self) -> torch.Tensor:
+        """Tokens per logical expert since the last call ``[layers, n_routed_experts]``; the counters restart."""
+        from deepinfer_core.models.deepseek_v4 import expert_parallel
+
+        return expert_parallel.expert_load(self)
+
+    def expert_slots(self, layer: int) -> tuple:
+        """MoE layer ``layer``'s local expert weights, stacked by this rank's physical slot."""
+        from deepinfer_core.models.deepseek_v4 import expert_parallel
+
+        return expert_parallel.local_slots(self, layer)
+
+    def set_expert_placement(self, layer: int, phy2log: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor,
+                             weights: tuple) -> None:
+        """Swap MoE layer ``layer``'s expert placement and this rank's weights for it together, between forwards."""
+        from deepinfer_core.models.deepseek_v4 import expert_parallel
+
+        expert_parallel.set_placement(self, layer, phy2log, log2phy, logcnt, weights)
 
     # ------------------------------------------------------------------ forward
     def step_layout(self, batch: ForwardBatch, state: DeepseekV4State, **static) -> StepLayout:

@@ -37,8 +37,28 @@ def test_a_copy_already_on_the_rank_is_used_locally():
 
 
 def test_placements_must_match():
-    with pytest.raises(EplbError, match="placements differ in shape"):
+    with pytest.raises(EplbError, match="placements differ in layers or experts"):
         plan_transfers(Placement.identity(1, 4), Placement.identity(2, 4), 2)
+
+
+def test_initial_placement_replicates_the_next_ranks_experts():
+    """The engine's starting layout: the plain layout's experts per rank, then replicas of the next rank's first
+    experts in the extra slots; the identity without extra slots."""
+    start = Placement.initial(2, 8, 12, 4)
+    assert start.phy2log[1].tolist() == [0, 1, 2, 2, 3, 4, 4, 5, 6, 6, 7, 0]
+    assert start.logcnt[1].tolist() == [2, 1, 2, 1, 2, 1, 2, 1]
+    assert torch.equal(Placement.initial(3, 8, 8, 4).phy2log, Placement.identity(3, 8).phy2log)
+    with pytest.raises(EplbError, match="do not split evenly"):
+        Placement.initial(1, 8, 10, 4)
+
+
+def test_a_change_of_slot_count_moves_every_slot():
+    """Plain layout (4 experts, 2 ranks) to 6 slots: every new slot is one copy, from its own rank when that rank
+    held the expert."""
+    new = Placement.initial(1, 4, 6, 2)  # rank 0: experts 0, 1, 2; rank 1: 2, 3, 0
+    transfers = plan_transfers(Placement.identity(1, 4), new, 2)
+    assert [(t.slot, t.expert, t.src_rank, t.dst_rank) for t in transfers] == [
+        (0, 0, 0, 0), (1, 1, 0, 0), (2, 2, 1, 0), (3, 2, 1, 1), (4, 3, 1, 1), (5, 0, 0, 1)]
 
 
 @pytest.mark.parametrize("phy2log, replica, match", [

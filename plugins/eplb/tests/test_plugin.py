@@ -24,7 +24,8 @@ def test_entry_point_loads(pm):
     record = pm.records["eplb"]
     assert record.status == "loaded", record.traceback
     assert record.distribution == "deepinfer-eplb" and record.hook_api_version == 1
-    assert record.hooks == ["deepinfer_configure", "deepinfer_feature_options"]
+    assert record.hooks == ["deepinfer_configure", "deepinfer_engine_metrics", "deepinfer_engine_start",
+                            "deepinfer_feature_options", "deepinfer_step_boundary"]
 
 
 def test_options_become_the_engines_config(pm):
@@ -66,20 +67,3 @@ def test_without_the_plugin_the_options_are_unknown():
     pm = load_plugins(new_plugin_manager(), env={"DEEPINFER_PLUGINS": "none"})
     with pytest.raises(UnknownOptionError, match="enable_eplb"):
         configure(pm, enable_eplb=True)
-
-
-def test_llm_accepts_the_options_and_runs_unchanged(monkeypatch, caplog):
-    """Through ``LLM`` on the embedded default model: accepted, kept per engine, logged as not wired yet, and
-    generation is what it is without EPLB (nothing is balanced yet)."""
-    from deepinfer_core import LLM, SamplingParams
-
-    monkeypatch.delenv("DEEPINFER_HF_MODEL_DIR", raising=False)
-    monkeypatch.delenv("DEEPINFER_PLUGINS", raising=False)
-    params = SamplingParams(max_tokens=4, temperature=0)
-    with caplog.at_level("WARNING", logger="deepinfer.eplb"):
-        llm = LLM(enable_eplb=True, eplb_config={"num_redundant_experts": 4}, max_num_seqs=2)
-    assert engine_config(llm.context) == EplbConfig(num_redundant_experts=4)
-    assert "does not balance experts yet" in caplog.text
-    with_eplb = llm.generate(["hello"], params)[0].outputs[0].token_ids
-    without = LLM(max_num_seqs=2).generate(["hello"], params)[0].outputs[0].token_ids
-    assert with_eplb == without and len(with_eplb) == 4

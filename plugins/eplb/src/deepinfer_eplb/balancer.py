@@ -9,6 +9,7 @@ import torch
 
 from deepinfer_eplb.balance import moe_lb
 from deepinfer_eplb.config import EplbConfig
+from deepinfer_eplb.errors import EplbError
 from deepinfer_eplb.load_window import LoadWindow
 from deepinfer_eplb.placement import Placement
 from deepinfer_eplb.rebalance import rebalance_experts
@@ -30,16 +31,21 @@ class ExpertBalancer:
     """Records each step's router load and hands out a new ``Placement`` every ``config.step_interval`` steps.
 
     ``num_ranks`` expert-parallel ranks over ``num_nodes`` nodes; ``num_groups`` is the routing's expert groups (1
-    for DeepSeek-V4, whose router has no group limit). The first placement is planned from a uniform load, so
-    with redundant experts it is already valid for ``num_experts + num_redundant_experts`` slots.
+    for DeepSeek-V4, whose router has no group limit). The first placement is ``initial`` (the engine's: ``Placement.initial``), or
+    else one planned from a uniform load; either way valid for ``num_experts + num_redundant_experts`` slots.
     """
 
     def __init__(self, config: EplbConfig, num_layers: int, num_experts: int, num_ranks: int, num_nodes: int = 1,
-                 num_groups: int = 1, device: torch.device | str = "cpu"):
+                 num_groups: int = 1, device: torch.device | str = "cpu", initial: Placement | None = None):
         self.config = config
         self.topology = (config.num_physical(num_experts, num_ranks), num_groups, num_nodes, num_ranks)
         self.window = LoadWindow(num_layers, num_experts, config.window_size, config.step_interval, device)
-        self.placement = rebalance_experts(torch.ones(num_layers, num_experts), *self.topology)
+        if initial is None:
+            initial = rebalance_experts(torch.ones(num_layers, num_experts), *self.topology)
+        elif tuple(initial.phy2log.shape) != (num_layers, self.topology[0]):
+            raise EplbError(f"initial placement has phy2log {list(initial.phy2log.shape)}, the balancer plans "
+                            f"[{num_layers}, {self.topology[0]}]")
+        self.placement = initial
         self.reports: list[RebalanceReport] = []
 
     @property

@@ -20,23 +20,25 @@ class Transfer(NamedTuple):
 
 
 def plan_transfers(old: Placement, new: Placement, num_ranks: int) -> list[Transfer]:
-    """The copies that turn ``old`` into ``new``: one per slot whose expert changes, in (layer, slot) order.
+    """The copies that turn ``old`` into ``new``: one per slot whose expert changes, in (layer, slot) order (every
+    slot when the two differ in slots per rank, e.g. from the plain layout to one with redundant experts).
 
     The source is the destination rank itself when it held the expert before, otherwise the rank holding it that
     has been asked for the fewest copies so far (lowest rank on ties). Sources are read from the old placement:
     the caller receives into staging buffers and swaps them in only after every transfer of the step boundary.
     """
-    if old.phy2log.shape != new.phy2log.shape or old.num_logical != new.num_logical:
-        raise EplbError(f"placements differ in shape: {list(old.phy2log.shape)} vs {list(new.phy2log.shape)} "
-                        "(a rebalance keeps the layers, the experts and the slots)")
-    per_rank = new.slots_per_rank(num_ranks)
+    if old.num_layers != new.num_layers or old.num_logical != new.num_logical:
+        raise EplbError(f"placements differ in layers or experts: {list(old.logcnt.shape)} vs "
+                        f"{list(new.logcnt.shape)} (a rebalance keeps the layers and the experts)")
+    per_rank, old_per_rank = new.slots_per_rank(num_ranks), old.slots_per_rank(num_ranks)
+    same_slots = per_rank == old_per_rank
     transfers = []
     for layer in range(new.num_layers):
         before, after = old.phy2log[layer].tolist(), new.phy2log[layer].tolist()
-        holders = _holders(before, per_rank)
+        holders = _holders(before, old_per_rank)
         sends = [0] * num_ranks
         for slot, expert in enumerate(after):
-            if before[slot] == expert:
+            if same_slots and before[slot] == expert:
                 continue
             dst = slot // per_rank
             src = dst if dst in holders[expert] else min(holders[expert], key=lambda rank: (sends[rank], rank))

@@ -47,6 +47,21 @@ class Placement(NamedTuple):
         return cls.from_slots(phy2log, replica, num_experts)
 
     @classmethod
+    def initial(cls, num_layers: int, num_experts: int, num_physical: int, num_ranks: int) -> Placement:
+        """The placement an engine starts from: rank ``r`` keeps the plain layout's experts ``[r * E / N, (r + 1) *
+        E / N)`` and fills its ``(P - E) / N`` extra slots with replicas of the experts that follow them (the next
+        rank's first ones), so every rank's redundant slots hold different experts. The identity when ``P == E``."""
+        if num_experts % num_ranks or num_physical % num_ranks or num_physical < num_experts:
+            raise EplbError(f"{num_experts} experts in {num_physical} slots do not split evenly over {num_ranks} ranks")
+        base, extra = num_experts // num_ranks, (num_physical - num_experts) // num_ranks
+        row = []
+        for rank in range(num_ranks):
+            row += list(range(rank * base, (rank + 1) * base))
+            row += [((rank + 1) * base + j) % num_experts for j in range(extra)]
+        phy2log = torch.tensor(row, dtype=torch.int64).repeat(num_layers, 1)  # [layers, num_physical]
+        return cls.from_slots(phy2log, _replica_numbers(phy2log, num_experts), num_experts)
+
+    @classmethod
     def from_slots(cls, phy2log: torch.Tensor, replica: torch.Tensor, num_logical: int) -> Placement:
         """Build the maps from ``phy2log`` and each slot's replica number (both ``[layers, num_physical]``)."""
         layers, num_physical = phy2log.shape
@@ -79,3 +94,14 @@ class Placement(NamedTuple):
         """The logical experts rank ``rank`` holds in ``layer``, in slot order."""
         per_rank = self.slots_per_rank(num_ranks)
         return self.phy2log[layer, rank * per_rank:(rank + 1) * per_rank].tolist()
+
+
+def _replica_numbers(phy2log: torch.Tensor, num_logical: int) -> torch.Tensor:
+    """Each slot's replica number: how many slots before it (in slot order) hold the same expert."""
+    replica = torch.zeros_like(phy2log)
+    for layer, row in enumerate(phy2log.tolist()):
+        seen = [0] * num_logical
+        for slot, expert in enumerate(row):
+            replica[layer, slot] = seen[expert]
+            seen[expert] += 1
+    return replica
