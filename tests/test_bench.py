@@ -100,6 +100,25 @@ def test_preset_checkpoint_values_and_cache(cache_dir, hf_result):
     assert (folder / "model.safetensors").stat().st_mtime_ns == mtime
 
 
+def test_preset_sharing_weights_links_the_base_files(tmp_path, monkeypatch):
+    tiny = presets.get_preset("tiny")
+    long_config = {**tiny.config_dict(), "max_position_embeddings": 8192}
+    monkeypatch.setitem(presets.PRESETS, "tiny-long", presets.Preset("tiny-long", "tiny, longer", long_config,
+                                                                     weights_of="tiny"))
+    folder = presets.ensure_preset("tiny-long", tmp_path)
+    base = presets.ensure_preset("tiny", tmp_path)
+    assert folder != base
+    assert (folder / "model.safetensors").samefile(base / "model.safetensors")
+    assert (folder / "tokenizer.json").samefile(base / "tokenizer.json")
+    assert json.loads((folder / "config.json").read_text())["max_position_embeddings"] == 8192
+    assert json.loads((base / "config.json").read_text())["max_position_embeddings"] != 8192
+    wider = {**tiny.config_dict(), "hidden_size": 2 * tiny.config["hidden_size"]}
+    monkeypatch.setitem(presets.PRESETS, "tiny-wide", presets.Preset("tiny-wide", "tiny, wider", wider,
+                                                                     weights_of="tiny"))
+    with pytest.raises(presets.PresetError, match="tensor shapes differ"):
+        presets.ensure_preset("tiny-wide", tmp_path)
+
+
 # ------------------------------------------------------------------------------------------------ runner
 def _check_metrics(metrics: dict, output_tokens: int, steps_timed: bool = True) -> None:
     assert set(metrics) == set(runner.result_keys()["metrics"])

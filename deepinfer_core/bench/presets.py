@@ -15,7 +15,8 @@ Presets:
   30 GB in bf16). GPU only; never create it in tests.
 * ``v4-flash-8l64e-1m``: the same shapes with V4-Flash's position range (1,048,576) and RoPE: plain RoPE (theta
   10,000) in sliding layers, yarn (theta 160,000, factor 16 over 65,536 original positions, beta 32 / 1,
-  attention factor 1.0) in compressed ones. ``v4-flash-8l64e`` keeps 65,536 positions and plain RoPE.
+  attention factor 1.0) in compressed ones. ``v4-flash-8l64e`` keeps 65,536 positions and plain RoPE. Its folder
+  hard-links ``v4-flash-8l64e``'s weight files (the same tensors), so both cost the disk 30 GB, not 60.
 * ``v4-flash-8l64e-fp4``: the same weights written through ``deepinfer quantize --experts fp4 --linear fp8``
   (MXFP4 experts, fp8 128 x 128 blocks with ue8m0 scales; 10.1 GB), like for like with the bf16 preset.
 * ``v4-flash-20l-fp4``: V4-Flash's 256 routed experts and per-layer shapes with 20 layers, written quantized as
@@ -68,6 +69,7 @@ class Preset:
     weight_dtype: torch.dtype = torch.bfloat16
     gpu_only: bool = False
     quantize: QuantRecipe | None = None  # written through ``deepinfer quantize``'s writer with this recipe
+    weights_of: str | None = None  # a preset with the same tensors: its weight files are shared (hard links)
 
     def config_dict(self, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The config.json content (a deep copy) with ``overrides`` applied on top."""
@@ -167,7 +169,8 @@ PRESETS: dict[str, Preset] = {
     "v4-flash-8l64e": Preset("v4-flash-8l64e", "V4-Flash layer shapes, 8 layers, 64 experts (15.08 B params, GPU)",
                              _flash_8l64e_config(), gpu_only=True),
     "v4-flash-8l64e-1m": Preset("v4-flash-8l64e-1m", "v4-flash-8l64e with V4-Flash's 1,048,576 positions and "
-                                "yarn RoPE (GPU)", _flash_8l64e_1m_config(), gpu_only=True),
+                                "yarn RoPE (GPU)", _flash_8l64e_1m_config(), gpu_only=True,
+                                weights_of="v4-flash-8l64e"),
     "v4-flash-8l64e-fp4": Preset("v4-flash-8l64e-fp4", "v4-flash-8l64e with MXFP4 experts and fp8 linears (GPU)",
                                  _flash_8l64e_config(), gpu_only=True, quantize=FLASH_FP4),
     "v4-flash-20l-fp4": Preset("v4-flash-20l-fp4", "V4-Flash layer shapes, 20 layers, 256 experts, MXFP4 experts "
@@ -234,13 +237,34 @@ def ensure_preset(
         return folder
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    write_random_checkpoint(tmp, config, seed=seed, weight_dtype=preset.weight_dtype, device=device,
-                            quantize=preset.quantize)
+    if preset.weights_of is not None and not overrides:
+        base = ensure_preset(preset.weights_of, cache_dir, seed=seed, device=device)
+        _share_weights(base, tmp, config, get_preset(preset.weights_of).config_dict())
+    else:
+        write_random_checkpoint(tmp, config, seed=seed, weight_dtype=preset.weight_dtype, device=device,
+                                quantize=preset.quantize)
     (tmp / MARKER_FILE).write_text(json.dumps({"preset": name, "seed": seed, "device": device.type,
                                                "parameters": count_parameters(config)}, indent=2))
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     return folder
+
+
+def _share_weights(base: Path, folder: Path, config: Mapping[str, Any], base_config: Mapping[str, Any]) -> None:
+    """Fill ``folder`` with hard links to ``base``'s weight and tokenizer files (copies across file systems) and
+    ``config``'s own config.json: presets that differ only in config fields read the same bytes, written once."""
+    tensors = v4_weights.expected_tensors(DeepseekV4Config.from_dict(dict(config)))
+    if tensors != v4_weights.expected_tensors(DeepseekV4Config.from_dict(dict(base_config))):
+        raise PresetError(f"cannot share the weights of {base.name}: the tensor shapes differ")
+    folder.mkdir(parents=True)
+    for path in base.iterdir():
+        if path.name in ("config.json", MARKER_FILE):
+            continue
+        try:
+            os.link(path, folder / path.name)
+        except OSError:
+            shutil.copy2(path, folder / path.name)
+    (folder / "config.json").write_text(json.dumps(dict(config), indent=2))
 
 
 # ------------------------------------------------------------------------------------------------ writing
