@@ -23,6 +23,10 @@ VARIABLES = Variables(
              "Launch the Triton kernels with programmatic dependent launch; 0 for per-kernel times in a profile."),
     Variable("DEEPINFER_NVIDIA_GEMV", bool, True,
              "Triton GEMV for one-row `linear` / `grouped_linear` (batch-1 decode); 0: cuBLAS."),
+    Variable("DEEPINFER_NVIDIA_FP8_TC", bool, True,
+             "fp8 block linears of at least `FP8_TC_MIN_ROWS` rows (prefill) on fp8 tensor cores, activations "
+             "quantized per token per block; 0: the weight-only kernels at every size (exact weights, activations "
+             "unquantized)."),
     Variable("DEEPINFER_NVIDIA_NORM", bool, True, "Triton RMS-norm kernels; 0: the compiled reference ops."),
     Variable("DEEPINFER_NVIDIA_GREEDY", bool, True, "Triton sampler for all-greedy steps; 0: the reference sampler."),
     Variable("DEEPINFER_NVIDIA_DECODE_ATTN", bool, True,

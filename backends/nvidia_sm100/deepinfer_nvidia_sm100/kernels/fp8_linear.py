@@ -1,0 +1,292 @@
+"""fp8 block linear layers (ops ``linear_fp8_block``, ``grouped_linear_fp8_block``, ``swiglu_mlp_fp8_block``) as
+Triton kernels reading the e4m3 weights and their block scales as stored.
+
+Three kernels, picked by the number of rows ``M`` (``linear_path``):
+
+* ``M == 1`` (batch-1 decode): ``_row_kernel``, a one-row product like ``gemv._gemv_row_kernel`` (no ``tl.dot``),
+  the weight decoded in registers (weight-only).
+* ``M < FP8_TC_MIN_ROWS`` (decode batches; memory bound): ``_weight_only_kernel``, fp8 weight tiles decoded in
+  registers to the activations' dtype, ``tl.dot`` in bf16 with fp32 accumulation. Exact weights, activations as
+  they are: the reference op's math.
+* ``M >= FP8_TC_MIN_ROWS`` (prefill; compute bound): ``_fp8_tc_kernel``, fp8 tensor cores (wgmma on SM90,
+  tcgen05 on SM100): ``quantize_activations`` first turns every row's ``B1`` inputs of a block into e4m3 with
+  one fp32 scale (``amax / 448``: DeepSeek's per-token per-128 activations, once per row, not once per column
+  tile), then each ``K`` block's fp8 product (fp32 accumulate) is scaled by the row's and the weight block's scales.
+  Activations are quantized: its error against the reference op is what docs/quantization.md records.
+
+``FP8_TC_MIN_ROWS`` is the measured crossover (``benchmarks/bench_quant.py``); ``DEEPINFER_NVIDIA_FP8_TC=0`` keeps
+the weight-only kernels at every size. Blocks must be powers of two of at least 16 (32 for the tensor-core
+kernel); other blocks, and activations other than bf16 / fp16 / fp32, take the reference op.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_core.ops import reference as ref
+from deepinfer_nvidia_sm100 import envs
+from deepinfer_nvidia_sm100.kernels import dequant, moe, moe_quant, pdl
+from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
+
+FP8_TC_MIN_ROWS = 128  # rows from which the fp8 tensor-core kernel beats the weight-only one (bench_quant.py)
+FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # largest finite e4m3 magnitude
+FP8_TC_MIN_BLOCK = 32  # an fp8 tensor-core product takes at least 32 inputs
+ROW, WEIGHT_ONLY, FP8_TC = "row", "weight_only", "fp8_tc"
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def tensor_cores_enabled() -> bool:
+    """Whether large batches take the fp8 tensor-core kernel (``DEEPINFER_NVIDIA_FP8_TC``, on by default)."""
+    return envs.DEEPINFER_NVIDIA_FP8_TC
+
+
+def linear_path(rows: int, dtype: torch.dtype, block: tuple[int, int]) -> str | None:
+    """Which kernel a product of ``rows`` rows takes (``ROW``, ``WEIGHT_ONLY``, ``FP8_TC``), or None for the reference
+    op (a block that is not a power of two of at least 16, another dtype)."""
+    if dtype not in _DTYPES or any(b < 16 or b & (b - 1) for b in block):
+        return None
+    if rows <= 1:
+        return ROW
+    if (rows >= FP8_TC_MIN_ROWS and dtype != torch.float32 and block[1] >= FP8_TC_MIN_BLOCK
+            and tensor_cores_enabled()):
+        return FP8_TC
+    return WEIGHT_ONLY
+
+
+@triton.jit
+def _row_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, stride_xg, stride_wn, stride_sn, stride_og,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
+                UE8M0: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (column block, group g) of one input row: ``out[g, n] = sum_k x[g, k] * W[g * N + n, k]``."""
+    pdl.begin(PDL)
+    group = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    in_n = cols < N
+    rows = group * N + cols  # [BN] weight rows
+    w_rows = w_ptr + rows[:, None] * stride_wn  # [BN, 1]
+    s_rows = s_ptr + (rows // B0)[:, None] * stride_sn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        acc = dequant.row_product(acc, x_ptr + group * stride_xg, w_rows, s_rows, k0, K, in_n, 1, BLOCK_K, B1, UE8M0)
+    tl.store(out_ptr + group * stride_og + cols, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=in_n)
+
+
+@triton.jit
+def _weight_only_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_xg, stride_wn, stride_sn,
+                        stride_om, stride_og, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        B0: tl.constexpr, B1: tl.constexpr, UE8M0: tl.constexpr, PRECISION: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    """Program (row block, column block, group): ``out = x @ W^T`` with each fp8 weight tile decoded to ``x``'s
+    dtype in registers (``BLOCK_K`` divides ``B1``)."""
+    pdl.begin(PDL)
+    group = tl.program_id(2).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    x_rows = x_ptr + group * stride_xg + offs_m[:, None].to(tl.int64) * stride_xm  # [BM, 1]
+    rows = group * N + offs_n  # [BN] weight rows
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
+        acc = dequant.fp8_dot(acc, a, w_ptr, s_ptr, offs_k, rows, k0, stride_wn, stride_sn,
+                              n_mask[None, :] & k_mask[:, None], n_mask, B0, B1, UE8M0, PRECISION)
+    tl.store(out_ptr + group * stride_og + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """float32 ``v`` (``|v| <= 448``) rounded to the nearest e4m3 value, ties to even, still float32: normal
+    values keep 3 mantissa bits, values below 2^-6 become multiples of 2^-9 (e4m3's subnormals). The conversion to
+    fp8 after it is then exact, on any hardware and in Triton's interpreter (whose own rounding drops a carry into
+    the exponent)."""
+    bits = v.to(tl.int32, bitcast=True)
+    kept = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # round the mantissa to 3 bits, ties to even
+    subnormal = (v + 16384.0) - 16384.0  # the float32 ulp of 2^14 is 2^-9
+    return tl.where(tl.abs(v) < 0.015625, subnormal, kept.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, blocks, stride_xm, stride_xg, stride_qm, stride_qg, stride_sm,
+                          stride_sg, B1: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (row, group, run of ``BLOCKS`` K blocks): each ``B1`` inputs of the row as e4m3 ``q`` and one float32
+    scale ``s = amax / 448`` (1 for an all-zero block), ``x ~ q * s``."""
+    pdl.begin(PDL)
+    row, group = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2) * BLOCKS + tl.arange(0, BLOCKS)  # [BLOCKS]
+    offs_k = b[:, None] * B1 + tl.arange(0, B1)[None, :]  # [BLOCKS, B1]
+    mask = (b < blocks)[:, None] & (offs_k < K)
+    x = tl.load(x_ptr + row * stride_xm + group * stride_xg + offs_k, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)  # [BLOCKS]
+    scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
+    q = _round_to_e4m3(tl.minimum(tl.maximum(x / scale[:, None], -FP8_MAX), FP8_MAX))
+    tl.store(q_ptr + row * stride_qm + group * stride_qg + offs_k, q.to(tl.float8e4nv), mask=mask)
+    tl.store(s_ptr + row * stride_sm + group * stride_sg + b, scale, mask=b < blocks)
+
+
+QUANTIZE_ELEMENTS = 2048  # inputs one program of _quantize_rows_kernel quantizes
+
+
+def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, groups, K]`` (unit last stride) as e4m3 ``[M, groups, K]`` and float32 scales ``[M, groups,
+    ceil(K / block)]``, one per row and ``block`` inputs (``amax / 448``; values rounded to nearest, ties to even)."""
+    M, groups, K = x.shape
+    blocks = triton.cdiv(K, block)
+    q = torch.empty(M, groups, K, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(M, groups, blocks, dtype=torch.float32, device=x.device)
+    per_program = max(1, min(QUANTIZE_ELEMENTS // block, triton.next_power_of_2(blocks)))
+    if M:
+        _quantize_rows_kernel[(M, groups, triton.cdiv(blocks, per_program))](
+            x, q, s, K, blocks, x.stride(0), x.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1), B1=block,
+            BLOCKS=per_program, num_warps=4, **pdl.launch())
+    return q, s
+
+
+@triton.jit
+def _fp8_tc_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_xg, stride_xsm, stride_xsg,
+                   stride_wn, stride_sn, stride_om, stride_og, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   B0: tl.constexpr, B1: tl.constexpr, UE8M0: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (row block, column block, group): ``out = x @ W^T`` on fp8 tensor cores from ``x``'s e4m3 values
+    ``xq`` and per-row block scales ``xs`` (``quantize_activations``), one ``B1``-wide ``K`` block a step:
+    ``dot(xq, w)`` in fp32, times the row's and the weight block's scales, accumulated in fp32."""
+    pdl.begin(PDL)
+    group = tl.program_id(2).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    x_rows = xq_ptr + group * stride_xg + offs_m[:, None].to(tl.int64) * stride_xm  # [BM, 1]
+    xs_rows = xs_ptr + group * stride_xsg + offs_m.to(tl.int64) * stride_xsm  # [BM]
+    rows = group * N + offs_n  # [BN] weight rows
+    w_rows = w_ptr + rows[None, :] * stride_wn  # [1, BN]
+    s_rows = s_ptr + (rows // B0) * stride_sn  # [BN]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, B1):
+        offs_k = k0 + tl.arange(0, B1)
+        k_mask = offs_k < K
+        a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, B1] e4m3
+        w = tl.load(w_rows + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)  # [B1, BN] e4m3
+        a_scale = tl.load(xs_rows + k0 // B1, mask=m_mask, other=0.0)  # [BM]
+        w_scale = dequant.block_scale(tl.load(s_rows + k0 // B1, mask=n_mask, other=0), UE8M0)  # [BN]
+        acc += tl.dot(a, w, out_dtype=tl.float32) * a_scale[:, None] * w_scale[None, :]
+    tl.store(out_ptr + group * stride_og + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+# Launches: (BLOCK_N, BLOCK_K, num_warps, num_stages) of the row kernel; (BLOCK_M, BLOCK_N, num_warps, num_stages)
+# of the dot kernels by rows (the first whose row bound holds). BLOCK_K of the dot kernels: min(128, B1) / B1.
+ROW_TILE = (8, 128, 4, 4)
+WEIGHT_ONLY_TILES = ((16, 16, 64, 4, 4), (64, 64, 64, 4, 3), (None, 64, 128, 4, 3))  # (max rows, BM, BN, warps, st.)
+FP8_TC_TILES = ((1024, 64, 128, 4, 3), (None, 128, 128, 8, 3))
+
+
+def _tile(tiles, rows: int) -> tuple[int, int, int, int]:
+    return next(t[1:] for t in tiles if t[0] is None or rows <= t[0])
+
+
+
+def launch(path: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+           out: torch.Tensor, groups: int) -> None:
+    """``out [M, groups, N] = x [M, groups, K] @ W_g^T`` per group through the ``path`` kernel (``x`` / ``out`` with
+    unit last stride, any other strides; ``weight [groups * N, K]``)."""
+    M, _, K = x.shape
+    N = out.shape[-1]
+    raw, is_ue8m0 = dequant.scale_operand(scale)
+    consts = {"B0": block[0], "B1": block[1], "UE8M0": is_ue8m0, **pdl.launch()}
+    if path == ROW:
+        block_n, block_k, warps, stages = ROW_TILE
+        _row_kernel[(triton.cdiv(N, block_n), groups)](
+            x, weight, raw, out, N, K, x.stride(1), weight.stride(0), raw.stride(0), out.stride(1), BLOCK_N=block_n,
+            BLOCK_K=min(block_k, block[1]), num_warps=warps, num_stages=stages, **consts)
+        return
+    tiles = WEIGHT_ONLY_TILES if path == WEIGHT_ONLY else FP8_TC_TILES
+    block_m, block_n, warps, stages = _tile(tiles, M)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), groups)
+    if path == WEIGHT_ONLY:
+        args = (x, weight, raw, out, M, N, K, x.stride(0), x.stride(1), weight.stride(0), raw.stride(0),
+                out.stride(0), out.stride(1))
+        precision = "ieee" if x.dtype == torch.float32 else "tf32"
+        _weight_only_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(128, block[1]),
+                                  PRECISION=precision, num_warps=warps, num_stages=stages, **consts)
+        return
+    xq, xs = quantize_activations(x, block[1])
+    _fp8_tc_kernel[grid](xq, xs, weight, raw, out, M, N, K, xq.stride(0), xq.stride(1), xs.stride(0), xs.stride(1),
+                         weight.stride(0), raw.stride(0), out.stride(0), out.stride(1), BLOCK_M=block_m,
+                         BLOCK_N=block_n, num_warps=warps, num_stages=stages, **consts)
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], groups: int = 1,
+           path: str | None = None) -> torch.Tensor:
+    """``x [M, groups, K]`` -> ``[M, groups, N]`` through the kernel ``linear_path`` picks (or ``path``)."""
+    path = path or linear_path(x.shape[0], x.dtype, block)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(x.shape[0], groups, weight.shape[0] // groups, dtype=x.dtype, device=x.device)
+    if x.shape[0]:
+        launch(path, x, weight.contiguous(), scale.contiguous(), block, out, groups)
+    return out
+
+
+def linear_fp8_block(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                     block: tuple[int, int]) -> torch.Tensor:
+    """``reference.linear_fp8_block`` (``x [..., in]``, e4m3 ``weight [out, in]``, block ``scale``)."""
+    if linear_path(x.numel() // max(x.shape[-1], 1), x.dtype, block) is None:
+        return ref.linear_fp8_block(x, weight, scale, block)
+    return _linear(x, weight, scale, block[0], block[1])
+
+
+@opaque_under_compile("linear_fp8_block",
+                      lambda x, weight, scale, block_rows, block_cols: x.new_empty(*x.shape[:-1], weight.shape[0]))
+def _linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_rows: int,
+            block_cols: int) -> torch.Tensor:
+    flat = x.reshape(-1, 1, x.shape[-1])  # [M, 1, K]
+    return matmul(flat, weight, scale, (block_rows, block_cols)).view(*x.shape[:-1], weight.shape[0])
+
+
+def grouped_linear_fp8_block(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                             groups: int) -> torch.Tensor:
+    """``reference.grouped_linear_fp8_block``: ``x [T, groups, in]``, ``weight [groups * out, in]`` ->
+    ``[T, groups, out]``, the groups on the grid's last axis."""
+    if linear_path(x.shape[0], x.dtype, block) is None:
+        return ref.grouped_linear_fp8_block(x, weight, scale, block, groups)
+    return _grouped_linear(x, weight, scale, block[0], block[1], groups)
+
+
+@opaque_under_compile("grouped_linear_fp8_block",
+                      lambda x, weight, scale, block_rows, block_cols, groups:
+                      x.new_empty(x.shape[0], groups, weight.shape[0] // groups))
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_rows: int, block_cols: int,
+                    groups: int) -> torch.Tensor:
+    return matmul(x, weight, scale, (block_rows, block_cols), groups)
+
+
+def swiglu_mlp_fp8_block(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+                         w3: torch.Tensor, s3: torch.Tensor, block: tuple[int, int], limit: float) -> torch.Tensor:
+    """``reference.swiglu_mlp_fp8_block`` (the shared expert): one token through ``moe_quant``'s row kernels as a
+    one-expert MoE (two launches); more through ``linear_fp8_block`` for ``w1`` and ``w3`` (one product where they,
+    and their scales, lie one after the other in memory), ``moe.swiglu``, then ``w2``."""
+    if x.dim() != 2 or linear_path(x.shape[0], x.dtype, block) is None:
+        return ref.swiglu_mlp_fp8_block(x, w1, s1, w2, s2, w3, s3, block, limit)
+    return _swiglu_mlp(x, w1, s1, w2, s2, w3, s3, block[0], block[1], limit)
+
+
+@opaque_under_compile("swiglu_mlp_fp8_block",
+                      lambda x, w1, s1, w2, s2, w3, s3, block_rows, block_cols, limit: x.new_empty(x.shape))
+def _swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+                w3: torch.Tensor, s3: torch.Tensor, block_rows: int, block_cols: int, limit: float) -> torch.Tensor:
+    block = (block_rows, block_cols)
+    if x.shape[0] == 1:
+        one = torch.zeros(1, 1, dtype=torch.long, device=x.device)
+        weights = torch.ones(1, 1, dtype=torch.float32, device=x.device)
+        stacked = (t.unsqueeze(0) for t in (w1, s1, w2, s2, w3, s3))
+        return moe_quant._run(moe_quant.FP8, x, one, weights, *stacked, block, limit)
+    inter = w1.shape[0]
+    both, both_scale = moe._rows_together(w1, w3), moe._rows_together(s1, s3)
+    if both is not None and both_scale is not None and inter % block_rows == 0:
+        gate_up = matmul(x.unsqueeze(1), both, both_scale, block)[:, 0]  # [T, 2 I]
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    else:
+        gate, up = (matmul(x.unsqueeze(1), w, s, block)[:, 0] for w, s in ((w1, s1), (w3, s3)))
+    return matmul(moe.swiglu(gate, up, limit).unsqueeze(1), w2, s2, block)[:, 0]

@@ -1,0 +1,280 @@
+"""Routed experts with quantized weights (ops ``moe_experts_mxfp4`` and ``moe_experts_fp8_block``): the Triton MoE
+of ``moe.py`` reading the stored bytes.
+
+Same layout and steps as ``moe.moe_experts`` (``moe.align``'s sorted, padded assignments; an up kernel with the
+SwiGLU epilogue; a down kernel with the routing weight; ``moe._combine``), and the same one-token path (two row
+kernels by expert id); only the weight tiles differ. Each tile is loaded as stored and decoded in registers
+(``dequant.py``), then fed to ``tl.dot`` in the activations' dtype: no dequantized copy of any weight is ever
+written.
+
+* MXFP4 (``[E, rows, cols / 2]`` bytes, ue8m0 ``[E, rows, cols / 32]``): a byte holds inputs ``2i`` (low nibble)
+  and ``2i + 1``; a ``BLOCK_K`` slice is ``BLOCK_K / 2`` bytes, decoded into the even and the odd inputs' weights,
+  multiplied by the even and the odd activation columns (two dots of ``BLOCK_K / 2``).
+* fp8 e4m3 blocks (``[E, rows, cols]``, ue8m0 or float32 ``[E, ceil(rows / B0), ceil(cols / B1)]``): ``BLOCK_K``
+  divides ``B1``, so one scale per output row and tile.
+
+Rounding follows the reference ops: the dequantized weight is rounded to the activations' dtype before the product
+(exact for MXFP4 and ue8m0, whose values fit bf16), the rest as ``moe.py``. No host synchronisation: CUDA graphs
+capture it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_nvidia_sm100.kernels import dequant, moe, pdl
+from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
+
+MXFP4, FP8 = 0, 1  # the ``FMT`` of the kernels
+MXFP4_BLOCK = (1, 32)  # (rows, inputs) per MXFP4 scale, as the kernels' B0 / B1
+
+
+@triton.jit
+def _up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, assign_ptr, block_expert_ptr, D, I, top_k, limit,
+               stride_xt, stride_we, stride_wi, stride_se, stride_si, stride_hm,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr,
+               B0: tl.constexpr, B1: tl.constexpr, UE8M0: tl.constexpr, PRECISION: tl.constexpr,
+               PDL: tl.constexpr = False):
+    """Program (block of sorted rows, tile of I): ``h = silu(clamp(x w1^T)) * clamp(x w3^T)`` as ``moe._up_kernel``,
+    ``w1`` / ``w3`` (``[E, I, D / 2]`` MXFP4 or ``[E, I, D]`` fp8, same strides, scales likewise) decoded per
+    tile."""
+    pdl.begin(PDL)
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    assign = tl.load(assign_ptr + offs_m)
+    valid = assign >= 0
+    x_rows = x_ptr + tl.where(valid, assign // top_k, 0)[:, None].to(tl.int64) * stride_xt  # [BM, 1]
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    w1, w3 = w1_ptr + expert.to(tl.int64) * stride_we, w3_ptr + expert.to(tl.int64) * stride_we
+    s1, s3 = s1_ptr + expert.to(tl.int64) * stride_se, s3_ptr + expert.to(tl.int64) * stride_se
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        if FMT == 0:
+            pairs = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BK / 2] byte columns
+            k_mask = pairs < D // 2
+            a_mask = valid[:, None] & k_mask[None, :]
+            a_even = tl.load(x_rows + 2 * pairs[None, :], mask=a_mask, other=0.0)  # [BM, BK / 2]
+            a_odd = tl.load(x_rows + 2 * pairs[None, :] + 1, mask=a_mask, other=0.0)
+            mask = n_mask[None, :] & k_mask[:, None]
+            acc1 = dequant.mxfp4_dot(acc1, a_even, a_odd, w1, s1, pairs, offs_n, stride_wi, stride_si, mask, PRECISION)
+            acc3 = dequant.mxfp4_dot(acc3, a_even, a_odd, w3, s3, pairs, offs_n, stride_wi, stride_si, mask, PRECISION)
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < D
+            a = tl.load(x_rows + offs_k[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
+            mask = n_mask[None, :] & k_mask[:, None]
+            acc1 = dequant.fp8_dot(acc1, a, w1, s1, offs_k, offs_n, k0, stride_wi, stride_si, mask, n_mask, B0, B1, UE8M0,
+                            PRECISION)
+            acc3 = dequant.fp8_dot(acc3, a, w3, s3, offs_k, offs_n, k0, stride_wi, stride_si, mask, n_mask, B0, B1, UE8M0,
+                            PRECISION)
+    dt = h_ptr.dtype.element_ty
+    h = moe._swiglu(acc1.to(dt).to(tl.float32), acc3.to(dt).to(tl.float32), limit, dt)
+    tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_n[None, :], h.to(dt),
+             mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, assign_ptr, block_expert_ptr, D, I,
+                 stride_hm, stride_we, stride_wd, stride_se, stride_sd, stride_ym,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr,
+                 B0: tl.constexpr, B1: tl.constexpr, UE8M0: tl.constexpr, PRECISION: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    """Program (block of sorted rows, tile of D): ``y = (h w2^T) * routing weight`` as ``moe._down_kernel``."""
+    pdl.begin(PDL)
+    pid_m = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    assign = tl.load(assign_ptr + offs_m)
+    valid = assign >= 0
+    h_rows = h_ptr + offs_m[:, None].to(tl.int64) * stride_hm  # [BM, 1]
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < D
+    w2 = w2_ptr + expert.to(tl.int64) * stride_we
+    s2 = s2_ptr + expert.to(tl.int64) * stride_se
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        if FMT == 0:
+            pairs = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            k_mask = pairs < I // 2
+            a_mask = valid[:, None] & k_mask[None, :]
+            a_even = tl.load(h_rows + 2 * pairs[None, :], mask=a_mask, other=0.0)
+            a_odd = tl.load(h_rows + 2 * pairs[None, :] + 1, mask=a_mask, other=0.0)
+            acc = dequant.mxfp4_dot(acc, a_even, a_odd, w2, s2, pairs, offs_n, stride_wd, stride_sd,
+                             n_mask[None, :] & k_mask[:, None], PRECISION)
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < I
+            a = tl.load(h_rows + offs_k[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
+            acc = dequant.fp8_dot(acc, a, w2, s2, offs_k, offs_n, k0, stride_wd, stride_sd,
+                           n_mask[None, :] & k_mask[:, None], n_mask, B0, B1, UE8M0, PRECISION)
+    dt = y_ptr.dtype.element_ty
+    w = tl.load(weights_ptr + tl.where(valid, assign, 0), mask=valid, other=0.0)
+    acc = acc.to(dt).to(tl.float32) * w.to(dt).to(tl.float32)[:, None]
+    tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], acc,
+             mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _up_row_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, ids_ptr, D, I, limit,
+                   stride_we, stride_wi, stride_se, stride_si, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   FMT: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr, UE8M0: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    """Program (column block, pick j) of one token: ``moe._up_row_kernel`` on stored weights."""
+    pdl.begin(PDL)
+    pick = tl.program_id(1)
+    expert = tl.load(ids_ptr + pick).to(tl.int64)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    in_n = cols < I
+    w_rows = expert * stride_we + cols[:, None].to(tl.int64) * stride_wi  # [BN, 1]
+    s_row = cols // B0  # MXFP4: B0 = 1
+    s_rows = expert * stride_se + s_row[:, None].to(tl.int64) * stride_si
+    width: tl.constexpr = BLOCK_K // (2 - FMT)  # MXFP4: byte columns
+    acc1 = tl.zeros([BLOCK_N, width], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_N, width], dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        acc1 = dequant.row_product(acc1, x_ptr, w1_ptr + w_rows, s1_ptr + s_rows, k0, D, in_n, FMT, BLOCK_K, B1,
+                                    UE8M0)
+        acc3 = dequant.row_product(acc3, x_ptr, w3_ptr + w_rows, s3_ptr + s_rows, k0, D, in_n, FMT, BLOCK_K, B1,
+                                    UE8M0)
+    dt = h_ptr.dtype.element_ty
+    h = moe._swiglu(tl.sum(acc1, axis=1).to(dt).to(tl.float32), tl.sum(acc3, axis=1).to(dt).to(tl.float32), limit,
+                    dt)
+    tl.store(h_ptr + pick * I + cols, h.to(dt), mask=in_n)
+
+
+@triton.jit
+def _down_row_kernel(h_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, weights_ptr, D, I, top_k,
+                     stride_we, stride_wd, stride_se, stride_sd, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     K_P2: tl.constexpr, FMT: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
+                     UE8M0: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (column block) of one token: ``moe._down_row_kernel`` on stored weights (the picks added in
+    ascending expert order, rounded as ``moe._combine``)."""
+    pdl.begin(PDL)
+    j = tl.arange(0, K_P2)
+    in_k = j < top_k
+    rank = moe._expert_order(tl.load(ids_ptr + j, mask=in_k, other=0), in_k, K_P2)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    in_n = cols < D
+    s_row = cols // B0  # MXFP4: B0 = 1
+    dt = out_ptr.dtype.element_ty
+    width: tl.constexpr = BLOCK_K // (2 - FMT)  # MXFP4: byte columns
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for r in range(top_k):
+        pick = tl.sum(tl.where((rank == r) & in_k, j, 0), axis=0)
+        expert = tl.load(ids_ptr + pick).to(tl.int64)
+        w_rows = w2_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wd  # [BN, 1]
+        s_rows = s2_ptr + expert * stride_se + s_row[:, None].to(tl.int64) * stride_sd
+        acc = tl.zeros([BLOCK_N, width], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            acc = dequant.row_product(acc, h_ptr + pick * I, w_rows, s_rows, k0, I, in_n, FMT, BLOCK_K, B1, UE8M0)
+        w = tl.load(weights_ptr + pick).to(dt).to(tl.float32)
+        part = (tl.sum(acc, axis=1).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)  # [BN]
+        total = (total + part).to(dt).to(tl.float32)
+    tl.store(out_ptr + cols, total.to(dt), mask=in_n)
+
+
+# One-token launches (BLOCK_N, BLOCK_K, num_warps, num_stages): MXFP4 rows are a quarter of bf16 rows' bytes and fp8
+# half, so a program takes more rows than ``gemv.row_config``'s two; fp8 slices stay inside one scale block.
+ROW_TILES = {MXFP4: (8, 512, 4, 3), FP8: (8, 128, 4, 4)}
+GROUPED_MAX_BLOCK_K = {MXFP4: 128, FP8: 128}
+
+
+def _tiles(fmt: int, num_assign: int, num_experts: int, block: tuple[int, int]) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of the grouped kernels: ``moe._config``'s, with ``BLOCK_K`` a
+    multiple of 32 (MXFP4: whole scale groups) or dividing ``B1`` (fp8: one scale block per slice)."""
+    block_m, block_n, block_k, warps = moe._config(num_assign, num_experts)
+    if fmt == FP8:
+        block_k = min(block_k, block[1])
+    return block_m, block_n, max(32, min(block_k, GROUPED_MAX_BLOCK_K[fmt])), warps
+
+
+def _run(fmt: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s2, w3, s3,
+         block: tuple[int, int], limit: float) -> torch.Tensor:
+    """Both ops: one token through the row kernels, otherwise align, up, down, combine."""
+    T, top_k = ids.shape
+    E, I = w1.shape[0], w1.shape[1]
+    D = x.shape[1]
+    if T == 0:
+        return torch.zeros_like(x)
+    x = x.contiguous()
+    w1, w2, w3 = (w.contiguous().view(torch.uint8) if fmt == MXFP4 else w.contiguous() for w in (w1, w2, w3))
+    (s1, ue8m0), (s2, _), (s3, _) = (dequant.scale_operand(s.contiguous()) for s in (s1, s2, s3))
+    consts = {"FMT": fmt, "B0": block[0], "B1": block[1], "UE8M0": ue8m0}
+    if T == 1 and top_k <= moe.ONE_TOKEN_MAX_TOP_K:
+        return _one_token(x, ids, weights, w1, s1, w2, s2, w3, s3, D, I, limit, consts)
+    block_m, block_n, block_k, warps = _tiles(fmt, T * top_k, E, block)
+    sorted_assign, block_expert, dest = moe.align(ids, E, block_m)
+    rows = sorted_assign.shape[0]
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    stages = 2 if x.dtype == torch.float32 else 3
+    h = torch.empty((rows, I), dtype=x.dtype, device=x.device)
+    y = torch.empty((rows, D), dtype=x.dtype, device=x.device)
+    tiles = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "PRECISION": precision, "num_warps": warps,
+             "num_stages": stages, **consts, **pdl.launch()}
+    _up_kernel[(rows // block_m, triton.cdiv(I, block_n))](
+        x, w1, s1, w3, s3, h, sorted_assign, block_expert, D, I, top_k, float(limit), x.stride(0), w1.stride(0),
+        w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0), **tiles)
+    _down_kernel[(rows // block_m, triton.cdiv(D, block_n))](
+        h, w2, s2, y, weights.reshape(-1).contiguous(), sorted_assign, block_expert, D, I, h.stride(0),
+        w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0), **tiles)
+    return moe._combine(y, ids, dest, x)
+
+
+def _one_token(x, ids, weights, w1, s1, w2, s2, w3, s3, D, I, limit, consts) -> torch.Tensor:
+    """One token: ``_up_row_kernel`` per (column block, pick), then ``_down_row_kernel`` per column block."""
+    top_k = ids.shape[1]
+    block_n, block_k, warps, stages = ROW_TILES[consts["FMT"]]
+    if consts["FMT"] == FP8:
+        block_k = min(block_k, consts["B1"])
+    flat_ids = ids.reshape(-1).contiguous()
+    h = torch.empty(top_k, I, dtype=x.dtype, device=x.device)
+    launch = {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages, **consts,
+              **pdl.launch()}
+    _up_row_kernel[(triton.cdiv(I, block_n), top_k)](
+        x, w1, s1, w3, s3, h, flat_ids, D, I, float(limit), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
+        **launch)
+    out = torch.empty_like(x)
+    _down_row_kernel[(triton.cdiv(D, block_n),)](
+        h, w2, s2, out, flat_ids, weights.reshape(-1).contiguous(), D, I, top_k, w2.stride(0), w2.stride(1),
+        s2.stride(0), s2.stride(1), K_P2=triton.next_power_of_2(top_k), **launch)
+    return out
+
+
+@opaque_under_compile("moe_experts_mxfp4",
+                      lambda x, ids, weights, w1, s1, w2, s2, w3, s3, limit: x.new_empty(x.shape))
+def moe_experts_mxfp4(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
+                      w2: torch.Tensor, s2: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor,
+                      limit: float) -> torch.Tensor:
+    """``reference.moe_experts_mxfp4``: packed ``w1`` / ``w3 [E, I, D / 2]``, ``w2 [E, D, I / 2]`` (uint8 / int8)
+    with ue8m0 scales ``[E, rows, cols / 32]``, decoded in registers."""
+    return _run(MXFP4, x, ids, weights, w1, s1, w2, s2, w3, s3, MXFP4_BLOCK, limit)
+
+
+def moe_experts_fp8_block(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
+                          s1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor,
+                          block: tuple[int, int], limit: float) -> torch.Tensor:
+    """``reference.moe_experts_fp8_block``: e4m3 ``w1`` / ``w3 [E, I, D]``, ``w2 [E, D, I]`` with ue8m0 or float32
+    block scales, decoded in registers. Blocks that are not powers of two of at least 16 take the reference op."""
+    if any(b < 16 or b & (b - 1) for b in block):
+        from deepinfer_core.ops import reference as ref
+
+        return ref.moe_experts_fp8_block(x, ids, weights, w1, s1, w2, s2, w3, s3, block, limit)
+    return _moe_experts_fp8_block(x, ids, weights, w1, s1, w2, s2, w3, s3, block[0], block[1], limit)
+
+
+@opaque_under_compile("moe_experts_fp8_block",
+                      lambda x, ids, weights, w1, s1, w2, s2, w3, s3, block_rows, block_cols, limit:
+                      x.new_empty(x.shape))
+def _moe_experts_fp8_block(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
+                           s1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor,
+                           block_rows: int, block_cols: int, limit: float) -> torch.Tensor:
+    return _run(FP8, x, ids, weights, w1, s1, w2, s2, w3, s3, (block_rows, block_cols), limit)

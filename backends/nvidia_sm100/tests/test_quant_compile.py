@@ -1,0 +1,124 @@
+"""The quantized-weight kernels (``moe_quant.py``, ``fp8_linear.py``, ``dequant.py``) compile for sm_90a and sm_100a
+on a machine without a GPU, as test_triton_compile.py checks the others: MoE tiles of 64 rows and the fp8 linear
+tiles from 64 rows reach the architecture's tensor cores (wgmma / tcgen05), the fp8 tensor-core kernel with e4m3
+operands; 16-row decode tiles use mma.sync. Results are checked elsewhere (test_quant_kernels.py on the CPU
+interpreter, test_kernels_gpu.py on the GPU)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+triton = pytest.importorskip("triton", reason="the test extra installs triton")
+from deepinfer_nvidia_sm100.kernels import dequant, fp8_linear, moe, moe_quant
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+ARCHS = {90: ("sm_90a", "wgmma"), 100: ("sm_100a", "tcgen05.mma")}
+FP8_MMA = {90: r"wgmma\.mma_async\S*e4m3\.e4m3", 100: r"tcgen05\.mma\S*kind::f8f6f4"}
+
+
+def _compile(fn, types: dict[str, str], constants: dict, capability: int, warps: int = 4, stages: int = 3):
+    """``fn`` compiled for ``capability``: pointers ``*bf16`` and other scalars ``i32`` unless ``types`` says."""
+    signature = {}
+    for i, arg in enumerate(fn.arg_names):
+        if i in fn.constexprs:
+            signature[arg] = "constexpr"
+        else:
+            signature[arg] = types.get(arg, "*bf16" if arg.endswith("_ptr") else "i32")
+    source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
+                              options={"num_warps": warps, "num_stages": stages})
+    ptx = compiled.asm["ptx"]
+    assert re.search(r"^\.target (\S+)", ptx, re.MULTILINE).group(1) == ARCHS[capability][0]
+    assert len(compiled.asm["cubin"]) > 0
+    return ptx
+
+
+def _weights(fmt: int, names: tuple[str, ...]) -> dict[str, str]:
+    """Argument types of the stored weights (MXFP4 bytes or e4m3) and their scales (ue8m0 bytes)."""
+    weight = "*u8" if fmt == moe_quant.MXFP4 else "*fp8e4nv"
+    types = {f"w{i}_ptr": weight for i in names} | {f"s{i}_ptr": "*u8" for i in names}
+    return types | {"assign_ptr": "*i64", "block_expert_ptr": "*i64", "ids_ptr": "*i64", "weights_ptr": "*fp32",
+                    "limit": "fp32"}
+
+
+def _expect_tensor_cores(ptx: str, rows: int, capability: int, name: str) -> None:
+    tensor_core = ARCHS[capability][1]
+    if rows >= 64:
+        assert tensor_core in ptx and "mma.sync" not in ptx, f"{name} on {ARCHS[capability][0]}: no {tensor_core}"
+    else:
+        assert "mma.sync" in ptx and "wgmma" not in ptx and "tcgen05.mma" not in ptx, name
+
+
+@pytest.mark.parametrize("capability", sorted(ARCHS))
+@pytest.mark.parametrize("tile_name", ["decode", "prefill"])  # 16 and 64 rows ("mid" is "prefill"'s MMA)
+@pytest.mark.parametrize("fmt", [moe_quant.MXFP4, moe_quant.FP8])
+@pytest.mark.parametrize("kernel", ["_up_kernel", "_down_kernel"])
+def test_quantized_moe_kernels_reach_the_tensor_cores(kernel, fmt, tile_name, capability):
+    block = moe_quant.MXFP4_BLOCK if fmt == moe_quant.MXFP4 else (128, 128)
+    per_expert = {"decode": 16, "mid": 64, "prefill": 512}[tile_name]
+    block_m, block_n, block_k, warps = moe_quant._tiles(fmt, 64 * per_expert, 64, block)
+    want_m, want_n, _, want_warps = moe.TILES[tile_name]
+    assert (block_m, block_n, warps) == (want_m, want_n, want_warps) and block_k % 32 == 0
+    fn = getattr(moe_quant, kernel)
+    constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "FMT": fmt, "B0": block[0],
+                 "B1": block[1], "UE8M0": True, "PRECISION": "tf32"}
+    ptx = _compile(fn, _weights(fmt, ("1", "2", "3")), constants, capability, warps)
+    _expect_tensor_cores(ptx, block_m, capability, f"{kernel} fmt {fmt} {tile_name}")
+
+
+@pytest.mark.parametrize("capability", sorted(ARCHS))
+@pytest.mark.parametrize("fmt", [moe_quant.MXFP4, moe_quant.FP8])
+@pytest.mark.parametrize("kernel", ["_up_row_kernel", "_down_row_kernel"])
+def test_quantized_moe_row_kernels_compile(kernel, fmt, capability):
+    block_n, block_k, warps, stages = moe_quant.ROW_TILES[fmt]
+    block = moe_quant.MXFP4_BLOCK if fmt == moe_quant.MXFP4 else (128, 128)
+    constants = {"BLOCK_N": block_n, "BLOCK_K": block_k, "FMT": fmt, "B0": block[0], "B1": block[1], "UE8M0": True}
+    if kernel == "_down_row_kernel":
+        constants["K_P2"] = 8
+    _compile(getattr(moe_quant, kernel), _weights(fmt, ("1", "2", "3")), constants, capability, warps, stages)
+
+
+LINEAR_TYPES = {"w_ptr": "*fp8e4nv", "s_ptr": "*u8", "xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32"}
+
+
+@pytest.mark.parametrize("capability", sorted(ARCHS))
+@pytest.mark.parametrize("rows", [16, 64])
+def test_fp8_weight_only_kernel_tiles(rows, capability):
+    block_m, block_n, warps, stages = fp8_linear._tile(fp8_linear.WEIGHT_ONLY_TILES, rows)
+    constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 128, "B0": 128, "B1": 128, "UE8M0": True,
+                 "PRECISION": "tf32"}
+    ptx = _compile(fp8_linear._weight_only_kernel, LINEAR_TYPES, constants, capability, warps, stages)
+    _expect_tensor_cores(ptx, block_m, capability, f"weight-only {block_m} rows")
+
+
+@pytest.mark.parametrize("capability", sorted(ARCHS))
+@pytest.mark.parametrize("rows, block, ue8m0", [(256, (128, 128), True), (8192, (128, 128), False),
+                                              (256, (32, 32), True)])
+def test_fp8_tensor_core_kernel_multiplies_e4m3_operands(rows, block, ue8m0, capability):
+    """The prefill kernel's products are fp8 tensor-core instructions (e4m3 x e4m3 with fp32 accumulate), for
+    V4-Flash's 128 x 128 blocks (ue8m0 scales; float32 as V4-Flash-Base) and V4.1-Flash's 32 x 32."""
+    block_m, block_n, warps, stages = fp8_linear._tile(fp8_linear.FP8_TC_TILES, rows)
+    constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "B0": block[0], "B1": block[1], "UE8M0": ue8m0}
+    types = LINEAR_TYPES | {"s_ptr": "*u8" if ue8m0 else "*fp32"}
+    ptx = _compile(fp8_linear._fp8_tc_kernel, types, constants, capability, warps, stages)
+    assert re.search(FP8_MMA[capability], ptx), f"fp8 tensor cores {block_m} rows {block}: no e4m3 MMA"
+
+
+@pytest.mark.parametrize("capability", sorted(ARCHS))
+@pytest.mark.parametrize("name, fn, types, constants", [
+    ("row", fp8_linear._row_kernel, LINEAR_TYPES, {"BLOCK_N": 8, "BLOCK_K": 128, "B0": 128, "B1": 128,
+                                                   "UE8M0": True}),
+    ("row f32 scales", fp8_linear._row_kernel, LINEAR_TYPES | {"s_ptr": "*fp32"},
+     {"BLOCK_N": 8, "BLOCK_K": 32, "B0": 32, "B1": 32, "UE8M0": False}),
+    ("quantize rows", fp8_linear._quantize_rows_kernel, {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
+     {"B1": 128, "BLOCKS": 16}),
+    ("dequantize mxfp4", dequant._mxfp4_kernel, {"packed_ptr": "*u8", "scale_ptr": "*u8", "out_ptr": "*fp32"},
+     {"BLOCK": 1024}),
+    ("dequantize fp8", dequant._fp8_block_kernel, {"w_ptr": "*fp8e4nv", "scale_ptr": "*u8", "out_ptr": "*fp32"},
+     {"B0": 128, "B1": 128, "UE8M0": True, "BLOCK_R": 32, "BLOCK_C": 64}),
+])
+def test_small_quant_kernels_compile(name, fn, types, constants, capability):
+    _compile(fn, types, constants, capability)
