@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 ALL_TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
 
@@ -78,3 +79,92 @@ def tiny_checkpoint(folder, seed: int = 0, **config_kwargs):
     hf = tiny_hf_model(folder, seed=seed, **config_kwargs)
     write_tiny_tokenizer(folder, hf.config.vocab_size)
     return hf
+
+
+# ------------------------------------------------------------------------------------- MTP draft layers
+MTP_TARGET_LAYERS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
+MTP_WINDOW = 8  # tiny_hf_config's sliding window: sequences here are longer, so the draft's ring wraps
+
+
+class ReferenceMTP:
+    """The draft layer by hand: plain torch for the MTP parts, HF's decoder layer for the block."""
+
+    def __init__(self, seed: int, confidence: bool):
+        from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+
+        config = tiny_hf_config(layer_types=["sliding_attention"], num_hash_layers=0)
+        self.config = config
+        torch.manual_seed(seed)
+        self.block = hf.DeepseekV4DecoderLayer(config, 0).eval()
+        self.hc_head = hf.DeepseekV4HyperHead(config)
+        self.rope = hf.DeepseekV4RotaryEmbedding(config)
+        randomize(self.block, seed)
+        randomize(self.hc_head, seed + 1)
+        gen = torch.Generator().manual_seed(seed + 2)
+        D = config.hidden_size
+        self.tensors = {
+            "enorm.weight": 1 + 0.1 * torch.randn(D, generator=gen),
+            "hnorm.weight": 1 + 0.1 * torch.randn(D, generator=gen),
+            "norm.weight": 1 + 0.1 * torch.randn(D, generator=gen),
+            "e_proj.weight": 0.2 * torch.randn(D, D, generator=gen),
+            "h_proj.weight": 0.2 * torch.randn(D, D, generator=gen),
+            "hc_head_fn": self.hc_head.hc_fn.detach(),
+            "hc_head_base": self.hc_head.hc_base.detach(),
+            "hc_head_scale": self.hc_head.hc_scale.detach(),
+        }
+        if confidence:
+            self.tensors["confidence_head.weight"] = 0.3 * torch.randn(1, D, generator=gen)
+            self.tensors["confidence_head.bias"] = torch.tensor([0.2])
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        from deepinfer_core.models.deepseek_v4.weights import hf_layer_tensors
+
+        out = {f"mtp.0.{name}": t.clone() for name, t in self.tensors.items()}
+        out.update((name, t.detach().clone()) for name, t in hf_layer_tensors(self.block.state_dict(), "mtp.0",
+                                                                                self.config))
+        return out
+
+    def _rms(self, x, weight):
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps))
+
+    def block_input(self, hidden, next_tokens, positions, embed):
+        """``[T, hc, D]``: h_proj(hnorm(h)) + e_proj(enorm(embed(t[i + 1]))), the embedding zeroed at position 0."""
+        e = embed[next_tokens] * (positions != 0).unsqueeze(-1)
+        e = F.linear(self._rms(e, self.tensors["enorm.weight"]), self.tensors["e_proj.weight"])
+        h = F.linear(self._rms(hidden, self.tensors["hnorm.weight"]), self.tensors["h_proj.weight"])
+        return h + e.unsqueeze(1)
+
+    @torch.no_grad()
+    def run(self, x, positions, head):
+        """The block over rows ``x [T, hc, D]`` at ``positions`` (causal, window 8): streams, logits, confidence."""
+        T = x.shape[0]
+        i, j = positions[:, None], positions[None, :]
+        mask = torch.where((j <= i) & (i - j < MTP_WINDOW), 0.0, float("-inf"))[None, None]  # [1, 1, T, T]
+        pos = positions[None]
+        emb = {t: self.rope(x[None, :, 0], position_ids=pos, layer_type=t) for t in ("main", "compress")}
+        streams = self.block(x[None], position_embeddings=emb, position_ids=pos, attention_mask=mask)[0]
+        final = self._rms(self.hc_head(streams[None])[0], self.tensors["norm.weight"])  # [T, D]
+        confidence = None
+        if "confidence_head.weight" in self.tensors:
+            w, b = self.tensors["confidence_head.weight"], self.tensors["confidence_head.bias"]
+            confidence = torch.sigmoid(final @ w[0] + b[0])
+        assert streams.shape[0] == T
+        return streams, F.linear(final, head), confidence
+
+
+def tiny_checkpoint_with_mtp(folder, reference: ReferenceMTP, num_nextn: int = 1, seed: int = 3):
+    """A tiny checkpoint of ``MTP_TARGET_LAYERS`` plus ``reference``'s ``mtp.0.*`` tensors (config.json declaring
+    ``num_nextn`` draft layers) and a tokenizer."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    tiny_hf_model(folder, seed=seed, layer_types=MTP_TARGET_LAYERS)
+    write_tiny_tokenizer(folder)
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    tensors.update(reference.checkpoint_tensors())
+    save_file(tensors, path, metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["num_nextn_predict_layers"] = num_nextn
+    (folder / "config.json").write_text(json.dumps(config))

@@ -84,11 +84,13 @@ class DraftStep:
 @dataclasses.dataclass
 class Drafts:
     """``k`` drafted tokens per sequence: ``token_ids [S, k]``, ``logits [S, k, V]`` (fp32), ``confidence [S, k]``
-    (the confidence head's, else the draft's probability of its token)."""
+    (the confidence head's, else the draft's probability of its token), ``hidden [S, k, D]`` (what the confidence
+    head reads)."""
 
     token_ids: torch.Tensor
     logits: torch.Tensor
     confidence: torch.Tensor
+    hidden: torch.Tensor
 
 
 class MTPLayer:
@@ -239,7 +241,8 @@ class MTPDraft:
             state.restore(batch.slots, saved)
         logits = torch.stack([s.logits for s in steps], dim=1)  # [S, k, V]
         token_ids = torch.stack(tokens, dim=1)  # [S, k]
-        return Drafts(token_ids, logits, self._confidence(steps, logits, token_ids))
+        hidden = torch.stack([s.hidden for s in steps], dim=1)  # [S, k, D]
+        return Drafts(token_ids, logits, self._confidence(steps, logits, token_ids), hidden)
 
     def _confidence(self, steps: list[DraftStep], logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """``[S, k]``: the confidence head's, else the draft's own probability of each drafted token."""
