@@ -7,8 +7,8 @@ whole rows (or one row's channel block), its tiles are set by the row width, and
 a count that follows the batch. Those are offered as they are. Three choose a launch from the number of rows in the
 fast path and are offered with a fixed launch instead:
 
-* ``moe_experts``: the Triton grouped GEMMs with one tile (``MOE_TILE``, the decode tile; no CUTLASS grouped GEMM for
-  prefill, no one-token kernels: their products are summed in another order). Every row of a ``tl.dot`` tile is
+* ``moe_experts``: the Triton grouped GEMMs with one tile (``MOE_TILE``; no CUTLASS grouped GEMM for prefill, no
+  one-token kernels: their products are summed in another order). Every row of a ``tl.dot`` tile is
   computed alike, and a token's experts are combined in ascending expert id, so a token's result depends only on its
   own input and routing. No atomics.
 * ``hc_pre`` / ``hc_pre_normed``: the mixing logits' K split follows the row length alone
@@ -44,9 +44,10 @@ from deepinfer_nvidia_sm100.kernels import (
     streams,
 )
 
-MOE_TILE = moe.TILES["decode"]
-"""(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of ``moe_experts`` in the batch-invariant mode, for every batch: the plain
-path's decode tile (16-row ``mma`` tiles), so decode steps pay nothing for the fixed tile; prefill steps take it too."""
+MOE_TILE = moe.TILES["mid"]
+"""(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of ``moe_experts`` in the batch-invariant mode, for every batch: 64-row
+tiles (wgmma / tcgen05). A decode step reads each chosen expert's weights once with any tile; a prefill step re-reads
+them once per row block, four times as often with the 16-row decode tile."""
 
 INDEX_OPS = ("compressor_window", "decode_key_index", "decode_entry_places", "decode_window_plan")
 """Compiled reference ops without floating-point reductions (gathers, integer index math, one addition per element)."""

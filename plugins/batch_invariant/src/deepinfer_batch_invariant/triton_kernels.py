@@ -75,19 +75,19 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
 
 
 # ----------------------------------------------------------------------------- matmul
-SPLIT_K_PROGRAMS = 256
-"""Split-K target: (N tiles x K splits) programs per row tile, about two per SM of an H200 (132 SMs), so a
-decode-sized GEMM (one row tile) reads its weight with the whole GPU. The split count is a function of the
-weight's shape and dtype only (``split_k``), never of the row count: each output element is the same fixed-order
-fold of the same partial sums whatever the batch."""
-MIN_SPLIT_BLOCKS = 4
+SPLIT_K_PROGRAMS = 132
+"""Split-K target: (groups x N tiles x K splits) programs per row tile, one per SM of an H200, so a decode-sized GEMM
+(one row tile) reads its weight with the whole GPU. The split count is a function of the weight's shape and dtype
+only (``split_k``), never of the row count: each output element is the same fixed-order fold of the same partial
+sums whatever the batch. Prefill steps pay for the split in fp32 partials (``splits x M x N``), so it stays low."""
+MIN_SPLIT_BLOCKS = 8
 """Fewest BLOCK_K steps per K split."""
 
 
-def split_k(n: int, k: int, block_n: int, block_k: int) -> int:
-    """K splits for a ``[n, k]`` weight: enough programs to fill the GPU from one row tile, each split at least
-    ``MIN_SPLIT_BLOCKS`` K blocks long."""
-    n_tiles = triton.cdiv(n, block_n)
+def split_k(n: int, k: int, block_n: int, block_k: int, groups: int = 1) -> int:
+    """K splits for a ``[groups * n, k]`` weight (``groups`` blocks of ``[n, k]``): enough programs to fill the GPU
+    from one row tile, each split at least ``MIN_SPLIT_BLOCKS`` K blocks long."""
+    n_tiles = triton.cdiv(n, block_n) * groups
     longest = max(1, k // (MIN_SPLIT_BLOCKS * block_k))
     return max(1, min(longest, SPLIT_K_PROGRAMS // n_tiles))
 
@@ -164,7 +164,7 @@ def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch
     if m == 0 or n == 0:
         return out
     block_m, block_n, block_k, warps, stages = MM_CONFIGS[x.dtype]
-    splits = split_k(n, k, block_n, block_k)
+    splits = split_k(n, k, block_n, block_k, groups)
     k_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_split)  # every split non-empty
     size = m * groups * n
@@ -383,20 +383,33 @@ def _sink_attention_kernel(q_ptr, kv_ptr, idx_ptr, count_ptr, sink_ptr, out_ptr,
              out.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
 
 
+@triton.jit(do_not_specialize=["Lk"])
+def _compact_kernel(vis_ptr, idx_ptr, count_ptr, Lk, s_vis, s_idx, BLOCK: tl.constexpr):
+    """Program = one query row: the indices of its visible keys in key order into ``idx``, their number into
+    ``count`` (integers only)."""
+    row = tl.program_id(0).to(tl.int64)
+    found = 0
+    for start in range(0, Lk, BLOCK):
+        keys = start + tl.arange(0, BLOCK)  # [BLOCK]
+        seen = tl.load(vis_ptr + row * s_vis + keys, mask=keys < Lk, other=0).to(tl.int32)
+        place = found + tl.cumsum(seen, axis=0) - 1
+        tl.store(idx_ptr + row * s_idx + place, keys, mask=seen > 0)
+        found += tl.sum(seen, axis=0)
+    tl.store(count_ptr + row, found)
+
+
 def compact_visible(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each query's visible key indices in key order, and their number, without host synchronisation.
+    """Each query's visible key indices in key order, and their number, without host synchronisation: one launch.
 
     ``visible [S, Lq, Lk]`` -> ``idx [S * Lq, Lk + 1]`` int32 (entries past a query's count are junk) and
     ``counts [S * Lq]`` int32.
     """
     S, Lq, Lk = visible.shape
-    flat = visible.reshape(S * Lq, Lk)
-    rank = torch.cumsum(flat, dim=-1, dtype=torch.int32)  # [S * Lq, Lk]: exact integer prefix sums
-    counts = rank[:, -1].contiguous() if Lk else torch.zeros(S * Lq, dtype=torch.int32, device=visible.device)
-    target = torch.where(flat, rank - 1, Lk).long()  # invisible keys all land in the spare column Lk
-    idx = torch.zeros(S * Lq, Lk + 1, dtype=torch.int32, device=visible.device)
-    keys = torch.arange(Lk, dtype=torch.int32, device=visible.device).expand(S * Lq, Lk)
-    idx.scatter_(1, target, keys)
+    flat = visible.reshape(S * Lq, Lk).contiguous().view(torch.uint8)  # [S * Lq, Lk]
+    idx = torch.empty(S * Lq, Lk + 1, dtype=torch.int32, device=visible.device)
+    counts = torch.empty(S * Lq, dtype=torch.int32, device=visible.device)
+    if S * Lq:
+        _compact_kernel[(S * Lq,)](flat, idx, counts, Lk, flat.stride(0), idx.stride(0), BLOCK=1024, num_warps=4)
     return idx, counts
 
 
