@@ -13,7 +13,7 @@ prompts put the prefix in the prefix cache, so the timed run measures prefix hit
 Per request the engine run records the time of its first token (TTFT, by stepping the engine and
 watching ``output_token_ids`` after each step) and of its last; TPOT is (last - first) / (tokens - 1).
 It also records the prompt tokens each request took from the prefix cache (``RequestOutput.num_cached_tokens``)
-and the prompt tokens it computed (from where its latest admission started: ``Request.sliding_floor``, so the
+and the prompt tokens it computed (from where its latest admission started: ``Request.admitted_from``, so the
 replay that rebuilds the sliding window after a hit counts as computed).
 HF's times come from a logits processor that notes when each of its decoding steps starts sampling.
 """
@@ -315,7 +315,7 @@ def _note_prompt_work(times: RunTimes, output, request) -> None:
     started (the replay before a hit included)."""
     prompt_len = len(output.prompt_token_ids)
     times.cached_tokens[output.request_id] = output.num_cached_tokens
-    times.computed_prompt_tokens[output.request_id] = max(prompt_len - request.sliding_floor, 0)
+    times.computed_prompt_tokens[output.request_id] = max(prompt_len - request.admitted_from, 0)
 
 
 # ------------------------------------------------------------------------------------------------ HF

@@ -117,6 +117,12 @@ class Engine:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
     @property
+    def step_in_flight(self) -> bool:
+        """Whether a launched step's results are unread (asynchronous scheduling): device work enqueued now runs
+        after that step (in ``deepinfer_after_step`` of step N: whether step N + 1 was launched already)."""
+        return self._in_flight is not None
+
+    @property
     def groups(self) -> dict[str, list[Request]]:
         """The live prompts' completions, by group id."""
         return {group_id: group.requests for group_id, group in self.output_processor.groups.items()}

@@ -2,10 +2,11 @@
 
 The cache keeps what a block of tokens leaves behind that is shareable (a V4 model: compressed entries and indexer
 keys); per-sequence state (sliding windows, compressor carries) is rebuilt by recomputing the tokens before the hit.
-The model says how many tokens an exact rebuild needs (``CausalLM.prefix_replay_span``). Plugins may change two
-decisions, in this order: how many tokens of the hit the request adopts (``deepinfer_adopt_prefix_hit``; default:
-all) and where the rebuild starts (``deepinfer_rebuild_sliding_window``; default: the exact rebuild), e.g. bounded
-replay.
+The model says how many tokens an exact rebuild needs (``CausalLM.prefix_replay_span``). Plugins may instead restore
+that state from a copy they hold (``deepinfer_restore_prefix_state``, e.g. the SWA host cache: the request adopts the
+restored tokens and computes from there, reading the restored window); else they may change two decisions, in this
+order: how many tokens of the hit the request adopts (``deepinfer_adopt_prefix_hit``; default: all) and where the
+rebuild starts (``deepinfer_rebuild_sliding_window``; default: the exact rebuild), e.g. bounded replay.
 """
 
 from __future__ import annotations
@@ -35,14 +36,18 @@ class PrefixHit:
     sliding_window: int
     #: tokens the exact rebuild recomputes before a hit (``CausalLM.prefix_replay_span``)
     replay_span: int
+    #: prefix-cache hash of each cached block: ``block_hashes[k - 1]`` identifies the first ``k * block_size`` tokens
+    block_hashes: tuple[bytes, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
 class ReplayPlan:
-    """What the scheduler does with a hit: adopt its first ``adopted`` tokens, compute from ``start``."""
+    """What the scheduler does with a hit: adopt its first ``adopted`` tokens, compute from ``start``, reading no
+    sliding-window key below ``sliding_floor`` (``start`` for a rebuild; 0 when the window was restored)."""
 
     adopted: int
     start: int
+    sliding_floor: int
 
 
 class PrefixReplay:
@@ -55,13 +60,20 @@ class PrefixReplay:
         self.plugin_manager = plugin_manager
         self.context = context
 
-    def plan(self, request: Request, num_cached_tokens: int, block_size: int) -> ReplayPlan:
-        """How ``request``, whose first ``num_cached_tokens`` tokens hit the cache, uses the hit."""
-        hit = PrefixHit(request, num_cached_tokens, block_size, self.sliding_window, self.replay_span)
+    def plan(self, request: Request, num_cached_tokens: int, block_size: int,
+             block_hashes: tuple[bytes, ...] = ()) -> ReplayPlan:
+        """How ``request``, whose first ``num_cached_tokens`` tokens hit the cache (blocks ``block_hashes``), uses
+        the hit."""
+        hit = PrefixHit(request, num_cached_tokens, block_size, self.sliding_window, self.replay_span,
+                        tuple(block_hashes))
+        restored = self._restored(hit)
+        if restored:
+            return ReplayPlan(restored, restored, 0)
         adopted = self._adopted(hit)
         if adopted == 0:
-            return ReplayPlan(0, 0)
-        return ReplayPlan(adopted, self.start(hit, adopted))
+            return ReplayPlan(0, 0, 0)
+        start = self.start(hit, adopted)
+        return ReplayPlan(adopted, start, start)
 
     def start(self, hit: PrefixHit, num_cached_tokens: int) -> int:
         """The first token to compute when the first ``num_cached_tokens`` tokens of ``hit`` are adopted."""
@@ -75,6 +87,19 @@ class PrefixReplay:
                                             f"[0, {num_cached_tokens}]")
                 return start
         return max(0, num_cached_tokens - self.replay_span)
+
+    def _restored(self, hit: PrefixHit) -> int:
+        """The plugins' ``deepinfer_restore_prefix_state`` answer, checked, else 0 (nothing restored)."""
+        if self.plugin_manager is None:
+            return 0
+        restored = call_hook(self.plugin_manager, "deepinfer_restore_prefix_state", hit=hit, context=self.context)
+        if restored is None:
+            return 0
+        if not 0 < restored <= hit.num_cached_tokens or restored % hit.block_size:
+            raise PluginReturnError(
+                f"deepinfer_restore_prefix_state returned {restored}: expected a positive multiple of the block size "
+                f"{hit.block_size} up to {hit.num_cached_tokens}")
+        return restored
 
     def _adopted(self, hit: PrefixHit) -> int:
         """The plugins' ``deepinfer_adopt_prefix_hit`` answer, checked, else the whole hit."""

@@ -23,7 +23,9 @@ class Request:
     The scheduler only looks at token counts: ``num_computed_tokens`` of ``all_token_ids`` are folded
     into the request's state; the step computes the next chunk. Tokens below ``replay_until`` are
     recomputed only to rebuild the sliding-window state after a prefix-cache hit (their compressed
-    entries come from the cache); ``sliding_floor`` is the first token such a replay started from.
+    entries come from the cache); ``sliding_floor`` is the first token such a replay started from (0 also when a
+    plugin restored the window instead: ``deepinfer_restore_prefix_state``). ``admitted_from`` is the token its
+    latest admission started computing from.
     ``num_cached_tokens`` is the prefix-cache hit its latest admission adopted (a plugin may adopt only part of a
     hit); ``RequestOutput.num_cached_tokens`` reports it.
 
@@ -48,6 +50,7 @@ class Request:
     num_computed_tokens: int = 0
     replay_until: int = 0
     sliding_floor: int = 0
+    admitted_from: int = 0
     num_cached_tokens: int = 0
     slot: int | None = None
     block_ids: list[int] = dataclasses.field(default_factory=list)

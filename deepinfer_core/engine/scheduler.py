@@ -201,10 +201,11 @@ class FcfsScheduler(Scheduler):
 
     def _admit(self, request: Request, budget: int, chunks: list[ScheduledChunk]) -> ScheduledChunk | None:
         cached = self.state.match_prefix(request)
-        hit = start = 0
+        hit = start = floor = 0
         if cached:
-            plan = self.prefix_replay.plan(request, len(cached) * self.state.block_size, self.state.block_size)
-            hit, start = plan.adopted, plan.start
+            plan = self.prefix_replay.plan(request, len(cached) * self.state.block_size, self.state.block_size,
+                                           tuple(self.state.block_hash[b] for b in cached))
+            hit, start, floor = plan.adopted, plan.start, plan.sliding_floor
             cached = cached[: hit // self.state.block_size]
         num = self._padded_fit(chunks, min(request.num_tokens - start, budget))
         if num == 0 or not self.state.can_admit(cached, start + num):
@@ -214,7 +215,8 @@ class FcfsScheduler(Scheduler):
             raise RuntimeError(f"state manager admitted {request.request_id} but could not allocate its blocks")
         request.num_computed_tokens = start
         request.replay_until = hit
-        request.sliding_floor = start
+        request.sliding_floor = floor
+        request.admitted_from = start
         request.num_cached_tokens = hit
         request.status = RequestStatus.RUNNING
         self.running.append(request)

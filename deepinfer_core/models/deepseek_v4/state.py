@@ -129,6 +129,14 @@ class DeepseekV4State:
         """Bytes of one running sequence's slot state (sliding rings and compressor carry)."""
         return sum(g.bytes_per_unit(dtype) for g in cache_groups(config, block_size) if not g.paged)
 
+    def slot_views(self, slot: int) -> list[torch.Tensor]:
+        """Views of one slot's state in a fixed order: every layer's sliding ring (``[window, head_dim]``), then every
+        compressor carry (``[span, 2 * width]``). After a step that ends on a block boundary they are the whole
+        per-sequence state there (what a host copy keeps to restore a prefix hit exactly); copying them back into
+        another slot restores it."""
+        carries = (*self.carry.values(), *self.index_carry.values())
+        return [ring[slot] for ring in self.swa.values()] + [carry.rows[slot] for carry in carries]
+
     def copy_slot(self, src: int, dst: int) -> None:
         """Copy one sequence's slot state into another slot (n > 1 samples sharing a prompt)."""
         for ring in self.swa.values():

@@ -11,3 +11,12 @@ class SwaReplayError(DeepInferError, ValueError):
 
 class SwaReplayOptionError(SwaReplayError):
     """The ``enable_swa_replay`` option holds a value that is not a boolean."""
+
+
+class SwaHostCacheError(SwaReplayError):
+    """The SWA host cache cannot run with this engine (its model state cannot be copied per slot)."""
+
+
+class SwaHostCacheOptionError(SwaHostCacheError):
+    """An ``enable_swa_host_cache`` / ``swa_host_cache_bytes`` / ``swa_host_cache_ttl_s`` option holds a bad value,
+    or a size is given with the cache off."""
