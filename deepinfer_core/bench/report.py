@@ -37,7 +37,7 @@ def format_report(result: Mapping[str, Any]) -> str:
     lines.append("-" * (30 + (26 if hf else 0)))
     for label, key, stat, scale, unit in _ROWS:
         lines.append(_row(label, key, stat, scale, unit, result["engine"], hf))
-    lines += ["", *_roofline_lines(result["roofline"])]
+    lines += ["", *_roofline_lines(result["roofline"]), *_plugin_lines(result["engine"])]
     if result.get("agreement"):
         a = result["agreement"]
         lines.append(f"greedy agreement with HF: {a['identical_requests']}/{a['num_requests']} requests identical, "
@@ -133,6 +133,26 @@ def _roofline_lines(roofline: Mapping[str, Any]) -> list[str]:
                          f"({value['floor_s'] * 1e3:.2f} ms: prefill {value['prefill_floor_s'] * 1e3:.2f} ms "
                          f"of {value['prefill_tokens']:,} prompt tokens, decode {value['decode_floor_s'] * 1e3:.2f} "
                          "ms)")
+    return lines
+
+
+def _plugin_lines(engine: Mapping[str, Any]) -> list[str]:
+    """The ranks (with data parallelism), EPLB's balance line when it ran, and any other figure plugins report."""
+    figures = dict(engine.get("plugin_metrics") or {})
+    lines = []
+    ranks = engine.get("ranks")
+    if ranks:
+        requests = ", ".join(str(rank["requests"]) for rank in ranks)
+        idle = ", ".join(str(rank["idle_steps"]) for rank in ranks)
+        lines.append(f"ranks: {len(ranks)} (requests {requests} in the last run; idle steps {idle} since start-up)")
+    if "moe_lb" in figures:
+        planned = figures.pop("moe_lb_planned", None)
+        lines.append(f"moe_lb (EPLB, busiest rank / mean over the last window): {figures.pop('moe_lb'):.3f}; "
+                     f"static layout {figures.pop('moe_lb_static', float('nan')):.3f}; "
+                     f"{figures.pop('eplb_rebalances', 0)} rebalances"
+                     + (f", the latest planned at {planned:.3f}" if planned is not None else ""))
+    if figures:
+        lines.append("plugin figures: " + ", ".join(f"{name} {value:g}" for name, value in figures.items()))
     return lines
 
 

@@ -72,10 +72,13 @@ class BenchConfig:
     cache_dir: str | None = None
     preset_overrides: Mapping[str, Any] | None = None
     options: Mapping[str, Any] | None = None  # plugin feature options (``--option NAME=VALUE``)
+    data_parallel_size: int = 1  # > 1: that many ranks started by LLM (``bench/parallel.py``)
+    enable_expert_parallel: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
-        for name in ("input_len", "output_len", "num_prompts", "max_num_seqs", "max_num_batched_tokens", "num_iters"):
+        for name in ("input_len", "output_len", "num_prompts", "max_num_seqs", "max_num_batched_tokens", "num_iters",
+                     "data_parallel_size"):
             value = getattr(self, name)
             if name == "max_num_batched_tokens" and value is None:
                 continue
@@ -148,7 +151,12 @@ def run_bench(config: BenchConfig, log: Log = lambda msg: None) -> dict[str, Any
                          "HF transformers does not read in this format: compare on the unquantized preset")
     prefix = common_prefix(config.prefix_len, model_config.vocab_size, config.seed)
     prompts = random_prompts(config.num_prompts, config.input_len, model_config.vocab_size, config.seed, prefix)
-    engine, device, dtype = run_engine(folder, config, prompts, log)
+    if config.data_parallel_size > 1:
+        from deepinfer_core.bench.parallel import run_engine_ranks
+
+        engine, device, dtype = run_engine_ranks(folder, config, prompts, model_config.vocab_size, log)
+    else:
+        engine, device, dtype = run_engine(folder, config, prompts, log)
     result: dict[str, Any] = {"config": describe(config, folder, device, dtype), "engine": engine["metrics"]}
     result["config"]["decode_graph_replays"] = engine["graph_replays"]["decode"]
     result["config"]["prefill_graph_replays"] = engine["graph_replays"]["prefill"]
@@ -173,7 +181,8 @@ def result_keys() -> dict[str, list[str]]:
         "metrics": ["total_time_s", "num_requests", "prompt_tokens", "output_tokens", "output_throughput",
                     "total_throughput", "requests_per_s", "ttft_s", "tpot_s", "latency_s", "load_time_s", "steps",
                     "step_times_s", "iteration_total_times_s", "iteration_first_token_s", "gc_pauses",
-                    "num_cached_tokens", "computed_prompt_tokens", "ttft_hit_s", "ttft_miss_s"],
+                    "num_cached_tokens", "computed_prompt_tokens", "ttft_hit_s", "ttft_miss_s", "plugin_metrics",
+                    "ranks"],
     }
 
 
@@ -268,6 +277,7 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
     replays = {name: graphs.num_replays if graphs is not None else 0  # warmup included
                for name, graphs in (("decode", llm.engine.runner.decode_graphs),
                                     ("prefill", llm.engine.runner.prefill_graphs))}
+    metrics["plugin_metrics"] = llm.engine.plugin_metrics()  # figures plugins report (deepinfer_engine_metrics)
     outputs = [runs[0].outputs[f"bench-{i}"] for i in range(len(prompts))]
     budget, overlapped = llm.max_num_batched_tokens, llm.async_scheduling
     op_sources = llm.model.ops.sources()  # which implementation each op ran (backend, plugin or reference)
@@ -432,6 +442,8 @@ def summarize(times: RunTimes, prompt_lens: Sequence[int], load_time: float,
         # TTFT of the requests that took prompt tokens from the prefix cache, and of those that took none
         "ttft_hit_s": stats([t for k, t in zip(keys, ttft) if times.cached_tokens.get(k, 0) > 0]),
         "ttft_miss_s": stats([t for k, t in zip(keys, ttft) if times.cached_tokens.get(k, 0) == 0]),
+        "plugin_metrics": {},  # the engine's plugins' figures (EPLB: moe_lb), filled by the engine's run
+        "ranks": None,  # each rank's statistics with data parallelism (``bench/parallel.py``)
     }
 
 

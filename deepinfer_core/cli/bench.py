@@ -6,6 +6,8 @@ Examples::
     deepinfer bench --model /path/to/checkpoint --json result.json
     deepinfer bench --preset tiny --input-len 512 --prefix-share 0.75 --option enable_swa_replay=true
     deepinfer bench --preset v4-flash-8l64e --input-len 1024 --output-len 128 --num-prompts 64   # GPU only
+    deepinfer bench --preset tiny --data-parallel-size 2 --enable-expert-parallel --option enable_eplb=true \
+        --option eplb_config='{"num_redundant_experts": 2, "window_size": 8, "step_interval": 8}'
 """
 
 from __future__ import annotations
@@ -59,6 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-share", type=float, default=0.0, metavar="F",
                         help="share of each prompt (0 <= F < 1) that is one common random prefix; the warm-up "
                              "caches it, so the timed run measures prefix hits (default 0: no common prefix)")
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="ranks, each its own engine on a share of the prompts, started by the engine (default 1; "
+                             "per-request and per-step times are not seen across ranks); see docs/distributed.md")
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="split the routed experts across the data-parallel ranks (needed by "
+                             "--option enable_eplb=true, whose moe_lb the report shows)")
     parser.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
     parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                         help="batch-invariant mode (the deepinfer-batch-invariant plugin's option batch_invariant: the "
@@ -88,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
         compare_hf=args.compare_hf, warmup=args.warmup, num_iters=args.num_iters, enforce_eager=args.enforce_eager,
         prefill_graphs=args.prefill_graphs, enable_mixed_chunk=args.enable_mixed_chunk,
         async_scheduling=args.async_scheduling, seed=args.seed, prefix_share=args.prefix_share,
-        cache_dir=args.cache_dir, options=options,
+        cache_dir=args.cache_dir, options=options, data_parallel_size=args.data_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
     )
     try:
         result = run_bench(config, log=lambda msg: print(msg, file=sys.stderr, flush=True))

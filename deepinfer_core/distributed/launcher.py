@@ -48,7 +48,7 @@ class SpawnedRanks:
         plain = messages.plain_engine_kwargs(kwargs)
         context = torch.multiprocessing.get_context("spawn")
         self.world_size = world_size
-        self.stats: list[dict[str, float]] = []  # per rank, after each generate (``DataParallelWorker.stats``)
+        self.stats: list[dict[str, Any]] = []  # per rank, after each generate (``DataParallelWorker.stats``)
         self._outbox = context.Queue()
         self._inboxes = [context.Queue() for _ in range(world_size)]
         threads = max(1, torch.get_num_threads() // world_size)

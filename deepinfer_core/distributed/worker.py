@@ -52,7 +52,7 @@ class DataParallelWorker:
         self._ids = itertools.count()
         self._unseeded = itertools.count()
         self.num_idle_steps = 0
-        self.stats: dict[str, float] = {}
+        self.stats: dict[str, Any] = {}
 
     @classmethod
     def from_environment(cls, args: EngineArgs) -> DataParallelWorker | None:
@@ -101,12 +101,17 @@ class DataParallelWorker:
         self.stats = self._stats(llm.engine, len(index_of))
         return self._gather(local, len(prompts))
 
-    def _stats(self, engine: Engine, num_requests: int) -> dict[str, float]:
+    def _stats(self, engine: Engine, num_requests: int) -> dict[str, Any]:
         """This rank's counters after a ``generate`` (requests of the last call; steps, idle steps, preemptions and
-        prefix-cache hits since the engine started), and the figures plugins report (``deepinfer_engine_metrics``)."""
+        prefix-cache hits since the engine started), what it runs on (device, dtype, token budget, scheduling), and
+        under ``"metrics"`` the figures plugins report (``deepinfer_engine_metrics``, e.g. EPLB's ``moe_lb``)."""
+        config = engine.config
         return {"rank": self.info.rank, "requests": num_requests, "steps": engine.num_steps,
                 "idle_steps": self.num_idle_steps, "preemptions": engine.scheduler.num_preemptions,
-                "prefix_hits": engine.state_manager.hits, **engine.plugin_metrics()}
+                "prefix_hits": engine.state_manager.hits, "device": str(engine.model.device),
+                "dtype": str(engine.model.dtype).removeprefix("torch."),
+                "max_num_batched_tokens": config.max_num_batched_tokens, "async_scheduling": config.async_scheduling,
+                "metrics": engine.plugin_metrics()}
 
     def run(self, engine: Engine, model: CausalLM) -> Iterator[RequestOutput]:
         """Step ``engine`` until no rank has work left, one forward (or idle step) per rank per iteration."""

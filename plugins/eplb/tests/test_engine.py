@@ -65,7 +65,7 @@ def test_forced_rebalances_keep_every_output():
     the second call starts on the placement the first left."""
     batches = [_prompts([12, 30, 7, 22, 15, 9, 18, 5], seed=2), _prompts([25, 6, 14], seed=3)]
     stats = _balanced_run(None, {"dtype": "float32", "max_num_seqs": 4}, batches)
-    first, last = stats[0], stats[-1]
+    first, last = [rank["metrics"] for rank in stats[0]], [rank["metrics"] for rank in stats[-1]]
     assert first[0]["eplb_rebalances"] >= 2 and last[0]["eplb_rebalances"] > first[0]["eplb_rebalances"]
     assert all(rank["eplb_expert_copies_received"] > 0 for rank in last)  # weights crossed between the ranks
     assert last[0]["moe_lb"] == last[1]["moe_lb"]  # every rank planned from the same summed load
@@ -97,7 +97,8 @@ def test_quantized_experts_move_with_their_scales(fp4_mixed):
     """MXFP4 experts (packed weights and ue8m0 scales) in 10 slots over 2 ranks, rebalanced every 2 steps."""
     stats = _balanced_run(fp4_mixed, {"dtype": "float32", "max_num_seqs": 4, "block_size": 8},
                           [_prompts([9, 17, 6, 12, 20, 7], seed=4)])
-    assert stats[0][0]["eplb_rebalances"] >= 2 and stats[0][1]["eplb_expert_copies_received"] > 0
+    ranks = [rank["metrics"] for rank in stats[0]]
+    assert ranks[0]["eplb_rebalances"] >= 2 and ranks[1]["eplb_expert_copies_received"] > 0
 
 
 def test_eplb_without_expert_parallelism_is_refused():
@@ -109,3 +110,27 @@ def test_eplb_on_one_rank_is_refused():
     """Expert parallelism asked for in one process: nothing to balance over, refused at engine start."""
     with pytest.raises(EplbConfigError, match="this engine has one"):
         LLM(dtype="float32", enable_expert_parallel=True, enable_eplb=True)
+
+
+@pytest.mark.distributed
+def test_bench_reports_moe_lb_over_data_parallel_ranks(tmp_path, capsys):
+    """``deepinfer bench --data-parallel-size 2 --enable-expert-parallel --option enable_eplb=true``: the table's
+    moe_lb line and the JSON's ``plugin_metrics`` / ``ranks``; per-request times are not seen across ranks."""
+    import json
+
+    from deepinfer_core.cli import main
+
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--preset", "tiny", "--cache-dir", str(tmp_path / "cache"), "--input-len", "12",
+                 "--output-len", "6", "--num-prompts", "5", "--max-num-seqs", "4", "--warmup", "0",
+                 "--data-parallel-size", "2", "--enable-expert-parallel", "--option", "enable_eplb=true",
+                 "--option", json.dumps({"num_redundant_experts": 2, "window_size": 3, "step_interval": 3}).join(
+                     ("eplb_config=", "")), "--json", str(out)])
+    table = capsys.readouterr().out
+    assert code == 0
+    engine = json.loads(out.read_text())["engine"]
+    figures = engine["plugin_metrics"]
+    assert figures["eplb_rebalances"] == 2 and 1.0 <= figures["moe_lb"] <= 2.0  # 6 lockstep steps, one every 3
+    assert f"moe_lb (EPLB, busiest rank / mean over the last window): {figures['moe_lb']:.3f}" in table
+    assert [rank["requests"] for rank in engine["ranks"]] == [3, 2] and engine["steps"] == 6
+    assert engine["output_tokens"] == 30 and engine["ttft_s"]["mean"] is None
