@@ -205,9 +205,9 @@ class ExpertMap:
             return logical_ids
         if self._log2phy is None:
             return self._map[logical_ids]
-        flat = logical_ids.reshape(-1)  # [P = T * k]
+        flat = logical_ids.reshape(-1).long()  # [P = T * k]
         order = torch.argsort(flat, stable=True)  # [P] grouped by expert, in (token, slot) order inside
-        counts = torch.bincount(flat, minlength=self._logcnt.shape[0])  # [E]
+        counts = torch.zeros_like(self._logcnt).scatter_add_(0, flat, torch.ones_like(flat))  # [E], no device sync
         first = torch.cumsum(counts, 0) - counts  # [E] where each expert's group starts in ``order``
         occurrence = torch.empty_like(flat)
         occurrence[order] = torch.arange(flat.shape[0], device=flat.device) - first[flat[order]]  # [P]
@@ -480,7 +480,8 @@ class MoE:
         else:
             weights, ids = ops.moe_route_topk(router_logits, self.bias, self.top_k, self.scaling, self.scoring)
         if self.record_load:
-            self.expert_load += torch.bincount(ids.reshape(-1), minlength=self.expert_load.shape[0])
+            flat = ids.reshape(-1).long()  # a fixed-size scatter: no device sync, unlike bincount
+            self.expert_load.scatter_add_(0, flat, torch.ones_like(flat, dtype=self.expert_load.dtype))
         physical = self.expert_map.to_physical(ids)  # [T, k]
         routed = getattr(ops, self.experts_op)(x, physical, weights, *self.expert_weights, self.limit)
         return routed, shared.join()
