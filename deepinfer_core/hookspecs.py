@@ -411,7 +411,7 @@ HOOK_ARGUMENT_TYPES: dict[str, str] = {
 }
 """The classes hook arguments are typed with (and the ones they lead to), by name -> module."""
 
-ENGINE_ATTRIBUTES = ("config", "context", "tokenizer", "vocab_size", "eos_token_id", "num_steps", "model")
+ENGINE_ATTRIBUTES = ("config", "context", "tokenizer", "vocab_size", "eos_token_id", "num_steps", "model", "metrics")
 """What a plugin may read on the ``Engine`` the lifecycle hooks get (its methods drive the engine: not for plugins)."""
 
 

@@ -19,14 +19,16 @@ from deepinfer_core.distributed.worker import DataParallelWorker
 from deepinfer_core.engine.decode_graphs import DecodeGraphs, default_sizes
 from deepinfer_core.engine.engine import Engine, EngineConfig, RequestRejectedError
 from deepinfer_core.engine.prefill_graphs import BUCKETS, PrefillGraphs
-from deepinfer_core.engine_args import EngineArgs
+from deepinfer_core.engine_args import EngineArgs, EngineArgsError
 from deepinfer_core.engine_context import EngineContext
+from deepinfer_core.metrics import Metric
 from deepinfer_core.models.interface import StaticStepModel
 from deepinfer_core.models.registry import default_registry, read_model_config
 from deepinfer_core.models.resolve import resolve_model
 from deepinfer_core.outputs import RequestOutput
 from deepinfer_core.plugins import check_strict, configure_plugins, get_plugin_manager, plugin_logits_processors
 from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_core.spec_decode.speculator import build_speculator
 from deepinfer_core.tokenizer import Tokenizer, TokenizerError
 
 logger = logging.getLogger("deepinfer")
@@ -115,7 +117,11 @@ class LLM:
         sizes = self._graph_sizes(args)
         spare = 1 if sizes else 0  # a slot and a block the state manager never hands out: padded graph rows
         num_slots = args.max_num_seqs
-        num_blocks = self._num_blocks(block, num_slots + spare, args) - spare
+        processors = [*args.logits_processors, *plugin_logits_processors(self.plugin_manager, self.context)]
+        speculator = build_speculator(args.speculative_config, self.model, self.plugin_manager, self.context,
+                                      self.max_model_len, num_slots, processors)
+        draft_bytes = speculator.proposer.slot_state_bytes() if speculator is not None else 0
+        num_blocks = self._num_blocks(block, num_slots + spare, args, draft_bytes) - spare
         if num_blocks < 1:
             raise ValueError("the state budget holds no block beside the graphs' spare block; raise "
                              "kv_cache_memory_bytes or pass enforce_eager=True")
@@ -132,9 +138,8 @@ class LLM:
             buckets = BUCKETS if args.prefill_graph_buckets is None else tuple(args.prefill_graph_buckets)
             prefill = PrefillGraphs(self.model, state, self.backend.capture_graph, self.max_num_batched_tokens,
                                     num_slots, num_blocks, buckets) if buckets else None
-        processors = [*args.logits_processors, *plugin_logits_processors(self.plugin_manager, self.context)]
         return Engine(self.model, state, self.tokenizer, config, self.plugin_manager, graphs, prefill,
-                      logits_processors=processors, context=self.context)
+                      logits_processors=processors, context=self.context, speculator=speculator)
 
     def _graph_sizes(self, args: EngineArgs) -> list[int]:
         """Decode batch sizes to capture: none when eager or when the model has no static steps."""
@@ -147,9 +152,9 @@ class LLM:
         caps = self.backend.capabilities()
         return default_sizes(args.max_num_seqs) if caps.device_graphs else []
 
-    def _num_blocks(self, block_size: int, num_slots: int, args: EngineArgs) -> int:
+    def _num_blocks(self, block_size: int, num_slots: int, args: EngineArgs, draft_slot_bytes: int = 0) -> int:
         cost = self.model.state_bytes(block_size, self.dtype)
-        slots = num_slots * cost.per_slot
+        slots = num_slots * (cost.per_slot + draft_slot_bytes)
         budget = args.kv_cache_memory_bytes
         if budget is None:
             free = self.backend.memory_info().free_bytes
@@ -259,6 +264,15 @@ class LLM:
         prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(list(c), add_generation_prompt,
                                                                             tokenize=True)} for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's metrics now (vLLM's ``LLM.get_metrics()``): ``Counter`` / ``Gauge`` / ``Vector`` copies with
+        ``.name`` and ``.value``, e.g. ``deepinfer:spec_decode_num_accepted_tokens`` (docs/speculative.md)."""
+        engine = getattr(self, "engine", None)
+        if engine is None:
+            raise EngineArgsError("get_metrics() reads one engine's metrics; a data-parallel LLM keeps them in its "
+                                  "ranks (run with data_parallel_size=1)")
+        return engine.metrics.snapshot()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer

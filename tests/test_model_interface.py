@@ -111,3 +111,16 @@ def test_the_engine_imports_no_model_package():
             "print([m for m in sys.modules if m.startswith('deepinfer_core.models.deepseek')])")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]"
+
+
+def test_the_toy_model_verifies_draft_tokens_and_rolls_back(toy_checkpoint):
+    """Speculative decoding through a second architecture's ``SpeculativeModel`` members: ngram drafts on a
+    repetitive prompt, greedy outputs equal to the reference, rejected drafts rolled back in the toy's running sums."""
+    llm = LLM(str(toy_checkpoint), speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    prompt = [5, 17, 300, 9] * 4 + [5, 17]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    output = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    assert output.outputs[0].token_ids == _reference_greedy(toy_checkpoint, prompt, 12)
+    metrics = {m.name: m.value for m in llm.get_metrics()}
+    assert metrics["deepinfer:spec_decode_num_drafts"] > 0
+    assert metrics["deepinfer:spec_decode_num_accepted_tokens"] < metrics["deepinfer:spec_decode_num_verified_tokens"]

@@ -19,11 +19,13 @@ from deepinfer_core.engine.scheduler import FcfsScheduler, Scheduler, SchedulerO
 from deepinfer_core.engine.state_manager import StateManager
 from deepinfer_core.engine_context import EngineContext
 from deepinfer_core.errors import PluginReturnError
+from deepinfer_core.metrics import MetricsRegistry
 from deepinfer_core.models.interface import CausalLM
 from deepinfer_core.outputs import RequestOutput
 from deepinfer_core.plugins import call_hook
 from deepinfer_core.sampling.noise import derive_seed
 from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_core.spec_decode.speculator import Speculator
 
 logger = logging.getLogger("deepinfer")
 
@@ -62,11 +64,15 @@ class Engine:
 
     ``context`` is the ``EngineContext`` the plugins were configured with (``engine.context`` in the lifecycle
     hooks); ``logits_processors`` run in the sampler on every step (``sampling/logits_processor.py``).
+    ``speculator``: speculative decoding (``spec_decode/speculator.py``): after each step's results are applied, its
+    proposer drafts the next tokens, which the next step verifies. ``metrics``: the engine's ``MetricsRegistry``
+    (``LLM.get_metrics()``).
     """
 
     def __init__(self, model: CausalLM, state, tokenizer, config: EngineConfig, plugin_manager=None,
                  decode_graphs: DecodeGraphs | None = None, prefill_graphs: PrefillGraphs | None = None,
-                 logits_processors: Sequence[Callable] = (), context: EngineContext | None = None):
+                 logits_processors: Sequence[Callable] = (), context: EngineContext | None = None,
+                 speculator: Speculator | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -87,6 +93,11 @@ class Engine:
                                               self.vocab_size, tokenizer, self.logits_processors)
         self.output_processor = OutputProcessor(tokenizer)
         self.preparer = LogitsPreparer(self.logits_processors)
+        self.metrics = MetricsRegistry()
+        self.speculator = speculator
+        if speculator is not None:
+            speculator.register_metrics(self.metrics)
+            self.runner.return_hidden = speculator.needs_hidden_states
         self._arrivals = itertools.count()
         self._unseeded = itertools.count()
         self._in_flight: LaunchedStep | None = None  # launched, results not read yet (asynchronous scheduling)
@@ -191,8 +202,8 @@ class Engine:
     def _needs_host_tokens(self) -> bool:
         """Whether a running request needs the previous token's id on the host to plan the next step
         (penalties, multi-token bad words, a logits processor that asks for it), so the tokens in flight are read
-        first."""
-        return any(r.needs_host_tokens for r in self.scheduler.running)
+        first. With speculative decoding always: the proposer drafts from them."""
+        return self.speculator is not None or any(r.needs_host_tokens for r in self.scheduler.running)
 
     def _take_in_flight(self) -> LaunchedStep:
         launched, self._in_flight = self._in_flight, None
@@ -205,9 +216,11 @@ class Engine:
         if self.plugin_manager is not None:
             call_hook(self.plugin_manager, "deepinfer_after_step", engine=self, scheduler_output=launched.scheduled,
                       model_output=result)
-        accepted = self.scheduler.update(launched.scheduled, result.sampled)
+        accepted = self.scheduler.update(launched.scheduled, result.sampled_lists)
         for request, reason in self.output_processor.process(accepted, result):
             self.scheduler.finish_request(request, reason)
+        if self.speculator is not None:
+            self.speculator.after_step(launched, result, accepted)
         return self.output_processor.finished_outputs(accepted)
 
     def step_boundary(self) -> None:

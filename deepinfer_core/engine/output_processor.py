@@ -11,6 +11,7 @@ waits for ``catch_up_text``, which the engine calls while the device computes th
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 from deepinfer_core.engine.detokenizer import SequenceDetokenizer, decode_token
@@ -68,23 +69,33 @@ class OutputProcessor:
                 [] if params.logprobs is not None else None)
 
     def process(self, accepted: list[Request], result: ModelRunnerOutput) -> list[tuple[Request, StopDecision]]:
-        """Take a step's results: prompt logprobs, then each request that took a token (``accepted``, the token
-        already appended and the request ended where the token stops it). Returns the requests a stop string
-        ends, with the reason, for the engine to end in the scheduler."""
+        """Take a step's results: prompt logprobs, then each request that took a token (``accepted``, once per token
+        taken, in order: the tokens already appended and the request ended where a token stops it). Returns the
+        requests a stop string ends, with the reason, for the engine to end in the scheduler; a stop string matched
+        before a request's last token of the step drops the step's later tokens."""
         self._add_prompt_logprobs(result)
-        row_of = {request_id: row for row, request_id in enumerate(result.req_ids)}
-        stopped = []
+        rows_of: dict[str, list[int]] = {}
+        for row, request_id in enumerate(result.req_ids):
+            rows_of.setdefault(request_id, []).append(row)
+        left = collections.Counter(request.request_id for request in accepted)  # tokens still to take, per request
+        stopped: dict[str, tuple[Request, StopDecision]] = {}
         for request in accepted:
-            completion = self.completions[request.request_id]
-            row = row_of[request.request_id]
+            request_id = request.request_id
+            left[request_id] -= 1
+            row = rows_of[request_id].pop(0)
+            if request_id in stopped:
+                continue
+            last = left[request_id] == 0
+            completion = self.completions[request_id]
             self._add_logprobs(completion, result, row)
-            token_stop = (request.finish_reason, request.stop_reason) if request.is_finished else None
+            token_stop = (request.finish_reason, request.stop_reason) if request.is_finished and last else None
             update = completion.detokenizer.append(result.sampled_token_ids[row], token_stop, defer_text=True)
             if completion.detokenizer.has_deferred_text:
                 self._deferred_text.append(completion.detokenizer)
-            if update.finished and not request.is_finished:
-                stopped.append((request, (update.finish_reason, update.stop_reason)))
-        return stopped
+            if update.finished and token_stop is None:
+                stopped[request_id] = (request, (update.finish_reason, update.stop_reason))
+                _drop_later_tokens(request, left[request_id])
+        return [(request, reason) for request, reason in stopped.values() if not _restop(request, reason)]
 
     def catch_up_text(self) -> None:
         """Decode the text the last step deferred (while the device computes the next one)."""
@@ -155,6 +166,21 @@ class OutputProcessor:
 
     def _decode(self, token_id: int) -> str | None:
         return decode_token(self.tokenizer, token_id) if self.tokenizer is not None else None
+
+
+def _drop_later_tokens(request: Request, count: int) -> None:
+    """Remove the ``count`` tokens a request took after the one a stop string ended it at."""
+    if count:
+        del request.output_token_ids[-count:]
+
+
+def _restop(request: Request, reason: StopDecision) -> bool:
+    """For a request a later token of the same step had already ended (a stop token past a stop string): take the
+    stop string's reason instead. Returns whether the request was already ended."""
+    if not request.is_finished:
+        return False
+    request.finish_reason, request.stop_reason = reason
+    return True
 
 
 def _num_cached_prompt_tokens(group: GroupState) -> int:

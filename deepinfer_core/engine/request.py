@@ -33,6 +33,11 @@ class Request:
     asynchronous scheduling, the next step is planned before the last one's tokens are back): they count in
     ``num_tokens``, and a step that takes one as input reads it on the device (``input_tokens``).
 
+    ``draft_token_ids`` are a proposer's guesses of the tokens after the newest one (speculative decoding,
+    ``deepinfer_core/spec_decode``): they count in ``num_tokens``, right after the known tokens (a draft is only made
+    when no token is in flight; the token a step verifying it samples comes after it), so the next step computes them
+    like any other token and verifies them; the scheduler replaces them with the accepted ones.
+
     Text and logprobs are not kept here: the output processor (``engine/output_processor.py``) keeps them.
     """
 
@@ -59,6 +64,9 @@ class Request:
     num_inflight_tokens: int = 0
     bad_words_token_ids: list[list[int]] = dataclasses.field(default_factory=list)  # params.bad_words, tokenized
     needs_host_tokens: bool = False  # a step sampling it needs its latest token on the host (penalties, ...)
+    draft_token_ids: list[int] = dataclasses.field(default_factory=list)  # unverified, after every other token
+    draft_probs: object | None = None  # torch.Tensor [len(draft_token_ids), vocab], or None: deterministic drafts
+    draft_num_proposed: int = 0  # tokens the proposer drafted (it may verify fewer: Draft.num_proposed)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -75,7 +83,9 @@ class Request:
         """Token ids at positions ``[start, end)``; a position whose token is still on the device (in flight)
         reads ``INFLIGHT_PLACEHOLDER``, which the model runner overwrites on the device before the step runs."""
         known = self.token_slice(start, end)
-        return known + [INFLIGHT_PLACEHOLDER] * (end - start - len(known))
+        known_end = self.num_known_tokens
+        drafts = self.draft_token_ids[max(start - known_end, 0):max(end - known_end, 0)]
+        return known + drafts + [INFLIGHT_PLACEHOLDER] * (end - start - len(known) - len(drafts))
 
     @property
     def num_known_tokens(self) -> int:
@@ -84,8 +94,18 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        """All tokens, in-flight ones included: what the scheduler plans with."""
-        return self.num_known_tokens + self.num_inflight_tokens
+        """All tokens, in-flight and draft ones included: what the scheduler plans with."""
+        return self.num_known_tokens + self.num_inflight_tokens + len(self.draft_token_ids)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.draft_token_ids)
+
+    def drop_draft(self, keep: int = 0) -> None:
+        """Keep only the first ``keep`` draft tokens (a step too small for the rest, a preemption: 0)."""
+        del self.draft_token_ids[keep:]
+        if self.draft_probs is not None:
+            self.draft_probs = self.draft_probs[:keep] if keep else None
 
     @property
     def num_pending_tokens(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections import deque
+from collections.abc import Mapping, Sequence
 
 from deepinfer_core.engine.prefix_replay import PrefixReplay
 from deepinfer_core.engine.request import Request, RequestStatus
@@ -26,9 +27,14 @@ class ScheduledChunk:
     num_tokens: int
     #: whether this chunk reaches the end of the request's tokens when planned, so a new token is sampled
     samples: bool = dataclasses.field(init=False)
+    #: the request's draft tokens this chunk verifies (its last ones), with their draft probabilities (or None)
+    draft_token_ids: list[int] = dataclasses.field(init=False)
+    draft_probs: object | None = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.samples = self.end == self.request.num_tokens
+        self.draft_token_ids = list(self.request.draft_token_ids) if self.samples else []
+        self.draft_probs = self.request.draft_probs if self.draft_token_ids else None
 
     @property
     def end(self) -> int:
@@ -36,8 +42,9 @@ class ScheduledChunk:
 
     @property
     def reads_inflight_token(self) -> bool:
-        """Whether the chunk's last input token is still on the device (sampled by the step before)."""
-        return self.end > self.request.num_known_tokens
+        """Whether the chunk's last input token before its draft is still on the device (sampled by the step
+        before)."""
+        return self.end - len(self.draft_token_ids) > self.request.num_known_tokens
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -74,9 +81,11 @@ class Scheduler(abc.ABC):
         ``num_computed_tokens`` past its chunk; a chunk that samples adds an in-flight token to its request."""
 
     @abc.abstractmethod
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Take a step's results (``sampled``: request id -> new token): append the tokens, commit the computed
-        blocks, finish the requests a token stops (``engine/stop.py``); return the requests that took a token.
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]]) -> list[Request]:
+        """Take a step's results (``sampled``: request id -> new token, or new tokens in order: a verified draft's
+        accepted tokens and the target's next one): append the tokens, rewind past rejected draft tokens, commit the
+        computed blocks, finish the requests a token stops (``engine/stop.py``; later tokens of the step are dropped);
+        return the requests that took a token, once per token taken.
         With asynchronous scheduling the next step has already been planned: a request that finished since keeps
         no later result of this step."""
 
@@ -141,7 +150,7 @@ class FcfsScheduler(Scheduler):
 
     def _has_prompt_work(self) -> bool:
         """Whether a running request has prompt tokens left to fold or the next waiting one may be admitted."""
-        return any(r.num_pending_tokens > 1 for r in self.running if r.status == RequestStatus.RUNNING) or bool(
+        return any(_undrafted_pending(r) > 1 for r in self.running if r.status == RequestStatus.RUNNING) or bool(
             self.waiting and len(self.running) < self.max_num_seqs and not self.waiting[0].num_inflight_tokens)
 
     def _plan(self, preempted: list[Request], decodes: bool) -> SchedulerOutput:
@@ -151,10 +160,14 @@ class FcfsScheduler(Scheduler):
         for request in list(self.running):
             if request.status != RequestStatus.RUNNING or budget == 0 or self._ends_in_flight(request):
                 continue
-            if not decodes and request.num_pending_tokens == 1:
+            if not decodes and _undrafted_pending(request) == 1:
                 continue
             num = self._padded_fit(chunks, min(request.num_pending_tokens, budget))
-            if num == 0 or not self._allocate_or_preempt(request, num, preempted):
+            if num == 0:
+                continue
+            if num < request.num_pending_tokens:  # draft tokens past the chunk's end are not verified
+                request.drop_draft(max(0, num - _undrafted_pending(request)))
+            if not self._allocate_or_preempt(request, num, preempted):
                 continue
             chunks.append(ScheduledChunk(request, request.num_computed_tokens, num))
             budget -= num
@@ -223,6 +236,7 @@ class FcfsScheduler(Scheduler):
         return ScheduledChunk(request, start, num)
 
     def _preempt(self, request: Request) -> None:
+        request.drop_draft()
         self.state.release(request)
         self.running.remove(request)
         request.status = RequestStatus.WAITING
@@ -236,25 +250,43 @@ class FcfsScheduler(Scheduler):
         self.waiting.insert(position, request)
 
     # ------------------------------------------------------------------ update
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]]) -> list[Request]:
         accepted = []
         for chunk in output.chunks:
             request = chunk.request
             if request.status == RequestStatus.FINISHED:  # ended by an earlier step's token: drop this result
                 continue
-            if request.status == RequestStatus.RUNNING:  # not preempted since the step was planned
-                self.state.commit(request, chunk.end)
-            token = sampled.get(request.request_id)
-            if token is None:
+            tokens = sampled.get(request.request_id)
+            if tokens is None:
+                if request.status == RequestStatus.RUNNING:  # not preempted since the step was planned
+                    self.state.commit(request, chunk.end)
                 continue
+            tokens = [tokens] if isinstance(tokens, int) else list(tokens)
+            computed_end = chunk.end - self._reject_drafts(request, chunk, len(tokens) - 1)
             request.num_inflight_tokens -= 1
-            request.output_token_ids.append(token)
-            accepted.append(request)
-            stop = check_stop(request.params, len(request.prompt_token_ids), request.output_token_ids,
-                              self.eos_token_id, self.max_model_len)
+            stop = None
+            for token in tokens:
+                request.output_token_ids.append(token)
+                accepted.append(request)
+                stop = check_stop(request.params, len(request.prompt_token_ids), request.output_token_ids,
+                                  self.eos_token_id, self.max_model_len)
+                if stop is not None:
+                    break
+            if request.status == RequestStatus.RUNNING:
+                self.state.commit(request, min(computed_end, request.num_known_tokens))
             if stop is not None:
                 self.finish_request(request, stop)
         return accepted
+
+    @staticmethod
+    def _reject_drafts(request: Request, chunk: ScheduledChunk, num_accepted: int) -> int:
+        """Clear the draft the chunk verified; rewind ``num_computed_tokens`` past its rejected tokens (their state
+        was rolled back by the runner). Returns how many were rejected."""
+        rejected = len(chunk.draft_token_ids) - num_accepted
+        request.drop_draft()
+        if request.status == RequestStatus.RUNNING and rejected:
+            request.num_computed_tokens -= rejected
+        return rejected
 
     def finish_request(self, request: Request, reason: StopDecision) -> None:
         if request.status == RequestStatus.FINISHED:
@@ -266,3 +298,8 @@ class FcfsScheduler(Scheduler):
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason, request.stop_reason = reason
+
+
+def _undrafted_pending(request: Request) -> int:
+    """Pending tokens besides draft tokens (1 for a decode: draft tokens are not prompt work)."""
+    return request.num_pending_tokens - request.num_draft_tokens

@@ -1,6 +1,8 @@
 """A second architecture, registered by a plugin: a toy causal LM whose state is a running sum of embeddings.
 
-It satisfies ``deepinfer_core.models.interface.CausalLM`` only (no static steps), so the engine runs it eagerly.
+It satisfies ``deepinfer_core.models.interface.CausalLM`` and ``SpeculativeModel`` (no static steps), so the engine
+runs it eagerly and can verify draft tokens with it: each forward keeps every position's running sum of the step, so
+a rollback sets a slot's state back to the sum at its last accepted position.
 The hidden state of position ``p`` is the mean of the embeddings of tokens ``0..p``; the logits are that times
 ``head.weight``. Its only state is per sequence (the running sum and count in the sequence's slot), so a prefix-cache
 hit must recompute from the start (``prefix_replay_span`` covers every position).
@@ -27,6 +29,7 @@ class ToyState:
         self.block_size = block_size
         self.sums = torch.zeros(num_slots, hidden, device=device)
         self.counts = torch.zeros(num_slots, device=device)
+        self.last_step: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # slot -> (first position, sums, counts)
 
 
 class ToyLM:
@@ -50,7 +53,7 @@ class ToyLM:
     def prefix_replay_span(self) -> int:
         return self.max_position_embeddings
 
-    def forward(self, batch, state: ToyState, layout=None) -> ModelOutput:
+    def forward(self, batch, state: ToyState, layout=None, return_hidden: bool = False) -> ModelOutput:
         hidden = []
         for s, slot in enumerate(batch.slots):
             tokens = batch.input_ids[batch.query_start[s]:batch.query_start[s + 1]]  # [L]
@@ -60,9 +63,21 @@ class ToyLM:
             sums = state.sums[slot] + torch.cumsum(self.embed[tokens], dim=0)  # [L, D]
             counts = state.counts[slot] + torch.arange(1, len(tokens) + 1, device=self.device)  # [L]
             state.sums[slot], state.counts[slot] = sums[-1], counts[-1]
+            state.last_step[slot] = (batch.context_lens[s], sums, counts)
             hidden.append(sums / counts[:, None])
-        rows = torch.cat(hidden)[batch.logits_rows]  # [N, D]
-        return ModelOutput(rows @ self.head.T)
+        every = torch.cat(hidden)  # [T, D]
+        rows = every[batch.logits_rows]  # [N, D]
+        return ModelOutput(rows @ self.head.T, final_hidden=every if return_hidden else None)
+
+    max_draft_tokens = 8
+
+    def save_draft_state(self, state: ToyState, slots: list[int], positions: list[list[int]]) -> list[int]:
+        return list(slots)  # the forward keeps each position's sums (ToyState.last_step)
+
+    def rollback_draft_state(self, state: ToyState, saved: list[int], keep_until: torch.Tensor) -> None:
+        for slot, keep in zip(saved, keep_until.tolist()):
+            first, sums, counts = state.last_step[slot]
+            state.sums[slot], state.counts[slot] = sums[keep - 1 - first], counts[keep - 1 - first]
 
 
 def load_toy_lm(folder, ops, dtype, device) -> ToyLM:

@@ -20,7 +20,7 @@ import torch
 from deepinfer_core.forward_batch import ForwardBatch
 from deepinfer_core.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
 from deepinfer_core.models.deepseek_v4.layout import DecodeInputs, DecodeLayout, StaticShape, StepLayout
-from deepinfer_core.models.deepseek_v4.state import CompressorCarry, DeepseekV4State, carry_span
+from deepinfer_core.models.deepseek_v4.state import CompressorCarry, DeepseekV4State, SavedRows, carry_span
 from deepinfer_core.models.interface import ModelOutput, StateBytes
 from deepinfer_core.ops.table import OpTable
 from deepinfer_core.quant import tensors as quant_tensors
@@ -660,6 +660,24 @@ class DeepseekV4Model:
         ratios = [c.compress_ratio(i) for i in range(c.num_hidden_layers)]
         return c.num_hidden_layers * c.sliding_window + 2 * max(ratios, default=0)
 
+    # ------------------------------------------------------------------ speculative decoding
+    @property
+    def max_draft_tokens(self) -> int:
+        """Draft tokens a sequence's step may carry: one less than its shortest ring (sliding window, carry spans),
+        so the step's rows never overwrite each other and the rejected ones can be put back."""
+        spans = [span for _, span in self.compressor_plans[0]]
+        return min([self.config.sliding_window, *spans]) - 1
+
+    def save_draft_state(self, state: DeepseekV4State, slots: list[int], positions: list[list[int]]) -> SavedRows:
+        """The sliding-window and compressor-carry rows the draft ``positions`` will overwrite (``SpeculativeModel``);
+        compressed entries and indexer keys need no save: an entry a rejected token completed is written again by the
+        step that computes its window's last accepted token, and no query sees it before."""
+        return state.save_positions(slots, positions)
+
+    def rollback_draft_state(self, state: DeepseekV4State, saved: SavedRows, keep_until: torch.Tensor) -> None:
+        """Put back the saved rows of the rejected positions (``>= keep_until[i]``) on the device."""
+        state.restore_positions(saved, keep_until)
+
     # ------------------------------------------------------------------ expert parallelism
     def shard_experts(self, rank: int, world_size: int, group=None) -> None:
         """Keep this rank's share of every layer's routed experts; later forwards dispatch to their owners
@@ -758,10 +776,12 @@ class DeepseekV4Model:
 
     @_inference
     def forward(self, batch: ForwardBatch, state: DeepseekV4State, layout: StepLayout | None = None,
-                capture_layers: Iterable[int] = ()) -> ModelOutput:
+                capture_layers: Iterable[int] = (), return_hidden: bool = False) -> ModelOutput:
         """Run one step: fold the batch's tokens into ``state`` and return the requested logits.
 
         ``layout``: the batch's ``StepLayout`` when the caller built it (static decode steps); else built here.
+        ``return_hidden``: also return every token's last-layer streams ``[T, hc, D]`` (before ``hc_head`` and the
+        final norm: what an MTP draft layer's ``hnorm`` reads) as ``final_hidden``.
         """
         ops, c = self.ops, self.config
         layout = layout or self.step_layout(batch, state)
@@ -779,4 +799,4 @@ class DeepseekV4Model:
         rows = streams[batch.logits_rows]  # [N, hc, D]
         final = ops.hc_head(rows, *self.hc_head, c.hc_eps, c.rms_norm_eps)
         final = ops.rms_norm(final, self.norm, c.rms_norm_eps)
-        return ModelOutput(ops.logits(final, self.head), captured)
+        return ModelOutput(ops.logits(final, self.head), captured, streams if return_hidden else None)

@@ -143,3 +143,38 @@ class DeepseekV4State:
             ring[dst] = ring[src]
         for carry in (*self.carry.values(), *self.index_carry.values()):
             carry.rows[dst] = carry.rows[src]
+
+    def slot_rings(self) -> list[tuple[torch.Tensor, int]]:
+        """Every per-sequence ring as ``(tensor [slots, rows, width], rows)``: a position ``p`` lives in row
+        ``p % rows`` (sliding-window rings, compressor carries)."""
+        rings = [(ring, ring.shape[1]) for ring in self.swa.values()]
+        return rings + [(carry.rows, carry.span) for carry in (*self.carry.values(), *self.index_carry.values())]
+
+    def save_positions(self, slots: list[int], positions: list[list[int]]) -> SavedRows:
+        """Copy the ring rows that computing ``positions[i]`` in slot ``slots[i]`` will overwrite."""
+        seq = [i for i, pos in enumerate(positions) for _ in pos]
+        host = torch.tensor([seq, [slots[i] for i in seq], [p for pos in positions for p in pos]], dtype=torch.long)
+        seq_t, slot_t, pos_t = host.to(self.device, non_blocking=True).unbind(0)  # [M] each
+        saved = [(ring, pos_t % rows, ring[slot_t, pos_t % rows].clone()) for ring, rows in self.slot_rings()]
+        return SavedRows(seq_t, slot_t, pos_t, saved)
+
+    def restore_positions(self, saved: SavedRows, keep_until: torch.Tensor) -> None:
+        """Put back the saved rows of positions ``>= keep_until[i]`` (``[num_seqs]``, sequence ``i`` of the save)."""
+        rejected = (saved.positions >= keep_until[saved.seq])[:, None]  # [M, 1]
+        for ring, index, values in saved.rows:
+            ring[saved.slots, index] = torch.where(rejected, values, ring[saved.slots, index])  # [M, width]
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.swa.values())).device
+
+
+@dataclasses.dataclass
+class SavedRows:
+    """Ring rows saved before a step with draft tokens: per saved position its sequence, slot and position (``[M]``
+    each), and per ring ``(ring, row index [M], values [M, width])``."""
+
+    seq: torch.Tensor
+    slots: torch.Tensor
+    positions: torch.Tensor
+    rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
