@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 # rebuilt from the request's output tokens when the request samples again).
 STALE_AFTER_CALLS = 256
 GRAMMAR_CACHE_SIZE = 256
+ROLLBACK_WINDOW = 64  # trailing tokens compared with what a matcher consumed (rejected drafts are shorter)
 
 
 def grammar_of(constraint: StructuredOutputsParams) -> str:
@@ -58,8 +60,12 @@ def grammar_of(constraint: StructuredOutputsParams) -> str:
 class _Entry:
     matcher: object  # llguidance.LLMatcher
     key: str  # the grammar it was built from
-    num_tokens: int  # output tokens consumed
+    consumed: list[int]  # the output tokens it consumed, in order
     last_call: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.consumed)
 
 
 class StructuredOutputProcessor(TwoPhaseLogitsProcessor):
@@ -116,11 +122,12 @@ class StructuredOutputProcessor(TwoPhaseLogitsProcessor):
         """Advance each row's matcher to the row's output tokens and fill the rows' packed token masks: int32
         ``[len(rows), ceil(vocab / 32)]`` on the host (pinned where CUDA is there), EOS alone for a matcher that has
         stopped or failed."""
-        from llguidance.torch import fill_next_token_bitmask_par
+        from llguidance.torch import fill_next_token_bitmask, fill_next_token_bitmask_par
 
         bitmask = torch.empty((len(rows), bitmask_words(self.vocab_size)), dtype=torch.int32,
                               pin_memory=torch.cuda.is_available())  # [rows, words]
         pending = []
+        repeated = {r for r, n in Counter(row.request_id for row in rows).items() if n > 1}  # draft positions
         with self._matchers:
             self._calls += 1
             for i, row in enumerate(rows):
@@ -130,6 +137,8 @@ class StructuredOutputProcessor(TwoPhaseLogitsProcessor):
                         logger.warning("request %s: the grammar matcher failed (%s); ending the output with EOS",
                                        row.request_id, matcher.get_error())
                     self._eos_only(bitmask[i])
+                elif row.request_id in repeated:  # its next row advances this matcher: its mask now
+                    fill_next_token_bitmask(matcher, bitmask, i)
                 else:
                     pending.append((matcher, i))
             if pending:
@@ -153,7 +162,7 @@ class StructuredOutputProcessor(TwoPhaseLogitsProcessor):
                 raise ValueError(f"request {request_id}: cannot roll back {num_tokens} tokens, its matcher consumed "
                                  f"{entry.num_tokens}")
             entry.matcher.rollback(num_tokens)
-            entry.num_tokens -= num_tokens
+            del entry.consumed[-num_tokens:]
 
     # ------------------------------------------------------------------ matchers
     def _eos_only(self, row: torch.Tensor) -> None:
@@ -196,22 +205,28 @@ class StructuredOutputProcessor(TwoPhaseLogitsProcessor):
             self._grammars.pop(key, None)
 
     def _advance(self, row: LogitsRow):
-        """The row's matcher, having consumed exactly the row's output tokens."""
+        """The row's matcher, having consumed exactly the row's output tokens: consumed tokens the row does not have
+        (rejected speculative drafts: the row's tokens differ from some position on) are rolled back first."""
         import llguidance
 
         key, grammar = self._grammar(row.params.structured_outputs)
         entry = self._entries.get(row.request_id)
         if entry is None or entry.key != key:
-            entry = _Entry(llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0), key, 0, self._calls)
+            entry = _Entry(llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0), key, [], self._calls)
             self._entries[row.request_id] = entry
         entry.last_call = self._calls
         output = row.output_token_ids
-        if len(output) < entry.num_tokens:  # tokens taken back (a rejected draft, a recomputation)
-            entry.matcher.rollback(entry.num_tokens - len(output))
-            entry.num_tokens = len(output)
-        if len(output) > entry.num_tokens:
-            entry.matcher.consume_tokens(list(output[entry.num_tokens:]))
-            entry.num_tokens = len(output)
+        keep = _common_prefix(entry.consumed, output)
+        if keep < entry.num_tokens:
+            entry.matcher.rollback(entry.num_tokens - keep)
+            del entry.consumed[keep:]
+        if len(output) > keep:
+            new = list(output[keep:])
+            if len(new) == 1:  # llguidance takes EOS after a stop from consume_token, not from consume_tokens
+                entry.matcher.consume_token(new[0])
+            else:
+                entry.matcher.consume_tokens(new)
+            entry.consumed.extend(new)
         return entry.matcher
 
     def _evict_stale(self) -> None:
@@ -225,6 +240,16 @@ class StructuredOutputProcessor(TwoPhaseLogitsProcessor):
         """Drop a request's matcher (it finished)."""
         with self._matchers:
             self._entries.pop(request_id, None)
+
+
+def _common_prefix(consumed: list[int], output) -> int:
+    """How many leading tokens ``consumed`` and ``output`` share; only the last ``ROLLBACK_WINDOW`` of the shorter
+    are compared (outputs only ever change at their end)."""
+    shorter = min(len(consumed), len(output))
+    for i in range(max(0, shorter - ROLLBACK_WINDOW), shorter):
+        if consumed[i] != output[i]:
+            return i
+    return shorter
 
 
 __all__ = ["StructuredOutputProcessor", "grammar_of"]
