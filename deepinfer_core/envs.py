@@ -158,6 +158,10 @@ VARIABLES = Variables(
              "Draft tokens per step for DSpark speculative decoding, as in the reference engine (`5` there): "
              "`k` means `speculative_config={\"method\": \"dspark\", \"num_speculative_tokens\": k}` when no "
              "`speculative_config` is given (needs deepinfer-dspark); unset or `0`: no speculation."),
+    Variable("DEEPINFER_INDEXER_CHUNK_ENTRIES", int, 1 << 28,
+             "Query rows x compressed entries the lightning indexer scores and selects at once (4 bytes of fp32 "
+             "score each): a longer prefill chunk runs in query slices, bounding the indexer's memory at long "
+             "context; read when the model is built."),
     Variable("DEEPINFER_BENCH_CACHE", Path, None,
              "Where `deepinfer bench` keeps its preset checkpoints; unset: `$XDG_CACHE_HOME/deepinfer/bench`, "
              "else `~/.cache/deepinfer/bench`. `--cache-dir` wins."),

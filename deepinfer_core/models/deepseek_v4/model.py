@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from deepinfer_core import envs
 from deepinfer_core.forward_batch import ForwardBatch
 from deepinfer_core.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
 from deepinfer_core.models.deepseek_v4.layout import DecodeInputs, DecodeLayout, StaticShape, StepLayout
@@ -285,11 +286,16 @@ class Compressor:
 class Indexer:
     """Lightning indexer: picks the top ``index_topk`` CSA entries for every query. While a step has at most
     ``index_topk`` entries per sequence (contexts up to ``index_topk * ratio`` tokens) every visible entry is selected,
-    and the scores are not computed (``indexer_topk`` returns ``visible`` then, whatever the scores)."""
+    and the scores are not computed (``indexer_topk`` returns ``visible`` then, whatever the scores).
+
+    Scores and selection run in query slices of at most ``DEEPINFER_INDEXER_CHUNK_ENTRIES`` (query rows x entries)
+    each: a 16K-token chunk at 1M context would otherwise hold 17 GB of fp32 scores and several times that in the
+    top-k's temporaries. Every op is row-wise, so the selection is the same bits whatever the slicing."""
 
     def __init__(self, reg: ParameterRegistry, prefix: str, config: DeepseekV4Config):
         self.heads, self.dim = config.index_n_heads, config.index_head_dim
         self.topk = config.index_topk
+        self.chunk_entries = envs.DEEPINFER_INDEXER_CHUNK_ENTRIES
         self.wq_b = reg.add(f"{prefix}.wq_b.weight", (self.heads * self.dim, config.q_lora_rank))
         self.weights_proj = reg.add(f"{prefix}.weights_proj.weight", (self.heads, config.hidden_size))
         self.compressor = Compressor(reg, f"{prefix}.compressor", config, CSA, self.dim)
@@ -308,8 +314,23 @@ class Indexer:
         q = linear(ops, q_residual, self.wq_b).view(-1, self.heads, self.dim)  # [T, Hi, di]
         q = ops.apply_rope_(q, *query_rope)
         head_weights = inputs["index_weights"].float() * self.heads**-0.5  # [T, Hi]
-        scores = ops.indexer_scores(layout.pad(q), keys, layout.pad(head_weights), self.dim**-0.5)
-        return ops.indexer_topk(scores, visible, self.topk)
+        q, head_weights = layout.pad(q), layout.pad(head_weights)  # [S, Lq, Hi, di], [S, Lq, Hi]
+        S, Lq, E = visible.shape
+        rows = query_slice_rows(S, Lq, E, self.chunk_entries)
+        if rows >= Lq:
+            return ops.indexer_topk(ops.indexer_scores(q, keys, head_weights, self.dim**-0.5), visible, self.topk)
+        selected = torch.empty_like(visible)  # [S, Lq, E]
+        for start in range(0, Lq, rows):
+            part = slice(start, start + rows)
+            scores = ops.indexer_scores(q[:, part], keys, head_weights[:, part], self.dim**-0.5)  # [S, rows, E]
+            selected[:, part] = ops.indexer_topk(scores, visible[:, part], self.topk)
+        return selected
+
+
+def query_slice_rows(num_seqs: int, query_len: int, num_entries: int, budget: int) -> int:
+    """Query rows per indexer slice: as many as keep ``num_seqs * rows * num_entries`` within ``budget`` (at least
+    one row, at most ``query_len``)."""
+    return max(1, min(query_len, budget // max(1, num_seqs * num_entries)))
 
 
 class Attention:
