@@ -1,0 +1,110 @@
+"""``indexer_topk`` (``kernels/indexer_topk.py``) against the reference op on long CPU-sized rows (issue #38 point 5):
+thousands of entries, many ties, rows with nothing visible, rows with fewer visible entries than ``k``, ``-0.0`` beside
+``+0.0``, infinities and NaNs. The selection must be the same bits as the reference's stable sort.
+
+The order keys come from the Triton kernel on the GPU, and without one in a child pytest process under Triton's
+interpreter (``TRITON_INTERPRET=1`` must be set before Triton is imported); the torch form of the keys (CPU tensors)
+runs here too."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the test extra installs triton")
+from deepinfer_nvidia_sm100.kernels import indexer_topk
+
+from deepinfer_core.ops import reference as ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+kernel_runs_here = pytest.mark.skipif(
+    DEVICE == "cpu" and not INTERPRETED,
+    reason="no GPU: runs in a child process under Triton's interpreter (test_kernel_under_triton_interpreter)")
+
+
+@pytest.mark.skipif(DEVICE == "cuda" or INTERPRETED, reason="the kernel runs directly on the GPU / in this process")
+def test_kernel_under_triton_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "DEEPINFER_NVIDIA_COMPILE": "0"}
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                            "-k", "kernel_keys"], check=False, env=env, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-2000:]
+    assert " passed" in child.stdout and "skipped" not in child.stdout, child.stdout[-2000:]
+
+
+def long_case(S: int, Lq: int, E: int, levels: int, seed: int, device: str = DEVICE):
+    """Scores with ``levels`` distinct values (many ties; ``levels=0``: continuous), signed zeros, infinities and
+    NaNs sprinkled in; causal-like visibility (query row ``t`` sees a prefix that grows with ``t``), one row that sees
+    nothing and one that sees fewer entries than any ``k`` used here."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randn(S, Lq, E, generator=gen)
+    if levels:
+        scores = torch.randint(-levels // 2, levels - levels // 2, (S, Lq, E), generator=gen).float() * 0.25
+    special = torch.rand(S, Lq, E, generator=gen)
+    scores = torch.where(special < 0.05, -0.0, scores)
+    scores = torch.where((special >= 0.05) & (special < 0.07), 0.0, scores)
+    scores = torch.where((special >= 0.07) & (special < 0.072), float("inf"), scores)
+    scores = torch.where((special >= 0.072) & (special < 0.074), float("-inf"), scores)
+    scores = torch.where((special >= 0.074) & (special < 0.075), float("nan"), scores)
+    scores = torch.where((special >= 0.075) & (special < 0.076), -float("nan"), scores)
+    limit = torch.linspace(E // 8, E, Lq).long()  # [Lq]
+    visible = torch.arange(E)[None, None, :] < limit[None, :, None]  # [1, Lq, E]
+    visible = visible.expand(S, -1, -1).clone()
+    visible &= torch.rand(S, Lq, E, generator=gen) > 0.1
+    visible[:, 0] = False  # a row that sees nothing
+    visible[:, 1] = False
+    visible[:, 1, :7] = True  # a row with fewer visible entries than k
+    return scores.to(device), visible.to(device)
+
+
+CASES = [  # (S, Lq, E, levels, k)
+    (1, 6, 4096, 5, 512),  # ties everywhere: five score values over 4,096 entries
+    (2, 5, 5000, 0, 64),  # continuous scores, an E that is not a power of two
+    (1, 4, 3000, 2, 2048),  # two levels, k most of the row
+    (2, 3, 700, 40, 512),
+]
+
+
+@pytest.mark.parametrize(("S", "Lq", "E", "levels", "k"), CASES)
+def test_torch_keys_select_what_the_reference_selects(S, Lq, E, levels, k):
+    scores, visible = long_case(S, Lq, E, levels, seed=E, device="cpu")
+    keys = indexer_topk.order_keys_torch(scores.reshape(-1, E), visible.reshape(-1, E))
+    assert (keys.sort(dim=-1).values.diff(dim=-1) != 0).all()  # one key per entry: topk has no ties to break
+    got = indexer_topk.indexer_topk(scores, visible, k)
+    want = ref.indexer_topk(scores, visible, k)
+    assert torch.equal(got, want)
+    assert not (got & ~visible).any() and (got.sum(-1) <= k).all()
+    assert (got.sum(-1) == k).any() and not got[:, 0].any() and (got[:, 1].sum(-1) <= 7).all()
+
+
+def test_order_keys_order_as_the_stable_descending_sort():
+    """Sorting the keys descending is the reference's stable descending sort of the masked scores, position for
+    position: -0.0 ties +0.0 (lower index first), NaN above +inf, invisible at -inf."""
+    scores, visible = long_case(1, 8, 1500, 7, seed=3, device="cpu")
+    scores, visible = scores.reshape(-1, 1500), visible.reshape(-1, 1500)
+    keys = indexer_topk.order_keys_torch(scores, visible)
+    by_keys = keys.sort(dim=-1, descending=True).indices
+    masked = scores.masked_fill(~visible, float("-inf"))
+    by_sort = masked.sort(dim=-1, descending=True, stable=True).indices
+    assert torch.equal(by_keys, by_sort)
+
+
+def test_budget_covering_every_entry_selects_the_visible_ones():
+    scores, visible = long_case(1, 4, 300, 3, seed=1, device="cpu")
+    assert torch.equal(indexer_topk.indexer_topk(scores, visible, 300), visible)
+    assert torch.equal(indexer_topk.indexer_topk(scores, visible, 299), ref.indexer_topk(scores, visible, 299))
+
+
+@kernel_runs_here
+@pytest.mark.parametrize(("S", "Lq", "E", "levels", "k"), CASES[:2] + [(1, 3, 1031, 3, 100)])
+def test_kernel_keys_equal_the_torch_keys_and_select_as_the_reference(S, Lq, E, levels, k):
+    scores, visible = long_case(S, Lq, E, levels, seed=E)
+    keys = indexer_topk.order_keys(scores.reshape(-1, E), visible.reshape(-1, E))
+    want_keys = indexer_topk.order_keys_torch(scores.reshape(-1, E).cpu(), visible.reshape(-1, E).cpu())
+    assert torch.equal(keys.cpu(), want_keys)
+    got = indexer_topk.indexer_topk(scores, visible, k)
+    assert torch.equal(got.cpu(), ref.indexer_topk(scores.cpu(), visible.cpu(), k))
