@@ -1,0 +1,66 @@
+"""Lightning-indexer selection (``indexer_topk``, top-512): the reference op (a stable sort of every row) against the
+NVIDIA op (``kernels/indexer_topk.py``: order keys, then a radix select), at the query x entry shapes one CSA layer
+sees at long context: an 8K prompt's chunk, 16K-token chunks late in 64K and 128K prompts, one 1,024-row slice of a
+16K chunk at 1M context (``DEEPINFER_INDEXER_CHUNK_ENTRIES``'s default), and batch-16 decode rows at 128K.
+
+    python backends/nvidia_sm100/benchmarks/bench_indexer_topk.py      # on a GPU; prints one table
+
+Checks the op against the reference first (``torch.equal`` of the selections), then times both (CUDA events, median
+of repeats, after warmup). Floor = bytes of scores, visibility and selection (4 + 1 + 1 per score) / 4.25 TB/s (the
+H200's ceiling, docs/performance.md): one read of the inputs and one write of the mask.
+"""
+
+from __future__ import annotations
+
+import torch
+from cuda_timing import cuda_time
+
+from deepinfer_core.ops import reference as ref
+
+K, BW = 512, 4.25e12
+SHAPES = (  # (sequences, query rows, entries, what)
+    (1, 8192, 2048, "8K prompt"),
+    (1, 16384, 16384, "16K chunk at 64K"),
+    (1, 16384, 32768, "16K chunk at 128K"),
+    (1, 1024, 262144, "1M: one slice"),
+    (16, 1, 32768, "decode b16 at 128K"),
+)
+
+
+def case(S: int, Lq: int, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16-rounded normal scores (ties, as bf16 indexer products give) under the CSA's causal visibility (ratio 4)
+    for the last ``Lq`` tokens of a ``4 * E``-token context: query ``t`` at position ``p`` sees ``(p + 1) // 4``."""
+    scores = torch.randn(S, Lq, E, device="cuda").bfloat16().float()
+    positions = torch.arange(4 * E - Lq, 4 * E, device="cuda")  # [Lq]
+    limit = (positions + 1).div(4, rounding_mode="floor")  # [Lq]
+    visible = torch.arange(E, device="cuda")[None, None, :] < limit[None, :, None]  # [1, Lq, E]
+    return scores, visible.expand(S, -1, -1).contiguous()
+
+
+def main() -> None:
+    from deepinfer_nvidia_sm100.kernels.indexer_topk import indexer_topk
+
+    torch.manual_seed(0)
+    rows = []
+    for S, Lq, E, what in SHAPES:
+        scores, visible = case(S, Lq, E)
+        same = torch.equal(indexer_topk(scores, visible, K), ref.indexer_topk(scores, visible, K))
+        floor = S * Lq * E * 6 / BW
+        t_ref = cuda_time(lambda a=(scores, visible): ref.indexer_topk(*a, K), reps=5)
+        t_op = cuda_time(lambda a=(scores, visible): indexer_topk(*a, K), reps=10)
+        rows.append((what, S, Lq, E, same, floor, t_ref, t_op))
+        del scores, visible
+        torch.cuda.empty_cache()
+    print(f"\nindexer_topk, top-{K}, fp32 scores (H200)")
+    print("| shape | sequences x queries x entries | equal | floor | reference (sort) | keys + topk | % floor | "
+          "speed-up |")
+    print("|---|---|---|---|---|---|---|---|")
+    for what, S, Lq, E, same, floor, a, b in rows:
+        print(f"| {what} | {S} x {Lq} x {E} | {same} | {floor * 1e3:.3f} ms | {a * 1e3:.3f} ms | {b * 1e3:.3f} ms | "
+              f"{100 * floor / b:.0f}% | {a / b:.1f}x |")
+    if not all(row[4] for row in rows):
+        raise SystemExit("indexer_topk differs from the reference op")
+
+
+if __name__ == "__main__":
+    main()
