@@ -80,6 +80,32 @@ def test_hc_pre_matches_reference(tokens, hc_mult, iters, dtype):
 
 
 @kernel_runs_here
+@pytest.mark.parametrize("tokens, hc_mult, dtype", [
+    (tokens, hc_mult, dtype) for dtype in (torch.float32, torch.bfloat16) for tokens, hc_mult in ((0, 4), (1, 4),
+                                                                                                   (70, 4), (9, 3))
+    if not _interpreter_runs_bf16_dot(tokens, dtype)])
+def test_batch_invariant_hc_pre_matches_reference_and_keeps_each_tokens_bits(tokens, hc_mult, dtype):
+    """``invariant.hc_pre`` / ``hc_pre_normed`` (the mixing split by the row length only, one kernel for any token
+    count): close to the reference, and a token's outputs alone equal to the same token among the others."""
+    from deepinfer_nvidia_sm100.kernels import invariant
+
+    streams, fn, base, scale = _case(tokens, hc_mult, 600, dtype)
+    norm_w = torch.rand(600, device=DEVICE) + 0.5
+    got = invariant.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    for g, w in zip(got, ref.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6), strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        torch.testing.assert_close(g, w, **(tol if g.dtype == dtype else {"atol": 1e-5, "rtol": 1e-5}))
+    normed = invariant.hc_pre_normed(streams, fn, base, scale, 20, 1e-6, 1e-6, norm_w)
+    for t in range(min(tokens, 3)):
+        for whole, alone in ((got, invariant.hc_pre(streams[t:t + 1], fn, base, scale, 20, 1e-6, 1e-6)),
+                             (normed, invariant.hc_pre_normed(streams[t:t + 1], fn, base, scale, 20, 1e-6, 1e-6,
+                                                              norm_w))):
+            for w, a in zip(whole, alone, strict=True):
+                assert torch.equal(w[t:t + 1], a), t
+
+
+@kernel_runs_here
 @pytest.mark.parametrize("tokens, hc_mult, width, dtype", [
     (tokens, hc_mult, width, dtype) for dtype in (torch.float32, torch.bfloat16)
     for tokens, hc_mult, width in ((1, 4, 2500), (7, 4, 64), (64, 4, 1024), (5, 3, 300), (0, 4, 64),

@@ -58,6 +58,9 @@ def _record_launches() -> dict[tuple, tuple]:
                 case.call(ops[case.op], case.rows(5, gen))
             q, kv, visible, sinks, scale = attention_batch(gen, dtype=dtype)
             ops["sink_attention"](q, kv, visible, sinks, scale)
+            k = 512 if dtype == torch.float32 else 1024  # long enough for two K splits (and their fold)
+            triton_kernels.matmul_nt(torch.randn(3, k, generator=gen).to(dtype),
+                                     torch.randn(40, k, generator=gen).to(dtype))
         q, keys, weights = _indexer_sequence(gen, 2, 16)
         ops["indexer_scores"](q[None], keys[None], weights[None], 16**-0.5)
     finally:
