@@ -141,6 +141,9 @@ def test_a_hit_restored_from_host_memory_computes_only_the_rest_and_equals_exact
     assert chunks == [(0, 40), (48, 10)]  # no replay: the second turn computes from the restored boundary
     assert got.num_cached_tokens == want.num_cached_tokens == 48
     assert (stats.hits.value, stats.misses.value) == (1, 0) and stats.stores.value >= 2
+    if hasattr(cached, "get_metrics"):  # the engine's metrics registry holds the same counters
+        metrics = {m.name: m.value for m in cached.get_metrics()}
+        assert metrics[HOST_CACHE_METRICS["hits"][0]] == 1 and metrics[HOST_CACHE_METRICS["misses"][0]] == 0
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
     for mine, theirs in zip(got.outputs[0].logprobs, want.outputs[0].logprobs, strict=True):
         assert mine.keys() == theirs.keys()
@@ -181,3 +184,25 @@ def test_an_expired_entry_is_not_restored(tiny_ckpt):
     stats = host_cache_stats(llm.context)
     assert stats.expirations.value >= 2 and (stats.hits.value, stats.misses.value) == (0, 1)
     assert chunks[0][0] < 48  # rebuilt by replay instead
+
+
+def test_preempted_requests_come_back_through_the_host_cache(tiny_ckpt):
+    """Four requests in room for two: the preempted ones come back with a hit at the last block boundary a step of
+    theirs ended on, restored from host memory, and finish with the tokens of an engine with room for all."""
+    from deepinfer_core.models.deepseek_v4.state import DeepseekV4State
+
+    config = _llm(tiny_ckpt).model.config
+    budget = 4 * DeepseekV4State.bytes_per_slot(config, BLOCK, torch.float32) + 10 * DeepseekV4State.bytes_per_block(
+        config, BLOCK, torch.float32)  # 4 sequences want 4 x 6 blocks
+    prompts = [{"prompt_token_ids": _tokens(n, seed=n)} for n in (30, 33, 29, 31)]
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=1)
+    tight = _llm(tiny_ckpt, kv_cache_memory_bytes=budget, enable_swa_host_cache=True)
+    got = tight.generate(prompts, params, use_tqdm=False)
+    want = _llm(tiny_ckpt).generate(prompts, params, use_tqdm=False)
+    stats = host_cache_stats(tight.context)
+    assert tight.engine.scheduler.num_preemptions > 0 and stats.hits.value > 0
+    for a, b in zip(got, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert all(abs(x[t].logprob - y[t].logprob) <= 1e-5
+                   for x, y, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, b.outputs[0].token_ids))
+    tight.engine.state_manager.check_invariants([])
