@@ -66,6 +66,11 @@ def assert_same_or_near_tie(base, spec, tolerance=1e-4):
             gap = top[0].logprob - top[1].logprob
             assert gap < tolerance, f"outputs differ at token {i} without a near tie (top-2 gap {gap:.3g})"
             ties.append((b.request_id, i, gap))
+        for completion_b, completion_s in zip(b.outputs, s.outputs):  # the chosen tokens' logprobs, up to a tie
+            for i, (x, y) in enumerate(zip(completion_b.token_ids, completion_s.token_ids)):
+                if x != y:
+                    break
+                assert abs(completion_b.logprobs[i][x].logprob - completion_s.logprobs[i][y].logprob) < tolerance
     return ties
 
 
@@ -280,17 +285,18 @@ def test_seeded_sampling_is_reproducible_and_matches_no_speculation(folder):
 
 
 class ScriptedProposer(Proposer):
-    """Drafts the known greedy continuation for two tokens, then a wrong token (cut to ``max_draft_len``)."""
+    """Drafts the known greedy continuation for ``right`` tokens, then a wrong token (cut to ``max_draft_len``)."""
 
-    def __init__(self, continuation: list[int], prompt_len: int):
-        self.continuation, self.prompt_len = continuation, prompt_len
+    def __init__(self, continuation: list[int], prompt_len: int, right: int = 2):
+        self.continuation, self.prompt_len, self.right = continuation, prompt_len, right
 
     def propose(self, batch):
         drafts = []
         for seq in batch.sequences:
             done = len(seq.token_ids) - self.prompt_len
-            right = self.continuation[done:done + 2]
-            draft = right + [(self.continuation[done + 2] + 1) % VOCAB] if done + 2 < len(self.continuation) else right
+            draft = self.continuation[done:done + self.right]
+            if done + self.right < len(self.continuation):
+                draft = draft + [(self.continuation[done + self.right] + 1) % VOCAB]
             drafts.append(Draft(draft[:seq.max_draft_len], num_proposed=len(draft)))
         return drafts
 
@@ -323,3 +329,49 @@ def test_a_proposer_breaking_the_contract_is_named(folder):
     llm.engine.speculator.proposer = TooLong()
     with pytest.raises(ProposerError, match=r"'ngram' drafted 4 tokens .* more than its max_draft_len 3"):
         _generate(llm, [[5, 6, 7]], SamplingParams(max_tokens=8, ignore_eos=True))
+
+
+@pytest.mark.parametrize("stop", ["string", "token"])
+def test_a_stop_inside_an_accepted_draft_drops_the_later_tokens(folder, stop):
+    """The second step takes output tokens 1-5 (4 accepted draft tokens and the bonus); a stop at token 3 (a stop
+    string ending there, or a stop token id) ends the request there, as without speculation."""
+    prompt = _repetitive_prompts([10], seed=5)[0]
+    free = _generate(_llm(folder), [prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    continuation = free.outputs[0].token_ids
+    if stop == "string":
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[free.outputs[0].text.split()[3]])
+    else:
+        params = SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[continuation[3]])
+    base = _generate(_llm(folder), [prompt], params)[0].outputs[0]
+    llm = _llm(folder, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    llm.engine.speculator.proposer = ScriptedProposer(continuation, len(prompt), right=4)
+    ours = _generate(llm, [prompt], params)[0].outputs[0]
+    assert (ours.token_ids, ours.text, ours.finish_reason, ours.stop_reason) == (
+        base.token_ids, base.text, base.finish_reason, base.stop_reason)
+    assert base.finish_reason == "stop" and len(base.token_ids) < 16
+
+
+def test_batch_invariant_mode_makes_speculation_bitwise(folder):
+    """With batch-invariant ops a verification step's rows equal one-token steps' bit for bit: the same tokens and
+    the same logprobs, no near-tie allowance."""
+    pytest.importorskip("deepinfer_batch_invariant")
+    prompts = _repetitive_prompts([9, 23, 14], seed=1)
+    base = _generate(_llm(folder, batch_invariant=True), prompts, GREEDY)
+    llm = _llm(folder, batch_invariant=True, speculative_config=NGRAM)
+    spec = _generate(llm, prompts, GREEDY)
+    assert {m.name: m.value for m in llm.get_metrics()}["deepinfer:spec_decode_num_accepted_tokens"] > 0
+    for b, s in zip(base, spec):
+        assert b.outputs[0].token_ids == s.outputs[0].token_ids
+        assert [lp[t].logprob for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)] == [
+            lp[t].logprob for lp, t in zip(s.outputs[0].logprobs, s.outputs[0].token_ids)]
+
+
+def test_static_decode_steps_run_beside_eager_verification(folder):
+    """With decode graphs (their static-shape path, eager on CPU) a step's draft-less decodes replay the graph and
+    its verifications run eagerly; outputs equal those without speculation."""
+    prompts = _repetitive_prompts([9, 23, 14, 31], seed=1)
+    base = _generate(_llm(folder, cuda_graph_sizes=[1, 2, 4, 8]), prompts, GREEDY)
+    llm = _llm(folder, cuda_graph_sizes=[1, 2, 4, 8], speculative_config=NGRAM)
+    assert_same_or_near_tie(base, _generate(llm, prompts, GREEDY))
+    assert llm.engine.runner.decode_graphs.num_replays > 0
+    assert {m.name: m.value for m in llm.get_metrics()}["deepinfer:spec_decode_num_drafts"] > 0
