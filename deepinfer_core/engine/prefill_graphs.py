@@ -11,7 +11,8 @@ and the logits are the last chunk token's.
 
 A chunk from token 0 is captured at ``context_len == bucket``. A chunk that starts past token 0 (the replay that
 rebuilds the sliding window after a prefix hit, exact or bounded; a chunk after a restored window; a later chunk of
-a long prompt) takes the same path at a context bucket (``bucket * 2^k`` covering the chunk's padded end): where it
+a long prompt) takes the same path (in buckets that are a multiple of the block size, so the compressor windows it
+completes are as many wherever it starts) at a context bucket (``bucket * 2^k`` covering the chunk's padded end): where it
 starts, where its compressed writes start (``Request.replay_until``) and where its window reads start
 (``Request.sliding_floor``) are values in the static buffers, not shapes, so a prefix hit runs the captured kernels
 a miss runs. A chunk shorter than ``model.prefill_min_tokens()`` runs eagerly, as does a step with anything else in
@@ -76,7 +77,7 @@ class PrefillGraphs:
                 or chunk.num_tokens < self.min_tokens):
             return None
         bucket = next((b for b in self.buckets if b >= chunk.num_tokens), None)
-        if bucket is None:
+        if bucket is None or (chunk.start and bucket % self.state.block_size):  # a window count fixed by the bucket
             return None
         return bucket, context_bucket(bucket, chunk.start)
 
