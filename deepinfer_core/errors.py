@@ -27,7 +27,9 @@ next to the code that raises it:
 * ``deepinfer_core.bench.presets.PresetError`` (ValueError): an unknown or unbuildable benchmark preset;
 * ``deepinfer_core.quant.writer.QuantizeError`` (ValueError): a checkpoint or recipe ``deepinfer quantize`` cannot use;
 * ``deepinfer_core.distributed.launcher.RankFailedError`` (RuntimeError): a rank of a data-parallel engine that
-  raised, died or did not start in time (every rank is stopped).
+  raised, died or did not start in time (every rank is stopped);
+* ``deepinfer_core.models.deepseek_v4.expert_parallel.PlacementError`` (ValueError): an expert placement (EPLB) that
+  does not fit the sharded model.
 """
 
 from __future__ import annotations
