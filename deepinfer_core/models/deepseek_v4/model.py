@@ -21,6 +21,7 @@ from deepinfer_core import envs
 from deepinfer_core.forward_batch import ForwardBatch
 from deepinfer_core.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
 from deepinfer_core.models.deepseek_v4.layout import DecodeInputs, DecodeLayout, StaticShape, StepLayout
+from deepinfer_core.models.deepseek_v4.sparse_attention import sparse_roped_attention
 from deepinfer_core.models.deepseek_v4.state import CompressorCarry, DeepseekV4State, SavedRows, carry_span
 from deepinfer_core.models.interface import ModelOutput, StateBytes
 from deepinfer_core.ops.table import OpTable
@@ -360,6 +361,7 @@ class Attention:
         self.sinks = reg.add(f"{prefix}.attn_sink", (self.heads,))
         self.compressor = None
         self.indexer = None
+        self.sparse = envs.DEEPINFER_SPARSE_CSA_ATTENTION  # sparse_attention.py where the indexer selects
         if self.layer_type != SLIDING:
             self.compressor = Compressor(reg, f"{prefix}.compressor", c, self.layer_type, self.head_dim)
         if self.layer_type == CSA:
@@ -421,12 +423,20 @@ class Attention:
         keys = keys.join()  # [S, Lk (+ E), hd]
         layout = ctx.layout
         visible = layout.sliding_visible  # [S, Lq, Lk]
+        cos, sin = (layout.pad(t) for t in ctx.rope[self.rope_type])  # [S, Lq, rope_dim // 2] each
+        selected = None
         if self.compressor is not None:
             entry_visible = self._entry_visible(ops, inputs, q_residual, ctx, index_fold)  # [S, Lq, E]
-            visible = layout.attention_visible(self.compressor.ratio, entry_visible)  # [S, Lq, Lk + E]
-        cos, sin = (layout.pad(t) for t in ctx.rope[self.rope_type])  # [S, Lq, rope_dim // 2] each
-        out = ops.roped_sink_attention(layout.pad(q), keys, visible, self.sinks, self.head_dim**-0.5, self.eps, cos,
-                                       sin)  # [S, Lq, H, hd]
+            if self.sparse and entry_visible is not layout.entries(self.compressor.ratio).visible:
+                selected = entry_visible  # the indexer chose: attend to the chosen entries only
+            else:
+                visible = layout.attention_visible(self.compressor.ratio, entry_visible)  # [S, Lq, Lk + E]
+        if selected is not None:
+            out = sparse_roped_attention(ops, layout.pad(q), keys, visible, selected, layout.window, self.indexer.topk,
+                                         self.sinks, self.head_dim**-0.5, self.eps, cos, sin)  # [S, Lq, H, hd]
+        else:
+            out = ops.roped_sink_attention(layout.pad(q), keys, visible, self.sinks, self.head_dim**-0.5, self.eps,
+                                           cos, sin)  # [S, Lq, H, hd]
         grouped = grouped_linear(ops, layout.unpad(out).reshape(T, self.groups, -1), self.wo_a, self.groups)
         out = linear(ops, grouped.flatten(1), self.wo_b)  # [T, D]
         if index_fold is not None:

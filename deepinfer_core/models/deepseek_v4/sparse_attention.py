@@ -1,0 +1,63 @@
+"""Top-k sparse CSA attention: each query row attends to its own window keys and its selected entries, gathered.
+
+The dense path (``Attention`` with ``layout.attention_visible``) hands the attention op every key of the sequence,
+``[S, Lk + E, d]``, and a mask ``[S, Lq, Lk + E]``: a kernel that walks a row's visible key blocks still reads nearly
+every block once the indexer's ``k`` selected entries are spread over ``E / 64`` blocks, so its work grows with the
+context although each row reads ``window + k`` keys. Here, as DeepSeek's sparse attention does, each query row becomes
+a one-query row of its own with the keys it reads gathered (``[S * Lq, W + k, d]``, window keys first, then the
+selected entries, both in ascending key order as in the dense layout): the table's ``roped_sink_attention`` over
+decode-shaped rows. Rows run in slices of at most ``GATHER_BYTES`` of gathered keys. The same keys are visible as in
+the dense path, so the result equals it up to the order of floating-point sums.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_core.ops.table import OpTable
+
+GATHER_BYTES = 1 << 30  # gathered keys per slice of query rows
+
+
+def row_key_indices(visible: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to ``count`` visible key indices per row of ``visible [S, Lq, N]``, ascending: ``(indices, valid)``, each
+    ``[S, Lq, min(count, N)]`` (invalid places hold ``N - 1``; every visible key is listed where a row has at most
+    ``count``)."""
+    n = visible.shape[-1]
+    picked = torch.topk(visible.view(torch.uint8), min(count, n), dim=-1, sorted=False).indices  # visible first
+    ordered = torch.where(visible.gather(-1, picked), picked, n).sort(dim=-1).values  # [S, Lq, count]
+    valid = ordered < n
+    return ordered.clamp(max=n - 1), valid
+
+
+def rows_per_slice(num_seqs: int, query_len: int, keys_per_row: int, row_bytes: int, budget: int) -> int:
+    """Query rows per slice so that ``num_seqs * rows`` rows of ``keys_per_row`` gathered keys (``row_bytes`` each)
+    stay within ``budget`` bytes: at least one, at most ``query_len``."""
+    return max(1, min(query_len, budget // max(1, num_seqs * keys_per_row * row_bytes)))
+
+
+def sparse_roped_attention(ops: OpTable, q: torch.Tensor, keys: torch.Tensor, window_visible: torch.Tensor,
+                           selected: torch.Tensor, window: int, topk: int, sinks: torch.Tensor, scale: float,
+                           eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``ops.roped_sink_attention`` of ``q [S, Lq, H, d]`` over the keys ``[S, Lk + E, d]`` visible through
+    ``window_visible [S, Lq, Lk]`` (at most ``window`` per row) and ``selected [S, Lq, E]`` (at most ``topk``), each
+    row over its gathered keys only. ``cos`` / ``sin``: ``[S, Lq, rope_dim // 2]``. Returns ``[S, Lq, H, d]``."""
+    S, Lq, H, d = q.shape
+    Lk = window_visible.shape[-1]
+    win_index, win_valid = row_key_indices(window_visible, window)  # [S, Lq, W'] each
+    width = win_index.shape[-1] + min(topk, selected.shape[-1])
+    rows = rows_per_slice(S, Lq, width, d * keys.element_size(), GATHER_BYTES)
+    seq = torch.arange(S, device=keys.device)[:, None, None]  # [S, 1, 1]
+    out = q.new_empty(q.shape)  # [S, Lq, H, d]
+    for start in range(0, Lq, rows):
+        part = slice(start, start + rows)
+        entry_index, entry_valid = row_key_indices(selected[:, part], topk)  # [S, r, k'] each
+        index = torch.cat([win_index[:, part], entry_index + Lk], dim=-1)  # [S, r, W' + k']
+        valid = torch.cat([win_valid[:, part], entry_valid], dim=-1)
+        n = index.shape[0] * index.shape[1]
+        row_keys = keys[seq, index].view(n, width, d)  # [S * r, W' + k', d]
+        attended = ops.roped_sink_attention(q[:, part].reshape(n, 1, H, d), row_keys, valid.view(n, 1, width), sinks,
+                                            scale, eps, cos[:, part].reshape(n, 1, -1),
+                                            sin[:, part].reshape(n, 1, -1))  # [S * r, 1, H, d]
+        out[:, part] = attended.view(S, -1, H, d)
+    return out
