@@ -126,8 +126,8 @@ def test_cuda_hc_weights_match_the_cpu_form():
 def test_split_k_depends_on_the_weight_only_and_keeps_rows_invariant():
     """A decode-sized GEMM is split along K by the weight's shape (never the row count); the split partial sums
     fold in a fixed order, so a row keeps its bits among any number of other rows, close to an unsplit GEMM."""
-    assert triton_kernels.split_k(1024, 4096, 64, 64) == 8  # 16 N tiles x 8 splits = 128 programs
-    assert triton_kernels.split_k(1024, 4096, 64, 64, groups=8) == 1  # 8 groups x 16 N tiles fill the GPU
+    assert triton_kernels.split_k(1024, 4096, 64, 64) == 8  # 16 N tiles x 8 splits (8 K blocks each)
+    assert triton_kernels.split_k(1024, 4096, 64, 64, groups=8) == 2  # 8 groups x 16 N tiles x 2 splits
     assert triton_kernels.split_k(32768, 1024, 64, 64) == 1  # wide weights fill the GPU without splitting
     assert triton_kernels.split_k(24, 64, 32, 32) == 1  # too short to split
     gen = torch.Generator().manual_seed(11)

@@ -75,9 +75,9 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
 
 
 # ----------------------------------------------------------------------------- matmul
-SPLIT_K_PROGRAMS = 132
-"""Split-K target: (groups x N tiles x K splits) programs per row tile, one per SM of an H200, so a decode-sized GEMM
-(one row tile) reads its weight with the whole GPU. The split count is a function of the weight's shape and dtype
+SPLIT_K_PROGRAMS = 256
+"""Split-K target: (groups x N tiles x K splits) programs per row tile, about two per SM of an H200 (132 SMs), so a
+decode-sized GEMM (one row tile) reads its weight with the whole GPU. The split count is a function of the weight's shape and dtype
 only (``split_k``), never of the row count: each output element is the same fixed-order fold of the same partial
 sums whatever the batch. Prefill steps pay for the split in fp32 partials (``splits x M x N``), so it stays low."""
 MIN_SPLIT_BLOCKS = 8
