@@ -26,6 +26,12 @@ next to the code that raises it:
 * ``deepinfer_core.cli.options.CommandLineOptionError`` (ValueError): a malformed ``--option NAME=VALUE``;
 * ``deepinfer_core.bench.presets.PresetError`` (ValueError): an unknown or unbuildable benchmark preset;
 * ``deepinfer_core.quant.writer.QuantizeError`` (ValueError): a checkpoint or recipe ``deepinfer quantize`` cannot use;
+* ``deepinfer_core.spec_decode.config.SpeculativeConfigError`` (ValueError): a ``speculative_config`` (or
+  ``DEEPINFER_USE_NEXTN_DECODE``) naming an unknown method or key, a bad ``num_speculative_tokens``, or a model that
+  cannot roll back that many draft tokens;
+* ``deepinfer_core.spec_decode.proposer.ProposerError`` (ValueError): a proposer registered wrongly, or drafts that
+  break the proposer contract (too long, ids outside the vocabulary, ``draft_probs`` of the wrong shape);
+* ``deepinfer_core.metrics.MetricError`` (ValueError): a metric asked for under a name taken by another kind;
 * ``deepinfer_core.distributed.launcher.RankFailedError`` (RuntimeError): a rank of a data-parallel engine that
   raised, died or did not start in time (every rank is stopped);
 * ``deepinfer_core.models.deepseek_v4.expert_parallel.PlacementError`` (ValueError): an expert placement (EPLB) that
