@@ -157,12 +157,13 @@ def deepinfer_before_step(engine, scheduler_output) -> None:
     if state is None or state.slot_views is None:
         return
     _flush(state)
-    for chunk in scheduler_output.chunks:
-        request = chunk.request
-        state.looked_up.discard(request.request_id)
-        pending = state.pending_restores.pop(request.request_id, None)
-        if pending is not None and pending[0] == chunk.start:
-            state.cache.restore(pending[1], state.slot_views(request.slot))
+    if state.looked_up or state.pending_restores:  # requests admitted since the last step
+        for chunk in scheduler_output.chunks:
+            request = chunk.request
+            state.looked_up.discard(request.request_id)
+            pending = state.pending_restores.pop(request.request_id, None)
+            if pending is not None and pending[0] == chunk.start:
+                state.cache.restore(pending[1], state.slot_views(request.slot))
     state.captures = [_capture(chunk.request, chunk.end, state.block_size) for chunk in scheduler_output.chunks
                       if chunk.end % state.block_size == 0 and not getattr(chunk, "draft_token_ids", None)]
 
