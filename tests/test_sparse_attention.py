@@ -31,10 +31,14 @@ def test_rows_per_slice_keep_the_budget():
     assert rows_per_slice(1, 10, 8, 4, 1 << 30) == 10
 
 
-def test_gathered_rows_equal_the_masked_attention():
+@pytest.mark.parametrize("budget", [1 << 30, 3000])  # one slice; one query row a slice (2 x 9 keys x 128 B)
+def test_gathered_rows_equal_the_masked_attention(budget, monkeypatch):
     """The op level: per-row gathered keys against ``roped_sink_attention`` over every key under the mask."""
+    from deepinfer_core.models.deepseek_v4 import sparse_attention
     from deepinfer_core.models.deepseek_v4.sparse_attention import sparse_roped_attention
     from deepinfer_core.ops.table import OpTable
+
+    monkeypatch.setattr(sparse_attention, "GATHER_BYTES", budget)
 
     gen = torch.Generator().manual_seed(1)
     S, Lq, Lk, E, H, d, W, k = 2, 9, 12, 30, 4, 32, 4, 5
