@@ -44,7 +44,16 @@ def format_report(result: Mapping[str, Any]) -> str:
                      f"mean common prefix {100 * a['mean_prefix_fraction']:.1f}% of the output")
     if result.get("ratio"):
         lines.append(f"engine/HF output throughput: {result['ratio']['output_throughput']:.2f}x")
+    if result.get("structured_output"):
+        lines.append(_masks(result["structured_output"]))
     return "\n".join(lines)
+
+
+def _masks(masks: Mapping[str, Any]) -> str:
+    hidden = masks["hidden_share"]
+    return (f"structured output: token masks {masks['mask_us_per_row']:.0f} us per row on the host ({masks['rows']} "
+            f"rows, {1e3 * masks['prepare_s']:.1f} ms), the engine waited {1e3 * masks['wait_s']:.1f} ms of it"
+            + (f" ({100 * hidden:.0f}% hidden)" if hidden is not None else ""))
 
 
 def _header(config: Mapping[str, Any], engine: Mapping[str, Any]) -> list[str]:
@@ -53,7 +62,8 @@ def _header(config: Mapping[str, Any], engine: Mapping[str, Any]) -> list[str]:
         f"deepinfer bench: {source} {config['model_folder']}",
         (f"  {config['num_prompts']} prompts x {config['input_len']} tokens in{_share(config)}, "
          f"{config['output_len']} out "
-         f"(greedy, EOS ignored); max_num_seqs {config['max_num_seqs']}, max_num_batched_tokens "
+         f"({'greedy, JSON schema, ending with the grammar' if config.get('json_schema') else 'greedy, EOS ignored'}); "
+         f"max_num_seqs {config['max_num_seqs']}, max_num_batched_tokens "
          f"{config['max_num_batched_tokens']}, async scheduling {_on(config.get('async_scheduling'))}, "
          f"mixed chunks {_on(config.get('enable_mixed_chunk'))}, warmup {config['warmup']}{_iterations(engine)}"),
         (f"  device {config['device']}, dtype {config['dtype']}, torch {config['torch']} "

@@ -6,6 +6,13 @@ process after the engine has been freed, in batches of ``max_num_seqs`` prompts.
 compressors pool raw token windows without looking at ``attention_mask`` (and number compressed
 positions from 0 per row), so left-padded batches would be wrong; equal-length prompts need no padding.
 
+With ``json_schema``, every request is constrained to that JSON schema (``SamplingParams.structured_outputs``,
+compact JSON) and ends when the grammar completes or at ``output_len`` (EOS is not ignored: a grammar ends with it);
+a schema whose shortest document is longer than ``output_len`` tokens keeps the work equal to an unconstrained run. A
+preset then gets a byte-level BPE tokenizer of its vocabulary size (``byte_tokenizer.py``: the word-level one cannot
+spell JSON). The result's ``structured_output`` says how long the host spent on token masks and how much of it the
+engine waited for.
+
 With ``prefix_share`` F > 0, every prompt (warm-up and timed) starts with the same ``prefix_len`` =
 round(F * input_len) random tokens (seeded; at most ``input_len - 1``), the rest random per prompt. The warm-up's
 prompts put the prefix in the prefix cache, so the timed run measures prefix hits.
@@ -36,8 +43,10 @@ import torch
 
 from deepinfer_core import envs
 from deepinfer_core.bench import presets
+from deepinfer_core.bench.byte_tokenizer import with_byte_bpe_tokenizer
 from deepinfer_core.bench.roofline import roofline
 from deepinfer_core.checkpoint import plan_checkpoint
+from deepinfer_core.engine.logits_preparer import PrepareStats
 from deepinfer_core.errors import MissingDependencyError
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer_core.models.resolve import resolve_model
@@ -72,6 +81,7 @@ class BenchConfig:
     cache_dir: str | None = None
     preset_overrides: Mapping[str, Any] | None = None
     options: Mapping[str, Any] | None = None  # plugin feature options (``--option NAME=VALUE``)
+    json_schema: Mapping[str, Any] | None = None  # every request constrained to this JSON schema
     data_parallel_size: int = 1  # > 1: that many ranks started by LLM (``bench/parallel.py``)
     enable_expert_parallel: bool = False
 
@@ -92,6 +102,13 @@ class BenchConfig:
         if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share < 1:
             raise ValueError(f"prefix_share must be a number in [0, 1) (the share of each prompt that is a common "
                              f"prefix), got {share!r}")
+        if self.json_schema is not None and not isinstance(self.json_schema, Mapping):
+            raise ValueError(f"json_schema must be a JSON object (a schema), got {type(self.json_schema).__name__}")
+        if self.json_schema is not None and self.data_parallel_size > 1:
+            raise ValueError("--json-schema runs on one engine; leave out --data-parallel-size")
+        if self.json_schema is not None and self.compare_hf:
+            raise ValueError("--json-schema constrains the engine's requests only; HF generate would not do the same "
+                             "work: leave out --compare-hf")
 
     @property
     def prefix_len(self) -> int:
@@ -163,6 +180,7 @@ def run_bench(config: BenchConfig, log: Log = lambda msg: None) -> dict[str, Any
     result["config"]["max_num_batched_tokens"] = engine["max_num_batched_tokens"]  # the backend's default if unset
     result["config"]["async_scheduling"] = engine["async_scheduling"]
     result["config"]["op_sources"] = engine["op_sources"]
+    result["structured_output"] = engine.get("structured_output")  # None without a JSON schema
     result["roofline"] = {"engine": _roofline(model_config, dtype, device, engine["metrics"], config, quantized)}
     result["hf"] = result["ratio"] = result["agreement"] = None
     if config.compare_hf:
@@ -177,7 +195,7 @@ def run_bench(config: BenchConfig, log: Log = lambda msg: None) -> dict[str, Any
 def result_keys() -> dict[str, list[str]]:
     """The keys a result dict and its metric dicts carry (tests and JSON consumers rely on them)."""
     return {
-        "result": ["config", "engine", "hf", "ratio", "agreement", "roofline"],
+        "result": ["config", "engine", "hf", "ratio", "agreement", "roofline", "structured_output"],
         "metrics": ["total_time_s", "num_requests", "prompt_tokens", "output_tokens", "output_throughput",
                     "total_throughput", "requests_per_s", "ttft_s", "tpot_s", "latency_s", "load_time_s", "steps",
                     "step_times_s", "iteration_total_times_s", "iteration_first_token_s", "gc_pauses",
@@ -192,6 +210,10 @@ def model_folder(config: BenchConfig, log: Log) -> Path:
         return resolve_model(config.model)
     log(f"preparing preset {config.preset!r} (random weights, cached) ...")
     folder = presets.ensure_preset(config.preset, config.cache_dir, config.preset_overrides, seed=config.seed)
+    if config.json_schema is not None:  # the word-level tokenizer cannot spell JSON
+        log("a byte-level BPE tokenizer of the preset's vocabulary for the JSON schema (written once) ...")
+        vocab_size = DeepseekV4Config.from_file(folder / "config.json").vocab_size
+        folder = with_byte_bpe_tokenizer(folder, vocab_size)
     log(f"preset checkpoint: {folder}")
     return folder
 
@@ -261,15 +283,18 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
     device, dtype = llm.backend.device, llm.dtype
     prefix = prompts[0][:config.prefix_len]
     warm = random_prompts(len(prompts), len(prompts[0]), llm.model.vocab_size, config.seed + 1, prefix)
+    params = request_params(config)
     for i in range(config.warmup):
         log(f"engine warmup {i + 1}/{config.warmup} ...")
-        time_engine(llm, warm, config.output_len, f"warmup{i}")  # the timed run's shape: every graph it replays
-    runs = []
+        time_engine(llm, warm, config.output_len, f"warmup{i}", params)  # the timed run's shape: its graphs
+    runs, masks = [], []
     for i in range(config.num_iters):  # run 0 takes the prompts HF gets; later runs fresh ones (hits: the prefix)
         log(f"engine: timed run {i + 1}/{config.num_iters} ...")
         run_prompts = prompts if i == 0 else random_prompts(len(prompts), len(prompts[0]),
                                                             llm.model.vocab_size, config.seed + 1 + i, prefix)
-        runs.append(time_engine(llm, run_prompts, config.output_len, f"bench{i or ''}"))
+        llm.engine.preparer.stats = PrepareStats()
+        runs.append(time_engine(llm, run_prompts, config.output_len, f"bench{i or ''}", params))
+        masks.append(mask_figures(llm.engine.preparer.stats))
     totals = [max(run.finished.values()) - run.start for run in runs]
     median = sorted(range(len(runs)), key=totals.__getitem__)[len(runs) // 2]
     metrics = summarize(runs[median], [len(p) for p in prompts], load_time, totals,
@@ -285,14 +310,35 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
     del llm
     _free(device)
     return {"metrics": metrics, "outputs": outputs, "graph_replays": replays, "max_num_batched_tokens": budget,
-            "async_scheduling": overlapped, "op_sources": op_sources}, device, dtype
+            "async_scheduling": overlapped, "op_sources": op_sources,
+            "structured_output": masks[median] if config.json_schema is not None else None}, device, dtype
 
 
-def time_engine(llm, prompts: Sequence[Sequence[int]], output_len: int, tag: str) -> RunTimes:
-    """Add every prompt at once, then step the engine to the end, noting each request's first and last token."""
+def request_params(config: BenchConfig):
+    """Every request's ``SamplingParams``: greedy, ``output_len`` tokens, EOS ignored; with a JSON schema, constrained
+    to it (compact) and ending with the grammar."""
+    from deepinfer_core.sampling.params import SamplingParams
+    from deepinfer_core.sampling.structured_outputs import StructuredOutputsParams
+
+    if config.json_schema is None:
+        return SamplingParams(temperature=0.0, max_tokens=config.output_len, ignore_eos=True)
+    constraint = StructuredOutputsParams(json=dict(config.json_schema), disable_any_whitespace=True)
+    return SamplingParams(temperature=0.0, max_tokens=config.output_len, structured_outputs=constraint)
+
+
+def mask_figures(stats: PrepareStats) -> dict[str, Any]:
+    """A run's token-mask figures: host seconds on the worker thread, of which the engine waited, per row."""
+    return {"prepare_s": stats.prepare_s, "wait_s": stats.wait_s, "rows": stats.num_rows,
+            "steps": stats.num_prepares, "mask_us_per_row": 1e6 * stats.prepare_s / max(stats.num_rows, 1),
+            "hidden_share": stats.hidden_share}
+
+
+def time_engine(llm, prompts: Sequence[Sequence[int]], output_len: int, tag: str, params=None) -> RunTimes:
+    """Add every prompt at once, then step the engine to the end, noting each request's first and last token
+    (``params``: default greedy, ``output_len`` tokens, EOS ignored)."""
     from deepinfer_core.sampling.params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    params = params or SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     engine = llm.engine
     times = RunTimes(start=time.perf_counter())
     with recording_gc_pauses(times.gc_pauses):

@@ -5,6 +5,7 @@ Examples::
     deepinfer bench --preset tiny --input-len 128 --output-len 64 --num-prompts 16 --max-num-seqs 16 --compare-hf
     deepinfer bench --model /path/to/checkpoint --json result.json
     deepinfer bench --preset tiny --input-len 512 --prefix-share 0.75 --option enable_swa_replay=true
+    deepinfer bench --preset tiny --json-schema schema.json --async-scheduling   # structured output
     deepinfer bench --preset v4-flash-8l64e --input-len 1024 --output-len 128 --num-prompts 64   # GPU only
     deepinfer bench --preset tiny --data-parallel-size 2 --enable-expert-parallel --option enable_eplb=true \
         --option eplb_config='{"num_redundant_experts": 2, "window_size": 8, "step_interval": 8}'
@@ -67,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-expert-parallel", action="store_true",
                         help="split the routed experts across the data-parallel ranks (needed by "
                              "--option enable_eplb=true, whose moe_lb the report shows)")
+    parser.add_argument("--json-schema", metavar="FILE",
+                        help="constrain every request to the JSON schema in FILE (structured output; a request ends "
+                             "when the grammar completes or at --output-len; a preset gets a byte-level tokenizer)")
     parser.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
     parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                         help="batch-invariant mode (the deepinfer-batch-invariant plugin's option batch_invariant: the "
@@ -85,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         options = with_batch_invariant(parse_options(args.option), args.batch_invariant)
+        schema = read_json_schema(args.json_schema) if args.json_schema else None
     except DeepInferError as exc:
         print(f"deepinfer bench: error: {exc}", file=sys.stderr)
         return 2
@@ -97,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         prefill_graphs=args.prefill_graphs, enable_mixed_chunk=args.enable_mixed_chunk,
         async_scheduling=args.async_scheduling, seed=args.seed, prefix_share=args.prefix_share,
         cache_dir=args.cache_dir, options=options, data_parallel_size=args.data_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel,
+        enable_expert_parallel=args.enable_expert_parallel, json_schema=schema,
     )
     try:
         result = run_bench(config, log=lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -122,3 +127,18 @@ def with_batch_invariant(options: dict, flag: bool | None) -> dict:
         raise CommandLineOptionError(f"--{'' if flag else 'no-'}batch-invariant contradicts --option "
                                      f"batch_invariant={options['batch_invariant']!r}; give one of them")
     return {**options, "batch_invariant": flag}
+
+
+def read_json_schema(path: str) -> dict:
+    """The JSON schema in ``path``; ``CommandLineOptionError`` naming the file and what is wrong."""
+    from deepinfer_core.cli.options import CommandLineOptionError
+
+    try:
+        schema = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise CommandLineOptionError(f"--json-schema {path}: cannot read it ({exc.strerror})") from None
+    except json.JSONDecodeError as exc:
+        raise CommandLineOptionError(f"--json-schema {path}: not JSON ({exc})") from None
+    if not isinstance(schema, dict):
+        raise CommandLineOptionError(f"--json-schema {path}: a schema is a JSON object, got {type(schema).__name__}")
+    return schema
