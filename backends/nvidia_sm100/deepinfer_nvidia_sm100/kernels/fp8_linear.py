@@ -104,10 +104,13 @@ def _round_to_e4m3(v):
     values keep 3 mantissa bits, values below 2^-6 become multiples of 2^-9 (e4m3's subnormals). The conversion to
     fp8 after it is then exact, on any hardware and in Triton's interpreter (whose own rounding drops a carry into
     the exponent)."""
-    bits = v.to(tl.int32, bitcast=True)
-    kept = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # round the mantissa to 3 bits, ties to even
-    subnormal = (v + 16384.0) - 16384.0  # the float32 ulp of 2^14 is 2^-9
-    return tl.where(tl.abs(v) < 0.015625, subnormal, kept.to(tl.float32, bitcast=True))
+    sign = (v.to(tl.int32, bitcast=True) >> 31) << 31  # kept: a value rounding to zero stays signed, as in torch
+    magnitude = tl.abs(v)
+    bits = magnitude.to(tl.int32, bitcast=True)
+    kept = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # the mantissa rounded to 3 bits, ties to even
+    subnormal = (magnitude + 16384.0) - 16384.0  # the float32 ulp of 2^14 is 2^-9
+    rounded = tl.where(magnitude < 0.015625, subnormal, kept.to(tl.float32, bitcast=True))
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -1,0 +1,290 @@
+"""The quantized-weight kernels (``kernels/dequant.py``, ``moe_quant.py``, ``fp8_linear.py``) against the reference
+ops and ``deepinfer_core.quant``'s exact dequantization. On the GPU where there is one; without, in a child pytest
+process under Triton's interpreter (as test_triton_kernels.py: ``TRITON_INTERPRET=1`` must be set before Triton is
+imported). Tiny shapes with partial tiles and partial scale blocks; fp32 runs compare to 1e-5 (the decode is
+exact, only fp32 sums differ), 16-bit ones to the reference's own rounding. The interpreter multiplies bf16
+``tl.dot`` tiles wrongly (numpy has no bf16), so dot kernels run fp16 there and bf16 on the GPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the test extra installs triton")
+from deepinfer_nvidia_sm100.kernels import dequant, fp8_linear, moe_quant
+
+from deepinfer_core.ops import reference as ref
+from deepinfer_core.quant import fp8_block, mxfp4
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DOT_DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+kernel_runs_here = pytest.mark.skipif(
+    DEVICE == "cpu" and not INTERPRETED,
+    reason="no GPU: runs in a child process under Triton's interpreter (test_kernels_under_triton_interpreter)")
+EXTREME_SCALES = (0, 1, 126, 127, 128, 253, 254, 255)  # ue8m0 bytes: 2^-127 (subnormal) ... 2^127, NaN
+
+
+@pytest.mark.skipif(DEVICE == "cuda" or INTERPRETED, reason="the kernel runs directly on the GPU / in this process")
+def test_kernels_under_triton_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "DEEPINFER_NVIDIA_COMPILE": "0"}
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                            "-k", "not under_triton_interpreter"],
+                           check=False, env=env, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-2000:]
+    assert " passed" in child.stdout and "skipped" not in child.stdout, child.stdout[-2000:]
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEVICE).manual_seed(seed)
+
+
+def _tol(dtype: torch.dtype) -> dict:
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+
+
+@kernel_runs_here
+def test_mxfp4_decode_is_exact_on_every_code_and_scale_byte():
+    """Every byte value (all 16 x 16 pairs of e2m1 codes, low nibble first) under every extreme ue8m0 byte, decoded
+    by the helpers the GEMM kernels use, equals ``mxfp4.dequantize`` bit for bit: signed zeros, 2^-127 (byte 0),
+    2^127 (byte 254; 2 x 2^127 and up overflow to inf as in float32), NaN (byte 255)."""
+    packed = torch.arange(256, dtype=torch.uint8, device=DEVICE).repeat(len(EXTREME_SCALES), 1)  # [8, 256]
+    scale = torch.tensor(EXTREME_SCALES, dtype=torch.uint8, device=DEVICE)[:, None].repeat(1, 512 // mxfp4.GROUP)
+    got = dequant.dequantize_mxfp4(packed.view(torch.int8), scale.view(torch.float8_e8m0fnu))
+    want = mxfp4.dequantize(packed, scale.view(torch.float8_e8m0fnu))
+    assert got.shape == want.shape == (len(EXTREME_SCALES), 512) and got.dtype == torch.float32
+    assert torch.equal(got.isnan(), want.isnan())
+    finite = ~want.isnan()
+    assert torch.equal(got[finite], want[finite]) and torch.equal(got.signbit()[finite], want.signbit()[finite])
+    codes = torch.arange(16, device=DEVICE)
+    one = dequant.dequantize_mxfp4(codes.to(torch.uint8)[None, :] | (codes.to(torch.uint8)[None, :] << 4),
+                                   torch.full((1, 1), 127, dtype=torch.uint8, device=DEVICE).view(torch.float8_e8m0fnu))
+    magnitudes = torch.tensor(mxfp4.E2M1_MAGNITUDES, device=DEVICE)
+    assert torch.equal(one[0, 0::2], torch.cat([magnitudes, -magnitudes]))  # the e2m1 table, code by code
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("block, ue8m0", [((32, 64), True), ((16, 16), False), ((128, 128), True)])
+def test_fp8_block_decode_is_exact(block, ue8m0):
+    """e4m3 weights with partial edge blocks times ue8m0 (the extreme bytes among them) or float32 scales."""
+    gen = _gen(block[0])
+    weight, scale = fp8_block.quantize(torch.randn(2, 70, 200, device=DEVICE, generator=gen), block, ue8m0)
+    if ue8m0:
+        extremes = torch.tensor(EXTREME_SCALES[:-1], dtype=torch.uint8, device=DEVICE)
+        flat = scale.view(torch.uint8).reshape(-1)
+        flat[: extremes.numel()] = extremes[: flat.numel()]
+    got = dequant.dequantize_fp8_block(weight, scale, block)
+    want = fp8_block.dequantize(weight, scale, block)
+    assert torch.equal(got.isinf(), want.isinf()) and torch.equal(got[want.isfinite()], want[want.isfinite()])
+
+
+def _experts(fmt: int, E: int, D: int, I: int, gen: torch.Generator, block=(32, 32), ue8m0=True):
+    """Random experts quantized as ``fmt``: ``(w1, s1, w2, s2, w3, s3)``."""
+    dense = [torch.randn(E, *shape, device=DEVICE, generator=gen) * shape[1] ** -0.5 for shape in ((I, D), (D, I),
+                                                                                                    (I, D))]
+    pairs = [mxfp4.quantize(w) if fmt == moe_quant.MXFP4 else fp8_block.quantize(w, block, ue8m0) for w in dense]
+    return tuple(t for pair in pairs for t in pair)
+
+
+def _route(T: int, E: int, top_k: int, gen: torch.Generator, repeat: bool = False):
+    ids = torch.stack([torch.randperm(E, device=DEVICE, generator=gen)[:top_k] for _ in range(T)])
+    if repeat:
+        ids[0, -1] = ids[0, 0]  # one token picks an expert twice (hash routing can)
+    return ids, torch.rand(T, top_k, device=DEVICE, generator=gen)
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("dtype", [torch.float32, DOT_DTYPE])
+@pytest.mark.parametrize("T, E, top_k, D, I", [
+    (1, 8, 3, 96, 64),  # one token: the row kernels, a K slice past D and past I
+    (5, 4, 2, 160, 64),  # the 16-row tiles, a K tile past D
+    (40, 4, 2, 64, 96)])  # 20 assignments per expert: the 64-row tiles, a column tile past I
+def test_moe_experts_mxfp4_matches_reference(T, E, top_k, D, I, dtype):
+    gen = _gen(T + D)
+    x = torch.randn(T, D, device=DEVICE, generator=gen).to(dtype)
+    ids, weights = _route(T, E, top_k, gen, repeat=True)
+    stored = _experts(moe_quant.MXFP4, E, D, I, gen)
+    got = moe_quant.moe_experts_mxfp4(x, ids, weights, *stored, 0.7)
+    want = ref.moe_experts_mxfp4(x, ids, weights, *stored, 0.7)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got, want, **_tol(dtype))
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("dtype", [torch.float32, DOT_DTYPE])
+@pytest.mark.parametrize("T, block, ue8m0", [(1, (32, 32), True), (1, (16, 64), False), (7, (32, 32), False),
+                                              (40, (16, 64), True)])
+def test_moe_experts_fp8_block_matches_reference(T, block, ue8m0, dtype):
+    """fp8 experts with ue8m0 and float32 scales, widths that leave partial scale blocks (100, 70)."""
+    gen = _gen(T)
+    E, top_k, D, I = 4, 2, 100, 70
+    x = torch.randn(T, D, device=DEVICE, generator=gen).to(dtype)
+    ids, weights = _route(T, E, top_k, gen)
+    stored = _experts(moe_quant.FP8, E, D, I, gen, block, ue8m0)
+    got = moe_quant.moe_experts_fp8_block(x, ids, weights, *stored, block, 0.7)
+    want = ref.moe_experts_fp8_block(x, ids, weights, *stored, block, 0.7)
+    torch.testing.assert_close(got, want, **_tol(dtype))
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("T", [1, 6])
+def test_moe_experts_mxfp4_decodes_extreme_scales_inside_the_gemm(T):
+    """Input group 0 of every expert row scaled by 2^-127 (byte 0) and group 1 by 2^127 (byte 254, codes of
+    magnitude <= 1.5), the inputs of those groups 2^124 and 2^-124 so that the products stay finite: the grouped
+    and the one-token kernels (fp32) decode them as the reference does."""
+    gen = _gen(T)
+    E, top_k, D, I = 4, 2, 96, 64
+    ids, weights = _route(T, E, top_k, gen)
+    w1, s1, w2, s2, w3, s3 = _experts(moe_quant.MXFP4, E, D, I, gen)
+    for packed, scale in ((w1, s1), (w3, s3)):
+        scale.view(torch.uint8)[..., 0] = 0
+        scale.view(torch.uint8)[..., 1] = 254
+        group = packed.view(torch.uint8)[..., 16:32]
+        group &= 0xBB  # codes 0-3 and 8-11: magnitudes <= 1.5 (6 x 2^127 would overflow)
+    x = torch.randn(T, D, device=DEVICE, generator=gen)
+    x[:, :32] *= 2.0**124
+    x[:, 32:64] *= 2.0**-124
+    got = moe_quant.moe_experts_mxfp4(x, ids, weights, w1, s1, w2, s2, w3, s3, 20.0)
+    want = ref.moe_experts_mxfp4(x, ids, weights, w1, s1, w2, s2, w3, s3, 20.0)
+    assert want.isfinite().all() and want.abs().max() > 1e-3
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)  # fp32 sums of terms up to ~40 (a decode error: x2)
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("dtype", [torch.float32, DOT_DTYPE])
+@pytest.mark.parametrize("rows, n, k, block, ue8m0", [
+    (1, 70, 256, (32, 64), True),  # the row kernel: a column block past N
+    (5, 96, 200, (32, 32), False),  # weight-only: K not a multiple of the block
+    (3, 64, 96, (16, 16), True),  # 16-wide blocks (no tensor-core kernel for them)
+])
+def test_fp8_linear_weight_only_matches_reference(rows, n, k, block, ue8m0, dtype):
+    gen = _gen(rows + n)
+    x = torch.randn(2, rows, k, device=DEVICE, generator=gen).to(dtype)  # leading dims kept
+    weight, scale = fp8_block.quantize(torch.randn(n, k, device=DEVICE, generator=gen) * k**-0.5, block, ue8m0)
+    assert fp8_linear.linear_path(2 * rows, dtype, block) == fp8_linear.WEIGHT_ONLY
+    assert fp8_linear.linear_path(1, dtype, block) == fp8_linear.ROW
+    want = ref.linear_fp8_block(x, weight, scale, block)
+    got = fp8_linear.linear_fp8_block(x, weight, scale, block)
+    assert got.shape == want.shape == (2, rows, n) and got.dtype == dtype
+    torch.testing.assert_close(got, want, **_tol(dtype))
+    one = fp8_linear.linear_fp8_block(x[:1, :1], weight, scale, block)  # one row: the row kernel
+    torch.testing.assert_close(one, ref.linear_fp8_block(x[:1, :1], weight, scale, block), **_tol(dtype))
+
+
+@kernel_runs_here
+def test_fp8_linear_decodes_extreme_scales_exactly():
+    """One-hot input rows pick single weight columns out of blocks scaled by 2^-127, 1, 2^127 (values below 2 in
+    the last: 448 x 2^127 overflows): both weight-only kernels return the exactly dequantized weights."""
+    block = (16, 32)
+    gen = _gen(3)
+    weight, scale = fp8_block.quantize(torch.randn(48, 96, device=DEVICE, generator=gen), block, True)
+    scale.view(torch.uint8)[:, 0] = 0
+    scale.view(torch.uint8)[:, 1] = 254
+    weight[:, 32:64] = (weight[:, 32:64].float().clamp(-1.875, 1.875)).to(torch.float8_e4m3fn)
+    dense = fp8_block.dequantize(weight, scale, block)  # [48, 96]
+    assert dense.isfinite().all() and (dense[:, :32].abs() < 1e-30).all() and dense[:, 32:64].abs().max() > 1e30
+    for column in (0, 5, 33, 70):
+        x = torch.zeros(1, 96, device=DEVICE)
+        x[0, column] = 1.0
+        assert torch.equal(fp8_linear.matmul(x[:, None], weight, scale, block, path=fp8_linear.ROW)[0, 0],
+                           dense[:, column])
+    eye = torch.eye(96, device=DEVICE)[:, None]  # [96, 1, 96]: every column, 96 rows
+    got = fp8_linear.matmul(eye, weight, scale, block, path=fp8_linear.WEIGHT_ONLY)[:, 0]
+    assert torch.equal(got, dense.T)
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("block", [(64, 64), (32, 32)])
+def test_fp8_activation_quantization_rounds_as_torch(block):
+    """``quantize_activations``: per row and block of ``B1`` inputs, scale amax / 448 and e4m3 values rounded to
+    nearest, ties to even: exactly ``fp8_block.quantize`` with (1, B1) float32 blocks, including an all-zero block
+    (scale 1), values that round up across a power of two (125.07 -> 128) and e4m3 subnormals."""
+    gen = _gen(block[1])
+    M, G, K = 9, 3, 200
+    x = torch.randn(M, G, K, device=DEVICE, generator=gen)
+    x[0, 0, :6] = torch.tensor([1e-6, -3e-5, 0.0, 2e-4, 125.07, -448.0])
+    x[1, 1, : block[1]] = 0
+    q, s = fp8_linear.quantize_activations(x, block[1])
+    want_q, want_s = fp8_block.quantize(x.reshape(M * G, K), (1, block[1]), ue8m0=False)
+    assert torch.equal(q.view(torch.uint8).reshape(M * G, K), want_q.view(torch.uint8))
+    assert torch.equal(s.reshape(M * G, -1), want_s)
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("M, n, k, groups, block", [(130, 64, 200, 1, (64, 64)), (9, 40, 128, 3, (32, 32))])
+def test_fp8_tensor_core_kernel_is_the_reference_on_quantized_activations(M, n, k, groups, block):
+    """The fp8 tensor-core kernel equals the reference op run on activations quantized as ``quantize_activations``
+    does (up to fp32 sums); its error against the reference on the activations themselves is fp8's (a few %)."""
+    gen = _gen(M)
+    x = torch.randn(M, groups, k, device=DEVICE, generator=gen)
+    weight, scale = fp8_block.quantize(torch.randn(groups * n, k, device=DEVICE, generator=gen) * k**-0.5, block,
+                                       True)
+    q, s = fp8_block.quantize(x.reshape(M * groups, k), (1, block[1]), ue8m0=False)
+    x_quantized = fp8_block.dequantize(q, s, (1, block[1])).view(M, groups, k)
+    got = fp8_linear.matmul(x, weight, scale, block, groups, path=fp8_linear.FP8_TC)
+    torch.testing.assert_close(got, ref.grouped_linear_fp8_block(x_quantized, weight, scale, block, groups),
+                               atol=1e-4, rtol=1e-4)
+    exact = ref.grouped_linear_fp8_block(x, weight, scale, block, groups)
+    assert 0 < (got - exact).abs().max() / exact.abs().max() < 0.1
+
+
+@kernel_runs_here
+def test_fp8_linear_picks_tensor_cores_from_the_crossover(monkeypatch):
+    block = (128, 128)
+    rows = fp8_linear.FP8_TC_MIN_ROWS
+    assert fp8_linear.linear_path(rows - 1, torch.bfloat16, block) == fp8_linear.WEIGHT_ONLY
+    assert fp8_linear.linear_path(rows, torch.bfloat16, block) == fp8_linear.FP8_TC
+    assert fp8_linear.linear_path(rows, torch.float32, block) == fp8_linear.WEIGHT_ONLY  # fp32 runs stay exact
+    assert fp8_linear.linear_path(rows, torch.bfloat16, (16, 16)) == fp8_linear.WEIGHT_ONLY  # fp8 MMA takes K >= 32
+    assert fp8_linear.linear_path(rows, torch.bfloat16, (24, 24)) is None  # not a power of two: the reference op
+    monkeypatch.setenv("DEEPINFER_NVIDIA_FP8_TC", "0")
+    assert fp8_linear.linear_path(rows, torch.bfloat16, block) == fp8_linear.WEIGHT_ONLY
+
+
+@kernel_runs_here
+def test_fp8_linear_takes_the_reference_for_blocks_it_cannot_tile():
+    gen = _gen(0)
+    x = torch.randn(3, 48, device=DEVICE, generator=gen)
+    weight, scale = fp8_block.quantize(torch.randn(40, 48, device=DEVICE, generator=gen), (24, 24), True)
+    assert torch.equal(fp8_linear.linear_fp8_block(x, weight, scale, (24, 24)),
+                       ref.linear_fp8_block(x, weight, scale, (24, 24)))
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("dtype", [torch.float32, DOT_DTYPE])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_fp8_grouped_linear_matches_reference(tokens, dtype):
+    """Groups on the grid's last axis, a strided input (``x [T, groups, in]`` a transposed view)."""
+    gen = _gen(tokens)
+    groups, per_group, k, block = 4, 40, 64, (32, 32)
+    x = torch.randn(tokens, k, groups, device=DEVICE, generator=gen).to(dtype).transpose(1, 2)
+    weight, scale = fp8_block.quantize(torch.randn(groups * per_group, k, device=DEVICE, generator=gen) * 0.1, block,
+                                       True)
+    got = fp8_linear.grouped_linear_fp8_block(x, weight, scale, block, groups)
+    want = ref.grouped_linear_fp8_block(x, weight, scale, block, groups)
+    assert got.shape == (tokens, groups, per_group)
+    torch.testing.assert_close(got, want, **_tol(dtype))
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("dtype", [torch.float32, DOT_DTYPE])
+@pytest.mark.parametrize("tokens, adjacent", [(1, True), (4, True), (4, False)])
+def test_fp8_shared_expert_matches_reference(tokens, adjacent, dtype):
+    """One token as a one-expert MoE (row kernels); more as products: one for ``w1`` and ``w3`` where they and
+    their scales lie one after the other (the model's fused allocation), two otherwise."""
+    gen = _gen(tokens)
+    inter, dim, block = 64, 96, (32, 32)
+    both, both_scale = fp8_block.quantize(torch.randn(2 * inter, dim, device=DEVICE, generator=gen) * 0.1, block,
+                                          True)
+    w1, s1, w3, s3 = both[:inter], both_scale[:2], both[inter:], both_scale[2:]
+    if not adjacent:
+        w1, s1, w3, s3 = w1.clone(), s1.clone(), w3.clone(), s3.clone()
+    w2, s2 = fp8_block.quantize(torch.randn(dim, inter, device=DEVICE, generator=gen) * 0.1, block, True)
+    x = torch.randn(tokens, dim, device=DEVICE, generator=gen).to(dtype)
+    args = (x, w1, s1, w2, s2, w3, s3, block, 0.7)
+    torch.testing.assert_close(fp8_linear.swiglu_mlp_fp8_block(*args), ref.swiglu_mlp_fp8_block(*args),
+                               **_tol(dtype))
