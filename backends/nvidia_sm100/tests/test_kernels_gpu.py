@@ -264,3 +264,110 @@ def test_indexer_topk_replays_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, ref.indexer_topk(new_scores, new_visible, 512))
+
+
+def _quantized_experts(fmt: str, E: int, D: int, I: int, seed: int = 0):
+    """Experts of the preset's widths written as ``fmt`` (``"mxfp4"``; ``"fp8"``: 128 x 128 float32 blocks, as
+    V4-Flash-Base): ``(w1, s1, w2, s2, w3, s3)``."""
+    from deepinfer_core.quant import fp8_block, mxfp4
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    stored = []
+    for rows, cols in ((I, D), (D, I), (I, D)):
+        dense = (torch.randn(E, rows, cols, device="cuda", generator=gen) * cols**-0.5).to(torch.bfloat16)
+        stored += mxfp4.quantize(dense) if fmt == "mxfp4" else fp8_block.quantize(dense, (128, 128), ue8m0=False)
+    return tuple(stored)
+
+
+def _quantized_moe(fmt: str):
+    """(kernel, reference) of ``fmt``'s routed-experts op, taking ``(x, ids, weights, *stored, limit)``."""
+    from deepinfer_nvidia_sm100.kernels import moe_quant
+
+    if fmt == "mxfp4":
+        return moe_quant.moe_experts_mxfp4, ref.moe_experts_mxfp4
+    return (lambda *a: moe_quant.moe_experts_fp8_block(*a[:-1], (128, 128), a[-1]),
+            lambda *a: ref.moe_experts_fp8_block(*a[:-1], (128, 128), a[-1]))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+@pytest.mark.parametrize("T", [1, 16, 64, 1024])
+def test_quantized_moe_experts_match_reference_at_preset_sizes(fmt, T):
+    """The v4-flash-8l64e-fp4 expert shapes (E=64, top-6, D=4096, I=2048), bf16 activations: one token (row
+    kernels), the 16- and 64-row tiles, a prefill batch; against the reference op on the same stored bytes."""
+    E, k, D, I = 64, 6, 4096, 2048
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    x = torch.randn(T, D, device="cuda", generator=gen).to(torch.bfloat16)
+    ids = torch.rand(T, E, device="cuda", generator=gen).topk(k, dim=-1).indices
+    weights = torch.rand(T, k, device="cuda", generator=gen)
+    stored = _quantized_experts(fmt, E, D, I)
+    fast, reference = _quantized_moe(fmt)
+    got, want = fast(x, ids, weights, *stored, 0.5), reference(x, ids, weights, *stored, 0.5)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+@pytest.mark.parametrize("T", [1, 16])
+def test_quantized_moe_experts_in_cuda_graph_have_no_host_sync(fmt, T):
+    from deepinfer_nvidia_sm100.backend import NvidiaBackend
+
+    stored = _quantized_experts(fmt, 16, 256, 128)
+    fast, reference = _quantized_moe(fmt)
+    x, ids, weights, *_ = _moe_case(T, 16, 4, 256, 128, torch.bfloat16)
+    run = NvidiaBackend().capture_graph(lambda a, b, c: fast(a, b, c, *stored, 1.0), (x, ids, weights))
+    x2, ids2, weights2, *_ = _moe_case(T, 16, 4, 256, 128, torch.bfloat16, seed=1)
+    torch.testing.assert_close(run(x2, ids2, weights2).float(), reference(x2, ids2, weights2, *stored, 1.0).float(),
+                               atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 64, 256, 2048])
+@pytest.mark.parametrize("n, k, groups", [(4096, 8192, 1), (1024, 4096, 8)])  # wo_b; the grouped wo_a
+def test_fp8_linear_paths_match_reference_at_preset_sizes(rows, n, k, groups):
+    """Each kernel at the preset's projection widths (128 x 128 ue8m0 blocks, bf16): the weight-only ones to bf16
+    rounding; the tensor-core one to the reference run on the activations it quantizes, and within fp8's error of
+    the reference itself."""
+    from deepinfer_nvidia_sm100.kernels import fp8_linear
+
+    from deepinfer_core.quant import fp8_block
+
+    block = (128, 128)
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    weight, scale = fp8_block.quantize(torch.randn(groups * n, k, device="cuda", generator=gen) * k**-0.5, block, True)
+    x = torch.randn(rows, groups, k, device="cuda", generator=gen).to(torch.bfloat16)
+    want = ref.grouped_linear_fp8_block(x, weight, scale, block, groups).float()
+    weight_only = fp8_linear.ROW if rows == 1 else fp8_linear.WEIGHT_ONLY
+    got = fp8_linear.matmul(x, weight, scale, block, groups, weight_only).float()
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    q, s = fp8_block.quantize(x.reshape(rows * groups, k).float(), (1, block[1]), ue8m0=False)
+    x_quantized = fp8_block.dequantize(q, s, (1, block[1])).view(rows, groups, k).to(torch.bfloat16)
+    tensor_cores = fp8_linear.matmul(x, weight, scale, block, groups, fp8_linear.FP8_TC).float()
+    torch.testing.assert_close(tensor_cores, ref.grouped_linear_fp8_block(x_quantized, weight, scale, block,
+                                                                          groups).float(), atol=3e-2, rtol=3e-2)
+    assert ((tensor_cores - want).abs().max() / want.abs().max()).item() < 0.05
+    op = fp8_linear.grouped_linear_fp8_block(x, weight, scale, block, groups).float()
+    torch.testing.assert_close(op, tensor_cores if fp8_linear.linear_path(rows, x.dtype, block) == fp8_linear.FP8_TC
+                               else got, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 256])
+def test_fp8_linear_in_cuda_graph_has_no_host_sync(rows):
+    from deepinfer_nvidia_sm100.backend import NvidiaBackend
+    from deepinfer_nvidia_sm100.kernels import fp8_linear
+
+    from deepinfer_core.quant import fp8_block
+
+    weight, scale = fp8_block.quantize(torch.randn(512, 1024, device="cuda") * 0.03, (128, 128), True)
+    x = torch.randn(rows, 1024, device="cuda").to(torch.bfloat16)
+    run = NvidiaBackend().capture_graph(lambda a: fp8_linear.linear_fp8_block(a, weight, scale, (128, 128)), (x,))
+    x2 = torch.randn(rows, 1024, device="cuda").to(torch.bfloat16)
+    tol = 0.1 if fp8_linear.linear_path(rows, x.dtype, (128, 128)) == fp8_linear.FP8_TC else 2e-2
+    torch.testing.assert_close(run(x2).float(), ref.linear_fp8_block(x2, weight, scale, (128, 128)).float(),
+                               atol=tol, rtol=tol)
+
+
+def test_backend_table_takes_the_quantized_kernels():
+    from deepinfer_nvidia_sm100.backend import NvidiaBackend
+
+    sources = NvidiaBackend().make_op_table().sources()
+    for name in ("linear_fp8_block", "grouped_linear_fp8_block", "swiglu_mlp_fp8_block", "moe_experts_fp8_block",
+                 "moe_experts_mxfp4"):
+        assert sources[name] == "nvidia_sm100", name
