@@ -64,6 +64,7 @@ GEN_LEN = 128
 HELDOUT_PROMPTS = 16
 CONFIDENCE_PROMPTS = 48
 LOG_EVERY = 10
+VERIFY_FRACTIONS = (0.5, 0.6, 0.7, 0.8, 0.9)
 
 
 def log(msg: str) -> None:
@@ -372,7 +373,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--out", type=Path, default=ASSET)
-    ap.add_argument("--measure-only", action="store_true", help="measure the shipped draft layer, train nothing")
+    ap.add_argument("--measure-only", action="store_true", help="measure the draft layer of --out, train nothing")
     args = ap.parse_args()
     torch.set_num_threads(2)
     torch.manual_seed(SEED)
@@ -382,7 +383,7 @@ def main() -> int:
     held = greedy_continuations(target, prompts(held_docs, HELDOUT_PROMPTS, SEED + 4))
     log(f"held-out: {held.shape[0]} prompts of {PROMPT_LEN} tokens + {GEN_LEN} greedy tokens")
     if args.measure_only:
-        measure(ASSET, held)
+        print(json.dumps(measure(args.out, held), indent=2), flush=True)
         return 0
 
     draft = DraftLayer(target)
@@ -407,6 +408,9 @@ def main() -> int:
     result.update(steps=args.steps, curve=curve, confidence_samples=len(labels), confidence_val_log_loss=val_loss,
                   confidence_prior_log_loss=prior_loss, minutes=round((time.time() - t_start) / 60, 1))
     size_before = (ASSET / "model.safetensors").stat().st_size
+    result.update(size_before_mb=round(size_before / 1e6, 2),
+                  size_after_mb=round((work / "model.safetensors").stat().st_size / 1e6, 2))
+    write_card(work / "MODEL_CARD.md", result)
     args.out.mkdir(parents=True, exist_ok=True)
     for f in work.iterdir():
         shutil.copy(f, args.out / f.name)
@@ -417,12 +421,78 @@ def main() -> int:
     return 0
 
 
+CARD_SECTION = "## MTP draft layer and confidence head"
+
+
+def write_card(path: Path, result: dict) -> None:
+    """Put this run's section into the model card (replacing an earlier one)."""
+    rows = "\n".join(f"| dspark, verify_fraction {d['verify_fraction']} | {d['verified_per_round']:.2f} | "
+                     f"{d['acceptance_length']:.3f} |" for d in result["dspark"])
+    curve = "\n".join(f"| {step} | {l1:.3f} | {l2:.3f} |" for step, l1, l2 in result["curve"][4::5])
+    section = f"""{CARD_SECTION}
+
+`mtp.0.*` (DeepSeek's names; HF transformers ignores them): enorm, hnorm, e_proj, h_proj, one sliding-window
+decoder block with a routed MoE, hc_head, norm, and a confidence head (`confidence_head.weight` / `.bias`); the
+embedding and head are the target's. Trained by `python tools/train_tiny_mtp.py` with the target frozen (its
+tensors are copied unchanged: sha256 of every one checked), on the same train split and windows:
+{result['steps']} steps of {BATCH_SIZE} x {SEQ_LEN} tokens, AdamW peak lr {PEAK_LR}, soft cross-entropy against the
+target's next-next distribution, plus a chained pass on the layer's own streams (weight {CHAIN_WEIGHT}); the block
+starts from the target's last layer. The confidence head is a logistic regression on {result['confidence_samples']}
+draft positions of the engine's k = 5 drafts over train-split prompts (label: the drafted token equals the target's
+greedy token, positions up to each round's first rejection): held-out log loss
+{result['confidence_val_log_loss']:.3f} vs {result['confidence_prior_log_loss']:.3f} for the base rate.
+model.safetensors: {result['size_before_mb']} MB -> {result['size_after_mb']} MB. Whole run:
+{result['minutes']} minutes on 2 shared CPU cores.
+
+| step | draft loss | chained loss |
+|---|---|---|
+{curve}
+
+Acceptance on held-out code ({HELDOUT_PROMPTS} prompts of {PROMPT_LEN} tokens from the held-out files, the target's
+{GEN_LEN} greedy tokens each; k = 5, greedy verification, drafting as the engine drafts; acceptance length =
+1 + accepted / draft rounds):
+
+| verification | verified draft tokens per round | acceptance length |
+|---|---|---|
+| mtp (every draft token) | {result['verified_per_round_k5']:.2f} | **{result['acceptance_length_k5']:.3f}** |
+{rows}
+
+Reproduce: `python tools/train_tiny_mtp.py` (after `tools/train_tiny.py`, which writes a target without the draft
+layer); `python tools/train_tiny_mtp.py --measure-only` measures the shipped layer.
+"""
+    card = path.read_text()
+    card = card.replace("- No MTP layer (num_nextn_predict_layers 0).",
+                        "- One MTP draft layer (num_nextn_predict_layers 1), trained after the target: see below.")
+    if CARD_SECTION in card:
+        start = card.index(CARD_SECTION)
+        end = card.find("\n## ", start + 1)
+        card = card[:start] + section + (card[end + 1:] if end >= 0 else "")
+    else:
+        start = card.index("## License")
+        card = card[:start] + section + "\n" + card[start:]
+    path.write_text(card)
+
+
 def measure(folder: Path, held: torch.Tensor) -> dict:
+    """Acceptance length at k = 5 with every draft token verified (``mtp``), then with DSpark's allocation at
+    budgets of ``VERIFY_FRACTIONS`` x the drafts (``dspark``), on the held-out continuations."""
+    from deepinfer_dspark import allocate_verification
+
     engine_target, engine_draft = engine_models(folder)
     hidden = engine_hidden(engine_target, held)
     length, verified, rounds = acceptance(engine_draft, held, hidden, K)
-    log(f"held-out acceptance length at k={K} (greedy): {length:.3f} over {rounds} draft rounds")
-    return {"acceptance_length_k5": length, "verified_per_round_k5": verified, "rounds": rounds}
+    log(f"held-out acceptance length at k={K} (greedy, every draft verified): {length:.3f} over {rounds} draft rounds")
+    result = {"acceptance_length_k5": length, "verified_per_round_k5": verified, "rounds": rounds, "dspark": []}
+    for fraction in VERIFY_FRACTIONS:
+        def allocate(confidence, fraction=fraction):
+            return allocate_verification(confidence.tolist(), round(fraction * confidence.numel()))
+
+        d_length, d_verified, d_rounds = acceptance(engine_draft, held, hidden, K, allocate)
+        log(f"  dspark verify_fraction {fraction}: acceptance length {d_length:.3f} ({d_length / length:.1%} of mtp's) "
+            f"with {d_verified:.2f} verified tokens per round ({d_verified / verified:.1%}), {d_rounds} rounds")
+        result["dspark"].append({"verify_fraction": fraction, "acceptance_length": d_length,
+                                 "verified_per_round": d_verified, "rounds": d_rounds})
+    return result
 
 
 if __name__ == "__main__":

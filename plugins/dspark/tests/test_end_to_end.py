@@ -1,0 +1,77 @@
+"""The mtp / dspark proposers in the engine: greedy outputs equal those without speculation (chunked prefill, a
+prefix hit, n = 2, preemption), the metrics count what was drafted, verified and accepted, and
+``DEEPINFER_USE_NEXTN_DECODE`` selects dspark."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from deepinfer_dspark import DSparkProposer, MtpProposer
+
+from deepinfer_core.llm import LLM
+from deepinfer_core.sampling.params import SamplingParams
+
+test_spec_decode = pytest.importorskip("test_spec_decode", reason="needs the repository's tests/test_spec_decode.py")
+assert_same_or_near_tie = test_spec_decode.assert_same_or_near_tie
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+METHODS = {"mtp": {"method": "mtp", "num_speculative_tokens": 3},
+           "dspark": {"method": "dspark", "num_speculative_tokens": 3, "verify_fraction": 0.6}}
+
+
+def _llm(folder, **kwargs) -> LLM:
+    kwargs.setdefault("block_size", 8)
+    kwargs.setdefault("max_num_seqs", 8)
+    return LLM(str(folder), **kwargs)
+
+
+def _prompts(lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 64, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _generate(llm, prompts, params):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def _metrics(llm) -> dict:
+    return {m.name: m.value for m in llm.get_metrics()}
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_greedy_outputs_equal_without_speculation(mtp_ckpt, method):
+    prompts = _prompts([9, 23, 14, 30], seed=1)
+    prompts.append(list(prompts[1]))  # a prefix-cache hit: the draft starts past token 0
+    base = _generate(_llm(mtp_ckpt, max_num_batched_tokens=16), prompts, GREEDY)
+    llm = _llm(mtp_ckpt, max_num_batched_tokens=16, speculative_config=METHODS[method])
+    assert isinstance(llm.engine.speculator.proposer, DSparkProposer if method == "dspark" else MtpProposer)
+    assert_same_or_near_tie(base, _generate(llm, prompts, GREEDY))
+    assert llm.engine.state_manager.hits > 0
+    metrics = _metrics(llm)
+    assert metrics["deepinfer:spec_decode_num_drafts"] > 0
+    assert metrics["deepinfer:spec_decode_num_verified_tokens"] <= metrics["deepinfer:spec_decode_num_draft_tokens"]
+    pair = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2, logprobs=2)
+    assert_same_or_near_tie(_generate(_llm(mtp_ckpt), prompts[:2], pair), _generate(llm, prompts[:2], pair))
+    llm.engine.state_manager.check_invariants([])
+
+
+def test_greedy_outputs_equal_through_preemption(mtp_ckpt):
+    from deepinfer_core.models.deepseek_v4.state import DeepseekV4State
+
+    probe = _llm(mtp_ckpt)
+    per_block = DeepseekV4State.bytes_per_block(probe.model.config, 8, torch.float32)
+    per_slot = DeepseekV4State.bytes_per_slot(probe.model.config, 8, torch.float32)
+    per_slot += 8 * 32 * 4  # the draft layer's ring: window 8 x head_dim 32, fp32 (MtpProposer.slot_state_bytes)
+    prompts = _prompts([27, 30, 25, 29], seed=6)
+    base = _generate(_llm(mtp_ckpt, max_num_seqs=4), prompts, GREEDY)
+    llm = _llm(mtp_ckpt, max_num_seqs=4, kv_cache_memory_bytes=4 * per_slot + 10 * per_block,
+               speculative_config=METHODS["dspark"])
+    assert_same_or_near_tie(base, _generate(llm, prompts, GREEDY))
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_nextn_variable_selects_dspark(mtp_ckpt, monkeypatch):
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "2")
+    llm = _llm(mtp_ckpt)
+    proposer = llm.engine.speculator.proposer
+    assert isinstance(proposer, DSparkProposer) and proposer.k == 2
