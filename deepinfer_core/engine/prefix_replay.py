@@ -6,7 +6,9 @@ The model says how many tokens an exact rebuild needs (``CausalLM.prefix_replay_
 that state from a copy they hold (``deepinfer_restore_prefix_state``, e.g. the SWA host cache: the request adopts the
 restored tokens and computes from there, reading the restored window); else they may change two decisions, in this
 order: how many tokens of the hit the request adopts (``deepinfer_adopt_prefix_hit``; default: all) and where the
-rebuild starts (``deepinfer_rebuild_sliding_window``; default: the exact rebuild), e.g. bounded replay.
+rebuild starts (``deepinfer_rebuild_sliding_window``; default: the exact rebuild), e.g. bounded replay. A plugin may
+also end an admitted request's first chunk early (``deepinfer_first_chunk_end``), e.g. on a block boundary whose
+state it keeps.
 """
 
 from __future__ import annotations
@@ -87,6 +89,19 @@ class PrefixReplay:
                                             f"[0, {num_cached_tokens}]")
                 return start
         return max(0, num_cached_tokens - self.replay_span)
+
+    def first_chunk_end(self, request: Request, start: int, end: int, block_size: int) -> int:
+        """Where the first chunk ``[start, end)`` of an admitted request ends: the plugins'
+        ``deepinfer_first_chunk_end`` answer, checked, else ``end``."""
+        if self.plugin_manager is None or end - start <= 1:
+            return end
+        chosen = call_hook(self.plugin_manager, "deepinfer_first_chunk_end", request=request, start=start, end=end,
+                           block_size=block_size, context=self.context)
+        if chosen is None:
+            return end
+        if not start < chosen <= end:
+            raise PluginReturnError(f"deepinfer_first_chunk_end returned {chosen}, outside ({start}, {end}]")
+        return chosen
 
     def _restored(self, hit: PrefixHit) -> int:
         """The plugins' ``deepinfer_restore_prefix_state`` answer, checked, else 0 (nothing restored)."""

@@ -221,6 +221,7 @@ class FcfsScheduler(Scheduler):
             hit, start, floor = plan.adopted, plan.start, plan.sliding_floor
             cached = cached[: hit // self.state.block_size]
         num = self._padded_fit(chunks, min(request.num_tokens - start, budget))
+        num = self.prefix_replay.first_chunk_end(request, start, start + num, self.state.block_size) - start
         if num == 0 or not self.state.can_admit(cached, start + num):
             return None
         self.state.admit(request, cached)

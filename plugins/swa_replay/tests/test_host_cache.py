@@ -84,6 +84,8 @@ def test_counters_move_into_a_metrics_registry_keeping_their_counts():
     ({"enable_swa_host_cache": True, "swa_host_cache_bytes": "lots"}, "swa_host_cache_bytes must be a positive int"),
     ({"enable_swa_host_cache": True, "swa_host_cache_ttl_s": -1}, "swa_host_cache_ttl_s must be a positive float"),
     ({"swa_host_cache_ttl_s": 60}, "swa_host_cache_ttl_s needs enable_swa_host_cache=true"),
+    ({"enable_swa_host_cache": 1, "swa_host_cache_split_prefill": "sometimes"},
+     "swa_host_cache_split_prefill must be a boolean"),
     ({"enable_swa_host_cache": "maybe"}, "enable_swa_host_cache must be a boolean"),
 ])
 def test_bad_options_are_refused_naming_the_option(options, message):
@@ -206,3 +208,24 @@ def test_preempted_requests_come_back_through_the_host_cache(tiny_ckpt):
         assert all(abs(x[t].logprob - y[t].logprob) <= 1e-5
                    for x, y, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, b.outputs[0].token_ids))
     tight.engine.state_manager.check_invariants([])
+
+
+def test_a_split_prefill_lets_the_same_prompt_again_be_restored(tiny_ckpt):
+    """With ``swa_host_cache_split_prefill`` a 40-token prompt is prefilled as [0, 32) and [32, 40) (the tiny model's
+    shortest static chunk is 8 tokens), so its state at 32 is kept; sent again, it hits 32 cached tokens, is restored
+    there and computes only its last 8 tokens, with exact reuse's outputs. A 44-token prompt (a 4-token tail) is
+    not split."""
+    llm = _llm(tiny_ckpt, enable_swa_host_cache=True, swa_host_cache_split_prefill=True)
+    exact = _llm(tiny_ckpt)
+    prompt = {"prompt_token_ids": _tokens(40, seed=14)}
+    chunks = _first_chunks(llm)
+    llm.generate(prompt, GREEDY, use_tqdm=False)
+    got = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    llm.generate({"prompt_token_ids": _tokens(44, seed=15)}, GREEDY, use_tqdm=False)
+    assert chunks == [(0, 32), (32, 8), (32, 8), (0, 44)]
+    assert host_cache_stats(llm.context).hits.value == 1 and got.num_cached_tokens == 32
+    exact.generate(prompt, GREEDY, use_tqdm=False)
+    want = exact.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    for mine, theirs in zip(got.outputs[0].logprobs, want.outputs[0].logprobs, strict=True):
+        assert all(abs(mine[t].logprob - theirs[t].logprob) <= 1e-5 for t in mine)

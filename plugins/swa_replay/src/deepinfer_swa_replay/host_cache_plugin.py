@@ -2,7 +2,10 @@
 
 Enabled per engine by the feature option ``enable_swa_host_cache`` (``LLM(..., enable_swa_host_cache=True)``,
 ``--option enable_swa_host_cache=true``); ``swa_host_cache_bytes`` (default 2 GiB) caps its host memory and
-``swa_host_cache_ttl_s`` (default 180) drops entries not stored or used for that long.
+``swa_host_cache_ttl_s`` (default 180) drops entries not stored or used for that long. ``swa_host_cache_split_prefill``
+(default off) ends an admitted prompt's first chunk on its last block boundary (``deepinfer_first_chunk_end``) when
+both parts are at least ``prefill_min_tokens()`` long, so that the same prompt sent again is restored there: a miss
+then takes two prefill steps.
 
 Capture: when a step leaves a request's computed tokens on a block boundary (a prompt of whole blocks, a decode step
 that fills a block, a chunk that ends on one), the request's slot (``DeepseekV4State.slot_views``: every layer's
@@ -43,6 +46,7 @@ DEEPINFER_HOOK_API_VERSION = 1
 ENABLE = "enable_swa_host_cache"
 BYTES = "swa_host_cache_bytes"
 TTL = "swa_host_cache_ttl_s"
+SPLIT = "swa_host_cache_split_prefill"
 KEY = "swa_host_cache"  # our entry-point name: the key of our state in context.plugin_state
 
 
@@ -66,6 +70,8 @@ class HostCacheState:
     block_size: int = 0
     replay_span: int = 0
     slot_views: Callable[[int], list[torch.Tensor]] | None = None  # set at engine start
+    split_prefill: bool = False
+    min_chunk: int = 1  # the shortest chunk a split leaves (the model's prefill_min_tokens)
     pending_restores: dict[str, tuple[int, HostEntry]] = dataclasses.field(default_factory=dict)  # by request id
     looked_up: set[str] = dataclasses.field(default_factory=set)  # counted since their admission was planned
     captures: list[Capture] = dataclasses.field(default_factory=list)  # of the step launched last
@@ -91,6 +97,8 @@ def deepinfer_feature_options() -> dict[str, str]:
                 "it exactly on a prefix hit (see deepinfer_swa_replay.host_cache_plugin)",
         BYTES: f"host memory the SWA host cache may hold, in bytes (default {DEFAULT_CAPACITY_BYTES})",
         TTL: f"seconds an SWA host cache entry lives after it was stored or last used (default {DEFAULT_TTL_S:g})",
+        SPLIT: "end a prompt's first chunk on its last block boundary so the same prompt again is restored there "
+               "(default false; a miss then takes two prefill steps)",
     }
 
 
@@ -98,14 +106,14 @@ def deepinfer_feature_options() -> dict[str, str]:
 def deepinfer_configure(options: Mapping[str, Any], context: EngineContext) -> None:
     """Give an engine built with ``enable_swa_host_cache`` its cache; refuse sizes given without it."""
     if not _flag(options.get(ENABLE, False)):
-        given = [name for name in (BYTES, TTL) if name in options]
+        given = [name for name in (BYTES, TTL, SPLIT) if name in options]
         if given:
             raise SwaHostCacheOptionError(f"option {given[0]} needs {ENABLE}=true (the SWA host cache is off)")
         return
     capacity = _positive(options, BYTES, DEFAULT_CAPACITY_BYTES, int)
     ttl = _positive(options, TTL, DEFAULT_TTL_S, float)
     cache = SwaHostCache(capacity, ttl, pin_memory=torch.device(context.device).type == "cuda")
-    context.plugin_state[KEY] = HostCacheState(cache)
+    context.plugin_state[KEY] = HostCacheState(cache, split_prefill=_flag(options.get(SPLIT, False), SPLIT))
 
 
 @hookimpl
@@ -121,6 +129,8 @@ def deepinfer_engine_start(engine) -> None:
     state.slot_views = slot_views
     state.block_size = engine.config.block_size
     state.replay_span = engine.model.prefix_replay_span()
+    min_tokens = getattr(engine.model, "prefill_min_tokens", None)
+    state.min_chunk = max(1, min_tokens()) if callable(min_tokens) else 1
     registry = getattr(engine, "metrics", None)
     if registry is not None:
         state.cache.stats.register(registry)
@@ -147,6 +157,20 @@ def deepinfer_restore_prefix_state(hit: PrefixHit, context: EngineContext | None
     restored = blocks[found[0]] * hit.block_size
     state.pending_restores[request_id] = (restored, found[1])
     return restored
+
+
+@hookimpl
+def deepinfer_first_chunk_end(request: Request, start: int, end: int, block_size: int,
+                              context: EngineContext | None) -> int | None:
+    """With ``swa_host_cache_split_prefill``: a chunk that finishes the request's tokens ends on their last block
+    boundary when both parts are at least ``min_chunk`` long (the step then leaves the state there to keep)."""
+    state = host_cache_state(context)
+    if state is None or not state.split_prefill or end != request.num_tokens:
+        return None
+    boundary = (end - 1) // block_size * block_size
+    if boundary - start < state.min_chunk or end - boundary < state.min_chunk:
+        return None
+    return boundary
 
 
 @hookimpl
@@ -194,10 +218,10 @@ def _flush(state: HostCacheState) -> None:
         state.cache.store(digest, state.slot_views(capture.slot))
 
 
-def _flag(value: Any) -> bool:
+def _flag(value: Any, name: str = ENABLE) -> bool:
     flag = parse_flag(value)
     if flag is None:
-        raise SwaHostCacheOptionError(f"option {ENABLE} must be a boolean (true/false, 1/0), got {value!r}")
+        raise SwaHostCacheOptionError(f"option {name} must be a boolean (true/false, 1/0), got {value!r}")
     return flag
 
 
