@@ -281,21 +281,6 @@ def deepinfer_step_boundary(engine: Engine) -> None:
 
 
 @hookspec
-def deepinfer_engine_metrics(engine: Engine) -> Mapping[str, float] | None:
-    """Figures the plugin reports about its engine's work (EPLB: ``moe_lb``).
-
-    Runs: when a data-parallel rank finishes a ``generate`` call (the figures join that rank's statistics,
-    ``LLM._parallel.stats``) and when ``deepinfer bench`` reports a run; not on the hot path.
-
-    Arguments:
-    - ``engine``: the engine.
-
-    Return: a mapping of figure name to number, or None for nothing. Names must not clash with another plugin's
-    (a clash fails the call, naming the figure).
-    """
-
-
-@hookspec
 def deepinfer_engine_shutdown(engine: Engine) -> None:
     """The engine is shutting down.
 

@@ -2,8 +2,9 @@
 
 The process that starts the ranks sees each ``generate`` call whole, not the ranks' steps. A run therefore records
 its total time (throughputs), the lockstep iterations the ranks took (``steps``), the prompt tokens each request
-took from the prefix cache, and each rank's statistics with the figures its plugins report (``ranks``; EPLB's
-``moe_lb`` also as ``plugin_metrics``), but no per-request first-token or per-step times: those rows read "-".
+took from the prefix cache, and each rank's statistics with its engine's metrics (``ranks``; rank 0's, EPLB's
+``moe_lb`` among them, also as ``engine_metrics``), but no per-request first-token or per-step times: those rows
+read "-".
 Every prompt goes to every rank; each rank runs its share (spread by outstanding tokens).
 """
 
@@ -62,7 +63,7 @@ def run_engine_ranks(folder: Path, config: BenchConfig, prompts: Sequence[Sequen
     median = sorted(range(len(runs)), key=totals.__getitem__)[len(runs) // 2]
     metrics = summarize(runs[median], [len(p) for p in prompts], load_time, totals)
     metrics.update({key: stats([]) for key in _UNTIMED}, step_times_s=[], iteration_first_token_s=[],
-                   ranks=ranks, plugin_metrics=ranks[0]["metrics"])
+                   ranks=ranks, engine_metrics=ranks[0]["metrics"])
     first = ranks[0]
     outputs = [runs[0].outputs[f"bench-{i}"] for i in range(len(prompts))]
     device = torch.device(first["device"])

@@ -147,22 +147,19 @@ def _roofline_lines(roofline: Mapping[str, Any]) -> list[str]:
 
 
 def _plugin_lines(engine: Mapping[str, Any]) -> list[str]:
-    """The ranks (with data parallelism), EPLB's balance line when it ran, and any other figure plugins report."""
-    figures = dict(engine.get("plugin_metrics") or {})
+    """The ranks (with data parallelism) and EPLB's balance line when it rebalanced."""
+    figures = engine.get("engine_metrics") or {}
     lines = []
     ranks = engine.get("ranks")
     if ranks:
         requests = ", ".join(str(rank["requests"]) for rank in ranks)
         idle = ", ".join(str(rank["idle_steps"]) for rank in ranks)
         lines.append(f"ranks: {len(ranks)} (requests {requests} in the last run; idle steps {idle} since start-up)")
-    if "moe_lb" in figures:
-        planned = figures.pop("moe_lb_planned", None)
-        lines.append(f"moe_lb (EPLB, busiest rank / mean over the last window): {figures.pop('moe_lb'):.3f}; "
-                     f"static layout {figures.pop('moe_lb_static', float('nan')):.3f}; "
-                     f"{figures.pop('eplb_rebalances', 0)} rebalances"
-                     + (f", the latest planned at {planned:.3f}" if planned is not None else ""))
-    if figures:
-        lines.append("plugin figures: " + ", ".join(f"{name} {value:g}" for name, value in figures.items()))
+    if figures.get("deepinfer:eplb_rebalances"):
+        lines.append(f"moe_lb (EPLB, busiest rank / mean, latest window): {figures['deepinfer:eplb_moe_lb']:.3f} "
+                     f"(before the rebalance {figures['deepinfer:eplb_moe_lb_before']:.3f}, static layout "
+                     f"{figures['deepinfer:eplb_moe_lb_static']:.3f}; {figures['deepinfer:eplb_rebalances']} "
+                     "rebalances)")
     return lines
 
 

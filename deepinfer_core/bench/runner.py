@@ -199,7 +199,7 @@ def result_keys() -> dict[str, list[str]]:
         "metrics": ["total_time_s", "num_requests", "prompt_tokens", "output_tokens", "output_throughput",
                     "total_throughput", "requests_per_s", "ttft_s", "tpot_s", "latency_s", "load_time_s", "steps",
                     "step_times_s", "iteration_total_times_s", "iteration_first_token_s", "gc_pauses",
-                    "num_cached_tokens", "computed_prompt_tokens", "ttft_hit_s", "ttft_miss_s", "plugin_metrics",
+                    "num_cached_tokens", "computed_prompt_tokens", "ttft_hit_s", "ttft_miss_s", "engine_metrics",
                     "ranks"],
     }
 
@@ -302,7 +302,7 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
     replays = {name: graphs.num_replays if graphs is not None else 0  # warmup included
                for name, graphs in (("decode", llm.engine.runner.decode_graphs),
                                     ("prefill", llm.engine.runner.prefill_graphs))}
-    metrics["plugin_metrics"] = llm.engine.plugin_metrics()  # figures plugins report (deepinfer_engine_metrics)
+    metrics["engine_metrics"] = {metric.name: metric.value for metric in llm.engine.metrics.snapshot()}
     outputs = [runs[0].outputs[f"bench-{i}"] for i in range(len(prompts))]
     budget, overlapped = llm.max_num_batched_tokens, llm.async_scheduling
     op_sources = llm.model.ops.sources()  # which implementation each op ran (backend, plugin or reference)
@@ -488,7 +488,7 @@ def summarize(times: RunTimes, prompt_lens: Sequence[int], load_time: float,
         # TTFT of the requests that took prompt tokens from the prefix cache, and of those that took none
         "ttft_hit_s": stats([t for k, t in zip(keys, ttft) if times.cached_tokens.get(k, 0) > 0]),
         "ttft_miss_s": stats([t for k, t in zip(keys, ttft) if times.cached_tokens.get(k, 0) == 0]),
-        "plugin_metrics": {},  # the engine's plugins' figures (EPLB: moe_lb), filled by the engine's run
+        "engine_metrics": {},  # the engine's metrics by name (LLM.get_metrics(); EPLB: moe_lb), filled by its run
         "ranks": None,  # each rank's statistics with data parallelism (``bench/parallel.py``)
     }
 

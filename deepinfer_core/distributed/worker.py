@@ -104,14 +104,15 @@ class DataParallelWorker:
     def _stats(self, engine: Engine, num_requests: int) -> dict[str, Any]:
         """This rank's counters after a ``generate`` (requests of the last call; steps, idle steps, preemptions and
         prefix-cache hits since the engine started), what it runs on (device, dtype, token budget, scheduling), and
-        under ``"metrics"`` the figures plugins report (``deepinfer_engine_metrics``, e.g. EPLB's ``moe_lb``)."""
+        under ``"metrics"`` its ``engine.metrics`` by name (what ``LLM.get_metrics()`` returns in one process; EPLB's
+        ``deepinfer:eplb_moe_lb`` among them)."""
         config = engine.config
         return {"rank": self.info.rank, "requests": num_requests, "steps": engine.num_steps,
                 "idle_steps": self.num_idle_steps, "preemptions": engine.scheduler.num_preemptions,
                 "prefix_hits": engine.state_manager.hits, "device": str(engine.model.device),
                 "dtype": str(engine.model.dtype).removeprefix("torch."),
                 "max_num_batched_tokens": config.max_num_batched_tokens, "async_scheduling": config.async_scheduling,
-                "metrics": engine.plugin_metrics()}
+                "metrics": {metric.name: metric.value for metric in engine.metrics.snapshot()}}
 
     def run(self, engine: Engine, model: CausalLM) -> Iterator[RequestOutput]:
         """Step ``engine`` until no rank has work left, one forward (or idle step) per rank per iteration."""

@@ -18,7 +18,6 @@ from deepinfer_core.engine.request import Request, RequestStatus
 from deepinfer_core.engine.scheduler import FcfsScheduler, Scheduler, SchedulerOutput
 from deepinfer_core.engine.state_manager import StateManager
 from deepinfer_core.engine_context import EngineContext
-from deepinfer_core.errors import PluginReturnError
 from deepinfer_core.metrics import MetricsRegistry
 from deepinfer_core.models.interface import CausalLM
 from deepinfer_core.outputs import RequestOutput
@@ -228,19 +227,6 @@ class Engine:
         rank (``distributed/worker.py``)."""
         if self.plugin_manager is not None:
             call_hook(self.plugin_manager, "deepinfer_step_boundary", engine=self)
-
-    def plugin_metrics(self) -> dict[str, float]:
-        """The figures plugins report about this engine (``deepinfer_engine_metrics``), by name."""
-        merged: dict[str, float] = {}
-        if self.plugin_manager is None:
-            return merged
-        for figures in call_hook(self.plugin_manager, "deepinfer_engine_metrics", engine=self):
-            for name, value in (figures or {}).items():
-                if name in merged:
-                    raise PluginReturnError(f"two plugins report the engine figure {name!r} "
-                                            "(deepinfer_engine_metrics); each figure needs one owner")
-                merged[name] = value
-        return merged
 
     def shutdown(self) -> None:
         self.preparer.shutdown()

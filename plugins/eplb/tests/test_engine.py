@@ -1,6 +1,6 @@
 """EPLB in a running expert-parallel engine (2 ranks, gloo, fp32 CPU): rebalances forced every 2 steps move experts
 (replicas included, quantized experts with their scales) while requests run, and the outputs stay those of one
-process; ``moe_lb`` comes back in the ranks' statistics; an engine EPLB cannot balance is refused by name.
+process; ``moe_lb`` comes back in the ranks' metrics; an engine EPLB cannot balance is refused by name.
 
 The tests that start ranks are marked ``distributed`` and bounded by ``DEEPINFER_DISTRIBUTED_TIMEOUT``."""
 
@@ -17,6 +17,8 @@ from deepinfer_core import LLM, SamplingParams
 TIMEOUT_S = 60
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
 FORCED = {"num_redundant_experts": 2, "window_size": 2, "step_interval": 2}  # a rebalance every 2 steps
+MOE_LB, BEFORE, STATIC = "deepinfer:eplb_moe_lb", "deepinfer:eplb_moe_lb_before", "deepinfer:eplb_moe_lb_static"
+REBALANCES, COPIES = "deepinfer:eplb_rebalances", "deepinfer:eplb_expert_copies_received"
 
 
 @pytest.fixture(autouse=True)
@@ -66,10 +68,10 @@ def test_forced_rebalances_keep_every_output():
     batches = [_prompts([12, 30, 7, 22, 15, 9, 18, 5], seed=2), _prompts([25, 6, 14], seed=3)]
     stats = _balanced_run(None, {"dtype": "float32", "max_num_seqs": 4}, batches)
     first, last = [rank["metrics"] for rank in stats[0]], [rank["metrics"] for rank in stats[-1]]
-    assert first[0]["eplb_rebalances"] >= 2 and last[0]["eplb_rebalances"] > first[0]["eplb_rebalances"]
-    assert all(rank["eplb_expert_copies_received"] > 0 for rank in last)  # weights crossed between the ranks
-    assert last[0]["moe_lb"] == last[1]["moe_lb"]  # every rank planned from the same summed load
-    assert 1.0 <= last[0]["moe_lb"] <= last[0]["moe_lb_static"] and 1.0 <= last[0]["moe_lb_planned"] <= 2.0
+    assert first[0][REBALANCES] >= 2 and last[0][REBALANCES] > first[0][REBALANCES]
+    assert all(rank[COPIES] > 0 for rank in last)  # weights crossed between the ranks
+    assert last[0][MOE_LB] == last[1][MOE_LB]  # every rank planned from the same summed load
+    assert all(1.0 <= last[0][name] <= 2.0 for name in (MOE_LB, BEFORE, STATIC))  # 2 ranks: at most 2
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +100,7 @@ def test_quantized_experts_move_with_their_scales(fp4_mixed):
     stats = _balanced_run(fp4_mixed, {"dtype": "float32", "max_num_seqs": 4, "block_size": 8},
                           [_prompts([9, 17, 6, 12, 20, 7], seed=4)])
     ranks = [rank["metrics"] for rank in stats[0]]
-    assert ranks[0]["eplb_rebalances"] >= 2 and ranks[1]["eplb_expert_copies_received"] > 0
+    assert ranks[0][REBALANCES] >= 2 and ranks[1][COPIES] > 0
 
 
 def test_eplb_without_expert_parallelism_is_refused():
@@ -115,7 +117,7 @@ def test_eplb_on_one_rank_is_refused():
 @pytest.mark.distributed
 def test_bench_reports_moe_lb_over_data_parallel_ranks(tmp_path, capsys):
     """``deepinfer bench --data-parallel-size 2 --enable-expert-parallel --option enable_eplb=true``: the table's
-    moe_lb line and the JSON's ``plugin_metrics`` / ``ranks``; per-request times are not seen across ranks."""
+    moe_lb line and the JSON's ``engine_metrics`` / ``ranks``; per-request times are not seen across ranks."""
     import json
 
     from deepinfer_core.cli import main
@@ -129,8 +131,8 @@ def test_bench_reports_moe_lb_over_data_parallel_ranks(tmp_path, capsys):
     table = capsys.readouterr().out
     assert code == 0
     engine = json.loads(out.read_text())["engine"]
-    figures = engine["plugin_metrics"]
-    assert figures["eplb_rebalances"] == 2 and 1.0 <= figures["moe_lb"] <= 2.0  # 6 lockstep steps, one every 3
-    assert f"moe_lb (EPLB, busiest rank / mean over the last window): {figures['moe_lb']:.3f}" in table
+    figures = engine["engine_metrics"]
+    assert figures[REBALANCES] == 2 and 1.0 <= figures[MOE_LB] <= 2.0  # 6 lockstep steps, one every 3
+    assert f"moe_lb (EPLB, busiest rank / mean, latest window): {figures[MOE_LB]:.3f}" in table
     assert [rank["requests"] for rank in engine["ranks"]] == [3, 2] and engine["steps"] == 6
     assert engine["output_tokens"] == 30 and engine["ttft_s"]["mean"] is None

@@ -24,8 +24,8 @@ def test_entry_point_loads(pm):
     record = pm.records["eplb"]
     assert record.status == "loaded", record.traceback
     assert record.distribution == "deepinfer-eplb" and record.hook_api_version == 1
-    assert record.hooks == ["deepinfer_configure", "deepinfer_engine_metrics", "deepinfer_engine_start",
-                            "deepinfer_feature_options", "deepinfer_step_boundary"]
+    assert record.hooks == ["deepinfer_configure", "deepinfer_engine_start", "deepinfer_feature_options",
+                            "deepinfer_step_boundary"]
 
 
 def test_options_become_the_engines_config(pm):

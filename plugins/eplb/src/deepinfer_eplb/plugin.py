@@ -5,8 +5,8 @@ EPLB in a running expert-parallel engine.
 ``--option enable_eplb=true`` are accepted; ``deepinfer_configure`` validates them (``config.resolve``; EPLB needs
 ``enable_expert_parallel=True``) and keeps the engine's ``EplbConfig`` (or None when off) in
 ``context.plugin_state["eplb"]``, where ``engine_config`` reads it. On each rank, ``deepinfer_engine_start`` builds
-the rank's ``EplbRuntime`` (refusing an engine of one rank), ``deepinfer_step_boundary`` records the load and moves
-experts when a rebalance is due, and ``deepinfer_engine_metrics`` reports ``moe_lb``.
+the rank's ``EplbRuntime`` (refusing an engine of one rank; its figures, ``moe_lb`` first, go to ``engine.metrics``),
+and ``deepinfer_step_boundary`` records the load and moves experts when a rebalance is due.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def deepinfer_engine_start(engine) -> None:
     """Start balancing on this rank (moving to the initial placement when there are redundant experts)."""
     config = engine_config(engine.context) if engine.context is not None else None
     if config is not None:
-        engine.context.plugin_state[RUNTIME] = EplbRuntime(config, engine.model)
+        engine.context.plugin_state[RUNTIME] = EplbRuntime(config, engine.model, engine.metrics)
 
 
 @hookimpl
@@ -69,10 +69,3 @@ def deepinfer_step_boundary(engine) -> None:
     runtime = engine_runtime(engine.context)
     if runtime is not None:
         runtime.step_boundary()
-
-
-@hookimpl
-def deepinfer_engine_metrics(engine) -> Mapping[str, float] | None:
-    """``moe_lb`` and the rebalance counters of an engine that balances experts; None otherwise."""
-    runtime = engine_runtime(engine.context)
-    return None if runtime is None else runtime.metrics()

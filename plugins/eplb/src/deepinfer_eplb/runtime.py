@@ -4,21 +4,21 @@ Built at engine start (``plugin.deepinfer_engine_start``) on each rank of an exp
 model from its plain layout to ``Placement.initial`` (only with redundant experts), switches the routers' load
 counting on, and at every step boundary (``deepinfer_step_boundary``, the same point on every rank) all-reduces the
 step's load over the ranks (sum), feeds its ``ExpertBalancer`` and, when a rebalance is due, moves the weights to
-the new placement before the next step. Every rank records the same summed load, so every rank plans the same
-placement.
+the new placement before the next step and sets its figures in the engine's metrics (``EplbMetrics``). Every rank
+records the same summed load, so every rank plans the same placement.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
 
 import torch.distributed as dist
 
+from deepinfer_core.metrics import MetricsRegistry
 from deepinfer_core.models.interface import ExpertBalancedModel
 from deepinfer_eplb.balance import moe_lb
-from deepinfer_eplb.balancer import ExpertBalancer
+from deepinfer_eplb.balancer import ExpertBalancer, RebalanceReport
 from deepinfer_eplb.config import ENABLE, EplbConfig
 from deepinfer_eplb.errors import EplbConfigError
 from deepinfer_eplb.mover import move_experts
@@ -30,7 +30,7 @@ log = logging.getLogger("deepinfer.eplb")
 class EplbRuntime:
     """One rank's balancer over ``model`` (an ``ExpertBalancedModel`` already sharded over more than one rank)."""
 
-    def __init__(self, config: EplbConfig, model: object):
+    def __init__(self, config: EplbConfig, model: object, metrics: MetricsRegistry | None = None):
         if not isinstance(model, ExpertBalancedModel):
             raise EplbConfigError(f"{ENABLE}=True: {type(model).__name__} cannot change its expert placement (it does "
                                   "not implement models/interface.py's ExpertBalancedModel)")
@@ -43,9 +43,9 @@ class EplbRuntime:
         initial = Placement.initial(layers, experts, config.num_physical(experts, ranks), ranks)
         self.balancer = ExpertBalancer(config, layers, experts, ranks, _num_nodes(ranks), device=model.device,
                                        initial=initial)
-        self.num_received = 0  # expert copies this rank received from others, in all
+        self.figures = EplbMetrics(metrics or MetricsRegistry())
         if config.num_redundant_experts:
-            self.num_received += move_experts(model, layout, Placement.identity(layers, experts), initial)
+            self.figures.copies.inc(move_experts(model, layout, Placement.identity(layers, experts), initial))
         model.record_expert_load(True)
         log.info("EPLB on rank %d of %d: %d MoE layers, %d experts in %d slots (%d per rank), window %d steps, "
                  "rebalance every %d", layout.rank, ranks, layers, experts, initial.num_physical,
@@ -58,21 +58,35 @@ class EplbRuntime:
         old = self.balancer.placement
         new = self.balancer.record(load)
         if new is not None:
-            self.num_received += move_experts(self.model, self.layout, old, new)
+            self.figures.copies.inc(move_experts(self.model, self.layout, old, new))
+            self.figures.rebalanced(self.balancer.reports[-1], moe_lb(self.balancer.window.load(),
+                                                                      Placement.identity(*load.shape),
+                                                                      self.layout.world_size))
 
-    def metrics(self) -> Mapping[str, float]:
-        """Balance over the load window (the last ``window_size`` steps, summed over the ranks): ``moe_lb`` under the
-        current placement, ``moe_lb_static`` under the plain layout (what EPLB off would give), ``moe_lb_planned``
-        (the latest rebalance's own figure, logged with it; absent before one), the rebalances so far and the expert
-        copies this rank received."""
-        balancer, ranks = self.balancer, self.layout.world_size
-        load = balancer.window.load()  # [layers, experts]
-        figures = {"moe_lb": moe_lb(load, balancer.placement, ranks),
-                   "moe_lb_static": moe_lb(load, Placement.identity(*load.shape), ranks),
-                   "eplb_rebalances": len(balancer.reports), "eplb_expert_copies_received": self.num_received}
-        if balancer.reports:
-            figures["moe_lb_planned"] = balancer.reports[-1].moe_lb_after
-        return figures
+
+class EplbMetrics:
+    """EPLB's figures in the engine's ``MetricsRegistry`` (``engine.metrics``; ``LLM.get_metrics()``, a rank's
+    ``stats["metrics"]``, ``deepinfer bench``), set at each rebalance from the load window it planned from:
+
+    - ``deepinfer:eplb_moe_lb``: busiest rank's load / mean rank load under the new placement;
+    - ``deepinfer:eplb_moe_lb_before``: the same load under the placement it replaced (what served lately);
+    - ``deepinfer:eplb_moe_lb_static``: the same load in the plain layout (what EPLB off would give);
+    - ``deepinfer:eplb_rebalances`` and ``deepinfer:eplb_expert_copies_received`` (this rank's, from others).
+    """
+
+    def __init__(self, registry: MetricsRegistry):
+        self.moe_lb = registry.gauge("deepinfer:eplb_moe_lb", "EPLB: busiest rank / mean rank load, new placement")
+        self.before = registry.gauge("deepinfer:eplb_moe_lb_before", "EPLB: moe_lb of the replaced placement")
+        self.static = registry.gauge("deepinfer:eplb_moe_lb_static", "EPLB: moe_lb of the plain layout")
+        self.rebalances = registry.counter("deepinfer:eplb_rebalances", "EPLB rebalances")
+        self.copies = registry.counter("deepinfer:eplb_expert_copies_received",
+                                       "expert weight copies this rank received from other ranks")
+
+    def rebalanced(self, report: RebalanceReport, static: float) -> None:
+        self.moe_lb.set(report.moe_lb_after)
+        self.before.set(report.moe_lb_before)
+        self.static.set(static)
+        self.rebalances.inc()
 
 
 def _num_nodes(world_size: int) -> int:
