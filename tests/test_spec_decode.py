@@ -375,3 +375,22 @@ def test_static_decode_steps_run_beside_eager_verification(folder):
     assert_same_or_near_tie(base, _generate(llm, prompts, GREEDY))
     assert llm.engine.runner.decode_graphs.num_replays > 0
     assert {m.name: m.value for m in llm.get_metrics()}["deepinfer:spec_decode_num_drafts"] > 0
+
+
+def test_structured_output_requests_run_beside_drafting_ones():
+    """A grammar-constrained request (the structured-output plugin's two-phase processor) drafts nothing and keeps
+    its constraint; the requests beside it still verify drafts; all outputs equal those without speculation."""
+    pytest.importorskip("deepinfer_structured_output")
+    from deepinfer_core import StructuredOutputsParams
+
+    prompts = ["for i in range(10):\n    print(i)\nfor i in range(10):\n", "def f(x):", "import os\nimport os\n"]
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    choice = SamplingParams(temperature=0, max_tokens=24,
+                            structured_outputs=StructuredOutputsParams(choice=["red", "green", "blue"]))
+    params = [plain, choice, plain]
+    base = LLM(enforce_eager=True).generate(prompts, params, use_tqdm=False)
+    llm = LLM(enforce_eager=True, speculative_config=NGRAM)
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in base]
+    assert spec[1].outputs[0].text in ("red", "green", "blue")
+    assert {m.name: m.value for m in llm.get_metrics()}["deepinfer:spec_decode_num_accepted_tokens"] > 0
