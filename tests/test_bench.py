@@ -252,7 +252,7 @@ def test_prefix_share_makes_the_timed_run_hit_the_warmups_prefix(cache_dir):
     assert engine["ttft_hit_s"] == engine["ttft_s"] and engine["ttft_miss_s"]["mean"] is None  # every prompt hit
     table = format_report(result)
     assert "the first 160 a common prefix, share 0.5" in table and "cached tok mean" in table
-    assert "TTFT hit mean" in table and "TTFT miss mean" in table
+    assert "TTFT hit (ms)" in table and "TTFT miss (ms)" in table  # means
 
 
 def test_prefix_share_with_swa_replay_adopts_part_of_the_hit_and_computes_less(cache_dir):
