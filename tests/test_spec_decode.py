@@ -3,6 +3,8 @@ of the model state, the engine's outputs with and without speculation, metrics, 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from v4_factory import ALL_TYPES, tiny_checkpoint
@@ -394,3 +396,19 @@ def test_structured_output_requests_run_beside_drafting_ones():
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in base]
     assert spec[1].outputs[0].text in ("red", "green", "blue")
     assert {m.name: m.value for m in llm.get_metrics()}["deepinfer:spec_decode_num_accepted_tokens"] > 0
+
+
+def test_generate_command_takes_a_speculative_config(folder, capsys):
+    from deepinfer_core.cli.main import main
+
+    command = ["generate", "--model", str(folder), "--json", "--temperature", "0", "--max-tokens", "12",
+               "w5 w6 w7 w5 w6 w7 w5"]
+    assert main(command) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*command, "--speculative-config", json.dumps(NGRAM)]) == 0
+    ours = json.loads(capsys.readouterr().out)[0]["outputs"][0]
+    assert (ours["token_ids"], ours["text"]) == (plain[0]["outputs"][0]["token_ids"], plain[0]["outputs"][0]["text"])
+    for bad, message in (("{method: ngram}", "is not valid JSON"), ("[3]", "is a JSON list"),
+                         ('{"method": "eagle", "num_speculative_tokens": 2}', "'eagle' is not registered")):
+        assert main([*command, "--speculative-config", bad]) == 2
+        assert message in capsys.readouterr().err

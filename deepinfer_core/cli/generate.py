@@ -71,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "world size); see docs/distributed.md")
     parser.add_argument("--enable-expert-parallel", action="store_true",
                         help="split the routed experts across the data-parallel ranks")
+    parser.add_argument("--speculative-config", metavar="JSON",
+                        help="""speculative decoding, vLLM's dict as JSON, e.g. '{"method": "ngram", """
+                             """"num_speculative_tokens": 3}' (docs/speculative.md)""")
     add_option_argument(parser)
 
 
@@ -183,11 +186,13 @@ def sampling_params(args: argparse.Namespace, defaults: dict[str, Any]):
 
 def _load(args: argparse.Namespace, options: dict[str, Any]):
     from deepinfer_core.llm import LLM
+    from deepinfer_core.spec_decode.config import parse_json_config
 
+    speculative = parse_json_config(args.speculative_config) if args.speculative_config is not None else None
     return LLM(args.model, backend=args.backend, dtype=args.dtype, max_model_len=args.max_model_len,
                max_num_seqs=max(1, min(64, len(args.prompts) * args.n)), seed=args.seed,
                data_parallel_size=args.data_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
-               **options)
+               speculative_config=speculative, **options)
 
 
 def _prints_outputs() -> bool:

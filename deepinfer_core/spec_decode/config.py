@@ -8,6 +8,7 @@ one, ``DEEPINFER_USE_NEXTN_DECODE=k`` (the reference engine's variable) means ``
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -74,3 +75,17 @@ def resolve_speculative_config(config: Mapping[str, Any] | None, nextn: int | No
                                      f"decoding, but no proposer {NEXTN_METHOD!r} is registered (registered: "
                                      f"{sorted(methods)}); install deepinfer-dspark or unset the variable")
     return SpeculativeConfig.from_dict({"method": NEXTN_METHOD, "num_speculative_tokens": nextn}, methods)
+
+
+def parse_json_config(text: str) -> dict[str, Any]:
+    """``--speculative-config JSON`` (the command line's form, vLLM's flag) as a dict; refused clearly when it is not
+    a JSON object."""
+    try:
+        config = json.loads(text)
+    except ValueError as exc:
+        raise SpeculativeConfigError(f"--speculative-config {text!r} is not valid JSON ({exc}); pass an object like "
+                                     """'{"method": "ngram", "num_speculative_tokens": 3}'""") from None
+    if not isinstance(config, dict):
+        raise SpeculativeConfigError(f"--speculative-config {text!r} is a JSON {type(config).__name__}; pass an "
+                                     """object like '{"method": "ngram", "num_speculative_tokens": 3}'""")
+    return config
