@@ -270,3 +270,19 @@ def _steps(calls: list[str]) -> list[list[str]]:
         if call == "sample":
             steps.append([])
     return steps
+
+
+def test_batch_invariant_mode_keeps_a_constrained_request_bitwise():
+    """Batch-invariant mode, asynchronous scheduling: a constrained request alone and inside a batch of other
+    constrained and plain requests gives the same tokens and logprobs, bit for bit."""
+    llm = LLM(max_num_seqs=6, enforce_eager=True, async_scheduling=True, batch_invariant=True)
+    needle = SamplingParams(temperature=1.0, seed=9, max_tokens=24, logprobs=0, structured_outputs=CONSTRAINTS[0][0])
+    (alone,) = llm.generate(["hello"], needle, use_tqdm=False)
+    others = [SamplingParams(temperature=0, max_tokens=20, structured_outputs=CONSTRAINTS[1][0]),
+              SamplingParams(temperature=0.8, seed=1, max_tokens=12)]
+    crowd = llm.generate(["def f(x):", "hello", "import os", "hello"], [others[0], needle, others[1], others[0]],
+                         use_tqdm=False)
+    a, b = alone.outputs[0], crowd[1].outputs[0]
+    assert a.token_ids == b.token_ids
+    assert [lp[t].logprob for lp, t in zip(a.logprobs, a.token_ids)] == [
+        lp[t].logprob for lp, t in zip(b.logprobs, b.token_ids)]
