@@ -254,7 +254,8 @@ def deepinfer_after_step(engine: Engine, scheduler_output: SchedulerOutput, mode
     - ``engine``: the engine.
     - ``scheduler_output``: the same object ``deepinfer_before_step`` saw.
     - ``model_output``: the step's ``deepinfer_core.engine.model_runner.ModelRunnerOutput`` on the host:
-      ``req_ids`` (row order), ``sampled_token_ids``, ``logprobs``, ``ranks``, top logprobs, prompt logprobs.
+      ``req_ids`` (row order), ``sampled_token_ids``, ``logprobs``, ``ranks``, top logprobs, prompt logprobs. A
+      request that verified draft tokens (speculative decoding) has one row per token it took, in order.
 
     Return: ignored. Treat ``model_output`` as read-only; keep it cheap, it is on the hot path.
     """
