@@ -1,12 +1,13 @@
 """Lightning-indexer selection (``indexer_topk``, top-512): the reference op (a stable sort of every row) against the
-NVIDIA op (``kernels/indexer_topk.py``: order keys, then a radix select), at the query x entry shapes one CSA layer
+NVIDIA op's two forms (``kernels/indexer_topk.py``: the Triton radix select per row; order keys + ``torch.topk``), at
+the query x entry shapes one CSA layer
 sees at long context: an 8K prompt's chunk, 16K-token chunks late in 64K and 128K prompts, one 1,024-row slice of a
 16K chunk at 1M context (``DEEPINFER_INDEXER_CHUNK_ENTRIES``'s default), and batch-16 decode rows at 128K.
 
     python backends/nvidia_sm100/benchmarks/bench_indexer_topk.py      # on a GPU; prints one table
 
-Checks the op against the reference first (``torch.equal`` of the selections), then times both (CUDA events, median
-of repeats, after warmup). Floor = bytes of scores, visibility and selection (4 + 1 + 1 per score) / 4.25 TB/s (the
+Checks each form against the reference first (``torch.equal`` of the selections), then times them (CUDA events,
+median of repeats, after warmup). Floor = bytes of scores, visibility and selection (4 + 1 + 1 per score) / 4.25 TB/s (the
 H200's ceiling, docs/performance.md): one read of the inputs and one write of the mask.
 """
 
@@ -38,27 +39,31 @@ def case(S: int, Lq: int, E: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def main() -> None:
-    from deepinfer_nvidia_sm100.kernels.indexer_topk import indexer_topk
+    from deepinfer_nvidia_sm100.kernels.indexer_topk import keyed_topk, radix_topk
 
     torch.manual_seed(0)
     rows = []
     for S, Lq, E, what in SHAPES:
         scores, visible = case(S, Lq, E)
-        same = torch.equal(indexer_topk(scores, visible, K), ref.indexer_topk(scores, visible, K))
+        flat = (scores.view(-1, E), visible.view(-1, E))
+        want = ref.indexer_topk(scores, visible, K).view(-1, E)
+        same = [torch.equal(form(*flat, K), want) for form in (radix_topk, keyed_topk)]
+        del want
         floor = S * Lq * E * 6 / BW
         t_ref = cuda_time(lambda a=(scores, visible): ref.indexer_topk(*a, K), reps=5)
-        t_op = cuda_time(lambda a=(scores, visible): indexer_topk(*a, K), reps=10)
-        rows.append((what, S, Lq, E, same, floor, t_ref, t_op))
-        del scores, visible
+        t_radix = cuda_time(lambda a=flat: radix_topk(*a, K), reps=10)
+        t_keyed = cuda_time(lambda a=flat: keyed_topk(*a, K), reps=10)
+        rows.append((what, S, Lq, E, same, floor, t_ref, t_radix, t_keyed))
+        del scores, visible, flat
         torch.cuda.empty_cache()
     print(f"\nindexer_topk, top-{K}, fp32 scores (H200)")
-    print("| shape | sequences x queries x entries | equal | floor | reference (sort) | keys + topk | % floor | "
-          "speed-up |")
-    print("|---|---|---|---|---|---|---|---|")
-    for what, S, Lq, E, same, floor, a, b in rows:
-        print(f"| {what} | {S} x {Lq} x {E} | {same} | {floor * 1e3:.3f} ms | {a * 1e3:.3f} ms | {b * 1e3:.3f} ms | "
-              f"{100 * floor / b:.0f}% | {a / b:.1f}x |")
-    if not all(row[4] for row in rows):
+    print("| shape | sequences x queries x entries | equal (radix, keyed) | floor | reference (sort) | radix select | "
+          "keys + torch.topk | radix % floor | radix speed-up |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for what, S, Lq, E, same, floor, a, b, c in rows:
+        print(f"| {what} | {S} x {Lq} x {E} | {same[0]}, {same[1]} | {floor * 1e3:.3f} ms | {a * 1e3:.3f} ms | "
+              f"{b * 1e3:.3f} ms | {c * 1e3:.3f} ms | {100 * floor / b:.0f}% | {a / b:.1f}x |")
+    if not all(all(row[4]) for row in rows):
         raise SystemExit("indexer_topk differs from the reference op")
 
 

@@ -147,7 +147,7 @@ def sm100_ops() -> dict[str, Callable]:
 def triton_ops() -> dict[str, Callable]:
     """The overrides both paths share: Triton kernels (``moe_experts``, the MoE routing, ``hc_pre``, ``hc_post`` and
     ``hc_post_sum``, ``apply_rope`` and ``apply_rope_``, ``sink_attention`` of decode rows, ``indexer_scores``,
-    ``indexer_topk`` (order keys and a radix select: no sort),
+    ``indexer_topk`` (a radix select per query row: no sort),
     ``gather_keys``, ``compressor_entries`` and ``compressor_entries_rope``, the cache writes, ``greedy_sample``, the
     RMS norms, alone and fused into RoPE (``rms_norm_rope``) and the ``hc`` collapse (``hc_pre_normed``), the
     shared expert), the ops of quantized weights (``quantized_ops``), ``grouped_linear`` as a strided cuBLAS batched

@@ -29,6 +29,9 @@ VARIABLES = Variables(
              "unquantized)."),
     Variable("DEEPINFER_NVIDIA_NORM", bool, True, "Triton RMS-norm kernels; 0: the compiled reference ops."),
     Variable("DEEPINFER_NVIDIA_GREEDY", bool, True, "Triton sampler for all-greedy steps; 0: the reference sampler."),
+    Variable("DEEPINFER_NVIDIA_RADIX_TOPK", bool, True,
+             "The indexer's top-k by a Triton radix select per query row (calls of at least 64 rows); 0: order keys "
+             "and `torch.topk` (the rule for fewer rows)."),
     Variable("DEEPINFER_NVIDIA_DECODE_ATTN", bool, True,
              "Triton `sink_attention` for decode rows; 0: the TileLang kernel (SM90, where installed) or the "
              "reference."),

@@ -239,18 +239,25 @@ def _topk_case(seqs, queries, entries, levels, seed=0):
     (1, 256, 65536, 0, 512), (2, 64, 20000, 9, 512), (1, 300, 5000, 3, 2048), (16, 1, 32768, 0, 512),
 ])
 def test_indexer_topk_matches_reference_at_long_rows(seqs, queries, entries, levels, k):
-    """The selection is the reference's bit for bit (ties: lower entry index; invisible never), rows up to 64K."""
-    from deepinfer_nvidia_sm100.kernels.indexer_topk import indexer_topk
+    """The selection is the reference's bit for bit (ties: lower entry index; invisible never), rows up to 64K: the
+    op, and each of its forms (the radix select, order keys + ``torch.topk``) on every case."""
+    from deepinfer_nvidia_sm100.kernels.indexer_topk import indexer_topk, keyed_topk, radix_topk
 
     scores, visible = _topk_case(seqs, queries, entries, levels, seed=entries)
+    want = ref.indexer_topk(scores, visible, k)
     got = indexer_topk(scores, visible, k)
-    assert torch.equal(got, ref.indexer_topk(scores, visible, k))
+    assert torch.equal(got, want)
     assert (got.sum(-1) == torch.clamp(visible.sum(-1), max=k)).all()
+    for form in (radix_topk, keyed_topk):
+        assert torch.equal(form(scores.view(-1, entries), visible.view(-1, entries), k), want.view(-1, entries))
 
 
-def test_indexer_topk_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("radix", ["1", "0"])
+def test_indexer_topk_replays_in_a_cuda_graph(radix, monkeypatch):
     """A captured prefill step runs the op inside a CUDA graph: capture, change the inputs in place, replay."""
     from deepinfer_nvidia_sm100.kernels.indexer_topk import indexer_topk
+
+    monkeypatch.setenv("DEEPINFER_NVIDIA_RADIX_TOPK", radix)
 
     scores, visible = _topk_case(1, 128, 8192, 0, seed=1)
     indexer_topk(scores, visible, 512)  # warm up outside the capture

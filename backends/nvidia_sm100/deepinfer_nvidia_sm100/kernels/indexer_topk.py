@@ -4,15 +4,22 @@
 int64 indices, stable, descending) and scatters the first ``k``: O(E log E) per row and about 24 bytes of
 temporaries per score; at 1M context (E = 262,144 entries, a 16K-token prefill chunk) that is more than the GPU.
 
-Here one Triton pass turns every (masked) score into a 64-bit key that orders exactly as the reference's tie rule:
-the high 32 bits are the fp32 score's bits made order-preserving as a signed integer (negative floats flip their
-magnitude bits), the low 32 bits ``E - 1 - index`` (a lower entry index is a larger key among equal scores).
-Every key of a row is distinct, so ``torch.topk`` (a radix select, no sort) on the keys picks exactly the entries the
-stable sort puts first; the selection is scattered as a bool mask and, as in the reference, only visible entries
-stay selected (invisible entries are ``-inf``, as there). Scores that compare equal as floats but differ in bits are
-made one before the keys: ``-0.0`` becomes ``+0.0`` and every NaN the positive quiet NaN (the sort puts NaN first,
-as the largest, and ties NaNs by index). Keys take 8 bytes per score and the result 1: the caller
-(``Indexer.select``) bounds how many scores one call sees.
+Both forms here order entries by a key that follows the reference's tie rule exactly: the fp32 score's bits made
+order-preserving as an integer (negative floats flip their magnitude bits), then the entry index (lower first among
+equal scores). Scores that compare equal as floats but differ in bits are made one first: ``-0.0`` becomes ``+0.0``
+and every NaN the positive quiet NaN (the sort puts NaN first, as the largest, and ties NaNs by index); invisible
+entries are ``-inf`` as in the reference, and only visible entries stay selected.
+
+* ``radix_topk`` (calls of at least ``RADIX_MIN_ROWS`` query rows: prefill): one Triton program per row finds the
+  row's ``k``-th largest score key by an MSB-first radix select (8 passes of 4 bits, counting only the keys that
+  match the digits found so far), then one pass writes the selection: keys above it, and of the keys equal to it the
+  first ones in index order until ``k``. 9 reads of the row's scores and visibility, 1 byte written per score, no
+  temporaries.
+* ``keyed_topk`` (fewer rows, decode; ``DEEPINFER_NVIDIA_RADIX_TOPK=0``): one Triton pass writes 64-bit keys (score key
+  << 32 | ``E - 1 - index``), all distinct per row, and ``torch.topk`` on them picks exactly the entries the stable
+  sort puts first; 8 bytes per score.
+
+The caller (``Indexer.select``) bounds how many scores one call sees.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_nvidia_sm100 import envs
 from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 
 BLOCK = 1024
@@ -76,6 +84,81 @@ def order_keys(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     return keys
 
 
+@triton.jit
+def _radix_keys(scores_ptr, visible_ptr, offs, inside):
+    """The order keys' high half as uint32 in unsigned order (masked score, ``-0.0`` -> ``+0.0``, one NaN, above
+    ``+inf``) and the visibility of entries ``offs``."""
+    score = tl.load(scores_ptr + offs, mask=inside, other=0.0)
+    seen = tl.load(visible_ptr + offs, mask=inside, other=0) != 0
+    score = tl.where(seen, score, float("-inf"))
+    bits = score.to(tl.uint32, bitcast=True)
+    bits = tl.where(score == 0.0, 0, bits)
+    bits = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, _NAN_BITS, bits)
+    return bits ^ tl.where((bits >> 31) != 0, 0xFFFFFFFF, 0x80000000), seen
+
+
+@triton.jit
+def _radix_topk_kernel(scores_ptr, visible_ptr, out_ptr, E, k, BLOCK: tl.constexpr):
+    """Program (query row): the row's ``k``-th largest key ``T`` by an MSB-first radix select, 4 bits a pass (8
+    passes over the row, counting only keys that match the digits found so far), then one pass that selects keys
+    above ``T`` and, of those equal to ``T``, the first ``need`` in index order (lower entry index wins), and writes
+    the row's selection (visible entries only) as uint8. Needs ``E > k``."""
+    base = tl.program_id(0).to(tl.int64) * E
+    bins = tl.arange(0, 16)  # [16]
+    prefix = tl.full((), 0, tl.uint32)
+    known = tl.full((), 0, tl.uint32)
+    need = tl.full((), 0, tl.int32) + k
+    for p in tl.static_range(8):
+        shift: tl.constexpr = 28 - 4 * p
+        counts = tl.zeros([16], dtype=tl.int32)
+        for start in range(0, E, BLOCK):
+            offs = start + tl.arange(0, BLOCK)  # [B]
+            inside = offs < E
+            keys, _ = _radix_keys(scores_ptr, visible_ptr, base + offs, inside)
+            match = inside & ((keys & known) == prefix)
+            digit = ((keys >> shift) & 15).to(tl.int32)  # [B]
+            counts += tl.sum(((digit[:, None] == bins[None, :]) & match[:, None]).to(tl.int32), axis=0)  # [16]
+        at_least = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts  # [16]: keys with digit >= d
+        d = tl.max(tl.where(at_least >= need, bins, -1), axis=0)
+        need -= tl.sum(tl.where(bins > d, counts, 0), axis=0)
+        prefix = prefix | (d.to(tl.uint32) << shift)
+        known = known | (tl.full((), 15, tl.uint32) << shift)
+    taken = tl.full((), 0, tl.int32)
+    for start in range(0, E, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < E
+        keys, seen = _radix_keys(scores_ptr, visible_ptr, base + offs, inside)
+        tie = inside & (keys == prefix)
+        rank = taken + tl.cumsum(tie.to(tl.int32), axis=0)  # [B]: 1-based among the row's ties so far
+        chosen = inside & ((keys > prefix) | (tie & (rank <= need))) & seen
+        taken += tl.sum(tie.to(tl.int32), axis=0)
+        tl.store(out_ptr + base + offs, chosen.to(tl.uint8), mask=inside)
+
+
+RADIX_MIN_ROWS = 64  # fewer query rows (decode): too few programs for one per row; keys and torch.topk instead
+
+
+def radix_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+    """The selection ``[R, E]`` bool of fp32 ``scores [R, E]`` under ``visible [R, E]`` by ``_radix_topk_kernel``
+    (``E > k``)."""
+    scores = scores.float().contiguous()
+    seen = visible.contiguous().view(torch.uint8)
+    out = torch.empty(scores.shape, dtype=torch.bool, device=scores.device)
+    R, E = scores.shape
+    _radix_topk_kernel[(R,)](scores, seen, out.view(torch.uint8), E, k, BLOCK=BLOCK, num_warps=4)
+    return out
+
+
+def keyed_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+    """The selection ``[R, E]`` bool by order keys and ``torch.topk`` (``E > k``)."""
+    keys = order_keys(scores, visible)  # [R, E] int64
+    index = torch.topk(keys, k, dim=-1, sorted=False).indices  # [R, k]
+    del keys
+    selected = torch.zeros_like(visible)  # [R, E]
+    selected.scatter_(-1, index, visible.gather(-1, index))
+    return selected
+
+
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -91,10 +174,8 @@ def indexer_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.T
     E = scores.shape[-1]
     if E <= k or visible.numel() == 0:  # every entry fits the budget: the visible ones
         return visible.clone()
-    rows_visible = visible.reshape(-1, E)  # [R, E]
-    keys = order_keys(scores.reshape(-1, E), rows_visible)  # [R, E] int64
-    index = torch.topk(keys, k, dim=-1, sorted=False).indices  # [R, k]
-    del keys
-    selected = torch.zeros_like(rows_visible)  # [R, E]
-    selected.scatter_(-1, index, rows_visible.gather(-1, index))
-    return selected.view(visible.shape)
+    rows_scores, rows_visible = scores.reshape(-1, E), visible.reshape(-1, E)  # [R, E] each
+    on_triton = scores.device.type == "cuda" or _interpreted()
+    if on_triton and rows_scores.shape[0] >= RADIX_MIN_ROWS and envs.DEEPINFER_NVIDIA_RADIX_TOPK:
+        return radix_topk(rows_scores, rows_visible, k).view(visible.shape)
+    return keyed_topk(rows_scores, rows_visible, k).view(visible.shape)
