@@ -415,3 +415,21 @@ def test_generate_command_takes_a_speculative_config(folder, capsys):
                          ('{"method": "eagle", "num_speculative_tokens": 2}', "'eagle' is not registered")):
         assert main([*command, "--speculative-config", bad]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_prefix_cache_registers_only_accepted_blocks(folder):
+    """Drafts with a wrong token rejected at every step, crossing block ends: the prefix cache ends up with exactly
+    the blocks (hash chains) a run without speculation registers, none over a rejected token; a second request
+    sharing the prompt and output then hits them."""
+    prompt = _repetitive_prompts([11], seed=8)[0]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    base = _llm(folder)
+    continuation = _generate(base, [prompt], params)[0].outputs[0].token_ids
+    llm = _llm(folder, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    llm.engine.speculator.proposer = ScriptedProposer(continuation, len(prompt), right=1)
+    assert _generate(llm, [prompt], params)[0].outputs[0].token_ids == continuation
+    metrics = {m.name: m.value for m in llm.get_metrics()}
+    assert metrics["deepinfer:spec_decode_num_accepted_tokens"] < metrics["deepinfer:spec_decode_num_verified_tokens"]
+    assert set(llm.engine.state_manager.cached) == set(base.engine.state_manager.cached)
+    again = _generate(llm, [prompt + continuation[:20]], SamplingParams(temperature=0, max_tokens=4))[0]
+    assert again.num_cached_tokens == 32  # 34 tokens: four full blocks of 8 before the last token
