@@ -204,7 +204,10 @@ def deepinfer_logits_processors(context: EngineContext) -> Sequence[LogitsProces
     ``SamplingParams`` with ``extra_args``, prompt and output token ids). Only rows sampled this step are
     passed, and of those only the ones whose ``params`` the processor's optional ``applies_to(params)`` accepts.
     ``needs_latest_tokens = True`` on the processor makes ``output_token_ids`` include the token sampled in the
-    step before under asynchronous scheduling (the engine then waits for it). Processors run after any device
+    step before under asynchronous scheduling (the engine then waits for it). A two-phase processor
+    (``deepinfer_core.sampling.logits_processor.TwoPhaseLogitsProcessor``: ``prepare(rows)`` and ``apply(logits,
+    rows, handle)``) does its host work in ``prepare``, on the engine's worker thread beside the step's forward pass
+    and with complete rows, and the sampler calls ``apply``. Processors run after any device
     graph, in this order: ``LLM(logits_processors=[...])``, then the plugins' in entry-point name order.
     Subclass ``deepinfer_core.sampling.LogitsProcessor`` for the defaults.
     """
