@@ -135,3 +135,24 @@ def test_the_op_takes_the_radix_kernel_from_radix_min_rows(monkeypatch):
     monkeypatch.setenv("DEEPINFER_NVIDIA_RADIX_TOPK", "0")
     assert torch.equal(indexer_topk.indexer_topk(scores, visible, 100).cpu(), want)
     assert taken == [1]
+
+
+@pytest.mark.skipif(INTERPRETED, reason="ahead-of-time compiles need the real Triton compiler, not the interpreter")
+@pytest.mark.parametrize("capability", [90, 100])
+def test_kernels_compile_for_sm90a_and_sm100a(capability):
+    """Both kernels compile for the GPU targets on a machine without one (Triton compiles ahead of time)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signatures = {
+        "_radix_topk_kernel": {"scores_ptr": "*fp32", "visible_ptr": "*u8", "out_ptr": "*u8", "E": "i32", "k": "i32",
+                               "BLOCK": "constexpr"},
+        "_order_keys_kernel": {"scores_ptr": "*fp32", "visible_ptr": "*u8", "keys_ptr": "*i64", "numel": "i64",
+                               "E": "i32", "BLOCK": "constexpr"},
+    }
+    for name, signature in signatures.items():
+        fn = getattr(indexer_topk, name)
+        source = ASTSource(fn, signature, constexprs={(fn.arg_names.index("BLOCK"),): indexer_topk.BLOCK})
+        compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": 4})
+        assert f".target sm_{capability}a" in compiled.asm["ptx"], name

@@ -109,7 +109,7 @@ def _radix_topk_kernel(scores_ptr, visible_ptr, out_ptr, E, k, BLOCK: tl.constex
     known = tl.full((), 0, tl.uint32)
     need = tl.full((), 0, tl.int32) + k
     for p in tl.static_range(8):
-        shift: tl.constexpr = 28 - 4 * p
+        shift = 28 - 4 * p
         counts = tl.zeros([16], dtype=tl.int32)
         for start in range(0, E, BLOCK):
             offs = start + tl.arange(0, BLOCK)  # [B]
