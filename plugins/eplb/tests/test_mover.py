@@ -85,3 +85,22 @@ def test_placements_that_do_not_fit_are_refused(model):
     with pytest.raises(PlacementError, match=r"logcnt \[4\]"):
         model.set_expert_placement(0, identity.phy2log[0], identity.log2phy[0], torch.ones(3, dtype=torch.long),
                                    weights)
+
+
+def test_fp8_experts_move_with_their_scales(one_rank, tmp_path):
+    """fp8 block experts (e4m3 weights, float32 scales, the block size passed through) into 6 slots with replicas."""
+    from deepinfer_core.quant.writer import QuantRecipe, quantize_checkpoint
+
+    folder = tmp_path / "fp8"
+    quantize_checkpoint(resolve_model(None), folder, QuantRecipe("fp8", "fp8", 32))
+    model = load_deepseek_v4(folder, OpTable(), dtype=torch.float32)
+    model.shard_experts(0, 1)
+    assert model.layers[0].ffn.expert_weights[0].local_weights[0].dtype == torch.float8_e4m3fn
+    layers = model.expert_parallel_layout().num_moe_layers
+    before = _logits(model)
+    phy2log = torch.tensor([3, 0, 1, 3, 2, 0]).repeat(layers, 1)
+    replicas = Placement.from_slots(phy2log, torch.tensor([0, 0, 0, 1, 0, 1]).repeat(layers, 1), 4)
+    move_experts(model, model.expert_parallel_layout(), Placement.identity(layers, 4), replicas)
+    weights = model.expert_slots(0)
+    assert [w.shape[0] for w in weights if isinstance(w, torch.Tensor)] == [6] * 6 and weights[-1] == (32, 32)
+    torch.testing.assert_close(_logits(model), before, atol=1e-5, rtol=0)
