@@ -31,7 +31,7 @@ kernel_runs_here = pytest.mark.skipif(
 def test_kernel_under_triton_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "DEEPINFER_NVIDIA_COMPILE": "0"}
     child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                            "-k", "not under_triton_interpreter"], check=False, env=env, capture_output=True, text=True, timeout=600)
+                            "-k", "not under_triton_interpreter and not compile"], check=False, env=env, capture_output=True, text=True, timeout=600)
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-2000:]
     assert " passed" in child.stdout and "skipped" not in child.stdout, child.stdout[-2000:]
 
