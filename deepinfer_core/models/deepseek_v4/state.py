@@ -25,6 +25,7 @@ import dataclasses
 
 import torch
 
+from deepinfer_core.device_copy import to_device
 from deepinfer_core.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 
 
@@ -154,7 +155,7 @@ class DeepseekV4State:
         """Copy the ring rows that computing ``positions[i]`` in slot ``slots[i]`` will overwrite."""
         seq = [i for i, pos in enumerate(positions) for _ in pos]
         host = torch.tensor([seq, [slots[i] for i in seq], [p for pos in positions for p in pos]], dtype=torch.long)
-        seq_t, slot_t, pos_t = host.to(self.device, non_blocking=True).unbind(0)  # [M] each
+        seq_t, slot_t, pos_t = to_device(host, self.device).unbind(0)  # [M] each
         saved = [(ring, pos_t % rows, ring[slot_t, pos_t % rows].clone()) for ring, rows in self.slot_rings()]
         return SavedRows(seq_t, slot_t, pos_t, saved)
 
