@@ -109,7 +109,7 @@ def test_fp8_tensor_core_kernel_multiplies_e4m3_operands(rows, block, ue8m0, cap
 
 @pytest.mark.parametrize("capability", sorted(ARCHS))
 @pytest.mark.parametrize("name, fn, types, constants", [
-    ("row", fp8_linear._row_kernel, LINEAR_TYPES, {"BLOCK_N": 8, "BLOCK_K": 128, "B0": 128, "B1": 128,
+    ("row", fp8_linear._row_kernel, LINEAR_TYPES, {"BLOCK_N": 16, "BLOCK_K": 128, "B0": 128, "B1": 128,
                                                    "UE8M0": True}),
     ("row f32 scales", fp8_linear._row_kernel, LINEAR_TYPES | {"s_ptr": "*fp32"},
      {"BLOCK_N": 8, "BLOCK_K": 32, "B0": 32, "B1": 32, "UE8M0": False}),
@@ -122,3 +122,39 @@ def test_fp8_tensor_core_kernel_multiplies_e4m3_operands(rows, block, ue8m0, cap
 ])
 def test_small_quant_kernels_compile(name, fn, types, constants, capability):
     _compile(fn, types, constants, capability)
+
+
+def _divisible_source(fn, types: dict[str, str], constants: dict) -> ASTSource:
+    """``fn`` with pointers, strides and widths marked divisible by 16, as Triton's JIT sees the preset's shapes."""
+    signature, attrs = {}, {}
+    for i, arg in enumerate(fn.arg_names):
+        if i in fn.constexprs:
+            signature[arg] = "constexpr"
+            continue
+        signature[arg] = types.get(arg, "*bf16" if arg.endswith("_ptr") else "i32")
+        if arg.endswith("_ptr") or arg.startswith("stride") or arg in ("D", "I", "K", "N"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()},
+                     attrs=attrs)
+
+
+@pytest.mark.parametrize("capability", sorted(ARCHS))
+@pytest.mark.parametrize("name", ["mxfp4", "fp8", "linear"])
+def test_row_kernels_read_the_weights_in_16_byte_vectors(name, capability):
+    """The one-row kernels are bound by reading the stored weights: every weight load (the ``evict_first`` ones) is a
+    16-byte vector (MXFP4: 16 bytes of one scale group; fp8: 16 of a row's block)."""
+    if name == "linear":
+        block_n, block_k, warps, stages = fp8_linear.ROW_TILE
+        fn, types = fp8_linear._row_kernel, LINEAR_TYPES
+        constants = {"BLOCK_N": block_n, "BLOCK_K": block_k, "B0": 128, "B1": 128, "UE8M0": True}
+    else:
+        fmt = moe_quant.MXFP4 if name == "mxfp4" else moe_quant.FP8
+        block_n, block_k, warps, stages = moe_quant.ROW_TILES[fmt]
+        block = moe_quant.MXFP4_BLOCK if fmt == moe_quant.MXFP4 else (128, 128)
+        fn, types = moe_quant._up_row_kernel, _weights(fmt, ("1", "2", "3"))
+        constants = {"BLOCK_N": block_n, "BLOCK_K": block_k, "FMT": fmt, "B0": block[0], "B1": block[1],
+                     "UE8M0": True}
+    ptx = triton.compile(_divisible_source(fn, types, constants), target=GPUTarget("cuda", capability, 32),
+                         options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
+    loads = re.findall(r"ld\.global\.L1::evict_first\S*", ptx)
+    assert loads and all(load.endswith(".v4.b32") for load in loads), loads

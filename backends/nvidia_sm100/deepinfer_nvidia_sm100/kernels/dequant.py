@@ -4,8 +4,9 @@ e4m3 block weights (one ue8m0 or float32 scale per ``B0 x B1`` block).
 The ``@triton.jit`` helpers turn stored bytes into float32 values inside a kernel, bit for bit what
 ``deepinfer_core.quant.mxfp4.dequantize`` / ``fp8_block.dequantize`` compute on the host: a ue8m0 byte ``b`` is the
 float32 whose exponent field is ``b`` (``2^(b - 127)``; byte 0 is the subnormal ``2^-127``, byte 255 NaN), an e2m1
-code is built from its exponent and mantissa bits (codes 0-7: 0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 the sign), and the
-value is code x scale, one exact float32 product. The kernels of ``moe_quant.py`` and ``fp8_linear.py`` use them on
+code's bits placed into a float32 (codes 0-7: 0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 the sign; ``mxfp4_pair``), and the
+value is code x scale, exact float32 products. MXFP4 tiles load as ``[groups of 32 inputs, 16 bytes, ...]`` so that
+each ue8m0 scale is loaded and decoded once per group, not once per byte. The kernels of ``moe_quant.py`` and ``fp8_linear.py`` use them on
 weight tiles; ``dequantize_mxfp4`` / ``dequantize_fp8_block`` run them over a whole tensor (a dense weight on the
 device, and the exactness check of the tests).
 """
@@ -21,6 +22,9 @@ from deepinfer_core.quant import mxfp4
 MXFP4_GROUP: tl.constexpr = tl.constexpr(mxfp4.GROUP)  # inputs per ue8m0 scale
 PACKED_PER_SCALE: tl.constexpr = tl.constexpr(mxfp4.GROUP // 2)  # packed bytes per ue8m0 scale
 UE8M0_ONE: tl.constexpr = tl.constexpr(127)  # the ue8m0 byte of 1.0: what a masked scale load returns
+SIGN_BIT: tl.constexpr = tl.constexpr(0x80000000)  # float32 sign
+E2M1_BITS: tl.constexpr = tl.constexpr(0x01C00000)  # float32 bits 22-24: an e2m1 code's exponent and mantissa
+TWO_126: tl.constexpr = tl.constexpr(2.0**126)
 
 
 @triton.jit
@@ -33,23 +37,18 @@ def ue8m0(byte):
 
 
 @triton.jit
-def e2m1(code):
-    """float32 value of e2m1 codes (integer tensor, 0-15): magnitude from exponent ``e`` (bits 1-2) and mantissa
-    ``m`` (bit 0), ``m / 2`` when ``e`` is 0 else ``2^(e - 1) (1 + m / 2)``; bit 3 is the sign (code 8 is -0.0)."""
-    c = code.to(tl.int32)
-    e = (c >> 1) & 3
-    m = c & 1
-    bits = tl.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
-    return (bits | ((c >> 3) << 31)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def mxfp4_pair(packed, scale):
     """The two float32 weights of each packed byte (low nibble: the even input, high nibble: the odd one), times
-    the byte's ue8m0 ``scale`` (same shape): ``(even, odd)``."""
-    b = packed.to(tl.int32) & 0xFF
-    s = ue8m0(scale)
-    return e2m1(b & 15) * s, e2m1(b >> 4) * s
+    its float32 ``scale`` (broadcast): ``(even, odd)``.
+
+    A code's sign bit and three magnitude bits moved to float32 bits 31 and 22-24 make the float32 ``2^-126`` times
+    its e2m1 value (exponent field ``e``, top mantissa bit ``m``: ``2^(e - 127) (1 + m / 2)``; for ``e = 0`` the
+    subnormal ``m 2^-127``), so a nibble costs two shifts, two masks and an or, then an exact multiply by 2^126."""
+    b = packed.to(tl.uint32)
+    even = ((b << 28) & SIGN_BIT) | ((b << 22) & E2M1_BITS)
+    odd = ((b << 24) & SIGN_BIT) | ((b << 18) & E2M1_BITS)
+    return ((even.to(tl.float32, bitcast=True) * TWO_126) * scale,
+            (odd.to(tl.float32, bitcast=True) * TWO_126) * scale)
 
 
 @triton.jit
@@ -57,20 +56,30 @@ def block_scale(raw, UE8M0: tl.constexpr):
     """A block scale as float32: ue8m0 bytes decoded, float32 scales as loaded."""
     if UE8M0:
         return ue8m0(raw)
-    return raw.to(tl.float32)
+    else:
+        return raw.to(tl.float32)
 
 
 @triton.jit
-def mxfp4_dot(acc, a_even, a_odd, w_ptr, s_ptr, pairs, offs_n, w_stride, s_stride, mask, PRECISION: tl.constexpr):
-    """``acc += a @ W[:, slice]^T`` for one MXFP4 slice: ``pairs [BK / 2]`` byte columns of rows ``offs_n [BN]``
-    (``w_ptr`` / ``s_ptr`` at the expert), ``a_even`` / ``a_odd [BM, BK / 2]`` the slice's even / odd inputs."""
-    packed = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * w_stride + pairs[:, None], mask=mask, other=0)
-    scale = tl.load(s_ptr + offs_n[None, :].to(tl.int64) * s_stride + (pairs // PACKED_PER_SCALE)[:, None],
-                    mask=mask, other=UE8M0_ONE)  # [BK / 2, BN]
-    even, odd = mxfp4_pair(packed, scale)
+def mxfp4_dot(acc, a_even, a_odd, w_ptr, s_ptr, k0, K, offs_n, n_mask, w_stride, s_stride, BLOCK_K: tl.constexpr,
+              PRECISION: tl.constexpr):
+    """``acc [BM, BN] += a @ W[:, k0 : k0 + BLOCK_K]^T`` for one MXFP4 slice of rows ``offs_n [BN]`` (``w_ptr`` /
+    ``s_ptr`` at the expert; ``K`` a multiple of 32); ``a_even`` / ``a_odd [BM, BK / 2]`` the slice's even / odd
+    inputs. The packed bytes load as ``[groups, 16, BN]`` beside one ue8m0 scale per group and row."""
+    groups = k0 // MXFP4_GROUP + tl.arange(0, BLOCK_K // MXFP4_GROUP)  # [G]
+    in_g = groups < K // MXFP4_GROUP
+    pairs = (groups * PACKED_PER_SCALE)[:, None, None] + tl.arange(0, PACKED_PER_SCALE)[None, :, None]  # [G, 16, 1]
+    rows = offs_n.to(tl.int64)
+    packed = tl.load(w_ptr + rows[None, None, :] * w_stride + pairs, mask=in_g[:, None, None] & n_mask[None, None, :],
+                     other=0)  # [G, 16, BN]
+    scale = ue8m0(tl.load(s_ptr + rows[None, :] * s_stride + groups[:, None], mask=in_g[:, None] & n_mask[None, :],
+                          other=UE8M0_ONE))  # [G, BN]
+    even, odd = mxfp4_pair(packed, scale[:, None, :])
     dt = a_even.dtype
-    acc = tl.dot(a_even, even.to(dt), acc, input_precision=PRECISION)
-    return tl.dot(a_odd, odd.to(dt), acc, input_precision=PRECISION)
+    even = tl.reshape(even.to(dt), (BLOCK_K // 2, acc.shape[1]))  # [BK / 2, BN]
+    odd = tl.reshape(odd.to(dt), (BLOCK_K // 2, acc.shape[1]))
+    acc = tl.dot(a_even, even, acc, input_precision=PRECISION)
+    return tl.dot(a_odd, odd, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -85,28 +94,49 @@ def fp8_dot(acc, a, w_ptr, s_ptr, offs_k, offs_n, k0, w_stride, s_stride, mask, 
 
 
 @triton.jit
+def row_acc(BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr):
+    """The zero fp32 accumulator of ``row_product``: ``[BN, BK / 32, 16]`` (MXFP4: byte columns by scale group) or
+    ``[BN, BK]`` (fp8)."""
+    if FMT == 0:  # (if / else: a constexpr branch with a return and code after it would compile both)
+        return tl.zeros([BLOCK_N, BLOCK_K // MXFP4_GROUP, PACKED_PER_SCALE], dtype=tl.float32)
+    else:
+        return tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+
+
+@triton.jit
+def row_total(acc, FMT: tl.constexpr):
+    """``row_product``'s accumulator summed per row: ``[BN]``."""
+    if FMT == 0:
+        return tl.sum(tl.sum(acc, axis=2), axis=1)
+    else:
+        return tl.sum(acc, axis=1)
+
+
+@triton.jit
 def row_product(acc, x_ptr, w_rows, s_rows, k0, K, in_n, FMT: tl.constexpr, BLOCK_K: tl.constexpr,
                 B1: tl.constexpr, UE8M0: tl.constexpr):
-    """``acc [BN, BK / 2 or BK] += W[rows, slice] * x[slice]`` of one ``BLOCK_K`` slice from ``k0`` of a one-row
-    product (``FMT`` 0: MXFP4, 1: fp8 blocks; fp32 products, the weight rounded to ``x``'s dtype first);
-    ``w_rows`` / ``s_rows``: ``[BN, 1]`` pointers to the rows' weights and scales; ``in_n``: the real rows."""
+    """``acc += W[rows, slice] * x[slice]`` (``row_acc``'s shape) of one ``BLOCK_K`` slice from ``k0`` of a one-row
+    product (``FMT`` 0: MXFP4, ``K`` a multiple of 32; 1: fp8 blocks, the slice inside one; fp32 products, the
+    weight rounded to ``x``'s dtype first); ``w_rows`` / ``s_rows``: ``[BN, 1]`` pointers to the rows' weights and
+    scales; ``in_n``: the real rows."""
     dt = x_ptr.dtype.element_ty
     if FMT == 0:
-        pairs = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BK / 2]
-        in_k = pairs < K // 2
-        mask = in_n[:, None] & in_k[None, :]
-        even, odd = mxfp4_pair(tl.load(w_rows + pairs[None, :], mask=mask, other=0, eviction_policy="evict_first"),
-                               tl.load(s_rows + (pairs // PACKED_PER_SCALE)[None, :], mask=mask, other=UE8M0_ONE))
-        x_even = tl.load(x_ptr + 2 * pairs, mask=in_k, other=0.0).to(tl.float32)[None, :]
-        x_odd = tl.load(x_ptr + 2 * pairs + 1, mask=in_k, other=0.0).to(tl.float32)[None, :]
+        groups = k0 // MXFP4_GROUP + tl.arange(0, BLOCK_K // MXFP4_GROUP)  # [G]
+        in_g = groups < K // MXFP4_GROUP
+        pairs = (groups * PACKED_PER_SCALE)[None, :, None] + tl.arange(0, PACKED_PER_SCALE)[None, None, :]  # [1, G, 16]
+        packed = tl.load(w_rows[:, :, None] + pairs, mask=in_n[:, None, None] & in_g[None, :, None], other=0,
+                         eviction_policy="evict_first")  # [BN, G, 16]
+        scale = ue8m0(tl.load(s_rows + groups[None, :], mask=in_n[:, None] & in_g[None, :], other=UE8M0_ONE))
+        even, odd = mxfp4_pair(packed, scale[:, :, None])
+        x_even = tl.load(x_ptr + 2 * pairs, mask=in_g[None, :, None], other=0.0).to(tl.float32)
+        x_odd = tl.load(x_ptr + 2 * pairs + 1, mask=in_g[None, :, None], other=0.0).to(tl.float32)
         return acc + even.to(dt).to(tl.float32) * x_even + odd.to(dt).to(tl.float32) * x_odd
     else:
         ks = k0 + tl.arange(0, BLOCK_K)
         in_k = ks < K
         w = tl.load(w_rows + ks[None, :], mask=in_n[:, None] & in_k[None, :], other=0.0,
                     eviction_policy="evict_first")
-        scale = block_scale(tl.load(s_rows + k0 // B1, mask=in_n[:, None], other=0),
-                            UE8M0)  # [BN, 1]
+        scale = block_scale(tl.load(s_rows + k0 // B1, mask=in_n[:, None], other=0), UE8M0)  # [BN, 1]
         xk = tl.load(x_ptr + ks, mask=in_k, other=0.0).to(tl.float32)[None, :]
         return acc + (w.to(tl.float32) * scale).to(dt).to(tl.float32) * xk
 
@@ -117,7 +147,7 @@ def _mxfp4_kernel(packed_ptr, scale_ptr, out_ptr, n_bytes, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = i < n_bytes
     even, odd = mxfp4_pair(tl.load(packed_ptr + i, mask=mask, other=0),
-                           tl.load(scale_ptr + i // PACKED_PER_SCALE, mask=mask, other=UE8M0_ONE))
+                           ue8m0(tl.load(scale_ptr + i // PACKED_PER_SCALE, mask=mask, other=UE8M0_ONE)))
     tl.store(out_ptr + 2 * i, even, mask=mask)
     tl.store(out_ptr + 2 * i + 1, odd, mask=mask)
 

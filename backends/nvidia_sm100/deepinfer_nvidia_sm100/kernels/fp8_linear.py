@@ -181,7 +181,7 @@ def _fp8_tc_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, st
 
 # Launches: (BLOCK_N, BLOCK_K, num_warps, num_stages) of the row kernel; (BLOCK_M, BLOCK_N, num_warps, num_stages)
 # of the dot kernels by rows (the first whose row bound holds). BLOCK_K of the dot kernels: min(128, B1) / B1.
-ROW_TILE = (8, 128, 4, 4)
+ROW_TILE = (16, 128, 4, 4)  # 16 rows x 128 fp8 inputs: a 16-byte load per thread
 WEIGHT_ONLY_TILES = ((16, 16, 64, 4, 4), (64, 64, 64, 4, 3), (None, 64, 128, 4, 3))  # (max rows, BM, BN, warps, st.)
 FP8_TC_TILES = ((1024, 64, 128, 4, 3), (None, 128, 128, 8, 3))
 

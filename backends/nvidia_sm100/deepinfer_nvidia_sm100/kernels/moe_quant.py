@@ -62,18 +62,19 @@ def _up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, assign_ptr, block_e
             a_mask = valid[:, None] & k_mask[None, :]
             a_even = tl.load(x_rows + 2 * pairs[None, :], mask=a_mask, other=0.0)  # [BM, BK / 2]
             a_odd = tl.load(x_rows + 2 * pairs[None, :] + 1, mask=a_mask, other=0.0)
-            mask = n_mask[None, :] & k_mask[:, None]
-            acc1 = dequant.mxfp4_dot(acc1, a_even, a_odd, w1, s1, pairs, offs_n, stride_wi, stride_si, mask, PRECISION)
-            acc3 = dequant.mxfp4_dot(acc3, a_even, a_odd, w3, s3, pairs, offs_n, stride_wi, stride_si, mask, PRECISION)
+            acc1 = dequant.mxfp4_dot(acc1, a_even, a_odd, w1, s1, k0, D, offs_n, n_mask, stride_wi, stride_si, BLOCK_K,
+                                     PRECISION)
+            acc3 = dequant.mxfp4_dot(acc3, a_even, a_odd, w3, s3, k0, D, offs_n, n_mask, stride_wi, stride_si, BLOCK_K,
+                                     PRECISION)
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < D
             a = tl.load(x_rows + offs_k[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
             mask = n_mask[None, :] & k_mask[:, None]
-            acc1 = dequant.fp8_dot(acc1, a, w1, s1, offs_k, offs_n, k0, stride_wi, stride_si, mask, n_mask, B0, B1, UE8M0,
-                            PRECISION)
-            acc3 = dequant.fp8_dot(acc3, a, w3, s3, offs_k, offs_n, k0, stride_wi, stride_si, mask, n_mask, B0, B1, UE8M0,
-                            PRECISION)
+            acc1 = dequant.fp8_dot(acc1, a, w1, s1, offs_k, offs_n, k0, stride_wi, stride_si, mask, n_mask, B0, B1,
+                                   UE8M0, PRECISION)
+            acc3 = dequant.fp8_dot(acc3, a, w3, s3, offs_k, offs_n, k0, stride_wi, stride_si, mask, n_mask, B0, B1,
+                                   UE8M0, PRECISION)
     dt = h_ptr.dtype.element_ty
     h = moe._swiglu(acc1.to(dt).to(tl.float32), acc3.to(dt).to(tl.float32), limit, dt)
     tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_n[None, :], h.to(dt),
@@ -108,14 +109,14 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, assign_ptr, block_ex
             a_mask = valid[:, None] & k_mask[None, :]
             a_even = tl.load(h_rows + 2 * pairs[None, :], mask=a_mask, other=0.0)
             a_odd = tl.load(h_rows + 2 * pairs[None, :] + 1, mask=a_mask, other=0.0)
-            acc = dequant.mxfp4_dot(acc, a_even, a_odd, w2, s2, pairs, offs_n, stride_wd, stride_sd,
-                             n_mask[None, :] & k_mask[:, None], PRECISION)
+            acc = dequant.mxfp4_dot(acc, a_even, a_odd, w2, s2, k0, I, offs_n, n_mask, stride_wd, stride_sd, BLOCK_K,
+                                    PRECISION)
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < I
             a = tl.load(h_rows + offs_k[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
             acc = dequant.fp8_dot(acc, a, w2, s2, offs_k, offs_n, k0, stride_wd, stride_sd,
-                           n_mask[None, :] & k_mask[:, None], n_mask, B0, B1, UE8M0, PRECISION)
+                                  n_mask[None, :] & k_mask[:, None], n_mask, B0, B1, UE8M0, PRECISION)
     dt = y_ptr.dtype.element_ty
     w = tl.load(weights_ptr + tl.where(valid, assign, 0), mask=valid, other=0.0)
     acc = acc.to(dt).to(tl.float32) * w.to(dt).to(tl.float32)[:, None]
@@ -137,17 +138,16 @@ def _up_row_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, ids_ptr, D, I, 
     w_rows = expert * stride_we + cols[:, None].to(tl.int64) * stride_wi  # [BN, 1]
     s_row = cols // B0  # MXFP4: B0 = 1
     s_rows = expert * stride_se + s_row[:, None].to(tl.int64) * stride_si
-    width: tl.constexpr = BLOCK_K // (2 - FMT)  # MXFP4: byte columns
-    acc1 = tl.zeros([BLOCK_N, width], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_N, width], dtype=tl.float32)
+    acc1 = dequant.row_acc(BLOCK_N, BLOCK_K, FMT)
+    acc3 = dequant.row_acc(BLOCK_N, BLOCK_K, FMT)
     for k0 in range(0, D, BLOCK_K):
         acc1 = dequant.row_product(acc1, x_ptr, w1_ptr + w_rows, s1_ptr + s_rows, k0, D, in_n, FMT, BLOCK_K, B1,
                                     UE8M0)
         acc3 = dequant.row_product(acc3, x_ptr, w3_ptr + w_rows, s3_ptr + s_rows, k0, D, in_n, FMT, BLOCK_K, B1,
                                     UE8M0)
     dt = h_ptr.dtype.element_ty
-    h = moe._swiglu(tl.sum(acc1, axis=1).to(dt).to(tl.float32), tl.sum(acc3, axis=1).to(dt).to(tl.float32), limit,
-                    dt)
+    h = moe._swiglu(dequant.row_total(acc1, FMT).to(dt).to(tl.float32),
+                    dequant.row_total(acc3, FMT).to(dt).to(tl.float32), limit, dt)
     tl.store(h_ptr + pick * I + cols, h.to(dt), mask=in_n)
 
 
@@ -166,25 +166,24 @@ def _down_row_kernel(h_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, weights_ptr, D, I,
     in_n = cols < D
     s_row = cols // B0  # MXFP4: B0 = 1
     dt = out_ptr.dtype.element_ty
-    width: tl.constexpr = BLOCK_K // (2 - FMT)  # MXFP4: byte columns
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     for r in range(top_k):
         pick = tl.sum(tl.where((rank == r) & in_k, j, 0), axis=0)
         expert = tl.load(ids_ptr + pick).to(tl.int64)
         w_rows = w2_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wd  # [BN, 1]
         s_rows = s2_ptr + expert * stride_se + s_row[:, None].to(tl.int64) * stride_sd
-        acc = tl.zeros([BLOCK_N, width], dtype=tl.float32)
+        acc = dequant.row_acc(BLOCK_N, BLOCK_K, FMT)
         for k0 in range(0, I, BLOCK_K):
             acc = dequant.row_product(acc, h_ptr + pick * I, w_rows, s_rows, k0, I, in_n, FMT, BLOCK_K, B1, UE8M0)
         w = tl.load(weights_ptr + pick).to(dt).to(tl.float32)
-        part = (tl.sum(acc, axis=1).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)  # [BN]
+        part = (dequant.row_total(acc, FMT).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)  # [BN]
         total = (total + part).to(dt).to(tl.float32)
     tl.store(out_ptr + cols, total.to(dt), mask=in_n)
 
 
 # One-token launches (BLOCK_N, BLOCK_K, num_warps, num_stages): MXFP4 rows are a quarter of bf16 rows' bytes and fp8
 # half, so a program takes more rows than ``gemv.row_config``'s two; fp8 slices stay inside one scale block.
-ROW_TILES = {MXFP4: (8, 512, 4, 3), FP8: (8, 128, 4, 4)}
+ROW_TILES = {MXFP4: (8, 512, 4, 3), FP8: (16, 128, 4, 4)}  # 16-byte loads per thread
 GROUPED_MAX_BLOCK_K = {MXFP4: 128, FP8: 128}
 
 
