@@ -433,3 +433,24 @@ def test_prefix_cache_registers_only_accepted_blocks(folder):
     assert set(llm.engine.state_manager.cached) == set(base.engine.state_manager.cached)
     again = _generate(llm, [prompt + continuation[:20]], SamplingParams(temperature=0, max_tokens=4))[0]
     assert again.num_cached_tokens == 32  # 34 tokens: four full blocks of 8 before the last token
+
+
+def test_bench_reports_the_timed_runs_speculation(capsys):
+    """``deepinfer bench --speculative-config``: the timed run's drafts (warm-up left out), acceptance length and
+    verified tokens per step, in the result and the table; a bad config exits 2."""
+    from deepinfer_core.bench import runner
+    from deepinfer_core.bench.report import format_report
+    from deepinfer_core.cli.main import main
+
+    config = runner.BenchConfig(input_len=16, output_len=24, num_prompts=2, max_num_seqs=2, warmup=1,
+                                enforce_eager=True, speculative_config=NGRAM)
+    result = runner.run_bench(config)
+    figures = result["engine"]["speculative"]
+    engine = result["engine"]["engine_metrics"]
+    assert 0 < figures["num_drafts"] < engine["deepinfer:spec_decode_num_drafts"]  # the warm-up's are not counted
+    assert figures["acceptance_length"] == 1 + figures["num_accepted_tokens"] / figures["num_drafts"]
+    assert figures["verified_per_step"] == figures["num_verified_tokens"] / result["engine"]["steps"]
+    assert sum(figures["accepted_per_pos"]) == figures["num_accepted_tokens"]
+    assert "speculative decoding (ngram, k = 3): acceptance length" in format_report(result)
+    assert main(["bench", "--speculative-config", '{"method": "ngram"}']) == 2
+    assert "num_speculative_tokens must be an integer >= 1" in capsys.readouterr().err

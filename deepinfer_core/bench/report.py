@@ -46,7 +46,20 @@ def format_report(result: Mapping[str, Any]) -> str:
         lines.append(f"engine/HF output throughput: {result['ratio']['output_throughput']:.2f}x")
     if result.get("structured_output"):
         lines.append(_masks(result["structured_output"]))
+    if result["engine"].get("speculative"):
+        lines.append(_speculation(result["config"].get("speculative_config") or {}, result["engine"]["speculative"]))
     return "\n".join(lines)
+
+
+def _speculation(config: Mapping[str, Any], figures: Mapping[str, Any]) -> str:
+    """The speculative decoding line: acceptance length, drafts, verified and accepted tokens, per step."""
+    head = f"speculative decoding ({config.get('method')}, k = {config.get('num_speculative_tokens')}): "
+    if figures["acceptance_length"] is None:
+        return head + "no draft was verified in the timed runs"
+    return (head + f"acceptance length {figures['acceptance_length']:.2f}, {figures['num_drafts']} drafts, "
+            f"{figures['num_verified_tokens']} verified and {figures['num_accepted_tokens']} accepted tokens "
+            f"(per position {figures['accepted_per_pos']}), {figures['verified_per_step']:.2f} verified tokens per "
+            "step")
 
 
 def _masks(masks: Mapping[str, Any]) -> str:

@@ -84,6 +84,7 @@ class BenchConfig:
     json_schema: Mapping[str, Any] | None = None  # every request constrained to this JSON schema
     data_parallel_size: int = 1  # > 1: that many ranks started by LLM (``bench/parallel.py``)
     enable_expert_parallel: bool = False
+    speculative_config: Mapping[str, Any] | None = None  # vLLM's dict (docs/speculative.md); None: no speculation
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -106,6 +107,10 @@ class BenchConfig:
             raise ValueError(f"json_schema must be a JSON object (a schema), got {type(self.json_schema).__name__}")
         if self.json_schema is not None and self.data_parallel_size > 1:
             raise ValueError("--json-schema runs on one engine; leave out --data-parallel-size")
+        if self.speculative_config is not None and not isinstance(self.speculative_config, Mapping):
+            raise ValueError(f"speculative_config must be a dict, got {type(self.speculative_config).__name__}")
+        if self.speculative_config is not None and self.data_parallel_size > 1:
+            raise ValueError("--speculative-config runs on one engine; leave out --data-parallel-size")
         if self.json_schema is not None and self.compare_hf:
             raise ValueError("--json-schema constrains the engine's requests only; HF generate would not do the same "
                              "work: leave out --compare-hf")
@@ -200,7 +205,7 @@ def result_keys() -> dict[str, list[str]]:
                     "total_throughput", "requests_per_s", "ttft_s", "tpot_s", "latency_s", "load_time_s", "steps",
                     "step_times_s", "iteration_total_times_s", "iteration_first_token_s", "gc_pauses",
                     "num_cached_tokens", "computed_prompt_tokens", "ttft_hit_s", "ttft_miss_s", "engine_metrics",
-                    "ranks"],
+                    "ranks", "speculative"],
     }
 
 
@@ -278,7 +283,8 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
               max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed,
               enforce_eager=config.enforce_eager, enable_mixed_chunk=config.enable_mixed_chunk,
               prefill_graph_buckets=None if config.prefill_graphs else [],
-              async_scheduling=config.async_scheduling, **dict(config.options or {}))
+              async_scheduling=config.async_scheduling, speculative_config=config.speculative_config,
+              **dict(config.options or {}))
     load_time = time.perf_counter() - t0
     device, dtype = llm.backend.device, llm.dtype
     prefix = prompts[0][:config.prefix_len]
@@ -288,6 +294,7 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
         log(f"engine warmup {i + 1}/{config.warmup} ...")
         time_engine(llm, warm, config.output_len, f"warmup{i}", params)  # the timed run's shape: its graphs
     runs, masks = [], []
+    before = {metric.name: metric.value for metric in llm.engine.metrics.snapshot()}
     for i in range(config.num_iters):  # run 0 takes the prompts HF gets; later runs fresh ones (hits: the prefix)
         log(f"engine: timed run {i + 1}/{config.num_iters} ...")
         run_prompts = prompts if i == 0 else random_prompts(len(prompts), len(prompts[0]),
@@ -303,6 +310,7 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
                for name, graphs in (("decode", llm.engine.runner.decode_graphs),
                                     ("prefill", llm.engine.runner.prefill_graphs))}
     metrics["engine_metrics"] = {metric.name: metric.value for metric in llm.engine.metrics.snapshot()}
+    metrics["speculative"] = speculation_figures(before, metrics["engine_metrics"], sum(run.steps for run in runs))
     outputs = [runs[0].outputs[f"bench-{i}"] for i in range(len(prompts))]
     budget, overlapped = llm.max_num_batched_tokens, llm.async_scheduling
     op_sources = llm.model.ops.sources()  # which implementation each op ran (backend, plugin or reference)
@@ -312,6 +320,23 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
     return {"metrics": metrics, "outputs": outputs, "graph_replays": replays, "max_num_batched_tokens": budget,
             "async_scheduling": overlapped, "op_sources": op_sources,
             "structured_output": masks[median] if config.json_schema is not None else None}, device, dtype
+
+
+def speculation_figures(before: Mapping[str, Any], after: Mapping[str, Any], steps: int) -> dict[str, Any] | None:
+    """The timed runs' speculative decoding (the ``deepinfer:spec_decode_*`` counters' growth over them): drafts,
+    draft / verified / accepted tokens, accepted tokens per draft position, acceptance length (1 + accepted /
+    drafts) and verified tokens per step; None without speculation."""
+    prefix = "deepinfer:spec_decode_"
+    if f"{prefix}num_drafts" not in after:
+        return None
+    grown = {key: after[prefix + key] - before.get(prefix + key, 0)
+             for key in ("num_drafts", "num_draft_tokens", "num_verified_tokens", "num_accepted_tokens")}
+    per_pos = [a - b for a, b in zip(after[f"{prefix}num_accepted_tokens_per_pos"],
+                                     before.get(f"{prefix}num_accepted_tokens_per_pos") or [0] * 64)]
+    drafts = grown["num_drafts"]
+    return {**grown, "accepted_per_pos": per_pos,
+            "acceptance_length": 1 + grown["num_accepted_tokens"] / drafts if drafts else None,
+            "verified_per_step": grown["num_verified_tokens"] / steps if steps else None}
 
 
 def request_params(config: BenchConfig):
@@ -490,6 +515,7 @@ def summarize(times: RunTimes, prompt_lens: Sequence[int], load_time: float,
         "ttft_miss_s": stats([t for k, t in zip(keys, ttft) if times.cached_tokens.get(k, 0) == 0]),
         "engine_metrics": {},  # the engine's metrics by name (LLM.get_metrics(); EPLB: moe_lb), filled by its run
         "ranks": None,  # each rank's statistics with data parallelism (``bench/parallel.py``)
+        "speculative": None,  # the timed runs' draft figures with speculative decoding (``speculation_figures``)
     }
 
 

@@ -71,6 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json-schema", metavar="FILE",
                         help="constrain every request to the JSON schema in FILE (structured output; a request ends "
                              "when the grammar completes or at --output-len; a preset gets a byte-level tokenizer)")
+    parser.add_argument("--speculative-config", metavar="JSON",
+                        help="""speculative decoding, vLLM's dict as JSON, e.g. '{"method": "ngram", """
+                             """"num_speculative_tokens": 3}'; the report adds acceptance length and verified tokens """
+                             "per step (docs/speculative.md)")
     parser.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
     parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                         help="batch-invariant mode (the deepinfer-batch-invariant plugin's option batch_invariant: the "
@@ -86,10 +90,12 @@ def run(args: argparse.Namespace) -> int:
     from deepinfer_core.bench.runner import BenchConfig, run_bench
     from deepinfer_core.cli.plugin_failures import report_plugin_failures
     from deepinfer_core.errors import DeepInferError
+    from deepinfer_core.spec_decode.config import parse_json_config
 
     try:
         options = with_batch_invariant(parse_options(args.option), args.batch_invariant)
         schema = read_json_schema(args.json_schema) if args.json_schema else None
+        speculative = parse_json_config(args.speculative_config) if args.speculative_config is not None else None
     except DeepInferError as exc:
         print(f"deepinfer bench: error: {exc}", file=sys.stderr)
         return 2
@@ -102,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         prefill_graphs=args.prefill_graphs, enable_mixed_chunk=args.enable_mixed_chunk,
         async_scheduling=args.async_scheduling, seed=args.seed, prefix_share=args.prefix_share,
         cache_dir=args.cache_dir, options=options, data_parallel_size=args.data_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel, json_schema=schema,
+        enable_expert_parallel=args.enable_expert_parallel, json_schema=schema, speculative_config=speculative,
     )
     try:
         result = run_bench(config, log=lambda msg: print(msg, file=sys.stderr, flush=True))
