@@ -67,7 +67,13 @@ class OutputSoFar(Sequence[int]):
 
     def __getitem__(self, index):
         if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            head = list(self._ids[start:min(stop, self._length)])  # [start, stop) of the live list, as of prepare
+            if self._latest is not None and start <= self._length < stop:
+                head.append(self._latest)
+            return head
         if index < 0:
             index += len(self)
         if not 0 <= index < len(self):

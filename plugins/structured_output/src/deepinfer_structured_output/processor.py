@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 # rebuilt from the request's output tokens when the request samples again).
 STALE_AFTER_CALLS = 256
 GRAMMAR_CACHE_SIZE = 256
-ROLLBACK_WINDOW = 64  # trailing tokens compared with what a matcher consumed (rejected drafts are shorter)
+ROLLBACK_WINDOW = 16  # trailing tokens compared with what a matcher consumed (rejected drafts are shorter)
 
 
 def grammar_of(constraint: StructuredOutputsParams) -> str:
@@ -60,6 +60,7 @@ def grammar_of(constraint: StructuredOutputsParams) -> str:
 class _Entry:
     matcher: object  # llguidance.LLMatcher
     key: str  # the grammar it was built from
+    constraint: object  # the StructuredOutputsParams it was last used for (the key's source: skips recomputing it)
     consumed: list[int]  # the output tokens it consumed, in order
     last_call: int
 
@@ -209,11 +210,15 @@ class StructuredOutputProcessor(TwoPhaseLogitsProcessor):
         (rejected speculative drafts: the row's tokens differ from some position on) are rolled back first."""
         import llguidance
 
-        key, grammar = self._grammar(row.params.structured_outputs)
+        constraint = row.params.structured_outputs
         entry = self._entries.get(row.request_id)
-        if entry is None or entry.key != key:
-            entry = _Entry(llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0), key, [], self._calls)
-            self._entries[row.request_id] = entry
+        if entry is None or entry.constraint is not constraint:
+            key, grammar = self._grammar(constraint)
+            if entry is None or entry.key != key:
+                entry = _Entry(llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0), key, constraint, [],
+                               self._calls)
+                self._entries[row.request_id] = entry
+            entry.constraint = constraint
         entry.last_call = self._calls
         output = row.output_token_ids
         keep = _common_prefix(entry.consumed, output)
@@ -246,10 +251,11 @@ def _common_prefix(consumed: list[int], output) -> int:
     """How many leading tokens ``consumed`` and ``output`` share; only the last ``ROLLBACK_WINDOW`` of the shorter
     are compared (outputs only ever change at their end)."""
     shorter = min(len(consumed), len(output))
-    for i in range(max(0, shorter - ROLLBACK_WINDOW), shorter):
-        if consumed[i] != output[i]:
-            return i
-    return shorter
+    start = max(0, shorter - ROLLBACK_WINDOW)
+    tail = list(output[start:shorter])
+    if consumed[start:shorter] == tail:
+        return shorter
+    return next(start + i for i, (a, b) in enumerate(zip(consumed[start:shorter], tail)) if a != b)
 
 
 __all__ = ["StructuredOutputProcessor", "grammar_of"]

@@ -1,0 +1,72 @@
+"""Two-phase logits processors (``prepare`` on the engine's worker thread, ``apply`` in the sampler) on the embedded
+tiny model: the rows ``prepare`` gets are complete under both loops, it runs off the engine's thread, the outputs of
+the asynchronous loop are the synchronous loop's, and other requests keep their tokens."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import torch
+
+from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.engine.logits_preparer import OutputSoFar
+from deepinfer_core.sampling.logits_processor import TwoPhaseLogitsProcessor, is_two_phase
+
+
+class SameParity(TwoPhaseLogitsProcessor):
+    """Allows only tokens of the parity of the row's latest output token (a rule that needs that token)."""
+
+    def __init__(self):
+        self.threads, self.complete = set(), []
+
+    def applies_to(self, params: SamplingParams) -> bool:
+        return bool((params.extra_args or {}).get("parity"))
+
+    def prepare(self, rows):
+        self.threads.add(threading.current_thread().name)
+        self.complete += [len(row.output_token_ids) == row.num_output_tokens for row in rows]
+        return torch.tensor([row.output_token_ids[-1] % 2 if row.output_token_ids else 0 for row in rows])
+
+    def apply(self, logits, rows, handle):
+        parity = torch.arange(logits.shape[1], device=logits.device) % 2  # [vocab]
+        return logits.masked_fill_(parity[None, :] != handle.to(logits.device)[:, None], float("-inf"))
+
+
+PROMPTS = ["def fibonacci(n):", "hello", "import os\n", "class A:"]
+
+
+def _params():
+    steered = SamplingParams(temperature=0.8, seed=3, max_tokens=16, n=2, extra_args={"parity": True})
+    return [steered, SamplingParams(temperature=0, max_tokens=16), steered, SamplingParams(temperature=0, max_tokens=16)]
+
+
+def _run(async_scheduling: bool):
+    processor = SameParity()
+    llm = LLM(max_num_seqs=6, enforce_eager=True, async_scheduling=async_scheduling, logits_processors=[processor])
+    return llm.generate(PROMPTS, _params(), use_tqdm=False), processor, llm
+
+
+def test_prepare_gets_complete_rows_off_the_engine_thread_and_both_loops_agree():
+    sync, sync_processor, _ = _run(False)
+    overlapped, processor, llm = _run(True)
+    assert [[c.token_ids for c in o.outputs] for o in overlapped] == [[c.token_ids for c in o.outputs] for o in sync]
+    assert processor.threads == sync_processor.threads == {"deepinfer-prepare_0"}
+    assert processor.complete and all(processor.complete) and all(sync_processor.complete)
+    assert llm.engine.num_overlapped_steps > 0 and llm.engine.preparer.stats.num_rows > 0
+    for output in overlapped[::2]:
+        for completion in output.outputs:
+            ids = completion.token_ids
+            assert all(a % 2 == b % 2 for a, b in itertools.pairwise(ids)), ids
+    plain = LLM(max_num_seqs=6, enforce_eager=True).generate(PROMPTS[1::2], _params()[1::2], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in overlapped[1::2]] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_the_two_phase_contract_and_a_prefix_view_of_the_output():
+    processor = SameParity()
+    assert is_two_phase(processor) and not is_two_phase(lambda logits, rows: logits)
+    ids = [1, 2, 3]
+    view = OutputSoFar(ids, 3, 8)
+    ids.append(5)  # the engine's thread appends meanwhile: the view keeps what it was given
+    assert list(view) == [1, 2, 3, 8] and view[1:] == [2, 3, 8] and view[4:] == [] and view[-1] == 8
+    assert list(OutputSoFar(ids, 2, None)) == [1, 2]
