@@ -3,6 +3,7 @@ of the model state, the engine's outputs with and without speculation, metrics, 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 
@@ -454,3 +455,22 @@ def test_bench_reports_the_timed_runs_speculation(capsys):
     assert "speculative decoding (ngram, k = 3): acceptance length" in format_report(result)
     assert main(["bench", "--speculative-config", '{"method": "ngram"}']) == 2
     assert "num_speculative_tokens must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_bench_takes_real_prompts_from_a_file(tmp_path):
+    """``--prompts FILE``: the first num_prompts non-empty lines, tokenized and cut to input_len; ngram drafts on
+    repetitive code are accepted; too few lines and --compare-hf are refused by name."""
+    from deepinfer_core.bench import runner
+
+    path = tmp_path / "prompts.txt"
+    path.write_text("for i in range(10): print(i); for i in range(10): print(i); for i in range(10):\n\n"
+                    "x = 1; y = 2; x = 1; y = 2; x = 1; y =\n" + "def f(x): return x\n")
+    config = runner.BenchConfig(input_len=24, output_len=16, num_prompts=2, max_num_seqs=2, warmup=0,
+                                enforce_eager=True, speculative_config=NGRAM, prompts_file=str(path))
+    result = runner.run_bench(config)
+    assert result["engine"]["prompt_tokens"] <= 2 * 24 and result["engine"]["num_requests"] == 2
+    assert result["engine"]["speculative"]["num_accepted_tokens"] > 0
+    with pytest.raises(ValueError, match=r"has 3 non-empty lines, --num-prompts asks for 4"):
+        runner.run_bench(dataclasses.replace(config, num_prompts=4))
+    with pytest.raises(ValueError, match="leave out --num-iters, --prefix-share and --compare-hf"):
+        dataclasses.replace(config, compare_hf=True).validate()

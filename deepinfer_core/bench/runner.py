@@ -13,6 +13,11 @@ preset then gets a byte-level BPE tokenizer of its vocabulary size (``byte_token
 spell JSON). The result's ``structured_output`` says how long the host spent on token masks and how much of it the
 engine waited for.
 
+With ``prompts_file``, the timed run's prompts are the file's first ``num_prompts`` non-empty lines (real text, one
+prompt per line), tokenized and cut to ``input_len`` tokens; the warm-up keeps random prompts of the first one's
+length, and the roofline still counts ``input_len`` tokens per prompt; HF is not compared (its batches take equal
+lengths only). With ``speculative_config``, the engine's metrics gain ``speculative`` (drafts, acceptance).
+
 With ``prefix_share`` F > 0, every prompt (warm-up and timed) starts with the same ``prefix_len`` =
 round(F * input_len) random tokens (seeded; at most ``input_len - 1``), the rest random per prompt. The warm-up's
 prompts put the prefix in the prefix cache, so the timed run measures prefix hits.
@@ -85,6 +90,7 @@ class BenchConfig:
     data_parallel_size: int = 1  # > 1: that many ranks started by LLM (``bench/parallel.py``)
     enable_expert_parallel: bool = False
     speculative_config: Mapping[str, Any] | None = None  # vLLM's dict (docs/speculative.md); None: no speculation
+    prompts_file: str | None = None  # real text, one prompt per line (the first num_prompts, input_len tokens each)
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -111,6 +117,10 @@ class BenchConfig:
             raise ValueError(f"speculative_config must be a dict, got {type(self.speculative_config).__name__}")
         if self.speculative_config is not None and self.data_parallel_size > 1:
             raise ValueError("--speculative-config runs on one engine; leave out --data-parallel-size")
+        if self.prompts_file is not None and (self.num_iters > 1 or self.prefix_share or self.compare_hf):
+            raise ValueError("--prompts times one run of the file's prompts (a second would hit the first's prefix "
+                             "cache), has no common prefix, and HF's batches here take equal lengths only: leave out "
+                             "--num-iters, --prefix-share and --compare-hf")
         if self.json_schema is not None and self.compare_hf:
             raise ValueError("--json-schema constrains the engine's requests only; HF generate would not do the same "
                              "work: leave out --compare-hf")
@@ -173,6 +183,8 @@ def run_bench(config: BenchConfig, log: Log = lambda msg: None) -> dict[str, Any
                          "HF transformers does not read in this format: compare on the unquantized preset")
     prefix = common_prefix(config.prefix_len, model_config.vocab_size, config.seed)
     prompts = random_prompts(config.num_prompts, config.input_len, model_config.vocab_size, config.seed, prefix)
+    if config.prompts_file is not None:
+        prompts = file_prompts(config.prompts_file, folder, config.num_prompts, config.input_len)
     if config.data_parallel_size > 1:
         from deepinfer_core.bench.parallel import run_engine_ranks
 
@@ -229,6 +241,22 @@ def random_prompts(count: int, length: int, vocab_size: int, seed: int,
     gen = torch.Generator().manual_seed(seed)
     tails = torch.randint(0, vocab_size, (count, length - len(prefix)), generator=gen).tolist()
     return [list(prefix) + tail for tail in tails]
+
+
+def file_prompts(path: str, folder: Path, count: int, length: int) -> list[list[int]]:
+    """The first ``count`` non-empty lines of the text file ``path``, each tokenized by ``folder``'s tokenizer and cut
+    to its first ``length`` tokens; ValueError naming the file when it cannot be read or has too few lines."""
+    from deepinfer_core.tokenizer import Tokenizer
+
+    try:
+        lines = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--prompts {path}: cannot read it as UTF-8 text ({exc})") from None
+    if len(lines) < count:
+        raise ValueError(f"--prompts {path} has {len(lines)} non-empty lines, --num-prompts asks for {count}; "
+                         "lower --num-prompts or add lines (one prompt per line)")
+    tokenizer = Tokenizer.from_folder(folder)
+    return [tokenizer.encode(line)[:length] for line in lines[:count]]
 
 
 def common_prefix(length: int, vocab_size: int, seed: int) -> list[int]:

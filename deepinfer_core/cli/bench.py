@@ -71,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json-schema", metavar="FILE",
                         help="constrain every request to the JSON schema in FILE (structured output; a request ends "
                              "when the grammar completes or at --output-len; a preset gets a byte-level tokenizer)")
+    parser.add_argument("--prompts", metavar="FILE",
+                        help="real text instead of random tokens: the first --num-prompts non-empty lines of FILE, "
+                             "one prompt per line, each cut to --input-len tokens")
     parser.add_argument("--speculative-config", metavar="JSON",
                         help="""speculative decoding, vLLM's dict as JSON, e.g. '{"method": "ngram", """
                              """"num_speculative_tokens": 3}'; the report adds acceptance length and verified tokens """
@@ -109,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         async_scheduling=args.async_scheduling, seed=args.seed, prefix_share=args.prefix_share,
         cache_dir=args.cache_dir, options=options, data_parallel_size=args.data_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel, json_schema=schema, speculative_config=speculative,
+        prompts_file=args.prompts,
     )
     try:
         result = run_bench(config, log=lambda msg: print(msg, file=sys.stderr, flush=True))
