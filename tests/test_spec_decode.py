@@ -474,3 +474,22 @@ def test_bench_takes_real_prompts_from_a_file(tmp_path):
         runner.run_bench(dataclasses.replace(config, num_prompts=4))
     with pytest.raises(ValueError, match="leave out --num-iters, --prefix-share and --compare-hf"):
         dataclasses.replace(config, compare_hf=True).validate()
+
+
+def test_prompt_logprobs_and_the_length_limit_hold_under_speculation(folder):
+    """Prompt logprobs come out as without speculation, and drafts never run past max_model_len: the request ends
+    with finish_reason "length" after the same tokens."""
+    prompts = _repetitive_prompts([14, 20], seed=9)
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2, prompt_logprobs=2),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)]
+    base = _llm(folder, max_model_len=40).generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                   use_tqdm=False)
+    llm = _llm(folder, max_model_len=40, speculative_config=NGRAM)
+    spec = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert_same_or_near_tie(base, spec)
+    assert [len(p) + len(o.outputs[0].token_ids) for p, o in zip(prompts, spec)] == [40, 40]
+    assert all(o.outputs[0].finish_reason == "length" for o in spec)
+    ours = [None if e is None else {t: lp.logprob for t, lp in e.items()} for e in spec[0].prompt_logprobs]
+    theirs = [None if e is None else {t: lp.logprob for t, lp in e.items()} for e in base[0].prompt_logprobs]
+    assert ours == theirs
+    assert {m.name: m.value for m in llm.get_metrics()}["deepinfer:spec_decode_num_drafts"] > 0
