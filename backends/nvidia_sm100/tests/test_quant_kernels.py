@@ -288,3 +288,57 @@ def test_fp8_shared_expert_matches_reference(tokens, adjacent, dtype):
     args = (x, w1, s1, w2, s2, w3, s3, block, 0.7)
     torch.testing.assert_close(fp8_linear.swiglu_mlp_fp8_block(*args), ref.swiglu_mlp_fp8_block(*args),
                                **_tol(dtype))
+
+
+def _opaque_cases():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 256, generator=gen).to(torch.bfloat16)
+    weight, scale = fp8_block.quantize(torch.randn(64, 256, generator=gen), (128, 128), True)
+    grouped, grouped_scale = fp8_block.quantize(torch.randn(64, 128, generator=gen), (32, 128), True)
+    w1, s1 = fp8_block.quantize(torch.randn(4, 64, 256, generator=gen), (128, 128), True)
+    w2, s2 = fp8_block.quantize(torch.randn(4, 256, 64, generator=gen), (128, 128), True)
+    p1, q1 = mxfp4.quantize(torch.randn(4, 64, 256, generator=gen))
+    p2, q2 = mxfp4.quantize(torch.randn(4, 256, 64, generator=gen))
+    ids, weights = torch.tensor([[0, 1], [2, 3], [1, 2]]), torch.rand(3, 2, generator=gen)
+    return {
+        "linear_fp8_block": (fp8_linear.linear_fp8_block, ref.linear_fp8_block,
+                             (x.view(3, 1, 256), weight, scale, (128, 128))),
+        "grouped_linear_fp8_block": (fp8_linear.grouped_linear_fp8_block, ref.grouped_linear_fp8_block,
+                                     (x.view(3, 2, 128), grouped, grouped_scale, (32, 128), 2)),
+        "swiglu_mlp_fp8_block": (fp8_linear.swiglu_mlp_fp8_block, ref.swiglu_mlp_fp8_block,
+                                 (x, w1[0], s1[0], w2[0], s2[0], w1[1], s1[1], (128, 128), 7.0)),
+        "moe_experts_fp8_block": (moe_quant.moe_experts_fp8_block, ref.moe_experts_fp8_block,
+                                  (x, ids, weights, w1, s1, w2, s2, w1, s1, (128, 128), 7.0)),
+        "moe_experts_mxfp4": (moe_quant.moe_experts_mxfp4, ref.moe_experts_mxfp4,
+                              (x, ids, weights, p1, q1, p2, q2, p1, q1, 7.0)),
+    }
+
+
+class _NotRun(Exception):
+    pass
+
+
+@pytest.mark.parametrize("name", sorted(_opaque_cases()))
+def test_quantized_op_is_one_custom_op_under_compile_with_the_reference_shape(name):
+    """A decode step compiled whole (``DEEPINFER_NVIDIA_COMPILE_STEP=1``) sees each quantized op as the one opaque
+    node ``deepinfer_nvidia::<op>`` whose fake output has the reference op's shape and dtype (traced on the CPU with
+    ``fullgraph=True`` into a backend that records the graph and never runs it)."""
+    wrapper, reference, args = _opaque_cases()[name]
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+
+        def never(*_):
+            raise _NotRun
+
+        return never
+
+    torch._dynamo.reset()
+    with pytest.raises(_NotRun):
+        torch.compile(wrapper, backend=record, fullgraph=True)(*args)
+    (gm,) = graphs
+    ops = [n for n in gm.graph.nodes if n.op == "call_function" and "deepinfer_nvidia" in str(n.target)]
+    assert [str(n.target) for n in ops] == [f"deepinfer_nvidia.{name}.default"]
+    fake, want = ops[0].meta["example_value"], reference(*args)
+    assert (tuple(fake.shape), fake.dtype) == (tuple(want.shape), want.dtype)

@@ -21,6 +21,8 @@ kernel); other blocks, and activations other than bf16 / fp16 / fp32, take the r
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -275,16 +277,21 @@ def swiglu_mlp_fp8_block(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2
     return _swiglu_mlp(x, w1, s1, w2, s2, w3, s3, block[0], block[1], limit)
 
 
+@functools.lru_cache(maxsize=16)
+def _one_expert(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing of a one-expert MoE (expert 0, weight 1: ``[1, 1]`` ids and weights), made once per device: a
+    batch-1 decode step replays no fill kernels for it."""
+    return (torch.zeros(1, 1, dtype=torch.long, device=device), torch.ones(1, 1, dtype=torch.float32, device=device))
+
+
 @opaque_under_compile("swiglu_mlp_fp8_block",
                       lambda x, w1, s1, w2, s2, w3, s3, block_rows, block_cols, limit: x.new_empty(x.shape))
 def _swiglu_mlp(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
                 w3: torch.Tensor, s3: torch.Tensor, block_rows: int, block_cols: int, limit: float) -> torch.Tensor:
     block = (block_rows, block_cols)
     if x.shape[0] == 1:
-        one = torch.zeros(1, 1, dtype=torch.long, device=x.device)
-        weights = torch.ones(1, 1, dtype=torch.float32, device=x.device)
         stacked = (t.unsqueeze(0) for t in (w1, s1, w2, s2, w3, s3))
-        return moe_quant._run(moe_quant.FP8, x, one, weights, *stacked, block, limit)
+        return moe_quant._run(moe_quant.FP8, x, *_one_expert(x.device), *stacked, block, limit)
     inter = w1.shape[0]
     both, both_scale = moe._rows_together(w1, w3), moe._rows_together(s1, s3)
     if both is not None and both_scale is not None and inter % block_rows == 0:
