@@ -9,6 +9,8 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from v4_factory import ALL_TYPES, tiny_checkpoint
 
 from deepinfer_core import LLM, SamplingParams
@@ -88,6 +90,22 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     assert lookup([1, 2, 3, 4], 1, 3, 3) == []  # no earlier occurrence of any suffix
     assert lookup([5, 6, 5, 7, 5], 2, 3, 2) == []  # [7, 5] never occurred before; n=1 is below prompt_lookup_min
     assert lookup([5, 6, 5, 7, 5], 1, 3, 2) == [7, 5]  # n=1: the latest earlier 5 is at index 2
+
+
+def _lookup_by_scan(tokens, min_n, max_n, k):
+    """The rule, position by position: largest n first, the latest earlier occurrence of the last n tokens."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[len(tokens) - n:]:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+@given(st.lists(st.sampled_from([0, 1, 2, 256, 65536, 2**31 - 1]), max_size=40), st.integers(1, 4),
+       st.integers(0, 3), st.integers(1, 5))
+@settings(max_examples=300, deadline=None)
+def test_prompt_lookup_equals_the_position_by_position_rule(tokens, min_n, extra, k):
+    assert lookup(tokens, min_n, min_n + extra, k) == _lookup_by_scan(tokens, min_n, min_n + extra, k)
 
 
 def test_ngram_proposer_respects_max_draft_len():
