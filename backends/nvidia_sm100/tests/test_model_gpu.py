@@ -291,3 +291,40 @@ def test_sparse_csa_attention_matches_dense(tmp_path, monkeypatch, dtype, tol, s
     assert replays[0] >= STEPS - 1
     compared, _ = _compare(dense, sparse, lp_tol=tol, tie_gap=tol, label=f"gpu {dtype}: sparse vs dense CSA")
     assert compared >= len(PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def quantized_checkpoint(checkpoint, tmp_path_factory) -> Path:
+    """The tiny checkpoint as DeepSeek ships V4.1-Flash: MXFP4 experts, fp8 linears in 32 x 32 ue8m0 blocks."""
+    from deepinfer_core.quant.writer import QuantRecipe, quantize_checkpoint
+
+    folder = tmp_path_factory.mktemp("tiny_v4_fp4") / "q"
+    quantize_checkpoint(checkpoint, folder, QuantRecipe("fp4", "fp8", 32))
+    return folder
+
+
+def test_quantized_checkpoint_runs_the_quantized_kernels_in_cuda_graphs(quantized_checkpoint):
+    """fp32 on the GPU (the MXFP4 expert and fp8 linear kernels, decode steps replayed from CUDA graphs: the kernels
+    never synchronise with the host) against the CPU's dequantizing reference ops on the same stored bytes."""
+    replays = []
+    _, cpu = _generate(quantized_checkpoint, "cpu", "float32")
+    backends = []
+    _, gpu = _generate(quantized_checkpoint, "nvidia_sm100", "float32", replays, backends)
+    sources = backends[0].make_op_table().sources()
+    assert sources["moe_experts_mxfp4"] == sources["linear_fp8_block"] == "nvidia_sm100"
+    assert replays[0] >= STEPS - 1, "decode steps of a quantized model should replay CUDA graphs"
+    compared, _ = _compare(cpu, gpu, lp_tol=2e-3, tie_gap=1e-3, label="quantized: gpu fp32 (graphs) vs cpu fp32")
+    assert compared >= STEPS * len(PROMPTS) // 2
+
+
+def test_fp8_tensor_core_prefill_against_weight_only(quantized_checkpoint, monkeypatch):
+    """bf16 lone prompts of 130-301 tokens (prefill products of at least ``FP8_TC_MIN_ROWS`` rows take the fp8
+    tensor cores, activations quantized) against the same run with ``DEEPINFER_NVIDIA_FP8_TC=0`` (weight-only,
+    activations as they are): the greedy agreement and largest logprob difference the activation quantization
+    costs, printed; tokens equal until a near-tie."""
+    tensor_cores, _ = _lone_prompts(quantized_checkpoint, "bfloat16")
+    monkeypatch.setenv("DEEPINFER_NVIDIA_FP8_TC", "0")
+    weight_only, _ = _lone_prompts(quantized_checkpoint, "bfloat16")
+    compared, _ = _compare(weight_only, tensor_cores, lp_tol=0.25, tie_gap=0.25,
+                           label="quantized bf16: fp8 tensor-core prefill vs weight-only", steps=32)
+    assert compared >= 32 * 3 // 2
