@@ -24,7 +24,7 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
                 allow_module_level=True)
 invariant = pytest.importorskip("deepinfer_nvidia_sm100.kernels.invariant", reason="needs the nvidia_sm100 backend")
 
-from bi_harness import check_rows, close, row_cases
+from bi_harness import check_indexer_topk, check_rows, close, row_cases
 from deepinfer_batch_invariant import ops as bi_ops
 from deepinfer_batch_invariant.plugin import SOURCE
 
@@ -83,6 +83,10 @@ def test_offered_fused_ops_keep_a_rows_bits_in_any_batch():
         streams[at], a[at], b[at], p[at], c[at] = needle, block_a, block_b, post, comb
         for got, solo in zip(run(streams, a, b, p, c), alone, strict=True):
             assert torch.equal(got[at], solo), others
+
+
+def test_offered_indexer_topk_selects_a_querys_entries_whatever_the_batch():
+    assert check_indexer_topk(OFFERED["indexer_topk"], trials=6) == []
 
 
 def test_install_takes_the_backends_ops_and_rebuilds_the_ops_made_of_them():

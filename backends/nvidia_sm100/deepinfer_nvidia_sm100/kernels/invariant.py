@@ -4,7 +4,8 @@ one configuration chosen from the model's and the weights' shapes only, never fr
 A kernel is batch invariant when the arithmetic that produces one output element depends on that element's own row
 (token, window, query) and on model shapes only. Most of this backend's kernels already work that way: a program owns
 whole rows (or one row's channel block), its tiles are set by the row width, and nothing is split across programs by
-a count that follows the batch. Those are offered as they are. Three choose a launch from the number of rows in the
+a count that follows the batch. Those are offered as they are, and so is ``indexer_topk``, whose radix select and keyed top-k pick exactly the
+reference sort's entries (no arithmetic on the scores). Three choose a launch from the number of rows in the
 fast path and are offered with a fixed launch instead:
 
 * ``moe_experts``: the Triton grouped GEMMs with one tile (``MOE_TILE``; no CUTLASS grouped GEMM for prefill, no
@@ -36,6 +37,7 @@ from deepinfer_nvidia_sm100.kernels import (
     compiled,
     compressor,
     hc,
+    indexer_topk,
     keys,
     moe,
     norm,
@@ -129,6 +131,7 @@ def batch_invariant_ops() -> dict[str, Callable]:
         "hc_pre": hc_pre, "hc_pre_normed": hc_pre_normed, "hc_post": hc.hc_post, "hc_post_sum": hc.hc_post_sum,
         "compressor_entries": compressor_entries, "compressor_entries_rope": compressor_entries_rope,
         "gather_keys": keys.gather_keys, "write_rows_": cache_writes.write_rows_, "fork": streams.fork,
+        "indexer_topk": indexer_topk.indexer_topk,  # a selection by the reference's exact key order: no arithmetic
     }
     compiled_index_ops = compiled.compiled_ops()
     ops.update({name: compiled_index_ops[name] for name in INDEX_OPS if name in compiled_index_ops})
