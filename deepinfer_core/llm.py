@@ -119,7 +119,7 @@ class LLM:
         num_slots = args.max_num_seqs
         processors = [*args.logits_processors, *plugin_logits_processors(self.plugin_manager, self.context)]
         speculator = build_speculator(args.speculative_config, self.model, self.plugin_manager, self.context,
-                                      self.max_model_len, num_slots, processors)
+                                      self.max_model_len, num_slots)
         draft_bytes = speculator.proposer.slot_state_bytes() if speculator is not None else 0
         num_blocks = self._num_blocks(block, num_slots + spare, args, draft_bytes) - spare
         if num_blocks < 1:

@@ -7,10 +7,13 @@ from __future__ import annotations
 import itertools
 import threading
 
+import pytest
 import torch
 
 from deepinfer_core import LLM, SamplingParams
-from deepinfer_core.engine.logits_preparer import OutputSoFar
+from deepinfer_core.engine.logits_preparer import OutputSoFar, rows_of
+from deepinfer_core.engine.request import Request
+from deepinfer_core.engine.scheduler import ScheduledChunk
 from deepinfer_core.sampling.logits_processor import TwoPhaseLogitsProcessor, is_two_phase
 
 
@@ -66,7 +69,21 @@ def test_the_two_phase_contract_and_a_prefix_view_of_the_output():
     processor = SameParity()
     assert is_two_phase(processor) and not is_two_phase(lambda logits, rows: logits)
     ids = [1, 2, 3]
-    view = OutputSoFar(ids, 3, 8)
+    view = OutputSoFar(ids, 3, [8])
     ids.append(5)  # the engine's thread appends meanwhile: the view keeps what it was given
     assert list(view) == [1, 2, 3, 8] and view[1:] == [2, 3, 8] and view[4:] == [] and view[-1] == 8
-    assert list(OutputSoFar(ids, 2, None)) == [1, 2]
+    assert list(OutputSoFar(ids, 2)) == [1, 2] and view[::2] == [1, 3] and view[0:3] == [1, 2, 3]
+    drafted = OutputSoFar(ids, 4, [8, 6, 7])
+    assert len(drafted) == 7 and drafted[3:6] == [5, 8, 6] and drafted[5:] == [6, 7] and drafted[6] == 7
+
+
+def test_a_drafted_chunk_has_one_complete_row_per_verified_position():
+    request = Request("r-0", "r", 0, [10, 11], SamplingParams(), seed=0, arrival=0, output_token_ids=[4, 5],
+                      draft_token_ids=[6, 7])
+    request.num_inflight_tokens = 1  # the token of the step before, read by the host but not appended yet
+    chunk = ScheduledChunk(request, 4, 3)  # the in-flight token and the two drafts
+    rows = rows_of(chunk, {"r-0": 9})
+    assert [list(r.output_token_ids) for r in rows] == [[4, 5, 9], [4, 5, 9, 6], [4, 5, 9, 6, 7]]
+    assert [r.num_output_tokens for r in rows] == [3, 4, 5]
+    with pytest.raises(RuntimeError, match="a two-phase logits processor needs them all"):
+        rows_of(chunk, {})

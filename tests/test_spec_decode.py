@@ -402,8 +402,8 @@ def test_static_decode_steps_run_beside_eager_verification(folder):
 
 
 def test_structured_output_requests_run_beside_drafting_ones():
-    """A grammar-constrained request (the structured-output plugin's two-phase processor) drafts nothing and keeps
-    its constraint; the requests beside it still verify drafts; all outputs equal those without speculation."""
+    """A grammar-constrained request (the structured-output plugin's two-phase processor) beside drafting ones keeps
+    its constraint; all outputs equal those without speculation."""
     pytest.importorskip("deepinfer_structured_output")
     from deepinfer_core import StructuredOutputsParams
 

@@ -55,15 +55,16 @@ class PreparedHandle:
 
 class OutputSoFar(Sequence[int]):
     """A request's output ids as ``prepare`` sees them: the first ``length`` of its append-only list (the engine's
-    thread may append meanwhile), then the token the engine has just read, if any."""
+    thread may append meanwhile), then ``tail``: the token the engine has just read, if any, and for a verified draft
+    position the draft tokens before it."""
 
-    __slots__ = ("_ids", "_latest", "_length")
+    __slots__ = ("_ids", "_length", "_tail")
 
-    def __init__(self, ids: Sequence[int], length: int, latest: int | None):
-        self._ids, self._length, self._latest = ids, length, latest
+    def __init__(self, ids: Sequence[int], length: int, tail: Sequence[int] = ()):
+        self._ids, self._length, self._tail = ids, length, tuple(tail)
 
     def __len__(self) -> int:
-        return self._length + (self._latest is not None)
+        return self._length + len(self._tail)
 
     def __getitem__(self, index):
         if isinstance(index, slice):
@@ -71,14 +72,12 @@ class OutputSoFar(Sequence[int]):
             if step != 1:
                 return [self[i] for i in range(start, stop, step)]
             head = list(self._ids[start:min(stop, self._length)])  # [start, stop) of the live list, as of prepare
-            if self._latest is not None and start <= self._length < stop:
-                head.append(self._latest)
-            return head
+            return head + list(self._tail[max(start - self._length, 0):max(stop - self._length, 0)])
         if index < 0:
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError("output token index out of range")
-        return self._ids[index] if index < self._length else self._latest
+        return self._ids[index] if index < self._length else self._tail[index - self._length]
 
 
 class LogitsPreparer:
@@ -104,7 +103,7 @@ class LogitsPreparer:
         started = {}
         for k in self._two_phase:
             processor = self.processors[k]
-            rows = [row_of(c, latest or {}) for c in chunks if applies_to(processor, c.request.params)]
+            rows = [row for c in chunks if applies_to(processor, c.request.params) for row in rows_of(c, latest or {})]
             if rows:
                 started[k] = PreparedHandle(self._executor().submit(self._prepare, processor, rows), self.stats)
         return started
@@ -130,19 +129,22 @@ class LogitsPreparer:
             self._pool = None
 
 
-def row_of(chunk: ScheduledChunk, latest: Mapping[str, int]) -> LogitsRow:
-    """The ``LogitsRow`` of a sampling chunk with its output complete: the request's read tokens plus, when its
-    previous token was read but not appended yet, that one."""
+def rows_of(chunk: ScheduledChunk, latest: Mapping[str, int]) -> list[LogitsRow]:
+    """The ``LogitsRow`` of each position a sampling chunk samples, with its output complete: the request's read
+    tokens, the one just read but not appended yet (``latest``), and for the position after draft token ``j`` the
+    drafts before it (the rows the sampler verifies them with)."""
     request = chunk.request
-    count = chunk.end - len(request.prompt_token_ids)  # output tokens before the one this step samples
+    drafts = list(chunk.draft_token_ids)
+    count = chunk.end - len(drafts) - len(request.prompt_token_ids)  # output tokens before the first sampled one
     known = len(request.output_token_ids)
-    extra = latest.get(request.request_id) if known == count - 1 else None
-    if known + (extra is not None) != count:
+    extra = [latest[request.request_id]] if known == count - 1 and request.request_id in latest else []
+    if known + len(extra) != count:
         raise RuntimeError(f"request {request.request_id}: {count} output tokens precede this step but the host has "
-                           f"{known}{' and the one just read' if extra is not None else ''}; a two-phase logits "
-                           "processor needs them all")
-    return LogitsRow(request.request_id, request.params, request.prompt_token_ids,
-                     OutputSoFar(request.output_token_ids, known, extra), count)
+                           f"{known}{' and the one just read' if extra else ''}; a two-phase logits processor needs "
+                           "them all")
+    return [LogitsRow(request.request_id, request.params, request.prompt_token_ids,
+                      OutputSoFar(request.output_token_ids, known, extra + drafts[:j]), count + j)
+            for j in range(len(drafts) + 1)]
 
 
-__all__ = ["LogitsPreparer", "OutputSoFar", "PrepareStats", "PreparedHandle", "row_of"]
+__all__ = ["LogitsPreparer", "OutputSoFar", "PrepareStats", "PreparedHandle", "rows_of"]

@@ -6,12 +6,10 @@ requests' ``draft_token_ids``. The scheduler computes them as ordinary tokens; t
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
 
 from deepinfer_core.engine.request import Request, RequestStatus
 from deepinfer_core.metrics import MetricsRegistry
 from deepinfer_core.models.interface import SpeculativeModel, missing_members
-from deepinfer_core.sampling.logits_processor import applies_to, is_two_phase
 from deepinfer_core.spec_decode.config import SpeculativeConfig, SpeculativeConfigError, resolve_speculative_config
 from deepinfer_core.spec_decode.proposer import Draft, DraftBatch, DraftSequence, Proposer, ProposerError
 from deepinfer_core.spec_decode.proposer import default_registry as default_proposers
@@ -24,18 +22,16 @@ METRIC_PREFIX = "deepinfer:spec_decode_"
 class Speculator:
     """One engine's proposer and its speculative-decoding metrics (see module docstring).
 
-    A request drafts nothing while a two-phase logits processor (a grammar) applies to it: such a processor keeps
-    per-request state that one row per request per step assumes."""
+    A request a two-phase logits processor (a grammar) applies to drafts like any other: the processor prepares one
+    row per verified position (``engine/logits_preparer.rows_of``) and follows the rejected drafts back."""
 
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer, model, max_model_len: int,
-                 logits_processors: Sequence[Callable] = ()):
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, model, max_model_len: int):
         check_model(model, config)
         self.config = config
         self.proposer = proposer
         self.vocab_size = model.vocab_size
         self.max_model_len = max_model_len
         self.k = config.num_speculative_tokens
-        self.stateful = [p for p in logits_processors if is_two_phase(p)]
         self.register_metrics(MetricsRegistry())
 
     @property
@@ -108,10 +104,8 @@ class Speculator:
 
     def _max_draft_len(self, chunk, request: Request) -> int:
         """``num_speculative_tokens``, less near ``max_tokens`` / ``max_model_len``; 0 for a chunk that sampled
-        nothing, a token still in flight, or a request a two-phase processor applies to."""
+        nothing or a token still in flight."""
         if not chunk.samples or request.num_inflight_tokens or request.num_known_tokens != request.num_tokens:
-            return 0
-        if any(applies_to(p, request.params) for p in self.stateful):
             return 0
         room = self.max_model_len - request.num_tokens - 1
         if request.params.max_tokens is not None:
@@ -152,8 +146,8 @@ def check_model(model, config: SpeculativeConfig) -> None:
                                      f"({model.max_draft_tokens}); lower it")
 
 
-def build_speculator(speculative_config, model, plugin_manager, context, max_model_len: int, num_slots: int,
-                     logits_processors: Sequence[Callable] = ()) -> Speculator | None:
+def build_speculator(speculative_config, model, plugin_manager, context, max_model_len: int,
+                     num_slots: int) -> Speculator | None:
     """The engine's ``Speculator`` from ``speculative_config`` (or ``DEEPINFER_USE_NEXTN_DECODE``), None without
     speculation: the proposers registered (the core's and the plugins'), the config checked against them and the
     model, the proposer built and given ``num_slots``."""
@@ -168,7 +162,7 @@ def build_speculator(speculative_config, model, plugin_manager, context, max_mod
     proposer = registry.build(config, model, context)
     proposer.allocate(num_slots)
     logger.info("speculative decoding: %s, %d draft tokens per step", config.method, config.num_speculative_tokens)
-    return Speculator(config, proposer, model, max_model_len, logits_processors)
+    return Speculator(config, proposer, model, max_model_len)
 
 
 def _count(drafts) -> str:

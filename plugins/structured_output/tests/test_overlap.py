@@ -286,3 +286,27 @@ def test_batch_invariant_mode_keeps_a_constrained_request_bitwise():
     assert a.token_ids == b.token_ids
     assert [lp[t].logprob for lp, t in zip(a.logprobs, a.token_ids)] == [
         lp[t].logprob for lp, t in zip(b.logprobs, b.token_ids)]
+
+
+def test_speculative_drafts_on_constrained_requests_give_the_outputs_without_speculation():
+    """ngram drafts on grammar-constrained requests: each verified position gets its own mask, drafts the grammar
+    refuses are rejected, the matcher rolls back past rejected drafts; greedy and seeded outputs equal those without
+    speculation, and drafts are both accepted and rejected."""
+    schema = {"type": "array", "minItems": 3, "maxItems": 5, "items": {
+        "type": "object", "additionalProperties": False, "required": ["id", "ok"],
+        "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9}, "ok": {"type": "boolean"}}}}
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    prompts = ['[{"id":1,"ok":true},{"id":2,"ok":false},', "hello", '{"a": [1, 2, 3], "b": [1, 2, 3]}'] * 2
+    constraints = [StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+                   StructuredOutputsParams(regex=r"(ab){2,6}c"),
+                   StructuredOutputsParams(json=schema, disable_any_whitespace=True)]
+    params = [SamplingParams(max_tokens=40, structured_outputs=c, **sampling)
+              for sampling in SAMPLINGS.values() for c in constraints]
+    base = LLM(max_num_seqs=6, enforce_eager=True).generate(prompts, params, use_tqdm=False)
+    llm = LLM(max_num_seqs=6, enforce_eager=True, speculative_config=ngram)
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    assert _texts(spec) == _texts(base)
+    metrics = {m.name: m.value for m in llm.get_metrics()}
+    drafted, accepted = (metrics[f"deepinfer:spec_decode_num_{k}_tokens"] for k in ("draft", "accepted"))
+    assert 0 < accepted < drafted
+    assert all(re.fullmatch(r"(ab){2,6}c", o.outputs[0].text) for o in spec[1::3])

@@ -132,8 +132,8 @@ class StructuredOutputProcessor(TwoPhaseLogitsProcessor):
         with self._matchers:
             self._calls += 1
             for i, row in enumerate(rows):
-                matcher = self._advance(row)
-                if matcher.is_error() or matcher.is_stopped():
+                matcher, whole = self._advance(row)
+                if not whole or matcher.is_error() or matcher.is_stopped():  # not whole: a position not reached
                     if matcher.is_error():
                         logger.warning("request %s: the grammar matcher failed (%s); ending the output with EOS",
                                        row.request_id, matcher.get_error())
@@ -206,8 +206,10 @@ class StructuredOutputProcessor(TwoPhaseLogitsProcessor):
             self._grammars.pop(key, None)
 
     def _advance(self, row: LogitsRow):
-        """The row's matcher, having consumed exactly the row's output tokens: consumed tokens the row does not have
-        (rejected speculative drafts: the row's tokens differ from some position on) are rolled back first."""
+        """The row's matcher advanced to the row's output tokens, and whether it took them all: consumed tokens the
+        row does not have (rejected speculative drafts: the row's tokens differ from some position on) are rolled back
+        first. A token the grammar does not allow is not taken (a draft token the verification will reject; EOS after
+        the grammar completed) and the matcher stays where it was."""
         import llguidance
 
         constraint = row.params.structured_outputs
@@ -227,12 +229,10 @@ class StructuredOutputProcessor(TwoPhaseLogitsProcessor):
             del entry.consumed[keep:]
         if len(output) > keep:
             new = list(output[keep:])
-            if len(new) == 1:  # llguidance takes EOS after a stop from consume_token, not from consume_tokens
-                entry.matcher.consume_token(new[0])
-            else:
-                entry.matcher.consume_tokens(new)
-            entry.consumed.extend(new)
-        return entry.matcher
+            taken = entry.matcher.try_consume_tokens(new)
+            entry.consumed.extend(new[:taken])
+            return entry.matcher, taken == len(new)
+        return entry.matcher, True
 
     def _evict_stale(self) -> None:
         if self._calls % 64:
