@@ -2,6 +2,7 @@
 blocks) and fp8 block linears (bf16 vs weight-only fp8 vs fp8 tensor cores), bf16 activations.
 
     python backends/nvidia_sm100/benchmarks/bench_quant.py      # on a GPU; prints two tables and the crossover
+    KERNELS=bench_quant KERNEL_TIMEOUT=550 bash backends/nvidia_sm100/benchmarks/h200_session.sh kernels
 
 Every variant is first checked against its reference op (``reference.moe_experts_mxfp4``, ``linear_fp8_block``,
 ...; weights normal(0, 0.02) written through ``deepinfer_core.quant``), then timed replayed from a CUDA graph
@@ -16,6 +17,7 @@ op: they quantize activations (per token per 128 inputs).
 
 from __future__ import annotations
 
+import sys
 from functools import partial
 
 import torch
@@ -153,6 +155,7 @@ def bench_linear() -> None:
 
 
 def main() -> None:
+    sys.stdout.reconfigure(line_buffering=True)  # rows reach the log as they finish, even if the run is cut short
     print(torch.cuda.get_device_name())
     bench_moe()
     bench_linear()
