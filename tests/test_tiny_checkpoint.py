@@ -82,13 +82,29 @@ def test_config_uses_every_v4_feature(config):
 
 
 def test_weights_parameter_count_and_dtypes(config, tensors):
-    assert not any(name.startswith("mtp.") or ".mtp." in name for name in tensors)
-    n_params = sum(t.numel() for name, t in tensors.items() if not name.endswith("tid2eid"))
+    target = {name: t for name, t in tensors.items() if not name.startswith("mtp.")}
+    n_params = sum(t.numel() for name, t in target.items() if not name.endswith("tid2eid"))
     assert 4_000_000 <= n_params <= 7_000_000, n_params
     dtypes = {t.dtype for t in tensors.values()}
     assert dtypes <= {torch.bfloat16, torch.float32, torch.int64}, dtypes
     embed = next(t for name, t in tensors.items() if name.endswith("embed_tokens.weight") or name == "embed.weight")
     assert embed.shape == (config["vocab_size"], config["hidden_size"])
+
+
+def test_one_mtp_draft_layer_with_a_confidence_head_ships(config, tensors):
+    """tools/train_tiny_mtp.py's layer: DeepSeek's mtp.0.* names (HF ignores them), the block's own MoE."""
+    assert config["num_nextn_predict_layers"] == 1
+    draft = {name for name in tensors if name.startswith("mtp.")}
+    assert {"mtp.0.enorm.weight", "mtp.0.hnorm.weight", "mtp.0.e_proj.weight", "mtp.0.h_proj.weight",
+            "mtp.0.norm.weight", "mtp.0.hc_head_fn", "mtp.0.attn.wq_a.weight", "mtp.0.ffn.experts.0.w1.weight",
+            "mtp.0.confidence_head.weight", "mtp.0.confidence_head.bias"} <= draft
+    assert not any(name.startswith("mtp.1.") for name in draft)
+
+
+def test_model_card_reports_the_draft_acceptance_length():
+    card = (TINY / "MODEL_CARD.md").read_text()
+    length = float(re.search(r"mtp \(every draft token\)[^|]*\|[^|]*\|\s*\**([0-9.]+)", card).group(1))
+    assert length >= 2.5, length
 
 
 def test_hash_table_is_a_real_random_table(config, tensors):

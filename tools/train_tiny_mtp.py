@@ -164,6 +164,21 @@ class DraftLayer(nn.Module):
         return streams, self.norm(self.hc_head(streams))
 
 
+@torch.no_grad()
+def load_draft_layer(draft: DraftLayer, folder: Path, config) -> None:
+    """Continue from the ``mtp.0.*`` tensors of ``folder``'s checkpoint (inverse of :func:`mtp_tensors`)."""
+    from safetensors.torch import load_file
+
+    from deepinfer_core.models.deepseek_v4.weights import hf_layer_tensors
+
+    stored = load_file(folder / "model.safetensors")
+    for key, value in draft.block.state_dict().items():
+        for name, view in hf_layer_tensors({key: value}, "mtp.0", config):
+            view.copy_(stored[name])
+    for name, param in own_parameters(draft).items():
+        param.copy_(stored[name])
+
+
 def target_pass(target, ids):
     """The target's last streams ``[B, T, hc, D]`` (the input of its hc_head) and logits ``[B, T, V]``."""
     captured = {}
@@ -184,17 +199,19 @@ def soft_ce(logits, teacher_logits):
     return -(teacher_logits.softmax(-1) * logits.log_softmax(-1)).sum(-1).mean()
 
 
-def train_layer(target, draft: DraftLayer, windows: torch.Tensor, steps: int) -> list[tuple[int, float, float]]:
-    """Train the MTP layer (not its confidence head) on ``steps`` batches; returns the loss curve."""
+def train_layer(target, draft: DraftLayer, windows: torch.Tensor, steps: int, start: int = 0,
+                peak_lr: float = PEAK_LR) -> list[tuple[int, float, float]]:
+    """Train the MTP layer (not its confidence head) on ``steps`` batches from window batch ``start`` on, warmup
+    then cosine decay from ``peak_lr``; returns the loss curve (steps counted from ``start``)."""
     params = [p for n, p in draft.named_parameters() if not n.startswith("confidence_head")]
-    opt = torch.optim.AdamW(params, lr=PEAK_LR, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.0)
     head = target.lm_head
     curve, run1, run2, t0 = [], 0.0, 0.0, time.time()
     for step in range(steps):
-        lr = PEAK_LR * min(1.0, (step + 1) / WARMUP_STEPS) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
+        lr = peak_lr * min(1.0, (step + 1) / WARMUP_STEPS) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
         for g in opt.param_groups:
             g["lr"] = lr
-        ids = windows[step * BATCH_SIZE: (step + 1) * BATCH_SIZE]
+        ids = windows[(start + step) * BATCH_SIZE: (start + step + 1) * BATCH_SIZE]
         T = ids.shape[1]
         streams, logits = target_pass(target, ids)
         s1, f1 = draft(target, streams[:, : T - 1], ids[:, 1:], torch.arange(T - 1))  # row i predicts t[i + 2]
@@ -209,27 +226,30 @@ def train_layer(target, draft: DraftLayer, windows: torch.Tensor, steps: int) ->
         opt.zero_grad(set_to_none=True)
         run1, run2 = run1 + loss1.item(), run2 + loss2.item()
         if (step + 1) % LOG_EVERY == 0:
-            curve.append((step + 1, run1 / LOG_EVERY, run2 / LOG_EVERY))
-            log(f"step {step + 1}/{steps} draft loss {run1 / LOG_EVERY:.3f} chained {run2 / LOG_EVERY:.3f} "
+            curve.append((start + step + 1, run1 / LOG_EVERY, run2 / LOG_EVERY))
+            log(f"step {start + step + 1}/{start + steps} draft loss {run1 / LOG_EVERY:.3f} chained {run2 / LOG_EVERY:.3f} "
                 f"({time.time() - t0:.0f}s)")
             run1 = run2 = 0.0
     return curve
 
 
 # ------------------------------------------------------------------------------------------- checkpoint
+def own_parameters(draft: DraftLayer) -> dict[str, torch.Tensor]:
+    """The draft layer's parameters outside its block (and confidence head), by DeepSeek name."""
+    return {"mtp.0.enorm.weight": draft.enorm.weight, "mtp.0.hnorm.weight": draft.hnorm.weight,
+            "mtp.0.e_proj.weight": draft.e_proj.weight, "mtp.0.h_proj.weight": draft.h_proj.weight,
+            "mtp.0.norm.weight": draft.norm.weight, "mtp.0.hc_head_fn": draft.hc_head.hc_fn,
+            "mtp.0.hc_head_base": draft.hc_head.hc_base, "mtp.0.hc_head_scale": draft.hc_head.hc_scale}
+
+
 def mtp_tensors(draft: DraftLayer, config) -> dict[str, torch.Tensor]:
     """``mtp.0.*`` in DeepSeek's names: matrices bf16 (as the target's), fp32 for what the model keeps fp32."""
     from deepinfer_core.models.deepseek_v4.model import keeps_fp32
     from deepinfer_core.models.deepseek_v4.weights import hf_layer_tensors
 
-    out = {
-        "mtp.0.enorm.weight": draft.enorm.weight, "mtp.0.hnorm.weight": draft.hnorm.weight,
-        "mtp.0.e_proj.weight": draft.e_proj.weight, "mtp.0.h_proj.weight": draft.h_proj.weight,
-        "mtp.0.norm.weight": draft.norm.weight, "mtp.0.hc_head_fn": draft.hc_head.hc_fn,
-        "mtp.0.hc_head_base": draft.hc_head.hc_base, "mtp.0.hc_head_scale": draft.hc_head.hc_scale,
-        "mtp.0.confidence_head.weight": draft.confidence_head.weight,
-        "mtp.0.confidence_head.bias": draft.confidence_head.bias,
-    }
+    out = own_parameters(draft)
+    out["mtp.0.confidence_head.weight"] = draft.confidence_head.weight
+    out["mtp.0.confidence_head.bias"] = draft.confidence_head.bias
     out.update(hf_layer_tensors(draft.block.state_dict(), "mtp.0", config))
     shipped = {}
     for name, t in out.items():
@@ -265,10 +285,10 @@ def write_checkpoint(folder: Path, extra: dict[str, torch.Tensor]) -> None:
 
 
 # ------------------------------------------------------------------------------------ drafting, measured
-def greedy_continuations(target, prompt_ids: torch.Tensor) -> torch.Tensor:
-    """``[S, PROMPT_LEN + GEN_LEN]``: each prompt and the target's greedy continuation."""
+def greedy_continuations(target, prompt_ids: torch.Tensor, new_tokens: int = GEN_LEN) -> torch.Tensor:
+    """``[S, PROMPT_LEN + new_tokens]``: each prompt and the target's greedy continuation."""
     with torch.no_grad():
-        return target.generate(prompt_ids, max_new_tokens=GEN_LEN, min_new_tokens=GEN_LEN, do_sample=False,
+        return target.generate(prompt_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                pad_token_id=2)
 
 
@@ -373,6 +393,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--out", type=Path, default=ASSET)
+    ap.add_argument("--resume", type=Path, help="continue training the draft layer of this checkpoint folder")
+    ap.add_argument("--start-step", type=int, default=0, help="with --resume: the steps already run (data offset)")
+    ap.add_argument("--peak-lr", type=float, default=PEAK_LR)
     ap.add_argument("--measure-only", action="store_true", help="measure the draft layer of --out, train nothing")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -387,7 +410,9 @@ def main() -> int:
         return 0
 
     draft = DraftLayer(target)
-    curve = train_layer(target, draft, windows, args.steps)
+    if args.resume is not None:
+        load_draft_layer(draft, args.resume, target.config)
+    curve = train_layer(target, draft, windows, args.steps, args.start_step, args.peak_lr)
     work = Path(tempfile.mkdtemp(prefix="tiny_mtp_"))
     write_checkpoint(work, mtp_tensors(draft, target.config))
     engine_target, engine_draft = engine_models(work)
@@ -405,7 +430,8 @@ def main() -> int:
     assert before == after, "a target tensor changed"
     log(f"target tensors bit-identical: {len(after)} tensors, sha256 each")
     result = measure(work, held)
-    result.update(steps=args.steps, curve=curve, confidence_samples=len(labels), confidence_val_log_loss=val_loss,
+    result.update(steps=args.start_step + args.steps, curve=curve, resumed_at=args.start_step, peak_lr=args.peak_lr,
+                  confidence_samples=len(labels), confidence_val_log_loss=val_loss,
                   confidence_prior_log_loss=prior_loss, minutes=round((time.time() - t_start) / 60, 1))
     size_before = (ASSET / "model.safetensors").stat().st_size
     result.update(size_before_mb=round(size_before / 1e6, 2),
@@ -429,13 +455,15 @@ def write_card(path: Path, result: dict) -> None:
     rows = "\n".join(f"| dspark, verify_fraction {d['verify_fraction']} | {d['verified_per_round']:.2f} | "
                      f"{d['acceptance_length']:.3f} |" for d in result["dspark"])
     curve = "\n".join(f"| {step} | {l1:.3f} | {l2:.3f} |" for step, l1, l2 in result["curve"][4::5])
+    resumed = (f" (steps {result['resumed_at'] + 1}.. resumed from an earlier run's layer at peak lr "
+               f"{result['peak_lr']})" if result["resumed_at"] else f", AdamW peak lr {result['peak_lr']}")
     section = f"""{CARD_SECTION}
 
 `mtp.0.*` (DeepSeek's names; HF transformers ignores them): enorm, hnorm, e_proj, h_proj, one sliding-window
 decoder block with a routed MoE, hc_head, norm, and a confidence head (`confidence_head.weight` / `.bias`); the
 embedding and head are the target's. Trained by `python tools/train_tiny_mtp.py` with the target frozen (its
 tensors are copied unchanged: sha256 of every one checked), on the same train split and windows:
-{result['steps']} steps of {BATCH_SIZE} x {SEQ_LEN} tokens, AdamW peak lr {PEAK_LR}, soft cross-entropy against the
+{result['steps']} steps of {BATCH_SIZE} x {SEQ_LEN} tokens{resumed}, soft cross-entropy against the
 target's next-next distribution, plus a chained pass on the layer's own streams (weight {CHAIN_WEIGHT}); the block
 starts from the target's last layer. The confidence head is a logistic regression on {result['confidence_samples']}
 draft positions of the engine's k = 5 drafts over train-split prompts (label: the drafted token equals the target's

@@ -75,3 +75,32 @@ def test_nextn_variable_selects_dspark(mtp_ckpt, monkeypatch):
     llm = _llm(mtp_ckpt)
     proposer = llm.engine.speculator.proposer
     assert isinstance(proposer, DSparkProposer) and proposer.k == 2
+
+
+CODE_PROMPTS = ["def fibonacci(n):\n", "import os\n\n\nclass Config:\n    def __init__(self, path):\n",
+                "    for name in sorted(names):\n        if name.startswith('_'):\n"]
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    """The embedded tiny model (its trained MTP layer and confidence head), greedy without speculation."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    base = LLM().generate(CODE_PROMPTS, params, use_tqdm=False)
+    return params, base
+
+
+@pytest.mark.parametrize("method", ["mtp", "dspark"])
+def test_embedded_model_drafts_accepted_tokens_losslessly(embedded, method):
+    params, base = embedded
+    config = {"method": method, "num_speculative_tokens": 5}
+    llm = LLM(speculative_config=config)
+    assert llm.engine.speculator.proposer.draft.has_confidence_head
+    assert_same_or_near_tie(base, llm.generate(CODE_PROMPTS, params, use_tqdm=False))
+    m = _metrics(llm)
+    drafts, accepted = m["deepinfer:spec_decode_num_drafts"], m["deepinfer:spec_decode_num_accepted_tokens"]
+    assert 1 + accepted / drafts > 1.8, (accepted, drafts)  # the trained layer's drafts are mostly accepted
+    verified, drafted = m["deepinfer:spec_decode_num_verified_tokens"], m["deepinfer:spec_decode_num_draft_tokens"]
+    if method == "mtp":
+        assert verified == drafted
+    else:  # the default budget: 0.75 of the drafted tokens of each step
+        assert verified <= 0.75 * drafted + drafts
