@@ -230,8 +230,12 @@ def _topk_case(seqs, queries, entries, levels, seed=0):
     limit = torch.linspace(entries // 8, entries, queries, device="cuda").long()  # [Lq]
     visible = torch.arange(entries, device="cuda")[None, None, :] < limit[None, :, None]  # [1, Lq, E]
     visible = visible & (torch.rand(seqs, queries, entries, device="cuda", generator=gen) > 0.05)
-    visible[:, 0] = False
-    visible[:, 1, 5:] = False
+    if queries > 1:  # a query that sees nothing, one that sees fewer entries than k
+        visible[:, 0] = False
+        visible[:, 1, 5:] = False
+    else:  # decode rows (one query per sequence): the same cases across sequences
+        visible[0] = False
+        visible[1, :, 5:] = False
     return scores, visible
 
 
