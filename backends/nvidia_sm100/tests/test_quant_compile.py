@@ -11,7 +11,7 @@ import re
 import pytest
 
 triton = pytest.importorskip("triton", reason="the test extra installs triton")
-from deepinfer_nvidia_sm100.kernels import dequant, fp8_linear, moe, moe_quant
+from deepinfer_nvidia_sm100.kernels import dequant, fp8_linear, moe_quant
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -53,20 +53,21 @@ def _expect_tensor_cores(ptx: str, rows: int, capability: int, name: str) -> Non
 
 
 @pytest.mark.parametrize("capability", sorted(ARCHS))
-@pytest.mark.parametrize("tile_name", ["decode", "prefill"])  # 16 and 64 rows ("mid" is "prefill"'s MMA)
+@pytest.mark.parametrize("tile_name", ["decode", "prefill", "large"])  # 16, 64 and 128 rows ("mid": "prefill"'s MMA)
 @pytest.mark.parametrize("fmt", [moe_quant.MXFP4, moe_quant.FP8])
 @pytest.mark.parametrize("kernel", ["_up_kernel", "_down_kernel"])
 def test_quantized_moe_kernels_reach_the_tensor_cores(kernel, fmt, tile_name, capability):
+    """Each tile ``_tiles`` picks compiles to the architecture's MMA without spilling registers."""
     block = moe_quant.MXFP4_BLOCK if fmt == moe_quant.MXFP4 else (128, 128)
-    per_expert = {"decode": 16, "mid": 64, "prefill": 512}[tile_name]
+    per_expert = {"decode": 16, "prefill": 256, "large": 768}[tile_name]
     block_m, block_n, block_k, warps = moe_quant._tiles(fmt, 64 * per_expert, 64, block)
-    want_m, want_n, _, want_warps = moe.TILES[tile_name]
-    assert (block_m, block_n, warps) == (want_m, want_n, want_warps) and block_k % 32 == 0
+    assert (block_m, block_n, block_k, warps) == moe_quant.TILES[tile_name][1]
     fn = getattr(moe_quant, kernel)
     constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "FMT": fmt, "B0": block[0],
                  "B1": block[1], "UE8M0": True, "PRECISION": "tf32"}
     ptx = _compile(fn, _weights(fmt, ("1", "2", "3")), constants, capability, warps)
     _expect_tensor_cores(ptx, block_m, capability, f"{kernel} fmt {fmt} {tile_name}")
+    assert "ld.local" not in ptx and "st.local" not in ptx, f"{kernel} fmt {fmt} {tile_name}: registers spill"
 
 
 @pytest.mark.parametrize("capability", sorted(ARCHS))

@@ -102,7 +102,8 @@ def _route(T: int, E: int, top_k: int, gen: torch.Generator, repeat: bool = Fals
 @pytest.mark.parametrize("T, E, top_k, D, I", [
     (1, 8, 3, 96, 64),  # one token: the row kernels, a K slice past D and past I
     (5, 4, 2, 160, 64),  # the 16-row tiles, a K tile past D
-    (40, 4, 2, 64, 96)])  # 20 assignments per expert: the 64-row tiles, a column tile past I
+    (40, 4, 2, 64, 96),  # 20 assignments per expert: the 64-row tiles, a column tile past I
+    (300, 2, 2, 64, 32)])  # 300 per expert: the 128-row tiles
 def test_moe_experts_mxfp4_matches_reference(T, E, top_k, D, I, dtype):
     gen = _gen(T + D)
     x = torch.randn(T, D, device=DEVICE, generator=gen).to(dtype)

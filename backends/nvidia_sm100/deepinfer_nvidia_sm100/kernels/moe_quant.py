@@ -184,16 +184,27 @@ def _down_row_kernel(h_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, weights_ptr, D, I,
 # One-token launches (BLOCK_N, BLOCK_K, num_warps, num_stages): MXFP4 rows are a quarter of bf16 rows' bytes and fp8
 # half, so a program takes more rows than ``gemv.row_config``'s two; fp8 slices stay inside one scale block.
 ROW_TILES = {MXFP4: (8, 512, 4, 3), FP8: (16, 128, 4, 4)}  # 16-byte loads per thread
-GROUPED_MAX_BLOCK_K = {MXFP4: 128, FP8: 128}
+TILES = {
+    # (max mean assignments per expert, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps)): ``moe.TILES`` up to 256 tokens per
+    # expert; beyond, 128-row tiles, since every program decodes its weight tiles again and a taller tile spreads
+    # that decode over twice the rows (BLOCK_N 64 keeps the up kernel's two accumulators in registers).
+    "decode": (16, moe.TILES["decode"]),
+    "mid": (64, moe.TILES["mid"]),
+    "prefill": (256, moe.TILES["prefill"]),
+    "large": (None, (128, 64, 64, 8)),
+}
 
 
 def _tiles(fmt: int, num_assign: int, num_experts: int, block: tuple[int, int]) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of the grouped kernels: ``moe._config``'s, with ``BLOCK_K`` a
-    multiple of 32 (MXFP4: whole scale groups) or dividing ``B1`` (fp8: one scale block per slice)."""
-    block_m, block_n, block_k, warps = moe._config(num_assign, num_experts)
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of the grouped kernels by the mean assignments per expert
+    (``TILES``), ``BLOCK_K`` dividing ``B1`` for fp8 (one scale block per slice) and at least 32 (whole MXFP4
+    scale groups)."""
+    per_expert = num_assign / max(num_experts, 1)
+    block_m, block_n, block_k, warps = next(tile for bound, tile in TILES.values() if bound is None or
+                                            per_expert <= bound)
     if fmt == FP8:
         block_k = min(block_k, block[1])
-    return block_m, block_n, max(32, min(block_k, GROUPED_MAX_BLOCK_K[fmt])), warps
+    return block_m, block_n, max(32, block_k), warps
 
 
 def _run(fmt: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s2, w3, s3,
