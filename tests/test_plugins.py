@@ -180,7 +180,8 @@ def test_load_plugins_twice_is_harmless(make_distribution):
     pm = load_plugins(new_plugin_manager())
     load_plugins(pm)
     assert pm.records["good"].status == "loaded"
-    assert len(pm.hook.deepinfer_feature_options.get_hookimpls()) == len(pm.loaded_names())
+    names = [impl.plugin_name for impl in pm.hook.deepinfer_feature_options.get_hookimpls()]
+    assert "good" in names and len(names) == len(set(names))  # each plugin's hooks registered once
 
 
 COUNTED = (
