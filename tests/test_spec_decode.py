@@ -511,3 +511,41 @@ def test_prompt_logprobs_and_the_length_limit_hold_under_speculation(folder):
     theirs = [None if e is None else {t: lp.logprob for t, lp in e.items()} for e in base[0].prompt_logprobs]
     assert ours == theirs
     assert {m.name: m.value for m in llm.get_metrics()}["deepinfer:spec_decode_num_drafts"] > 0
+
+
+class UniformProposer(Proposer):
+    """Drafts ``max_draft_len`` tokens drawn uniformly (seeded by the sequence's length), with their ``draft_probs``;
+    every few drafts the known greedy continuation instead, so some are accepted."""
+
+    def __init__(self, continuation: list[int], prompt_len: int):
+        self.continuation, self.prompt_len = continuation, prompt_len
+
+    def propose(self, batch):
+        drafts = []
+        for seq in batch.sequences:
+            n = seq.max_draft_len
+            gen = torch.Generator().manual_seed(len(seq.token_ids))
+            tokens = torch.randint(0, VOCAB, (n,), generator=gen).tolist()
+            if len(seq.token_ids) % 2:
+                done = len(seq.token_ids) - self.prompt_len
+                tokens = (self.continuation[done:done + n] + tokens)[:n]
+            drafts.append(Draft(tokens, torch.full((n, VOCAB), 1.0 / VOCAB)))
+        return drafts
+
+
+def test_drafts_with_probabilities_run_through_the_engine(folder):
+    """Drafts carrying q: greedy rows keep them while they equal the argmax (outputs as without speculation); seeded
+    random rows (the u <= p / q rule) give the same output on every run."""
+    prompt = _repetitive_prompts([12], seed=10)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    base = _generate(_llm(folder), [prompt], greedy)
+    llm = _llm(folder, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    llm.engine.speculator.proposer = UniformProposer(base[0].outputs[0].token_ids, len(prompt))
+    assert_same_or_near_tie(base, _generate(llm, [prompt], greedy))
+    accepted = {m.name: m.value for m in llm.get_metrics()}["deepinfer:spec_decode_num_accepted_tokens"]
+    assert accepted > 0
+    seeded = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=4)
+    llm.engine.speculator.proposer = UniformProposer([], len(prompt))
+    first, again = _generate(llm, [prompt], seeded), _generate(llm, [prompt], seeded)
+    assert first[0].outputs[0].token_ids == again[0].outputs[0].token_ids
+    assert len(first[0].outputs[0].token_ids) == 16
