@@ -2,7 +2,8 @@
 
 The scheduler speaks token counts, not phases: every request catches ``num_computed_tokens`` up to
 its token count within the step's token budget. A fresh prompt, a chunk of a long prompt, a replay
-after a prefix hit, a decode token (and later, draft tokens) are all "N more tokens for request R".
+after a prefix hit, a decode token and a speculative draft (verified when computed, rejected tokens rewound in
+``update``) are all "N more tokens for request R".
 """
 
 from __future__ import annotations
