@@ -12,7 +12,8 @@ repeats. Floor = max(bytes read /
 experts each routed token reaches, once), peak 799 TFLOP/s for bf16 products (the weight-only kernels multiply in
 bf16) and 1,415 TFLOP/s for the fp8 tensor-core kernel (fp8 ``torch._scaled_mm`` on 8192^3): the H200's ceilings
 (docs/performance.md). % = floor / time. The fp8 tensor-core rows also report their error against the reference
-op: they quantize activations (per token per 128 inputs).
+op: they quantize activations (per token per 128 inputs). Last, launch sweeps of the MXFP4 expert kernels and
+the fp8 linear kernels for tuning ``moe_quant.TILES`` / ``ROW_TILES`` and ``fp8_linear``'s tiles.
 """
 
 from __future__ import annotations
@@ -154,11 +155,56 @@ def bench_linear() -> None:
           f"fp8_linear.FP8_TC_MIN_ROWS = {fp8_linear.FP8_TC_MIN_ROWS}")
 
 
+MOE_SWEEP = {  # tokens -> launches tried for the MXFP4 experts (one token: ROW_TILES' form, else _tiles')
+    1: ((8, 512, 4, 3), (4, 512, 4, 3), (16, 256, 4, 3), (8, 1024, 8, 3), (16, 512, 8, 3)),
+    64: ((16, 64, 128, 4), (16, 128, 128, 4), (16, 32, 128, 4), (32, 64, 128, 4), (16, 64, 64, 4)),
+    8192: ((64, 128, 64, 8), (128, 64, 64, 8), (128, 128, 64, 8), (128, 64, 128, 8), (64, 64, 128, 4)),
+}
+LINEAR_SWEEP = {  # rows -> (path, launches) tried on wo_b (4096 x 8192)
+    1: ("row", ((16, 128, 4, 4), (8, 128, 4, 4), (32, 128, 4, 4), (32, 128, 8, 3))),
+    64: ("weight_only", ((64, 64, 4, 3), (16, 64, 4, 4), (32, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 4))),
+    8192: ("fp8_tc", ((128, 128, 8, 3), (64, 128, 4, 3), (128, 256, 8, 3), (64, 256, 8, 3), (128, 128, 4, 4))),
+}
+
+
+def sweep() -> None:
+    """Launch sweeps for tuning (after the tables: a run cut short keeps those): MXFP4 experts by tokens, the fp8
+    linear kernels by rows; each launch checked against the reference op, then timed."""
+    from deepinfer_nvidia_sm100.kernels import fp8_linear, moe_quant
+
+    print("\nsweep: MXFP4 experts (tokens: launch -> time; the default first)")
+    stored = expert_weights()["mxfp4"]
+    for T, tiles in MOE_SWEEP.items():
+        x = torch.randn(T, D, device=DEVICE).to(torch.bfloat16)
+        ids = torch.rand(T, E, device=DEVICE).topk(TOP_K, dim=-1).indices
+        routing = torch.rand(T, TOP_K, device=DEVICE)
+        want = ref.moe_experts_mxfp4(x, ids, routing, *stored, 10.0)
+        cells = []
+        for tile in tiles:
+            run = partial(moe_quant._run, moe_quant.MXFP4, x, ids, routing, *stored, moe_quant.MXFP4_BLOCK, 10.0, tile)
+            err = relative_error(run(), want)
+            cells.append(f"{tile}: {timed(run, T) * 1e6:.1f} us" + (f" (error {err:.1e})" if err > 2e-2 else ""))
+        print(f"  {T}: " + "; ".join(cells))
+    print("\nsweep: fp8 linear wo_b 4096 x 8192 (rows: launch -> time; the default first)")
+    torch.manual_seed(2)
+    w, s = fp8_block.quantize(torch.randn(4096, 8192, device=DEVICE) * 0.02, BLOCK, ue8m0=True)
+    for rows, (path, tiles) in LINEAR_SWEEP.items():
+        x = torch.randn(rows, 1, 8192, device=DEVICE).to(torch.bfloat16)
+        want = ref.linear_fp8_block(x, w, s, BLOCK)
+        cells = []
+        for tile in tiles:
+            run = partial(fp8_linear.matmul, x, w, s, BLOCK, 1, path, tile)
+            err = relative_error(run(), want)
+            cells.append(f"{tile}: {timed(run, rows) * 1e6:.1f} us" + (f" (error {err:.1e})" if err > 0.1 else ""))
+        print(f"  {rows} ({path}): " + "; ".join(cells))
+
+
 def main() -> None:
     sys.stdout.reconfigure(line_buffering=True)  # rows reach the log as they finish, even if the run is cut short
     print(torch.cuda.get_device_name())
     bench_moe()
     bench_linear()
+    sweep()
 
 
 if __name__ == "__main__":

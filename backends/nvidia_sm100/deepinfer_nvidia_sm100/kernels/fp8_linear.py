@@ -194,21 +194,22 @@ def _tile(tiles, rows: int) -> tuple[int, int, int, int]:
 
 
 def launch(path: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-           out: torch.Tensor, groups: int) -> None:
+           out: torch.Tensor, groups: int, tile: tuple[int, int, int, int] | None = None) -> None:
     """``out [M, groups, N] = x [M, groups, K] @ W_g^T`` per group through the ``path`` kernel (``x`` / ``out`` with
-    unit last stride, any other strides; ``weight [groups * N, K]``)."""
+    unit last stride, any other strides; ``weight [groups * N, K]``). ``tile`` fixes the launch (``ROW_TILE``'s or
+    the dot tiles' form; ``benchmarks/bench_quant.py`` sweeps them)."""
     M, _, K = x.shape
     N = out.shape[-1]
     raw, is_ue8m0 = dequant.scale_operand(scale)
     consts = {"B0": block[0], "B1": block[1], "UE8M0": is_ue8m0, **pdl.launch()}
     if path == ROW:
-        block_n, block_k, warps, stages = ROW_TILE
+        block_n, block_k, warps, stages = tile or ROW_TILE
         _row_kernel[(triton.cdiv(N, block_n), groups)](
             x, weight, raw, out, N, K, x.stride(1), weight.stride(0), raw.stride(0), out.stride(1), BLOCK_N=block_n,
             BLOCK_K=min(block_k, block[1]), num_warps=warps, num_stages=stages, **consts)
         return
     tiles = WEIGHT_ONLY_TILES if path == WEIGHT_ONLY else FP8_TC_TILES
-    block_m, block_n, warps, stages = _tile(tiles, M)
+    block_m, block_n, warps, stages = tile or _tile(tiles, M)
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), groups)
     if path == WEIGHT_ONLY:
         args = (x, weight, raw, out, M, N, K, x.stride(0), x.stride(1), weight.stride(0), raw.stride(0),
@@ -224,13 +225,14 @@ def launch(path: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], groups: int = 1,
-           path: str | None = None) -> torch.Tensor:
-    """``x [M, groups, K]`` -> ``[M, groups, N]`` through the kernel ``linear_path`` picks (or ``path``)."""
+           path: str | None = None, tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """``x [M, groups, K]`` -> ``[M, groups, N]`` through the kernel ``linear_path`` picks (or ``path``, with
+    ``tile``'s launch)."""
     path = path or linear_path(x.shape[0], x.dtype, block)
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(x.shape[0], groups, weight.shape[0] // groups, dtype=x.dtype, device=x.device)
     if x.shape[0]:
-        launch(path, x, weight.contiguous(), scale.contiguous(), block, out, groups)
+        launch(path, x, weight.contiguous(), scale.contiguous(), block, out, groups, tile)
     return out
 
 

@@ -208,8 +208,10 @@ def _tiles(fmt: int, num_assign: int, num_experts: int, block: tuple[int, int]) 
 
 
 def _run(fmt: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s2, w3, s3,
-         block: tuple[int, int], limit: float) -> torch.Tensor:
-    """Both ops: one token through the row kernels, otherwise align, up, down, combine."""
+         block: tuple[int, int], limit: float, tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """Both ops: one token through the row kernels, otherwise align, up, down, combine. ``tile`` fixes the launch
+    (the row kernels' ``ROW_TILES`` entry for one token, else ``_tiles``' (BLOCK_M, BLOCK_N, BLOCK_K, num_warps);
+    ``benchmarks/bench_quant.py`` sweeps them)."""
     T, top_k = ids.shape
     E, I = w1.shape[0], w1.shape[1]
     D = x.shape[1]
@@ -220,8 +222,8 @@ def _run(fmt: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     (s1, ue8m0), (s2, _), (s3, _) = (dequant.scale_operand(s.contiguous()) for s in (s1, s2, s3))
     consts = {"FMT": fmt, "B0": block[0], "B1": block[1], "UE8M0": ue8m0}
     if T == 1 and top_k <= moe.ONE_TOKEN_MAX_TOP_K:
-        return _one_token(x, ids, weights, w1, s1, w2, s2, w3, s3, D, I, limit, consts)
-    block_m, block_n, block_k, warps = _tiles(fmt, T * top_k, E, block)
+        return _one_token(x, ids, weights, w1, s1, w2, s2, w3, s3, D, I, limit, consts, tile)
+    block_m, block_n, block_k, warps = tile or _tiles(fmt, T * top_k, E, block)
     sorted_assign, block_expert, dest = moe.align(ids, E, block_m)
     rows = sorted_assign.shape[0]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
@@ -239,10 +241,10 @@ def _run(fmt: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     return moe._combine(y, ids, dest, x)
 
 
-def _one_token(x, ids, weights, w1, s1, w2, s2, w3, s3, D, I, limit, consts) -> torch.Tensor:
+def _one_token(x, ids, weights, w1, s1, w2, s2, w3, s3, D, I, limit, consts, tile=None) -> torch.Tensor:
     """One token: ``_up_row_kernel`` per (column block, pick), then ``_down_row_kernel`` per column block."""
     top_k = ids.shape[1]
-    block_n, block_k, warps, stages = ROW_TILES[consts["FMT"]]
+    block_n, block_k, warps, stages = tile or ROW_TILES[consts["FMT"]]
     if consts["FMT"] == FP8:
         block_k = min(block_k, consts["B1"])
     flat_ids = ids.reshape(-1).contiguous()
