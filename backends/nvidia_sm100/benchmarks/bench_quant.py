@@ -54,6 +54,10 @@ def timed(fn, rows: int) -> float | None:
     return cuda_time(replay, reps=10) if replay is not None else None
 
 
+def micros(seconds: float | None) -> str:
+    return f"{seconds * 1e6:.1f} us" if seconds else "capture failed"
+
+
 def cell(seconds: float | None, floor: float) -> str:
     return f"{seconds * 1e6:.1f} us ({100 * floor / seconds:.0f}%)" if seconds else "capture failed"
 
@@ -183,7 +187,7 @@ def sweep() -> None:
         for tile in tiles:
             run = partial(moe_quant._run, moe_quant.MXFP4, x, ids, routing, *stored, moe_quant.MXFP4_BLOCK, 10.0, tile)
             err = relative_error(run(), want)
-            cells.append(f"{tile}: {timed(run, T) * 1e6:.1f} us" + (f" (error {err:.1e})" if err > 2e-2 else ""))
+            cells.append(f"{tile}: {micros(timed(run, T))}" + (f" (error {err:.1e})" if err > 2e-2 else ""))
         print(f"  {T}: " + "; ".join(cells))
     print("\nsweep: fp8 linear wo_b 4096 x 8192 (rows: launch -> time; the default first)")
     torch.manual_seed(2)
@@ -195,7 +199,7 @@ def sweep() -> None:
         for tile in tiles:
             run = partial(fp8_linear.matmul, x, w, s, BLOCK, 1, path, tile)
             err = relative_error(run(), want)
-            cells.append(f"{tile}: {timed(run, rows) * 1e6:.1f} us" + (f" (error {err:.1e})" if err > 0.1 else ""))
+            cells.append(f"{tile}: {micros(timed(run, rows))}" + (f" (error {err:.1e})" if err > 0.1 else ""))
         print(f"  {rows} ({path}): " + "; ".join(cells))
 
 
