@@ -182,16 +182,23 @@ def _check_index(folder: Path, headers: Mapping[str, Mapping[str, Any]]) -> None
             )
 
 
-def plan_checkpoint(folder: str | Path, config: DeepseekV4Config) -> CheckpointPlan:
-    """Match a checkpoint's headers against ``config``'s expected tensors; reads no tensor data."""
+def plan_checkpoint(folder: str | Path, config: DeepseekV4Config, expected: Mapping[str, v4_weights.Spec] | None = None,
+                    rename: Callable[[str], str | None] | None = None) -> CheckpointPlan:
+    """Match a checkpoint's headers against ``config``'s expected tensors; reads no tensor data.
+
+    By default the target model's tensors (``expected_tensors(config)``, names through ``canonical_name``; ``mtp.*``
+    skipped). ``expected`` and ``rename`` plan another part of the checkpoint the same way (a draft layer's
+    ``mtp.K.*``: ``deepseek_v4/mtp.py``): ``rename`` maps an on-disk name to its name in ``expected``, or to None for
+    a tensor of another part (skipped)."""
     folder = Path(folder)
-    expected = v4_weights.expected_tensors(config)
+    expected = v4_weights.expected_tensors(config) if expected is None else expected
+    rename = rename or v4_weights.canonical_name
     headers = read_headers(folder)
     plan = CheckpointPlan(folder=folder, shards=list(headers), sources={})
-    scales = _take_scales(headers)
+    scales = _take_scales(headers, rename)
     for shard, tensors in headers.items():
         for name, (shape, dtype) in tensors.items():
-            _plan_tensor(plan, expected, config, name, shape, dtype, shard, scales)
+            _plan_tensor(plan, expected, config, name, shape, dtype, shard, scales, rename)
     _check_unused_scales(plan, scales, headers)
     _alias_tied_head(plan, expected, config)
     plan.missing = [(name, spec[0]) for name, spec in expected.items() if name not in plan.sources]
@@ -199,8 +206,8 @@ def plan_checkpoint(folder: str | Path, config: DeepseekV4Config) -> CheckpointP
     return plan
 
 
-def _plan_tensor(plan, expected, config, name: str, shape, dtype: str, shard: str, scales) -> None:
-    canonical = v4_weights.canonical_name(name)
+def _plan_tensor(plan, expected, config, name: str, shape, dtype: str, shard: str, scales, rename) -> None:
+    canonical = rename(name)
     if canonical is None:
         plan.skipped.append(name)
         return
@@ -273,14 +280,14 @@ class _Scale:
     dtype: str
 
 
-def _take_scales(headers: dict[str, dict[str, tuple]]) -> dict[str, _Scale]:
-    """Take every ``X.scale`` tensor out of ``headers``; return them by the canonical name of their ``X.weight``."""
+def _take_scales(headers: dict[str, dict[str, tuple]], rename: Callable[[str], str | None]) -> dict[str, _Scale]:
+    """Take every ``X.scale`` tensor out of ``headers``; return them by the planned name of their ``X.weight``."""
     scales = {}
     for shard, tensors in headers.items():
         for name in [n for n in tensors if _is_scale(n)]:
             shape, dtype = tensors.pop(name)
-            weight = v4_weights.canonical_name(quant_tensors.weight_name(name))
-            if weight is not None:  # mtp.* scales are skipped with their weights
+            weight = rename(quant_tensors.weight_name(name))
+            if weight is not None:  # scales of skipped weights (mtp.* for the target) are skipped with them
                 scales[weight] = _Scale(name, shard, shape, dtype)
     return scales
 

@@ -129,3 +129,48 @@ def test_checkpoint_without_draft_layers_gives_none_and_a_short_one_is_refused(t
     tiny_checkpoint_with_mtp(short, ReferenceMTP(seed=2, confidence=False), num_nextn=2)
     with pytest.raises(CheckpointError, match="num_nextn_predict_layers=2.*mtp.1"):
         load_mtp_draft(short, load_deepseek_v4(short, OpTable()))
+
+
+def test_fp8_draft_layer_is_held_as_stored_and_runs_as_its_dequantized_weights(tmp_path):
+    """A checkpoint's fp8 block-quantized mtp.* matrices (as DeepSeek ships them) load with their scales and run
+    through the fp8 ops; the same weights dequantized into a plain checkpoint give the same drafts."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
+    from deepinfer_core.models.deepseek_v4.mtp import expected_draft_tensors
+    from deepinfer_core.models.deepseek_v4.weights import WEIGHT
+    from deepinfer_core.quant import fp8_block
+    from deepinfer_core.quant.tensors import scale_name
+
+    reference, block = ReferenceMTP(seed=5, confidence=True), (16, 16)
+    plain, quantized = tmp_path / "plain", tmp_path / "fp8"
+    for folder in (plain, quantized):
+        tiny_checkpoint_with_mtp(folder, reference)
+    config = DeepseekV4Config.from_file(plain / "config.json")
+    dense, stored = load_file(plain / "model.safetensors"), load_file(quantized / "model.safetensors")
+    for name, (_, kind) in expected_draft_tensors(config, 1, True).items():
+        if kind == WEIGHT:
+            weight, scale = fp8_block.quantize(dense[name], block, ue8m0=True)
+            stored[name], stored[scale_name(name)] = weight, scale
+            dense[name] = fp8_block.dequantize(weight, scale, block).to(dense[name].dtype)
+    save_file(dense, plain / "model.safetensors", metadata={"format": "pt"})
+    save_file(stored, quantized / "model.safetensors", metadata={"format": "pt"})
+    raw = json.loads((quantized / "config.json").read_text())
+    raw.update(expert_dtype="fp8", quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(
+        block), "scale_fmt": "ue8m0", "activation_scheme": "dynamic"})
+    (quantized / "config.json").write_text(json.dumps(raw))
+
+    drafts = {}
+    for name, folder in (("plain", plain), ("fp8", quantized)):
+        target = load_deepseek_v4(folder, OpTable())
+        draft = load_mtp_draft(folder, target)
+        hidden = _target_hidden(target, TOKENS)[:-1]
+        drafts[name] = draft.propose(ForwardBatch.build([TOKENS[1:]], [0], [0], [[]]), draft.new_state(1), hidden, 3)
+        if name == "fp8":
+            assert draft.parameters["mtp.0.e_proj.weight"].dtype == torch.float8_e4m3fn
+            assert draft.parameters["mtp.0.ffn.experts.1.w2.weight"].dtype == torch.float8_e4m3fn
+            assert "mtp.0.attn.wq_a.scale" in draft.parameters
+    assert drafts["fp8"].token_ids.tolist() == drafts["plain"].token_ids.tolist()
+    torch.testing.assert_close(drafts["fp8"].logits, drafts["plain"].logits, atol=1e-4, rtol=1e-4)

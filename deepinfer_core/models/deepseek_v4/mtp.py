@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
-from deepinfer_core.checkpoint import CheckpointError, list_shards, open_shard
+from deepinfer_core.checkpoint import CheckpointError, iter_checkpoint, plan_checkpoint, read_headers
 from deepinfer_core.forward_batch import ForwardBatch
+from deepinfer_core.models.deepseek_v4 import weights
 from deepinfer_core.models.deepseek_v4.config import SLIDING, DeepseekV4Config
 from deepinfer_core.models.deepseek_v4.layout import StepLayout
 from deepinfer_core.models.deepseek_v4.model import (
@@ -44,10 +46,10 @@ from deepinfer_core.models.deepseek_v4.model import (
     ParameterRegistry,
     StepContext,
     _inference,
-    keeps_fp32,
     linear,
 )
 from deepinfer_core.models.deepseek_v4.state import DeepseekV4State
+from deepinfer_core.quant.tensors import QuantizedTensor
 
 _MTP_NAME = re.compile(r"^(?:model\.)?mtp\.(\d+)\.(.+)$")
 CONFIDENCE_WEIGHT = "confidence_head.weight"
@@ -172,12 +174,14 @@ class DraftState:
 class MTPDraft:
     """The draft layers of a checkpoint, sharing the target model's embedding, head and op table."""
 
-    def __init__(self, target: DeepseekV4Model, num_layers: int, confidence_head: bool = False):
+    def __init__(self, target: DeepseekV4Model, num_layers: int, confidence_head: bool = False,
+                 quantized: Mapping[str, QuantizedTensor] | None = None):
+        """``quantized``: the draft layers' quantized weights (their ``CheckpointPlan.quantized``), held as stored."""
         if num_layers < 1:
             raise ValueError(f"an MTP draft needs at least one layer; got num_layers={num_layers}")
         self.target = target
         self.config = target.config
-        reg = ParameterRegistry(target.dtype, target.device)
+        reg = ParameterRegistry(target.dtype, target.device, quantized)
         self.layers = [MTPLayer(reg, target.config, k, confidence_head) for k in range(num_layers)]
         self.parameters = reg.slots
         self.has_confidence_head = confidence_head
@@ -260,25 +264,57 @@ def _next_batch(batch: ForwardBatch, tokens: torch.Tensor, positions: torch.Tens
                         logits_rows=torch.arange(S, device=tokens.device))
 
 
-def checkpoint_draft_layers(folder: str | Path) -> dict[int, dict[str, str]]:
-    """``{K: {DeepSeek name: shard}}`` of the ``mtp.K.*`` tensors in a checkpoint folder (empty when it has none)."""
-    folder = Path(folder)
-    layers: dict[int, dict[str, str]] = {}
-    for shard in list_shards(folder):
-        with open_shard(folder / shard) as handle:
-            names = handle.keys()
-            for name in names:
-                parsed = mtp_name(name)
-                if parsed is not None:
-                    layers.setdefault(parsed[0], {})[name] = shard
+_SHARED = ("head.weight", "embed.weight", "emb.tok_emb.weight")  # copies of the target's, which the draft uses
+
+
+def checkpoint_draft_layers(folder: str | Path) -> dict[int, set[str]]:
+    """``{K: DeepSeek names}`` of the ``mtp.K.*`` tensors in a checkpoint folder (empty when it has none)."""
+    layers: dict[int, set[str]] = {}
+    for tensors in read_headers(folder).values():
+        for name in tensors:
+            parsed = mtp_name(name)
+            if parsed is not None:
+                layers.setdefault(parsed[0], set()).add(parsed[1])
     return layers
+
+
+def expected_draft_tensors(config: DeepseekV4Config, num_layers: int,
+                           confidence_head: bool) -> dict[str, weights.Spec]:
+    """Every tensor of ``num_layers`` draft layers, ``mtp.K.* -> (shape, kind)`` (``weights.expected_tensors``'s
+    form): the block's as a target layer's, then the layer's own."""
+    D, hc = config.hidden_size, config.hc_mult
+    block = {name.removeprefix("layers.0."): spec for name, spec in
+             weights.expected_tensors(draft_block_config(config)).items() if name.startswith("layers.0.")}
+    own = {"enorm.weight": ((D,), weights.FP32), "hnorm.weight": ((D,), weights.FP32),
+           "e_proj.weight": ((D, D), weights.WEIGHT), "h_proj.weight": ((D, D), weights.WEIGHT),
+           "norm.weight": ((D,), weights.FP32), "hc_head_fn": ((hc, hc * D), weights.FP32),
+           "hc_head_base": ((hc,), weights.FP32), "hc_head_scale": ((1,), weights.FP32)}
+    if confidence_head:
+        own.update({CONFIDENCE_WEIGHT: ((1, D), weights.FP32), CONFIDENCE_BIAS: ((1,), weights.FP32)})
+    return {f"mtp.{k}.{name}": spec for k in range(num_layers) for name, spec in {**block, **own}.items()}
+
+
+def _draft_rename(num_layers: int):
+    """On-disk name -> DeepSeek name of the first ``num_layers`` draft layers' tensors (None for any other, and for
+    a draft layer's copies of the shared embedding and head)."""
+
+    def rename(name: str) -> str | None:
+        parsed = mtp_name(name)
+        if parsed is None or parsed[0] >= num_layers or parsed[1].endswith(tuple(f".{s}" for s in _SHARED)):
+            return None
+        return parsed[1]
+
+    return rename
 
 
 def load_mtp_draft(folder: str | Path, target: DeepseekV4Model) -> MTPDraft | None:
     """The draft layers of the checkpoint in ``folder`` (``config.num_nextn_predict_layers`` of them), sharing
-    ``target``'s embedding and head; None when the config declares none or the checkpoint holds none."""
+    ``target``'s embedding and head; None when the config declares none or the checkpoint holds none. Their tensors
+    are planned and checked as the target's are (missing, unexpected, mis-shaped); fp8 / fp4 ones are held as stored
+    (``quantization_config``), with their scales."""
     folder = Path(folder)
-    wanted = target.config.num_nextn_predict_layers
+    config = target.config
+    wanted = config.num_nextn_predict_layers
     present = checkpoint_draft_layers(folder)
     if wanted < 1 or not present:
         return None
@@ -287,30 +323,9 @@ def load_mtp_draft(folder: str | Path, target: DeepseekV4Model) -> MTPDraft | No
         raise CheckpointError(f"{folder}: config.json declares num_nextn_predict_layers={wanted} but the checkpoint "
                               f"has no mtp.{missing[0]}.* tensors; set num_nextn_predict_layers to the draft layers "
                               "it holds")
-    sources = {name: shard for k in range(wanted) for name, shard in present[k].items()}
-    names = {mtp_name(name)[1] for name in sources}
-    confidence = all(f"mtp.{k}.{CONFIDENCE_WEIGHT}" in names for k in range(wanted))
-    draft = MTPDraft(target, wanted, confidence_head=confidence)
-    loaded = draft.load_weights(_read(folder, sources, target.dtype, target.device))
-    unset = sorted(set(draft.parameters) - loaded)
-    if unset:
-        raise CheckpointError(f"{folder}: the draft layers' tensors {unset[:5]} are missing; the checkpoint's mtp.* "
-                              "tensors are incomplete")
+    confidence = all(f"mtp.{k}.{CONFIDENCE_WEIGHT}" in present[k] for k in range(wanted))
+    plan = plan_checkpoint(folder, config, expected_draft_tensors(config, wanted, confidence), _draft_rename(wanted))
+    plan.raise_for_problems()
+    draft = MTPDraft(target, wanted, confidence_head=confidence, quantized=plan.quantized)
+    draft.load_weights(iter_checkpoint(plan, target.dtype, target.device))
     return draft
-
-
-def _read(folder: Path, sources: dict[str, str], dtype: torch.dtype, device: torch.device):
-    """Yield ``(DeepSeek name, tensor)`` shard by shard, converted to the model dtype (fp32-kept names stay fp32)."""
-    for shard in sorted(set(sources.values())):
-        with open_shard(folder / shard) as handle:
-            for name in (n for n, s in sources.items() if s == shard):
-                canonical = mtp_name(name)[1]
-                tensor = handle.get_tensor(name)
-                if tensor.dtype.itemsize == 1:
-                    raise CheckpointError(f"{folder}: draft tensor {name} is stored quantized ({tensor.dtype}); "
-                                          "quantized MTP layers are not read yet: dequantize the mtp.* tensors")
-                if canonical.endswith("tid2eid"):
-                    yield canonical, tensor.to(device=device, dtype=torch.long)
-                    continue
-                wanted = torch.float32 if keeps_fp32(canonical) or "confidence_head" in canonical else dtype
-                yield canonical, tensor.to(device=device, dtype=wanted)
