@@ -115,3 +115,20 @@ def test_a_checkpoint_without_draft_layers_is_refused(tmp_path):
     plain = load_deepseek_v4(tmp_path, OpTable())
     with pytest.raises(DSparkError, match="holds no MTP draft layers"):
         MtpProposer(SpeculativeConfig("mtp", 3), plain, EngineContext("cpu", model_dir=tmp_path))
+
+
+def test_a_long_catch_up_folds_only_the_last_window_and_drafts_the_same(target, mtp_ckpt):
+    """17 rows with window 8: the proposer folds the last 8; the drafts equal folding all 17, then and a step later."""
+    proposer = build("mtp", target, mtp_ckpt)
+    draft, tokens = proposer.draft, TOKENS[0]
+    assert draft.config.sliding_window == 8
+    hidden = hidden_of(target, tokens)
+    full_state = draft.new_state(1)
+    batch = ForwardBatch.build([tokens[1:15]], [0], [0], [[]])
+    everything = draft.propose(batch, full_state, hidden[:14], 4)
+    windowed = proposer.propose(DraftBatch([sequence(target, 0, tokens, 0, 14)]))[0]
+    assert windowed.token_ids == everything.token_ids[0].tolist()
+    assert windowed.confidences == pytest.approx(everything.confidence[0].tolist(), abs=1e-5)
+    later = proposer.propose(DraftBatch([sequence(target, 0, tokens, 14, 17)]))[0]
+    batch = ForwardBatch.build([tokens[15:18]], [14], [0], [[]])
+    assert later.token_ids == draft.propose(batch, full_state, hidden[14:17], 4).token_ids[0].tolist()

@@ -120,19 +120,22 @@ class MtpProposer(Proposer):
         self._committed.pop(request_id, None)
 
     def _rows(self, seq: DraftSequence) -> _Rows:
-        """Draft rows ``[first_computed, num_computed_tokens)``: row ``i`` reads ``h[i]`` and ``t[i + 1]``."""
-        start, end = seq.first_computed, seq.num_computed_tokens
+        """Draft rows ``[first_computed, num_computed_tokens)``: row ``i`` reads ``h[i]`` and ``t[i + 1]``. Only the
+        last ``sliding_window`` of them: the draft layers attend over that window alone and a row's key depends on
+        its own input only, so earlier rows change neither the last row's draft nor any key a later step reads."""
+        first, end = seq.first_computed, seq.num_computed_tokens
+        start = max(first, end - self.draft.config.sliding_window)
         committed = self._committed.get(seq.request_id, 0)
-        floor = start if committed != start and start > 0 else None
+        floor = start if (committed != start or start > first) and start > 0 else None
         return _Rows(list(seq.token_ids[start + 1: end + 1]), start, end, floor)
 
     @staticmethod
     def _hidden(seq: DraftSequence, rows: _Rows) -> torch.Tensor:
         hidden = seq.hidden_states  # [end - first_computed, hc, D]
-        if hidden.shape[0] != rows.end - rows.start:
+        if hidden.shape[0] != rows.end - seq.first_computed:
             raise DSparkError(f"request {seq.request_id}: {hidden.shape[0]} hidden-state rows for positions "
-                              f"[{rows.start}, {rows.end}); the engine must pass one per computed position")
-        return hidden
+                              f"[{seq.first_computed}, {rows.end}); the engine must pass one per computed position")
+        return hidden[rows.start - seq.first_computed:]
 
 
 class DSparkProposer(MtpProposer):
