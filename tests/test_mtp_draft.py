@@ -174,3 +174,32 @@ def test_fp8_draft_layer_is_held_as_stored_and_runs_as_its_dequantized_weights(t
             assert "mtp.0.attn.wq_a.scale" in draft.parameters
     assert drafts["fp8"].token_ids.tolist() == drafts["plain"].token_ids.tolist()
     torch.testing.assert_close(drafts["fp8"].logits, drafts["plain"].logits, atol=1e-4, rtol=1e-4)
+
+
+def test_a_second_draft_layer_attends_over_its_own_rows_of_the_round(tmp_path):
+    """num_nextn_predict_layers 2 (mtp.1 a copy of mtp.0): step 2 runs layer 1, which holds no verified rows (only
+    layer 0 folds them), so its row at p + 1 attends to itself alone, not to its ring's empty rows."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    reference = ReferenceMTP(seed=5, confidence=False)
+    tiny_checkpoint_with_mtp(tmp_path, reference)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors.update({"mtp.1." + n.removeprefix("mtp.0."): t.clone() for n, t in tensors.items() if n.startswith("mtp.0.")})
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["num_nextn_predict_layers"] = 2
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    target = load_deepseek_v4(tmp_path, OpTable())
+    draft = load_mtp_draft(tmp_path, target)
+    assert draft.num_layers == 2
+    hidden = _target_hidden(target, TOKENS)
+    n = len(TOKENS) - 1
+    drafts = draft.propose(ForwardBatch.build([TOKENS[1:]], [0], [0], [[]]), draft.new_state(1), hidden[:n], 2)
+    positions = torch.arange(n)
+    x = reference.block_input(hidden[:n], torch.tensor(TOKENS[1:]), positions, target.embed)
+    streams, logits, _ = reference.run(x, positions, target.head)
+    row = reference.block_input(streams[-1:], logits[-1].argmax()[None], torch.tensor([n]), target.embed)
+    _, alone, _ = reference.run(row, torch.tensor([n]), target.head)
+    torch.testing.assert_close(drafts.logits[0, 1], alone[0], atol=1e-4, rtol=1e-5)

@@ -228,7 +228,8 @@ class MTPDraft:
         ``batch``: each sequence's newly verified draft rows (row ``i``: token ``t[i + 1]`` at position ``i``, its
         context the rows already in ``state``), one logits row per sequence (its last); ``hidden [T, hc, D]``: the
         target's last streams at those positions. Those rows stay in ``state``; the speculative runs 2..k do not
-        (the ring rows they overwrite are restored)."""
+        (the ring rows they overwrite are restored). With several draft layers, layer ``l > 0`` (first run at step
+        ``l``) holds no verified rows: it attends over this round's own rows only (from position ``p + l``)."""
         first = self.forward(batch, state, hidden, 0)
         steps = [first]
         tokens = [first.logits.argmax(-1)]  # [S] each
@@ -237,6 +238,9 @@ class MTPDraft:
         positions = batch.positions[batch.logits_rows]  # [S]
         for j in range(1, k):
             run = _next_batch(batch, tokens[-1], positions + j)
+            layer = j % self.num_layers
+            if layer:  # nothing of this layer below this round's first row of it
+                run.sliding_floor = (positions + layer).tolist()
             step = self.forward(run, state, streams, j)
             steps.append(step)
             tokens.append(step.logits.argmax(-1))
