@@ -228,7 +228,8 @@ class MTPDraft:
         ``batch``: each sequence's newly verified draft rows (row ``i``: token ``t[i + 1]`` at position ``i``, its
         context the rows already in ``state``), one logits row per sequence (its last); ``hidden [T, hc, D]``: the
         target's last streams at those positions. Those rows stay in ``state``; the speculative runs 2..k do not
-        (the ring rows they overwrite are restored). With several draft layers, layer ``l > 0`` (first run at step
+        (the ring rows they overwrite are restored) and read no ring row below ``batch.sliding_floor``. With several
+        draft layers, layer ``l > 0`` (first run at step
         ``l``) holds no verified rows: it attends over this round's own rows only (from position ``p + l``)."""
         first = self.forward(batch, state, hidden, 0)
         steps = [first]
@@ -236,11 +237,14 @@ class MTPDraft:
         saved = state.save(batch.slots) if k > 1 else None
         streams = first.streams[batch.logits_rows]  # [S, hc, D]
         positions = batch.positions[batch.logits_rows]  # [S]
+        floors = _last_row_floors(batch)
         for j in range(1, k):
             run = _next_batch(batch, tokens[-1], positions + j)
             layer = j % self.num_layers
             if layer:  # nothing of this layer below this round's first row of it
                 run.sliding_floor = (positions + layer).tolist()
+            elif floors is not None:  # the verified rows' floor holds for the speculative ones
+                run.sliding_floor = floors
             step = self.forward(run, state, streams, j)
             steps.append(step)
             tokens.append(step.logits.argmax(-1))
@@ -257,6 +261,11 @@ class MTPDraft:
         if self.has_confidence_head:
             return torch.stack([s.confidence for s in steps], dim=1)
         return logits.softmax(-1).gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
+
+
+def _last_row_floors(batch: ForwardBatch) -> list[int] | None:
+    """``batch.sliding_floor`` per sequence (None when it has none)."""
+    return list(batch.sliding_floor) if batch.sliding_floor is not None else None
 
 
 def _next_batch(batch: ForwardBatch, tokens: torch.Tensor, positions: torch.Tensor) -> ForwardBatch:

@@ -132,3 +132,17 @@ def test_a_long_catch_up_folds_only_the_last_window_and_drafts_the_same(target, 
     later = proposer.propose(DraftBatch([sequence(target, 0, tokens, 14, 17)]))[0]
     batch = ForwardBatch.build([tokens[15:18]], [14], [0], [[]])
     assert later.token_ids == draft.propose(batch, full_state, hidden[14:17], 4).token_ids[0].tolist()
+
+
+def test_rows_below_a_prefix_hit_are_never_read_from_a_reused_slot(target, mtp_ckpt):
+    """A sequence whose first computed position is 5 (a prefix hit) in a slot another request used before: its drafts,
+    this step and the next, equal those from an empty slot (the rows below 5 are not read, speculative ones included)."""
+    reused, fresh = build("mtp", target, mtp_ckpt), build("mtp", target, mtp_ckpt)
+    reused.propose(DraftBatch([sequence(target, 0, TOKENS[1], 0, 10)]))
+    reused.on_finish("r0")
+    tokens = TOKENS[0]
+    for first, end in ((5, 9), (9, 12)):
+        a = reused.propose(DraftBatch([sequence(target, 0, tokens, first, end)]))[0]
+        b = fresh.propose(DraftBatch([sequence(target, 0, tokens, first, end)]))[0]
+        assert a.token_ids == b.token_ids
+        assert a.confidences == pytest.approx(b.confidences, abs=1e-6)

@@ -61,7 +61,7 @@ class _Rows:
     tokens: list[int]
     start: int
     end: int
-    floor: int | None  # the ring holds nothing valid below ``start`` (rows skipped or recomputed)
+    floor: int | None  # the ring holds nothing valid below it (rows skipped, truncated or recomputed)
 
 
 class MtpProposer(Proposer):
@@ -76,6 +76,7 @@ class MtpProposer(Proposer):
         self.draft = draft if draft is not None else load_draft(target, context)
         self.state = None
         self._committed: dict[str, int] = {}  # request id -> draft rows folded (positions < it)
+        self._floors: dict[str, int | None] = {}  # request id -> the lowest position its ring holds, when not 0
 
     def allocate(self, num_slots: int) -> None:
         self.state = self.draft.new_state(num_slots)
@@ -97,7 +98,7 @@ class MtpProposer(Proposer):
                                      [s.slot for s in seqs], [[] for _ in seqs], device=self.draft.target.device)
         floors = [r.floor for r in rows.values()]
         if any(f is not None for f in floors):
-            forward.sliding_floor = [r.start if r.floor is not None else 0 for r in rows.values()]
+            forward.sliding_floor = [f if f is not None else 0 for f in floors]
         hidden = torch.cat([self._hidden(seq, r) for seq, r in zip(seqs, rows.values(), strict=True)])
         drafts = self.draft.propose(forward, self.state, hidden, self.k)
         for seq, r in zip(seqs, rows.values(), strict=True):
@@ -118,15 +119,22 @@ class MtpProposer(Proposer):
 
     def on_finish(self, request_id: str) -> None:
         self._committed.pop(request_id, None)
+        self._floors.pop(request_id, None)
 
     def _rows(self, seq: DraftSequence) -> _Rows:
         """Draft rows ``[first_computed, num_computed_tokens)``: row ``i`` reads ``h[i]`` and ``t[i + 1]``. Only the
         last ``sliding_window`` of them: the draft layers attend over that window alone and a row's key depends on
         its own input only, so earlier rows change neither the last row's draft nor any key a later step reads."""
         first, end = seq.first_computed, seq.num_computed_tokens
-        start = max(first, end - self.draft.config.sliding_window)
+        window = self.draft.config.sliding_window
+        start = max(first, end - window)
         committed = self._committed.get(seq.request_id, 0)
-        floor = start if (committed != start or start > first) and start > 0 else None
+        floor = self._floors.get(seq.request_id)  # rows below it were never folded (a prefix hit, a truncation)
+        if (committed != start or start > first) and start > 0:
+            floor = start
+        if floor is not None and end - floor >= window:  # out of every later row's window
+            floor = None
+        self._floors[seq.request_id] = floor
         return _Rows(list(seq.token_ids[start + 1: end + 1]), start, end, floor)
 
     @staticmethod
