@@ -38,7 +38,7 @@ import torch
 from deepinfer_core.checkpoint import CheckpointError, iter_checkpoint, plan_checkpoint, read_headers
 from deepinfer_core.forward_batch import ForwardBatch
 from deepinfer_core.models.deepseek_v4 import weights
-from deepinfer_core.models.deepseek_v4.config import SLIDING, DeepseekV4Config
+from deepinfer_core.models.deepseek_v4.config import SLIDING, ConfigError, DeepseekV4Config
 from deepinfer_core.models.deepseek_v4.layout import StepLayout
 from deepinfer_core.models.deepseek_v4.model import (
     DecoderLayer,
@@ -178,7 +178,7 @@ class MTPDraft:
                  quantized: Mapping[str, QuantizedTensor] | None = None):
         """``quantized``: the draft layers' quantized weights (their ``CheckpointPlan.quantized``), held as stored."""
         if num_layers < 1:
-            raise ValueError(f"an MTP draft needs at least one layer; got num_layers={num_layers}")
+            raise ConfigError(f"an MTP draft needs at least one layer (num_nextn_predict_layers >= 1); got {num_layers}")
         self.target = target
         self.config = target.config
         reg = ParameterRegistry(target.dtype, target.device, quantized)
