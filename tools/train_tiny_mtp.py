@@ -21,10 +21,12 @@ tensors, and config.json gains ``num_nextn_predict_layers: 1``.
    continuations): acceptance length ``1 + accepted / drafts`` at k = 5 with greedy verification, exactly as the
    engine drafts and verifies (the draft's state holds verified rows only).
 
-Usage::
+Usage (the shipped layer: the first two commands, about 37 minutes on 2 shared cores)::
 
-    python tools/train_tiny_mtp.py                 # trains, measures, writes deepinfer_core/assets/tiny_v4/
-    python tools/train_tiny_mtp.py --measure-only  # acceptance length of the shipped draft layer
+    python tools/train_tiny_mtp.py --out /tmp/stage1        # 160 steps from the target's last layer
+    python tools/train_tiny_mtp.py --resume /tmp/stage1 --start-step 160 --steps 100 --peak-lr 1e-3
+                                                            # 100 more; writes deepinfer_core/assets/tiny_v4/
+    python tools/train_tiny_mtp.py --measure-only           # acceptance length of the shipped draft layer
 """
 
 from __future__ import annotations
