@@ -494,6 +494,46 @@ def test_bench_takes_real_prompts_from_a_file(tmp_path):
         dataclasses.replace(config, compare_hf=True).validate()
 
 
+def test_bench_compares_speculation_with_baselines_in_one_run(tmp_path, capsys, monkeypatch):
+    """``--compare-speculative``: every run on the same prompts in one process, the speculative_config run last and
+    as the result's engine; speedups over the none run, its tokens kept by greedy runs; a duplicate baseline runs
+    once; bad baselines and a none run DEEPINFER_USE_NEXTN_DECODE would change are refused before any work."""
+    from deepinfer_core.bench import runner
+    from deepinfer_core.bench.report import format_report
+    from deepinfer_core.cli.main import main
+
+    path = tmp_path / "prompts.txt"
+    path.write_text("for i in range(10): print(i); for i in range(10): print(i); for i in range(10):\n"
+                    "x = 1; y = 2; x = 1; y = 2; x = 1; y =\n")
+    lookup = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    config = runner.BenchConfig(input_len=24, output_len=12, num_prompts=2, max_num_seqs=2, warmup=0,
+                                enforce_eager=True, speculative_config=NGRAM, prompts_file=str(path),
+                                compare_speculative=["none", lookup, "ngram", dict(NGRAM)])
+    result = runner.run_bench(config)
+    runs = result["speculative_comparison"]["runs"]
+    assert [run["label"] for run in runs] == ["none", "ngram k=3 prompt_lookup_max=2", "ngram k=3",
+                                              "ngram k=3 prompt_lookup_max=3"]
+    none, main_run = runs[0], runs[-1]
+    assert none["speedup_vs_none"] == 1.0 and none["acceptance_length"] is None and none["steps"] >= 12
+    assert main_run["output_throughput"] == result["engine"]["output_throughput"]
+    assert main_run["speedup_vs_none"] == main_run["output_throughput"] / none["output_throughput"]
+    assert main_run["num_accepted_tokens"] == result["engine"]["speculative"]["num_accepted_tokens"] > 0
+    assert main_run["verified_per_draft"] == main_run["num_verified_tokens"] / main_run["num_drafts"]
+    assert main_run["steps"] <= none["steps"]  # the same tokens, some accepted from drafts
+    assert all(run["same_outputs_as_none"] == 2 for run in runs)
+    table = format_report(result)
+    assert "speculative decoding compared" in table and "ngram k=3 prompt_lookup_max=2" in table
+    assert "requests with the none run's tokens: ngram k=3 prompt_lookup_max=2 2/2, ngram k=3 2/2, ngram" in table
+    json.dumps(result)
+    with pytest.raises(ValueError, match="give --speculative-config"):
+        dataclasses.replace(config, speculative_config=None).validate()
+    assert main(["bench", "--speculative-config", json.dumps(NGRAM), "--compare-speculative", "{no json"]) == 2
+    assert "--compare-speculative '{no json' is not valid JSON" in capsys.readouterr().err
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "5")
+    with pytest.raises(ValueError, match="unset the variable"):
+        config.validate()
+
+
 def test_prompt_logprobs_and_the_length_limit_hold_under_speculation(folder):
     """Prompt logprobs come out as without speculation, and drafts never run past max_model_len: the request ends
     with finish_reason "length" after the same tokens."""

@@ -48,7 +48,42 @@ def format_report(result: Mapping[str, Any]) -> str:
         lines.append(_masks(result["structured_output"]))
     if result["engine"].get("speculative"):
         lines.append(_speculation(result["config"].get("speculative_config") or {}, result["engine"]["speculative"]))
+    if result.get("speculative_comparison"):
+        lines += ["", *_comparison(result["speculative_comparison"])]
     return "\n".join(lines)
+
+
+_COMPARISON_COLUMNS = (
+    # header, row key, format
+    ("out tok/s", "output_throughput", "{:.1f}"),
+    ("vs none", "speedup_vs_none", "{:.2f}x"),
+    ("steps", "steps", "{}"),
+    ("accept len", "acceptance_length", "{:.3f}"),
+    ("verif/round", "verified_per_draft", "{:.2f}"),
+    ("verif/step", "verified_per_step", "{:.1f}"),
+    ("drafted", "num_draft_tokens", "{}"),
+    ("verified", "num_verified_tokens", "{}"),
+    ("accepted", "num_accepted_tokens", "{}"),
+)
+
+
+def _comparison(comparison: Mapping[str, Any]) -> list[str]:
+    """``--compare-speculative``: one row per run (same prompts, one process), then how many requests kept the
+    ``none`` run's tokens."""
+    runs = comparison["runs"]
+    width = max(len(run["label"]) for run in runs) + 2
+    lines = [("speculative decoding compared (same prompts, one process; verif/round: verified draft tokens per "
+              "sequence per step, verif/step: per engine step):"),
+             f"{'run':<{width}}" + "".join(f"{header:>12}" for header, _, _ in _COMPARISON_COLUMNS)]
+    lines.append("-" * len(lines[-1]))
+    for run in runs:
+        cells = ["-" if run[key] is None else fmt.format(run[key]) for _, key, fmt in _COMPARISON_COLUMNS]
+        lines.append(f"{run['label']:<{width}}" + "".join(f"{cell:>12}" for cell in cells))
+    if comparison["baseline"] is not None:
+        same = ", ".join(f"{run['label']} {run['same_outputs_as_none']}/{comparison['num_requests']}"
+                         for run in runs if run["speculative_config"] is not None)
+        lines.append(f"requests with the none run's tokens: {same}")
+    return lines
 
 
 def _speculation(config: Mapping[str, Any], figures: Mapping[str, Any]) -> str:
@@ -58,8 +93,8 @@ def _speculation(config: Mapping[str, Any], figures: Mapping[str, Any]) -> str:
         return head + "no draft was verified in the timed runs"
     return (head + f"acceptance length {figures['acceptance_length']:.2f}, {figures['num_drafts']} drafts, "
             f"{figures['num_verified_tokens']} verified and {figures['num_accepted_tokens']} accepted tokens "
-            f"(per position {figures['accepted_per_pos']}), {figures['verified_per_step']:.2f} verified tokens per "
-            "step")
+            f"(per position {figures['accepted_per_pos']}), {figures['verified_per_draft']:.2f} verified tokens per "
+            f"draft round (sequence and step), {figures['verified_per_step']:.2f} per engine step")
 
 
 def _masks(masks: Mapping[str, Any]) -> str:

@@ -91,6 +91,9 @@ class BenchConfig:
     enable_expert_parallel: bool = False
     speculative_config: Mapping[str, Any] | None = None  # vLLM's dict (docs/speculative.md); None: no speculation
     prompts_file: str | None = None  # real text, one prompt per line (the first num_prompts, input_len tokens each)
+    # baselines timed before speculative_config on the same prompts: "none", a method name (same k) or a config dict;
+    # an empty list: none and mtp (``bench/speculative.py``); None: no comparison
+    compare_speculative: Sequence[str | Mapping[str, Any]] | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -117,6 +120,13 @@ class BenchConfig:
             raise ValueError(f"speculative_config must be a dict, got {type(self.speculative_config).__name__}")
         if self.speculative_config is not None and self.data_parallel_size > 1:
             raise ValueError("--speculative-config runs on one engine; leave out --data-parallel-size")
+        if self.compare_speculative is not None and self.speculative_config is None:
+            raise ValueError("--compare-speculative compares the --speculative-config run with baselines; give "
+                             """--speculative-config (e.g. '{"method": "dspark", "num_speculative_tokens": 5}')""")
+        if self.compare_speculative is not None:
+            from deepinfer_core.bench.speculative import comparison_runs
+
+            comparison_runs(self.speculative_config, self.compare_speculative)  # bad baselines refused before work
         if self.prompts_file is not None and (self.num_iters > 1 or self.prefix_share or self.compare_hf):
             raise ValueError("--prompts times one run of the file's prompts (a second would hit the first's prefix "
                              "cache), has no common prefix, and HF's batches here take equal lengths only: leave out "
@@ -185,18 +195,23 @@ def run_bench(config: BenchConfig, log: Log = lambda msg: None) -> dict[str, Any
     prompts = random_prompts(config.num_prompts, config.input_len, model_config.vocab_size, config.seed, prefix)
     if config.prompts_file is not None:
         prompts = file_prompts(config.prompts_file, folder, config.num_prompts, config.input_len)
-    if config.data_parallel_size > 1:
+    comparison = None
+    if config.compare_speculative is not None:
+        engine, device, dtype, comparison = run_comparison(folder, config, prompts, log)
+    elif config.data_parallel_size > 1:
         from deepinfer_core.bench.parallel import run_engine_ranks
 
         engine, device, dtype = run_engine_ranks(folder, config, prompts, model_config.vocab_size, log)
     else:
         engine, device, dtype = run_engine(folder, config, prompts, log)
     result: dict[str, Any] = {"config": describe(config, folder, device, dtype), "engine": engine["metrics"]}
+    result["speculative_comparison"] = comparison
     result["config"]["decode_graph_replays"] = engine["graph_replays"]["decode"]
     result["config"]["prefill_graph_replays"] = engine["graph_replays"]["prefill"]
     result["config"]["max_num_batched_tokens"] = engine["max_num_batched_tokens"]  # the backend's default if unset
     result["config"]["async_scheduling"] = engine["async_scheduling"]
     result["config"]["op_sources"] = engine["op_sources"]
+    result["config"]["speculative_config"] = engine.get("speculative_config", config.speculative_config)  # as run
     result["structured_output"] = engine.get("structured_output")  # None without a JSON schema
     result["roofline"] = {"engine": _roofline(model_config, dtype, device, engine["metrics"], config, quantized)}
     result["hf"] = result["ratio"] = result["agreement"] = None
@@ -212,7 +227,8 @@ def run_bench(config: BenchConfig, log: Log = lambda msg: None) -> dict[str, Any
 def result_keys() -> dict[str, list[str]]:
     """The keys a result dict and its metric dicts carry (tests and JSON consumers rely on them)."""
     return {
-        "result": ["config", "engine", "hf", "ratio", "agreement", "roofline", "structured_output"],
+        "result": ["config", "engine", "hf", "ratio", "agreement", "roofline", "structured_output",
+                   "speculative_comparison"],
         "metrics": ["total_time_s", "num_requests", "prompt_tokens", "output_tokens", "output_throughput",
                     "total_throughput", "requests_per_s", "ttft_s", "tpot_s", "latency_s", "load_time_s", "steps",
                     "step_times_s", "iteration_total_times_s", "iteration_first_token_s", "gc_pauses",
@@ -299,6 +315,20 @@ def _roofline(model_config, dtype, device, metrics: Mapping[str, Any], config: B
 
 
 # ------------------------------------------------------------------------------------------------ engine
+def run_comparison(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int]],
+                   log: Log) -> tuple[dict[str, Any], torch.device, torch.dtype, dict[str, Any]]:
+    """``--compare-speculative``: one engine run per baseline, then the ``speculative_config`` run (whose figures
+    are the result's ``engine``), all on ``prompts``; returns that run, its device and dtype, and the comparison."""
+    from deepinfer_core.bench import speculative
+
+    rows = []
+    for name, spec in speculative.comparison_runs(config.speculative_config, config.compare_speculative):
+        log(f"speculative comparison: {name} ...")
+        engine, device, dtype = run_engine(folder, dataclasses.replace(config, speculative_config=spec), prompts, log)
+        rows.append(speculative.comparison_row(name, spec, engine["metrics"], engine["outputs"]))
+    return engine, device, dtype, speculative.finish_rows(rows)
+
+
 def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int]],
                log: Log) -> tuple[dict[str, Any], torch.device, torch.dtype]:
     """Load ``folder`` into ``LLM``, warm up, time ``config.num_iters`` runs (figures: the run of median total time,
@@ -342,18 +372,23 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
     outputs = [runs[0].outputs[f"bench-{i}"] for i in range(len(prompts))]
     budget, overlapped = llm.max_num_batched_tokens, llm.async_scheduling
     op_sources = llm.model.ops.sources()  # which implementation each op ran (backend, plugin or reference)
+    speculator = llm.engine.speculator  # None without speculation; DEEPINFER_USE_NEXTN_DECODE's config included
+    spec = (None if speculator is None else {"method": speculator.config.method,
+                                             "num_speculative_tokens": speculator.config.num_speculative_tokens,
+                                             **speculator.config.options})
     llm.engine.shutdown()
     del llm
     _free(device)
     return {"metrics": metrics, "outputs": outputs, "graph_replays": replays, "max_num_batched_tokens": budget,
-            "async_scheduling": overlapped, "op_sources": op_sources,
+            "async_scheduling": overlapped, "op_sources": op_sources, "speculative_config": spec,
             "structured_output": masks[median] if config.json_schema is not None else None}, device, dtype
 
 
 def speculation_figures(before: Mapping[str, Any], after: Mapping[str, Any], steps: int) -> dict[str, Any] | None:
     """The timed runs' speculative decoding (the ``deepinfer:spec_decode_*`` counters' growth over them): drafts,
     draft / verified / accepted tokens, accepted tokens per draft position, acceptance length (1 + accepted /
-    drafts) and verified tokens per step; None without speculation."""
+    drafts), verified tokens per draft round (per sequence per step: DSpark's figure, k for fixed-k MTP) and per
+    engine step (across the batch); None without speculation."""
     prefix = "deepinfer:spec_decode_"
     if f"{prefix}num_drafts" not in after:
         return None
@@ -364,6 +399,7 @@ def speculation_figures(before: Mapping[str, Any], after: Mapping[str, Any], ste
     drafts = grown["num_drafts"]
     return {**grown, "accepted_per_pos": per_pos,
             "acceptance_length": 1 + grown["num_accepted_tokens"] / drafts if drafts else None,
+            "verified_per_draft": grown["num_verified_tokens"] / drafts if drafts else None,
             "verified_per_step": grown["num_verified_tokens"] / steps if steps else None}
 
 

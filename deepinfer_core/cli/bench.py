@@ -7,6 +7,8 @@ Examples::
     deepinfer bench --preset tiny --input-len 512 --prefix-share 0.75 --option enable_swa_replay=true
     deepinfer bench --preset tiny --json-schema schema.json --async-scheduling   # structured output
     deepinfer bench --preset v4-flash-8l64e --input-len 1024 --output-len 128 --num-prompts 64   # GPU only
+    deepinfer bench --prompts code.txt --speculative-config '{"method": "dspark", "num_speculative_tokens": 5}' \
+        --compare-speculative none mtp   # one table: no speculation, fixed-k MTP, DSpark
     deepinfer bench --preset tiny --data-parallel-size 2 --enable-expert-parallel --option enable_eplb=true \
         --option eplb_config='{"num_redundant_experts": 2, "window_size": 8, "step_interval": 8}'
 """
@@ -78,6 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="""speculative decoding, vLLM's dict as JSON, e.g. '{"method": "ngram", """
                              """"num_speculative_tokens": 3}'; the report adds acceptance length and verified tokens """
                              "per step (docs/speculative.md)")
+    parser.add_argument("--compare-speculative", nargs="*", metavar="BASELINE",
+                        help="also time baselines in this process on the same prompts, before the "
+                             "--speculative-config run, and print one table (output tok/s, speedup over no "
+                             "speculation, acceptance length, verified tokens per step, draft tokens): each BASELINE "
+                             "is none, a method name (run with the same num_speculative_tokens) or a "
+                             "speculative_config JSON object; no BASELINE: none mtp")
     parser.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
     parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                         help="batch-invariant mode (the deepinfer-batch-invariant plugin's option batch_invariant: the "
@@ -99,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
         options = with_batch_invariant(parse_options(args.option), args.batch_invariant)
         schema = read_json_schema(args.json_schema) if args.json_schema else None
         speculative = parse_json_config(args.speculative_config) if args.speculative_config is not None else None
+        baselines = (None if args.compare_speculative is None
+                     else [parse_baseline(entry) for entry in args.compare_speculative])
     except DeepInferError as exc:
         print(f"deepinfer bench: error: {exc}", file=sys.stderr)
         return 2
@@ -112,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         async_scheduling=args.async_scheduling, seed=args.seed, prefix_share=args.prefix_share,
         cache_dir=args.cache_dir, options=options, data_parallel_size=args.data_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel, json_schema=schema, speculative_config=speculative,
-        prompts_file=args.prompts,
+        prompts_file=args.prompts, compare_speculative=baselines,
     )
     try:
         result = run_bench(config, log=lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -137,6 +147,24 @@ def with_batch_invariant(options: dict, flag: bool | None) -> dict:
         raise CommandLineOptionError(f"--{'' if flag else 'no-'}batch-invariant contradicts --option "
                                      f"batch_invariant={options['batch_invariant']!r}; give one of them")
     return {**options, "batch_invariant": flag}
+
+
+def parse_baseline(entry: str) -> str | dict:
+    """A ``--compare-speculative`` baseline: ``none`` or a method name as given, a JSON object as a dict;
+    ``CommandLineOptionError`` for JSON that is not an object."""
+    from deepinfer_core.cli.options import CommandLineOptionError
+
+    if not entry.lstrip().startswith("{"):
+        return entry
+    try:
+        config = json.loads(entry)
+    except json.JSONDecodeError as exc:
+        raise CommandLineOptionError(f"--compare-speculative {entry!r} is not valid JSON ({exc}); pass none, a method "
+                                     """name or an object like '{"method": "mtp", "num_speculative_tokens": 5}'""") \
+            from None
+    if not isinstance(config, dict):
+        raise CommandLineOptionError(f"--compare-speculative {entry!r} is not a JSON object")
+    return config
 
 
 def read_json_schema(path: str) -> dict:
