@@ -66,7 +66,8 @@ def test_gpu_only_preset_is_refused_on_cpu(tmp_path):
 
 
 def test_unknown_preset_names_the_known_ones():
-    with pytest.raises(presets.PresetError, match="known presets: tiny, v4-flash-20l-fp4, v4-flash-8l64e, v4-flash-8l64e-1m, v4-flash-8l64e-fp4"):
+    with pytest.raises(presets.PresetError, match="known presets: tiny, tiny-mtp, v4-flash-20l-fp4, v4-flash-8l64e, "
+                                                  "v4-flash-8l64e-1m, v4-flash-8l64e-fp4, v4-flash-8l64e-mtp"):
         presets.get_preset("huge")
 
 
@@ -117,6 +118,45 @@ def test_preset_sharing_weights_links_the_base_files(tmp_path, monkeypatch):
                                                                      weights_of="tiny"))
     with pytest.raises(presets.PresetError, match="tensor shapes differ"):
         presets.ensure_preset("tiny-wide", tmp_path)
+
+
+def test_mtp_preset_links_the_target_and_writes_only_the_draft_layer(tmp_path):
+    """``tiny-mtp`` (as ``v4-flash-8l64e-mtp`` on the GPU): the base preset's files hard-linked, the draft layer in
+    one extra shard with an index over both; the same tensors as the whole checkpoint written in one go; the draft
+    layer loads through the engine's MTP loader."""
+    from safetensors import safe_open
+
+    from deepinfer_core.checkpoint import INDEX_FILE, read_headers
+    from deepinfer_core.llm import LLM
+    from deepinfer_core.models.deepseek_v4.mtp import load_mtp_draft
+
+    folder = presets.ensure_preset("tiny-mtp", tmp_path)
+    base = presets.ensure_preset("tiny", tmp_path)
+    assert (folder / "model.safetensors").samefile(base / "model.safetensors")
+    assert not (base / INDEX_FILE).exists() and not (base / presets.DRAFT_SHARD).exists()
+    shards = read_headers(folder)
+    assert set(shards) == {"model.safetensors", presets.DRAFT_SHARD}
+    assert all(name.startswith("model.mtp.0.") for name in shards[presets.DRAFT_SHARD])
+    config = presets.get_preset("tiny-mtp").config_dict()
+    assert sum(math.prod(shape) for shape, _ in shards[presets.DRAFT_SHARD].values()) == presets.count_parameters(
+        config, draft=True) > 0
+    whole = presets.write_random_checkpoint(tmp_path / "whole", config)  # target and draft layer in one file
+    with safe_open(str(whole / "model.safetensors"), "pt") as f:
+        names = f.keys()
+        expected = {name: f.get_tensor(name) for name in names}
+    found = {}
+    for shard, names in shards.items():
+        with safe_open(str(folder / shard), "pt") as f:
+            found.update({name: f.get_tensor(name) for name in names})
+    assert found.keys() == expected.keys() and all(torch.equal(found[k], expected[k]) for k in expected)
+    llm = LLM(str(folder), max_num_seqs=2)
+    draft = load_mtp_draft(folder, llm.model)
+    assert draft.num_layers == 1 and not draft.has_confidence_head
+    flash = presets.get_preset("v4-flash-8l64e-mtp")
+    assert flash.weights_of == "v4-flash-8l64e" and flash.config["num_nextn_predict_layers"] == 1
+    assert presets.count_parameters(flash.config) == presets.count_parameters(
+        presets.get_preset("v4-flash-8l64e").config)
+    assert round(presets.count_parameters(flash.config, draft=True) / 1e9, 2) == 1.78
 
 
 # ------------------------------------------------------------------------------------------------ runner

@@ -11,12 +11,18 @@ Presets:
 
 * ``tiny``: the embedded default model's shape (``tools/train_tiny.py``: 4 layers, hidden 256, vocab 4096,
   about 5 M parameters), random weights. Fine on CPU.
+* ``tiny-mtp``: ``tiny`` plus one MTP draft layer (``mtp.0.*``, random weights), for the ``mtp`` / ``dspark``
+  speculative-decoding methods on CPU.
 * ``v4-flash-8l64e``: DeepSeek-V4-Flash per-layer shapes with 8 layers and 64 experts (15.08 B parameters,
   30 GB in bf16). GPU only; never create it in tests.
 * ``v4-flash-8l64e-1m``: the same shapes with V4-Flash's position range (1,048,576) and RoPE: plain RoPE (theta
   10,000) in sliding layers, yarn (theta 160,000, factor 16 over 65,536 original positions, beta 32 / 1,
   attention factor 1.0) in compressed ones. ``v4-flash-8l64e`` keeps 65,536 positions and plain RoPE. Its folder
   hard-links ``v4-flash-8l64e``'s weight files (the same tensors), so both cost the disk 30 GB, not 60.
+* ``v4-flash-8l64e-mtp``: ``v4-flash-8l64e`` plus one MTP draft layer (V4-Flash has one), so the ``mtp`` and
+  ``dspark`` methods run on it. Its folder hard-links ``v4-flash-8l64e``'s weight files and writes only the draft
+  layer's tensors (1.78 B parameters, 3.6 GB in bf16) into an extra shard, with an index over both. A random draft layer
+  drafts tokens the target almost never accepts: what the preset measures is the draft and verify steps' cost.
 * ``v4-flash-8l64e-fp4``: the same weights written through ``deepinfer quantize --experts fp4 --linear fp8``
   (MXFP4 experts, fp8 128 x 128 blocks with ue8m0 scales; 10.1 GB), like for like with the bf16 preset.
 * ``v4-flash-20l-fp4``: V4-Flash's 256 routed experts and per-layer shapes with 20 layers, written quantized as
@@ -42,8 +48,11 @@ from deepinfer_core.errors import DeepInferError
 from deepinfer_core.models.deepseek_v4 import weights as v4_weights
 from deepinfer_core.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from deepinfer_core.quant.writer import QuantRecipe, quantize_tensors, quantized_config
+from deepinfer_core.sampling.noise import derive_seed
 
 MARKER_FILE = "bench_preset.json"  # written last: a folder without it is incomplete and is rebuilt
+DRAFT_SHARD = "model-mtp.safetensors"  # a preset's draft layers beside shared target weights (``weights_of``)
+DRAFT_STREAM = 1  # derive_seed sub-stream of the draft layers' weights: the target's bytes do not depend on them
 WEIGHT_STD = 0.02
 _HF_TOP_LEVEL = {
     "embed.weight": "model.embed_tokens.weight",
@@ -154,6 +163,11 @@ def _flash_8l64e_1m_config() -> dict[str, Any]:
     return config
 
 
+def _with_mtp(config: dict[str, Any], layers: int = 1) -> dict[str, Any]:
+    """``config`` with ``layers`` MTP draft layers (``mtp.K.*``)."""
+    return {**config, "num_nextn_predict_layers": layers}
+
+
 def _flash_20l_config() -> dict[str, Any]:
     """``v4-flash-20l-fp4``: V4-Flash per-layer shapes and its 256 routed experts, 20 layers (3 hash-routed)."""
     config = _flash_8l64e_config()
@@ -166,11 +180,16 @@ FLASH_FP4 = QuantRecipe(experts="fp4", linear="fp8", block=128)  # how DeepSeek 
 
 PRESETS: dict[str, Preset] = {
     "tiny": Preset("tiny", "the embedded default model's shape (~5 M params), random weights", _tiny_config()),
+    "tiny-mtp": Preset("tiny-mtp", "tiny plus one MTP draft layer (random weights: for mtp / dspark on CPU)",
+                       _with_mtp(_tiny_config()), weights_of="tiny"),
     "v4-flash-8l64e": Preset("v4-flash-8l64e", "V4-Flash layer shapes, 8 layers, 64 experts (15.08 B params, GPU)",
                              _flash_8l64e_config(), gpu_only=True),
     "v4-flash-8l64e-1m": Preset("v4-flash-8l64e-1m", "v4-flash-8l64e with V4-Flash's 1,048,576 positions and "
                                 "yarn RoPE (GPU)", _flash_8l64e_1m_config(), gpu_only=True,
                                 weights_of="v4-flash-8l64e"),
+    "v4-flash-8l64e-mtp": Preset("v4-flash-8l64e-mtp", "v4-flash-8l64e plus one MTP draft layer, random weights "
+                                 "(mtp / dspark step costs, GPU)", _with_mtp(_flash_8l64e_config()), gpu_only=True,
+                                 weights_of="v4-flash-8l64e"),
     "v4-flash-8l64e-fp4": Preset("v4-flash-8l64e-fp4", "v4-flash-8l64e with MXFP4 experts and fp8 linears (GPU)",
                                  _flash_8l64e_config(), gpu_only=True, quantize=FLASH_FP4),
     "v4-flash-20l-fp4": Preset("v4-flash-20l-fp4", "V4-Flash layer shapes, 20 layers, 256 experts, MXFP4 experts "
@@ -185,10 +204,21 @@ def get_preset(name: str) -> Preset:
     return PRESETS[name]
 
 
-def count_parameters(config_dict: Mapping[str, Any]) -> int:
-    """Parameters of a checkpoint of this config (from the expected tensor shapes; nothing is allocated)."""
+def count_parameters(config_dict: Mapping[str, Any], draft: bool = False) -> int:
+    """Parameters of a checkpoint of this config, the target's (``draft``: its MTP draft layers') (from the expected
+    tensor shapes; nothing is allocated)."""
     config = DeepseekV4Config.from_dict(dict(config_dict))
-    return sum(math.prod(shape) for shape, _ in v4_weights.expected_tensors(config).values())
+    specs = draft_tensor_specs(config) if draft else v4_weights.expected_tensors(config)
+    return sum(math.prod(shape) for shape, _ in specs.values())
+
+
+def draft_tensor_specs(config: DeepseekV4Config) -> dict[str, v4_weights.Spec]:
+    """``mtp.K.* -> (shape, kind)`` of the config's ``num_nextn_predict_layers`` draft layers (no confidence head,
+    as V4 checkpoints ship them); empty without draft layers."""
+    from deepinfer_core.models.deepseek_v4.mtp import expected_draft_tensors
+
+    layers = config.num_nextn_predict_layers
+    return expected_draft_tensors(config, layers, confidence_head=False) if layers > 0 else {}
 
 
 def hf_saved_name(canonical: str) -> str:
@@ -239,12 +269,16 @@ def ensure_preset(
     shutil.rmtree(tmp, ignore_errors=True)
     if preset.weights_of is not None and not overrides:
         base = ensure_preset(preset.weights_of, cache_dir, seed=seed, device=device)
-        _share_weights(base, tmp, config, get_preset(preset.weights_of).config_dict())
+        base_config = get_preset(preset.weights_of).config_dict()
+        _share_weights(base, tmp, config, base_config)
+        if config.get("num_nextn_predict_layers", 0) != base_config.get("num_nextn_predict_layers", 0):
+            _add_draft_shard(tmp, config, seed, preset.weight_dtype, device)
     else:
         write_random_checkpoint(tmp, config, seed=seed, weight_dtype=preset.weight_dtype, device=device,
                                 quantize=preset.quantize)
     (tmp / MARKER_FILE).write_text(json.dumps({"preset": name, "seed": seed, "device": device.type,
-                                               "parameters": count_parameters(config)}, indent=2))
+                                               "parameters": count_parameters(config),
+                                               "draft_parameters": count_parameters(config, draft=True)}, indent=2))
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     return folder
@@ -252,7 +286,8 @@ def ensure_preset(
 
 def _share_weights(base: Path, folder: Path, config: Mapping[str, Any], base_config: Mapping[str, Any]) -> None:
     """Fill ``folder`` with hard links to ``base``'s weight and tokenizer files (copies across file systems) and
-    ``config``'s own config.json: presets that differ only in config fields read the same bytes, written once."""
+    ``config``'s own config.json: presets that differ only in config fields (or in draft layers, which
+    ``_add_draft_shard`` adds) read the same bytes, written once."""
     tensors = v4_weights.expected_tensors(DeepseekV4Config.from_dict(dict(config)))
     if tensors != v4_weights.expected_tensors(DeepseekV4Config.from_dict(dict(base_config))):
         raise PresetError(f"cannot share the weights of {base.name}: the tensor shapes differ")
@@ -265,6 +300,26 @@ def _share_weights(base: Path, folder: Path, config: Mapping[str, Any], base_con
         except OSError:
             shutil.copy2(path, folder / path.name)
     (folder / "config.json").write_text(json.dumps(dict(config), indent=2))
+
+
+def _add_draft_shard(folder: Path, config_dict: Mapping[str, Any], seed: int, weight_dtype: torch.dtype,
+                     device: torch.device) -> None:
+    """Write ``config_dict``'s draft layers (random, ``iter_draft_tensors``) into ``DRAFT_SHARD`` beside the linked
+    target shards of ``folder``, and an index over all of them (a new file, not the base's linked one)."""
+    from safetensors.torch import save_file
+
+    from deepinfer_core.checkpoint import INDEX_FILE, read_headers
+
+    weight_map = {name: shard for shard, names in read_headers(folder).items() for name in names}
+    config = DeepseekV4Config.from_dict(dict(config_dict))
+    draft = {hf_saved_name(name): tensor.detach().to("cpu").contiguous()
+             for name, tensor, _ in iter_draft_tensors(config, seed, weight_dtype, device)}
+    save_file(draft, str(folder / DRAFT_SHARD), metadata={"format": "pt"})
+    weight_map.update(dict.fromkeys(draft, DRAFT_SHARD))
+    total = sum((folder / shard).stat().st_size for shard in set(weight_map.values()))
+    (folder / INDEX_FILE).unlink(missing_ok=True)  # a hard link to the base's index: never written through
+    (folder / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                indent=2))
 
 
 # ------------------------------------------------------------------------------------------------ writing
@@ -299,9 +354,26 @@ def random_tensors(config: DeepseekV4Config, seed: int, weight_dtype: torch.dtyp
 
 def iter_random_tensors(config: DeepseekV4Config, seed: int, weight_dtype: torch.dtype,
                         device: torch.device) -> Iterator[tuple[str, torch.Tensor, str]]:
-    """``(canonical name, tensor, kind)`` of every tensor of ``config``, drawn one at a time in name order."""
+    """``(canonical name, tensor, kind)`` of every tensor of ``config``, drawn one at a time in name order: the
+    target's, then its draft layers' (``iter_draft_tensors``)."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    for name, (shape, kind) in sorted(v4_weights.expected_tensors(config).items()):
+    yield from _iter_drawn(v4_weights.expected_tensors(config), config, gen, weight_dtype, device)
+    yield from iter_draft_tensors(config, seed, weight_dtype, device)
+
+
+def iter_draft_tensors(config: DeepseekV4Config, seed: int, weight_dtype: torch.dtype,
+                       device: torch.device) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """The draft layers' ``mtp.K.*`` tensors (``draft_tensor_specs``), drawn in name order from their own seed
+    stream, so a target's weights are the same with and without draft layers; nothing without draft layers."""
+    specs = draft_tensor_specs(config)
+    if specs:
+        gen = torch.Generator(device=device).manual_seed(derive_seed(seed, DRAFT_STREAM) % 2**63)
+        yield from _iter_drawn(specs, config, gen, weight_dtype, device)
+
+
+def _iter_drawn(specs: Mapping[str, v4_weights.Spec], config: DeepseekV4Config, gen: torch.Generator,
+                weight_dtype: torch.dtype, device: torch.device) -> Iterator[tuple[str, torch.Tensor, str]]:
+    for name, (shape, kind) in sorted(specs.items()):
         if kind == v4_weights.INT:
             yield name, _random_tid2eid(shape, config.n_routed_experts, gen, device), kind
         else:
