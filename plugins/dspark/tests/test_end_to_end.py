@@ -104,3 +104,27 @@ def test_embedded_model_drafts_accepted_tokens_losslessly(embedded, method):
         assert verified == drafted
     else:  # the default budget: 0.75 of the drafted tokens of each step
         assert verified <= 0.75 * drafted + drafts
+
+
+def test_bench_compares_dspark_with_none_and_mtp_in_one_run(tmp_path):
+    """``deepinfer bench --speculative-config dspark --compare-speculative``: no speculation, fixed-k MTP and DSpark
+    on the same prompts of the embedded model; DSpark verifies fewer draft tokens for the same accepted ones, and the
+    greedy tokens are those of the none run."""
+    from deepinfer_core.bench import runner
+    from deepinfer_core.bench.report import format_report
+
+    path = tmp_path / "code.txt"
+    path.write_text("\n".join(line.replace("\n", " ") for line in CODE_PROMPTS) + "\n")
+    config = runner.BenchConfig(input_len=32, output_len=16, num_prompts=3, max_num_seqs=3, warmup=0,
+                                enforce_eager=True, prompts_file=str(path), compare_speculative=[],
+                                speculative_config={"method": "dspark", "num_speculative_tokens": 5})
+    result = runner.run_bench(config)
+    none, mtp, dspark = result["speculative_comparison"]["runs"]
+    assert [none["label"], mtp["label"], dspark["label"]] == ["none", "mtp k=5", "dspark k=5"]
+    assert mtp["acceptance_length"] > 1.5 and dspark["acceptance_length"] > 1.5
+    assert mtp["num_verified_tokens"] == mtp["num_draft_tokens"]
+    assert dspark["num_verified_tokens"] < mtp["num_verified_tokens"]
+    assert dspark["verified_per_draft"] < mtp["verified_per_draft"] <= 5
+    assert mtp["same_outputs_as_none"] == dspark["same_outputs_as_none"] == 3
+    assert dspark["speedup_vs_none"] == dspark["output_throughput"] / none["output_throughput"]
+    assert "requests with the none run's tokens: mtp k=5 3/3, dspark k=5 3/3" in format_report(result)
