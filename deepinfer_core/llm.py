@@ -19,6 +19,7 @@ from deepinfer_core.distributed.worker import DataParallelWorker
 from deepinfer_core.engine.decode_graphs import DecodeGraphs, default_sizes
 from deepinfer_core.engine.engine import Engine, EngineConfig, RequestRejectedError
 from deepinfer_core.engine.prefill_graphs import BUCKETS, PrefillGraphs
+from deepinfer_core.engine.verify_graphs import VerifyGraphs
 from deepinfer_core.engine_args import EngineArgs, EngineArgsError
 from deepinfer_core.engine_context import EngineContext
 from deepinfer_core.metrics import Metric
@@ -138,8 +139,13 @@ class LLM:
             buckets = BUCKETS if args.prefill_graph_buckets is None else tuple(args.prefill_graph_buckets)
             prefill = PrefillGraphs(self.model, state, self.backend.capture_graph, self.max_num_batched_tokens,
                                     num_slots, num_blocks, buckets) if buckets else None
-        return Engine(self.model, state, self.tokenizer, config, self.plugin_manager, graphs, prefill,
-                      logits_processors=processors, context=self.context, speculator=speculator)
+        engine = Engine(self.model, state, self.tokenizer, config, self.plugin_manager, graphs, prefill,
+                        logits_processors=processors, context=self.context, speculator=speculator)
+        if sizes and speculator is not None and VerifyGraphs.supported(self.model):
+            engine.runner.verify_graphs = VerifyGraphs(
+                self.model, state, self.backend.capture_graph, sizes, self.max_model_len, speculator.k + 1,
+                spare_slot=num_slots, spare_block=num_blocks, return_hidden=speculator.needs_hidden_states)
+        return engine
 
     def _graph_sizes(self, args: EngineArgs) -> list[int]:
         """Decode batch sizes to capture: none when eager or when the model has no static steps."""

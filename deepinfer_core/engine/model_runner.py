@@ -12,6 +12,7 @@ from deepinfer_core.device_copy import beside, record_event, to_device, to_host
 from deepinfer_core.engine.decode_graphs import DecodeGraphs
 from deepinfer_core.engine.prefill_graphs import PrefillGraphs
 from deepinfer_core.engine.scheduler import ScheduledChunk, SchedulerOutput
+from deepinfer_core.engine.verify_graphs import VerifyGraphs, VerifyStep
 from deepinfer_core.forward_batch import ForwardBatch
 from deepinfer_core.sampling.sampler import (
     PromptLogprobsOutput,
@@ -131,6 +132,7 @@ class ForwardStep:
     prompt_logprobs: dict[str, tuple[int, PromptLogprobsOutput]]
     draft_save: Any = None  # the model's save of the state the step's draft tokens overwrite (``DraftRollback``)
     hidden: HiddenStates | None = None
+    verify_step: VerifyStep | None = None  # the step's verification through a static graph (its own save)
 
 
 class ModelRunner:
@@ -146,7 +148,8 @@ class ModelRunner:
         self.decode_graphs = decode_graphs
         self.prefill_graphs = prefill_graphs
         self.num_mixed_steps = 0  # steps that replayed a graph for their decodes beside a prefill
-        self.return_hidden = False  # a proposer reads the target's hidden states: every step runs eagerly
+        self.return_hidden = False  # a proposer reads the target's hidden states: no decode graph (they return none)
+        self.verify_graphs: VerifyGraphs | None = None  # with a speculator: verification steps through static graphs
 
     def build_batch(self, output: SchedulerOutput) -> tuple[ForwardBatch, list[int], dict[str, tuple[int, int]]]:
         """The flat batch, the logits row of each sampling chunk, and prompt-logprob row ranges. A token still in
@@ -196,22 +199,27 @@ class ModelRunner:
         whose last input token is in flight reads it from ``previous`` (the step before) on the device."""
         if previous is None and any(c.reads_inflight_token for c in output.chunks):
             raise RuntimeError("a chunk reads a token still in flight, but no launched step was given to read it from")
-        graphed = self.decode_graphs.select(output.chunks) if self._graphs(self.decode_graphs, output.chunks) else []
+        verified, verify_step = self._verify(output.chunks, previous)
+        graphed = []
+        if not verified:
+            graphed = self.decode_graphs.select(output.chunks) if self._graphs(self.decode_graphs, output.chunks) else []
         fill = (lambda input_ids: previous.feed(input_ids, list(range(len(graphed))), graphed)) if previous else None
         graph_logits = self.decode_graphs.run(graphed, fill) if graphed else None  # [G, V]
         if graph_logits is None:
             graphed = []
-        in_graph = {id(c) for c in graphed}
+        in_graph = {id(c) for c in graphed + verified}
         eager = SchedulerOutput([c for c in output.chunks if id(c) not in in_graph], output.preempted)
-        parts = [graph_logits] if graphed else []
+        parts = [graph_logits] if graphed else [verify_step.logits] if verified else []
         row_of = {id(c): i for i, c in enumerate(graphed)}  # chunk -> row of the stacked sampling logits
+        row_of.update(first_rows(verified))
+        base = len(graphed) + sum(c.num_tokens for c in verified)  # the eager chunks' first row
         prompt_logprobs = {}
-        self.num_mixed_steps += bool(graphed and eager.chunks)
+        self.num_mixed_steps += bool((graphed or verified) and eager.chunks)
         prefill = self.prefill_graphs.run(eager.chunks) if self._graphs(self.prefill_graphs, eager.chunks) else None
         draft_save = hidden = None
         if prefill is not None:  # a lone prompt through its bucket's graph: [1, V]
             parts.append(prefill)
-            row_of[id(eager.chunks[0])] = len(graphed)
+            row_of[id(eager.chunks[0])] = base
         elif eager.chunks:
             batch, sample_rows, prompt_rows = self.build_batch(eager)
             if previous is not None:
@@ -224,11 +232,26 @@ class ModelRunner:
             if sample_rows != list(range(logits.shape[0])):
                 sampled = logits[to_device(torch.tensor(sample_rows, dtype=torch.long), logits.device)]
             parts.append(sampled)
-            row_of.update(first_rows([c for c in eager.chunks if c.samples], len(graphed)))
+            row_of.update(first_rows([c for c in eager.chunks if c.samples], base))
             prompt_logprobs = self._prompt_logprobs(eager, logits, prompt_rows)
+        if verify_step is not None:
+            hidden = HiddenStates.joined(verify_step.hidden, hidden)
         sampling_chunks = [c for c in output.chunks if c.samples]
         return ForwardStep(output, parts, [row_of[id(c)] for c in sampling_chunks], sampling_chunks, prompt_logprobs,
-                           draft_save, hidden)
+                           draft_save, hidden, verify_step)
+
+    def _verify(self, chunks: list[ScheduledChunk], previous: LaunchedStep | None
+                ) -> tuple[list[ScheduledChunk], VerifyStep | None]:
+        """The step's decode chunks verifying drafts, run through a static verification graph (with a speculator:
+        ``engine/verify_graphs.py``), and that step; ([], None) where none runs."""
+        chosen = self.verify_graphs.select(chunks) if self.verify_graphs is not None else []
+        if not chosen:
+            return [], None
+        fill = None
+        if previous is not None and any(c.reads_inflight_token for c in chosen):
+            fill = lambda input_ids, rows: previous.feed(input_ids, rows, chosen)
+        step = self.verify_graphs.run(chosen, fill)
+        return (chosen, step) if step is not None else ([], None)
 
     def _graphs(self, graphs, chunks: list[ScheduledChunk]) -> bool:
         """Whether captured graphs may run some of ``chunks``: not while a proposer reads hidden states (graphs
@@ -246,7 +269,10 @@ class ModelRunner:
         group_rows = None
         if num_emitted is not None:
             group_rows = [len(c.draft_token_ids) + 1 for c in chunks]
-            step.draft_save.rollback(self.model, self.state, chunks, num_emitted)
+            if step.draft_save is not None:
+                step.draft_save.rollback(self.model, self.state, chunks, num_emitted)
+        if step.verify_step is not None:  # its padding rows are put back even where no chunk verified a draft
+            step.verify_step.rollback(self.model, self.state, chunks, num_emitted)
         rows_on_host, num_top, rows_copied = copy_rows_to_host(sampler_output, num_emitted)
         req_ids = [c.request.request_id for c in chunks for _ in range(len(c.draft_token_ids) + 1)]
         return LaunchedStep(step.scheduled, sampler_output, req_ids, step.prompt_logprobs, rows_on_host, num_top,

@@ -154,6 +154,30 @@ class SpeculativeModel(CausalLM, Protocol):
 
 
 @runtime_checkable
+class StaticVerifyModel(SpeculativeModel, Protocol):
+    """A speculative model whose verification steps run at static shapes, so a backend can capture them as device
+    graphs (``engine/verify_graphs.py``): every sequence of the step folds the same number of tokens (its newest token,
+    its draft, then padding tokens), every one of them writing state as a draft token does, and the rows past a
+    sequence's draft are rolled back with its rejected drafts. The draft state is saved inside the graph
+    (``save_draft_rows``), rolled back after verification (``rollback_draft_state``, device ops only). A model
+    without these members keeps verifying eagerly."""
+
+    def place_verify_inputs(self, batch: ForwardBatch, state: ModelState, buffers: StaticBuffers, spare_block: int,
+                            context_len: int) -> Any:
+        """Host phase: the layout of a padded step (``batch``: the same token count per sequence, sequences ending
+        by ``context_len``, block tables padded with ``spare_block``), placed in ``buffers``; its shapes depend on
+        the sequence count, the tokens per sequence and ``context_len`` only."""
+
+    def verify_layout(self, inputs: Any) -> Any:
+        """Device phase: the layout ``forward`` takes, computed from the placed inputs by device ops."""
+
+    def save_draft_rows(self, state: ModelState, seq: torch.Tensor, slots: torch.Tensor,
+                        positions: torch.Tensor) -> Any:
+        """``save_draft_state`` from device tensors ``[M]`` (each row's sequence, slot and position), by device ops of
+        fixed shapes; ``rollback_draft_state`` takes its result with ``keep_until`` indexed by ``seq``."""
+
+
+@runtime_checkable
 class ExpertParallelModel(CausalLM, Protocol):
     """A model whose routed experts can be split across ranks (expert parallelism, ``deepinfer_core/distributed``).
 

@@ -50,6 +50,15 @@ class HiddenStates:
         starts = {c.request.request_id: (row, c.start) for c, row in zip(chunks, query_start)}
         return cls(final_hidden, starts)
 
+    @classmethod
+    def joined(cls, first: HiddenStates | None, second: HiddenStates | None) -> HiddenStates | None:
+        """Both parts' rows (a static verification step's, then the eager forward's) as one."""
+        if first is None or second is None:
+            return first or second
+        offset = first.tensor.shape[0]
+        starts = {**first.starts, **{r: (row + offset, pos) for r, (row, pos) in second.starts.items()}}
+        return cls(torch.cat([first.tensor, second.tensor]), starts)
+
     def rows(self, request_id: str, first_position: int, end_position: int) -> torch.Tensor | None:
         """Rows of positions ``[first_position, end_position)`` of a request (None: not computed eagerly here)."""
         if request_id not in self.starts:

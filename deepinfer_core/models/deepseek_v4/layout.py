@@ -115,13 +115,16 @@ class StepLayout:
     alone, not on where it starts: sliding keys span ``Lq + window - 1`` positions (ring keys, then the chunk's),
     entries ``context_len // ratio`` (the block table padded to ``context_len``), and the compressor plan has every
     window the chunk completes, those before ``compressed_write_start`` (their entries come from the cache) writing
-    the spare block.
+    the spare block. A static verification step (``engine/verify_graphs.py``: several sequences of ``Lq`` tokens each,
+    every token writing state) adds ``fixed_windows``: each sequence gets ``ceil(Lq / ratio)`` windows, as many as
+    ``Lq`` tokens can complete wherever they start, those it does not complete being dummies that pool the carry and
+    write the spare block.
     """
 
     def __init__(self, batch: ForwardBatch, sliding_window: int, block_size: int, device: torch.device,
                  windows: tuple[tuple[int, int], ...] = (), entry_ratios: tuple[int, ...] = (),
                  buffers: StaticBuffers | None = None, written: list[int] | None = None, spare_block: int = 0,
-                 masks: bool = True, context_len: int | None = None):
+                 masks: bool = True, context_len: int | None = None, fixed_windows: bool = False):
         self.batch = batch
         self.window = sliding_window
         self.block_size = block_size
@@ -136,6 +139,7 @@ class StepLayout:
         self.padded = written is not None and list(written) != list(self.query_lens)  # tokens that write no state
         self.written = written if self.padded else self.query_lens
         self.context_len = context_len
+        self.fixed_windows = fixed_windows  # every sequence gets ceil(Lq / ratio) windows: a static multi-seq step
         self._tables: torch.Tensor | None = None
         self._visible: dict[int, torch.Tensor] = {}  # ratio -> attention_visible of the layout's entries
         self._pending: list[tuple[object, str, torch.Tensor]] = []  # (owner, attribute, host tensor) to upload
@@ -328,15 +332,22 @@ class StepLayout:
         write_start = self._tensor(self.batch.compressed_write_start or [0] * self.num_seqs)
         first_cached = -((-write_start) // ratio)  # [S]: windows before it come from the cache
         first_w = ctx // ratio if self.context_len is not None else torch.maximum(ctx // ratio, first_cached)  # [S]
-        seq, offset = _segments(((ctx + self._host_lens) // ratio - first_w).clamp(min=0))  # windows ending now
+        counts = ((ctx + self._host_lens) // ratio - first_w).clamp(min=0)  # [S]: windows ending now
+        if self.fixed_windows:  # as many as Lq tokens can end wherever they start; the extra ones are dummies
+            counts = torch.full_like(counts, -(-self.max_query_len // ratio))
+        seq, offset = _segments(counts)
         entry = first_w[seq] + offset  # [N]
+        tables = self._block_tables()
         plan = WindowPlan(*window_plan(entry, ctx[seq], starts[seq], self._host_slots[seq],
-                                       self._block_tables()[seq, entry // per_block], self._tail_writes(span), ratio,
-                                       span, per_block, torch.arange(span)))
+                                       tables[seq, (entry // per_block).clamp(max=tables.shape[1] - 1)],
+                                       self._tail_writes(span), ratio, span, per_block, torch.arange(span)))
         if self.padded or self.context_len is not None:  # padding's and cached windows pool, write the spare block
             padding = (entry >= ((ctx + self._host_written) // ratio)[seq]) | (entry < first_cached[seq])  # [N]
             plan.write_blocks = torch.where(padding, self.spare_block, plan.write_blocks)
             plan.write_rows = torch.where(padding, 0, plan.write_rows)
+            if self.fixed_windows:  # a dummy window past the step's rows pools its carry only
+                plan.from_new &= ~padding[:, None]
+                plan.new_rows = torch.where(plan.from_new, plan.new_rows, 0)
         for f in dataclasses.fields(plan):
             self._stage(plan, f.name, getattr(plan, f.name))
         return plan

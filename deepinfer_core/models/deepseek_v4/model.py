@@ -705,6 +705,12 @@ class DeepseekV4Model:
         step that computes its window's last accepted token, and no query sees it before."""
         return state.save_positions(slots, positions)
 
+    def save_draft_rows(self, state: DeepseekV4State, seq: torch.Tensor, slots: torch.Tensor,
+                        positions: torch.Tensor) -> SavedRows:
+        """``save_draft_state`` from device tensors ``[M]`` (sequence, slot, position of every row to save), by device
+        ops of fixed shapes (``StaticVerifyModel``: a captured verification step saves inside its graph)."""
+        return state.save_rows(seq, slots, positions)
+
     def rollback_draft_state(self, state: DeepseekV4State, saved: SavedRows, keep_until: torch.Tensor) -> None:
         """Put back the saved rows of the rejected positions (``>= keep_until[i]``) on the device."""
         state.restore_positions(saved, keep_until)
@@ -770,6 +776,19 @@ class DeepseekV4Model:
 
     def prefill_layout(self, inputs: StepLayout) -> StepLayout:
         """The static prefill step's layout with its masks built (on the device, inside the graph)."""
+        inputs.build_masks()
+        return inputs
+
+    def place_verify_inputs(self, batch: ForwardBatch, state: DeepseekV4State, buffers: StaticBuffers,
+                            spare_block: int, context_len: int) -> StepLayout:
+        """The host-built layout of a static verification step (``StaticVerifyModel``): ``batch`` has the same number
+        of tokens per sequence (padding after each sequence's own, every token writing state), sequences end by
+        ``context_len``; placed in ``buffers``, its masks left to ``verify_layout``."""
+        return self.step_layout(batch, state, buffers=buffers, spare_block=spare_block, masks=False,
+                                context_len=context_len, fixed_windows=True)
+
+    def verify_layout(self, inputs: StepLayout) -> StepLayout:
+        """The static verification step's layout with its masks built (on the device, inside the graph)."""
         inputs.build_masks()
         return inputs
 

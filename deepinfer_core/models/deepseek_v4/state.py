@@ -155,9 +155,13 @@ class DeepseekV4State:
         """Copy the ring rows that computing ``positions[i]`` in slot ``slots[i]`` will overwrite."""
         seq = [i for i, pos in enumerate(positions) for _ in pos]
         host = torch.tensor([seq, [slots[i] for i in seq], [p for pos in positions for p in pos]], dtype=torch.long)
-        seq_t, slot_t, pos_t = to_device(host, self.device).unbind(0)  # [M] each
-        saved = [(ring, pos_t % rows, ring[slot_t, pos_t % rows].clone()) for ring, rows in self.slot_rings()]
-        return SavedRows(seq_t, slot_t, pos_t, saved)
+        return self.save_rows(*to_device(host, self.device).unbind(0))
+
+    def save_rows(self, seq: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> SavedRows:
+        """``save_positions`` from device tensors (``[M]`` each: the sequence of each position, its slot, the
+        position): device ops of fixed shapes only, so a captured graph can save them."""
+        saved = [(ring, positions % rows, ring[slots, positions % rows].clone()) for ring, rows in self.slot_rings()]
+        return SavedRows(seq, slots, positions, saved)
 
     def restore_positions(self, saved: SavedRows, keep_until: torch.Tensor) -> None:
         """Put back the saved rows of positions ``>= keep_until[i]`` (``[num_seqs]``, sequence ``i`` of the save)."""
