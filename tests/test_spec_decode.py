@@ -390,14 +390,16 @@ def test_batch_invariant_mode_makes_speculation_bitwise(folder):
             lp[t].logprob for lp, t in zip(s.outputs[0].logprobs, s.outputs[0].token_ids)]
 
 
-def test_static_decode_steps_run_beside_eager_verification(folder):
-    """With decode graphs (their static-shape path, eager on CPU) a step's draft-less decodes replay the graph and
-    its verifications run eagerly; outputs equal those without speculation."""
+def test_static_decode_steps_run_beside_static_verification(folder):
+    """With graphs (their static-shape path, eager on CPU) a step whose decodes draft nothing replays a decode graph
+    and a step verifying drafts a verification graph (``engine/verify_graphs.py``; tests/test_verify_graphs.py checks
+    it against eager verification); outputs equal those without speculation."""
     prompts = _repetitive_prompts([9, 23, 14, 31], seed=1)
     base = _generate(_llm(folder, cuda_graph_sizes=[1, 2, 4, 8]), prompts, GREEDY)
     llm = _llm(folder, cuda_graph_sizes=[1, 2, 4, 8], speculative_config=NGRAM)
     assert_same_or_near_tie(base, _generate(llm, prompts, GREEDY))
     assert llm.engine.runner.decode_graphs.num_replays > 0
+    assert llm.engine.runner.verify_graphs.num_replays > 0
     assert {m.name: m.value for m in llm.get_metrics()}["deepinfer:spec_decode_num_drafts"] > 0
 
 
