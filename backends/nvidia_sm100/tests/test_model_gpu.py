@@ -328,3 +328,51 @@ def test_fp8_tensor_core_prefill_against_weight_only(quantized_checkpoint, monke
     compared, _ = _compare(weight_only, tensor_cores, lp_tol=0.25, tie_gap=0.25,
                            label="quantized bf16: fp8 tensor-core prefill vs weight-only", steps=32)
     assert compared >= 32 * 3 // 2
+
+
+def _speculative(folder, dtype, config, **llm_kwargs):
+    """``_generate``'s steps with ``speculative_config=config``, and (verification graph replays, per tokens per
+    sequence; decode graph replays; accepted draft tokens)."""
+    from deepinfer_core.llm import LLM
+    from deepinfer_core.sampling.params import SamplingParams
+
+    llm = LLM(model=str(folder), backend="nvidia_sm100", dtype=dtype, max_model_len=256, max_num_seqs=8,
+              speculative_config=config, **llm_kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    runner = llm.engine.runner
+    verify, decode = runner.verify_graphs, runner.decode_graphs
+    counts = (verify.num_replays if verify else 0, dict(verify.replays_by_tokens) if verify else {},
+              decode.num_replays if decode else 0,
+              {m.name: m.value for m in llm.get_metrics()}["deepinfer:spec_decode_num_accepted_tokens"])
+    llm.engine.shutdown()
+    steps = [[(t, lps[t].logprob, _top2_gap(lps)) for t, lps in zip(o.outputs[0].token_ids, o.outputs[0].logprobs,
+                                                                     strict=True)] for o in outs]
+    return steps, counts
+
+
+def _has_draft_layers(folder) -> bool:
+    import json
+
+    return json.loads((Path(folder) / "config.json").read_text()).get("num_nextn_predict_layers", 0) > 0
+
+
+@pytest.mark.parametrize("method,dtype,tol", [("ngram", "float32", 2e-3), ("ngram", "bfloat16", 0.05),
+                                              ("mtp", "float32", 2e-3)])
+def test_cuda_graph_verification_matches_eager_verification(checkpoint, method, dtype, tol):
+    """Speculative decoding with verification steps replayed from CUDA graphs (``engine/verify_graphs.py``: T tokens
+    per sequence, padding rolled back like rejected drafts) against eager verification on the same GPU."""
+    if method == "mtp":
+        pytest.importorskip("deepinfer_dspark")
+        if not _has_draft_layers(checkpoint):
+            pytest.skip("the checkpoint has no mtp.* draft layers")
+    config = {"method": method, "num_speculative_tokens": 5}
+    if method == "ngram":
+        config["prompt_lookup_max"] = 3
+    eager, eager_counts = _speculative(checkpoint, dtype, config, enforce_eager=True)
+    graphs, counts = _speculative(checkpoint, dtype, config)
+    assert eager_counts[0] == 0 and counts[0] > 0, f"verification graphs replayed {counts}"
+    print(f"[{method} {dtype}] verification replays by tokens per sequence {counts[1]}, decode replays {counts[2]}, "
+          f"accepted drafts {counts[3]} (eager {eager_counts[3]})")
+    compared, _ = _compare(eager, graphs, lp_tol=tol, tie_gap=tol, label=f"gpu {dtype} {method}: graphs vs eager")
+    assert compared >= STEPS * len(PROMPTS) // 2
