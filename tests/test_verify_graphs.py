@@ -96,3 +96,24 @@ def test_a_model_without_static_verification_keeps_verifying_eagerly():
         pass
 
     assert not VerifyGraphs.supported(Plain())
+
+
+def test_the_step_benchmark_times_draft_and_verify_steps():
+    """``tools/bench_spec_steps.py`` on the embedded tiny model (its MTP layer), one iteration each: a verify and a
+    draft time per (batch, tokens per sequence), and the computed speedup from them."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "bench_spec_steps.py"
+    spec = importlib.util.spec_from_file_location("bench_spec_steps", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--batch", "2", "--tokens", "1", "2", "3", "--iters", "1", "--warmup", "0",
+                         "--context", "40", "--acceptance", "2"])
+    rows = {(r["batch"], r["tokens"]): r for r in result["rows"]}
+    assert set(rows) == {(2, 1), (2, 2), (2, 3)}
+    assert all(r["verify_ms"] > 0 and r["draft_ms"] > 0 for r in rows.values())
+    computed = {e["k"]: e for e in result["computed_speedup"]}
+    assert set(computed) == {1, 2}  # k + 1 >= 2 tokens per step, verify(k + 1) measured
+    want = 2 * rows[2, 1]["verify_ms"] / (rows[2, 1]["draft_ms"] + rows[2, 2]["verify_ms"])
+    assert computed[1]["speedup"] == pytest.approx(want)
