@@ -41,7 +41,7 @@ class Speculator:
     def register_metrics(self, metrics: MetricsRegistry) -> None:
         """Create (or find) the ``deepinfer:spec_decode_*`` metrics in ``metrics`` (the engine's registry)."""
         counter = metrics.counter
-        self.num_drafts = counter(f"{METRIC_PREFIX}num_drafts", "draft rounds: sequences x steps verifying a draft")
+        self.num_drafts = counter(f"{METRIC_PREFIX}num_drafts", "draft rounds: sequences x steps that drafted")
         self.num_draft_tokens = counter(f"{METRIC_PREFIX}num_draft_tokens", "tokens the proposer drafted")
         self.num_verified_tokens = counter(f"{METRIC_PREFIX}num_verified_tokens", "draft tokens the target verified")
         self.num_accepted_tokens = counter(f"{METRIC_PREFIX}num_accepted_tokens", "draft tokens accepted")
@@ -130,6 +130,9 @@ class Speculator:
         request.draft_token_ids = tokens
         request.draft_probs = probs if tokens else None
         request.draft_num_proposed = draft.num_drafted if tokens else 0
+        if not tokens and draft.num_drafted > 0:  # drafted, none of it chosen for verification: a round of 0 accepted
+            self.num_drafts.inc()
+            self.num_draft_tokens.inc(draft.num_drafted)
 
 
 def check_model(model, config: SpeculativeConfig) -> None:

@@ -70,6 +70,37 @@ def test_greedy_outputs_equal_through_preemption(mtp_ckpt):
     assert llm.engine.scheduler.num_preemptions > 0
 
 
+def test_rounds_whose_drafts_the_budget_leaves_unverified_still_count(mtp_ckpt):
+    """A budget of 0 verifies nothing: every step still drafted k tokens per sequence (fewer near max_tokens), so
+    each is a draft round of 0 accepted tokens (acceptance length 1.0, as the tokens per step say), not a round left
+    out of the counters."""
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    llm = _llm(mtp_ckpt, speculative_config={"method": "dspark", "num_speculative_tokens": 3,
+                                             "num_verify_tokens": 0})
+    out = _generate(llm, _prompts([12], seed=3), params)
+    assert len(out[0].outputs[0].token_ids) == 10 and llm.engine.num_steps == 10
+    metrics = _metrics(llm)
+    # drafts after outputs 1..8, each min(3, 9 - outputs) tokens (none after the 9th: one token left)
+    assert metrics["deepinfer:spec_decode_num_drafts"] == 8
+    assert metrics["deepinfer:spec_decode_num_draft_tokens"] == 3 * 6 + 2 + 1
+    assert metrics["deepinfer:spec_decode_num_verified_tokens"] == metrics["deepinfer:spec_decode_num_accepted_tokens"] == 0
+
+
+def test_batch_invariant_mode_makes_mtp_drafts_bitwise(mtp_ckpt):
+    """With batch-invariant ops, verifying MTP drafts (DSpark's budgeted prefixes) gives the tokens and logprobs of
+    the run without speculation bit for bit."""
+    pytest.importorskip("deepinfer_batch_invariant")
+    prompts = _prompts([9, 23, 14], seed=1)
+    base = _generate(_llm(mtp_ckpt, batch_invariant=True), prompts, GREEDY)
+    llm = _llm(mtp_ckpt, batch_invariant=True, speculative_config=METHODS["dspark"])
+    spec = _generate(llm, prompts, GREEDY)
+    assert _metrics(llm)["deepinfer:spec_decode_num_accepted_tokens"] > 0
+    for b, s in zip(base, spec, strict=True):
+        assert b.outputs[0].token_ids == s.outputs[0].token_ids
+        assert [lp[t].logprob for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)] == [
+            lp[t].logprob for lp, t in zip(s.outputs[0].logprobs, s.outputs[0].token_ids)]
+
+
 def test_nextn_variable_selects_dspark(mtp_ckpt, monkeypatch):
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "2")
     llm = _llm(mtp_ckpt)
