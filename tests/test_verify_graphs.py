@@ -84,6 +84,22 @@ def test_padding_rows_leave_the_slot_state_of_eager_verification(folder):
         torch.testing.assert_close(ours[:slots], theirs[:slots], atol=1e-4, rtol=0)
 
 
+def test_batch_invariant_static_verification_is_bitwise_and_async_scheduling_changes_nothing(folder):
+    """With batch-invariant ops the static verification step's rows equal one-token decode steps' bit for bit (the
+    padding rows and dummy sequences change no real row); with asynchronous scheduling on, outputs are the same."""
+    pytest.importorskip("deepinfer_batch_invariant")
+    prompts = _repetitive_prompts([9, 23, 14], seed=1)
+    base = _generate(_llm(folder, batch_invariant=True, cuda_graph_sizes=SIZES), prompts, GREEDY)
+    llm = _llm(folder, batch_invariant=True, cuda_graph_sizes=SIZES, async_scheduling=True,
+               speculative_config=_ngram(3))
+    spec = _generate(llm, prompts, GREEDY)
+    assert llm.engine.runner.verify_graphs.num_replays > 0
+    for b, s in zip(base, spec, strict=True):
+        assert b.outputs[0].token_ids == s.outputs[0].token_ids
+        assert [lp[t].logprob for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)] == [
+            lp[t].logprob for lp, t in zip(s.outputs[0].logprobs, s.outputs[0].token_ids)]
+
+
 def test_without_a_speculator_the_single_token_path_is_untouched(folder):
     llm = _llm(folder, cuda_graph_sizes=SIZES)
     assert llm.engine.runner.verify_graphs is None
