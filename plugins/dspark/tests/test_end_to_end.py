@@ -101,6 +101,21 @@ def test_batch_invariant_mode_makes_mtp_drafts_bitwise(mtp_ckpt):
             lp[t].logprob for lp, t in zip(s.outputs[0].logprobs, s.outputs[0].token_ids)]
 
 
+def test_seeded_sampling_under_dspark_is_the_sampling_without_it(mtp_ckpt):
+    """Seeded random sampling: greedy MTP drafts are one-hot q, so every emitted token is the token the request's
+    seeded sampler gives without speculation (batch-invariant ops: no rounding difference between a verification
+    step and one-token steps), and the same seed gives the same output again."""
+    pytest.importorskip("deepinfer_batch_invariant")
+    prompts = _prompts([11, 17], seed=4)
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=123, max_tokens=16, ignore_eos=True)
+    base = _generate(_llm(mtp_ckpt, batch_invariant=True), prompts, params)
+    llm = _llm(mtp_ckpt, batch_invariant=True, speculative_config=METHODS["dspark"])
+    first, again = _generate(llm, prompts, params), _generate(llm, prompts, params)
+    assert _metrics(llm)["deepinfer:spec_decode_num_drafts"] > 0
+    for b, f, a in zip(base, first, again, strict=True):
+        assert b.outputs[0].token_ids == f.outputs[0].token_ids == a.outputs[0].token_ids
+
+
 def test_nextn_variable_selects_dspark(mtp_ckpt, monkeypatch):
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "2")
     llm = _llm(mtp_ckpt)
