@@ -215,7 +215,9 @@ class ModelRunner:
         base = len(graphed) + sum(c.num_tokens for c in verified)  # the eager chunks' first row
         prompt_logprobs = {}
         self.num_mixed_steps += bool((graphed or verified) and eager.chunks)
-        prefill = self.prefill_graphs.run(eager.chunks) if self._graphs(self.prefill_graphs, eager.chunks) else None
+        # not after a verification graph: its draft-row save lives in the graphs' shared pool until the rollback
+        lone = self._graphs(self.prefill_graphs, eager.chunks) and not verified
+        prefill = self.prefill_graphs.run(eager.chunks) if lone else None
         draft_save = hidden = None
         if prefill is not None:  # a lone prompt through its bucket's graph: [1, V]
             parts.append(prefill)
