@@ -531,6 +531,8 @@ def test_bench_compares_speculation_with_baselines_in_one_run(tmp_path, capsys, 
         dataclasses.replace(config, speculative_config=None).validate()
     assert main(["bench", "--speculative-config", json.dumps(NGRAM), "--compare-speculative", "{no json"]) == 2
     assert "--compare-speculative '{no json' is not valid JSON" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="method 'ngrm' is not registered"):
+        dataclasses.replace(config, compare_speculative=["none", "ngrm"]).validate()
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "5")
     with pytest.raises(ValueError, match="unset the variable"):
         config.validate()

@@ -124,9 +124,9 @@ class BenchConfig:
             raise ValueError("--compare-speculative compares the --speculative-config run with baselines; give "
                              """--speculative-config (e.g. '{"method": "dspark", "num_speculative_tokens": 5}')""")
         if self.compare_speculative is not None:
-            from deepinfer_core.bench.speculative import comparison_runs
+            from deepinfer_core.bench.speculative import check_configs, comparison_runs
 
-            comparison_runs(self.speculative_config, self.compare_speculative)  # bad baselines refused before work
+            check_configs(comparison_runs(self.speculative_config, self.compare_speculative))  # before any work
         if self.prompts_file is not None and (self.num_iters > 1 or self.prefix_share or self.compare_hf):
             raise ValueError("--prompts times one run of the file's prompts (a second would hit the first's prefix "
                              "cache), has no common prefix, and HF's batches here take equal lengths only: leave out "

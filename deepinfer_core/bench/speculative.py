@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from deepinfer_core import envs
-from deepinfer_core.spec_decode.config import COMMON_KEYS, SpeculativeConfigError
+from deepinfer_core.spec_decode.config import COMMON_KEYS, SpeculativeConfig, SpeculativeConfigError
 
 NONE = "none"
 DEFAULT_BASELINES = (NONE, "mtp")
@@ -39,6 +39,19 @@ def comparison_runs(main: Mapping[str, Any], baselines: Sequence[str | Mapping[s
                                      f"DEEPINFER_USE_NEXTN_DECODE={envs.DEEPINFER_USE_NEXTN_DECODE} turns an engine "
                                      "without speculative_config into DSpark; unset the variable")
     return [*runs, (label(dict(main)), dict(main))]
+
+
+def check_configs(runs: Sequence[tuple[str, Mapping[str, Any] | None]]) -> None:
+    """Check every run's ``speculative_config`` against the registered proposers (the core's and the installed
+    plugins', as ``LLM`` loads them) before the first run starts: an unknown method or key fails now, not after the
+    runs before it."""
+    from deepinfer_core.plugins import get_plugin_manager
+    from deepinfer_core.spec_decode.proposer import default_registry
+
+    methods = default_registry(get_plugin_manager()).methods()
+    for _, config in runs:
+        if config is not None:
+            SpeculativeConfig.from_dict(config, methods)
 
 
 def _baseline(entry: str | Mapping[str, Any], k: int) -> dict[str, Any] | None:
