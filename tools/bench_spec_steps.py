@@ -1,11 +1,12 @@
 """Times the speculative-decoding steps (#33 point 6): the verify step (the target computing ``n`` tokens per sequence
-through the static path: ``n = 1`` is the plain decode graph, ``n > 1`` the verification graph of
-``engine/verify_graphs.py``, its draft-row save inside and the rollback after) and the MTP draft step (the draft
+through the static path: ``n = 1`` is the plain decode graph and greedy sampling, ``n > 1`` the verification graph
+of ``engine/verify_graphs.py`` (its draft-row save inside), the greedy verification of ``n - 1`` drafts per sequence
+and the rollback; the graph replay alone is printed beside) and the MTP draft step (the draft
 layer folding one verified row per sequence, then drafting ``n`` tokens), for ``n`` in ``--tokens`` at the batch
 sizes of ``--batch``, every sequence ``--context`` tokens long. On a GPU the steps replay CUDA graphs (the draft
 step runs eagerly: it is not captured yet). The sequences' state is whatever the pools hold (shapes and work are a
-real step's; the tokens are random), and the verification sampling itself (``spec_decode/verify.py``) is not in the
-verify step's time.
+real step's; the tokens are random); the host's per-step work (scheduling, building the sampling metadata, reading
+the results) is not in the times.
 
 From the step times it prints the speedup they give at ``--acceptance`` tokens per step (computed, not measured):
 ``acceptance * decode(1) / (draft(k) + verify(k + 1))`` for ``k`` drafts.
@@ -22,8 +23,10 @@ import time
 
 import torch
 
-from deepinfer_core import LLM
+from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.forward_batch import ForwardBatch
+from deepinfer_core.sampling.sampler import SamplingMetadata, sample
+from deepinfer_core.spec_decode.verify import verify
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -43,10 +46,11 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for batch in args.batch:
         for n in args.tokens:
-            row = {"batch": batch, "tokens": n, "verify_ms": _verify_ms(llm, batch, n, args),
+            forward_ms, verify_ms = _verify_ms(llm, batch, n, args)
+            row = {"batch": batch, "tokens": n, "forward_ms": forward_ms, "verify_ms": verify_ms,
                    "draft_ms": _draft_ms(llm, batch, n, args) if args.method in ("mtp", "dspark") else None}
             rows.append(row)
-            print(f"batch {batch:4d}  tokens/seq {n}  verify {row['verify_ms']:8.3f} ms"
+            print(f"batch {batch:4d}  tokens/seq {n}  verify {verify_ms:8.3f} ms (graph {forward_ms:8.3f} ms)"
                   + (f"  draft {row['draft_ms']:8.3f} ms" if row["draft_ms"] is not None else ""), flush=True)
     result = {"model": folder, "backend": llm.backend.name, "dtype": args.dtype, "context": args.context,
               "rows": rows, "computed_speedup": _speedups(rows, args.acceptance)}
@@ -98,26 +102,43 @@ def _host_batch(llm, batch: int, tokens: int, context: int, padded_to: int) -> F
     )
 
 
-def _verify_ms(llm, batch: int, tokens: int, args) -> float:
-    """One step computing ``tokens`` per sequence: the decode graph (1) or the verification graph (> 1)."""
+def _verify_ms(llm, batch: int, tokens: int, args) -> tuple[float, float]:
+    """One step computing ``tokens`` per sequence, (the graph replay alone, the step): the decode graph and greedy
+    sampling (1), or the verification graph, the greedy verification of ``tokens - 1`` drafts per sequence and the
+    rollback (> 1). The sampling metadata is built once, outside the timed calls."""
     runner = llm.engine.runner
+    greedy = llm.model.ops.greedy_sample
+    drafts = [[1] * (tokens - 1)] * batch
+    metadata = _greedy_metadata(batch * tokens, llm.model.device)
     if tokens == 1:
         graphs = runner.decode_graphs
         bucket = graphs.context_bucket(args.context + 1)
         step = graphs.captured.get((batch, bucket)) or graphs._capture(batch, bucket)
         graphs._place_inputs(_host_batch(llm, batch, 1, args.context, bucket), step.shape, step.buffers)
-        return _time(step.replay, args)
+
+        def decode_step() -> None:
+            step.replay()
+            sample(graphs.logits[:batch], metadata, greedy=greedy)
+
+        return _time(step.replay, args), _time(decode_step, args)
     graphs = runner.verify_graphs
     bucket = graphs.context_bucket(args.context + tokens)
     step = graphs.captured.get((batch, bucket, tokens)) or graphs._capture(batch, bucket, tokens)
     graphs._place(_host_batch(llm, batch, tokens, args.context, bucket), bucket, step.buffers)
-    keep = torch.full((batch,), args.context + 1, dtype=torch.long, device=llm.model.device)
+    base = torch.full((batch,), args.context, dtype=torch.long, device=llm.model.device)
 
     def verify_step() -> None:
         step.replay()
-        llm.model.rollback_draft_state(runner.state, step.saved["rows"], keep)
+        verified = verify(graphs.logits[:batch * tokens], metadata, drafts, greedy=greedy)
+        llm.model.rollback_draft_state(runner.state, step.saved["rows"], base + verified.num_emitted)
 
-    return _time(verify_step, args)
+    return _time(step.replay, args), _time(verify_step, args)
+
+
+def _greedy_metadata(rows: int, device: torch.device) -> SamplingMetadata:
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    return SamplingMetadata.from_params([params] * rows, seeds=[0] * rows, prompt_token_ids=[[1]] * rows,
+                                        output_token_ids=[[]] * rows, device=device)
 
 
 def _draft_ms(llm, batch: int, tokens: int, args) -> float:
