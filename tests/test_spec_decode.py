@@ -517,6 +517,7 @@ def test_bench_compares_speculation_with_baselines_in_one_run(tmp_path, capsys, 
                                               "ngram k=3 prompt_lookup_max=3"]
     none, main_run = runs[0], runs[-1]
     assert none["speedup_vs_none"] == 1.0 and none["acceptance_length"] is None and none["steps"] >= 12
+    assert all(run["step_time_p50_s"] > 0 for run in runs)
     assert main_run["output_throughput"] == result["engine"]["output_throughput"]
     assert main_run["speedup_vs_none"] == main_run["output_throughput"] / none["output_throughput"]
     assert main_run["num_accepted_tokens"] == result["engine"]["speculative"]["num_accepted_tokens"] > 0

@@ -54,16 +54,17 @@ def format_report(result: Mapping[str, Any]) -> str:
 
 
 _COMPARISON_COLUMNS = (
-    # header, row key, format
-    ("out tok/s", "output_throughput", "{:.1f}"),
-    ("vs none", "speedup_vs_none", "{:.2f}x"),
-    ("steps", "steps", "{}"),
-    ("accept len", "acceptance_length", "{:.3f}"),
-    ("verif/round", "verified_per_draft", "{:.2f}"),
-    ("verif/step", "verified_per_step", "{:.1f}"),
-    ("drafted", "num_draft_tokens", "{}"),
-    ("verified", "num_verified_tokens", "{}"),
-    ("accepted", "num_accepted_tokens", "{}"),
+    # header, row key, format, scale
+    ("out tok/s", "output_throughput", "{:.1f}", 1),
+    ("vs none", "speedup_vs_none", "{:.2f}x", 1),
+    ("steps", "steps", "{}", 1),
+    ("step ms p50", "step_time_p50_s", "{:.2f}", 1e3),
+    ("accept len", "acceptance_length", "{:.3f}", 1),
+    ("verif/round", "verified_per_draft", "{:.2f}", 1),
+    ("verif/step", "verified_per_step", "{:.1f}", 1),
+    ("drafted", "num_draft_tokens", "{}", 1),
+    ("verified", "num_verified_tokens", "{}", 1),
+    ("accepted", "num_accepted_tokens", "{}", 1),
 )
 
 
@@ -74,10 +75,11 @@ def _comparison(comparison: Mapping[str, Any]) -> list[str]:
     width = max(len(run["label"]) for run in runs) + 2
     lines = [("speculative decoding compared (same prompts, one process; verif/round: verified draft tokens per "
               "sequence per step, verif/step: per engine step):"),
-             f"{'run':<{width}}" + "".join(f"{header:>12}" for header, _, _ in _COMPARISON_COLUMNS)]
+             f"{'run':<{width}}" + "".join(f"{column[0]:>12}" for column in _COMPARISON_COLUMNS)]
     lines.append("-" * len(lines[-1]))
     for run in runs:
-        cells = ["-" if run[key] is None else fmt.format(run[key]) for _, key, fmt in _COMPARISON_COLUMNS]
+        cells = ["-" if run[key] is None else fmt.format(run[key] * scale)
+                 for _, key, fmt, scale in _COMPARISON_COLUMNS]
         lines.append(f"{run['label']:<{width}}" + "".join(f"{cell:>12}" for cell in cells))
     if comparison["baseline"] is not None:
         same = ", ".join(f"{run['label']} {run['same_outputs_as_none']}/{comparison['num_requests']}"

@@ -5,8 +5,13 @@ in table order, the baselines first and the ``--speculative-config`` run last. A
 speculation), a method name (that method with the run's ``num_speculative_tokens``: ``"mtp"`` is fixed-k MTP with
 the same draft layer DSpark uses), or a whole ``speculative_config`` dict. Each row has output tok/s, its speedup
 over the ``none`` run, engine steps, the acceptance length, verified draft tokens per draft round (per sequence per
-step: DSpark's "verified tokens per step") and per engine step, drafted / verified / accepted tokens, and how many
-requests produced the same tokens as the ``none`` run (greedy: all of them, up to near-ties of the target's logits).
+step: DSpark's "verified tokens per step") and per engine step, drafted / verified / accepted tokens, the median
+engine step time (drafting included), and how many requests produced the same tokens as the ``none`` run (greedy: all
+of them, up to near-ties of the target's logits).
+
+With a random draft layer (the ``-mtp`` presets) nothing is accepted, so every decode step of an ``mtp`` run with
+``num_speculative_tokens`` k verifies k + 1 tokens per sequence: ``none`` and ``mtp`` at k = 1 .. 5 give the median
+step at 1 .. 6 tokens per sequence.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from deepinfer_core import envs
+from deepinfer_core.bench.runner import stats
 from deepinfer_core.spec_decode.config import COMMON_KEYS, SpeculativeConfig, SpeculativeConfigError
 
 NONE = "none"
@@ -81,6 +87,7 @@ def comparison_row(name: str, config: Mapping[str, Any] | None, metrics: Mapping
         "label": name, "speculative_config": dict(config) if config is not None else None,
         "output_throughput": metrics["output_throughput"], "total_time_s": metrics["total_time_s"],
         "tpot_mean_s": metrics["tpot_s"]["mean"], "steps": metrics["steps"],
+        "step_time_p50_s": stats(metrics["step_times_s"])["p50"],  # a decode step's (with its draft) when most are
         **{key: figures.get(key) for key in ("acceptance_length", "verified_per_draft", "verified_per_step",
                                              "num_drafts", "num_draft_tokens", "num_verified_tokens",
                                              "num_accepted_tokens")},
