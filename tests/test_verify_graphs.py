@@ -100,6 +100,23 @@ def test_batch_invariant_static_verification_is_bitwise_and_async_scheduling_cha
             lp[t].logprob for lp, t in zip(s.outputs[0].logprobs, s.outputs[0].token_ids)]
 
 
+def test_a_failed_capture_leaves_verification_eager(folder, caplog):
+    """A backend whose capture fails (e.g. an op that synchronises with the host) gets a warning naming the shape,
+    and verification steps run eagerly from then on, with the same outputs."""
+    prompts = _repetitive_prompts([9, 23], seed=4)
+    eager = _generate(_llm(folder, enforce_eager=True, speculative_config=_ngram(3)), prompts, GREEDY)
+    llm = _llm(folder, cuda_graph_sizes=SIZES, speculative_config=_ngram(3))
+
+    def refuse(fn, example_inputs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs = llm.engine.runner.verify_graphs
+    graphs.capture = refuse
+    assert_same_or_near_tie(eager, _generate(llm, prompts, GREEDY))
+    assert graphs.num_replays == 0 and "verification graph at batch" in graphs.disabled_reason
+    assert "operation not permitted" in caplog.text
+
+
 def test_without_a_speculator_the_single_token_path_is_untouched(folder):
     llm = _llm(folder, cuda_graph_sizes=SIZES)
     assert llm.engine.runner.verify_graphs is None
