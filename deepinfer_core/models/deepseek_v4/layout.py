@@ -140,6 +140,8 @@ class StepLayout:
         self.written = written if self.padded else self.query_lens
         self.context_len = context_len
         self.fixed_windows = fixed_windows  # every sequence gets ceil(Lq / ratio) windows: a static multi-seq step
+        if fixed_windows and context_len is None:
+            raise ValueError("fixed_windows is a static step's (give context_len, the bound its shapes are fixed by)")
         self._tables: torch.Tensor | None = None
         self._visible: dict[int, torch.Tensor] = {}  # ratio -> attention_visible of the layout's entries
         self._pending: list[tuple[object, str, torch.Tensor]] = []  # (owner, attribute, host tensor) to upload
