@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> dict:
     k = max(args.tokens)
     llm = LLM(folder, speculative_config={"method": args.method, "num_speculative_tokens": k}, dtype=args.dtype,
               max_num_seqs=max(args.batch), cuda_graph_sizes=sorted(args.batch),
-              max_model_len=args.context + 2 * k + 2, enable_prefix_caching=False)
+              max_model_len=args.context + 256, enable_prefix_caching=False)
     runner = llm.engine.runner
     if runner.verify_graphs is None:
         raise SystemExit("no verification graphs: the model or backend has no static steps (or enforce_eager)")
