@@ -94,8 +94,8 @@ class VerifyGraphs:
         self.spare_block = spare_block
         self.return_hidden = return_hidden
         self.captured: dict[tuple[int, int, int], CapturedVerify] = {}
-        self.logits = torch.empty(self.sizes[-1] * max_tokens_per_seq, model.vocab_size, dtype=torch.float32,
-                                  device=model.device)  # [rows, V], shared by every graph
+        self.logits: torch.Tensor | None = None  # [largest size x tokens, V], shared by every graph, made at the first
+        # capture (an engine whose steps never verify a draft holds none)
         self.hidden: torch.Tensor | None = None  # [rows, ...], made at the first warm-up when return_hidden
         self.num_replays = 0
         self.replays_by_tokens: dict[int, int] = {}  # tokens per sequence -> replays
@@ -149,6 +149,9 @@ class VerifyGraphs:
         return min(-(-bucket // multiple) * multiple, self.max_context)
 
     def _capture(self, size: int, context: int, tokens: int) -> CapturedVerify | None:
+        if self.logits is None:
+            self.logits = torch.empty(self.sizes[-1] * self.max_tokens_per_seq, self.model.vocab_size,
+                                      dtype=torch.float32, device=self.model.device)
         host = self._padded_batch([], size, context, tokens)  # all dummies: capture touches only the spare state
         buffers, (batch, (inputs, save_index)) = StaticBuffers.sized(
             self.model.device, lambda buffers: self._place(host, context, buffers))
