@@ -6,11 +6,18 @@ row the step samples has its output tokens on the host: before the forward pass 
 or, under asynchronous scheduling, right after reading the previous step's tokens while the device runs this step's
 forward pass. The tokens just read are passed in (``latest``), because the scheduler appends them to their requests
 only after ``prepare`` has started.
+
+``start`` returns once the worker thread has begun the first ``prepare``. Started and left to itself, the worker would
+wait for the interpreter lock while the engine's thread runs Python (applying the previous step's results), up to the
+switch interval (5 ms) before Python forces a handover: longer than a batch's masks take. Waiting for it hands the
+lock over at once; the engine's thread takes it back when the worker's prepare releases it (llguidance computes the
+masks without it), so the masks are computed beside the engine's own host work and the forward pass.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -101,15 +108,21 @@ class LogitsPreparer:
         before that the host has read but not yet appended to their requests (request id -> token id)."""
         chunks = [c for c in scheduled.chunks if c.samples]
         started = {}
+        begun = threading.Event()  # set by the worker when it begins the first prepare (the module docstring)
         for k in self._two_phase:
             processor = self.processors[k]
             rows = [row for c in chunks if applies_to(processor, c.request.params) for row in rows_of(c, latest or {})]
             if rows:
-                started[k] = PreparedHandle(self._executor().submit(self._prepare, processor, rows), self.stats)
+                future = self._executor().submit(self._prepare, processor, rows, None if started else begun)
+                started[k] = PreparedHandle(future, self.stats)
+        if started:
+            begun.wait()
         return started
 
-    def _prepare(self, processor, rows: list[LogitsRow]) -> object:
+    def _prepare(self, processor, rows: list[LogitsRow], begun: threading.Event | None = None) -> object:
         start = time.perf_counter()
+        if begun is not None:
+            begun.set()
         try:
             return processor.prepare(rows)
         finally:

@@ -223,12 +223,14 @@ class StructuredOutputProcessor(TwoPhaseLogitsProcessor):
             entry.constraint = constraint
         entry.last_call = self._calls
         output = row.output_token_ids
-        keep = _common_prefix(entry.consumed, output)
+        start = max(0, min(entry.num_tokens, len(output)) - ROLLBACK_WINDOW)  # outputs only ever change at their end
+        tail = list(output[start:])  # one slice of the row's output: the part compared and the new tokens
+        keep = start + _common_prefix(entry.consumed[start:], tail)
         if keep < entry.num_tokens:
             entry.matcher.rollback(entry.num_tokens - keep)
             del entry.consumed[keep:]
-        if len(output) > keep:
-            new = list(output[keep:])
+        new = tail[keep - start:]
+        if new:
             taken = entry.matcher.try_consume_tokens(new)
             entry.consumed.extend(new[:taken])
             return entry.matcher, taken == len(new)
@@ -247,15 +249,12 @@ class StructuredOutputProcessor(TwoPhaseLogitsProcessor):
             self._entries.pop(request_id, None)
 
 
-def _common_prefix(consumed: list[int], output) -> int:
-    """How many leading tokens ``consumed`` and ``output`` share; only the last ``ROLLBACK_WINDOW`` of the shorter
-    are compared (outputs only ever change at their end)."""
-    shorter = min(len(consumed), len(output))
-    start = max(0, shorter - ROLLBACK_WINDOW)
-    tail = list(output[start:shorter])
-    if consumed[start:shorter] == tail:
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    shorter = min(len(a), len(b))
+    if a[:shorter] == b[:shorter]:
         return shorter
-    return next(start + i for i, (a, b) in enumerate(zip(consumed[start:shorter], tail)) if a != b)
+    return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
 
 
 __all__ = ["StructuredOutputProcessor", "grammar_of"]
