@@ -28,12 +28,27 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or bitmask.shape[0] != rows:
         raise ValueError(f"the token bitmask must be int32 [{rows}, words], got {bitmask.dtype} "
                          f"{tuple(bitmask.shape)}")
-    words = to_device(bitmask, logits.device)  # [num_rows, words]; non-blocking from pinned memory
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)  # [32]
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)  # [num_rows, 32 * words]
-    if allowed.shape[1] < vocab:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))  # past the mask: disallowed
-    return logits.masked_fill_(allowed[:, :vocab] == 0, float("-inf"))
+    words = to_device(bitmask.contiguous(), logits.device)  # [num_rows, words]; non-blocking from pinned memory
+    # Byte b of word w holds the bits of tokens 32 * w + 8 * b + 0..7 (int32 is little-endian wherever torch runs):
+    # one lookup per byte unpacks it, without a [num_rows, 32 * words] int32 intermediate.
+    codes = words.view(torch.uint8).flatten().int()  # [num_rows * 4 * words]
+    disallowed = _disallowed_bits(logits.device).index_select(0, codes).view(rows, -1)  # [num_rows, 32 * words]
+    if disallowed.shape[1] < vocab:  # past the mask: disallowed
+        disallowed = torch.nn.functional.pad(disallowed, (0, vocab - disallowed.shape[1]), value=True)
+    return logits.masked_fill_(disallowed[:, :vocab], float("-inf"))
+
+
+_DISALLOWED_BITS: dict[torch.device, torch.Tensor] = {}
+
+
+def _disallowed_bits(device: torch.device) -> torch.Tensor:
+    """bool ``[256, 8]`` on ``device``: whether bit ``j`` of byte value ``v`` is 0 (built once per device)."""
+    table = _DISALLOWED_BITS.get(device)
+    if table is None:
+        values = torch.arange(256, dtype=torch.int32).unsqueeze(1)  # [256, 1]
+        table = to_device(((values >> torch.arange(8, dtype=torch.int32)) & 1) == 0, device)  # [256, 8]
+        _DISALLOWED_BITS[device] = table
+    return table
 
 
 __all__ = ["apply_token_bitmask", "bitmask_words"]
