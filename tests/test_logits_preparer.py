@@ -5,15 +5,17 @@ the asynchronous loop are the synchronous loop's, and other requests keep their 
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
+import time
 
 import pytest
 import torch
 
 from deepinfer_core import LLM, SamplingParams
-from deepinfer_core.engine.logits_preparer import OutputSoFar, rows_of
+from deepinfer_core.engine.logits_preparer import LogitsPreparer, OutputSoFar, rows_of
 from deepinfer_core.engine.request import Request
-from deepinfer_core.engine.scheduler import ScheduledChunk
+from deepinfer_core.engine.scheduler import ScheduledChunk, SchedulerOutput
 from deepinfer_core.sampling.logits_processor import TwoPhaseLogitsProcessor, is_two_phase
 
 
@@ -87,3 +89,44 @@ def test_a_drafted_chunk_has_one_complete_row_per_verified_position():
     assert [r.num_output_tokens for r in rows] == [3, 4, 5]
     with pytest.raises(RuntimeError, match="a two-phase logits processor needs them all"):
         rows_of(chunk, {})
+
+
+class Blocking(TwoPhaseLogitsProcessor):
+    """Notes when its prepare begins, then waits to be released."""
+
+    def __init__(self):
+        self.began_at, self.release = None, threading.Event()
+
+    def prepare(self, rows):
+        self.began_at = time.perf_counter()
+        self.release.wait(30)
+        return len(rows)
+
+    def apply(self, logits, rows, handle):
+        return logits
+
+
+def test_start_returns_once_the_worker_has_begun_prepare():
+    """Left to itself the worker waits for the interpreter lock while the engine's thread runs Python (up to the
+    switch interval); ``start`` hands it over first, so prepare begins while the engine's thread keeps running Python."""
+    request = Request("r-0", "r", 0, [10, 11], SamplingParams(), seed=0, arrival=0, output_token_ids=[4, 5])
+    scheduled = SchedulerOutput([ScheduledChunk(request, 3, 1)], [])
+    processor = Blocking()
+    preparer = LogitsPreparer([processor])
+    processor.release.set()
+    assert preparer.start(scheduled)[0].result() == 1  # the worker thread exists now, idle
+    processor.began_at = None
+    processor.release.clear()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)  # no forced handover during the loop below
+    try:
+        handle = preparer.start(scheduled)[0]
+        busy_until = time.perf_counter() + 0.05
+        while time.perf_counter() < busy_until:  # the engine's thread runs Python
+            pass
+        assert processor.began_at is not None and processor.began_at < busy_until
+        assert not handle.done()  # start did not wait for prepare to finish
+    finally:
+        sys.setswitchinterval(interval)
+        processor.release.set()
+        preparer.shutdown()
