@@ -297,6 +297,31 @@ def row_cases(dtype=torch.float32, seed: int = 1234) -> list[RowCase]:
     return cases
 
 
+def fused_cases(dtype=torch.float32, hc: int = 4, dim: int = 256, head_dim: int = 64, half: int = 8,
+                seed: int = 4321) -> list[RowCase]:
+    """The fused ops the model calls, at the shipped tiny checkpoint's sizes (``hc`` 4, hidden 256, head dim 64,
+    8 RoPE pairs): ``hc_pre_normed`` (its fp32 mixing: K = hc * hidden = 1024), ``hc_post_sum`` and ``rms_norm_rope``
+    with each row's own angle, as the GPU row cases do not cover them."""
+    g = torch.Generator().manual_seed(seed)
+    fn, base, scale = _randn(g, (2 + hc) * hc, hc * dim, scale=0.05), _randn(g, (2 + hc) * hc), torch.rand(3, generator=g)
+    norm_w = torch.rand(dim, generator=g) + 0.5
+
+    def post_rows(n, gen):
+        return [_randn(gen, n, hc, dim, dtype=dtype), _randn(gen, n, dim, dtype=dtype), _randn(gen, n, dim, dtype=dtype),
+                torch.rand(n, hc, generator=gen), torch.rand(n, hc, hc, generator=gen)]
+
+    def rope_rows(n, gen):
+        return [_randn(gen, n, head_dim, dtype=dtype), torch.rand(n, half, generator=gen).to(dtype),
+                torch.rand(n, half, generator=gen).to(dtype)]
+
+    return [
+        RowCase("hc_pre_normed", "hc_pre_normed", lambda n, gen: [_randn(gen, n, hc, dim, dtype=dtype)],
+                lambda op, r: op(r[0], fn, base, scale, 20, 1e-6, 1e-6, norm_w.to(dtype))),
+        RowCase("hc_post_sum", "hc_post_sum", post_rows, lambda op, r: op(*r)),
+        RowCase("rms_norm_rope", "rms_norm_rope", rope_rows, lambda op, r: op(r[0], None, 1e-6, r[1], r[2])),
+    ]
+
+
 # ----------------------------------------------------------------------------- end to end
 def record(output, vocab: int):
     """Tokens, per-step log-probability rows ``[steps, vocab]`` and prompt rows ``[P - 1, vocab]`` of a

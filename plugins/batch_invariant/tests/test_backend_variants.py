@@ -24,7 +24,7 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
                 allow_module_level=True)
 invariant = pytest.importorskip("deepinfer_nvidia_sm100.kernels.invariant", reason="needs the nvidia_sm100 backend")
 
-from bi_harness import check_indexer_topk, check_rows, close, row_cases
+from bi_harness import check_indexer_topk, check_rows, close, fused_cases, row_cases
 from deepinfer_batch_invariant import ops as bi_ops
 from deepinfer_batch_invariant.plugin import SOURCE
 
@@ -107,3 +107,11 @@ def test_the_plugin_reaches_backend_kernels_only_through_the_op_table():
     package = Path(bi_ops.__file__).parent
     for source in package.glob("*.py"):
         assert "deepinfer_nvidia_sm100" not in source.read_text(), source.name
+
+
+@pytest.mark.parametrize("case", fused_cases(), ids=lambda case: case.name)
+def test_offered_fused_ops_at_the_tiny_models_sizes_keep_a_rows_bits(case):
+    """The fused ops at the shipped checkpoint's sizes: one row alone vs among 1 (a decode step of 2) to 45 others."""
+    assert check_rows(case, OFFERED[case.op], sizes=(1, 45), needle_rows=1) == []
+    inputs = case.rows(5, torch.Generator().manual_seed(5))
+    close(case.call(OFFERED[case.op], inputs), case.call(REF[case.op], inputs), atol=3e-5, rtol=3e-5)

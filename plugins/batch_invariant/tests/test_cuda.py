@@ -18,6 +18,7 @@ from bi_harness import (
     check_indexer_scores,
     check_rows,
     close,
+    fused_cases,
     outputs_equal,
     random_batch,
     record,
@@ -62,6 +63,15 @@ def bi(request):
 def test_row_ops_bitwise_invariant_on_gpu(bi, dtype):
     failures = {case.name: check_rows(case, on_cuda(bi[case.op]), sizes=(0, 1, 2, 7, 17, 64, 100, 300))
                 for case in row_cases(dtype)}
+    assert {name: f for name, f in failures.items() if f} == {}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_ops_bitwise_invariant_on_gpu(bi, dtype):
+    """``hc_pre_normed``, ``hc_post_sum`` and ``rms_norm_rope`` at the shipped checkpoint's sizes: one row alone vs
+    among 1 (a decode step of 2) to 64 others at random places."""
+    failures = {case.name: check_rows(case, on_cuda(bi[case.op]), sizes=(1, 2, 7, 45, 64), needle_rows=1)
+                for case in fused_cases(dtype)}
     assert {name: f for name, f in failures.items() if f} == {}
 
 
