@@ -8,32 +8,19 @@ runs here too."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="the test extra installs triton")
 from deepinfer_nvidia_sm100.kernels import indexer_topk
+from interpreted import DEVICE, INTERPRETED, kernel_runs_here, run_under_interpreter, starts_the_interpreter
 
 from deepinfer_core.ops import reference as ref
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-kernel_runs_here = pytest.mark.skipif(
-    DEVICE == "cpu" and not INTERPRETED,
-    reason="no GPU: runs in a child process under Triton's interpreter (test_kernel_under_triton_interpreter)")
 
-
-@pytest.mark.skipif(DEVICE == "cuda" or INTERPRETED, reason="the kernel runs directly on the GPU / in this process")
+@starts_the_interpreter
 def test_kernel_under_triton_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "DEEPINFER_NVIDIA_COMPILE": "0"}
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                            "-k", "not under_triton_interpreter and not compile"], check=False, env=env, capture_output=True, text=True, timeout=600)
-    assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-2000:]
-    assert " passed" in child.stdout and "skipped" not in child.stdout, child.stdout[-2000:]
+    run_under_interpreter(__file__, "compile")
 
 
 def long_case(S: int, Lq: int, E: int, levels: int, seed: int, device: str = DEVICE):

@@ -7,36 +7,23 @@ exact, only fp32 sums differ), 16-bit ones to the reference's own rounding. The 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="the test extra installs triton")
 from deepinfer_nvidia_sm100.kernels import dequant, fp8_linear, moe_quant
+from interpreted import DEVICE, kernel_runs_here, run_under_interpreter, starts_the_interpreter
 
 from deepinfer_core.ops import reference as ref
 from deepinfer_core.quant import fp8_block, mxfp4
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DOT_DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float16
-kernel_runs_here = pytest.mark.skipif(
-    DEVICE == "cpu" and not INTERPRETED,
-    reason="no GPU: runs in a child process under Triton's interpreter (test_kernels_under_triton_interpreter)")
 EXTREME_SCALES = (0, 1, 126, 127, 128, 253, 254, 255)  # ue8m0 bytes: 2^-127 (subnormal) ... 2^127, NaN
 
 
-@pytest.mark.skipif(DEVICE == "cuda" or INTERPRETED, reason="the kernel runs directly on the GPU / in this process")
+@starts_the_interpreter
 def test_kernels_under_triton_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "DEEPINFER_NVIDIA_COMPILE": "0"}
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                            "-k", "not under_triton_interpreter"],
-                           check=False, env=env, capture_output=True, text=True, timeout=600)
-    assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-2000:]
-    assert " passed" in child.stdout and "skipped" not in child.stdout, child.stdout[-2000:]
+    run_under_interpreter(__file__)
 
 
 def _gen(seed: int) -> torch.Generator:
