@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 
 from deepinfer_core.errors import UnsupportedBackendError
+from deepinfer_core.ops import reference as ref
 from deepinfer_nvidia_sm100.kernels import (
     cache_writes,
     compiled,
@@ -100,20 +101,22 @@ def compressor_entries_rope(raw_kv, raw_gate, carry_kv, carry_gate, from_new, ne
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``norm.rms_norm`` without its reference fallback (torch's CUDA reductions pick their launch by the row
-    count): the kernel takes rows of up to ``norm.MAX_WIDTH`` channels."""
+    count), one row per program: the kernel takes rows of up to ``norm.MAX_WIDTH`` channels."""
     _check_width(x, "rms_norm")
-    return norm.rms_norm(x, weight, eps)
+    return norm.launch(x, weight.contiguous(), eps, invariant=True)
 
 
 def _unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     _check_width(x, "unweighted_rms_norm")
-    return norm.unweighted_rms_norm(x, eps)
+    return norm.launch(x, None, eps, invariant=True)
 
 
 def _rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
                    sin: torch.Tensor) -> torch.Tensor:
     _check_width(x, "rms_norm_rope")
-    return norm.rms_norm_rope(x, weight, eps, cos, sin)
+    if x.shape[-1] % 2 or x.numel() // x.shape[-1] % max(cos.shape[0], 1):
+        return ref.normed_rope(_rms_norm, _unweighted_rms_norm, rope.apply_rope_)(x, weight, eps, cos, sin)
+    return norm.launch(x, None if weight is None else weight.contiguous(), eps, cos, sin, invariant=True)
 
 
 def _check_width(x: torch.Tensor, op: str) -> None:

@@ -63,8 +63,15 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, cos_ptr, sin_ptr, rows, rows_per_tok
     tl.store(out_ptr + at, y.to(out_ty), mask=mask)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor | None = None,
-            sin: torch.Tensor | None = None) -> torch.Tensor:
+# The batch-invariant launch (``launch(..., invariant=True)``): one row per program and the row count not
+# specialised, so every row runs the same compiled code in the same place of its tile, whatever the batch.
+_rms_norm_kernel_per_row = triton.jit(do_not_specialize=["rows", "rows_per_token"])(_rms_norm_kernel.fn)
+
+
+def launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor | None = None,
+           sin: torch.Tensor | None = None, invariant: bool = False) -> torch.Tensor:
+    """The norm kernel on the rows of ``x`` (``covered(x)``): weighted where ``weight`` is given, RoPE after it where
+    ``cos`` / ``sin`` are; ``invariant``: one row per program, for the batch-invariant mode."""
     dim = x.shape[-1]
     if not (x.dim() == 2 and x.stride(-1) == 1):  # 2-D rows may be apart (a projection's column block), else packed
         x = x.contiguous()
@@ -73,10 +80,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch
     if rows == 0:
         return out
     block_d = triton.next_power_of_2(dim)
-    per_program = max(1, min(16, 2048 // block_d))
+    per_program = 1 if invariant else max(1, min(16, 2048 // block_d))
     warps = 4 if block_d <= 2048 else 8 if block_d <= 8192 else 16
     rope = cos is not None
-    _rms_norm_kernel[(triton.cdiv(rows, per_program),)](
+    kernel = _rms_norm_kernel_per_row if invariant else _rms_norm_kernel
+    kernel[(triton.cdiv(rows, per_program),)](
         x, weight if weight is not None else x, out, cos.contiguous() if rope else x, sin.contiguous() if rope else x,
         rows, rows // cos.shape[0] if rope else 1, dim, x.stride(0) if x.dim() == 2 else dim,
         cos.shape[-1] if rope else 0, eps, ROWS=per_program,
@@ -94,7 +102,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``reference.rms_norm``: RMSNorm over the last dim in fp32, scaled by ``weight``, in ``x``'s dtype."""
     if not covered(x):
         return ref.rms_norm(x, weight, eps)
-    return _launch(x, weight.contiguous(), eps)
+    return launch(x, weight.contiguous(), eps)
 
 
 @reference_under_compile(ref.unweighted_rms_norm)
@@ -102,7 +110,7 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """``reference.unweighted_rms_norm``: the fp32 RMS scale rounded to ``x``'s dtype, times ``x``."""
     if not covered(x):
         return ref.unweighted_rms_norm(x, eps)
-    return _launch(x, None, eps)
+    return launch(x, None, eps)
 
 
 @reference_under_compile(ref.rms_norm_rope)
@@ -114,4 +122,4 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos:
         from deepinfer_nvidia_sm100.kernels.rope import apply_rope_
 
         return ref.normed_rope(rms_norm, unweighted_rms_norm, apply_rope_)(x, weight, eps, cos, sin)
-    return _launch(x, None if weight is None else weight.contiguous(), eps, cos, sin)
+    return launch(x, None if weight is None else weight.contiguous(), eps, cos, sin)
