@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from deepinfer_core.errors import DeepInferError
+from deepinfer_core.options import parse_flag
 from deepinfer_core.sampling.logits_processor import check_processors
 
 logger = logging.getLogger("deepinfer")
@@ -42,6 +43,16 @@ class EngineArgs:
             is an older name for it).
         block_size: tokens per state block (a multiple of the model's ``block_multiple``).
         enable_prefix_caching: share full blocks of identical prefixes between requests.
+        enable_prefix_state_cache: keep running sequences' per-sequence state (sliding windows, compressor carries)
+            at block boundaries in device memory, so a prefix hit restores it and computes only the tokens after the
+            hit instead of rebuilding it (``engine/prefix_state_cache.py``). None (default): on with prefix caching,
+            for a model that can copy its slot state (``SlotStateModel``) and without speculative decoding.
+        prefix_state_cache_bytes: device memory for that cache; taken out of the state budget when the budget comes
+            from free device memory, else (``kv_cache_memory_bytes`` given) on top of it. Default: 16 entries of one
+            slot's state per sequence slot, at most 1/8 of the state budget (at least one entry per slot).
+        prefix_state_split_min_tokens: an admitted prompt chunk of at least this many tokens that finishes the prompt
+            ends on the prompt's last block boundary, so the same prompt sent again is restored there and computes
+            only its last block (such a miss takes one more, short, prefill step). Default 4096; 0 never splits.
         seed: base seed for requests without ``SamplingParams.seed``.
         enforce_eager: never replay steps from captured device graphs.
         cuda_graph_sizes: decode batch sizes to capture; default ``1, 2, 4, 8, 16, 24, 32, 48, 64, ...`` up to
@@ -83,6 +94,9 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     block_size: int | None = None
     enable_prefix_caching: bool = True
+    enable_prefix_state_cache: bool | None = None
+    prefix_state_cache_bytes: int | None = None
+    prefix_state_split_min_tokens: int | None = None
     seed: int = 0
     enforce_eager: bool = False
     cuda_graph_sizes: Sequence[int] | None = None
@@ -122,6 +136,7 @@ class EngineArgs:
                     raise EngineArgsError(f"{name} must be positive integers, got {bad}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise EngineArgsError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        self._check_prefix_state_cache()
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise EngineArgsError(f"async_scheduling must be True, False or None (the backend's default), "
                                   f"got {self.async_scheduling!r}")
@@ -142,6 +157,28 @@ class EngineArgs:
                                   f"'num_speculative_tokens': 3}} or None, got {self.speculative_config!r}")
         if self.trust_remote_code:
             logger.warning("trust_remote_code=True is ignored: DeepInfer never executes code from a checkpoint")
+
+    def _check_prefix_state_cache(self) -> None:
+        """Refuse bad values of the prefix state cache's arguments, naming the argument."""
+        flag = self.enable_prefix_state_cache
+        if flag is not None:
+            parsed = parse_flag(flag)
+            if parsed is None:
+                raise EngineArgsError(f"enable_prefix_state_cache must be True, False or None (on with prefix "
+                                      f"caching), got {flag!r}")
+            self.enable_prefix_state_cache = parsed
+        if self.enable_prefix_state_cache and not self.enable_prefix_caching:
+            raise EngineArgsError("enable_prefix_state_cache=True restores state at prefix-cache hits: it needs "
+                                  "enable_prefix_caching=True")
+        if self.prefix_state_cache_bytes is not None:
+            _check_int("prefix_state_cache_bytes", self.prefix_state_cache_bytes)
+            if self.enable_prefix_state_cache is False:
+                raise EngineArgsError("prefix_state_cache_bytes sizes the prefix state cache, which "
+                                      "enable_prefix_state_cache=False turns off: give one of them")
+        split = self.prefix_state_split_min_tokens
+        if split is not None and (isinstance(split, bool) or not isinstance(split, int) or split < 0):
+            raise EngineArgsError(f"prefix_state_split_min_tokens must be an integer >= 0 (0: never split a prompt's "
+                                  f"chunk), got {split!r}")
 
     def torch_dtype(self, device_type: str) -> torch.dtype:
         """The model dtype on a device of ``device_type`` (``"auto"``: float32 on CPU, bfloat16 elsewhere)."""

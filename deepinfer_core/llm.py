@@ -19,11 +19,12 @@ from deepinfer_core.distributed.worker import DataParallelWorker
 from deepinfer_core.engine.decode_graphs import DecodeGraphs, default_sizes
 from deepinfer_core.engine.engine import Engine, EngineConfig, RequestRejectedError
 from deepinfer_core.engine.prefill_graphs import BUCKETS, PrefillGraphs
+from deepinfer_core.engine.prefix_state_cache import PREFIX_STATE_SPLIT_MIN_TOKENS
 from deepinfer_core.engine.verify_graphs import VerifyGraphs
 from deepinfer_core.engine_args import EngineArgs, EngineArgsError
 from deepinfer_core.engine_context import EngineContext
 from deepinfer_core.metrics import Metric
-from deepinfer_core.models.interface import StaticStepModel
+from deepinfer_core.models.interface import SlotStateModel, StaticStepModel
 from deepinfer_core.models.registry import default_registry, read_model_config
 from deepinfer_core.models.resolve import resolve_model
 from deepinfer_core.outputs import RequestOutput
@@ -122,7 +123,8 @@ class LLM:
         speculator = build_speculator(args.speculative_config, self.model, self.plugin_manager, self.context,
                                       self.max_model_len, num_slots)
         draft_bytes = speculator.proposer.slot_state_bytes() if speculator is not None else 0
-        num_blocks = self._num_blocks(block, num_slots + spare, args, draft_bytes) - spare
+        keeps_state = self._keeps_prefix_state(args, speculator is not None)
+        num_blocks = self._num_blocks(block, num_slots + spare, args, draft_bytes, keeps_state) - spare
         if num_blocks < 1:
             raise ValueError("the state budget holds no block beside the graphs' spare block; raise "
                              "kv_cache_memory_bytes or pass enforce_eager=True")
@@ -131,7 +133,9 @@ class LLM:
             max_model_len=self.max_model_len, max_num_seqs=num_slots,
             max_num_batched_tokens=self.max_num_batched_tokens, block_size=block, num_blocks=num_blocks,
             enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, async_scheduling=self.async_scheduling,
-            enable_mixed_chunk=args.enable_mixed_chunk)
+            enable_mixed_chunk=args.enable_mixed_chunk, prefix_state_cache_bytes=self.prefix_state_cache_bytes,
+            prefix_state_split_min_tokens=(PREFIX_STATE_SPLIT_MIN_TOKENS if args.prefix_state_split_min_tokens is None
+                                           else args.prefix_state_split_min_tokens))
         graphs = prefill = None
         if sizes:
             graphs = DecodeGraphs(self.model, state, self.backend.capture_graph, sizes, self.max_model_len,
@@ -145,6 +149,8 @@ class LLM:
             engine.runner.verify_graphs = VerifyGraphs(
                 self.model, state, self.backend.capture_graph, sizes, self.max_model_len, speculator.k + 1,
                 spare_slot=num_slots, spare_block=num_blocks, return_hidden=speculator.needs_hidden_states)
+        if sizes and speculator is not None:
+            speculator.proposer.use_graphs(self.backend.capture_graph, sizes)
         return engine
 
     def _graph_sizes(self, args: EngineArgs) -> list[int]:
@@ -158,17 +164,46 @@ class LLM:
         caps = self.backend.capabilities()
         return default_sizes(args.max_num_seqs) if caps.device_graphs else []
 
-    def _num_blocks(self, block_size: int, num_slots: int, args: EngineArgs, draft_slot_bytes: int = 0) -> int:
+    def _keeps_prefix_state(self, args: EngineArgs, speculative: bool) -> bool:
+        """Whether the engine keeps sequence state at block boundaries in device memory (``EngineArgs``'
+        ``enable_prefix_state_cache``): by default with prefix caching, for a ``SlotStateModel``, without speculative
+        decoding (whose draft state the slot does not hold); asked for explicitly where it cannot run: an error."""
+        wanted = args.enable_prefix_state_cache
+        if not args.enable_prefix_caching or wanted is False:
+            return False
+        why = (f"the model ({type(self.model).__name__}) cannot copy its slot state (no slot_state_views)"
+               if not isinstance(self.model, SlotStateModel) else
+               "speculative decoding's draft state is not part of a slot" if speculative else None)
+        if why is not None and wanted:
+            raise EngineArgsError(f"enable_prefix_state_cache=True cannot run here: {why}; leave it unset")
+        return why is None
+
+    def _num_blocks(self, block_size: int, num_slots: int, args: EngineArgs, draft_slot_bytes: int = 0,
+                    keeps_state: bool = False) -> int:
+        """Paged blocks the state budget holds beside ``num_slots`` slots; sets ``prefix_state_cache_bytes`` (0: no
+        prefix state cache), taken out of a budget that comes from free device memory."""
         cost = self.model.state_bytes(block_size, self.dtype)
         slots = num_slots * (cost.per_slot + draft_slot_bytes)
         budget = args.kv_cache_memory_bytes
+        self.prefix_state_cache_bytes = 0
         if budget is None:
             free = self.backend.memory_info().free_bytes
             fraction = args.gpu_memory_utilization
             wanted = slots + cost.per_block * num_slots * -(-self.max_model_len // block_size)
             cap = _CPU_DEFAULT_BUDGET if self.backend.device.type == "cpu" else int(free * fraction)
-            budget = min(wanted, cap, int(free * fraction))
+            cap = min(cap, int(free * fraction))
+            if keeps_state:
+                one_sequence = slots + cost.per_block * -(-self.max_model_len // block_size)
+                self.prefix_state_cache_bytes = self._prefix_state_bytes(args, cost.per_slot, cap, cap - one_sequence)
+            budget = min(wanted, cap - self.prefix_state_cache_bytes)
             self._check_one_full_sequence(budget, slots, cost.per_block, block_size, num_slots)
+        elif keeps_state:
+            self.prefix_state_cache_bytes = self._prefix_state_bytes(args, cost.per_slot, budget)
+        if keeps_state:
+            logger.info("prefix state cache: %.1f MiB of device memory (%d entries of %d bytes)%s",
+                        self.prefix_state_cache_bytes / 2**20, self.prefix_state_cache_bytes // max(cost.per_slot, 1),
+                        cost.per_slot, " beside kv_cache_memory_bytes" if args.kv_cache_memory_bytes is not None
+                        else ", taken out of the state budget")
         if cost.per_block == 0:  # no paged state (sliding-window layers only): blocks only count tokens
             if budget < slots:
                 raise ValueError(f"kv_cache_memory_bytes={budget} cannot hold {num_slots} sequence slots "
@@ -180,6 +215,16 @@ class LLM:
                 f"kv_cache_memory_bytes={budget} cannot hold {num_slots} sequence slots ({slots} bytes) plus one "
                 f"{cost.per_block}-byte state block; raise it or lower max_num_seqs")
         return int(num_blocks)
+
+    def _prefix_state_bytes(self, args: EngineArgs, per_slot: int, budget: int, room: int | None = None) -> int:
+        """The prefix state cache's bytes: ``prefix_state_cache_bytes``, else 16 slot states per sequence slot, at
+        most 1/8 of ``budget`` but at least one per slot, and never more than ``room`` (what the budget has beside
+        one ``max_model_len`` sequence)."""
+        if args.prefix_state_cache_bytes is not None:
+            return args.prefix_state_cache_bytes
+        per_seq = per_slot * args.max_num_seqs
+        default = min(16 * per_seq, max(budget // 8, per_seq))
+        return default if room is None else max(0, min(default, room))
 
     def _check_one_full_sequence(self, budget: int, slots: int, per_block: int, block_size: int,
                                  num_slots: int) -> None:

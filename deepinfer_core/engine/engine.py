@@ -14,12 +14,13 @@ from deepinfer_core.engine.model_runner import LaunchedStep, ModelRunner
 from deepinfer_core.engine.output_processor import OutputProcessor
 from deepinfer_core.engine.prefill_graphs import PrefillGraphs
 from deepinfer_core.engine.prefix_replay import PrefixReplay
+from deepinfer_core.engine.prefix_state_cache import PrefixStateCache, PrefixStateKeeper
 from deepinfer_core.engine.request import Request, RequestStatus
 from deepinfer_core.engine.scheduler import FcfsScheduler, Scheduler, SchedulerOutput
 from deepinfer_core.engine.state_manager import StateManager
 from deepinfer_core.engine_context import EngineContext
 from deepinfer_core.metrics import MetricsRegistry
-from deepinfer_core.models.interface import CausalLM
+from deepinfer_core.models.interface import CausalLM, SlotStateModel, StaticStepModel
 from deepinfer_core.outputs import RequestOutput
 from deepinfer_core.plugins import call_hook
 from deepinfer_core.sampling.noise import derive_seed
@@ -42,6 +43,8 @@ class EngineConfig:
     seed: int = 0
     async_scheduling: bool = False
     enable_mixed_chunk: bool = False  # decodes in steps that fold prompt tokens (see FcfsScheduler)
+    prefix_state_cache_bytes: int = 0  # device memory for sequence state at block boundaries (0: none)
+    prefix_state_split_min_tokens: int = 0  # prompt chunks this long end on their last block boundary (0: never)
 
 
 class Engine:
@@ -82,7 +85,9 @@ class Engine:
         self.vocab_size = model.vocab_size
         self.state_manager = StateManager(config.num_blocks, config.max_num_seqs, config.block_size,
                                           config.enable_prefix_caching)
-        replay = PrefixReplay(model.prefix_replay_span(), model.sliding_window, plugin_manager, context)
+        self.state_cache = self._state_cache(model, state, config)
+        replay = PrefixReplay(model.prefix_replay_span(), model.sliding_window, plugin_manager, context,
+                              self.state_cache)
         self.scheduler: Scheduler = FcfsScheduler(
             self.state_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
             self.eos_token_id, replay, config.enable_mixed_chunk)
@@ -93,6 +98,8 @@ class Engine:
         self.output_processor = OutputProcessor(tokenizer)
         self.preparer = LogitsPreparer(self.logits_processors)
         self.metrics = MetricsRegistry()
+        if self.state_cache is not None:
+            self.state_cache.stats.register(self.metrics)
         self.speculator = speculator
         if speculator is not None:
             speculator.register_metrics(self.metrics)
@@ -173,6 +180,8 @@ class Engine:
             if self._in_flight is None and self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler planned nothing while requests are pending (state too small?)")
             return None
+        if self.state_cache is not None:
+            self.state_cache.before_step(scheduled.chunks)
         if self.plugin_manager is not None:
             call_hook(self.plugin_manager, "deepinfer_before_step", engine=self, scheduler_output=scheduled)
         return scheduled
@@ -212,6 +221,8 @@ class Engine:
         """Read a launched step's results and apply them: tokens and token stops (scheduler), text, stop strings
         and logprobs (output processor). Returns the prompts whose completions all finished."""
         result = self.runner.collect(launched)
+        if self.state_cache is not None:
+            self.state_cache.after_step(self.step_in_flight)
         if self.plugin_manager is not None:
             call_hook(self.plugin_manager, "deepinfer_after_step", engine=self, scheduler_output=launched.scheduled,
                       model_output=result)
@@ -221,6 +232,21 @@ class Engine:
         if self.speculator is not None:
             self.speculator.after_step(launched, result, accepted)
         return self.output_processor.finished_outputs(accepted)
+
+    @staticmethod
+    def _state_cache(model: CausalLM, state, config: EngineConfig) -> PrefixStateKeeper | None:
+        """The device tier of the prefix state cache (``engine/prefix_state_cache.py``) when the config gives it bytes
+        and the model can copy its slot state; else None (prefix hits keep the exact rebuild)."""
+        if not config.prefix_state_cache_bytes or not config.enable_prefix_caching:
+            return None
+        if not isinstance(model, SlotStateModel):
+            return None
+        keeper = PrefixStateKeeper(PrefixStateCache(config.prefix_state_cache_bytes),
+                                   config.prefix_state_split_min_tokens)
+        min_chunk = model.prefill_min_tokens() if isinstance(model, StaticStepModel) else 1
+        keeper.bind(lambda slot: model.slot_state_views(state, slot), config.block_size, model.prefix_replay_span(),
+                    min_chunk)
+        return keeper
 
     def step_boundary(self) -> None:
         """Call ``deepinfer_step_boundary``: a data-parallel rank's lockstep loop does, after each iteration on every

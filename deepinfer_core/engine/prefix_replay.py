@@ -2,13 +2,14 @@
 
 The cache keeps what a block of tokens leaves behind that is shareable (a V4 model: compressed entries and indexer
 keys); per-sequence state (sliding windows, compressor carries) is rebuilt by recomputing the tokens before the hit.
-The model says how many tokens an exact rebuild needs (``CausalLM.prefix_replay_span``). Plugins may instead restore
-that state from a copy they hold (``deepinfer_restore_prefix_state``, e.g. the SWA host cache: the request adopts the
-restored tokens and computes from there, reading the restored window); else they may change two decisions, in this
-order: how many tokens of the hit the request adopts (``deepinfer_adopt_prefix_hit``; default: all) and where the
+The model says how many tokens an exact rebuild needs (``CausalLM.prefix_replay_span``). The engine's prefix state
+cache (``engine/prefix_state_cache.py``, device memory) may instead restore that state from a copy taken at one of the
+hit's block boundaries, then plugins may (``deepinfer_restore_prefix_state``, e.g. the SWA host cache in host memory):
+the request adopts the restored tokens and computes from there, reading the restored window. Else plugins may change
+two decisions, in this order: how many tokens of the hit the request adopts (``deepinfer_adopt_prefix_hit``; default: all) and where the
 rebuild starts (``deepinfer_rebuild_sliding_window``; default: the exact rebuild), e.g. bounded replay. A plugin may
 also end an admitted request's first chunk early (``deepinfer_first_chunk_end``), e.g. on a block boundary whose
-state it keeps.
+state it keeps; without a plugin's answer the prefix state cache's split policy decides.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from deepinfer_core.engine.prefix_state_cache import PrefixStateKeeper
 from deepinfer_core.engine.request import Request
 from deepinfer_core.errors import PluginReturnError
 from deepinfer_core.plugins import call_hook
@@ -56,11 +58,13 @@ class PrefixReplay:
     """The adopted length and replay start of a prefix hit: the plugins' choice, else all of it and the exact
     rebuild."""
 
-    def __init__(self, replay_span: int, sliding_window: int, plugin_manager=None, context: EngineContext | None = None):
+    def __init__(self, replay_span: int, sliding_window: int, plugin_manager=None, context: EngineContext | None = None,
+                 state_cache: PrefixStateKeeper | None = None):
         self.replay_span = replay_span
         self.sliding_window = sliding_window
         self.plugin_manager = plugin_manager
         self.context = context
+        self.state_cache = state_cache
 
     def plan(self, request: Request, num_cached_tokens: int, block_size: int,
              block_hashes: tuple[bytes, ...] = ()) -> ReplayPlan:
@@ -68,7 +72,8 @@ class PrefixReplay:
         the hit."""
         hit = PrefixHit(request, num_cached_tokens, block_size, self.sliding_window, self.replay_span,
                         tuple(block_hashes))
-        restored = self._restored(hit)
+        restored = (self.state_cache.lookup(request, num_cached_tokens, hit.block_hashes)
+                    if self.state_cache is not None else 0) or self._restored(hit)
         if restored:
             return ReplayPlan(restored, restored, 0)
         adopted = self._adopted(hit)
@@ -92,11 +97,16 @@ class PrefixReplay:
 
     def first_chunk_end(self, request: Request, start: int, end: int, block_size: int) -> int:
         """Where the first chunk ``[start, end)`` of an admitted request ends: the plugins'
-        ``deepinfer_first_chunk_end`` answer, checked, else ``end``."""
-        if self.plugin_manager is None or end - start <= 1:
+        ``deepinfer_first_chunk_end`` answer, else the prefix state cache's split (``PrefixStateKeeper.first_chunk_end``),
+        checked; else ``end``."""
+        if end - start <= 1:
             return end
-        chosen = call_hook(self.plugin_manager, "deepinfer_first_chunk_end", request=request, start=start, end=end,
-                           block_size=block_size, context=self.context)
+        chosen = None
+        if self.plugin_manager is not None:
+            chosen = call_hook(self.plugin_manager, "deepinfer_first_chunk_end", request=request, start=start, end=end,
+                               block_size=block_size, context=self.context)
+        if chosen is None and self.state_cache is not None:
+            chosen = self.state_cache.first_chunk_end(request, start, end)
         if chosen is None:
             return end
         if not start < chosen <= end:

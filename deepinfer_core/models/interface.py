@@ -85,6 +85,18 @@ class CausalLM(Protocol):
 
 
 @runtime_checkable
+class SlotStateModel(CausalLM, Protocol):
+    """A model whose per-sequence state (what a slot holds besides the paged blocks) can be copied out and written
+    back, so that a prefix hit restores it instead of rebuilding it (``engine/prefix_state_cache.py``). A model
+    without this member keeps the exact rebuild (``prefix_replay_span``)."""
+
+    def slot_state_views(self, state: ModelState, slot: int) -> list[torch.Tensor]:
+        """Views of slot ``slot``'s whole per-sequence state in ``state``, in a fixed order. After a step that leaves
+        the sequence's computed tokens on a block boundary they are its state there: copies of them written into
+        another slot let a sequence with the same first tokens continue from that boundary exactly."""
+
+
+@runtime_checkable
 class StaticStepModel(CausalLM, Protocol):
     """A model whose decode steps and lone-prompt prefills run at static shapes, so a backend can capture them as
     device graphs (``engine/decode_graphs.py``, ``engine/prefill_graphs.py``).

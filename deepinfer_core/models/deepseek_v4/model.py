@@ -691,6 +691,11 @@ class DeepseekV4Model:
         ratios = [c.compress_ratio(i) for i in range(c.num_hidden_layers)]
         return c.num_hidden_layers * c.sliding_window + 2 * max(ratios, default=0)
 
+    def slot_state_views(self, state: DeepseekV4State, slot: int) -> list[torch.Tensor]:
+        """Every layer's sliding ring and every compressor carry of ``slot`` (``SlotStateModel``;
+        ``DeepseekV4State.slot_views``)."""
+        return state.slot_views(slot)
+
     # ------------------------------------------------------------------ speculative decoding
     @property
     def max_draft_tokens(self) -> int:
