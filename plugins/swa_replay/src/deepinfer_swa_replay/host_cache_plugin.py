@@ -1,16 +1,19 @@
 """The ``deepinfer.plugins`` entry point ``swa_host_cache``: prefix hits restore the sliding window from host memory.
 
+This is the host-memory tier of the core's prefix state cache (``deepinfer_core.engine.prefix_state_cache``: the
+device tier is the core's own, on by default): the same ``PrefixStateKeeper`` and store, here in (pinned) host memory
+with a TTL, reached through the core's hooks, and tried when the device tier holds no state for a hit.
+
 Enabled per engine by the feature option ``enable_swa_host_cache`` (``LLM(..., enable_swa_host_cache=True)``,
 ``--option enable_swa_host_cache=true``); ``swa_host_cache_bytes`` (default 2 GiB) caps its host memory and
 ``swa_host_cache_ttl_s`` (default 180) drops entries not stored or used for that long. ``swa_host_cache_split_prefill``
-(default off) ends an admitted prompt's first chunk on its last block boundary (``deepinfer_first_chunk_end``) when
-both parts are at least ``prefill_min_tokens()`` long, so that the same prompt sent again is restored there: a miss
-then takes two prefill steps.
+(default off) ends an admitted prompt's first chunk on the last block boundary at least ``prefill_min_tokens()`` before
+its end (``deepinfer_first_chunk_end``) when the first part is that long too, so that the same prompt sent again is
+restored there: a miss then takes two prefill steps.
 
 Capture: when a step leaves a request's computed tokens on a block boundary (a prompt of whole blocks, a decode step
-that fills a block, a chunk that ends on one), the request's slot (``DeepseekV4State.slot_views``: every layer's
-sliding ring and compressor carry) is copied into a ``SwaHostCache`` entry keyed by the prefix-cache hash of that
-block. The copy is enqueued on the device right after that step and before the next one writes the slot: in
+that fills a block, a chunk that ends on one), the request's slot (``SlotStateModel.slot_state_views``: every layer's
+sliding ring and compressor carry) is copied into a ``SwaHostCache`` entry keyed by the prefix-cache hash of that block. The copy is enqueued on the device right after that step and before the next one writes the slot: in
 ``deepinfer_before_step`` of the next step, or in ``deepinfer_after_step`` when no later step was launched
 (``Engine.step_in_flight``). So the state of finished and preempted sequences outlives their slots.
 
@@ -26,19 +29,20 @@ through ``host_cache_stats(llm.context)`` always.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from deepinfer_core.engine.prefix_replay import PrefixHit
+from deepinfer_core.engine.prefix_state_cache import PrefixStateKeeper
 from deepinfer_core.engine.request import Request
-from deepinfer_core.engine.state_manager import chain_hashes
 from deepinfer_core.engine_context import EngineContext
 from deepinfer_core.hookspecs import hookimpl
+from deepinfer_core.models.interface import SlotStateModel, StaticStepModel
 from deepinfer_core.options import parse_flag
 from deepinfer_swa_replay.errors import SwaHostCacheError, SwaHostCacheOptionError
-from deepinfer_swa_replay.host_cache import DEFAULT_CAPACITY_BYTES, DEFAULT_TTL_S, HostEntry, SwaHostCache
+from deepinfer_swa_replay.host_cache import DEFAULT_CAPACITY_BYTES, DEFAULT_TTL_S, SwaHostCache
 from deepinfer_swa_replay.stats import HostCacheStats
 
 DEEPINFER_HOOK_API_VERSION = 1
@@ -51,30 +55,15 @@ KEY = "swa_host_cache"  # our entry-point name: the key of our state in context.
 
 
 @dataclasses.dataclass
-class Capture:
-    """A slot to copy once its step has run: ``request``'s state after its first ``end`` tokens (a block boundary);
-    the block hash there chains from ``parent`` (the hash at ``hashed``) over the tokens ``[hashed, end)``."""
-
-    request: Request
-    slot: int
-    end: int
-    hashed: int
-    parent: bytes
-
-
-@dataclasses.dataclass
 class HostCacheState:
-    """One engine's SWA host cache and what it does between hooks."""
+    """One engine's SWA host cache: its store and the core's keeper working on it between hooks."""
 
     cache: SwaHostCache
-    block_size: int = 0
-    replay_span: int = 0
-    slot_views: Callable[[int], list[torch.Tensor]] | None = None  # set at engine start
     split_prefill: bool = False
-    min_chunk: int = 1  # the shortest chunk a split leaves (the model's prefill_min_tokens)
-    pending_restores: dict[str, tuple[int, HostEntry]] = dataclasses.field(default_factory=dict)  # by request id
-    looked_up: set[str] = dataclasses.field(default_factory=set)  # counted since their admission was planned
-    captures: list[Capture] = dataclasses.field(default_factory=list)  # of the step launched last
+    keeper: PrefixStateKeeper = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.keeper = PrefixStateKeeper(self.cache, split_min_tokens=1 if self.split_prefill else 0)
 
 
 def host_cache_state(context: EngineContext | None) -> HostCacheState | None:
@@ -118,59 +107,37 @@ def deepinfer_configure(options: Mapping[str, Any], context: EngineContext) -> N
 
 @hookimpl
 def deepinfer_engine_start(engine) -> None:
-    """Learn the engine's block size, exact replay span and slot views; put the counters in its metrics."""
+    """Bind the keeper to the engine's slot state views, block size and exact replay span; put the counters in its
+    metrics."""
     state = host_cache_state(engine.context)
     if state is None:
         return
-    slot_views = getattr(engine.runner.state, "slot_views", None)
-    if not callable(slot_views):
-        raise SwaHostCacheError(f"the SWA host cache needs a model state with slot_views (a DeepSeek-V4 state); "
-                                f"{type(engine.runner.state).__name__} has none: drop {ENABLE}")
-    state.slot_views = slot_views
-    state.block_size = engine.config.block_size
-    state.replay_span = engine.model.prefix_replay_span()
-    min_tokens = getattr(engine.model, "prefill_min_tokens", None)
-    state.min_chunk = max(1, min_tokens()) if callable(min_tokens) else 1
-    registry = getattr(engine, "metrics", None)
-    if registry is not None:
-        state.cache.stats.register(registry)
+    model = engine.model
+    if not isinstance(model, SlotStateModel):
+        raise SwaHostCacheError(f"the SWA host cache needs a model that can copy its slot state (SlotStateModel."
+                                f"slot_state_views, e.g. DeepSeek-V4); {type(model).__name__} cannot: drop {ENABLE}")
+    slot_state = engine.runner.state
+    min_chunk = model.prefill_min_tokens() if isinstance(model, StaticStepModel) else 1
+    state.keeper.bind(lambda slot: model.slot_state_views(slot_state, slot), engine.config.block_size,
+                      model.prefix_replay_span(), min_chunk, getattr(engine, "metrics", None))
 
 
 @hookimpl
 def deepinfer_restore_prefix_state(hit: PrefixHit, context: EngineContext | None) -> int | None:
     """The longest boundary of the hit whose state the cache holds (above the exact rebuild's start), else None."""
     state = host_cache_state(context)
-    if state is None or state.slot_views is None:
+    if state is None:
         return None
-    lowest = hit.num_cached_tokens - state.replay_span  # a restore at or below it computes more than the rebuild
-    blocks = [k for k in range(len(hit.block_hashes), 0, -1) if k * hit.block_size > lowest]
-    found = state.cache.find([hit.block_hashes[k - 1] for k in blocks])
-    request_id = hit.request.request_id
-    first_look = request_id not in state.looked_up  # an admission retried (no room yet) counts once
-    state.looked_up.add(request_id)
-    stats = state.cache.stats
-    if found is None:
-        stats.misses.inc(first_look)
-        state.pending_restores.pop(request_id, None)
-        return None
-    stats.hits.inc(first_look)
-    restored = blocks[found[0]] * hit.block_size
-    state.pending_restores[request_id] = (restored, found[1])
-    return restored
+    return state.keeper.lookup(hit.request, hit.num_cached_tokens, hit.block_hashes) or None
 
 
 @hookimpl
 def deepinfer_first_chunk_end(request: Request, start: int, end: int, block_size: int,
                               context: EngineContext | None) -> int | None:
-    """With ``swa_host_cache_split_prefill``: a chunk that finishes the request's tokens ends on their last block
-    boundary when both parts are at least ``min_chunk`` long (the step then leaves the state there to keep)."""
+    """With ``swa_host_cache_split_prefill``: a chunk that finishes the request's tokens ends on the last block
+    boundary ``prefill_min_tokens()`` before their end (the step then leaves the state there to keep)."""
     state = host_cache_state(context)
-    if state is None or not state.split_prefill or end != request.num_tokens:
-        return None
-    boundary = (end - 1) // block_size * block_size
-    if boundary - start < state.min_chunk or end - boundary < state.min_chunk:
-        return None
-    return boundary
+    return state.keeper.first_chunk_end(request, start, end) if state is not None else None
 
 
 @hookimpl
@@ -178,18 +145,8 @@ def deepinfer_before_step(engine, scheduler_output) -> None:
     """Copy the slots the last step left on a block boundary, write restored states into the slots of requests
     starting from one, and note this step's chunks that end on a boundary."""
     state = host_cache_state(engine.context)
-    if state is None or state.slot_views is None:
-        return
-    _flush(state)
-    if state.looked_up or state.pending_restores:  # requests admitted since the last step
-        for chunk in scheduler_output.chunks:
-            request = chunk.request
-            state.looked_up.discard(request.request_id)
-            pending = state.pending_restores.pop(request.request_id, None)
-            if pending is not None and pending[0] == chunk.start:
-                state.cache.restore(pending[1], state.slot_views(request.slot))
-    state.captures = [_capture(chunk.request, chunk.end, state.block_size) for chunk in scheduler_output.chunks
-                      if chunk.end % state.block_size == 0 and not getattr(chunk, "draft_token_ids", None)]
+    if state is not None:
+        state.keeper.before_step(scheduler_output.chunks)
 
 
 @hookimpl
@@ -197,25 +154,8 @@ def deepinfer_after_step(engine) -> None:
     """Copy the last step's boundary slots now when no later step was launched (else the next step's
     ``deepinfer_before_step`` does, before that step runs)."""
     state = host_cache_state(engine.context)
-    if state is not None and state.slot_views is not None and not engine.step_in_flight:
-        _flush(state)
-
-
-def _capture(request: Request, end: int, block_size: int) -> Capture:
-    hashed = len(request.block_hashes) * block_size
-    parent = request.block_hashes[-1] if request.block_hashes else b""
-    return Capture(request, request.slot, end, hashed, parent)
-
-
-def _flush(state: HostCacheState) -> None:
-    """Store every noted capture under the hash of its boundary block (tokens the host does not have: skipped)."""
-    captures, state.captures = state.captures, []
-    for capture in captures:
-        tokens = capture.request.token_slice(capture.hashed, capture.end)
-        if len(tokens) != capture.end - capture.hashed:
-            continue
-        digest = chain_hashes(tokens, state.block_size, capture.parent)[-1] if tokens else capture.parent
-        state.cache.store(digest, state.slot_views(capture.slot))
+    if state is not None:
+        state.keeper.after_step(engine.step_in_flight)
 
 
 def _flag(value: Any, name: str = ENABLE) -> bool:

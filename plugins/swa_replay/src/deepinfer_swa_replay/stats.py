@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from deepinfer_core.metrics import Counter, Gauge, MetricsRegistry
+from deepinfer_core.engine.prefix_state_cache import PrefixStateStats
+from deepinfer_core.metrics import Gauge
 
 
 @dataclasses.dataclass
@@ -40,26 +41,15 @@ HOST_CACHE_METRICS = {
 HOST_BYTES_METRIC = ("deepinfer:swa_host_cache_bytes", "host memory the SWA host cache holds")
 
 
-@dataclasses.dataclass
-class HostCacheStats:
-    """The SWA host cache's counters of one engine (``deepinfer_core.metrics`` objects: each has a ``value``).
+class HostCacheStats(PrefixStateStats):
+    """The SWA host cache's counters of one engine (the core's ``PrefixStateStats`` under ``HOST_CACHE_METRICS``'
+    names): hits, misses, evictions, expirations, stores and ``host_bytes``. Standalone until the engine starts; then
+    the engine's metrics registry's own objects of the same names, so ``LLM.get_metrics()`` lists them."""
 
-    Standalone until the engine starts; then the engine's metrics registry's own objects of the same names, so
-    ``LLM.get_metrics()`` lists them (``HOST_CACHE_METRICS``)."""
+    def __init__(self) -> None:
+        super().__init__(HOST_CACHE_METRICS, HOST_BYTES_METRIC)
 
-    hits: Counter = dataclasses.field(default_factory=lambda: Counter(*HOST_CACHE_METRICS["hits"]))
-    misses: Counter = dataclasses.field(default_factory=lambda: Counter(*HOST_CACHE_METRICS["misses"]))
-    evictions: Counter = dataclasses.field(default_factory=lambda: Counter(*HOST_CACHE_METRICS["evictions"]))
-    expirations: Counter = dataclasses.field(default_factory=lambda: Counter(*HOST_CACHE_METRICS["expirations"]))
-    stores: Counter = dataclasses.field(default_factory=lambda: Counter(*HOST_CACHE_METRICS["stores"]))
-    host_bytes: Gauge = dataclasses.field(default_factory=lambda: Gauge(*HOST_BYTES_METRIC))
-
-    def register(self, registry: MetricsRegistry) -> None:
-        """Move every counter (and the bytes gauge) into ``registry``, keeping the counts so far."""
-        for field, (name, help_text) in HOST_CACHE_METRICS.items():
-            counter = registry.counter(name, help_text)
-            counter.inc(getattr(self, field).value)
-            setattr(self, field, counter)
-        gauge = registry.gauge(*HOST_BYTES_METRIC)
-        gauge.set(self.host_bytes.value)
-        self.host_bytes = gauge
+    @property
+    def host_bytes(self) -> Gauge:
+        """Host memory the cache holds (the ``bytes`` gauge)."""
+        return self.bytes
