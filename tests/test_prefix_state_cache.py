@@ -1,0 +1,191 @@
+"""The prefix state cache's device tier (``engine/prefix_state_cache.py``), on by default: a hit restored from a
+boundary's kept state computes only the tokens after it and equals a cold run (fp32, CPU, a tiny V4 model)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from v4_factory import ALL_TYPES, tiny_checkpoint
+
+from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.engine.prefix_state_cache import DEVICE_METRICS, PrefixStateCache, PrefixStateStats
+from deepinfer_core.engine_args import EngineArgsError
+from deepinfer_core.metrics import MetricsRegistry
+
+pytest.importorskip("transformers")
+
+BLOCK = 8
+MIN_CHUNK = 8  # the factory's window and carry spans: the shortest static chunk (a split's shortest part)
+VOCAB = 64
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("prefix_state") / "ckpt"
+    tiny_checkpoint(folder, layer_types=ALL_TYPES * 2, hc_mult=2)
+    return folder
+
+
+def _llm(folder, **kwargs) -> LLM:
+    kwargs.setdefault("block_size", BLOCK)
+    kwargs.setdefault("max_num_seqs", 4)
+    return LLM(str(folder), **kwargs)
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(2, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _chunks(llm: LLM) -> list[tuple[int, int]]:
+    """(start, tokens) of every prompt chunk (more than one token) the engine plans from now on."""
+    chunks: list[tuple[int, int]] = []
+    schedule = llm.engine.scheduler.schedule
+
+    def recorded():
+        output = schedule()
+        chunks.extend((c.start, c.num_tokens) for c in output.chunks if c.num_tokens > 1)
+        return output
+
+    llm.engine.scheduler.schedule = recorded
+    return chunks
+
+
+def _metrics(llm: LLM) -> dict[str, float]:
+    return {name.removeprefix("deepinfer:prefix_state_cache_"): value for name, value in
+            ((m.name, m.value) for m in llm.get_metrics()) if name.startswith("deepinfer:prefix_state_cache_")}
+
+
+def _assert_same(got, want) -> None:
+    """Same greedy tokens, logprobs of the same top tokens within fp32 rounding."""
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    for mine, theirs in zip(got.outputs[0].logprobs, want.outputs[0].logprobs, strict=True):
+        assert mine.keys() == theirs.keys()
+        assert all(abs(mine[t].logprob - theirs[t].logprob) <= 1e-5 for t in mine)
+
+
+def _slot(value: float) -> list[torch.Tensor]:
+    return [torch.full((8, 8), value), torch.full((4, 8), value)]  # 384 bytes
+
+
+def test_the_store_is_an_lru_within_its_bytes_and_keeps_entries_without_a_ttl():
+    clock = [0.0]
+    cache = PrefixStateCache(capacity_bytes=2 * 384, clock=lambda: clock[0])
+    cache.store(b"a", _slot(1.0))
+    cache.store(b"b", _slot(2.0))
+    clock[0] = 1e9  # no TTL on the device tier
+    assert cache.find([b"x", b"a"])[0] == 1  # a is now the most recently used
+    cache.store(b"c", _slot(3.0))
+    assert list(cache.entries) == [b"a", b"c"] and cache.stats.evictions.value == 1
+    assert cache.ttl_s == math.inf and cache.stats.expirations.value == 0
+    target = _slot(0.0)
+    cache.restore(cache.find([b"c"])[1], target)
+    assert all(torch.equal(t, s) for t, s in zip(target, _slot(3.0)))
+    assert cache.store(b"big", [torch.zeros(1000)]) is None and len(cache) == 2
+    stats, registry = PrefixStateStats(), MetricsRegistry()
+    stats.stores.inc(2)
+    stats.register(registry)
+    assert registry.get(DEVICE_METRICS["stores"][0]).value == 2
+
+
+@pytest.mark.parametrize("length", [33, 40, 45, 61])
+def test_the_same_prompt_again_is_restored_and_equals_a_cold_run(ckpt, length):
+    """With the split on for every length, an L-token prompt is prefilled up to the last boundary MIN_CHUNK tokens
+    before its end and then its tail; sent again, it is restored there and computes only the tail, as a cold run would
+    answer."""
+    llm, cold = _llm(ckpt, prefix_state_split_min_tokens=1), _llm(ckpt, enable_prefix_caching=False)
+    prompt = {"prompt_token_ids": _tokens(length, seed=length)}
+    boundary = (length - MIN_CHUNK) // BLOCK * BLOCK
+    chunks = _chunks(llm)
+    llm.generate(prompt, GREEDY, use_tqdm=False)
+    got = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert chunks == [(0, boundary), (boundary, length - boundary), (boundary, length - boundary)]
+    assert got.num_cached_tokens == boundary
+    assert _metrics(llm)["hits"] == 1 and _metrics(llm)["stores"] >= 2
+    _assert_same(got, cold.generate(prompt, GREEDY, use_tqdm=False)[0])
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_next_turns_in_a_batch_are_restored_and_equal_a_cold_run(ckpt, async_scheduling):
+    """Three conversations, then their next turns (prompt, 8 output tokens, new tokens) in one batch beside a fresh
+    prompt: each next turn is restored at the boundary its first turn's decode filled, by default settings."""
+    llm = _llm(ckpt, async_scheduling=async_scheduling)
+    cold = _llm(ckpt, enable_prefix_caching=False, async_scheduling=async_scheduling)
+    firsts = [_tokens(n, seed=n) for n in (40, 35, 29)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in firsts], GREEDY, use_tqdm=False)
+    follows = [p + list(o.outputs[0].token_ids[:8]) + _tokens(7, seed=i) for i, (p, o) in
+               enumerate(zip(firsts, outs))] + [_tokens(30, seed=99)]
+    prompts = [{"prompt_token_ids": p} for p in follows]
+    got = llm.generate(prompts, GREEDY, use_tqdm=False)
+    want = cold.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.num_cached_tokens for o in got] == [48, 40, 32, 0]
+    assert _metrics(llm)["hits"] == 3
+    for a, b in zip(got, want, strict=True):
+        _assert_same(a, b)
+
+
+def test_preempted_requests_come_back_restored(ckpt):
+    """Four requests in room for two: the preempted ones come back restored at the last boundary a step of theirs
+    ended on, and finish with a cold engine's tokens."""
+    probe = _llm(ckpt).model.state_bytes(BLOCK, torch.float32)
+    budget = 4 * probe.per_slot + 10 * probe.per_block  # 4 sequences want 4 x 6 blocks
+    prompts = [{"prompt_token_ids": _tokens(n, seed=n)} for n in (30, 33, 29, 31)]
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=1)
+    tight = _llm(ckpt, kv_cache_memory_bytes=budget)
+    got = tight.generate(prompts, params, use_tqdm=False)
+    want = _llm(ckpt, enable_prefix_caching=False).generate(prompts, params, use_tqdm=False)
+    assert tight.engine.scheduler.num_preemptions > 0 and _metrics(tight)["hits"] > 0
+    for a, b in zip(got, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert all(abs(x[t].logprob - y[t].logprob) <= 1e-5
+                   for x, y, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, b.outputs[0].token_ids))
+    tight.engine.state_manager.check_invariants([])
+
+
+def test_eviction_under_a_small_budget_falls_back_to_the_exact_rebuild(ckpt):
+    """Room for one entry: the second prompt's store evicts the first's. The second again is restored at 32; the
+    first again misses and is rebuilt by the exact replay (from token 0 before its 40-token hit), as a cold run."""
+    per_slot = _llm(ckpt).model.state_bytes(BLOCK, torch.float32).per_slot
+    llm = _llm(ckpt, prefix_state_cache_bytes=per_slot, prefix_state_split_min_tokens=1)
+    cold = _llm(ckpt, enable_prefix_caching=False)
+    short = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=5)  # no decode boundary
+    first, second = ({"prompt_token_ids": _tokens(45, seed=s)} for s in (1, 2))
+    llm.generate(first, short, use_tqdm=False)
+    llm.generate(second, short, use_tqdm=False)
+    chunks = _chunks(llm)
+    restored = llm.generate(second, short, use_tqdm=False)[0]
+    rebuilt = llm.generate(first, short, use_tqdm=False)[0]
+    metrics = _metrics(llm)
+    assert (metrics["evictions"], metrics["hits"], metrics["misses"]) == (1, 1, 1)
+    assert chunks == [(32, 13), (0, 32), (32, 13)]  # the rebuild is split too: its state at 32 is kept again
+    assert (restored.num_cached_tokens, rebuilt.num_cached_tokens) == (32, 40)
+    _assert_same(restored, cold.generate(second, short, use_tqdm=False)[0])
+    _assert_same(rebuilt, cold.generate(first, short, use_tqdm=False)[0])
+    assert metrics["bytes"] == per_slot
+
+
+def test_on_by_default_off_without_prefix_caching_and_short_prompts_are_not_split(ckpt):
+    llm = _llm(ckpt)
+    assert llm.engine.state_cache is not None and llm.engine.state_cache.split_min_tokens == 4096
+    chunks = _chunks(llm)
+    llm.generate({"prompt_token_ids": _tokens(40, seed=3)}, GREEDY, use_tqdm=False)
+    assert chunks == [(0, 40)]
+    assert _llm(ckpt, enable_prefix_caching=False).engine.state_cache is None
+    assert _llm(ckpt, enable_prefix_state_cache="false").engine.state_cache is None
+    assert _llm(ckpt, prefix_state_split_min_tokens=0).engine.state_cache.split_min_tokens == 0
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"enable_prefix_state_cache": "maybe"}, "enable_prefix_state_cache must be True, False or None"),
+    ({"enable_prefix_state_cache": True, "enable_prefix_caching": False}, "needs enable_prefix_caching=True"),
+    ({"prefix_state_cache_bytes": 0}, "prefix_state_cache_bytes must be a positive integer"),
+    ({"prefix_state_cache_bytes": 1 << 20, "enable_prefix_state_cache": False}, "give one of them"),
+    ({"prefix_state_split_min_tokens": -1}, "prefix_state_split_min_tokens must be an integer >= 0"),
+    ({"enable_prefix_state_cache": True, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+     "draft state"),
+])
+def test_bad_arguments_are_refused_naming_them(ckpt, kwargs, message):
+    with pytest.raises(EngineArgsError, match=message):
+        _llm(ckpt, **kwargs)
