@@ -127,6 +127,12 @@ class Proposer(abc.ABC):
         """Bytes of per-sequence state the proposer keeps per slot (the engine's memory budget counts them)."""
         return 0
 
+    def use_graphs(self, capture: Callable, sizes: Sequence[int]) -> None:
+        """Called once after ``allocate`` where the engine replays static steps as device graphs (a GPU, or
+        ``cuda_graph_sizes``): ``capture(fn, ())`` is the backend's ``capture_graph``, ``sizes`` the captured batch
+        sizes. A proposer running a model of its own may capture its draft steps (the MTP draft rounds); the
+        default drafts eagerly."""
+
     @abc.abstractmethod
     def propose(self, batch: DraftBatch) -> list[Draft]:
         """One ``Draft`` per ``batch.sequences`` entry, in order, each at most ``max_draft_len`` tokens."""

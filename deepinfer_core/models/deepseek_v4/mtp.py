@@ -50,6 +50,7 @@ from deepinfer_core.models.deepseek_v4.model import (
 )
 from deepinfer_core.models.deepseek_v4.state import DeepseekV4State
 from deepinfer_core.quant.tensors import QuantizedTensor
+from deepinfer_core.static_buffers import StaticBuffers
 
 _MTP_NAME = re.compile(r"^(?:model\.)?mtp\.(\d+)\.(.+)$")
 CONFIDENCE_WEIGHT = "confidence_head.weight"
@@ -117,12 +118,13 @@ class MTPLayer:
             self.confidence_bias = reg.add(f"{p}.{CONFIDENCE_BIAS}", (1,), dtype=torch.float32)
 
     def __call__(self, target: DeepseekV4Model, batch: ForwardBatch, state: DeepseekV4State,
-                 hidden: torch.Tensor) -> DraftStep:
+                 hidden: torch.Tensor, layout: StepLayout | None = None) -> DraftStep:
         """Draft rows for ``batch`` (row ``i``: token ``t[i + 1]`` at position ``i``), ``hidden [T, hc, D]`` the
-        streams each row continues (the target's at position ``i``, or the previous draft run's)."""
+        streams each row continues (the target's at position ``i``, or the previous draft run's). ``layout``: the
+        batch's layout when the caller built it (a static draft round), else built here."""
         ops, c = target.ops, self.config
         eps = c.rms_norm_eps
-        layout = StepLayout(batch, c.sliding_window, state.block_size, target.device)
+        layout = layout or StepLayout(batch, c.sliding_window, state.block_size, target.device)
         rope_args = {t: (target.rope_inv_freq[t], target.rope_scaling[t], target.dtype) for t in ("main", "compress")}
         rope = {t: ops.rope_cos_sin(batch.positions, *rope_args[t]) for t in rope_args}
         ctx = StepContext(layout, state, batch.input_ids, rope, rope_args)
@@ -141,7 +143,8 @@ class MTPLayer:
         """``sigmoid(hidden [N, D] . w + b)`` -> ``[N]`` acceptance probabilities; None without a head."""
         if self.confidence_weight is None:
             return None
-        return torch.sigmoid(hidden.float() @ self.confidence_weight[0] + self.confidence_bias[0])  # [N]
+        # a row-wise product and sum, not a GEMV: each row's result does not depend on how many rows share the call
+        return torch.sigmoid((hidden.float() * self.confidence_weight[0]).sum(-1) + self.confidence_bias[0])  # [N]
 
 
 class DraftState:
@@ -230,48 +233,165 @@ class MTPDraft:
         target's last streams at those positions. Those rows stay in ``state``; the speculative runs 2..k do not
         (the ring rows they overwrite are restored) and read no ring row below ``batch.sliding_floor``. With several
         draft layers, layer ``l > 0`` (first run at step
-        ``l``) holds no verified rows: it attends over this round's own rows only (from position ``p + l``)."""
+        ``l``) holds no verified rows: it attends over this round's own rows only (from position ``p + l``).
+        The host reads nothing from the device here: every run's positions come from the batch's lists."""
         first = self.forward(batch, state, hidden, 0)
         steps = [first]
         tokens = [first.logits.argmax(-1)]  # [S] each
+        confidence = [self.step_confidence(first, tokens[0])]
         saved = state.save(batch.slots) if k > 1 else None
         streams = first.streams[batch.logits_rows]  # [S, hc, D]
         positions = batch.positions[batch.logits_rows]  # [S]
-        floors = _last_row_floors(batch)
+        last = [ctx + n - 1 for ctx, n in zip(batch.context_lens, batch.query_lens, strict=True)]  # host copy
         for j in range(1, k):
-            run = _next_batch(batch, tokens[-1], positions + j)
-            layer = j % self.num_layers
-            if layer:  # nothing of this layer below this round's first row of it
-                run.sliding_floor = (positions + layer).tolist()
-            elif floors is not None:  # the verified rows' floor holds for the speculative ones
-                run.sliding_floor = floors
+            run = _next_batch(batch, tokens[-1], positions + j, [p + j for p in last])
+            run.sliding_floor = _run_floors(batch, last, j % self.num_layers)
             step = self.forward(run, state, streams, j)
             steps.append(step)
             tokens.append(step.logits.argmax(-1))
+            confidence.append(self.step_confidence(step, tokens[-1]))
             streams = step.streams
         if saved is not None:
             state.restore(batch.slots, saved)
         logits = torch.stack([s.logits for s in steps], dim=1)  # [S, k, V]
         token_ids = torch.stack(tokens, dim=1)  # [S, k]
         hidden = torch.stack([s.hidden for s in steps], dim=1)  # [S, k, D]
-        return Drafts(token_ids, logits, self._confidence(steps, logits, token_ids), hidden)
+        return Drafts(token_ids, logits, torch.stack(confidence, dim=1), hidden)
 
-    def _confidence(self, steps: list[DraftStep], logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        """``[S, k]``: the confidence head's, else the draft's own probability of each drafted token."""
+    def step_confidence(self, step: DraftStep, token_ids: torch.Tensor) -> torch.Tensor:
+        """``[S]``: the confidence head's, else the draft's own probability of each drafted ``token_ids [S]``."""
         if self.has_confidence_head:
-            return torch.stack([s.confidence for s in steps], dim=1)
-        return logits.softmax(-1).gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
+            return step.confidence
+        return step.logits.softmax(-1).gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
+
+    # ------------------------------------------------------------------ static rounds (draft graphs)
+    def place_static(self, rows: StaticRows, num_seqs: int, tokens: int, k: int, spare_slot: int,
+                     buffers: StaticBuffers) -> StaticDraftInputs:
+        """The inputs of a static draft round, built on the host and placed in ``buffers`` (the caller uploads):
+        ``rows``' sequences padded to ``tokens`` fold rows each (token 0 after a sequence's own rows, at the
+        positions that follow) and to ``num_seqs`` sequences with dummies (``spare_slot``, one row at position 0),
+        then the layouts of the ``k - 1`` speculative runs. Every shape depends on (``num_seqs``, ``tokens``, ``k``)
+        alone: the fold's sliding keys span ``tokens + window - 1`` positions, a run's ``window``."""
+        W = self.config.sliding_window
+        if tokens > W:
+            raise ValueError(f"a static draft round folds at most the sliding window ({W}) rows per sequence, "
+                             f"got {tokens}")
+        pad = num_seqs - rows.num_seqs
+        real = [len(t) for t in rows.tokens]
+        lens = real + [1] * pad
+        starts = list(rows.starts) + [0] * pad
+        slots = list(rows.slots) + [spare_slot] * pad
+        ids = [t for seq in rows.tokens for t in [*seq, *[0] * (tokens - len(seq))]] + [0] * (tokens * pad)
+        host = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            positions=(torch.tensor(starts)[:, None] + torch.arange(tokens)[None, :]).flatten(),  # [S * T]
+            query_start=list(range(0, (num_seqs + 1) * tokens, tokens)), context_lens=starts, slots=slots,
+            block_tables=[[] for _ in slots], logits_rows=torch.tensor([i * tokens + n - 1 for i, n in enumerate(lens)]),
+            sliding_floor=list(rows.floors) + [0] * pad)
+        layout = StepLayout(host, W, self.config.block_multiple, self.target.device, buffers=buffers, masks=False,
+                            context_len=tokens + W)
+        fold = dataclasses.replace(host, input_ids=buffers.place(host.input_ids),
+                                   positions=buffers.place(host.positions), logits_rows=buffers.place(host.logits_rows))
+        owned = torch.tensor(real + [0] * pad)[:, None]  # [S, 1]: dummies keep no ring row
+        kept = (torch.arange(W)[None, :] - torch.tensor(starts)[:, None]) % W < owned  # [S, W]
+        gather = torch.full((num_seqs, tokens), sum(real), dtype=torch.long)  # padding: the zero row past the real
+        offset = 0
+        for i, n in enumerate(real):
+            gather[i, :n] = torch.arange(offset, offset + n)
+            offset += n
+        last = [start + n - 1 for start, n in zip(starts, lens, strict=True)]
+        runs = [self._place_run(host, last, j, buffers) for j in range(1, k)]
+        return StaticDraftInputs(fold, layout, runs, buffers.place(torch.tensor(slots, dtype=torch.long)),
+                                 buffers.place(kept), buffers.place(gather.flatten()))
+
+    def _place_run(self, fold: ForwardBatch, last: list[int], j: int, buffers: StaticBuffers
+                   ) -> tuple[ForwardBatch, StepLayout]:
+        """Speculative run ``j`` of a static round: one row per sequence at position ``last + j``."""
+        S = fold.num_seqs
+        positions = [p + j for p in last]
+        host = ForwardBatch(input_ids=torch.zeros(S, dtype=torch.long), positions=torch.tensor(positions),
+                            query_start=list(range(S + 1)), context_lens=positions, slots=list(fold.slots),
+                            block_tables=[[] for _ in range(S)], logits_rows=torch.arange(S),
+                            sliding_floor=_run_floors(fold, last, j % self.num_layers))
+        layout = StepLayout(host, self.config.sliding_window, self.config.block_multiple, self.target.device,
+                            buffers=buffers, masks=False, context_len=2)
+        return dataclasses.replace(host, positions=buffers.place(host.positions),
+                                   logits_rows=buffers.place(host.logits_rows)), layout
+
+    @_inference
+    def propose_static(self, inputs: StaticDraftInputs, state: DraftState, hidden: torch.Tensor, k: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A static draft round (what a captured draft graph runs): device ops of fixed shapes only, no host sync.
+        ``hidden [S * T, hc, D]``: the target's streams at the fold rows (padding rows: any finite values).
+        Returns ``token_ids [S, k]`` and ``confidence [S, k]``, as ``propose`` drafts them.
+
+        The padding rows of the fold write the ring like real rows; the ring rows that no real row wrote are put
+        back at once (the speculative runs must not read them), and after the ``k - 1`` speculative runs the ring
+        is put back to what the real rows left, as ``propose`` does."""
+        rings = state.rings
+        before = [ring.index_select(0, inputs.slots) for ring in rings]  # [S, W, hd] each
+        inputs.fold_layout.build_masks()
+        first = self.layers[0](self.target, inputs.fold, state.layers[0], hidden, inputs.fold_layout)
+        kept = inputs.kept[:, :, None]  # [S, W, 1]
+        folded = [torch.where(kept, ring.index_select(0, inputs.slots), rows) for ring, rows in zip(rings, before)]
+        for ring, rows in zip(rings, folded):
+            ring.index_copy_(0, inputs.slots, rows)
+        tokens = [first.logits.argmax(-1)]  # [S] each
+        confidence = [self.step_confidence(first, tokens[0])]
+        streams = first.streams[inputs.fold.logits_rows]  # [S, hc, D]
+        for j, (batch, layout) in enumerate(inputs.runs, start=1):
+            index = j % self.num_layers
+            layout.build_masks()
+            run = dataclasses.replace(batch, input_ids=tokens[-1])
+            step = self.layers[index](self.target, run, state.layers[index], streams, layout)
+            tokens.append(step.logits.argmax(-1))
+            confidence.append(self.step_confidence(step, tokens[-1]))
+            streams = step.streams
+        if inputs.runs:
+            for ring, rows in zip(rings, folded):
+                ring.index_copy_(0, inputs.slots, rows)
+        return torch.stack(tokens, dim=1), torch.stack(confidence, dim=1)
 
 
-def _last_row_floors(batch: ForwardBatch) -> list[int] | None:
-    """``batch.sliding_floor`` per sequence (None when it has none)."""
+@dataclasses.dataclass
+class StaticRows:
+    """The sequences of a static draft round: each one's fold tokens (``t[i + 1]`` of rows ``i`` from ``start``),
+    first position, slot and sliding floor (0: none)."""
+
+    tokens: list[list[int]]
+    starts: list[int]
+    slots: list[int]
+    floors: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.tokens)
+
+
+@dataclasses.dataclass
+class StaticDraftInputs:
+    """A static draft round's inputs in fixed buffers (``MTPDraft.place_static``)."""
+
+    fold: ForwardBatch  # input_ids / positions [S * T], logits_rows [S]: each sequence's last real row
+    fold_layout: StepLayout  # masks left to the round (built inside the graph)
+    runs: list[tuple[ForwardBatch, StepLayout]]  # speculative run j = 1 .. k - 1: positions [S], its layout
+    slots: torch.Tensor  # [S]
+    kept: torch.Tensor  # [S, W] bool: ring rows a real fold row wrote
+    gather: torch.Tensor  # [S * T]: the row of the real fold rows' hidden states (stacked) each fold row reads
+
+
+def _run_floors(batch: ForwardBatch, last: list[int], layer: int) -> list[int] | None:
+    """Speculative runs' sliding floors: layer ``l > 0`` reads nothing below this round's first row of it
+    (``last + l``); layer 0 keeps the fold's floors."""
+    if layer:
+        return [p + layer for p in last]
     return list(batch.sliding_floor) if batch.sliding_floor is not None else None
 
 
-def _next_batch(batch: ForwardBatch, tokens: torch.Tensor, positions: torch.Tensor) -> ForwardBatch:
-    """One speculative row per sequence of ``batch``: ``tokens [S]`` at ``positions [S]``."""
+def _next_batch(batch: ForwardBatch, tokens: torch.Tensor, positions: torch.Tensor, context: list[int]) -> ForwardBatch:
+    """One speculative row per sequence of ``batch``: ``tokens [S]`` at ``positions [S]`` (``context``: the same
+    positions on the host)."""
     S = batch.num_seqs
-    context = positions.tolist()
     return ForwardBatch(input_ids=tokens, positions=positions, query_start=list(range(S + 1)),
                         context_lens=context, slots=list(batch.slots), block_tables=[list(b) for b in batch.block_tables],
                         logits_rows=torch.arange(S, device=tokens.device))

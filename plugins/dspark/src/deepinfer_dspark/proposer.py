@@ -22,8 +22,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from deepinfer_core.forward_batch import ForwardBatch
+from deepinfer_core.models.deepseek_v4.mtp import StaticRows
 from deepinfer_core.spec_decode.proposer import NO_DRAFT, Draft, DraftBatch, DraftSequence, Proposer
 from deepinfer_dspark.allocation import allocate_verification
+from deepinfer_dspark.draft_graphs import DraftGraphs
 from deepinfer_dspark.errors import DSparkError
 
 if TYPE_CHECKING:
@@ -75,11 +77,23 @@ class MtpProposer(Proposer):
         self.k = config.num_speculative_tokens
         self.draft = draft if draft is not None else load_draft(target, context)
         self.state = None
+        self.spare_slot = 0
+        self.graphs: DraftGraphs | None = None  # static draft rounds, where the engine replays graphs
         self._committed: dict[str, int] = {}  # request id -> draft rows folded (positions < it)
         self._floors: dict[str, int | None] = {}  # request id -> the lowest position its ring holds, when not 0
 
     def allocate(self, num_slots: int) -> None:
-        self.state = self.draft.new_state(num_slots)
+        self.state = self.draft.new_state(num_slots + 1)  # the last slot: the draft graphs' dummy sequences
+        self.spare_slot = num_slots
+        if self.graphs is not None:
+            self.use_graphs(self.graphs.capture, self.graphs.sizes)
+
+    def use_graphs(self, capture, sizes) -> None:
+        """Draft through static rounds captured by ``capture`` at these batch sizes (``draft_graphs.py``)."""
+        if self.state is None:
+            raise DSparkError("use_graphs comes after allocate (the graphs' dummy sequences use the state's spare "
+                              "slot)")
+        self.graphs = DraftGraphs(self.draft, self.state, capture, sizes, self.k, self.spare_slot)
 
     def slot_state_bytes(self) -> int:
         c = self.draft.config
@@ -93,28 +107,54 @@ class MtpProposer(Proposer):
         rows = {i: r for i, r in rows.items() if r.tokens}
         if not rows:
             return [NO_DRAFT] * len(batch.sequences)
-        seqs = [batch.sequences[i] for i in rows]
-        forward = ForwardBatch.build([r.tokens for r in rows.values()], [r.start for r in rows.values()],
-                                     [s.slot for s in seqs], [[] for _ in seqs], device=self.draft.target.device)
-        floors = [r.floor for r in rows.values()]
-        if any(f is not None for f in floors):
-            forward.sliding_floor = [f if f is not None else 0 for f in floors]
-        hidden = torch.cat([self._hidden(seq, r) for seq, r in zip(seqs, rows.values(), strict=True)])
-        drafts = self.draft.propose(forward, self.state, hidden, self.k)
-        for seq, r in zip(seqs, rows.values(), strict=True):
-            self._committed[seq.request_id] = r.end
-        lengths = self.verify_lengths([min(self.k, s.max_draft_len) for s in seqs], drafts.confidence)
+        static = [i for i in rows if self.graphs is not None and self.graphs.fits(len(rows[i].tokens))]
+        static = static[:self.graphs.max_batch] if static else []
+        drafted = self._draft_static(batch, rows, static) if static else None
+        if drafted is None:
+            static = []
+        eager = [i for i in rows if i not in static]
+        parts = [(static, drafted)] if static else []
+        if eager:
+            parts.append((eager, self._draft_eager(batch, rows, eager)))
+        for i in rows:
+            self._committed[batch.sequences[i].request_id] = rows[i].end
+        token_ids, confidence = {}, {}
+        for order, (ids, conf) in parts:  # read once, after every round is queued
+            token_ids.update(zip(order, ids.tolist(), strict=True))
+            confidence.update(zip(order, conf.tolist(), strict=True))
+        order = list(rows)
+        seqs = [batch.sequences[i] for i in order]
+        counts = [min(self.k, s.max_draft_len) for s in seqs]
+        lengths = self.verify_lengths(counts, [confidence[i] for i in order])
         out = [NO_DRAFT] * len(batch.sequences)
-        token_ids, confidence = drafts.token_ids.tolist(), drafts.confidence.tolist()
-        for row, (i, seq) in enumerate(zip(rows, seqs, strict=True)):
-            drafted = min(self.k, seq.max_draft_len)
-            if drafted > 0:
-                n = lengths[row]
-                out[i] = Draft(token_ids[row][:n], None, confidence[row][:n], num_proposed=drafted)
+        for i, n, count in zip(order, lengths, counts, strict=True):
+            if count > 0:
+                out[i] = Draft(token_ids[i][:n], None, confidence[i][:n], num_proposed=count)
         return out
 
-    def verify_lengths(self, drafted: list[int], confidence: torch.Tensor) -> list[int]:
-        """How many of each sequence's ``drafted`` tokens to verify: all of them."""
+    def _draft_eager(self, batch: DraftBatch, rows: dict[int, _Rows], chosen: list[int]):
+        """``(token_ids [S, k], confidence [S, k])`` of sequences ``chosen``, through ``MTPDraft.propose``."""
+        seqs, chosen_rows = [batch.sequences[i] for i in chosen], [rows[i] for i in chosen]
+        forward = ForwardBatch.build([r.tokens for r in chosen_rows], [r.start for r in chosen_rows],
+                                     [s.slot for s in seqs], [[] for _ in seqs], device=self.draft.target.device)
+        floors = [r.floor for r in chosen_rows]
+        if any(f is not None for f in floors):
+            forward.sliding_floor = [f if f is not None else 0 for f in floors]
+        hidden = torch.cat([self._hidden(seq, r) for seq, r in zip(seqs, chosen_rows, strict=True)])
+        drafts = self.draft.propose(forward, self.state, hidden, self.k)
+        return drafts.token_ids, drafts.confidence
+
+    def _draft_static(self, batch: DraftBatch, rows: dict[int, _Rows], chosen: list[int]):
+        """The same for ``chosen`` through a draft graph (``DraftGraphs``); None when capture failed."""
+        seqs, chosen_rows = [batch.sequences[i] for i in chosen], [rows[i] for i in chosen]
+        static = StaticRows([r.tokens for r in chosen_rows], [r.start for r in chosen_rows], [s.slot for s in seqs],
+                            [r.floor or 0 for r in chosen_rows])
+        hidden = torch.cat([self._hidden(seq, r) for seq, r in zip(seqs, chosen_rows, strict=True)])
+        return self.graphs.run(static, hidden)
+
+    def verify_lengths(self, drafted: list[int], confidence: list[list[float]]) -> list[int]:
+        """How many of each sequence's ``drafted`` tokens to verify (``confidence``: each one's k confidences): all
+        of them."""
         return drafted
 
     def on_finish(self, request_id: str) -> None:
@@ -170,7 +210,7 @@ class DSparkProposer(MtpProposer):
             return self.num_verify_tokens
         return round(self.verify_fraction * sum(drafted))
 
-    def verify_lengths(self, drafted: list[int], confidence: torch.Tensor) -> list[int]:
+    def verify_lengths(self, drafted: list[int], confidence: list[list[float]]) -> list[int]:
         """The prefixes the budget buys, by largest marginal expected gain."""
-        rows = [row[:n] for row, n in zip(confidence.tolist(), drafted, strict=True)]
+        rows = [row[:n] for row, n in zip(confidence, drafted, strict=True)]
         return allocate_verification(rows, self.budget(drafted))
