@@ -2,11 +2,13 @@
 through the static path: ``n = 1`` is the plain decode graph and greedy sampling, ``n > 1`` the verification graph
 of ``engine/verify_graphs.py`` (its draft-row save inside), the greedy verification of ``n - 1`` drafts per sequence
 and the rollback; the graph replay alone is printed beside) and the MTP draft step (the draft
-layer folding one verified row per sequence, then drafting ``n`` tokens), for ``n`` in ``--tokens`` at the batch
-sizes of ``--batch``, every sequence ``--context`` tokens long. On a GPU the steps replay CUDA graphs (the draft
-step runs eagerly: it is not captured yet). The sequences' state is whatever the pools hold (shapes and work are a
+layer folding one verified row per sequence, then drafting ``n`` tokens: the static round of
+``deepinfer_dspark/draft_graphs.py`` with its host-side placement and upload, its graph replay alone, and the eager
+round beside), for ``n`` in ``--tokens`` at the batch sizes of ``--batch``, every sequence ``--context`` tokens long.
+On a GPU the static steps replay CUDA graphs. The sequences' state is whatever the pools hold (shapes and work are a
 real step's; the tokens are random); the host's per-step work (scheduling, building the sampling metadata, reading
-the results) is not in the times.
+the results) is not in the times. The engine's ``max_model_len`` is the context bucket of ``--context`` plus a
+step's tokens (a power of two), so the state holds every sequence's padded block table at the largest batch.
 
 From the step times it prints the speedup they give at ``--acceptance`` tokens per step (computed, not measured):
 ``acceptance * decode(1) / (draft(k) + verify(k + 1))`` for ``k`` drafts.
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> dict:
     k = max(args.tokens)
     llm = LLM(folder, speculative_config={"method": args.method, "num_speculative_tokens": k}, dtype=args.dtype,
               max_num_seqs=max(args.batch), cuda_graph_sizes=sorted(args.batch),
-              max_model_len=args.context + 256, enable_prefix_caching=False)
+              max_model_len=_max_model_len(args.context, k), enable_prefix_caching=False)
     runner = llm.engine.runner
     if runner.verify_graphs is None:
         raise SystemExit("no verification graphs: the model or backend has no static steps (or enforce_eager)")
@@ -47,11 +49,13 @@ def main(argv: list[str] | None = None) -> dict:
     for batch in args.batch:
         for n in args.tokens:
             forward_ms, verify_ms = _verify_ms(llm, batch, n, args)
-            row = {"batch": batch, "tokens": n, "forward_ms": forward_ms, "verify_ms": verify_ms,
-                   "draft_ms": _draft_ms(llm, batch, n, args) if args.method in ("mtp", "dspark") else None}
+            row = {"batch": batch, "tokens": n, "forward_ms": forward_ms, "verify_ms": verify_ms, "draft_ms": None}
+            if args.method in ("mtp", "dspark"):
+                row.update(_draft_ms(llm, batch, n, args))
             rows.append(row)
             print(f"batch {batch:4d}  tokens/seq {n}  verify {verify_ms:8.3f} ms (graph {forward_ms:8.3f} ms)"
-                  + (f"  draft {row['draft_ms']:8.3f} ms" if row["draft_ms"] is not None else ""), flush=True)
+                  + (f"  draft {row['draft_ms']:8.3f} ms (graph {row['draft_replay_ms']:8.3f} ms, eager "
+                     f"{row['draft_eager_ms']:8.3f} ms)" if row["draft_ms"] is not None else ""), flush=True)
     result = {"model": folder, "backend": llm.backend.name, "dtype": args.dtype, "context": args.context,
               "rows": rows, "computed_speedup": _speedups(rows, args.acceptance)}
     for entry in result["computed_speedup"]:
@@ -141,15 +145,37 @@ def _greedy_metadata(rows: int, device: torch.device) -> SamplingMetadata:
                                         output_token_ids=[[]] * rows, device=device)
 
 
-def _draft_ms(llm, batch: int, tokens: int, args) -> float:
-    """The MTP draft step: fold one verified row per sequence, then draft ``tokens`` tokens (eager)."""
+def _max_model_len(context: int, k: int) -> int:
+    """The context bucket of a ``context``-token sequence after a step of ``k + 1`` tokens (the power of two the
+    decode and verification graphs pad its block table to), at least ``context + 256``."""
+    from deepinfer_core.engine.decode_graphs import MIN_CONTEXT_BUCKET
+
+    return max(context + 256, MIN_CONTEXT_BUCKET, 1 << (context + k).bit_length())
+
+
+def _draft_ms(llm, batch: int, tokens: int, args) -> dict:
+    """The MTP draft step, folding one verified row per sequence, then drafting ``tokens`` tokens: ``draft_ms`` the
+    static round (host placement, upload, hidden-state gather, replay), ``draft_replay_ms`` its graph replay
+    alone, ``draft_eager_ms`` the eager round."""
+    from deepinfer_dspark.draft_graphs import DraftGraphs
+
+    from deepinfer_core.models.deepseek_v4.mtp import StaticRows
+
     proposer = llm.engine.speculator.proposer
     draft, device = proposer.draft, llm.model.device
     forward = ForwardBatch.build([[1]] * batch, [args.context] * batch, list(range(batch)), [[] for _ in range(batch)],
                                  device=device)
     streams = llm.model.config.hc_mult
     hidden = torch.randn(batch, streams, llm.model.config.hidden_size, dtype=llm.model.dtype, device=device) * 0.02
-    return _time(lambda: draft.propose(forward, proposer.state, hidden, tokens), args)
+    eager_ms = _time(lambda: draft.propose(forward, proposer.state, hidden, tokens), args)
+    graphs = DraftGraphs(draft, proposer.state, llm.backend.capture_graph, sorted(args.batch), tokens,
+                         proposer.spare_slot)
+    rows = StaticRows([[1]] * batch, [args.context] * batch, list(range(batch)), [0] * batch)
+    if graphs.run(rows, hidden) is None:
+        raise SystemExit(f"draft graph capture failed: {graphs.disabled_reason}")
+    step = graphs.captured[(batch, 1)]
+    return {"draft_ms": _time(lambda: graphs.run(rows, hidden), args), "draft_replay_ms": _time(step.replay, args),
+            "draft_eager_ms": eager_ms}
 
 
 def _time(fn, args) -> float:

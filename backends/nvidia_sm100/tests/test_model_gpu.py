@@ -332,7 +332,7 @@ def test_fp8_tensor_core_prefill_against_weight_only(quantized_checkpoint, monke
 
 def _speculative(folder, dtype, config, **llm_kwargs):
     """``_generate``'s steps with ``speculative_config=config``, and (verification graph replays, per tokens per
-    sequence; decode graph replays; accepted draft tokens)."""
+    sequence; decode graph replays; accepted draft tokens; MTP draft graph replays)."""
     from deepinfer_core.llm import LLM
     from deepinfer_core.sampling.params import SamplingParams
 
@@ -344,7 +344,8 @@ def _speculative(folder, dtype, config, **llm_kwargs):
     verify, decode = runner.verify_graphs, runner.decode_graphs
     counts = (verify.num_replays if verify else 0, dict(verify.replays_by_tokens) if verify else {},
               decode.num_replays if decode else 0,
-              {m.name: m.value for m in llm.get_metrics()}["deepinfer:spec_decode_num_accepted_tokens"])
+              {m.name: m.value for m in llm.get_metrics()}["deepinfer:spec_decode_num_accepted_tokens"],
+              getattr(getattr(llm.engine.speculator.proposer, "graphs", None), "num_replays", 0))
     llm.engine.shutdown()
     steps = [[(t, lps[t].logprob, _top2_gap(lps)) for t, lps in zip(o.outputs[0].token_ids, o.outputs[0].logprobs,
                                                                      strict=True)] for o in outs]
@@ -372,7 +373,73 @@ def test_cuda_graph_verification_matches_eager_verification(checkpoint, method, 
     eager, eager_counts = _speculative(checkpoint, dtype, config, enforce_eager=True)
     graphs, counts = _speculative(checkpoint, dtype, config)
     assert eager_counts[0] == 0 and counts[0] > 0, f"verification graphs replayed {counts}"
+    if method == "mtp":  # the draft rounds replay their graphs too
+        assert eager_counts[4] == 0 and counts[4] > 0, f"draft graphs replayed {counts}"
     print(f"[{method} {dtype}] verification replays by tokens per sequence {counts[1]}, decode replays {counts[2]}, "
-          f"accepted drafts {counts[3]} (eager {eager_counts[3]})")
+          f"accepted drafts {counts[3]} (eager {eager_counts[3]}), draft graph replays {counts[4]}")
     compared, _ = _compare(eager, graphs, lp_tol=tol, tie_gap=tol, label=f"gpu {dtype} {method}: graphs vs eager")
     assert compared >= STEPS * len(PROMPTS) // 2
+
+
+def _target_hidden(model, tokens):
+    """The target's last streams over ``tokens`` (``[T, hc, D]``: what the engine hands an MTP proposer)."""
+    from deepinfer_core.forward_batch import ForwardBatch
+
+    state = model.new_state(1, 64)
+    blocks = list(range(-(-len(tokens) // state.block_size)))
+    batch = ForwardBatch.build([tokens], [0], [0], [blocks], logits="all", device=model.device)
+    return model.forward(batch, state, return_hidden=True).final_hidden
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 0.05)])
+def test_cuda_graph_drafts_match_eager_drafts(checkpoint, dtype, tol):
+    """MTP draft rounds replayed from CUDA graphs (``deepinfer_dspark/draft_graphs.py``: the fold and all k draft
+    tokens in one graph) against eager rounds of the same draft layer on the GPU: 4 sequences (slots 5, 0, 2, 7),
+    a prompt round (eager on both sides: more rows than a graph folds), then 5 rounds of 1 .. k + 1 fold rows per
+    sequence at batch 4, 1 and 3 (padded to 4); fp32 tokens equal and confidences within ``tol``, bf16 tokens at
+    least 90% equal; the draft rings after every round within ``tol``."""
+    pytest.importorskip("deepinfer_dspark")
+    if not _has_draft_layers(checkpoint):
+        pytest.skip("the checkpoint has no mtp.* draft layers")
+    import torch
+    from deepinfer_dspark import MtpProposer
+
+    from deepinfer_core.llm import LLM
+    from deepinfer_core.sampling.params import SamplingParams
+    from deepinfer_core.spec_decode.proposer import DraftBatch, DraftSequence
+
+    k = 5
+    llm = LLM(model=str(checkpoint), backend="nvidia_sm100", dtype=dtype, max_model_len=256, max_num_seqs=8,
+              speculative_config={"method": "mtp", "num_speculative_tokens": k})
+    graphed = llm.engine.speculator.proposer
+    assert graphed.graphs is not None, "the engine replays graphs but the proposer drafts eagerly"
+    eager = MtpProposer(graphed.config, llm.model, draft=graphed.draft)
+    eager.allocate(8)
+    vocab = llm.model.vocab_size
+    sequences = [(p * 30)[:100] for p in PROMPTS]
+    sequences = [[t % vocab for t in seq] for seq in sequences]
+    hidden = [_target_hidden(llm.model, seq) for seq in sequences]
+    slots, ends = (5, 0, 2, 7), [len(p) for p in PROMPTS]
+    rounds = [[0, 1, 2, 3], [0, 1, 2, 3], [2], [0, 1, 3], [0, 1, 2, 3], [1, 3]]
+    agree = total = 0
+    for step, movers in enumerate(rounds):
+        seqs = []
+        for s in movers:
+            first = 0 if step == 0 else ends[s]
+            end = ends[s] if step == 0 else ends[s] + 1 + (step + s) % (k + 1)
+            seqs.append(DraftSequence(f"r{s}", slots[s], sequences[s][:end + 1], end, first, hidden[s][first:end], 0,
+                                      SamplingParams(), k))
+            ends[s] = end
+        want, got = eager.propose(DraftBatch(seqs)), graphed.propose(DraftBatch(seqs))
+        for w, g in zip(want, got, strict=True):
+            agree += sum(a == b for a, b in zip(w.token_ids, g.token_ids, strict=True))
+            total += len(w.token_ids)
+            if dtype == "float32":
+                assert g.token_ids == w.token_ids, f"round {step}: graph {g.token_ids} vs eager {w.token_ids}"
+                assert g.confidences == pytest.approx(w.confidences, abs=tol)
+        for ring_e, ring_g in zip(eager.state.rings, graphed.state.rings, strict=True):
+            torch.testing.assert_close(ring_g[:8].float(), ring_e[:8].float(), atol=tol, rtol=tol)
+    assert graphed.graphs.num_replays >= len(rounds) - 1, f"draft graph replays {graphed.graphs.replays_by_rows}"
+    print(f"[{dtype}] draft graphs by fold rows {graphed.graphs.replays_by_rows}; tokens equal {agree}/{total}")
+    assert agree >= 0.9 * total
+    llm.engine.shutdown()
