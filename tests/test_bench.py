@@ -278,6 +278,9 @@ def test_prefix_share_prompts_start_with_one_common_prefix():
     assert config.prefix_len == 4 and all(p[:4] == prefix and len(p) == 10 for p in prompts)
     assert len({tuple(p[4:]) for p in prompts}) == 3
     assert runner.BenchConfig(input_len=10, prefix_share=0.99).prefix_len == 9  # one token of its own is kept
+    assert runner.BenchConfig(input_len=10, prefix_share=1).prefix_len == 10  # a full hit: identical prompts
+    assert runner.random_prompts(2, 10, 4096, 0, runner.common_prefix(10, 4096, seed=0)) == [
+        runner.common_prefix(10, 4096, seed=0)] * 2
 
 
 def test_prefix_share_makes_the_timed_run_hit_the_warmups_prefix(cache_dir):
@@ -307,12 +310,23 @@ def test_prefix_share_with_swa_replay_adopts_part_of_the_hit_and_computes_less(c
     assert "1024 prompt tokens (768 computed)" in format_report(result)
 
 
-@pytest.mark.parametrize("share", ["1", "-0.1", "nan"])
+def test_a_full_prefix_share_is_restored_from_the_warmups_state(cache_dir):
+    """``prefix_share=1``: every prompt is the warm-up's; with the split on, the warm-up leaves its state at 128 and
+    each timed prompt is restored there and computes only its last block."""
+    config = runner.BenchConfig(preset="tiny", cache_dir=str(cache_dir), input_len=256, prefix_share=1,
+                                prefix_state_split_min_tokens=1, **SHARED)
+    result = runner.run_bench(config)
+    engine = result["engine"]
+    assert result["config"]["prefix_len"] == 256
+    assert engine["num_cached_tokens"]["min"] == 128 and engine["computed_prompt_tokens"] == 2 * 128
+
+
+@pytest.mark.parametrize("share", ["1.5", "-0.1", "nan"])
 def test_cli_bench_refuses_a_prefix_share_outside_0_to_1(share, tmp_path, capsys):
     cache = tmp_path / "cache"
     assert main(["bench", "--preset", "tiny", "--cache-dir", str(cache), f"--prefix-share={share}"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("deepinfer bench: error: prefix_share must be a number in [0, 1) (the share of each prompt")
+    assert err.startswith("deepinfer bench: error: prefix_share must be a number in [0, 1] (the share of each prompt")
     assert f"got {float(share)!r}" in err and not cache.exists()
 
 

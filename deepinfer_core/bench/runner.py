@@ -19,8 +19,9 @@ length, and the roofline still counts ``input_len`` tokens per prompt; HF is not
 lengths only). With ``speculative_config``, the engine's metrics gain ``speculative`` (drafts, acceptance).
 
 With ``prefix_share`` F > 0, every prompt (warm-up and timed) starts with the same ``prefix_len`` =
-round(F * input_len) random tokens (seeded; at most ``input_len - 1``), the rest random per prompt. The warm-up's
-prompts put the prefix in the prefix cache, so the timed run measures prefix hits.
+round(F * input_len) random tokens (seeded; at most ``input_len - 1`` for F < 1), the rest random per prompt. The
+warm-up's prompts put the prefix in the prefix cache, so the timed run measures prefix hits. F = 1 makes every prompt
+that same prefix: each timed prompt is identical to the warm-up's (a full hit).
 
 Per request the engine run records the time of its first token (TTFT, by stepping the engine and
 watching ``output_token_ids`` after each step) and of its last; TPOT is (last - first) / (tokens - 1).
@@ -82,7 +83,10 @@ class BenchConfig:
     enable_mixed_chunk: bool = False
     async_scheduling: bool | None = None  # None: the backend's default
     seed: int = 0
-    prefix_share: float = 0.0  # share of each prompt that is one common prefix, in [0, 1)
+    prefix_share: float = 0.0  # share of each prompt that is one common prefix, in [0, 1] (1: identical prompts)
+    enable_prefix_state_cache: bool | None = None  # EngineArgs' (None: on with prefix caching)
+    prefix_state_cache_bytes: int | None = None
+    prefix_state_split_min_tokens: int | None = None
     cache_dir: str | None = None
     preset_overrides: Mapping[str, Any] | None = None
     options: Mapping[str, Any] | None = None  # plugin feature options (``--option NAME=VALUE``)
@@ -109,9 +113,9 @@ class BenchConfig:
         if self.model is not None and self.preset is not None:
             raise ValueError("give either a model folder or a preset, not both")
         share = self.prefix_share
-        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share < 1:
-            raise ValueError(f"prefix_share must be a number in [0, 1) (the share of each prompt that is a common "
-                             f"prefix), got {share!r}")
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
+            raise ValueError(f"prefix_share must be a number in [0, 1] (the share of each prompt that is a common "
+                             f"prefix; 1: every prompt the same, a full hit), got {share!r}")
         if self.json_schema is not None and not isinstance(self.json_schema, Mapping):
             raise ValueError(f"json_schema must be a JSON object (a schema), got {type(self.json_schema).__name__}")
         if self.json_schema is not None and self.data_parallel_size > 1:
@@ -137,7 +141,10 @@ class BenchConfig:
 
     @property
     def prefix_len(self) -> int:
-        """Tokens of the common prefix: round(prefix_share * input_len), leaving each prompt one token of its own."""
+        """Tokens of the common prefix: round(prefix_share * input_len), leaving each prompt one token of its own below
+        a share of 1 (at 1: the whole prompt)."""
+        if self.prefix_share == 1:
+            return self.input_len
         return min(round(self.prefix_share * self.input_len), self.input_len - 1)
 
 
@@ -251,6 +258,12 @@ def model_folder(config: BenchConfig, log: Log) -> Path:
     return folder
 
 
+def prefix_state_args(config: BenchConfig) -> dict[str, Any]:
+    """The prefix state cache's engine arguments the run sets (the others keep ``EngineArgs``' defaults)."""
+    names = ("enable_prefix_state_cache", "prefix_state_cache_bytes", "prefix_state_split_min_tokens")
+    return {name: getattr(config, name) for name in names if getattr(config, name) is not None}
+
+
 def random_prompts(count: int, length: int, vocab_size: int, seed: int,
                    prefix: Sequence[int] = ()) -> list[list[int]]:
     """``count`` prompts of exactly ``length`` token ids: ``prefix``, then random ids in ``[0, vocab_size)``."""
@@ -342,7 +355,7 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
               enforce_eager=config.enforce_eager, enable_mixed_chunk=config.enable_mixed_chunk,
               prefill_graph_buckets=None if config.prefill_graphs else [],
               async_scheduling=config.async_scheduling, speculative_config=config.speculative_config,
-              **dict(config.options or {}))
+              **prefix_state_args(config), **dict(config.options or {}))
     load_time = time.perf_counter() - t0
     device, dtype = llm.backend.device, llm.dtype
     prefix = prompts[0][:config.prefix_len]

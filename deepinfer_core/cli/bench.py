@@ -62,8 +62,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "on for NVIDIA, off on CPU)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and preset weights (default 0)")
     parser.add_argument("--prefix-share", type=float, default=0.0, metavar="F",
-                        help="share of each prompt (0 <= F < 1) that is one common random prefix; the warm-up "
-                             "caches it, so the timed run measures prefix hits (default 0: no common prefix)")
+                        help="share of each prompt (0 <= F <= 1) that is one common random prefix; the warm-up "
+                             "caches it, so the timed run measures prefix hits (default 0: no common prefix; 1: every "
+                             "prompt identical to the warm-up's, a full hit)")
+    parser.add_argument("--enable-prefix-state-cache", action=argparse.BooleanOptionalAction, default=None,
+                        help="keep sequence state at block boundaries in device memory so prefix hits restore it "
+                             "(default: on with prefix caching; --no-enable-prefix-state-cache: the exact rebuild)")
+    parser.add_argument("--prefix-state-cache-bytes", type=int, metavar="N",
+                        help="device memory for the prefix state cache (default: 16 slot states per sequence, at most "
+                             "1/8 of the state budget)")
+    parser.add_argument("--prefix-state-split-min-tokens", type=int, metavar="N",
+                        help="a prompt chunk of at least N tokens ends on its last block boundary so the same prompt "
+                             "again is restored there (default 4096; 0: never)")
     parser.add_argument("--data-parallel-size", type=int, default=1,
                         help="ranks, each its own engine on a share of the prompts, started by the engine (default 1; "
                              "per-request and per-step times are not seen across ranks); see docs/distributed.md")
@@ -120,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
         compare_hf=args.compare_hf, warmup=args.warmup, num_iters=args.num_iters, enforce_eager=args.enforce_eager,
         prefill_graphs=args.prefill_graphs, enable_mixed_chunk=args.enable_mixed_chunk,
         async_scheduling=args.async_scheduling, seed=args.seed, prefix_share=args.prefix_share,
+        enable_prefix_state_cache=args.enable_prefix_state_cache, prefix_state_cache_bytes=args.prefix_state_cache_bytes,
+        prefix_state_split_min_tokens=args.prefix_state_split_min_tokens,
         cache_dir=args.cache_dir, options=options, data_parallel_size=args.data_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel, json_schema=schema, speculative_config=speculative,
         prompts_file=args.prompts, compare_speculative=baselines,
