@@ -274,8 +274,8 @@ class MTPDraft:
         alone: the fold's sliding keys span ``tokens + window - 1`` positions, a run's ``window``."""
         W = self.config.sliding_window
         if tokens > W:
-            raise ValueError(f"a static draft round folds at most the sliding window ({W}) rows per sequence, "
-                             f"got {tokens}")
+            raise ConfigError(f"a static draft round folds at most the sliding window ({W}) rows per sequence, got "
+                              f"{tokens}; fold longer catch-ups with MTPDraft.propose")
         pad = num_seqs - rows.num_seqs
         real = [len(t) for t in rows.tokens]
         lens = real + [1] * pad
