@@ -59,7 +59,7 @@ class EngineArgs:
             ``max_num_seqs`` on a backend with device graphs, none on one without (CPU). Given explicitly on CPU,
             decode steps take the same static-shape path, run eagerly.
         prefill_graph_buckets: token counts of the captured prefill steps for lone prompts (each prompt padded to
-            the next); default ``512, 1024, ..., 8192`` up to ``max_num_batched_tokens`` wherever decode steps
+            the next); default ``128, 256, 512, ..., 8192`` up to ``max_num_batched_tokens`` wherever decode steps
             replay graphs; ``[]`` turns them off.
         enable_mixed_chunk: decode running requests in the steps that prefill prompts too (vLLM's way; SGLang's
             ``--enable-mixed-chunk``). Off by default (SGLang's default): while prompt tokens wait, a step folds

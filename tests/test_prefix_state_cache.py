@@ -189,3 +189,22 @@ def test_on_by_default_off_without_prefix_caching_and_short_prompts_are_not_spli
 def test_bad_arguments_are_refused_naming_them(ckpt, kwargs, message):
     with pytest.raises(EngineArgsError, match=message):
         _llm(ckpt, **kwargs)
+
+
+def test_a_restored_hit_runs_the_padded_static_step_of_its_short_tail():
+    """The embedded model (block 128, shortest static chunk 128) with prefill graphs (run eagerly on CPU): a 512-token
+    prompt split at 384 and sent again is restored there; its 128-token tail runs the 128-token bucket's padded step
+    from token 384 (an offset replay), and the outputs equal a cold eager run."""
+    kwargs = {"max_model_len": 1024, "max_num_seqs": 2, "kv_cache_memory_bytes": 64 << 20, "dtype": "float32"}
+    llm = LLM(cuda_graph_sizes=[1], prefill_graph_buckets=[128, 512], prefix_state_split_min_tokens=1, **kwargs)
+    cold = LLM(enable_prefix_caching=False, **kwargs)
+    prompt = {"prompt_token_ids": torch.randint(5, 1000, (512,), generator=torch.Generator().manual_seed(4)).tolist()}
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=5)
+    graphs = llm.engine.runner.prefill_graphs
+    chunks = _chunks(llm)
+    llm.generate(prompt, params, use_tqdm=False)
+    offset_before = graphs.num_offset_replays
+    got = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert chunks == [(0, 384), (384, 128), (384, 128)] and got.num_cached_tokens == 384
+    assert graphs.num_offset_replays == offset_before + 1 and (128, 512) in graphs.captured
+    _assert_same(got, cold.generate(prompt, params, use_tqdm=False)[0])

@@ -37,7 +37,7 @@ from deepinfer_core.static_buffers import StaticBuffers
 
 logger = logging.getLogger("deepinfer")
 
-BUCKETS = (512, 1024, 2048, 4096, 8192)
+BUCKETS = (128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 @dataclasses.dataclass
