@@ -354,9 +354,10 @@ def deepinfer_restore_prefix_state(hit: PrefixHit, context: EngineContext | None
     """Restore, instead of rebuilding, the per-sequence state (sliding windows, compressor carries) of a hit.
 
     Runs: in the scheduler, when a waiting request is admitted and the cache holds blocks of its first
-    ``hit.num_cached_tokens`` tokens; before ``deepinfer_adopt_prefix_hit`` and
-    ``deepinfer_rebuild_sliding_window``, which are not called when this hook restores. The first plugin that
-    returns something other than ``None`` decides; later plugins are not called.
+    ``hit.num_cached_tokens`` tokens, after the engine's own prefix state cache (device memory,
+    ``engine/prefix_state_cache.py``) found no state for the hit (when it restores, this hook is not called); before
+    ``deepinfer_adopt_prefix_hit`` and ``deepinfer_rebuild_sliding_window``, which are not called when this hook
+    restores. The first plugin that returns something other than ``None`` decides; later plugins are not called.
 
     Arguments:
     - ``hit``: the ``deepinfer_core.engine.prefix_replay.PrefixHit``; ``hit.block_hashes`` are the prefix-cache
