@@ -39,7 +39,7 @@ from deepinfer_core.checkpoint import CheckpointError, iter_checkpoint, plan_che
 from deepinfer_core.forward_batch import ForwardBatch
 from deepinfer_core.models.deepseek_v4 import weights
 from deepinfer_core.models.deepseek_v4.config import SLIDING, ConfigError, DeepseekV4Config
-from deepinfer_core.models.deepseek_v4.layout import StepLayout
+from deepinfer_core.models.deepseek_v4.layout import DecodeInputs, DecodeLayout, StaticShape, StepLayout
 from deepinfer_core.models.deepseek_v4.model import (
     DecoderLayer,
     DeepseekV4Model,
@@ -265,13 +265,14 @@ class MTPDraft:
         return step.logits.softmax(-1).gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
 
     # ------------------------------------------------------------------ static rounds (draft graphs)
-    def place_static(self, rows: StaticRows, num_seqs: int, tokens: int, k: int, spare_slot: int,
+    def place_static(self, rows: StaticRows, num_seqs: int, tokens: int, spare_slot: int,
                      buffers: StaticBuffers) -> StaticDraftInputs:
         """The inputs of a static draft round, built on the host and placed in ``buffers`` (the caller uploads):
         ``rows``' sequences padded to ``tokens`` fold rows each (token 0 after a sequence's own rows, at the
-        positions that follow) and to ``num_seqs`` sequences with dummies (``spare_slot``, one row at position 0),
-        then the layouts of the ``k - 1`` speculative runs. Every shape depends on (``num_seqs``, ``tokens``, ``k``)
-        alone: the fold's sliding keys span ``tokens + window - 1`` positions, a run's ``window``."""
+        positions that follow) and to ``num_seqs`` sequences with dummies (``spare_slot``, one row at position 0):
+        the fold's layout (sliding keys spanning ``tokens + window - 1`` positions) and the few per-sequence
+        tensors the speculative runs' layouts are computed from inside the round. Every shape depends on
+        (``num_seqs``, ``tokens``) alone."""
         W = self.config.sliding_window
         if tokens > W:
             raise ConfigError(f"a static draft round folds at most the sliding window ({W}) rows per sequence, got "
@@ -292,31 +293,15 @@ class MTPDraft:
                             context_len=tokens + W)
         fold = dataclasses.replace(host, input_ids=buffers.place(host.input_ids),
                                    positions=buffers.place(host.positions), logits_rows=buffers.place(host.logits_rows))
-        owned = torch.tensor(real + [0] * pad)[:, None]  # [S, 1]: dummies keep no ring row
-        kept = (torch.arange(W)[None, :] - torch.tensor(starts)[:, None]) % W < owned  # [S, W]
-        gather = torch.full((num_seqs, tokens), sum(real), dtype=torch.long)  # padding: the zero row past the real
-        offset = 0
-        for i, n in enumerate(real):
-            gather[i, :n] = torch.arange(offset, offset + n)
-            offset += n
-        last = [start + n - 1 for start, n in zip(starts, lens, strict=True)]
-        runs = [self._place_run(host, last, j, buffers) for j in range(1, k)]
-        return StaticDraftInputs(fold, layout, runs, buffers.place(torch.tensor(slots, dtype=torch.long)),
-                                 buffers.place(kept), buffers.place(gather.flatten()))
-
-    def _place_run(self, fold: ForwardBatch, last: list[int], j: int, buffers: StaticBuffers
-                   ) -> tuple[ForwardBatch, StepLayout]:
-        """Speculative run ``j`` of a static round: one row per sequence at position ``last + j``."""
-        S = fold.num_seqs
-        positions = [p + j for p in last]
-        host = ForwardBatch(input_ids=torch.zeros(S, dtype=torch.long), positions=torch.tensor(positions),
-                            query_start=list(range(S + 1)), context_lens=positions, slots=list(fold.slots),
-                            block_tables=[[] for _ in range(S)], logits_rows=torch.arange(S),
-                            sliding_floor=_run_floors(fold, last, j % self.num_layers))
-        layout = StepLayout(host, self.config.sliding_window, self.config.block_multiple, self.target.device,
-                            buffers=buffers, masks=False, context_len=2)
-        return dataclasses.replace(host, positions=buffers.place(host.positions),
-                                   logits_rows=buffers.place(host.logits_rows)), layout
+        owned = torch.tensor(real + [0] * pad)  # [S]: dummies own no row
+        kept = (torch.arange(W)[None, :] - torch.tensor(starts)[:, None]) % W < owned[:, None]  # [S, W]
+        offsets = torch.arange(tokens)[None, :]  # [1, T]
+        first = (torch.cumsum(owned, 0) - owned)[:, None]  # [S, 1]: each sequence's first row of the stacked rows
+        gather = torch.where(offsets < owned[:, None], first + offsets, sum(real))  # [S, T]; padding: the zero row
+        last = torch.tensor([start + n - 1 for start, n in zip(starts, lens, strict=True)])  # [S]
+        slots_t = buffers.place(torch.tensor(slots, dtype=torch.long))
+        return StaticDraftInputs(fold, layout, slots_t, buffers.place(kept), buffers.place(gather.flatten()),
+                                 buffers.place(last), buffers.place(torch.tensor(host.sliding_floor)))
 
     @_inference
     def propose_static(self, inputs: StaticDraftInputs, state: DraftState, hidden: torch.Tensor, k: int
@@ -339,18 +324,34 @@ class MTPDraft:
         tokens = [first.logits.argmax(-1)]  # [S] each
         confidence = [self.step_confidence(first, tokens[0])]
         streams = first.streams[inputs.fold.logits_rows]  # [S, hc, D]
-        for j, (batch, layout) in enumerate(inputs.runs, start=1):
+        for j in range(1, k):
             index = j % self.num_layers
-            layout.build_masks()
-            run = dataclasses.replace(batch, input_ids=tokens[-1])
+            run, layout = self._static_run(inputs, tokens[-1], j)
             step = self.layers[index](self.target, run, state.layers[index], streams, layout)
             tokens.append(step.logits.argmax(-1))
             confidence.append(self.step_confidence(step, tokens[-1]))
             streams = step.streams
-        if inputs.runs:
+        if k > 1:
             for ring, rows in zip(rings, folded):
                 ring.index_copy_(0, inputs.slots, rows)
         return torch.stack(tokens, dim=1), torch.stack(confidence, dim=1)
+
+    def _static_run(self, inputs: StaticDraftInputs, tokens: torch.Tensor, j: int
+                    ) -> tuple[ForwardBatch, DecodeLayout]:
+        """Speculative run ``j`` of a static round: ``tokens [S]`` at positions ``last + j``, its layout computed by
+        device ops (a decode step's, keys padded to the window; no compressed state)."""
+        layer = j % self.num_layers
+        positions = inputs.last + j  # [S]
+        floors = inputs.last + layer if layer else inputs.floors  # layer l > 0: nothing below this round's rows
+        S, W = positions.shape[0], self.config.sliding_window
+        empty = inputs.slots[:, None][:, :0]  # [S, 0]: no block table (the draft keeps no paged state)
+        layout = DecodeLayout(DecodeInputs(positions, inputs.slots, empty, floors, torch.zeros_like(positions)), W,
+                              self.config.block_multiple, StaticShape(S, W, W, 0, 0, (), ()), self.target.ops)
+        fold = inputs.fold
+        run = ForwardBatch(input_ids=tokens, positions=positions, query_start=list(range(S + 1)),
+                           context_lens=fold.context_lens, slots=fold.slots, block_tables=fold.block_tables,
+                           logits_rows=layout.token_seq)  # the host lists: the fold's (a built layout reads none)
+        return run, layout
 
 
 @dataclasses.dataclass
@@ -374,10 +375,11 @@ class StaticDraftInputs:
 
     fold: ForwardBatch  # input_ids / positions [S * T], logits_rows [S]: each sequence's last real row
     fold_layout: StepLayout  # masks left to the round (built inside the graph)
-    runs: list[tuple[ForwardBatch, StepLayout]]  # speculative run j = 1 .. k - 1: positions [S], its layout
     slots: torch.Tensor  # [S]
     kept: torch.Tensor  # [S, W] bool: ring rows a real fold row wrote
     gather: torch.Tensor  # [S * T]: the row of the real fold rows' hidden states (stacked) each fold row reads
+    last: torch.Tensor  # [S]: each sequence's last fold position (speculative run j is at last + j)
+    floors: torch.Tensor  # [S]: the fold's sliding floors (0: none)
 
 
 def _run_floors(batch: ForwardBatch, last: list[int], layer: int) -> list[int] | None:

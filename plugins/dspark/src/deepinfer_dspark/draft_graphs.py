@@ -7,12 +7,13 @@ layer's ring and drafts ``k`` tokens autoregressively. Here the round's sequence
 draft state's spare slot), and one graph runs the whole round: the fold, the ``k - 1`` one-row speculative runs (each
 feeding the previous run's argmax and streams, on the device), the confidence of every drafted token, and the ring
 restore (``MTPDraft.propose_static``). One graph for all ``k`` tokens rather than ``k`` replays of a one-token graph:
-the speculative runs' layouts are known on the host before the round (their positions follow the fold's), so they
-are uploaded with the fold's in one copy and the round is one launch, with nothing for the host to do between the
+the speculative runs' positions follow the fold's (run ``j`` of a sequence is at its last fold position plus ``j``),
+so their layouts are computed inside the round by device ops from a few per-sequence tensors uploaded with the
+fold's (a decode step's ``DecodeLayout``), and the round is one launch, with nothing for the host to do between the
 tokens; ``k`` is fixed per engine, so it adds no graph keys.
 
-The host builds every layout of the round into fixed buffers (``MTPDraft.place_static``) and uploads them in one
-copy; the target's hidden states of the fold rows are gathered into a shared input buffer on the device; the drafted
+The host builds the fold's layout and those tensors into fixed buffers (``MTPDraft.place_static``) and uploads them
+in one copy; the target's hidden states of the fold rows are gathered into a shared input buffer on the device; the drafted
 tokens and confidences land in shared output buffers, which the proposer reads once, after the replay. On a backend
 without graphs (CPU with ``cuda_graph_sizes``) the same static round runs eagerly: how the tests check it against the
 eager round. Sequences folding more than ``k + 1`` rows (the first round after a prompt) draft eagerly beside it.
@@ -84,7 +85,7 @@ class DraftGraphs:
         if step is None:
             return None
         step.buffers.rewind()
-        inputs = self.draft.place_static(rows, size, tokens, self.k, self.spare_slot, step.buffers)
+        inputs = self.draft.place_static(rows, size, tokens, self.spare_slot, step.buffers)
         step.buffers.upload()
         source = torch.cat([hidden, hidden.new_zeros(1, *hidden.shape[1:])])  # [rows + 1, hc, D]: a zero pad row
         self.hidden[:size * tokens].copy_(source[inputs.gather])
@@ -120,6 +121,6 @@ class DraftGraphs:
 
     def _placed(self, rows: StaticRows, size: int, tokens: int, buffers: StaticBuffers) -> StaticDraftInputs:
         buffers.rewind()
-        inputs = self.draft.place_static(rows, size, tokens, self.k, self.spare_slot, buffers)
+        inputs = self.draft.place_static(rows, size, tokens, self.spare_slot, buffers)
         buffers.upload()
         return inputs
