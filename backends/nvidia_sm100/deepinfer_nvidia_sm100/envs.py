@@ -27,6 +27,10 @@ VARIABLES = Variables(
              "fp8 block linears of at least `FP8_TC_MIN_ROWS` rows (prefill) on fp8 tensor cores, activations "
              "quantized per token per block; 0: the weight-only kernels at every size (exact weights, activations "
              "unquantized)."),
+    Variable("DEEPINFER_NVIDIA_MXFP4_DOT_SCALED", bool, True,
+             "MXFP4 routed experts with bf16 activations through `tl.dot_scaled` in the grouped kernels (nibbles "
+             "expanded to bf16 by the compiler, one product over contiguous inputs); 0: each tile decoded to "
+             "float32 and multiplied as even / odd halves (the kernels before the rewrite)."),
     Variable("DEEPINFER_NVIDIA_NORM", bool, True, "Triton RMS-norm kernels; 0: the compiled reference ops."),
     Variable("DEEPINFER_NVIDIA_GREEDY", bool, True, "Triton sampler for all-greedy steps; 0: the reference sampler."),
     Variable("DEEPINFER_NVIDIA_RADIX_TOPK", bool, True,

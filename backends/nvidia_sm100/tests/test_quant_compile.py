@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 triton = pytest.importorskip("triton", reason="the test extra installs triton")
 from deepinfer_nvidia_sm100.kernels import dequant, fp8_linear, moe_quant
@@ -57,16 +58,17 @@ def _expect_tensor_cores(ptx: str, rows: int, capability: int, name: str) -> Non
 @pytest.mark.parametrize("fmt", [moe_quant.MXFP4, moe_quant.FP8])
 @pytest.mark.parametrize("kernel", ["_up_kernel", "_down_kernel"])
 def test_quantized_moe_kernels_reach_the_tensor_cores(kernel, fmt, tile_name, capability):
-    """Each tile ``_tiles`` picks compiles to the architecture's MMA without spilling registers."""
+    """Each tile ``_tiles`` picks compiles to the architecture's MMA without spilling registers (MXFP4 with bf16
+    activations: ``tl.dot_scaled``, whose expanded tiles reach wgmma / tcgen05 even at 16 rows)."""
     block = moe_quant.MXFP4_BLOCK if fmt == moe_quant.MXFP4 else (128, 128)
     per_expert = {"decode": 16, "prefill": 256, "large": 768}[tile_name]
     block_m, block_n, block_k, warps = moe_quant._tiles(fmt, 64 * per_expert, 64, block)
     assert (block_m, block_n, block_k, warps) == moe_quant.TILES[tile_name][1]
     fn = getattr(moe_quant, kernel)
     constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "FMT": fmt, "B0": block[0],
-                 "B1": block[1], "UE8M0": True, "PRECISION": "tf32"}
+                 "B1": block[1], "UE8M0": True, "PRECISION": "tf32", "SCALED": moe_quant.scaled_dot(fmt, torch.bfloat16)}
     ptx = _compile(fn, _weights(fmt, ("1", "2", "3")), constants, capability, warps)
-    _expect_tensor_cores(ptx, block_m, capability, f"{kernel} fmt {fmt} {tile_name}")
+    _expect_tensor_cores(ptx, 64 if constants["SCALED"] else block_m, capability, f"{kernel} fmt {fmt} {tile_name}")
     assert "ld.local" not in ptx and "st.local" not in ptx, f"{kernel} fmt {fmt} {tile_name}: registers spill"
 
 

@@ -18,6 +18,9 @@ from deepinfer_core.ops import reference as ref
 from deepinfer_core.quant import fp8_block, mxfp4
 
 DOT_DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+# bf16 runs too for MXFP4 on the interpreter: its grouped kernels take tl.dot_scaled there, which the interpreter
+# multiplies right (it widens bf16 itself), and its one-token kernels have no dot
+MXFP4_DTYPES = list(dict.fromkeys([torch.float32, DOT_DTYPE, torch.bfloat16]))
 EXTREME_SCALES = (0, 1, 126, 127, 128, 253, 254, 255)  # ue8m0 bytes: 2^-127 (subnormal) ... 2^127, NaN
 
 
@@ -85,7 +88,7 @@ def _route(T: int, E: int, top_k: int, gen: torch.Generator, repeat: bool = Fals
 
 
 @kernel_runs_here
-@pytest.mark.parametrize("dtype", [torch.float32, DOT_DTYPE])
+@pytest.mark.parametrize("dtype", MXFP4_DTYPES)
 @pytest.mark.parametrize("T, E, top_k, D, I", [
     (1, 8, 3, 96, 64),  # one token: the row kernels, a K slice past D and past I
     (5, 4, 2, 160, 64),  # the 16-row tiles, a K tile past D

@@ -83,6 +83,22 @@ def mxfp4_dot(acc, a_even, a_odd, w_ptr, s_ptr, k0, K, offs_n, n_mask, w_stride,
 
 
 @triton.jit
+def mxfp4_dot_scaled(acc, a, w_cols, s_rows, k0, K, n_mask, BLOCK_K: tl.constexpr):
+    """``acc [BM, BN] += a @ W[:, k0 : k0 + BLOCK_K]^T`` of bf16 activations ``a [BM, BK]`` (contiguous inputs,
+    zeros past ``K``) as one ``tl.dot_scaled``: the packed bytes ``[BK / 2, BN]`` as e2m1 (low nibble first, as
+    stored) and the ue8m0 bytes ``[BN, BK / 32]`` as its scales, so the compiler expands the nibbles to bf16 in
+    registers (a lookup per byte), applies each scale once per 32 inputs and runs one tensor-core product over
+    the slice. ``w_cols [1, BN]`` / ``s_rows [BN, 1]``: pointers to the rows' packed bytes and scales. The
+    expanded weights are exactly the reference op's bf16 weights (e2m1 times a power of two fits bf16)."""
+    pairs = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BK / 2] byte columns
+    groups = k0 // MXFP4_GROUP + tl.arange(0, BLOCK_K // MXFP4_GROUP)  # [G]
+    packed = tl.load(w_cols + pairs[:, None], mask=(pairs < K // 2)[:, None] & n_mask[None, :], other=0)
+    scale = tl.load(s_rows + groups[None, :], mask=n_mask[:, None] & (groups < K // MXFP4_GROUP)[None, :],
+                    other=UE8M0_ONE)  # [BN, G]
+    return tl.dot_scaled(a, None, "bf16", packed, scale, "e2m1", acc)
+
+
+@triton.jit
 def fp8_dot(acc, a, w_ptr, s_ptr, offs_k, offs_n, k0, w_stride, s_stride, mask, n_mask,
              B0: tl.constexpr, B1: tl.constexpr, UE8M0: tl.constexpr, PRECISION: tl.constexpr):
     """``acc += a @ W[:, offs_k]^T`` for one fp8 block slice (``offs_k`` inside one scale block, starting at ``k0``)
@@ -90,35 +106,53 @@ def fp8_dot(acc, a, w_ptr, s_ptr, offs_k, offs_n, k0, w_stride, s_stride, mask, 
     w = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * w_stride + offs_k[:, None], mask=mask, other=0.0)
     scale = block_scale(tl.load(s_ptr + (offs_n // B0) * s_stride + k0 // B1, mask=n_mask,
                                 other=0), UE8M0)  # [BN]
-    return tl.dot(a, (w.to(tl.float32) * scale[None, :]).to(a.dtype), acc, input_precision=PRECISION)
+    if UE8M0:  # e4m3 fits every activation dtype: one conversion per weight, the power of two after the product
+        return acc + tl.dot(a, w.to(a.dtype), input_precision=PRECISION) * scale[None, :]
+    else:  # float32 scales: the weight times its scale rounded to the activations' dtype first, as the reference
+        return tl.dot(a, (w.to(tl.float32) * scale[None, :]).to(a.dtype), acc, input_precision=PRECISION)
 
 
 @triton.jit
-def row_acc(BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr):
-    """The zero fp32 accumulator of ``row_product``: ``[BN, BK / 32, 16]`` (MXFP4: byte columns by scale group) or
-    ``[BN, BK]`` (fp8)."""
+def row_acc(BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr, B1: tl.constexpr):
+    """The zero fp32 accumulator of ``row_product``: ``[BN, BK / 32]`` (MXFP4: one sum per row and scale group of
+    the slice) or ``[BN, scale blocks of the slice, inputs of each]`` (fp8)."""
     if FMT == 0:  # (if / else: a constexpr branch with a return and code after it would compile both)
-        return tl.zeros([BLOCK_N, BLOCK_K // MXFP4_GROUP, PACKED_PER_SCALE], dtype=tl.float32)
+        return tl.zeros([BLOCK_N, BLOCK_K // MXFP4_GROUP], dtype=tl.float32)
     else:
-        return tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        return tl.zeros([BLOCK_N, BLOCK_K // min(BLOCK_K, B1), min(BLOCK_K, B1)], dtype=tl.float32)
 
 
 @triton.jit
 def row_total(acc, FMT: tl.constexpr):
     """``row_product``'s accumulator summed per row: ``[BN]``."""
     if FMT == 0:
-        return tl.sum(tl.sum(acc, axis=2), axis=1)
-    else:
         return tl.sum(acc, axis=1)
+    else:
+        return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+
+@triton.jit
+def mxfp4_codes(packed):
+    """The e2m1 values (float32, unscaled) of each packed byte: ``(even, odd)``; ``mxfp4_pair``'s bit placement,
+    then the exact multiply by 2^126."""
+    b = packed.to(tl.uint32)
+    even = ((b << 28) & SIGN_BIT) | ((b << 22) & E2M1_BITS)
+    odd = ((b << 24) & SIGN_BIT) | ((b << 18) & E2M1_BITS)
+    return even.to(tl.float32, bitcast=True) * TWO_126, odd.to(tl.float32, bitcast=True) * TWO_126
 
 
 @triton.jit
 def row_product(acc, x_ptr, w_rows, s_rows, k0, K, in_n, FMT: tl.constexpr, BLOCK_K: tl.constexpr,
                 B1: tl.constexpr, UE8M0: tl.constexpr):
     """``acc += W[rows, slice] * x[slice]`` (``row_acc``'s shape) of one ``BLOCK_K`` slice from ``k0`` of a one-row
-    product (``FMT`` 0: MXFP4, ``K`` a multiple of 32; 1: fp8 blocks, the slice inside one; fp32 products, the
-    weight rounded to ``x``'s dtype first); ``w_rows`` / ``s_rows``: ``[BN, 1]`` pointers to the rows' weights and
-    scales; ``in_n``: the real rows."""
+    product (``FMT`` 0: MXFP4, ``K`` a multiple of 32; 1: fp8 blocks, ``BLOCK_K`` inside one block or whole blocks;
+    fp32 products);
+    ``w_rows`` / ``s_rows``: ``[BN, 1]`` pointers to the rows' weights and scales; ``in_n``: the real rows.
+
+    The weights are the reference op's: where rounding them to ``x``'s dtype is exact (MXFP4 and ue8m0-scaled fp8
+    with 16-bit activations, anything with fp32 ones) it is skipped, and 16-bit MXFP4 rows apply each scale once
+    per 32 inputs to the sum of their code x input products (fp32 activations scale every weight: their products
+    may reach fp32's limits, as the extreme-scale tests do)."""
     dt = x_ptr.dtype.element_ty
     if FMT == 0:
         groups = k0 // MXFP4_GROUP + tl.arange(0, BLOCK_K // MXFP4_GROUP)  # [G]
@@ -127,18 +161,30 @@ def row_product(acc, x_ptr, w_rows, s_rows, k0, K, in_n, FMT: tl.constexpr, BLOC
         packed = tl.load(w_rows[:, :, None] + pairs, mask=in_n[:, None, None] & in_g[None, :, None], other=0,
                          eviction_policy="evict_first")  # [BN, G, 16]
         scale = ue8m0(tl.load(s_rows + groups[None, :], mask=in_n[:, None] & in_g[None, :], other=UE8M0_ONE))
-        even, odd = mxfp4_pair(packed, scale[:, :, None])
-        x_even = tl.load(x_ptr + 2 * pairs, mask=in_g[None, :, None], other=0.0).to(tl.float32)
-        x_odd = tl.load(x_ptr + 2 * pairs + 1, mask=in_g[None, :, None], other=0.0).to(tl.float32)
-        return acc + even.to(dt).to(tl.float32) * x_even + odd.to(dt).to(tl.float32) * x_odd
+        x = tl.load(x_ptr + 2 * pairs[:, :, :, None] + tl.arange(0, 2)[None, None, None, :],
+                    mask=in_g[None, :, None, None], other=0.0).to(tl.float32)  # [1, G, 16, 2]
+        x_even, x_odd = tl.split(x)  # [1, G, 16]
+        even, odd = mxfp4_codes(packed)
+        if dt == tl.float32:
+            scale = scale[:, :, None]
+            return acc + tl.sum((even * scale) * x_even + (odd * scale) * x_odd, axis=2)
+        else:
+            return acc + tl.sum(even * x_even + odd * x_odd, axis=2) * scale  # [BN, G]
     else:
-        ks = k0 + tl.arange(0, BLOCK_K)
+        SUB: tl.constexpr = min(BLOCK_K, B1)  # inputs of one scale block in the slice
+        starts = k0 + tl.arange(0, BLOCK_K // SUB) * SUB  # [NB] each scale block's first input
+        ks = starts[:, None] + tl.arange(0, SUB)[None, :]  # [NB, SUB]
         in_k = ks < K
-        w = tl.load(w_rows + ks[None, :], mask=in_n[:, None] & in_k[None, :], other=0.0,
-                    eviction_policy="evict_first")
-        scale = block_scale(tl.load(s_rows + k0 // B1, mask=in_n[:, None], other=0), UE8M0)  # [BN, 1]
-        xk = tl.load(x_ptr + ks, mask=in_k, other=0.0).to(tl.float32)[None, :]
-        return acc + (w.to(tl.float32) * scale).to(dt).to(tl.float32) * xk
+        w = tl.load(w_rows[:, :, None] + ks[None, :, :], mask=in_n[:, None, None] & in_k[None, :, :], other=0.0,
+                    eviction_policy="evict_first")  # [BN, NB, SUB]
+        scale = block_scale(tl.load(s_rows + starts[None, :] // B1, mask=in_n[:, None] & (starts < K)[None, :],
+                                    other=0), UE8M0)  # [BN, NB]
+        xk = tl.load(x_ptr + ks, mask=in_k, other=0.0).to(tl.float32)[None, :, :]  # [1, NB, SUB]
+        w = w.to(tl.float32) * scale[:, :, None]
+        if (UE8M0 and dt == tl.bfloat16) or dt == tl.float32:
+            return acc + w * xk
+        else:
+            return acc + w.to(dt).to(tl.float32) * xk
 
 
 @triton.jit

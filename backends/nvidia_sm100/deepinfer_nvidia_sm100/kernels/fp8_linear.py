@@ -69,10 +69,10 @@ def _row_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, stride_xg, stride_wn, stride
     rows = group * N + cols  # [BN] weight rows
     w_rows = w_ptr + rows[:, None] * stride_wn  # [BN, 1]
     s_rows = s_ptr + (rows // B0)[:, None] * stride_sn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = dequant.row_acc(BLOCK_N, BLOCK_K, 1, B1)
     for k0 in range(0, K, BLOCK_K):
         acc = dequant.row_product(acc, x_ptr + group * stride_xg, w_rows, s_rows, k0, K, in_n, 1, BLOCK_K, B1, UE8M0)
-    tl.store(out_ptr + group * stride_og + cols, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=in_n)
+    tl.store(out_ptr + group * stride_og + cols, dequant.row_total(acc, 1).to(out_ptr.dtype.element_ty), mask=in_n)
 
 
 @triton.jit
@@ -206,7 +206,7 @@ def launch(path: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
         block_n, block_k, warps, stages = tile or ROW_TILE
         _row_kernel[(triton.cdiv(N, block_n), groups)](
             x, weight, raw, out, N, K, x.stride(1), weight.stride(0), raw.stride(0), out.stride(1), BLOCK_N=block_n,
-            BLOCK_K=min(block_k, block[1]), num_warps=warps, num_stages=stages, **consts)
+            BLOCK_K=block_k, num_warps=warps, num_stages=stages, **consts)
         return
     tiles = WEIGHT_ONLY_TILES if path == WEIGHT_ONLY else FP8_TC_TILES
     block_m, block_n, warps, stages = tile or _tile(tiles, M)

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_nvidia_sm100 import envs
 from deepinfer_nvidia_sm100.kernels import dequant, moe, pdl
 from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 
@@ -36,10 +37,10 @@ def _up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, assign_ptr, block_e
                stride_xt, stride_we, stride_wi, stride_se, stride_si, stride_hm,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr,
                B0: tl.constexpr, B1: tl.constexpr, UE8M0: tl.constexpr, PRECISION: tl.constexpr,
-               PDL: tl.constexpr = False):
+               SCALED: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (block of sorted rows, tile of I): ``h = silu(clamp(x w1^T)) * clamp(x w3^T)`` as ``moe._up_kernel``,
     ``w1`` / ``w3`` (``[E, I, D / 2]`` MXFP4 or ``[E, I, D]`` fp8, same strides, scales likewise) decoded per
-    tile."""
+    tile; ``SCALED`` (MXFP4, bf16 activations): ``dequant.mxfp4_dot_scaled`` over contiguous inputs."""
     pdl.begin(PDL)
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -55,8 +56,17 @@ def _up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, assign_ptr, block_e
     s1, s3 = s1_ptr + expert.to(tl.int64) * stride_se, s3_ptr + expert.to(tl.int64) * stride_se
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w1_cols = w1 + offs_n[None, :].to(tl.int64) * stride_wi  # [1, BN]
+    w3_cols = w3 + offs_n[None, :].to(tl.int64) * stride_wi
+    s1_rows = s1 + offs_n[:, None].to(tl.int64) * stride_si  # [BN, 1]
+    s3_rows = s3 + offs_n[:, None].to(tl.int64) * stride_si
     for k0 in range(0, D, BLOCK_K):
-        if FMT == 0:
+        if SCALED:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(x_rows + offs_k[None, :], mask=valid[:, None] & (offs_k < D)[None, :], other=0.0)  # [BM, BK]
+            acc1 = dequant.mxfp4_dot_scaled(acc1, a, w1_cols, s1_rows, k0, D, n_mask, BLOCK_K)
+            acc3 = dequant.mxfp4_dot_scaled(acc3, a, w3_cols, s3_rows, k0, D, n_mask, BLOCK_K)
+        elif FMT == 0:
             pairs = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BK / 2] byte columns
             k_mask = pairs < D // 2
             a_mask = valid[:, None] & k_mask[None, :]
@@ -86,7 +96,7 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, assign_ptr, block_ex
                  stride_hm, stride_we, stride_wd, stride_se, stride_sd, stride_ym,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr,
                  B0: tl.constexpr, B1: tl.constexpr, UE8M0: tl.constexpr, PRECISION: tl.constexpr,
-                 PDL: tl.constexpr = False):
+                 SCALED: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (block of sorted rows, tile of D): ``y = (h w2^T) * routing weight`` as ``moe._down_kernel``."""
     pdl.begin(PDL)
     pid_m = tl.program_id(0)
@@ -102,8 +112,14 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, assign_ptr, block_ex
     w2 = w2_ptr + expert.to(tl.int64) * stride_we
     s2 = s2_ptr + expert.to(tl.int64) * stride_se
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w2_cols = w2 + offs_n[None, :].to(tl.int64) * stride_wd  # [1, BN]
+    s2_rows = s2 + offs_n[:, None].to(tl.int64) * stride_sd  # [BN, 1]
     for k0 in range(0, I, BLOCK_K):
-        if FMT == 0:
+        if SCALED:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(h_rows + offs_k[None, :], mask=valid[:, None] & (offs_k < I)[None, :], other=0.0)
+            acc = dequant.mxfp4_dot_scaled(acc, a, w2_cols, s2_rows, k0, I, n_mask, BLOCK_K)
+        elif FMT == 0:
             pairs = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             k_mask = pairs < I // 2
             a_mask = valid[:, None] & k_mask[None, :]
@@ -138,8 +154,8 @@ def _up_row_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, ids_ptr, D, I, 
     w_rows = expert * stride_we + cols[:, None].to(tl.int64) * stride_wi  # [BN, 1]
     s_row = cols // B0  # MXFP4: B0 = 1
     s_rows = expert * stride_se + s_row[:, None].to(tl.int64) * stride_si
-    acc1 = dequant.row_acc(BLOCK_N, BLOCK_K, FMT)
-    acc3 = dequant.row_acc(BLOCK_N, BLOCK_K, FMT)
+    acc1 = dequant.row_acc(BLOCK_N, BLOCK_K, FMT, B1)
+    acc3 = dequant.row_acc(BLOCK_N, BLOCK_K, FMT, B1)
     for k0 in range(0, D, BLOCK_K):
         acc1 = dequant.row_product(acc1, x_ptr, w1_ptr + w_rows, s1_ptr + s_rows, k0, D, in_n, FMT, BLOCK_K, B1,
                                     UE8M0)
@@ -172,7 +188,7 @@ def _down_row_kernel(h_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, weights_ptr, D, I,
         expert = tl.load(ids_ptr + pick).to(tl.int64)
         w_rows = w2_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wd  # [BN, 1]
         s_rows = s2_ptr + expert * stride_se + s_row[:, None].to(tl.int64) * stride_sd
-        acc = dequant.row_acc(BLOCK_N, BLOCK_K, FMT)
+        acc = dequant.row_acc(BLOCK_N, BLOCK_K, FMT, B1)
         for k0 in range(0, I, BLOCK_K):
             acc = dequant.row_product(acc, h_ptr + pick * I, w_rows, s_rows, k0, I, in_n, FMT, BLOCK_K, B1, UE8M0)
         w = tl.load(weights_ptr + pick).to(dt).to(tl.float32)
@@ -186,13 +202,20 @@ def _down_row_kernel(h_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, weights_ptr, D, I,
 ROW_TILES = {MXFP4: (8, 512, 4, 3), FP8: (16, 128, 4, 4)}  # 16-byte loads per thread
 TILES = {
     # (max mean assignments per expert, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps)): ``moe.TILES`` up to 256 tokens per
-    # expert; beyond, 128-row tiles, since every program decodes its weight tiles again and a taller tile spreads
-    # that decode over twice the rows (BLOCK_N 64 keeps the up kernel's two accumulators in registers).
+    # expert; beyond, 128 x 128 tiles, since every program expands its weight tiles again and a taller tile spreads
+    # that over twice the rows (the best of the old kernel's sweep at 8,192 tokens; no spills, test_quant_compile).
     "decode": (16, moe.TILES["decode"]),
     "mid": (64, moe.TILES["mid"]),
     "prefill": (256, moe.TILES["prefill"]),
-    "large": (None, (128, 64, 64, 8)),
+    "large": (None, (128, 128, 64, 8)),
 }
+
+
+def scaled_dot(fmt: int, dtype: torch.dtype) -> bool:
+    """Whether the grouped kernels multiply MXFP4 tiles through ``tl.dot_scaled`` (bf16 activations, unless
+    ``DEEPINFER_NVIDIA_MXFP4_DOT_SCALED=0``); otherwise each tile is decoded to float32 by ``dequant.mxfp4_dot``
+    (fp16 and fp32 activations always: ``dot_scaled`` would round them to bf16)."""
+    return fmt == MXFP4 and dtype == torch.bfloat16 and envs.DEEPINFER_NVIDIA_MXFP4_DOT_SCALED
 
 
 def _tiles(fmt: int, num_assign: int, num_experts: int, block: tuple[int, int]) -> tuple[int, int, int, int]:
@@ -231,7 +254,7 @@ def _run(fmt: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     h = torch.empty((rows, I), dtype=x.dtype, device=x.device)
     y = torch.empty((rows, D), dtype=x.dtype, device=x.device)
     tiles = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "PRECISION": precision, "num_warps": warps,
-             "num_stages": stages, **consts, **pdl.launch()}
+             "num_stages": stages, "SCALED": scaled_dot(fmt, x.dtype), **consts, **pdl.launch()}
     _up_kernel[(rows // block_m, triton.cdiv(I, block_n))](
         x, w1, s1, w3, s3, h, sorted_assign, block_expert, D, I, top_k, float(limit), x.stride(0), w1.stride(0),
         w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0), **tiles)
@@ -245,8 +268,6 @@ def _one_token(x, ids, weights, w1, s1, w2, s2, w3, s3, D, I, limit, consts, til
     """One token: ``_up_row_kernel`` per (column block, pick), then ``_down_row_kernel`` per column block."""
     top_k = ids.shape[1]
     block_n, block_k, warps, stages = tile or ROW_TILES[consts["FMT"]]
-    if consts["FMT"] == FP8:
-        block_k = min(block_k, consts["B1"])
     flat_ids = ids.reshape(-1).contiguous()
     h = torch.empty(top_k, I, dtype=x.dtype, device=x.device)
     launch = {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages, **consts,
