@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from deepinfer_core.checkpoint import CheckpointError, iter_checkpoint, plan_checkpoint, read_headers
+from deepinfer_core.device_copy import to_device
 from deepinfer_core.forward_batch import ForwardBatch
 from deepinfer_core.models.deepseek_v4 import weights
 from deepinfer_core.models.deepseek_v4.config import SLIDING, ConfigError, DeepseekV4Config
@@ -159,12 +160,12 @@ class DraftState:
 
     def save(self, slots: list[int]) -> list[torch.Tensor]:
         """Copies of ``slots``' ring rows (before speculative runs overwrite them)."""
-        index = torch.tensor(slots, dtype=torch.long, device=self.rings[0].device)
+        index = to_device(torch.tensor(slots, dtype=torch.long), self.rings[0].device)  # pinned: no wait for the stream
         return [ring.index_select(0, index) for ring in self.rings]  # [S, W, hd] each
 
     def restore(self, slots: list[int], saved: list[torch.Tensor]) -> None:
         """Put back what :meth:`save` copied."""
-        index = torch.tensor(slots, dtype=torch.long, device=self.rings[0].device)
+        index = to_device(torch.tensor(slots, dtype=torch.long), self.rings[0].device)
         for ring, rows in zip(self.rings, saved, strict=True):
             ring.index_copy_(0, index, rows)
 
