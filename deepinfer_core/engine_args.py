@@ -172,9 +172,11 @@ class EngineArgs:
                                   "enable_prefix_caching=True")
         if self.prefix_state_cache_bytes is not None:
             _check_int("prefix_state_cache_bytes", self.prefix_state_cache_bytes)
-            if self.enable_prefix_state_cache is False:
-                raise EngineArgsError("prefix_state_cache_bytes sizes the prefix state cache, which "
-                                      "enable_prefix_state_cache=False turns off: give one of them")
+            if self.enable_prefix_state_cache is False or not self.enable_prefix_caching:
+                off = "enable_prefix_state_cache=False" if self.enable_prefix_state_cache is False else \
+                    "enable_prefix_caching=False"
+                raise EngineArgsError(f"prefix_state_cache_bytes sizes the prefix state cache, which {off} turns "
+                                      "off: give one of them")
         split = self.prefix_state_split_min_tokens
         if split is not None and (isinstance(split, bool) or not isinstance(split, int) or split < 0):
             raise EngineArgsError(f"prefix_state_split_min_tokens must be an integer >= 0 (0: never split a prompt's "

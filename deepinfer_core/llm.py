@@ -174,8 +174,10 @@ class LLM:
         why = (f"the model ({type(self.model).__name__}) cannot copy its slot state (no slot_state_views)"
                if not isinstance(self.model, SlotStateModel) else
                "speculative decoding's draft state is not part of a slot" if speculative else None)
-        if why is not None and wanted:
-            raise EngineArgsError(f"enable_prefix_state_cache=True cannot run here: {why}; leave it unset")
+        if why is not None and (wanted or args.prefix_state_cache_bytes is not None):
+            given = "enable_prefix_state_cache=True" if wanted else "prefix_state_cache_bytes"
+            raise EngineArgsError(f"{given} asks for the prefix state cache, which cannot run here: {why}; leave it "
+                                  "unset")
         return why is None
 
     def _num_blocks(self, block_size: int, num_slots: int, args: EngineArgs, draft_slot_bytes: int = 0,
