@@ -159,35 +159,62 @@ def bench_linear() -> None:
           f"fp8_linear.FP8_TC_MIN_ROWS = {fp8_linear.FP8_TC_MIN_ROWS}")
 
 
-MOE_SWEEP = {  # tokens -> launches tried for the MXFP4 experts (one token: ROW_TILES' form, else _tiles')
-    1: ((8, 512, 4, 3), (4, 512, 4, 3), (16, 256, 4, 3), (8, 1024, 8, 3), (16, 512, 8, 3)),
-    64: ((16, 64, 128, 4), (16, 128, 128, 4), (16, 32, 128, 4), (32, 64, 128, 4), (16, 64, 64, 4)),
-    8192: ((64, 128, 64, 8), (128, 64, 64, 8), (128, 128, 64, 8), (128, 64, 128, 8), (64, 64, 128, 4)),
+MOE_SWEEP = {  # tokens -> (path, launch) tried for the MXFP4 experts, the default first. Paths: "rows" (the one-token
+    # row kernels, ROW_TILES' form), "grouped" (align + the grouped kernels, _tiles' form; tl.dot_scaled at bf16),
+    # "old" (the grouped kernels with DEEPINFER_NVIDIA_MXFP4_DOT_SCALED=0: float32 decode, even / odd products)
+    1: (("rows", (8, 512, 4, 3)), ("rows", (4, 1024, 4, 3)), ("rows", (8, 1024, 8, 3)), ("rows", (16, 512, 8, 3)),
+        ("grouped", (16, 64, 128, 4)), ("grouped", (16, 32, 256, 4))),
+    16: (("grouped", (16, 64, 128, 4)), ("grouped", (16, 32, 128, 4)), ("grouped", (16, 32, 256, 4)),
+         ("old", (16, 64, 128, 4))),
+    64: (("grouped", (16, 64, 128, 4)), ("grouped", (16, 128, 128, 4)), ("grouped", (16, 32, 256, 4)),
+         ("old", (16, 64, 128, 4))),
+    8192: (("grouped", (128, 128, 64, 8)), ("grouped", (128, 128, 128, 8)), ("grouped", (64, 128, 128, 8)),
+           ("grouped", (128, 256, 64, 8)), ("old", (128, 128, 64, 8))),
 }
-LINEAR_SWEEP = {  # rows -> (path, launches) tried on wo_b (4096 x 8192)
-    1: ("row", ((16, 128, 4, 4), (8, 128, 4, 4), (32, 128, 4, 4), (32, 128, 8, 3))),
-    64: ("weight_only", ((64, 64, 4, 3), (16, 64, 4, 4), (32, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 4))),
-    8192: ("fp8_tc", ((128, 128, 8, 3), (64, 128, 4, 3), (128, 256, 8, 3), (64, 256, 8, 3), (128, 128, 4, 4))),
+LINEAR_SWEEP = {  # rows -> (path, launches) tried on wo_b (4096 x 8192), the default first
+    1: ("row", ((16, 512, 4, 3), (16, 128, 4, 4), (8, 512, 4, 3), (16, 1024, 8, 3), (4, 1024, 4, 3))),
+    64: ("weight_only", ((64, 16, 4, 3), (64, 64, 4, 3), (16, 16, 4, 4), (16, 32, 4, 4), (32, 16, 4, 3))),
+    8192: ("fp8_tc", ((128, 128, 8, 3), (64, 128, 4, 3), (128, 256, 8, 3), (128, 128, 8, 4), (256, 128, 8, 3))),
 }
+
+
+def moe_sweep_run(path: str, tile: tuple[int, int, int, int], x, ids, routing, stored):
+    """The MXFP4 experts at one sweep point: a function of no arguments."""
+    import os
+
+    from deepinfer_nvidia_sm100.kernels import moe_quant
+
+    def run():
+        if path != "old":
+            return moe_quant._run(moe_quant.MXFP4, x, ids, routing, *stored, moe_quant.MXFP4_BLOCK, 10.0, tile,
+                                  row_kernels=path == "rows")
+        os.environ["DEEPINFER_NVIDIA_MXFP4_DOT_SCALED"] = "0"  # read at each call, also while a graph is captured
+        try:
+            return moe_quant._run(moe_quant.MXFP4, x, ids, routing, *stored, moe_quant.MXFP4_BLOCK, 10.0, tile,
+                                  row_kernels=False)
+        finally:
+            del os.environ["DEEPINFER_NVIDIA_MXFP4_DOT_SCALED"]
+
+    return run
 
 
 def sweep() -> None:
     """Launch sweeps for tuning (after the tables: a run cut short keeps those): MXFP4 experts by tokens, the fp8
     linear kernels by rows; each launch checked against the reference op, then timed."""
-    from deepinfer_nvidia_sm100.kernels import fp8_linear, moe_quant
+    from deepinfer_nvidia_sm100.kernels import fp8_linear
 
-    print("\nsweep: MXFP4 experts (tokens: launch -> time; the default first)")
+    print("\nsweep: MXFP4 experts (tokens: path launch -> time; the default first)")
     stored = expert_weights()["mxfp4"]
-    for T, tiles in MOE_SWEEP.items():
+    for T, points in MOE_SWEEP.items():
         x = torch.randn(T, D, device=DEVICE).to(torch.bfloat16)
         ids = torch.rand(T, E, device=DEVICE).topk(TOP_K, dim=-1).indices
         routing = torch.rand(T, TOP_K, device=DEVICE)
         want = ref.moe_experts_mxfp4(x, ids, routing, *stored, 10.0)
         cells = []
-        for tile in tiles:
-            run = partial(moe_quant._run, moe_quant.MXFP4, x, ids, routing, *stored, moe_quant.MXFP4_BLOCK, 10.0, tile)
+        for path, tile in points:
+            run = moe_sweep_run(path, tile, x, ids, routing, stored)
             err = relative_error(run(), want)
-            cells.append(f"{tile}: {micros(timed(run, T))}" + (f" (error {err:.1e})" if err > 2e-2 else ""))
+            cells.append(f"{path} {tile}: {micros(timed(run, T))}" + (f" (error {err:.1e})" if err > 2e-2 else ""))
         print(f"  {T}: " + "; ".join(cells))
     print("\nsweep: fp8 linear wo_b 4096 x 8192 (rows: launch -> time; the default first)")
     torch.manual_seed(2)

@@ -88,9 +88,9 @@ LINEAR_TYPES = {"w_ptr": "*fp8e4nv", "s_ptr": "*u8", "xq_ptr": "*fp8e4nv", "xs_p
 
 
 @pytest.mark.parametrize("capability", sorted(ARCHS))
-@pytest.mark.parametrize("rows", [16, 64])
-def test_fp8_weight_only_kernel_tiles(rows, capability):
-    block_m, block_n, warps, stages = fp8_linear._tile(fp8_linear.WEIGHT_ONLY_TILES, rows)
+@pytest.mark.parametrize("rows, columns", [(16, 4096), (64, 4096), (64, 32768)])  # wo_b's narrowed tiles, wq_b's
+def test_fp8_weight_only_kernel_tiles(rows, columns, capability):
+    block_m, block_n, warps, stages = fp8_linear._weight_only_tile(rows, columns, 1)
     constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 128, "B0": 128, "B1": 128, "UE8M0": True,
                  "PRECISION": "tf32"}
     ptx = _compile(fp8_linear._weight_only_kernel, LINEAR_TYPES, constants, capability, warps, stages)

@@ -6,8 +6,8 @@ The ``@triton.jit`` helpers turn stored bytes into float32 values inside a kerne
 float32 whose exponent field is ``b`` (``2^(b - 127)``; byte 0 is the subnormal ``2^-127``, byte 255 NaN), an e2m1
 code's bits placed into a float32 (codes 0-7: 0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 the sign; ``mxfp4_pair``), and the
 value is code x scale, exact float32 products. MXFP4 tiles load as ``[groups of 32 inputs, 16 bytes, ...]`` so that
-each ue8m0 scale is loaded and decoded once per group, not once per byte. The kernels of ``moe_quant.py`` and ``fp8_linear.py`` use them on
-weight tiles; ``dequantize_mxfp4`` / ``dequantize_fp8_block`` run them over a whole tensor (a dense weight on the
+each ue8m0 scale is loaded and decoded once per group, not once per byte; ``mxfp4_dot_scaled`` leaves the expansion
+of bf16 products to ``tl.dot_scaled``. The kernels of ``moe_quant.py`` and ``fp8_linear.py`` use them on weight tiles; ``dequantize_mxfp4`` / ``dequantize_fp8_block`` run them over a whole tensor (a dense weight on the
 device, and the exactness check of the tests).
 """
 
@@ -114,21 +114,18 @@ def fp8_dot(acc, a, w_ptr, s_ptr, offs_k, offs_n, k0, w_stride, s_stride, mask, 
 
 @triton.jit
 def row_acc(BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr, B1: tl.constexpr):
-    """The zero fp32 accumulator of ``row_product``: ``[BN, BK / 32]`` (MXFP4: one sum per row and scale group of
-    the slice) or ``[BN, scale blocks of the slice, inputs of each]`` (fp8)."""
+    """The zero fp32 accumulator of ``row_product``: one sum per row and scale group of the slice, ``[BN, BK / 32]``
+    (MXFP4) or ``[BN, BK / min(BK, B1)]`` (fp8)."""
     if FMT == 0:  # (if / else: a constexpr branch with a return and code after it would compile both)
         return tl.zeros([BLOCK_N, BLOCK_K // MXFP4_GROUP], dtype=tl.float32)
     else:
-        return tl.zeros([BLOCK_N, BLOCK_K // min(BLOCK_K, B1), min(BLOCK_K, B1)], dtype=tl.float32)
+        return tl.zeros([BLOCK_N, BLOCK_K // min(BLOCK_K, B1)], dtype=tl.float32)
 
 
 @triton.jit
 def row_total(acc, FMT: tl.constexpr):
     """``row_product``'s accumulator summed per row: ``[BN]``."""
-    if FMT == 0:
-        return tl.sum(acc, axis=1)
-    else:
-        return tl.sum(tl.sum(acc, axis=2), axis=1)
+    return tl.sum(acc, axis=1)
 
 
 @triton.jit
@@ -150,9 +147,9 @@ def row_product(acc, x_ptr, w_rows, s_rows, k0, K, in_n, FMT: tl.constexpr, BLOC
     ``w_rows`` / ``s_rows``: ``[BN, 1]`` pointers to the rows' weights and scales; ``in_n``: the real rows.
 
     The weights are the reference op's: where rounding them to ``x``'s dtype is exact (MXFP4 and ue8m0-scaled fp8
-    with 16-bit activations, anything with fp32 ones) it is skipped, and 16-bit MXFP4 rows apply each scale once
-    per 32 inputs to the sum of their code x input products (fp32 activations scale every weight: their products
-    may reach fp32's limits, as the extreme-scale tests do)."""
+    with bf16 activations, anything with fp32 ones) it is skipped, and the scale multiplies the sum of a scale
+    group's products, once per group (per 32 inputs for MXFP4 with 16-bit activations; per block for ue8m0 fp8);
+    fp32 MXFP4 rows scale every weight: their products may reach fp32's limits, as the extreme-scale tests do."""
     dt = x_ptr.dtype.element_ty
     if FMT == 0:
         groups = k0 // MXFP4_GROUP + tl.arange(0, BLOCK_K // MXFP4_GROUP)  # [G]
@@ -180,11 +177,10 @@ def row_product(acc, x_ptr, w_rows, s_rows, k0, K, in_n, FMT: tl.constexpr, BLOC
         scale = block_scale(tl.load(s_rows + starts[None, :] // B1, mask=in_n[:, None] & (starts < K)[None, :],
                                     other=0), UE8M0)  # [BN, NB]
         xk = tl.load(x_ptr + ks, mask=in_k, other=0.0).to(tl.float32)[None, :, :]  # [1, NB, SUB]
-        w = w.to(tl.float32) * scale[:, :, None]
-        if (UE8M0 and dt == tl.bfloat16) or dt == tl.float32:
-            return acc + w * xk
+        if UE8M0 and (dt == tl.bfloat16 or dt == tl.float32):  # the power of two after the block's sum
+            return acc + tl.sum(w.to(tl.float32) * xk, axis=2) * scale
         else:
-            return acc + w.to(dt).to(tl.float32) * xk
+            return acc + tl.sum((w.to(tl.float32) * scale[:, :, None]).to(dt).to(tl.float32) * xk, axis=2)
 
 
 @triton.jit

@@ -183,13 +183,24 @@ def _fp8_tc_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, st
 
 # Launches: (BLOCK_N, BLOCK_K, num_warps, num_stages) of the row kernel; (BLOCK_M, BLOCK_N, num_warps, num_stages)
 # of the dot kernels by rows (the first whose row bound holds). BLOCK_K of the dot kernels: min(128, B1) / B1.
-ROW_TILE = (16, 128, 4, 4)  # 16 rows x 128 fp8 inputs: a 16-byte load per thread
+ROW_TILE = (16, 512, 4, 3)  # 16 rows x 4 scale blocks of 128 fp8 inputs: four 16-byte loads per thread and stage
 WEIGHT_ONLY_TILES = ((16, 16, 64, 4, 4), (64, 64, 64, 4, 3), (None, 64, 128, 4, 3))  # (max rows, BM, BN, warps, st.)
 FP8_TC_TILES = ((1024, 64, 128, 4, 3), (None, 128, 128, 8, 3))
+MIN_PROGRAMS = 264  # two per SM of an H200: weight-only launches narrow their column tiles down to 16 to reach it
 
 
 def _tile(tiles, rows: int) -> tuple[int, int, int, int]:
     return next(t[1:] for t in tiles if t[0] is None or rows <= t[0])
+
+
+def _weight_only_tile(rows: int, columns: int, groups: int) -> tuple[int, int, int, int]:
+    """``WEIGHT_ONLY_TILES``' launch with ``BLOCK_N`` halved (down to 16) while the grid has fewer than
+    ``MIN_PROGRAMS`` programs: a decode batch's ``[64, 4096]`` output in 64 x 64 tiles would leave most SMs idle
+    (memory bound, every SM has to stream weights)."""
+    block_m, block_n, warps, stages = _tile(WEIGHT_ONLY_TILES, rows)
+    while block_n > 16 and triton.cdiv(rows, block_m) * triton.cdiv(columns, block_n) * groups < MIN_PROGRAMS:
+        block_n //= 2
+    return block_m, block_n, warps, stages
 
 
 
@@ -208,8 +219,9 @@ def launch(path: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
             x, weight, raw, out, N, K, x.stride(1), weight.stride(0), raw.stride(0), out.stride(1), BLOCK_N=block_n,
             BLOCK_K=block_k, num_warps=warps, num_stages=stages, **consts)
         return
-    tiles = WEIGHT_ONLY_TILES if path == WEIGHT_ONLY else FP8_TC_TILES
-    block_m, block_n, warps, stages = tile or _tile(tiles, M)
+    if tile is None:
+        tile = _weight_only_tile(M, N, groups) if path == WEIGHT_ONLY else _tile(FP8_TC_TILES, M)
+    block_m, block_n, warps, stages = tile
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), groups)
     if path == WEIGHT_ONLY:
         args = (x, weight, raw, out, M, N, K, x.stride(0), x.stride(1), weight.stride(0), raw.stride(0),

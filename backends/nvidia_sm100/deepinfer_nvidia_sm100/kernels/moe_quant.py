@@ -8,13 +8,16 @@ kernels by expert id); only the weight tiles differ. Each tile is loaded as stor
 written.
 
 * MXFP4 (``[E, rows, cols / 2]`` bytes, ue8m0 ``[E, rows, cols / 32]``): a byte holds inputs ``2i`` (low nibble)
-  and ``2i + 1``; a ``BLOCK_K`` slice is ``BLOCK_K / 2`` bytes, decoded into the even and the odd inputs' weights,
-  multiplied by the even and the odd activation columns (two dots of ``BLOCK_K / 2``).
+  and ``2i + 1``. With bf16 activations (``scaled_dot``) a ``BLOCK_K`` slice is one ``tl.dot_scaled`` over
+  contiguous inputs (the compiler expands the nibbles to bf16 and applies each scale once per 32 inputs); otherwise
+  its ``BLOCK_K / 2`` bytes are decoded into the even and the odd inputs' weights, multiplied by the even and the
+  odd activation columns (two dots of ``BLOCK_K / 2``). The one-token kernels apply each scale once per group.
 * fp8 e4m3 blocks (``[E, rows, cols]``, ue8m0 or float32 ``[E, ceil(rows / B0), ceil(cols / B1)]``): ``BLOCK_K``
-  divides ``B1``, so one scale per output row and tile.
+  divides ``B1``, so one scale per output row and tile (ue8m0: applied to the tile's product, not to each weight);
+  the one-token kernels read whole scale blocks per slice.
 
 Rounding follows the reference ops: the dequantized weight is rounded to the activations' dtype before the product
-(exact for MXFP4 and ue8m0, whose values fit bf16), the rest as ``moe.py``. No host synchronisation: CUDA graphs
+(exact for MXFP4 and ue8m0, whose values fit bf16, so skipped there), the rest as ``moe.py``. No host synchronisation: CUDA graphs
 capture it.
 """
 
@@ -198,8 +201,9 @@ def _down_row_kernel(h_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, weights_ptr, D, I,
 
 
 # One-token launches (BLOCK_N, BLOCK_K, num_warps, num_stages): MXFP4 rows are a quarter of bf16 rows' bytes and fp8
-# half, so a program takes more rows than ``gemv.row_config``'s two; fp8 slices stay inside one scale block.
-ROW_TILES = {MXFP4: (8, 512, 4, 3), FP8: (16, 128, 4, 4)}  # 16-byte loads per thread
+# half, so a program takes more rows than ``gemv.row_config``'s two; fp8 slices span whole scale blocks (four of
+# 128: 64 bytes in flight per thread and stage, as the bf16 GEMV's widest launch).
+ROW_TILES = {MXFP4: (8, 512, 4, 3), FP8: (16, 512, 4, 3)}  # 16-byte loads per thread
 TILES = {
     # (max mean assignments per expert, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps)): ``moe.TILES`` up to 256 tokens per
     # expert; beyond, 128 x 128 tiles, since every program expands its weight tiles again and a taller tile spreads
@@ -231,10 +235,11 @@ def _tiles(fmt: int, num_assign: int, num_experts: int, block: tuple[int, int]) 
 
 
 def _run(fmt: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s2, w3, s3,
-         block: tuple[int, int], limit: float, tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """Both ops: one token through the row kernels, otherwise align, up, down, combine. ``tile`` fixes the launch
-    (the row kernels' ``ROW_TILES`` entry for one token, else ``_tiles``' (BLOCK_M, BLOCK_N, BLOCK_K, num_warps);
-    ``benchmarks/bench_quant.py`` sweeps them)."""
+         block: tuple[int, int], limit: float, tile: tuple[int, int, int, int] | None = None,
+         row_kernels: bool = True) -> torch.Tensor:
+    """Both ops: one token through the row kernels (unless ``row_kernels`` is False), otherwise align, up, down,
+    combine. ``tile`` fixes the launch (the row kernels' ``ROW_TILES`` entry for one token, else ``_tiles``'
+    (BLOCK_M, BLOCK_N, BLOCK_K, num_warps); ``benchmarks/bench_quant.py`` sweeps them and both one-token paths)."""
     T, top_k = ids.shape
     E, I = w1.shape[0], w1.shape[1]
     D = x.shape[1]
@@ -244,7 +249,7 @@ def _run(fmt: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     w1, w2, w3 = (w.contiguous().view(torch.uint8) if fmt == MXFP4 else w.contiguous() for w in (w1, w2, w3))
     (s1, ue8m0), (s2, _), (s3, _) = (dequant.scale_operand(s.contiguous()) for s in (s1, s2, s3))
     consts = {"FMT": fmt, "B0": block[0], "B1": block[1], "UE8M0": ue8m0}
-    if T == 1 and top_k <= moe.ONE_TOKEN_MAX_TOP_K:
+    if T == 1 and top_k <= moe.ONE_TOKEN_MAX_TOP_K and row_kernels:
         return _one_token(x, ids, weights, w1, s1, w2, s2, w3, s3, D, I, limit, consts, tile)
     block_m, block_n, block_k, warps = tile or _tiles(fmt, T * top_k, E, block)
     sorted_assign, block_expert, dest = moe.align(ids, E, block_m)
