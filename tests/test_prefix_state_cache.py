@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from v4_factory import ALL_TYPES, tiny_checkpoint
+from v4_factory import ALL_TYPES, record_prompt_chunks, tiny_checkpoint
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.engine.prefix_state_cache import DEVICE_METRICS, PrefixStateCache, PrefixStateStats
@@ -37,20 +37,6 @@ def _llm(folder, **kwargs) -> LLM:
 
 def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(2, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _chunks(llm: LLM) -> list[tuple[int, int]]:
-    """(start, tokens) of every prompt chunk (more than one token) the engine plans from now on."""
-    chunks: list[tuple[int, int]] = []
-    schedule = llm.engine.scheduler.schedule
-
-    def recorded():
-        output = schedule()
-        chunks.extend((c.start, c.num_tokens) for c in output.chunks if c.num_tokens > 1)
-        return output
-
-    llm.engine.scheduler.schedule = recorded
-    return chunks
 
 
 def _metrics(llm: LLM) -> dict[str, float]:
@@ -98,7 +84,7 @@ def test_the_same_prompt_again_is_restored_and_equals_a_cold_run(ckpt, length):
     llm, cold = _llm(ckpt, prefix_state_split_min_tokens=1), _llm(ckpt, enable_prefix_caching=False)
     prompt = {"prompt_token_ids": _tokens(length, seed=length)}
     boundary = (length - MIN_CHUNK) // BLOCK * BLOCK
-    chunks = _chunks(llm)
+    chunks = record_prompt_chunks(llm)
     llm.generate(prompt, GREEDY, use_tqdm=False)
     got = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
     assert chunks == [(0, boundary), (boundary, length - boundary), (boundary, length - boundary)]
@@ -154,7 +140,7 @@ def test_eviction_under_a_small_budget_falls_back_to_the_exact_rebuild(ckpt):
     first, second = ({"prompt_token_ids": _tokens(45, seed=s)} for s in (1, 2))
     llm.generate(first, short, use_tqdm=False)
     llm.generate(second, short, use_tqdm=False)
-    chunks = _chunks(llm)
+    chunks = record_prompt_chunks(llm)
     restored = llm.generate(second, short, use_tqdm=False)[0]
     rebuilt = llm.generate(first, short, use_tqdm=False)[0]
     metrics = _metrics(llm)
@@ -169,7 +155,7 @@ def test_eviction_under_a_small_budget_falls_back_to_the_exact_rebuild(ckpt):
 def test_on_by_default_off_without_prefix_caching_and_short_prompts_are_not_split(ckpt):
     llm = _llm(ckpt)
     assert llm.engine.state_cache is not None and llm.engine.state_cache.split_min_tokens == 4096
-    chunks = _chunks(llm)
+    chunks = record_prompt_chunks(llm)
     llm.generate({"prompt_token_ids": _tokens(40, seed=3)}, GREEDY, use_tqdm=False)
     assert chunks == [(0, 40)]
     assert _llm(ckpt, enable_prefix_caching=False).engine.state_cache is None
@@ -204,7 +190,7 @@ def test_a_restored_hit_runs_the_padded_static_step_of_its_short_tail():
     prompt = {"prompt_token_ids": torch.randint(5, 1000, (512,), generator=torch.Generator().manual_seed(4)).tolist()}
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=5)
     graphs = llm.engine.runner.prefill_graphs
-    chunks = _chunks(llm)
+    chunks = record_prompt_chunks(llm)
     llm.generate(prompt, params, use_tqdm=False)
     offset_before = graphs.num_offset_replays
     got = llm.generate(prompt, params, use_tqdm=False)[0]

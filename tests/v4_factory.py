@@ -168,3 +168,18 @@ def tiny_checkpoint_with_mtp(folder, reference: ReferenceMTP, num_nextn: int = 1
     config = json.loads((folder / "config.json").read_text())
     config["num_nextn_predict_layers"] = num_nextn
     (folder / "config.json").write_text(json.dumps(config))
+
+
+def record_prompt_chunks(llm) -> list[tuple[int, int]]:
+    """A list that fills with ``(start, tokens)`` of every prompt chunk (more than one token) ``llm``'s engine plans
+    from now on (its scheduler's ``schedule`` wrapped)."""
+    chunks: list[tuple[int, int]] = []
+    schedule = llm.engine.scheduler.schedule
+
+    def recorded():
+        output = schedule()
+        chunks.extend((c.start, c.num_tokens) for c in output.chunks if c.num_tokens > 1)
+        return output
+
+    llm.engine.scheduler.schedule = recorded
+    return chunks

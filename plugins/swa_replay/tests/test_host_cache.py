@@ -114,16 +114,7 @@ def _llm(folder, **kwargs) -> LLM:
 
 def _first_chunks(llm: LLM) -> list[tuple[int, int]]:
     """(start, tokens) of every prompt chunk (more than one token) the engine plans from now on."""
-    chunks: list[tuple[int, int]] = []
-    schedule = llm.engine.scheduler.schedule
-
-    def recorded():
-        output = schedule()
-        chunks.extend((c.start, c.num_tokens) for c in output.chunks if c.num_tokens > 1)
-        return output
-
-    llm.engine.scheduler.schedule = recorded
-    return chunks
+    return pytest.importorskip("v4_factory").record_prompt_chunks(llm)
 
 
 def _turns(llm: LLM) -> tuple[object, object]:
