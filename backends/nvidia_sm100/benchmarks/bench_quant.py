@@ -161,13 +161,14 @@ def bench_linear() -> None:
 
 MOE_SWEEP = {  # tokens -> (path, launch) tried for the MXFP4 experts, the default first. Paths: "rows" (the one-token
     # row kernels, ROW_TILES' form), "grouped" (align + the grouped kernels, _tiles' form; tl.dot_scaled at bf16),
-    # "old" (the grouped kernels with DEEPINFER_NVIDIA_MXFP4_DOT_SCALED=0: float32 decode, even / odd products)
+    # "old" (the grouped kernels with DEEPINFER_NVIDIA_MXFP4_DOT_SCALED=0: float32 decode, even / odd products),
+    # "unswapped" (16-row tiles with the activations as dot_scaled's left operand: SWAP_AB_MAX_ROWS = 0)
     1: (("rows", (8, 512, 4, 3)), ("rows", (4, 1024, 4, 3)), ("rows", (8, 1024, 8, 3)), ("rows", (16, 512, 8, 3)),
         ("grouped", (16, 64, 128, 4)), ("grouped", (16, 32, 256, 4))),
-    16: (("grouped", (16, 64, 128, 4)), ("grouped", (16, 32, 128, 4)), ("grouped", (16, 32, 256, 4)),
-         ("old", (16, 64, 128, 4))),
-    64: (("grouped", (16, 64, 128, 4)), ("grouped", (16, 128, 128, 4)), ("grouped", (16, 32, 256, 4)),
-         ("old", (16, 64, 128, 4))),
+    16: (("grouped", (16, 64, 128, 4)), ("grouped", (16, 128, 128, 4)), ("grouped", (16, 64, 256, 4)),
+         ("unswapped", (16, 64, 128, 4)), ("old", (16, 64, 128, 4))),
+    64: (("grouped", (16, 64, 128, 4)), ("grouped", (16, 128, 128, 4)), ("grouped", (16, 64, 256, 4)),
+         ("unswapped", (16, 64, 128, 4)), ("old", (16, 64, 128, 4))),
     8192: (("grouped", (128, 128, 64, 8)), ("grouped", (128, 128, 128, 8)), ("grouped", (64, 128, 128, 8)),
            ("grouped", (128, 256, 64, 8)), ("old", (128, 128, 64, 8))),
 }
@@ -185,6 +186,13 @@ def moe_sweep_run(path: str, tile: tuple[int, int, int, int], x, ids, routing, s
     from deepinfer_nvidia_sm100.kernels import moe_quant
 
     def run():
+        if path == "unswapped":
+            swap, moe_quant.SWAP_AB_MAX_ROWS = moe_quant.SWAP_AB_MAX_ROWS, 0
+            try:
+                return moe_quant._run(moe_quant.MXFP4, x, ids, routing, *stored, moe_quant.MXFP4_BLOCK, 10.0, tile,
+                                      row_kernels=False)
+            finally:
+                moe_quant.SWAP_AB_MAX_ROWS = swap
         if path != "old":
             return moe_quant._run(moe_quant.MXFP4, x, ids, routing, *stored, moe_quant.MXFP4_BLOCK, 10.0, tile,
                                   row_kernels=path == "rows")

@@ -59,7 +59,8 @@ def _expect_tensor_cores(ptx: str, rows: int, capability: int, name: str) -> Non
 @pytest.mark.parametrize("kernel", ["_up_kernel", "_down_kernel"])
 def test_quantized_moe_kernels_reach_the_tensor_cores(kernel, fmt, tile_name, capability):
     """Each tile ``_tiles`` picks compiles to the architecture's MMA without spilling registers (MXFP4 with bf16
-    activations: ``tl.dot_scaled``, whose expanded tiles reach wgmma / tcgen05 even at 16 rows)."""
+    activations: ``tl.dot_scaled``, whose expanded tiles reach wgmma / tcgen05 even at 16 rows; there the weights
+    are the left operand, so SM90 runs m64n16 wgmma with them in registers)."""
     block = moe_quant.MXFP4_BLOCK if fmt == moe_quant.MXFP4 else (128, 128)
     per_expert = {"decode": 16, "prefill": 256, "large": 768}[tile_name]
     block_m, block_n, block_k, warps = moe_quant._tiles(fmt, 64 * per_expert, 64, block)
@@ -67,9 +68,12 @@ def test_quantized_moe_kernels_reach_the_tensor_cores(kernel, fmt, tile_name, ca
     fn = getattr(moe_quant, kernel)
     constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "FMT": fmt, "B0": block[0],
                  "B1": block[1], "UE8M0": True, "PRECISION": "tf32", "SCALED": moe_quant.scaled_dot(fmt, torch.bfloat16)}
+    constants["SWAP"] = constants["SCALED"] and block_m <= moe_quant.SWAP_AB_MAX_ROWS
     ptx = _compile(fn, _weights(fmt, ("1", "2", "3")), constants, capability, warps)
     _expect_tensor_cores(ptx, 64 if constants["SCALED"] else block_m, capability, f"{kernel} fmt {fmt} {tile_name}")
     assert "ld.local" not in ptx and "st.local" not in ptx, f"{kernel} fmt {fmt} {tile_name}: registers spill"
+    if constants["SWAP"] and capability == 90:
+        assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n16k16\.f32\.bf16\.bf16 \{[^}]*\}, \{%r", ptx), kernel
 
 
 @pytest.mark.parametrize("capability", sorted(ARCHS))

@@ -99,6 +99,21 @@ def mxfp4_dot_scaled(acc, a, w_cols, s_rows, k0, K, n_mask, BLOCK_K: tl.constexp
 
 
 @triton.jit
+def mxfp4_dot_scaled_swapped(acc_t, a_t, w_rows, s_rows, k0, K, n_mask, BLOCK_K: tl.constexpr):
+    """``mxfp4_dot_scaled`` transposed, for few activation rows: ``acc_t [BN, BM] += W[:, slice] @ a_t`` with the
+    weights as the left operand (``[BN, BK / 2]`` bytes, their scales ``[BN, BK / 32]``) and ``a_t [BK, BM]`` the
+    activations' transpose. On SM90 the expanded weights then feed wgmma from registers (64 weight rows x
+    ``BM`` activation rows, no padding of a 16-row tile to 64) and only the small activation tile goes through
+    shared memory. ``w_rows`` / ``s_rows``: ``[BN, 1]`` pointers to the rows' packed bytes and scales."""
+    pairs = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BK / 2]
+    groups = k0 // MXFP4_GROUP + tl.arange(0, BLOCK_K // MXFP4_GROUP)  # [G]
+    packed = tl.load(w_rows + pairs[None, :], mask=n_mask[:, None] & (pairs < K // 2)[None, :], other=0)
+    scale = tl.load(s_rows + groups[None, :], mask=n_mask[:, None] & (groups < K // MXFP4_GROUP)[None, :],
+                    other=UE8M0_ONE)  # [BN, G]
+    return tl.dot_scaled(packed, scale, "e2m1", a_t, None, "bf16", acc_t)
+
+
+@triton.jit
 def fp8_dot(acc, a, w_ptr, s_ptr, offs_k, offs_n, k0, w_stride, s_stride, mask, n_mask,
              B0: tl.constexpr, B1: tl.constexpr, UE8M0: tl.constexpr, PRECISION: tl.constexpr):
     """``acc += a @ W[:, offs_k]^T`` for one fp8 block slice (``offs_k`` inside one scale block, starting at ``k0``)

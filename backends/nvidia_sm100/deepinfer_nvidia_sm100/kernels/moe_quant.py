@@ -40,10 +40,11 @@ def _up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, assign_ptr, block_e
                stride_xt, stride_we, stride_wi, stride_se, stride_si, stride_hm,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr,
                B0: tl.constexpr, B1: tl.constexpr, UE8M0: tl.constexpr, PRECISION: tl.constexpr,
-               SCALED: tl.constexpr = False, PDL: tl.constexpr = False):
+               SCALED: tl.constexpr = False, SWAP: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (block of sorted rows, tile of I): ``h = silu(clamp(x w1^T)) * clamp(x w3^T)`` as ``moe._up_kernel``,
     ``w1`` / ``w3`` (``[E, I, D / 2]`` MXFP4 or ``[E, I, D]`` fp8, same strides, scales likewise) decoded per
-    tile; ``SCALED`` (MXFP4, bf16 activations): ``dequant.mxfp4_dot_scaled`` over contiguous inputs."""
+    tile; ``SCALED`` (MXFP4, bf16 activations): ``dequant.mxfp4_dot_scaled`` over contiguous inputs, ``SWAP``
+    its transposed form (``[BN, BM]`` accumulators, transposed once after the loop)."""
     pdl.begin(PDL)
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -57,14 +58,24 @@ def _up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, assign_ptr, block_e
     n_mask = offs_n < I
     w1, w3 = w1_ptr + expert.to(tl.int64) * stride_we, w3_ptr + expert.to(tl.int64) * stride_we
     s1, s3 = s1_ptr + expert.to(tl.int64) * stride_se, s3_ptr + expert.to(tl.int64) * stride_se
-    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP:
+        acc1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w1_cols = w1 + offs_n[None, :].to(tl.int64) * stride_wi  # [1, BN]
     w3_cols = w3 + offs_n[None, :].to(tl.int64) * stride_wi
     s1_rows = s1 + offs_n[:, None].to(tl.int64) * stride_si  # [BN, 1]
     s3_rows = s3 + offs_n[:, None].to(tl.int64) * stride_si
     for k0 in range(0, D, BLOCK_K):
-        if SCALED:
+        if SWAP:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a_t = tl.load(tl.trans(x_rows) + offs_k[:, None], mask=valid[None, :] & (offs_k < D)[:, None],
+                          other=0.0)  # [BK, BM]
+            acc1 = dequant.mxfp4_dot_scaled_swapped(acc1, a_t, tl.trans(w1_cols), s1_rows, k0, D, n_mask, BLOCK_K)
+            acc3 = dequant.mxfp4_dot_scaled_swapped(acc3, a_t, tl.trans(w3_cols), s3_rows, k0, D, n_mask, BLOCK_K)
+        elif SCALED:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(x_rows + offs_k[None, :], mask=valid[:, None] & (offs_k < D)[None, :], other=0.0)  # [BM, BK]
             acc1 = dequant.mxfp4_dot_scaled(acc1, a, w1_cols, s1_rows, k0, D, n_mask, BLOCK_K)
@@ -88,6 +99,8 @@ def _up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, assign_ptr, block_e
                                    UE8M0, PRECISION)
             acc3 = dequant.fp8_dot(acc3, a, w3, s3, offs_k, offs_n, k0, stride_wi, stride_si, mask, n_mask, B0, B1,
                                    UE8M0, PRECISION)
+    if SWAP:
+        acc1, acc3 = tl.trans(acc1), tl.trans(acc3)  # [BM, BN]
     dt = h_ptr.dtype.element_ty
     h = moe._swiglu(acc1.to(dt).to(tl.float32), acc3.to(dt).to(tl.float32), limit, dt)
     tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_n[None, :], h.to(dt),
@@ -99,7 +112,7 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, assign_ptr, block_ex
                  stride_hm, stride_we, stride_wd, stride_se, stride_sd, stride_ym,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr,
                  B0: tl.constexpr, B1: tl.constexpr, UE8M0: tl.constexpr, PRECISION: tl.constexpr,
-                 SCALED: tl.constexpr = False, PDL: tl.constexpr = False):
+                 SCALED: tl.constexpr = False, SWAP: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (block of sorted rows, tile of D): ``y = (h w2^T) * routing weight`` as ``moe._down_kernel``."""
     pdl.begin(PDL)
     pid_m = tl.program_id(0)
@@ -114,11 +127,18 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, assign_ptr, block_ex
     n_mask = offs_n < D
     w2 = w2_ptr + expert.to(tl.int64) * stride_we
     s2 = s2_ptr + expert.to(tl.int64) * stride_se
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w2_cols = w2 + offs_n[None, :].to(tl.int64) * stride_wd  # [1, BN]
     s2_rows = s2 + offs_n[:, None].to(tl.int64) * stride_sd  # [BN, 1]
     for k0 in range(0, I, BLOCK_K):
-        if SCALED:
+        if SWAP:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a_t = tl.load(tl.trans(h_rows) + offs_k[:, None], mask=valid[None, :] & (offs_k < I)[:, None], other=0.0)
+            acc = dequant.mxfp4_dot_scaled_swapped(acc, a_t, tl.trans(w2_cols), s2_rows, k0, I, n_mask, BLOCK_K)
+        elif SCALED:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(h_rows + offs_k[None, :], mask=valid[:, None] & (offs_k < I)[None, :], other=0.0)
             acc = dequant.mxfp4_dot_scaled(acc, a, w2_cols, s2_rows, k0, I, n_mask, BLOCK_K)
@@ -136,6 +156,8 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, assign_ptr, block_ex
             a = tl.load(h_rows + offs_k[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
             acc = dequant.fp8_dot(acc, a, w2, s2, offs_k, offs_n, k0, stride_wd, stride_sd,
                                   n_mask[None, :] & k_mask[:, None], n_mask, B0, B1, UE8M0, PRECISION)
+    if SWAP:
+        acc = tl.trans(acc)  # [BM, BN]
     dt = y_ptr.dtype.element_ty
     w = tl.load(weights_ptr + tl.where(valid, assign, 0), mask=valid, other=0.0)
     acc = acc.to(dt).to(tl.float32) * w.to(dt).to(tl.float32)[:, None]
@@ -215,6 +237,9 @@ TILES = {
 }
 
 
+SWAP_AB_MAX_ROWS = 16  # ``tl.dot_scaled`` tiles of at most this many rows multiply with the weights on the left
+
+
 def scaled_dot(fmt: int, dtype: torch.dtype) -> bool:
     """Whether the grouped kernels multiply MXFP4 tiles through ``tl.dot_scaled`` (bf16 activations, unless
     ``DEEPINFER_NVIDIA_MXFP4_DOT_SCALED=0``); otherwise each tile is decoded to float32 by ``dequant.mxfp4_dot``
@@ -259,7 +284,8 @@ def _run(fmt: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     h = torch.empty((rows, I), dtype=x.dtype, device=x.device)
     y = torch.empty((rows, D), dtype=x.dtype, device=x.device)
     tiles = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "PRECISION": precision, "num_warps": warps,
-             "num_stages": stages, "SCALED": scaled_dot(fmt, x.dtype), **consts, **pdl.launch()}
+             "num_stages": stages, "SCALED": scaled_dot(fmt, x.dtype),
+             "SWAP": scaled_dot(fmt, x.dtype) and block_m <= SWAP_AB_MAX_ROWS, **consts, **pdl.launch()}
     _up_kernel[(rows // block_m, triton.cdiv(I, block_n))](
         x, w1, s1, w3, s3, h, sorted_assign, block_expert, D, I, top_k, float(limit), x.stride(0), w1.stride(0),
         w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0), **tiles)
