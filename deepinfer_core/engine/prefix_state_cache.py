@@ -39,8 +39,9 @@ from deepinfer_core.engine.request import Request
 from deepinfer_core.engine.state_manager import chain_hashes
 from deepinfer_core.metrics import Counter, Gauge, MetricsRegistry
 
-#: ``EngineArgs.prefix_state_split_min_tokens``' default: a miss of a prompt this long takes one more step (of at most a
-#: block) so the same prompt again is restored at its last block boundary; shorter prompts are not split.
+#: ``EngineArgs.prefix_state_split_min_tokens``' default: a miss of a prompt this long takes one more, short step (its
+#: tail: 128 to 255 tokens for V4) so the same prompt again is restored where the tail starts; shorter prompts are not
+#: split.
 PREFIX_STATE_SPLIT_MIN_TOKENS = 4096
 
 COUNTERS = ("hits", "misses", "evictions", "expirations", "stores")
@@ -61,6 +62,12 @@ class PrefixStateStats:
     cap), expirations (TTL), stores, and the ``bytes`` gauge. Standalone until ``register`` moves them into an
     engine's metrics registry (``LLM.get_metrics()``), keeping the counts so far."""
 
+    hits: Counter
+    misses: Counter
+    evictions: Counter
+    expirations: Counter
+    stores: Counter
+
     def __init__(self, names: Mapping[str, tuple[str, str]] = DEVICE_METRICS,
                  bytes_metric: tuple[str, str] = DEVICE_BYTES_METRIC):
         self.names = dict(names)
@@ -68,12 +75,6 @@ class PrefixStateStats:
         for field in COUNTERS:
             setattr(self, field, Counter(*self.names[field]))
         self.bytes = Gauge(*bytes_metric)
-
-    hits: Counter
-    misses: Counter
-    evictions: Counter
-    expirations: Counter
-    stores: Counter
 
     def register(self, registry: MetricsRegistry) -> None:
         """Move every counter (and the bytes gauge) into ``registry``, keeping the counts so far."""
