@@ -172,11 +172,33 @@ MOE_SWEEP = {  # tokens -> (path, launch) tried for the MXFP4 experts, the defau
     8192: (("grouped", (128, 128, 64, 8)), ("grouped", (128, 128, 128, 8)), ("grouped", (64, 128, 128, 8)),
            ("grouped", (128, 256, 64, 8)), ("old", (128, 128, 64, 8))),
 }
-LINEAR_SWEEP = {  # rows -> (path, launches) tried on wo_b (4096 x 8192), the default first
-    1: ("row", ((16, 512, 4, 3), (16, 128, 4, 4), (8, 512, 4, 3), (16, 1024, 8, 3), (4, 1024, 4, 3))),
-    64: ("weight_only", ((64, 16, 4, 3), (64, 64, 4, 3), (16, 16, 4, 4), (16, 32, 4, 4), (32, 16, 4, 3))),
-    8192: ("fp8_tc", ((128, 128, 8, 3), (64, 128, 4, 3), (128, 256, 8, 3), (128, 128, 8, 4), (256, 128, 8, 3))),
+LINEAR_SWEEP = {  # rows -> (path, launch) tried on wo_b (4096 x 8192), the default first; "unswapped": weight-only
+    # 16-row tiles with the activations as the left operand (fp8_linear.SWAP_AB_MAX_ROWS = 0)
+    1: (("row", (16, 512, 4, 3)), ("row", (16, 128, 4, 4)), ("row", (8, 512, 4, 3)), ("row", (16, 1024, 8, 3)),
+        ("weight_only", (16, 16, 4, 4)), ("weight_only", (16, 64, 4, 4))),
+    16: (("weight_only", (16, 16, 4, 4)), ("weight_only", (16, 64, 4, 4)), ("weight_only", (16, 32, 4, 4)),
+         ("unswapped", (16, 16, 4, 4))),
+    64: (("weight_only", (64, 16, 4, 3)), ("weight_only", (64, 64, 4, 3)), ("weight_only", (16, 16, 4, 4)),
+         ("weight_only", (16, 64, 4, 4))),
+    8192: (("fp8_tc", (128, 128, 8, 3)), ("fp8_tc", (64, 128, 4, 3)), ("fp8_tc", (128, 256, 8, 3)),
+           ("fp8_tc", (128, 128, 8, 4)), ("fp8_tc", (256, 128, 8, 3))),
 }
+
+
+def linear_sweep_run(path: str, tile: tuple[int, int, int, int], x, w, s):
+    """The fp8 linear at one sweep point: a function of no arguments."""
+    from deepinfer_nvidia_sm100.kernels import fp8_linear
+
+    def run():
+        if path != "unswapped":
+            return fp8_linear.matmul(x, w, s, BLOCK, 1, path, tile)
+        swap, fp8_linear.SWAP_AB_MAX_ROWS = fp8_linear.SWAP_AB_MAX_ROWS, 0
+        try:
+            return fp8_linear.matmul(x, w, s, BLOCK, 1, fp8_linear.WEIGHT_ONLY, tile)
+        finally:
+            fp8_linear.SWAP_AB_MAX_ROWS = swap
+
+    return run
 
 
 def moe_sweep_run(path: str, tile: tuple[int, int, int, int], x, ids, routing, stored):
@@ -209,7 +231,6 @@ def moe_sweep_run(path: str, tile: tuple[int, int, int, int], x, ids, routing, s
 def sweep() -> None:
     """Launch sweeps for tuning (after the tables: a run cut short keeps those): MXFP4 experts by tokens, the fp8
     linear kernels by rows; each launch checked against the reference op, then timed."""
-    from deepinfer_nvidia_sm100.kernels import fp8_linear
 
     print("\nsweep: MXFP4 experts (tokens: path launch -> time; the default first)")
     stored = expert_weights()["mxfp4"]
@@ -224,18 +245,18 @@ def sweep() -> None:
             err = relative_error(run(), want)
             cells.append(f"{path} {tile}: {micros(timed(run, T))}" + (f" (error {err:.1e})" if err > 2e-2 else ""))
         print(f"  {T}: " + "; ".join(cells))
-    print("\nsweep: fp8 linear wo_b 4096 x 8192 (rows: launch -> time; the default first)")
+    print("\nsweep: fp8 linear wo_b 4096 x 8192 (rows: path launch -> time; the default first)")
     torch.manual_seed(2)
     w, s = fp8_block.quantize(torch.randn(4096, 8192, device=DEVICE) * 0.02, BLOCK, ue8m0=True)
-    for rows, (path, tiles) in LINEAR_SWEEP.items():
+    for rows, points in LINEAR_SWEEP.items():
         x = torch.randn(rows, 1, 8192, device=DEVICE).to(torch.bfloat16)
         want = ref.linear_fp8_block(x, w, s, BLOCK)
         cells = []
-        for tile in tiles:
-            run = partial(fp8_linear.matmul, x, w, s, BLOCK, 1, path, tile)
+        for path, tile in points:
+            run = linear_sweep_run(path, tile, x, w, s)
             err = relative_error(run(), want)
-            cells.append(f"{tile}: {micros(timed(run, rows))}" + (f" (error {err:.1e})" if err > 0.1 else ""))
-        print(f"  {rows} ({path}): " + "; ".join(cells))
+            cells.append(f"{path} {tile}: {micros(timed(run, rows))}" + (f" (error {err:.1e})" if err > 0.1 else ""))
+        print(f"  {rows}: " + "; ".join(cells))
 
 
 def main() -> None:

@@ -92,13 +92,17 @@ LINEAR_TYPES = {"w_ptr": "*fp8e4nv", "s_ptr": "*u8", "xq_ptr": "*fp8e4nv", "xs_p
 
 
 @pytest.mark.parametrize("capability", sorted(ARCHS))
-@pytest.mark.parametrize("rows, columns", [(16, 4096), (64, 4096), (64, 32768)])  # wo_b's narrowed tiles, wq_b's
+@pytest.mark.parametrize("rows, columns", [(16, 4096), (16, 32768), (64, 4096), (64, 32768)])  # wo_b; wq_b
 def test_fp8_weight_only_kernel_tiles(rows, columns, capability):
+    """16-row tiles multiply with the weights on the left: m64n16 wgmma from registers on SM90 (as narrow as the
+    column tile allows: 16 columns stay on mma.sync)."""
     block_m, block_n, warps, stages = fp8_linear._weight_only_tile(rows, columns, 1)
+    swap = block_m <= fp8_linear.SWAP_AB_MAX_ROWS
     constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 128, "B0": 128, "B1": 128, "UE8M0": True,
-                 "PRECISION": "tf32"}
+                 "PRECISION": "tf32", "SWAP": swap}
     ptx = _compile(fp8_linear._weight_only_kernel, LINEAR_TYPES, constants, capability, warps, stages)
-    _expect_tensor_cores(ptx, block_m, capability, f"weight-only {block_m} rows")
+    _expect_tensor_cores(ptx, block_n if swap else block_m, capability, f"weight-only {block_m} rows")
+    assert "ld.local" not in ptx, f"weight-only {block_m} rows: registers spill"
 
 
 @pytest.mark.parametrize("capability", sorted(ARCHS))

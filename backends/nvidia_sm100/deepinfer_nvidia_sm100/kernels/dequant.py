@@ -128,6 +128,20 @@ def fp8_dot(acc, a, w_ptr, s_ptr, offs_k, offs_n, k0, w_stride, s_stride, mask, 
 
 
 @triton.jit
+def fp8_dot_swapped(acc_t, a_t, w_rows, s_rows, offs_k, k0, mask, n_mask, B1: tl.constexpr, UE8M0: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """``fp8_dot`` transposed, for few activation rows: ``acc_t [BN, BM] += W[:, offs_k] @ a_t`` with the weight
+    tile ``[BN, BK]`` as the left operand (on SM90: m64n16 wgmma with it in registers) and ``a_t [BK, BM]`` the
+    activations' transpose; ``w_rows`` / ``s_rows``: ``[BN]`` pointers to the rows' weights and block scales."""
+    w = tl.load(w_rows[:, None] + offs_k[None, :], mask=mask, other=0.0)  # [BN, BK]
+    scale = block_scale(tl.load(s_rows + k0 // B1, mask=n_mask, other=0), UE8M0)  # [BN]
+    if UE8M0:
+        return acc_t + tl.dot(w.to(a_t.dtype), a_t, input_precision=PRECISION) * scale[:, None]
+    else:
+        return tl.dot((w.to(tl.float32) * scale[:, None]).to(a_t.dtype), a_t, acc_t, input_precision=PRECISION)
+
+
+@triton.jit
 def row_acc(BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr, B1: tl.constexpr):
     """The zero fp32 accumulator of ``row_product``: one sum per row and scale group of the slice, ``[BN, BK / 32]``
     (MXFP4) or ``[BN, BK / min(BK, B1)]`` (fp8)."""

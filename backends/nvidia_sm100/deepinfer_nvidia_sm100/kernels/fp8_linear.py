@@ -79,9 +79,10 @@ def _row_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, stride_xg, stride_wn, stride
 def _weight_only_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_xg, stride_wn, stride_sn,
                         stride_om, stride_og, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         B0: tl.constexpr, B1: tl.constexpr, UE8M0: tl.constexpr, PRECISION: tl.constexpr,
-                        PDL: tl.constexpr = False):
+                        SWAP: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (row block, column block, group): ``out = x @ W^T`` with each fp8 weight tile decoded to ``x``'s
-    dtype in registers (``BLOCK_K`` divides ``B1``)."""
+    dtype in registers (``BLOCK_K`` divides ``B1``); ``SWAP``: as ``out^T = W @ x^T`` (``dequant.fp8_dot_swapped``,
+    the weights the left operand), transposed once after the loop."""
     pdl.begin(PDL)
     group = tl.program_id(2).to(tl.int64)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -89,13 +90,25 @@ def _weight_only_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride
     m_mask, n_mask = offs_m < M, offs_n < N
     x_rows = x_ptr + group * stride_xg + offs_m[:, None].to(tl.int64) * stride_xm  # [BM, 1]
     rows = group * N + offs_n  # [BN] weight rows
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_rows = w_ptr + rows.to(tl.int64) * stride_wn  # [BN]
+    s_rows = s_ptr + (rows // B0) * stride_sn
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
-        a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
-        acc = dequant.fp8_dot(acc, a, w_ptr, s_ptr, offs_k, rows, k0, stride_wn, stride_sn,
-                              n_mask[None, :] & k_mask[:, None], n_mask, B0, B1, UE8M0, PRECISION)
+        if SWAP:
+            a_t = tl.load(tl.trans(x_rows) + offs_k[:, None], mask=m_mask[None, :] & k_mask[:, None], other=0.0)
+            acc = dequant.fp8_dot_swapped(acc, a_t, w_rows, s_rows, offs_k, k0, n_mask[:, None] & k_mask[None, :],
+                                          n_mask, B1, UE8M0, PRECISION)  # [BN, BM]
+        else:
+            a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
+            acc = dequant.fp8_dot(acc, a, w_ptr, s_ptr, offs_k, rows, k0, stride_wn, stride_sn,
+                                  n_mask[None, :] & k_mask[:, None], n_mask, B0, B1, UE8M0, PRECISION)
+    if SWAP:
+        acc = tl.trans(acc)  # [BM, BN]
     tl.store(out_ptr + group * stride_og + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -186,6 +199,7 @@ def _fp8_tc_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, st
 ROW_TILE = (16, 512, 4, 3)  # 16 rows x 4 scale blocks of 128 fp8 inputs: four 16-byte loads per thread and stage
 WEIGHT_ONLY_TILES = ((16, 16, 64, 4, 4), (64, 64, 64, 4, 3), (None, 64, 128, 4, 3))  # (max rows, BM, BN, warps, st.)
 FP8_TC_TILES = ((1024, 64, 128, 4, 3), (None, 128, 128, 8, 3))
+SWAP_AB_MAX_ROWS = 16  # weight-only tiles of at most this many rows multiply with the weights on the left
 MIN_PROGRAMS = 264  # two per SM of an H200: weight-only launches narrow their column tiles down to 16 to reach it
 
 
@@ -228,7 +242,8 @@ def launch(path: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
                 out.stride(0), out.stride(1))
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
         _weight_only_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(128, block[1]),
-                                  PRECISION=precision, num_warps=warps, num_stages=stages, **consts)
+                                  PRECISION=precision, SWAP=block_m <= SWAP_AB_MAX_ROWS, num_warps=warps,
+                                  num_stages=stages, **consts)
         return
     xq, xs = quantize_activations(x, block[1])
     _fp8_tc_kernel[grid](xq, xs, weight, raw, out, M, N, K, xq.stride(0), xq.stride(1), xs.stride(0), xs.stride(1),
