@@ -59,8 +59,8 @@ def _expect_tensor_cores(ptx: str, rows: int, capability: int, name: str) -> Non
 @pytest.mark.parametrize("kernel", ["_up_kernel", "_down_kernel"])
 def test_quantized_moe_kernels_reach_the_tensor_cores(kernel, fmt, tile_name, capability):
     """Each tile ``_tiles`` picks compiles to the architecture's MMA without spilling registers (MXFP4 with bf16
-    activations: ``tl.dot_scaled``, whose expanded tiles reach wgmma / tcgen05 even at 16 rows; there the weights
-    are the left operand, so SM90 runs m64n16 wgmma with them in registers)."""
+    activations: ``tl.dot_scaled``, whose expanded tiles reach wgmma / tcgen05 at every height; 16-row tiles, MXFP4
+    and fp8, put the weights on the left, so SM90 runs m64n16 wgmma with them in registers)."""
     block = moe_quant.MXFP4_BLOCK if fmt == moe_quant.MXFP4 else (128, 128)
     per_expert = {"decode": 16, "prefill": 256, "large": 768}[tile_name]
     block_m, block_n, block_k, warps = moe_quant._tiles(fmt, 64 * per_expert, 64, block)
@@ -68,9 +68,10 @@ def test_quantized_moe_kernels_reach_the_tensor_cores(kernel, fmt, tile_name, ca
     fn = getattr(moe_quant, kernel)
     constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "FMT": fmt, "B0": block[0],
                  "B1": block[1], "UE8M0": True, "PRECISION": "tf32", "SCALED": moe_quant.scaled_dot(fmt, torch.bfloat16)}
-    constants["SWAP"] = constants["SCALED"] and block_m <= moe_quant.SWAP_AB_MAX_ROWS
+    constants["SWAP"] = (constants["SCALED"] or fmt == moe_quant.FP8) and block_m <= moe_quant.SWAP_AB_MAX_ROWS
     ptx = _compile(fn, _weights(fmt, ("1", "2", "3")), constants, capability, warps)
-    _expect_tensor_cores(ptx, 64 if constants["SCALED"] else block_m, capability, f"{kernel} fmt {fmt} {tile_name}")
+    mma_rows = block_n if constants["SWAP"] else 64 if constants["SCALED"] else block_m
+    _expect_tensor_cores(ptx, mma_rows, capability, f"{kernel} fmt {fmt} {tile_name}")
     assert "ld.local" not in ptx and "st.local" not in ptx, f"{kernel} fmt {fmt} {tile_name}: registers spill"
     if constants["SWAP"] and capability == 90:
         assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n16k16\.f32\.bf16\.bf16 \{[^}]*\}, \{%r", ptx), kernel
@@ -112,7 +113,8 @@ def test_fp8_tensor_core_kernel_multiplies_e4m3_operands(rows, block, ue8m0, cap
     """The prefill kernel's products are fp8 tensor-core instructions (e4m3 x e4m3 with fp32 accumulate), for
     V4-Flash's 128 x 128 blocks (ue8m0 scales; float32 as V4-Flash-Base) and V4.1-Flash's 32 x 32."""
     block_m, block_n, warps, stages = fp8_linear._tile(fp8_linear.FP8_TC_TILES, rows)
-    constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "B0": block[0], "B1": block[1], "UE8M0": ue8m0}
+    constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "B0": block[0], "B1": block[1], "UE8M0": ue8m0,
+                 "GROUP_M": fp8_linear.FP8_TC_GROUP_M}
     types = LINEAR_TYPES | {"s_ptr": "*u8" if ue8m0 else "*fp32"}
     ptx = _compile(fp8_linear._fp8_tc_kernel, types, constants, capability, warps, stages)
     assert re.search(FP8_MMA[capability], ptx), f"fp8 tensor cores {block_m} rows {block}: no e4m3 MMA"

@@ -167,14 +167,17 @@ def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, tor
 @triton.jit
 def _fp8_tc_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_xg, stride_xsm, stride_xsg,
                    stride_wn, stride_sn, stride_om, stride_og, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   B0: tl.constexpr, B1: tl.constexpr, UE8M0: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (row block, column block, group): ``out = x @ W^T`` on fp8 tensor cores from ``x``'s e4m3 values
-    ``xq`` and per-row block scales ``xs`` (``quantize_activations``), one ``B1``-wide ``K`` block a step:
-    ``dot(xq, w)`` in fp32, times the row's and the weight block's scales, accumulated in fp32."""
+                   B0: tl.constexpr, B1: tl.constexpr, UE8M0: tl.constexpr, GROUP_M: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    """Program (output tile, group): ``out = x @ W^T`` on fp8 tensor cores from ``x``'s e4m3 values ``xq`` and
+    per-row block scales ``xs`` (``quantize_activations``), one ``B1``-wide ``K`` block a step: ``dot(xq, w)`` in
+    fp32, times the row's and the weight block's scales, accumulated in fp32. Tiles run ``GROUP_M`` row blocks
+    per column block (consecutive programs share their weight and activation tiles in L2)."""
     pdl.begin(PDL)
-    group = tl.program_id(2).to(tl.int64)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    group = tl.program_id(1).to(tl.int64)
+    pid_m, pid_n = _swizzled(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
     x_rows = xq_ptr + group * stride_xg + offs_m[:, None].to(tl.int64) * stride_xm  # [BM, 1]
     xs_rows = xs_ptr + group * stride_xsg + offs_m.to(tl.int64) * stride_xsm  # [BM]
@@ -194,12 +197,22 @@ def _fp8_tc_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, st
              acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _swizzled(pid, blocks_m, blocks_n, GROUP_M: tl.constexpr):
+    """(row block, column block) of output tile ``pid``, ``GROUP_M`` row blocks at a time down each column block."""
+    per_group = GROUP_M * blocks_n
+    first_m = (pid // per_group) * GROUP_M
+    rows = tl.minimum(blocks_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % rows, (pid % per_group) // rows
+
+
 # Launches: (BLOCK_N, BLOCK_K, num_warps, num_stages) of the row kernel; (BLOCK_M, BLOCK_N, num_warps, num_stages)
 # of the dot kernels by rows (the first whose row bound holds). BLOCK_K of the dot kernels: min(128, B1) / B1.
 ROW_TILE = (16, 512, 4, 3)  # 16 rows x 4 scale blocks of 128 fp8 inputs: four 16-byte loads per thread and stage
 WEIGHT_ONLY_TILES = ((16, 16, 64, 4, 4), (64, 64, 64, 4, 3), (None, 64, 128, 4, 3))  # (max rows, BM, BN, warps, st.)
 FP8_TC_TILES = ((1024, 64, 128, 4, 3), (None, 128, 128, 8, 3))
 SWAP_AB_MAX_ROWS = 16  # weight-only tiles of at most this many rows multiply with the weights on the left
+FP8_TC_GROUP_M = 8  # row blocks the tensor-core kernel runs down each column block before the next
 MIN_PROGRAMS = 264  # two per SM of an H200: weight-only launches narrow their column tiles down to 16 to reach it
 
 
@@ -246,9 +259,10 @@ def launch(path: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
                                   num_stages=stages, **consts)
         return
     xq, xs = quantize_activations(x, block[1])
+    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), groups)
     _fp8_tc_kernel[grid](xq, xs, weight, raw, out, M, N, K, xq.stride(0), xq.stride(1), xs.stride(0), xs.stride(1),
                          weight.stride(0), raw.stride(0), out.stride(0), out.stride(1), BLOCK_M=block_m,
-                         BLOCK_N=block_n, num_warps=warps, num_stages=stages, **consts)
+                         BLOCK_N=block_n, GROUP_M=FP8_TC_GROUP_M, num_warps=warps, num_stages=stages, **consts)
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], groups: int = 1,

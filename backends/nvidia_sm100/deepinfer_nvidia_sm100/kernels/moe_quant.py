@@ -73,8 +73,18 @@ def _up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, assign_ptr, block_e
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a_t = tl.load(tl.trans(x_rows) + offs_k[:, None], mask=valid[None, :] & (offs_k < D)[:, None],
                           other=0.0)  # [BK, BM]
-            acc1 = dequant.mxfp4_dot_scaled_swapped(acc1, a_t, tl.trans(w1_cols), s1_rows, k0, D, n_mask, BLOCK_K)
-            acc3 = dequant.mxfp4_dot_scaled_swapped(acc3, a_t, tl.trans(w3_cols), s3_rows, k0, D, n_mask, BLOCK_K)
+            if FMT == 0:
+                acc1 = dequant.mxfp4_dot_scaled_swapped(acc1, a_t, tl.trans(w1_cols), s1_rows, k0, D, n_mask,
+                                                        BLOCK_K)
+                acc3 = dequant.mxfp4_dot_scaled_swapped(acc3, a_t, tl.trans(w3_cols), s3_rows, k0, D, n_mask,
+                                                        BLOCK_K)
+            else:
+                mask = n_mask[:, None] & (offs_k < D)[None, :]
+                fp8_scales = (offs_n // B0).to(tl.int64) * stride_si  # [BN]
+                acc1 = dequant.fp8_dot_swapped(acc1, a_t, w1 + offs_n.to(tl.int64) * stride_wi, s1 + fp8_scales,
+                                               offs_k, k0, mask, n_mask, B1, UE8M0, PRECISION)
+                acc3 = dequant.fp8_dot_swapped(acc3, a_t, w3 + offs_n.to(tl.int64) * stride_wi, s3 + fp8_scales,
+                                               offs_k, k0, mask, n_mask, B1, UE8M0, PRECISION)
         elif SCALED:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(x_rows + offs_k[None, :], mask=valid[:, None] & (offs_k < D)[None, :], other=0.0)  # [BM, BK]
@@ -137,7 +147,12 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, assign_ptr, block_ex
         if SWAP:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a_t = tl.load(tl.trans(h_rows) + offs_k[:, None], mask=valid[None, :] & (offs_k < I)[:, None], other=0.0)
-            acc = dequant.mxfp4_dot_scaled_swapped(acc, a_t, tl.trans(w2_cols), s2_rows, k0, I, n_mask, BLOCK_K)
+            if FMT == 0:
+                acc = dequant.mxfp4_dot_scaled_swapped(acc, a_t, tl.trans(w2_cols), s2_rows, k0, I, n_mask, BLOCK_K)
+            else:
+                acc = dequant.fp8_dot_swapped(acc, a_t, w2 + offs_n.to(tl.int64) * stride_wd,
+                                              s2 + (offs_n // B0).to(tl.int64) * stride_sd, offs_k, k0,
+                                              n_mask[:, None] & (offs_k < I)[None, :], n_mask, B1, UE8M0, PRECISION)
         elif SCALED:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(h_rows + offs_k[None, :], mask=valid[:, None] & (offs_k < I)[None, :], other=0.0)
@@ -237,7 +252,8 @@ TILES = {
 }
 
 
-SWAP_AB_MAX_ROWS = 16  # ``tl.dot_scaled`` tiles of at most this many rows multiply with the weights on the left
+SWAP_AB_MAX_ROWS = 16  # tiles of at most this many rows multiply with the weights on the left (MXFP4 through
+# ``tl.dot_scaled``, fp8): ``acc^T = W x^T``, the expanded weights wgmma's register operand on SM90
 
 
 def scaled_dot(fmt: int, dtype: torch.dtype) -> bool:
@@ -285,7 +301,8 @@ def _run(fmt: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     y = torch.empty((rows, D), dtype=x.dtype, device=x.device)
     tiles = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "PRECISION": precision, "num_warps": warps,
              "num_stages": stages, "SCALED": scaled_dot(fmt, x.dtype),
-             "SWAP": scaled_dot(fmt, x.dtype) and block_m <= SWAP_AB_MAX_ROWS, **consts, **pdl.launch()}
+             "SWAP": (scaled_dot(fmt, x.dtype) or fmt == FP8) and block_m <= SWAP_AB_MAX_ROWS, **consts,
+             **pdl.launch()}
     _up_kernel[(rows // block_m, triton.cdiv(I, block_n))](
         x, w1, s1, w3, s3, h, sorted_assign, block_expert, D, I, top_k, float(limit), x.stride(0), w1.stride(0),
         w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0), **tiles)
