@@ -69,6 +69,7 @@ def test_quantized_moe_kernels_reach_the_tensor_cores(kernel, fmt, tile_name, ca
     constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "FMT": fmt, "B0": block[0],
                  "B1": block[1], "UE8M0": True, "PRECISION": "tf32", "SCALED": moe_quant.scaled_dot(fmt, torch.bfloat16)}
     constants["SWAP"] = (constants["SCALED"] or fmt == moe_quant.FP8) and block_m <= moe_quant.SWAP_AB_MAX_ROWS
+    constants["GROUP_M"] = moe_quant.TILE_GROUP_M if block_m >= moe_quant.TILE_GROUP_MIN_ROWS else 1
     ptx = _compile(fn, _weights(fmt, ("1", "2", "3")), constants, capability, warps)
     mma_rows = block_n if constants["SWAP"] else 64 if constants["SCALED"] else block_m
     _expect_tensor_cores(ptx, mma_rows, capability, f"{kernel} fmt {fmt} {tile_name}")

@@ -175,7 +175,7 @@ def _fp8_tc_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, st
     per column block (consecutive programs share their weight and activation tiles in L2)."""
     pdl.begin(PDL)
     group = tl.program_id(1).to(tl.int64)
-    pid_m, pid_n = _swizzled(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    pid_m, pid_n = moe_quant.tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
@@ -195,15 +195,6 @@ def _fp8_tc_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, st
         acc += tl.dot(a, w, out_dtype=tl.float32) * a_scale[:, None] * w_scale[None, :]
     tl.store(out_ptr + group * stride_og + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def _swizzled(pid, blocks_m, blocks_n, GROUP_M: tl.constexpr):
-    """(row block, column block) of output tile ``pid``, ``GROUP_M`` row blocks at a time down each column block."""
-    per_group = GROUP_M * blocks_n
-    first_m = (pid // per_group) * GROUP_M
-    rows = tl.minimum(blocks_m - first_m, GROUP_M)
-    return first_m + (pid % per_group) % rows, (pid % per_group) // rows
 
 
 # Launches: (BLOCK_N, BLOCK_K, num_warps, num_stages) of the row kernel; (BLOCK_M, BLOCK_N, num_warps, num_stages)

@@ -36,17 +36,29 @@ MXFP4_BLOCK = (1, 32)  # (rows, inputs) per MXFP4 scale, as the kernels' B0 / B1
 
 
 @triton.jit
+def tile_of(pid, blocks_m, blocks_n, GROUP_M: tl.constexpr):
+    """(row block, column block) of a program ``pid`` of a 1-D grid over ``blocks_m x blocks_n`` output tiles,
+    ``GROUP_M`` row blocks at a time down each column block: consecutive programs share their activation rows and
+    (row blocks of one expert) their weight tile in L2. ``GROUP_M`` 1: each row block's column blocks in turn."""
+    per_group = GROUP_M * blocks_n
+    first_m = (pid // per_group) * GROUP_M
+    rows = tl.minimum(blocks_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % rows, (pid % per_group) // rows
+
+
+@triton.jit
 def _up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, assign_ptr, block_expert_ptr, D, I, top_k, limit,
-               stride_xt, stride_we, stride_wi, stride_se, stride_si, stride_hm,
+               blocks, stride_xt, stride_we, stride_wi, stride_se, stride_si, stride_hm,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr,
                B0: tl.constexpr, B1: tl.constexpr, UE8M0: tl.constexpr, PRECISION: tl.constexpr,
-               SCALED: tl.constexpr = False, SWAP: tl.constexpr = False, PDL: tl.constexpr = False):
+               SCALED: tl.constexpr = False, SWAP: tl.constexpr = False, GROUP_M: tl.constexpr = 1,
+               PDL: tl.constexpr = False):
     """Program (block of sorted rows, tile of I): ``h = silu(clamp(x w1^T)) * clamp(x w3^T)`` as ``moe._up_kernel``,
     ``w1`` / ``w3`` (``[E, I, D / 2]`` MXFP4 or ``[E, I, D]`` fp8, same strides, scales likewise) decoded per
     tile; ``SCALED`` (MXFP4, bf16 activations): ``dequant.mxfp4_dot_scaled`` over contiguous inputs, ``SWAP``
     its transposed form (``[BN, BM]`` accumulators, transposed once after the loop)."""
     pdl.begin(PDL)
-    pid_m = tl.program_id(0)
+    pid_m, pid_n = tile_of(tl.program_id(0), blocks, tl.cdiv(I, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
@@ -54,7 +66,7 @@ def _up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, assign_ptr, block_e
     assign = tl.load(assign_ptr + offs_m)
     valid = assign >= 0
     x_rows = x_ptr + tl.where(valid, assign // top_k, 0)[:, None].to(tl.int64) * stride_xt  # [BM, 1]
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
     w1, w3 = w1_ptr + expert.to(tl.int64) * stride_we, w3_ptr + expert.to(tl.int64) * stride_we
     s1, s3 = s1_ptr + expert.to(tl.int64) * stride_se, s3_ptr + expert.to(tl.int64) * stride_se
@@ -119,13 +131,14 @@ def _up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, assign_ptr, block_e
 
 @triton.jit
 def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, assign_ptr, block_expert_ptr, D, I,
-                 stride_hm, stride_we, stride_wd, stride_se, stride_sd, stride_ym,
+                 blocks, stride_hm, stride_we, stride_wd, stride_se, stride_sd, stride_ym,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMT: tl.constexpr,
                  B0: tl.constexpr, B1: tl.constexpr, UE8M0: tl.constexpr, PRECISION: tl.constexpr,
-                 SCALED: tl.constexpr = False, SWAP: tl.constexpr = False, PDL: tl.constexpr = False):
+                 SCALED: tl.constexpr = False, SWAP: tl.constexpr = False, GROUP_M: tl.constexpr = 1,
+               PDL: tl.constexpr = False):
     """Program (block of sorted rows, tile of D): ``y = (h w2^T) * routing weight`` as ``moe._down_kernel``."""
     pdl.begin(PDL)
-    pid_m = tl.program_id(0)
+    pid_m, pid_n = tile_of(tl.program_id(0), blocks, tl.cdiv(D, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
@@ -133,7 +146,7 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, assign_ptr, block_ex
     assign = tl.load(assign_ptr + offs_m)
     valid = assign >= 0
     h_rows = h_ptr + offs_m[:, None].to(tl.int64) * stride_hm  # [BM, 1]
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < D
     w2 = w2_ptr + expert.to(tl.int64) * stride_we
     s2 = s2_ptr + expert.to(tl.int64) * stride_se
@@ -252,6 +265,7 @@ TILES = {
 }
 
 
+TILE_GROUP_M, TILE_GROUP_MIN_ROWS = 8, 64  # tiles of 64+ rows run 8 row blocks down each column tile (``tile_of``)
 SWAP_AB_MAX_ROWS = 16  # tiles of at most this many rows multiply with the weights on the left (MXFP4 through
 # ``tl.dot_scaled``, fp8): ``acc^T = W x^T``, the expanded weights wgmma's register operand on SM90
 
@@ -303,11 +317,13 @@ def _run(fmt: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
              "num_stages": stages, "SCALED": scaled_dot(fmt, x.dtype),
              "SWAP": (scaled_dot(fmt, x.dtype) or fmt == FP8) and block_m <= SWAP_AB_MAX_ROWS, **consts,
              **pdl.launch()}
-    _up_kernel[(rows // block_m, triton.cdiv(I, block_n))](
-        x, w1, s1, w3, s3, h, sorted_assign, block_expert, D, I, top_k, float(limit), x.stride(0), w1.stride(0),
+    blocks = rows // block_m
+    tiles["GROUP_M"] = TILE_GROUP_M if block_m >= TILE_GROUP_MIN_ROWS else 1
+    _up_kernel[(blocks * triton.cdiv(I, block_n),)](
+        x, w1, s1, w3, s3, h, sorted_assign, block_expert, D, I, top_k, float(limit), blocks, x.stride(0), w1.stride(0),
         w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0), **tiles)
-    _down_kernel[(rows // block_m, triton.cdiv(D, block_n))](
-        h, w2, s2, y, weights.reshape(-1).contiguous(), sorted_assign, block_expert, D, I, h.stride(0),
+    _down_kernel[(blocks * triton.cdiv(D, block_n),)](
+        h, w2, s2, y, weights.reshape(-1).contiguous(), sorted_assign, block_expert, D, I, blocks, h.stride(0),
         w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0), **tiles)
     return moe._combine(y, ids, dest, x)
 
