@@ -7,6 +7,8 @@ exact, only fp32 sums differ), 16-bit ones to the reference's own rounding. The 
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -104,6 +106,22 @@ def test_moe_experts_mxfp4_matches_reference(T, E, top_k, D, I, dtype):
     want = ref.moe_experts_mxfp4(x, ids, weights, *stored, 0.7)
     assert got.shape == want.shape and got.dtype == want.dtype
     torch.testing.assert_close(got, want, **_tol(dtype))
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("fmt, dtype", [(moe_quant.MXFP4, dtype) for dtype in MXFP4_DTYPES]
+                         + [(moe_quant.FP8, torch.float32), (moe_quant.FP8, DOT_DTYPE)])
+def test_one_token_through_the_grouped_kernels_matches_reference(fmt, dtype):
+    """``ONE_TOKEN_ROW_KERNELS = False``'s path: one token aligned into a 16-row tile (the weights on the left)."""
+    gen = _gen(11)
+    E, top_k, D, I = 4, 3, 96, 64
+    x = torch.randn(1, D, device=DEVICE, generator=gen).to(dtype)
+    ids, weights = _route(1, E, top_k, gen)
+    block = moe_quant.MXFP4_BLOCK if fmt == moe_quant.MXFP4 else (32, 32)
+    stored = _experts(fmt, E, D, I, gen)
+    got = moe_quant._run(fmt, x, ids, weights, *stored, block, 0.7, row_kernels=False)
+    reference = ref.moe_experts_mxfp4 if fmt == moe_quant.MXFP4 else partial(ref.moe_experts_fp8_block, block=block)
+    torch.testing.assert_close(got, reference(x, ids, weights, *stored, limit=0.7), **_tol(dtype))
 
 
 @kernel_runs_here

@@ -250,6 +250,8 @@ def _down_row_kernel(h_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, weights_ptr, D, I,
     tl.store(out_ptr + cols, total.to(dt), mask=in_n)
 
 
+ONE_TOKEN_ROW_KERNELS = True  # one token through the two row kernels; False: through the grouped kernels (16-row
+# tiles, weights on the left), to be set from bench_quant.py's one-token sweep ("rows" vs "grouped")
 # One-token launches (BLOCK_N, BLOCK_K, num_warps, num_stages): MXFP4 rows are a quarter of bf16 rows' bytes and fp8
 # half, so a program takes more rows than ``gemv.row_config``'s two; fp8 slices span whole scale blocks (four of
 # 128: 64 bytes in flight per thread and stage, as the bf16 GEMV's widest launch).
@@ -291,9 +293,9 @@ def _tiles(fmt: int, num_assign: int, num_experts: int, block: tuple[int, int]) 
 
 def _run(fmt: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s2, w3, s3,
          block: tuple[int, int], limit: float, tile: tuple[int, int, int, int] | None = None,
-         row_kernels: bool = True) -> torch.Tensor:
-    """Both ops: one token through the row kernels (unless ``row_kernels`` is False), otherwise align, up, down,
-    combine. ``tile`` fixes the launch (the row kernels' ``ROW_TILES`` entry for one token, else ``_tiles``'
+         row_kernels: bool | None = None) -> torch.Tensor:
+    """Both ops: one token through the row kernels (``row_kernels``, by default ``ONE_TOKEN_ROW_KERNELS``),
+    otherwise align, up, down, combine. ``tile`` fixes the launch (the row kernels' ``ROW_TILES`` entry for one token, else ``_tiles``'
     (BLOCK_M, BLOCK_N, BLOCK_K, num_warps); ``benchmarks/bench_quant.py`` sweeps them and both one-token paths)."""
     T, top_k = ids.shape
     E, I = w1.shape[0], w1.shape[1]
@@ -304,6 +306,7 @@ def _run(fmt: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     w1, w2, w3 = (w.contiguous().view(torch.uint8) if fmt == MXFP4 else w.contiguous() for w in (w1, w2, w3))
     (s1, ue8m0), (s2, _), (s3, _) = (dequant.scale_operand(s.contiguous()) for s in (s1, s2, s3))
     consts = {"FMT": fmt, "B0": block[0], "B1": block[1], "UE8M0": ue8m0}
+    row_kernels = ONE_TOKEN_ROW_KERNELS if row_kernels is None else row_kernels
     if T == 1 and top_k <= moe.ONE_TOKEN_MAX_TOP_K and row_kernels:
         return _one_token(x, ids, weights, w1, s1, w2, s2, w3, s3, D, I, limit, consts, tile)
     block_m, block_n, block_k, warps = tile or _tiles(fmt, T * top_k, E, block)
