@@ -13,7 +13,9 @@ experts each routed token reaches, once), peak 799 TFLOP/s for bf16 products (th
 bf16) and 1,415 TFLOP/s for the fp8 tensor-core kernel (fp8 ``torch._scaled_mm`` on 8192^3): the H200's ceilings
 (docs/performance.md). % = floor / time. The fp8 tensor-core rows also report their error against the reference
 op: they quantize activations (per token per 128 inputs). Last, launch sweeps of the MXFP4 expert kernels and
-the fp8 linear kernels for tuning ``moe_quant.TILES`` / ``ROW_TILES`` and ``fp8_linear``'s tiles.
+the fp8 linear kernels for tuning ``moe_quant.TILES`` / ``ROW_TILES`` / ``ONE_TOKEN_ROW_KERNELS`` /
+``SWAP_AB_MAX_ROWS`` and ``fp8_linear``'s tiles / ``SWAP_AB_MAX_ROWS``, with the kernels before the rewrite
+(``DEEPINFER_NVIDIA_MXFP4_DOT_SCALED=0``) as a reference point.
 """
 
 from __future__ import annotations
@@ -163,25 +165,23 @@ MOE_SWEEP = {  # tokens -> (path, launch) tried for the MXFP4 experts, the defau
     # row kernels, ROW_TILES' form), "grouped" (align + the grouped kernels, _tiles' form; tl.dot_scaled at bf16),
     # "old" (the grouped kernels with DEEPINFER_NVIDIA_MXFP4_DOT_SCALED=0: float32 decode, even / odd products),
     # "unswapped" (16-row tiles with the activations as dot_scaled's left operand: SWAP_AB_MAX_ROWS = 0)
-    1: (("rows", (8, 512, 4, 3)), ("rows", (4, 1024, 4, 3)), ("rows", (8, 1024, 8, 3)), ("rows", (16, 512, 8, 3)),
-        ("grouped", (16, 64, 128, 4)), ("grouped", (16, 32, 256, 4))),
+    1: (("rows", (8, 512, 4, 3)), ("rows", (4, 1024, 4, 3)), ("rows", (16, 512, 8, 3)),
+        ("grouped", (16, 64, 128, 4)), ("grouped", (16, 128, 128, 4))),
     16: (("grouped", (16, 64, 128, 4)), ("grouped", (16, 128, 128, 4)), ("grouped", (16, 64, 256, 4)),
-         ("unswapped", (16, 64, 128, 4)), ("old", (16, 64, 128, 4))),
+         ("unswapped", (16, 64, 128, 4))),
     64: (("grouped", (16, 64, 128, 4)), ("grouped", (16, 128, 128, 4)), ("grouped", (16, 64, 256, 4)),
-         ("unswapped", (16, 64, 128, 4)), ("old", (16, 64, 128, 4))),
-    8192: (("grouped", (128, 128, 64, 8)), ("grouped", (128, 128, 128, 8)), ("grouped", (64, 128, 128, 8)),
-           ("grouped", (128, 256, 64, 8)), ("old", (128, 128, 64, 8))),
+         ("old", (16, 64, 128, 4))),
+    8192: (("grouped", (128, 128, 64, 8)), ("grouped", (128, 128, 128, 8)), ("grouped", (64, 128, 64, 8)),
+           ("old", (128, 128, 64, 8))),
 }
 LINEAR_SWEEP = {  # rows -> (path, launch) tried on wo_b (4096 x 8192), the default first; "unswapped": weight-only
     # 16-row tiles with the activations as the left operand (fp8_linear.SWAP_AB_MAX_ROWS = 0)
-    1: (("row", (16, 512, 4, 3)), ("row", (16, 128, 4, 4)), ("row", (8, 512, 4, 3)), ("row", (16, 1024, 8, 3)),
-        ("weight_only", (16, 16, 4, 4)), ("weight_only", (16, 64, 4, 4))),
-    16: (("weight_only", (16, 16, 4, 4)), ("weight_only", (16, 64, 4, 4)), ("weight_only", (16, 32, 4, 4)),
-         ("unswapped", (16, 16, 4, 4))),
-    64: (("weight_only", (64, 16, 4, 3)), ("weight_only", (64, 64, 4, 3)), ("weight_only", (16, 16, 4, 4)),
-         ("weight_only", (16, 64, 4, 4))),
-    8192: (("fp8_tc", (128, 128, 8, 3)), ("fp8_tc", (64, 128, 4, 3)), ("fp8_tc", (128, 256, 8, 3)),
-           ("fp8_tc", (128, 128, 8, 4)), ("fp8_tc", (256, 128, 8, 3))),
+    1: (("row", (16, 512, 4, 3)), ("row", (16, 128, 4, 4)), ("row", (16, 1024, 8, 3)),
+        ("weight_only", (16, 64, 4, 4))),
+    16: (("weight_only", (16, 16, 4, 4)), ("weight_only", (16, 64, 4, 4)), ("unswapped", (16, 16, 4, 4))),
+    64: (("weight_only", (64, 16, 4, 3)), ("weight_only", (64, 64, 4, 3)), ("weight_only", (16, 16, 4, 4))),
+    8192: (("fp8_tc", (128, 128, 8, 3)), ("fp8_tc", (128, 256, 8, 3)), ("fp8_tc", (128, 128, 8, 4)),
+           ("fp8_tc", (256, 128, 8, 3))),
 }
 
 
