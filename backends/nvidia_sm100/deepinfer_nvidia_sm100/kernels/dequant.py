@@ -168,6 +168,18 @@ def mxfp4_codes(packed):
 
 
 @triton.jit
+def input_pairs(x_ptr, pairs, mask):
+    """Inputs ``2 * pairs`` and ``2 * pairs + 1`` as float32 ``(even, odd)``: bf16 pairs as one 32-bit load each
+    (a bf16 is the top half of its float32), other dtypes as two strided loads."""
+    if x_ptr.dtype.element_ty == tl.bfloat16:
+        words = tl.load(x_ptr.to(tl.pointer_type(tl.uint32)) + pairs, mask=mask, other=0)
+        return (words << 16).to(tl.float32, bitcast=True), (words & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        return (tl.load(x_ptr + 2 * pairs, mask=mask, other=0.0).to(tl.float32),
+                tl.load(x_ptr + 2 * pairs + 1, mask=mask, other=0.0).to(tl.float32))
+
+
+@triton.jit
 def row_product(acc, x_ptr, w_rows, s_rows, k0, K, in_n, FMT: tl.constexpr, BLOCK_K: tl.constexpr,
                 B1: tl.constexpr, UE8M0: tl.constexpr):
     """``acc += W[rows, slice] * x[slice]`` (``row_acc``'s shape) of one ``BLOCK_K`` slice from ``k0`` of a one-row
@@ -187,9 +199,7 @@ def row_product(acc, x_ptr, w_rows, s_rows, k0, K, in_n, FMT: tl.constexpr, BLOC
         packed = tl.load(w_rows[:, :, None] + pairs, mask=in_n[:, None, None] & in_g[None, :, None], other=0,
                          eviction_policy="evict_first")  # [BN, G, 16]
         scale = ue8m0(tl.load(s_rows + groups[None, :], mask=in_n[:, None] & in_g[None, :], other=UE8M0_ONE))
-        x = tl.load(x_ptr + 2 * pairs[:, :, :, None] + tl.arange(0, 2)[None, None, None, :],
-                    mask=in_g[None, :, None, None], other=0.0).to(tl.float32)  # [1, G, 16, 2]
-        x_even, x_odd = tl.split(x)  # [1, G, 16]
+        x_even, x_odd = input_pairs(x_ptr, pairs, in_g[None, :, None])  # [1, G, 16] each
         even, odd = mxfp4_codes(packed)
         if dt == tl.float32:
             scale = scale[:, :, None]
