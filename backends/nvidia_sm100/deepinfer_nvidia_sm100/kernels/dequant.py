@@ -199,7 +199,8 @@ def row_product(acc, x_ptr, w_rows, s_rows, k0, K, in_n, FMT: tl.constexpr, BLOC
         packed = tl.load(w_rows[:, :, None] + pairs, mask=in_n[:, None, None] & in_g[None, :, None], other=0,
                          eviction_policy="evict_first")  # [BN, G, 16]
         scale = ue8m0(tl.load(s_rows + groups[None, :], mask=in_n[:, None] & in_g[None, :], other=UE8M0_ONE))
-        x_even, x_odd = input_pairs(x_ptr, pairs, in_g[None, :, None])  # [1, G, 16] each
+        rows0 = tl.zeros_like(packed).to(tl.int32)  # [BN, G, 16]: the inputs loaded in the weights' layout
+        x_even, x_odd = input_pairs(x_ptr, pairs + rows0, in_g[None, :, None] & (rows0 == 0))
         even, odd = mxfp4_codes(packed)
         if dt == tl.float32:
             scale = scale[:, :, None]
