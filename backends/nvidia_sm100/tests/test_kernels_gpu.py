@@ -316,6 +316,29 @@ def test_quantized_moe_experts_match_reference_at_preset_sizes(fmt, T):
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("path", ["one token grouped", "mxfp4 float32 decode"])
+def test_mxfp4_experts_other_paths_match_reference_at_preset_sizes(path, monkeypatch):
+    """The MXFP4 paths off by default at the preset's widths: one token through the grouped kernels' 16-row tiles
+    (``ONE_TOKEN_ROW_KERNELS = False``) and 64 tokens through the float32 decode
+    (``DEEPINFER_NVIDIA_MXFP4_DOT_SCALED=0``), against the reference op."""
+    from deepinfer_nvidia_sm100.kernels import moe_quant
+
+    E, k, D, I = 64, 6, 4096, 2048
+    T = 1 if path == "one token grouped" else 64
+    if path == "one token grouped":
+        monkeypatch.setattr(moe_quant, "ONE_TOKEN_ROW_KERNELS", False)
+    else:
+        monkeypatch.setenv("DEEPINFER_NVIDIA_MXFP4_DOT_SCALED", "0")
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    x = torch.randn(T, D, device="cuda", generator=gen).to(torch.bfloat16)
+    ids = torch.rand(T, E, device="cuda", generator=gen).topk(k, dim=-1).indices
+    weights = torch.rand(T, k, device="cuda", generator=gen)
+    stored = _quantized_experts("mxfp4", E, D, I)
+    got = moe_quant.moe_experts_mxfp4(x, ids, weights, *stored, 0.5)
+    want = ref.moe_experts_mxfp4(x, ids, weights, *stored, 0.5)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
 @pytest.mark.parametrize("T", [1, 16])
 def test_quantized_moe_experts_in_cuda_graph_have_no_host_sync(fmt, T):
