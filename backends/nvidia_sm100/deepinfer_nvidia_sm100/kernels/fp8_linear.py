@@ -199,10 +199,12 @@ def _fp8_tc_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, st
 
 # Launches: (BLOCK_N, BLOCK_K, num_warps, num_stages) of the row kernel; (BLOCK_M, BLOCK_N, num_warps, num_stages)
 # of the dot kernels by rows (the first whose row bound holds). BLOCK_K of the dot kernels: min(128, B1) / B1.
-ROW_TILE = (16, 512, 4, 3)  # 16 rows x 4 scale blocks of 128 fp8 inputs: four 16-byte loads per thread and stage
+ROW_TILE = (16, 1024, 8, 3)  # 16 rows x 8 scale blocks of 128 fp8 inputs (bench_quant's one-row sweep on the
+# H200, 2026-12-02: wo_b 20.6 us against 24.5 us for (16, 512, 4, 3))
 WEIGHT_ONLY_TILES = ((16, 16, 64, 4, 4), (64, 64, 64, 4, 3), (None, 64, 128, 4, 3))  # (max rows, BM, BN, warps, st.)
 FP8_TC_TILES = ((1024, 64, 128, 4, 3), (None, 128, 128, 8, 3))
-SWAP_AB_MAX_ROWS = 16  # weight-only tiles of at most this many rows multiply with the weights on the left
+SWAP_AB_MAX_ROWS = 0  # weight-only tiles of at most this many rows multiply with the weights on the left (off:
+# on the H200 the swapped 16-row wo_b tile took 53.2 us, unswapped 36.5 us)
 FP8_TC_GROUP_M = 8  # row blocks the tensor-core kernel runs down each column block before the next
 MIN_PROGRAMS = 264  # two per SM of an H200: weight-only launches narrow their column tiles down to 16 to reach it
 

@@ -255,7 +255,8 @@ ONE_TOKEN_ROW_KERNELS = True  # one token through the two row kernels; False: th
 # One-token launches (BLOCK_N, BLOCK_K, num_warps, num_stages): MXFP4 rows are a quarter of bf16 rows' bytes and fp8
 # half, so a program takes more rows than ``gemv.row_config``'s two; fp8 slices span whole scale blocks (four of
 # 128: 64 bytes in flight per thread and stage, as the bf16 GEMV's widest launch).
-ROW_TILES = {MXFP4: (8, 512, 4, 3), FP8: (16, 512, 4, 3)}  # 16-byte loads per thread
+ROW_TILES = {MXFP4: (4, 1024, 4, 3), FP8: (16, 512, 4, 3)}  # 16-byte loads per thread; MXFP4: bench_quant's
+# one-token sweep on the H200 (2026-12-02: 66.1 us against 84.9 us for (8, 512, 4, 3))
 TILES = {
     # (max mean assignments per expert, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps)): ``moe.TILES`` up to 256 tokens per
     # expert; beyond, 128 x 128 tiles, since every program expands its weight tiles again and a taller tile spreads
@@ -268,8 +269,9 @@ TILES = {
 
 
 TILE_GROUP_M, TILE_GROUP_MIN_ROWS = 8, 64  # tiles of 64+ rows run 8 row blocks down each column tile (``tile_of``)
-SWAP_AB_MAX_ROWS = 16  # tiles of at most this many rows multiply with the weights on the left (MXFP4 through
-# ``tl.dot_scaled``, fp8): ``acc^T = W x^T``, the expanded weights wgmma's register operand on SM90
+SWAP_AB_MAX_ROWS = 0  # tiles of at most this many rows multiply with the weights on the left (MXFP4 through
+# ``tl.dot_scaled``, fp8): ``acc^T = W x^T``, the expanded weights wgmma's register operand on SM90. Off: on the
+# H200 (bench_quant, 2026-12-02) the swapped 16-row MXFP4 tile took 1,016 us at 16 tokens, unswapped 671 us
 
 
 def scaled_dot(fmt: int, dtype: torch.dtype) -> bool:
