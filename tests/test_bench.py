@@ -311,14 +311,14 @@ def test_prefix_share_with_swa_replay_adopts_part_of_the_hit_and_computes_less(c
 
 
 def test_a_full_prefix_share_is_restored_from_the_warmups_state(cache_dir):
-    """``prefix_share=1``: every prompt is the warm-up's; with the split on, the warm-up leaves its state at 128 and
-    each timed prompt is restored there and computes only its last block."""
+    """``prefix_share=1``: every prompt is the warm-up's; with the split on, the warm-up leaves its state at 255 (all
+    but its last token) and each timed prompt is restored there and computes only its last token."""
     config = runner.BenchConfig(preset="tiny", cache_dir=str(cache_dir), input_len=256, prefix_share=1,
                                 prefix_state_split_min_tokens=1, **SHARED)
     result = runner.run_bench(config)
     engine = result["engine"]
     assert result["config"]["prefix_len"] == 256
-    assert engine["num_cached_tokens"]["min"] == 128 and engine["computed_prompt_tokens"] == 2 * 128
+    assert engine["num_cached_tokens"]["min"] == 255 and engine["computed_prompt_tokens"] == 2 * 1
 
 
 @pytest.mark.parametrize("share", ["1.5", "-0.1", "nan"])

@@ -76,21 +76,78 @@ def test_the_store_is_an_lru_within_its_bytes_and_keeps_entries_without_a_ttl():
     assert registry.get(DEVICE_METRICS["stores"][0]).value == 2
 
 
-@pytest.mark.parametrize("length", [33, 40, 45, 61])
-def test_the_same_prompt_again_is_restored_and_equals_a_cold_run(ckpt, length):
-    """With the split on for every length, an L-token prompt is prefilled up to the last boundary MIN_CHUNK tokens
-    before its end and then its tail; sent again, it is restored there and computes only the tail, as a cold run would
-    answer."""
+def _record_chunks(llm) -> list[tuple[str, int, int]]:
+    """A list that fills with ``(request id, start, tokens)`` of every chunk ``llm``'s engine plans from now on."""
+    chunks: list[tuple[str, int, int]] = []
+    schedule = llm.engine.scheduler.schedule
+
+    def recorded():
+        output = schedule()
+        chunks.extend((c.request.request_id, c.start, c.num_tokens) for c in output.chunks)
+        return output
+
+    llm.engine.scheduler.schedule = recorded
+    return chunks
+
+
+@pytest.mark.parametrize("length", [7, 33, 40, 45, 61, 64])
+def test_the_same_prompt_again_computes_only_its_last_token_and_equals_a_cold_run(ckpt, length):
+    """With the split on for every length, an L-token prompt is prefilled up to L - 1 and its last token runs alone;
+    the state there (slot and partial block) is kept, and the same prompt again computes only its last token, as a
+    cold run would answer (L inside the first block, one past a boundary, a multiple of the block, in between)."""
     llm, cold = _llm(ckpt, prefix_state_split_min_tokens=1), _llm(ckpt, enable_prefix_caching=False)
     prompt = {"prompt_token_ids": _tokens(length, seed=length)}
-    boundary = (length - MIN_CHUNK) // BLOCK * BLOCK
-    chunks = record_prompt_chunks(llm)
-    llm.generate(prompt, GREEDY, use_tqdm=False)
+    chunks = _record_chunks(llm)
+    first = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert [c[1:] for c in chunks[:3]] == [(0, length - 1), (length - 1, 1), (length, 1)]
+    del chunks[:]
     got = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
-    assert chunks == [(0, boundary), (boundary, length - boundary), (boundary, length - boundary)]
-    assert got.num_cached_tokens == boundary
-    assert _metrics(llm)["hits"] == 1 and _metrics(llm)["stores"] >= 2
-    _assert_same(got, cold.generate(prompt, GREEDY, use_tqdm=False)[0])
+    assert chunks[0][1:] == (length - 1, 1) and all(n == 1 for _, _, n in chunks)
+    assert (first.num_cached_tokens, got.num_cached_tokens) == (0, length - 1)
+    assert _metrics(llm)["hits"] == 1 and _metrics(llm)["stores"] >= 1
+    want = cold.generate(prompt, GREEDY, use_tqdm=False)[0]
+    _assert_same(first, want)
+    _assert_same(got, want)
+
+
+def test_a_longer_prompt_starting_with_the_kept_tokens_is_restored_there(ckpt):
+    """A prompt whose first tokens are another prompt's all but last (45 - 1 = 44, inside the sixth block) is
+    restored at 44 and computes the rest, as a cold run."""
+    llm, cold = _llm(ckpt, prefix_state_split_min_tokens=1), _llm(ckpt, enable_prefix_caching=False)
+    base = _tokens(45, seed=5)
+    llm.generate({"prompt_token_ids": base}, GREEDY, use_tqdm=False)
+    longer = {"prompt_token_ids": base[:44] + _tokens(9, seed=6)}
+    got = llm.generate(longer, GREEDY, use_tqdm=False)[0]
+    assert got.num_cached_tokens == 44 and _metrics(llm)["hits"] == 1
+    _assert_same(got, cold.generate(longer, GREEDY, use_tqdm=False)[0])
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_hits_in_a_batch_with_n_2_seeds_and_prompt_logprobs_equal_a_cold_run(ckpt, async_scheduling):
+    """Kept prompts sent again in one batch: greedy, n = 2 seeded sampling, and one asking for prompt logprobs (no
+    restore: it computes every prompt row, its prompt not split), beside a fresh prompt; all as a cold engine."""
+    llm = _llm(ckpt, prefix_state_split_min_tokens=1, async_scheduling=async_scheduling)
+    cold = _llm(ckpt, enable_prefix_caching=False, async_scheduling=async_scheduling)
+    prompts = [{"prompt_token_ids": _tokens(n, seed=n)} for n in (40, 29, 37)]
+    llm.generate(prompts, GREEDY, use_tqdm=False)
+    seeded = SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=10, ignore_eos=True, logprobs=3)
+    with_prompt = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=3)
+    batch = prompts + [{"prompt_token_ids": _tokens(26, seed=26)}]
+    params = [GREEDY, seeded, with_prompt, GREEDY]
+    chunks = _record_chunks(llm)
+    got = llm.generate(batch, params, use_tqdm=False)
+    want = cold.generate(batch, params, use_tqdm=False)
+    assert [o.num_cached_tokens for o in got] == [39, 28, 0, 0]
+    assert any(n == 37 for _, _, n in chunks)  # the prompt-logprobs request computed its whole prompt in one chunk
+    _assert_same(got[0], want[0])
+    for a, b in zip(got[1].outputs, want[1].outputs, strict=True):
+        assert a.token_ids == b.token_ids
+        assert all(abs(x[t].logprob - y[t].logprob) <= 1e-5 for x, y, t in zip(a.logprobs, b.logprobs, b.token_ids))
+    assert len(got[2].prompt_logprobs) == 37
+    for x, y in zip(got[2].prompt_logprobs[1:], want[2].prompt_logprobs[1:], strict=True):
+        assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) <= 1e-5 for t in x)
+    _assert_same(got[2], want[2])
+    _assert_same(got[3], want[3])
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -131,10 +188,12 @@ def test_preempted_requests_come_back_restored(ckpt):
 
 
 def test_eviction_under_a_small_budget_falls_back_to_the_exact_rebuild(ckpt):
-    """Room for one entry: the second prompt's store evicts the first's. The second again is restored at 32; the
-    first again misses and is rebuilt by the exact replay (from token 0 before its 40-token hit), as a cold run."""
-    per_slot = _llm(ckpt).model.state_bytes(BLOCK, torch.float32).per_slot
-    llm = _llm(ckpt, prefix_state_cache_bytes=per_slot, prefix_state_split_min_tokens=1)
+    """Room for one entry (a slot and a block: a state kept inside a block): the second prompt's store evicts the
+    first's. The second again is restored at 44 (all but its last token); the first again misses and is rebuilt by
+    the exact replay (from token 0 before its 40-token hit), as a cold run, and its state at 44 is kept again."""
+    probe = _llm(ckpt).model.state_bytes(BLOCK, torch.float32)
+    entry = probe.per_slot + probe.per_block
+    llm = _llm(ckpt, prefix_state_cache_bytes=entry, prefix_state_split_min_tokens=1)
     cold = _llm(ckpt, enable_prefix_caching=False)
     short = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=5)  # no decode boundary
     first, second = ({"prompt_token_ids": _tokens(45, seed=s)} for s in (1, 2))
@@ -144,12 +203,12 @@ def test_eviction_under_a_small_budget_falls_back_to_the_exact_rebuild(ckpt):
     restored = llm.generate(second, short, use_tqdm=False)[0]
     rebuilt = llm.generate(first, short, use_tqdm=False)[0]
     metrics = _metrics(llm)
-    assert (metrics["evictions"], metrics["hits"], metrics["misses"]) == (1, 1, 1)
-    assert chunks == [(32, 13), (0, 32), (32, 13)]  # the rebuild is split too: its state at 32 is kept again
-    assert (restored.num_cached_tokens, rebuilt.num_cached_tokens) == (32, 40)
+    assert (metrics["evictions"], metrics["hits"], metrics["misses"]) == (2, 1, 1)
+    assert chunks == [(0, 44)]  # the restore computes one token; the rebuild is split again
+    assert (restored.num_cached_tokens, rebuilt.num_cached_tokens) == (44, 40)
     _assert_same(restored, cold.generate(second, short, use_tqdm=False)[0])
     _assert_same(rebuilt, cold.generate(first, short, use_tqdm=False)[0])
-    assert metrics["bytes"] == per_slot
+    assert metrics["bytes"] == entry
 
 
 def test_on_by_default_off_without_prefix_caching_and_short_prompts_are_not_split(ckpt):
@@ -180,20 +239,23 @@ def test_bad_arguments_are_refused_naming_them(ckpt, kwargs, message):
         _llm(ckpt, **kwargs)
 
 
-def test_a_restored_hit_runs_the_padded_static_step_of_its_short_tail():
-    """The embedded model (block 128, shortest static chunk 128) with prefill graphs (run eagerly on CPU): a 512-token
-    prompt split at 384 and sent again is restored there; its 128-token tail runs the 128-token bucket's padded step
-    from token 384 (an offset replay), and the outputs equal a cold eager run."""
+def test_the_split_and_the_restored_hit_run_the_last_token_through_the_decode_graph():
+    """The embedded model (block 128) with decode and prefill graphs (run eagerly on CPU): a 512-token prompt is
+    prefilled to 511 through the 512 bucket's graph and its last token runs through the one-sequence decode graph;
+    sent again it is restored at 511 and every step of it is a decode graph's, and the outputs equal a cold eager
+    run."""
     kwargs = {"max_model_len": 1024, "max_num_seqs": 2, "kv_cache_memory_bytes": 64 << 20, "dtype": "float32"}
     llm = LLM(cuda_graph_sizes=[1], prefill_graph_buckets=[128, 512], prefix_state_split_min_tokens=1, **kwargs)
     cold = LLM(enable_prefix_caching=False, **kwargs)
     prompt = {"prompt_token_ids": torch.randint(5, 1000, (512,), generator=torch.Generator().manual_seed(4)).tolist()}
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=5)
-    graphs = llm.engine.runner.prefill_graphs
-    chunks = record_prompt_chunks(llm)
-    llm.generate(prompt, params, use_tqdm=False)
-    offset_before = graphs.num_offset_replays
+    prefill, decode = llm.engine.runner.prefill_graphs, llm.engine.runner.decode_graphs
+    chunks = _record_chunks(llm)
+    first = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert [c[1:] for c in chunks] == [(0, 511), (511, 1), (512, 1), (513, 1)]
+    assert (prefill.num_replays, decode.num_replays) == (1, 3)
     got = llm.generate(prompt, params, use_tqdm=False)[0]
-    assert chunks == [(0, 384), (384, 128), (384, 128)] and got.num_cached_tokens == 384
-    assert graphs.num_offset_replays == offset_before + 1 and (128, 512) in graphs.captured
-    _assert_same(got, cold.generate(prompt, params, use_tqdm=False)[0])
+    assert got.num_cached_tokens == 511 and (prefill.num_replays, decode.num_replays) == (1, 6)
+    want = cold.generate(prompt, params, use_tqdm=False)[0]
+    _assert_same(first, want)
+    _assert_same(got, want)

@@ -245,7 +245,7 @@ class Engine:
                                    config.prefix_state_split_min_tokens)
         min_chunk = model.prefill_min_tokens() if isinstance(model, StaticStepModel) else 1
         keeper.bind(lambda slot: model.slot_state_views(state, slot), config.block_size, model.prefix_replay_span(),
-                    min_chunk)
+                    min_chunk, block_views=lambda block: model.block_state_views(state, block))
         return keeper
 
     def step_boundary(self) -> None:

@@ -219,9 +219,10 @@ class ModelRunner:
         lone = self._graphs(self.prefill_graphs, eager.chunks) and not verified
         prefill = self.prefill_graphs.run(eager.chunks) if lone else None
         draft_save = hidden = None
-        if prefill is not None:  # a lone prompt through its bucket's graph: [1, V]
-            parts.append(prefill)
-            row_of[id(eager.chunks[0])] = base
+        if prefill is not None:  # a lone prompt through its bucket's graph: [1, V] (unread where it does not sample)
+            if eager.chunks[0].samples:
+                parts.append(prefill)
+                row_of[id(eager.chunks[0])] = base
         elif eager.chunks:
             batch, sample_rows, prompt_rows = self.build_batch(eager)
             if previous is not None:

@@ -67,13 +67,14 @@ class PrefillGraphs:
         self.disabled_reason: str | None = None
 
     def bucket(self, chunks: list[ScheduledChunk]) -> tuple[int, int] | None:
-        """The (bucket, context bucket) of a step that is one chunk of one request, which samples, wants no prompt
-        logprobs and whose tokens are on the host, between ``min_tokens`` and the largest bucket long; else None
-        (the step runs eagerly)."""
+        """The (bucket, context bucket) of a step that is one chunk of one request, which wants no prompt logprobs
+        and whose tokens are on the host, between ``min_tokens`` and the largest bucket long; else None (the step runs
+        eagerly). A chunk that does not sample (a long prompt's earlier chunk, a prompt split before its last token)
+        takes it too: its logits row is left unread."""
         if self.disabled_reason is not None or len(chunks) != 1:
             return None
         chunk = chunks[0]
-        if (not chunk.samples or chunk.wants_prompt_logprobs or chunk.reads_inflight_token
+        if (chunk.wants_prompt_logprobs or chunk.reads_inflight_token
                 or chunk.num_tokens < self.min_tokens):
             return None
         bucket = next((b for b in self.buckets if b >= chunk.num_tokens), None)

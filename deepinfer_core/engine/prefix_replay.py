@@ -69,12 +69,16 @@ class PrefixReplay:
     def plan(self, request: Request, num_cached_tokens: int, block_size: int,
              block_hashes: tuple[bytes, ...] = ()) -> ReplayPlan:
         """How ``request``, whose first ``num_cached_tokens`` tokens hit the cache (blocks ``block_hashes``), uses
-        the hit."""
+        the hit. The prefix state cache may restore a state kept inside the block after the hit's last one (the same
+        prompt again: all tokens but the last), also for a request without a block hit (``num_cached_tokens`` 0:
+        only the prefix state cache is asked)."""
         hit = PrefixHit(request, num_cached_tokens, block_size, self.sliding_window, self.replay_span,
                         tuple(block_hashes))
         restored = (self.state_cache.lookup(request, num_cached_tokens, hit.block_hashes)
-                    if self.state_cache is not None else 0) or self._restored(hit)
-        if restored:
+                    if self.state_cache is not None else 0)
+        if not restored and num_cached_tokens:
+            restored = self._restored(hit)
+        if restored or not num_cached_tokens:
             return ReplayPlan(restored, restored, 0)
         adopted = self._adopted(hit)
         if adopted == 0:

@@ -27,7 +27,9 @@ draft tokens is not captured (speculative decoding's draft state is not part of 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
 import math
 import time
 from collections import OrderedDict
@@ -89,11 +91,21 @@ class PrefixStateStats:
 
 @dataclasses.dataclass
 class StateEntry:
-    """One slot's state at a block boundary: copies in ``slot_state_views`` order."""
+    """One sequence's state after some tokens: copies of its slot (``slot_state_views`` order) and, for an entry
+    inside a block (``partial``), of that block (``block_state_views`` order) after them."""
 
     tensors: list[torch.Tensor]
     nbytes: int
     used_at: float  # when stored or last found (a TTL counts from here)
+    partial: tuple[bytes, int] | None = None  # inside a block: (hash of the full blocks before it, tokens in it)
+
+
+def partial_key(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The key of a state kept inside a block: the hash of the full blocks before it (``parent``; ``b""``: none)
+    chained over the block's first ``tokens`` (fewer than a block; a full block's hash never equals it)."""
+    digest = hashlib.blake2b(b"partial:" + parent, digest_size=16)
+    digest.update(b",".join(str(t).encode() for t in tokens))
+    return digest.digest()
 
 
 class PrefixStateCache:
@@ -113,13 +125,16 @@ class PrefixStateCache:
         self.stats = stats or PrefixStateStats()
         self.entries: OrderedDict[bytes, StateEntry] = OrderedDict()  # least recently used first
         self.nbytes = 0
+        self.partial_lengths: dict[bytes, collections.Counter[int]] = {}  # parent hash -> tokens in the block of its entries
 
     def __len__(self) -> int:
         return len(self.entries)
 
-    def store(self, key: bytes, views: Sequence[torch.Tensor]) -> StateEntry | None:
-        """Copy ``views`` (one slot's state) under ``key``, replacing an entry there and evicting the least recently
-        used ones to stay within the capacity; None (nothing kept) when one entry exceeds it."""
+    def store(self, key: bytes, views: Sequence[torch.Tensor],
+              partial: tuple[bytes, int] | None = None) -> StateEntry | None:
+        """Copy ``views`` (one slot's state, and a block's for an entry inside one: ``partial`` is then its parent hash
+        and tokens in the block) under ``key``, replacing an entry there and evicting the least recently used ones to
+        stay within the capacity; None (nothing kept) when one entry exceeds it."""
         nbytes = sum(v.numel() * v.element_size() for v in views)
         if nbytes > self.capacity_bytes:
             return None
@@ -128,9 +143,11 @@ class PrefixStateCache:
         while self.nbytes + nbytes > self.capacity_bytes:
             self._drop(next(iter(self.entries)))
             self.stats.evictions.inc()
-        entry = StateEntry([self._copy(v) for v in views], nbytes, self.clock())
+        entry = StateEntry([self._copy(v) for v in views], nbytes, self.clock(), partial)
         self.entries[key] = entry
         self.nbytes += nbytes
+        if partial is not None:
+            self.partial_lengths.setdefault(partial[0], collections.Counter())[partial[1]] += 1
         self.stats.stores.inc()
         self.stats.bytes.set(self.nbytes)
         return entry
@@ -173,31 +190,43 @@ class PrefixStateCache:
 
     def _drop(self, key: bytes) -> None:
         entry = self.entries.pop(key, None)
-        if entry is not None:
-            self.nbytes -= entry.nbytes
-            self.stats.bytes.set(self.nbytes)
+        if entry is None:
+            return
+        self.nbytes -= entry.nbytes
+        self.stats.bytes.set(self.nbytes)
+        if entry.partial is not None:
+            lengths = self.partial_lengths[entry.partial[0]]
+            lengths[entry.partial[1]] -= 1
+            if not lengths[entry.partial[1]]:
+                del lengths[entry.partial[1]]
+            if not lengths:
+                del self.partial_lengths[entry.partial[0]]
 
 
 @dataclasses.dataclass
 class Capture:
-    """A slot to copy once its step has run: ``request``'s state after its first ``end`` tokens (a block boundary);
-    the block hash there chains from ``parent`` (the hash at ``hashed``) over the tokens ``[hashed, end)``."""
+    """A slot to copy once its step has run: ``request``'s state after its first ``end`` tokens (a block boundary,
+    or inside ``block`` for a partial capture); the hashes there chain from ``parent`` (the hash at ``hashed``) over
+    the tokens ``[hashed, end)``."""
 
     request: Request
     slot: int
     end: int
     hashed: int
     parent: bytes
+    block: int | None = None  # the block id holding position ``end`` when ``end`` is inside it
 
 
 class PrefixStateKeeper:
     """One tier's engine-side work around a ``PrefixStateCache`` (see module docstring).
 
-    ``bind`` gives it the engine's geometry (block size, the exact rebuild's span, the slot views) when the engine
-    starts; until then it does nothing. ``split_min_tokens``: an admitted chunk of at least that many tokens that
-    finishes its request ends on the last block boundary at least ``min_chunk`` tokens (the model's shortest static
-    prefill chunk) before the request's end, when the first part keeps ``min_chunk`` tokens too (``first_chunk_end``):
-    the state there is kept, and the same tokens again are restored there; 0 never splits."""
+    ``bind`` gives it the engine's geometry (block size, the exact rebuild's span, the slot views and, for states
+    inside a block, the block views) when the engine starts; until then it does nothing. ``split_min_tokens``: an
+    admitted chunk of at least that many tokens that finishes its request is split (``first_chunk_end``): with block
+    views, one token before the end (the last token then runs as a one-token row, a decode step's shape: the state
+    after all tokens but the last is kept, and the same tokens again compute only the last); without, on the last
+    block boundary at least ``min_chunk`` tokens (the model's shortest static prefill chunk) before the end, when the
+    first part keeps ``min_chunk`` tokens too; 0 never splits."""
 
     def __init__(self, cache: PrefixStateCache, split_min_tokens: int = 0):
         self.cache = cache
@@ -206,6 +235,7 @@ class PrefixStateKeeper:
         self.replay_span = 0
         self.min_chunk = 1
         self.slot_views: Callable[[int], list[torch.Tensor]] | None = None
+        self.block_views: Callable[[int], list[torch.Tensor]] | None = None
         self.pending_restores: dict[str, tuple[int, StateEntry]] = {}  # by request id
         self.looked_up: set[str] = set()  # counted since their admission was planned
         self.captures: list[Capture] = []  # of the step launched last
@@ -215,10 +245,13 @@ class PrefixStateKeeper:
         return self.cache.stats
 
     def bind(self, slot_views: Callable[[int], list[torch.Tensor]], block_size: int, replay_span: int,
-             min_chunk: int = 1, registry: MetricsRegistry | None = None) -> None:
+             min_chunk: int = 1, registry: MetricsRegistry | None = None,
+             block_views: Callable[[int], list[torch.Tensor]] | None = None) -> None:
         """Start working for an engine: its slots' state views, block size, exact replay span and shortest static
-        chunk; the counters move into ``registry`` when given."""
+        chunk, and its blocks' state views (None: states are kept at block boundaries only); the counters move into
+        ``registry`` when given."""
         self.slot_views = slot_views
+        self.block_views = block_views
         self.block_size = block_size
         self.replay_span = replay_span
         self.min_chunk = max(1, min_chunk)
@@ -226,14 +259,18 @@ class PrefixStateKeeper:
             self.stats.register(registry)
 
     def lookup(self, request: Request, num_cached_tokens: int, block_hashes: Sequence[bytes]) -> int:
-        """Tokens of a hit (``num_cached_tokens``, blocks ``block_hashes``) whose state this tier restores: the longest
-        boundary above the exact rebuild's start with an entry, else 0. A found entry is restored into the request's
-        slot before its first step (``before_step``)."""
+        """Tokens of a hit (``num_cached_tokens``, blocks ``block_hashes``; 0 and none: a request without a block hit,
+        which may still match a state inside its first block) whose state this tier restores: the longest point above
+        the exact rebuild's start with an entry (inside a block, or a boundary), else 0. A found entry is restored into
+        the request's slot (and its own block there) before its first step (``before_step``)."""
         if self.slot_views is None:
             return 0
         lowest = num_cached_tokens - self.replay_span  # a restore at or below it computes more than the rebuild
-        blocks = [k for k in range(len(block_hashes), 0, -1) if k * self.block_size > lowest]
-        found = self.cache.find([block_hashes[k - 1] for k in blocks])
+        points = [p for p in self._points(request, block_hashes) if p[0] > lowest]
+        found = self.cache.find([key for _, key in points])
+        if not num_cached_tokens and found is None:  # no hit at all: nothing to count
+            self.pending_restores.pop(request.request_id, None)
+            return 0
         first_look = request.request_id not in self.looked_up  # an admission retried (no room yet) counts once
         self.looked_up.add(request.request_id)
         if found is None:
@@ -241,22 +278,40 @@ class PrefixStateKeeper:
             self.pending_restores.pop(request.request_id, None)
             return 0
         self.stats.hits.inc(first_look)
-        restored = blocks[found[0]] * self.block_size
+        restored = points[found[0]][0]
         self.pending_restores[request.request_id] = (restored, found[1])
         return restored
+
+    def _points(self, request: Request, block_hashes: Sequence[bytes]) -> list[tuple[int, bytes]]:
+        """(tokens, key) of every point a state of ``request`` may be kept at, longest first: inside block ``k`` (by
+        the lengths kept after its parent, leaving one token to compute), then block ``k``'s boundary, for ``k`` from
+        the hit's last block down."""
+        points = []
+        last = request.num_tokens - 1
+        for k in range(len(block_hashes), -1, -1):
+            parent = block_hashes[k - 1] if k else b""
+            start = k * self.block_size
+            lengths = self.cache.partial_lengths.get(parent, ()) if self.block_views is not None else ()
+            for length in sorted((n for n in lengths if start + n <= last), reverse=True):
+                points.append((start + length, partial_key(parent, request.token_slice(start, start + length))))
+            if k:
+                points.append((start, parent))
+        return points
 
     def first_chunk_end(self, request: Request, start: int, end: int) -> int | None:
         """Where an admitted request's first chunk ``[start, end)`` ends when this tier splits it, else None."""
         if (self.slot_views is None or not self.split_min_tokens or end != request.num_tokens
                 or end - start < self.split_min_tokens):
             return None
+        if self.block_views is not None:  # the last token alone: a decode-shaped row (none for prompt logprobs)
+            return end - 1 if end - 1 > start and request.params.prompt_logprobs is None else None
         boundary = (end - self.min_chunk) // self.block_size * self.block_size  # the tail: >= min_chunk tokens
         return boundary if boundary - start >= self.min_chunk else None
 
     def before_step(self, chunks: Sequence) -> None:
-        """Before a step of ``chunks`` (``ScheduledChunk``) is launched: copy the slots the last step left on a block
-        boundary, write restored states into the slots of requests starting from one, and note this step's chunks
-        that end on a boundary."""
+        """Before a step of ``chunks`` (``ScheduledChunk``) is launched: copy the states the last step left to keep,
+        write restored states into the slots (and blocks) of requests starting from one, and note this step's chunks
+        that end on a boundary or, split before their request's last token, inside a block."""
         if self.slot_views is None:
             return
         self.flush()
@@ -266,27 +321,51 @@ class PrefixStateKeeper:
                 self.looked_up.discard(request.request_id)
                 pending = self.pending_restores.pop(request.request_id, None)
                 if pending is not None and pending[0] == chunk.start:
-                    self.cache.restore(pending[1], self.slot_views(request.slot))
-        self.captures = [self._capture(chunk.request, chunk.end) for chunk in chunks
-                         if chunk.end % self.block_size == 0 and not chunk.draft_token_ids]
+                    self.cache.restore(pending[1], self._views(request.slot, request.block_ids, chunk.start))
+        self.captures = [self._capture(chunk) for chunk in chunks if self._keeps(chunk)]
 
     def after_step(self, step_in_flight: bool) -> None:
-        """After a step's results were read: copy its boundary slots now when no later step was launched (else the
+        """After a step's results were read: copy its states to keep now when no later step was launched (else the
         next step's ``before_step`` does, before that step runs)."""
         if self.slot_views is not None and not step_in_flight:
             self.flush()
 
     def flush(self) -> None:
-        """Store every noted capture under the hash of its boundary block (tokens the host does not have: skipped)."""
+        """Store every noted capture under the hash of its boundary block, or of its tokens inside its block (tokens
+        the host does not have: skipped)."""
         captures, self.captures = self.captures, []
         for capture in captures:
             tokens = capture.request.token_slice(capture.hashed, capture.end)
             if len(tokens) != capture.end - capture.hashed:
                 continue
-            digest = chain_hashes(tokens, self.block_size, capture.parent)[-1] if tokens else capture.parent
-            self.cache.store(digest, self.slot_views(capture.slot))
+            hashes = chain_hashes(tokens, self.block_size, capture.parent)
+            parent = hashes[-1] if hashes else capture.parent
+            if capture.block is None:
+                self.cache.store(parent, self.slot_views(capture.slot))
+                continue
+            inside = tokens[len(hashes) * self.block_size:]
+            views = self.slot_views(capture.slot) + self.block_views(capture.block)
+            self.cache.store(partial_key(parent, inside), views, (parent, len(inside)))
 
-    def _capture(self, request: Request, end: int) -> Capture:
+    def _keeps(self, chunk) -> bool:
+        """Whether the state after ``chunk`` is kept: it ends on a block boundary, or (with block views) it is a split
+        that leaves its request's last token to a step of its own; never a chunk verifying draft tokens."""
+        if chunk.draft_token_ids:
+            return False
+        if chunk.end % self.block_size == 0:
+            return True
+        return self.block_views is not None and not chunk.samples and chunk.end == chunk.request.num_tokens - 1
+
+    def _views(self, slot: int, block_ids: Sequence[int], end: int) -> list[torch.Tensor]:
+        """The slot's state views, and for a point inside a block the views of the block holding it."""
+        views = self.slot_views(slot)
+        if end % self.block_size:
+            views = views + self.block_views(block_ids[end // self.block_size])
+        return views
+
+    def _capture(self, chunk) -> Capture:
+        request = chunk.request
         hashed = len(request.block_hashes) * self.block_size
         parent = request.block_hashes[-1] if request.block_hashes else b""
-        return Capture(request, request.slot, end, hashed, parent)
+        block = request.block_ids[chunk.end // self.block_size] if chunk.end % self.block_size else None
+        return Capture(request, request.slot, chunk.end, hashed, parent, block)

@@ -23,7 +23,8 @@ class Request:
     The scheduler only looks at token counts: ``num_computed_tokens`` of ``all_token_ids`` are folded
     into the request's state; the step computes the next chunk. Tokens below ``replay_until`` are
     recomputed only to rebuild the sliding-window state after a prefix-cache hit (their compressed
-    entries come from the cache); ``sliding_floor`` is the first token such a replay started from (0 also when a
+    entries come from the cache; a hit restored inside a block sets it to that block's start: the entries its
+    restored tokens completed were copied in, and the later ones are written as they complete); ``sliding_floor`` is the first token such a replay started from (0 also when a
     plugin restored the window instead: ``deepinfer_restore_prefix_state``). ``admitted_from`` is the token its
     latest admission started computing from.
     ``num_cached_tokens`` is the prefix-cache hit its latest admission adopted (a plugin may adopt only part of a

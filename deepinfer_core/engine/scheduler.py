@@ -216,7 +216,7 @@ class FcfsScheduler(Scheduler):
     def _admit(self, request: Request, budget: int, chunks: list[ScheduledChunk]) -> ScheduledChunk | None:
         cached = self.state.match_prefix(request)
         hit = start = floor = 0
-        if cached:
+        if cached or (self.prefix_replay.state_cache is not None and self.state.reuses_prefix(request)):
             plan = self.prefix_replay.plan(request, len(cached) * self.state.block_size, self.state.block_size,
                                            tuple(self.state.block_hash[b] for b in cached))
             hit, start, floor = plan.adopted, plan.start, plan.sliding_floor
@@ -229,7 +229,7 @@ class FcfsScheduler(Scheduler):
         if not self.state.allocate(request, start + num):
             raise RuntimeError(f"state manager admitted {request.request_id} but could not allocate its blocks")
         request.num_computed_tokens = start
-        request.replay_until = hit
+        request.replay_until = hit // self.state.block_size * self.state.block_size  # compressed writes from here
         request.sliding_floor = floor
         request.admitted_from = start
         request.num_cached_tokens = hit

@@ -69,9 +69,14 @@ class StateManager:
         revived = sum(1 for b in cached_blocks if self.refcount[b] == 0)
         return bool(self.free_slots) and new + revived <= self.num_free_blocks
 
+    def reuses_prefix(self, request: Request) -> bool:
+        """Whether ``request`` may start from cached state: prefix caching is on and it wants no prompt logprobs
+        (those need every prompt row computed)."""
+        return self.enable_prefix_caching and request.params.prompt_logprobs is None
+
     def match_prefix(self, request: Request) -> list[int]:
         """Cached blocks covering the longest prefix of the request (leaving >= 1 token to compute)."""
-        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+        if not self.reuses_prefix(request):
             return []
         tokens = request.all_token_ids
         usable = (len(tokens) - 1) // self.block_size

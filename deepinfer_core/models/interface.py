@@ -95,6 +95,13 @@ class SlotStateModel(CausalLM, Protocol):
         the sequence's computed tokens on a block boundary they are its state there: copies of them written into
         another slot let a sequence with the same first tokens continue from that boundary exactly."""
 
+    def block_state_views(self, state: ModelState, block: int) -> list[torch.Tensor]:
+        """Views of paged block ``block``'s whole shareable state in ``state`` (what the model writes for the
+        positions the block covers), in a fixed order. After a step that leaves a sequence's computed tokens inside
+        its last block, they and ``slot_state_views`` are its whole state there: copies of both, written into another
+        sequence's slot and own (fresh) block at the same place in its block table, let a sequence with the same first
+        tokens continue from that token exactly."""
+
 
 @runtime_checkable
 class StaticStepModel(CausalLM, Protocol):

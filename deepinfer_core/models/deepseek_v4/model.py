@@ -696,6 +696,11 @@ class DeepseekV4Model:
         ``DeepseekV4State.slot_views``)."""
         return state.slot_views(slot)
 
+    def block_state_views(self, state: DeepseekV4State, block: int) -> list[torch.Tensor]:
+        """Every compressed layer's entries and every indexer's keys in ``block`` (``SlotStateModel``;
+        ``DeepseekV4State.block_views``)."""
+        return state.block_views(block)
+
     # ------------------------------------------------------------------ speculative decoding
     @property
     def max_draft_tokens(self) -> int:

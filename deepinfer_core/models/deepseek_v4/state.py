@@ -138,6 +138,12 @@ class DeepseekV4State:
         carries = (*self.carry.values(), *self.index_carry.values())
         return [ring[slot] for ring in self.swa.values()] + [carry.rows[slot] for carry in carries]
 
+    def block_views(self, block: int) -> list[torch.Tensor]:
+        """Views of one paged block's state in a fixed order: every layer's compressed entries (``[block_size / ratio,
+        head_dim]``), then every indexer's keys (``[block_size / ratio, index_head_dim]``). Entries of positions a
+        sequence has not computed yet hold stale values that no query reads (an entry is read once complete)."""
+        return [rows[block] for rows in self.compressed.values()] + [keys[block] for keys in self.index_keys.values()]
+
     def copy_slot(self, src: int, dst: int) -> None:
         """Copy one sequence's slot state into another slot (n > 1 samples sharing a prompt)."""
         for ring in self.swa.values():
