@@ -122,6 +122,29 @@ def test_a_longer_prompt_starting_with_the_kept_tokens_is_restored_there(ckpt):
     _assert_same(got, cold.generate(longer, GREEDY, use_tqdm=False)[0])
 
 
+def test_a_split_prompts_last_token_runs_with_the_next_prompt_step(ckpt):
+    """Without mixed chunks, decodes wait for a step without prompt work; a prompt's last token left by the split is
+    prompt work: it runs in the very next step, beside another prompt's chunk, and samples its first token there."""
+    llm = _llm(ckpt, prefix_state_split_min_tokens=1, max_num_batched_tokens=64)
+    steps: list[list[tuple[str, int, int]]] = []
+    schedule = llm.engine.scheduler.schedule
+
+    def recorded():
+        output = schedule()
+        steps.append([(c.request.request_id, c.start, c.num_tokens) for c in output.chunks])
+        return output
+
+    llm.engine.scheduler.schedule = recorded
+    prompts = [{"prompt_token_ids": _tokens(n, seed=n)} for n in (40, 30)]
+    got = llm.generate(prompts, GREEDY, use_tqdm=False)
+    first, second = (f"{o.request_id}-0" for o in got)  # the engine's request of each prompt's sample 0
+    assert steps[0] == [(first, 0, 39), (second, 0, 25)]
+    assert steps[1] == [(first, 39, 1), (second, 25, 5)]
+    want = _llm(ckpt, enable_prefix_caching=False).generate(prompts, GREEDY, use_tqdm=False)
+    for a, b in zip(got, want, strict=True):
+        _assert_same(a, b)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_hits_in_a_batch_with_n_2_seeds_and_prompt_logprobs_equal_a_cold_run(ckpt, async_scheduling):
     """Kept prompts sent again in one batch: greedy, n = 2 seeded sampling, and one asking for prompt logprobs (no
@@ -169,14 +192,15 @@ def test_next_turns_in_a_batch_are_restored_and_equal_a_cold_run(ckpt, async_sch
         _assert_same(a, b)
 
 
-def test_preempted_requests_come_back_restored(ckpt):
+@pytest.mark.parametrize("split", [4096, 1])
+def test_preempted_requests_come_back_restored(ckpt, split):
     """Four requests in room for two: the preempted ones come back restored at the last boundary a step of theirs
-    ended on, and finish with a cold engine's tokens."""
+    ended on (or, with every prompt split, inside a block), and finish with a cold engine's tokens."""
     probe = _llm(ckpt).model.state_bytes(BLOCK, torch.float32)
     budget = 4 * probe.per_slot + 10 * probe.per_block  # 4 sequences want 4 x 6 blocks
     prompts = [{"prompt_token_ids": _tokens(n, seed=n)} for n in (30, 33, 29, 31)]
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=1)
-    tight = _llm(ckpt, kv_cache_memory_bytes=budget)
+    tight = _llm(ckpt, kv_cache_memory_bytes=budget, prefix_state_split_min_tokens=split)
     got = tight.generate(prompts, params, use_tqdm=False)
     want = _llm(ckpt, enable_prefix_caching=False).generate(prompts, params, use_tqdm=False)
     assert tight.engine.scheduler.num_preemptions > 0 and _metrics(tight)["hits"] > 0

@@ -151,17 +151,17 @@ class FcfsScheduler(Scheduler):
 
     def _has_prompt_work(self) -> bool:
         """Whether a running request has prompt tokens left to fold or the next waiting one may be admitted."""
-        return any(_undrafted_pending(r) > 1 for r in self.running if r.status == RequestStatus.RUNNING) or bool(
+        return any(_prompt_pending(r) for r in self.running if r.status == RequestStatus.RUNNING) or bool(
             self.waiting and len(self.running) < self.max_num_seqs and not self.waiting[0].num_inflight_tokens)
 
     def _plan(self, preempted: list[Request], decodes: bool) -> SchedulerOutput:
-        """The step's chunks; with ``decodes`` False, running requests with one token pending are left out."""
+        """The step's chunks; with ``decodes`` False, running requests with only a decode pending are left out."""
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         for request in list(self.running):
             if request.status != RequestStatus.RUNNING or budget == 0 or self._ends_in_flight(request):
                 continue
-            if not decodes and _undrafted_pending(request) == 1:
+            if not decodes and not _prompt_pending(request):
                 continue
             num = self._padded_fit(chunks, min(request.num_pending_tokens, budget))
             if num == 0:
@@ -300,6 +300,14 @@ class FcfsScheduler(Scheduler):
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason, request.stop_reason = reason
+
+
+def _prompt_pending(request: Request) -> bool:
+    """Whether the request has prompt work pending: tokens besides a decode's one, or its prompt's last token (a
+    prompt split before it: ``PrefixStateKeeper.first_chunk_end``), which samples its first token with the prompt
+    steps rather than waiting for a step of decodes."""
+    pending = _undrafted_pending(request)
+    return pending > 1 or (pending == 1 and not request.output_token_ids and not request.num_inflight_tokens)
 
 
 def _undrafted_pending(request: Request) -> int:
