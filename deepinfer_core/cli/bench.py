@@ -72,8 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="device memory for the prefix state cache (default: 16 slot states per sequence, at most "
                              "1/8 of the state budget)")
     parser.add_argument("--prefix-state-split-min-tokens", type=int, metavar="N",
-                        help="a prompt chunk of at least N tokens ends on its last block boundary so the same prompt "
-                             "again is restored there (default 4096; 0: never)")
+                        help="a prompt chunk of at least N tokens ends one token before the prompt's end so the same "
+                             "prompt again is restored there and computes only its last token (a miss pays one decode "
+                             "step; default 4096; 0: never)")
     parser.add_argument("--data-parallel-size", type=int, default=1,
                         help="ranks, each its own engine on a share of the prompts, started by the engine (default 1; "
                              "per-request and per-step times are not seen across ranks); see docs/distributed.md")

@@ -44,7 +44,7 @@ class EngineConfig:
     async_scheduling: bool = False
     enable_mixed_chunk: bool = False  # decodes in steps that fold prompt tokens (see FcfsScheduler)
     prefix_state_cache_bytes: int = 0  # device memory for sequence state at block boundaries (0: none)
-    prefix_state_split_min_tokens: int = 0  # prompt chunks this long end on their last block boundary (0: never)
+    prefix_state_split_min_tokens: int = 0  # prompt chunks this long end one token before the prompt's end (0: never)
 
 
 class Engine:

@@ -1,4 +1,5 @@
-"""Per-sequence state at block boundaries, kept so that a prefix hit continues exactly without a rebuild.
+"""Per-sequence state at block boundaries and before a prompt's last token, kept so that a prefix hit continues
+exactly without a rebuild.
 
 A prefix-cache block keeps what a block of tokens leaves behind that can be shared (a V4 model: compressed entries
 and indexer keys), not a sequence's live state (sliding-window rings, compressor carries), which the exact rebuild
@@ -9,20 +10,30 @@ ending there. A request admitted with a hit looks its boundaries up (longest fir
 it a restore computes more than the rebuild); the state found is written into its slot before its first step, which
 computes from that boundary reading the restored window: the outputs equal exact reuse.
 
+A full hit (the same prompt again) should compute only its last token. So a long prompt's miss is split one token
+before its end (``first_chunk_end``: the last token then runs as a one-token row, a decode step's shape) and the state
+after its first ``L - 1`` tokens is kept inside its last block: the slot and that block's shareable state
+(``SlotStateModel.block_state_views``), under ``partial_key`` of the hash of the full blocks before it and the
+block's tokens. A request whose first tokens match such an entry (the same prompt, a longer one starting with those
+``L - 1`` tokens; also one without a block hit, inside its first block) is restored there: its slot, and the kept
+block into its own new block at that place, and computes from ``L - 1``.
+
 One implementation, two tiers:
 
 * the **device tier** (the core, default on with prefix caching: ``EngineArgs.enable_prefix_state_cache``): entries
-  in device memory within ``prefix_state_cache_bytes``, no TTL; metrics ``deepinfer:prefix_state_cache_*``;
+  in device memory within ``prefix_state_cache_bytes``, no TTL; states at block boundaries and inside a block;
+  metrics ``deepinfer:prefix_state_cache_*``;
 * the **host tier** (the ``deepinfer-swa-replay`` plugin's ``enable_swa_host_cache``): entries in (pinned) host
-  memory with a TTL, looked up through ``deepinfer_restore_prefix_state`` when the device tier has none.
+  memory with a TTL, looked up through ``deepinfer_restore_prefix_state`` when the device tier has none; states at
+  block boundaries only (bound without block views; its split ends on the last block boundary).
 
 ``PrefixStateCache`` is the store (LRU within a byte cap, an optional TTL), ``PrefixStateKeeper`` the engine-side
-work of one tier: noting the step's boundary chunks, copying them once the step has run (before the next step writes
+work of one tier: noting the step's chunks to keep, copying them once the step has run (before the next step writes
 the slot: ``before_step`` of the next step, or ``after_step`` when no later step was launched), looking hits up and
-restoring them, and optionally ending a prompt's first chunk on its last block boundary so the same prompt again can
-be restored there (``first_chunk_end``). Entries outlive their sequences (finished and preempted ones), keyed by block
-hash only: a restore also needs the prefix cache to still hold the blocks, as any hit does. A chunk that verifies
-draft tokens is not captured (speculative decoding's draft state is not part of the slot).
+restoring them, and optionally splitting a prompt's first chunk so the same prompt again can be restored
+(``first_chunk_end``). Entries outlive their sequences (finished and preempted ones), keyed by token hashes only: a
+restore also needs the prefix cache to still hold the blocks before the entry, as any hit does. A chunk that
+verifies draft tokens is not captured (speculative decoding's draft state is not part of the slot).
 """
 
 from __future__ import annotations
@@ -41,9 +52,9 @@ from deepinfer_core.engine.request import Request
 from deepinfer_core.engine.state_manager import chain_hashes
 from deepinfer_core.metrics import Counter, Gauge, MetricsRegistry
 
-#: ``EngineArgs.prefix_state_split_min_tokens``' default: a miss of a prompt this long takes one more, short step (its
-#: tail: 128 to 255 tokens for V4) so the same prompt again is restored where the tail starts; shorter prompts are not
-#: split.
+#: ``EngineArgs.prefix_state_split_min_tokens``' default: a miss of a prompt this long runs its last token as a step
+#: of its own (one decode-shaped row) so the same prompt again is restored before it and computes only that token;
+#: shorter prompts are not split.
 PREFIX_STATE_SPLIT_MIN_TOKENS = 4096
 
 COUNTERS = ("hits", "misses", "evictions", "expirations", "stores")
