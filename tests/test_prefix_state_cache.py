@@ -10,7 +10,8 @@ import torch
 from v4_factory import ALL_TYPES, record_prompt_chunks, tiny_checkpoint
 
 from deepinfer_core import LLM, SamplingParams
-from deepinfer_core.engine.prefix_state_cache import DEVICE_METRICS, PrefixStateCache, PrefixStateStats
+from deepinfer_core.engine.prefix_state_cache import DEVICE_METRICS, PrefixStateCache, PrefixStateStats, partial_key
+from deepinfer_core.engine.state_manager import chain_hashes
 from deepinfer_core.engine_args import EngineArgsError
 from deepinfer_core.metrics import MetricsRegistry
 
@@ -74,6 +75,21 @@ def test_the_store_is_an_lru_within_its_bytes_and_keeps_entries_without_a_ttl():
     stats.stores.inc(2)
     stats.register(registry)
     assert registry.get(DEVICE_METRICS["stores"][0]).value == 2
+
+
+def test_states_inside_a_block_are_indexed_by_their_parent_until_evicted():
+    """Entries inside a block are found by their parent hash and token count (``partial_lengths``), which follows
+    eviction; their key differs from a full block's hash of the same tokens."""
+    cache = PrefixStateCache(capacity_bytes=2 * 384)
+    first, second = partial_key(b"p", [3, 4]), partial_key(b"p", [5, 6, 7])
+    cache.store(first, _slot(1.0), (b"p", 2))
+    cache.store(second, _slot(2.0), (b"p", 3))
+    assert dict(cache.partial_lengths[b"p"]) == {2: 1, 3: 1}
+    cache.store(b"boundary", _slot(3.0))  # evicts the first
+    assert dict(cache.partial_lengths[b"p"]) == {3: 1} and cache.find([first]) is None
+    cache.store(b"other", _slot(4.0))  # evicts the second
+    assert cache.partial_lengths == {} and cache.stats.evictions.value == 2
+    assert partial_key(b"", list(range(BLOCK))) != chain_hashes(list(range(BLOCK)), BLOCK)[0]
 
 
 def _record_chunks(llm) -> list[tuple[str, int, int]]:
