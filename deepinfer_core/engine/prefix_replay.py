@@ -4,8 +4,8 @@ The cache keeps what a block of tokens leaves behind that is shareable (a V4 mod
 keys); per-sequence state (sliding windows, compressor carries) is rebuilt by recomputing the tokens before the hit.
 The model says how many tokens an exact rebuild needs (``CausalLM.prefix_replay_span``). The engine's prefix state
 cache (``engine/prefix_state_cache.py``, device memory) may instead restore that state from a copy taken at one of the
-hit's block boundaries (or inside the block after them: a prompt's all but last token), then plugins may (``deepinfer_restore_prefix_state``, e.g. the SWA host cache in host memory):
-the request adopts the restored tokens and computes from there, reading the restored window. Else plugins may change
+hit's block boundaries (or inside the block after them: a prompt's all but last token), then plugins may
+(``deepinfer_restore_prefix_state``, e.g. the SWA host cache in host memory): the request adopts the restored tokens and computes from there, reading the restored window. Else plugins may change
 two decisions, in this order: how many tokens of the hit the request adopts (``deepinfer_adopt_prefix_hit``; default: all) and where the
 rebuild starts (``deepinfer_rebuild_sliding_window``; default: the exact rebuild), e.g. bounded replay. A plugin may
 also end an admitted request's first chunk early (``deepinfer_first_chunk_end``), e.g. on a block boundary whose
