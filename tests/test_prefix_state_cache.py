@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from v4_factory import ALL_TYPES, record_prompt_chunks, tiny_checkpoint
+from v4_factory import ALL_TYPES, record_prompt_chunks, record_steps, tiny_checkpoint
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.engine.prefix_state_cache import DEVICE_METRICS, PrefixStateCache, PrefixStateStats, partial_key
@@ -142,15 +142,7 @@ def test_a_split_prompts_last_token_runs_with_the_next_prompt_step(ckpt):
     """Without mixed chunks, decodes wait for a step without prompt work; a prompt's last token left by the split is
     prompt work: it runs in the very next step, beside another prompt's chunk, and samples its first token there."""
     llm = _llm(ckpt, prefix_state_split_min_tokens=1, max_num_batched_tokens=64)
-    steps: list[list[tuple[str, int, int]]] = []
-    schedule = llm.engine.scheduler.schedule
-
-    def recorded():
-        output = schedule()
-        steps.append([(c.request.request_id, c.start, c.num_tokens) for c in output.chunks])
-        return output
-
-    llm.engine.scheduler.schedule = recorded
+    steps = record_steps(llm)
     prompts = [{"prompt_token_ids": _tokens(n, seed=n)} for n in (40, 30)]
     got = llm.generate(prompts, GREEDY, use_tqdm=False)
     first, second = (f"{o.request_id}-0" for o in got)  # the engine's request of each prompt's sample 0

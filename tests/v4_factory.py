@@ -170,16 +170,30 @@ def tiny_checkpoint_with_mtp(folder, reference: ReferenceMTP, num_nextn: int = 1
     (folder / "config.json").write_text(json.dumps(config))
 
 
-def record_prompt_chunks(llm) -> list[tuple[int, int]]:
-    """A list that fills with ``(start, tokens)`` of every prompt chunk (more than one token) ``llm``'s engine plans
-    from now on (its scheduler's ``schedule`` wrapped)."""
-    chunks: list[tuple[int, int]] = []
+def _on_schedule(llm, note) -> None:
+    """Call ``note(output)`` with every ``SchedulerOutput`` ``llm``'s engine plans from now on."""
     schedule = llm.engine.scheduler.schedule
 
     def recorded():
         output = schedule()
-        chunks.extend((c.start, c.num_tokens) for c in output.chunks if c.num_tokens > 1)
+        note(output)
         return output
 
     llm.engine.scheduler.schedule = recorded
+
+
+def record_prompt_chunks(llm) -> list[tuple[int, int]]:
+    """A list that fills with ``(start, tokens)`` of every prompt chunk (more than one token) ``llm``'s engine plans
+    from now on."""
+    chunks: list[tuple[int, int]] = []
+    _on_schedule(llm, lambda output: chunks.extend((c.start, c.num_tokens) for c in output.chunks if c.num_tokens > 1))
     return chunks
+
+
+def record_steps(llm) -> list[list[tuple[str, int, int]]]:
+    """A list that fills with every step's chunks as ``(request id, start, tokens)``, as ``llm``'s engine plans them
+    from now on."""
+    steps: list[list[tuple[str, int, int]]] = []
+    _on_schedule(llm, lambda output: steps.append([(c.request.request_id, c.start, c.num_tokens)
+                                                   for c in output.chunks]))
+    return steps

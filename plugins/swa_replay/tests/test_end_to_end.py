@@ -30,16 +30,7 @@ def _llm(folder, **kwargs) -> LLM:
 
 def _recording(llm: LLM) -> list[list[tuple[str, int, int]]]:
     """Every step's chunks as (request id, start, tokens), recorded as the engine plans them."""
-    steps: list[list[tuple[str, int, int]]] = []
-    schedule = llm.engine.scheduler.schedule
-
-    def recorded():
-        output = schedule()
-        steps.append([(c.request.request_id, c.start, c.num_tokens) for c in output.chunks])
-        return output
-
-    llm.engine.scheduler.schedule = recorded
-    return steps
+    return pytest.importorskip("v4_factory").record_steps(llm)
 
 
 def _same(a, b) -> bool:
