@@ -36,8 +36,18 @@ def _environ() -> dict[str, str]:
 
 
 def _start(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "deepinfer_core.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=_environ())
+    """The CLI in a child process with SIGINT not ignored, as at a terminal, even where these tests run with SIGINT
+    ignored (a shell's background job: the child would inherit that, install no handler, and Ctrl-C would do
+    nothing). A handler of this process is reset to the default in the child; an ignored signal is not."""
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen([sys.executable, "-m", "deepinfer_core.cli", *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=_environ())
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _wait_until_sigint_is_handled(process: subprocess.Popen) -> None:
