@@ -53,9 +53,7 @@ class DecodeGraphs:
         self.model = model
         self.state = state
         self.capture = capture
-        self.sizes = sorted(set(sizes))
-        if not self.sizes or self.sizes[0] < 1:
-            raise ValueError(f"graph batch sizes must be positive integers, got {list(sizes)}")
+        self.sizes = graph_sizes(sizes)
         multiple = model.block_multiple
         self.max_context = -(-max_model_len // multiple) * multiple
         self.spare_slot = spare_slot
@@ -156,6 +154,15 @@ def capture_or_explain(capture: Callable, step_fn: Callable[[], None], what: str
         reason = f"{what}: capture failed: {exc}"
         logger.warning("%s; such steps run eagerly from now on", reason, exc_info=True)
         return None, reason
+
+
+def graph_sizes(sizes: Sequence[int], error: type[Exception] = ValueError,
+                what: str = "graph batch sizes") -> list[int]:
+    """The distinct batch sizes to capture, ascending; ``error`` naming ``what`` when one is not a positive integer."""
+    distinct = sorted(set(sizes))
+    if not distinct or distinct[0] < 1:
+        raise error(f"{what} must be positive integers, got {list(sizes)}")
+    return distinct
 
 
 def default_sizes(max_num_seqs: int) -> list[int]:

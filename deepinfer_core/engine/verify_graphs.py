@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from deepinfer_core.device_copy import to_device
-from deepinfer_core.engine.decode_graphs import MIN_CONTEXT_BUCKET, capture_or_explain
+from deepinfer_core.engine.decode_graphs import MIN_CONTEXT_BUCKET, capture_or_explain, graph_sizes
 from deepinfer_core.engine.scheduler import ScheduledChunk
 from deepinfer_core.forward_batch import ForwardBatch
 from deepinfer_core.models.interface import StaticVerifyModel, missing_members
@@ -84,9 +84,7 @@ class VerifyGraphs:
         self.model = model
         self.state = state
         self.capture = capture
-        self.sizes = sorted(set(sizes))
-        if not self.sizes or self.sizes[0] < 1:
-            raise ValueError(f"graph batch sizes must be positive integers, got {list(sizes)}")
+        self.sizes = graph_sizes(sizes)
         self.max_tokens_per_seq = max_tokens_per_seq
         multiple = model.block_multiple
         self.max_context = -(-(max_model_len + max_tokens_per_seq) // multiple) * multiple

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from deepinfer_core.engine.decode_graphs import capture_or_explain
+from deepinfer_core.engine.decode_graphs import capture_or_explain, graph_sizes
 from deepinfer_core.models.deepseek_v4.mtp import MTPDraft, StaticDraftInputs, StaticRows
 from deepinfer_core.static_buffers import StaticBuffers
 from deepinfer_dspark.errors import DSparkError
@@ -52,9 +52,7 @@ class DraftGraphs:
         self.draft = draft
         self.state = state
         self.capture = capture
-        self.sizes = sorted(set(sizes))
-        if not self.sizes or self.sizes[0] < 1:
-            raise DSparkError(f"draft graph batch sizes must be positive integers (cuda_graph_sizes), got {list(sizes)}")
+        self.sizes = graph_sizes(sizes, DSparkError, "draft graph batch sizes (cuda_graph_sizes)")
         self.k = k
         self.max_rows = min(k + 1, draft.config.sliding_window)  # fold rows per sequence a graph takes
         self.spare_slot = spare_slot
