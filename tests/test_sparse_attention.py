@@ -1,6 +1,7 @@
-"""Top-k sparse CSA attention (``models/deepseek_v4/sparse_attention.py``, ``DEEPINFER_SPARSE_CSA_ATTENTION=1``): each
-query row attends to its gathered window keys and selected entries only, and must give what the dense masked path
-gives (the same visible keys; fp32 sums in another order), in prefill chunks, eager decode and static decode steps."""
+"""Top-k sparse CSA attention (``models/deepseek_v4/sparse_attention.py``, ``DEEPINFER_SPARSE_CSA_ATTENTION=1`` or
+``gather``): each query row attends to its window keys and selected entries only (read in place by index, or
+gathered), and must give what the dense masked path gives (the same visible keys; fp32 sums in another order), in
+prefill chunks, eager decode and static decode steps."""
 
 from __future__ import annotations
 
@@ -9,8 +10,85 @@ import torch
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.engine import decode_graphs
-from deepinfer_core.models.deepseek_v4.sparse_attention import row_key_indices, rows_per_slice
+from deepinfer_core.errors import EnvironmentVariableError
+from deepinfer_core.models.deepseek_v4.sparse_attention import key_index, row_key_indices, rows_per_slice, sparse_mode
 from deepinfer_core.ops import reference as ref
+from deepinfer_core.ops.table import OpTable
+
+
+def test_sparse_mode_reads_the_variable():
+    assert [sparse_mode({"DEEPINFER_SPARSE_CSA_ATTENTION": v}) for v in ("", "0", "1", "true", "Gather")] == [
+        "dense", "dense", "index", "index", "gather"]
+    with pytest.raises(EnvironmentVariableError, match="0 \\(dense\\), 1 .* or gather"):
+        sparse_mode({"DEEPINFER_SPARSE_CSA_ATTENTION": "fast"})
+
+
+def test_visible_index_lists_the_first_visible_places_ascending():
+    gen = torch.Generator().manual_seed(0)
+    visible = torch.rand(2, 5, 40, generator=gen) < 0.3
+    visible[0, 0] = False
+    for count in (3, 40, 50):
+        got = ref.visible_index(visible, count)
+        assert got.shape == (2, 5, count) and got.dtype == torch.int32
+        for s in range(2):
+            for t in range(5):
+                want = visible[s, t].nonzero().flatten().tolist()[:count]
+                assert got[s, t].tolist() == want + [-1] * (count - len(want))
+
+
+def _window_and_selection(gen, S, Lq, Lk, E, W, k, density=0.6):
+    """A causal sliding window ``[S, Lq, Lk]`` (row t sees keys t .. t + W - 1) and an indexer selection ``[S, Lq,
+    E]`` of at most ``k`` entries among a random visible set."""
+    window = torch.zeros(S, Lq, Lk, dtype=torch.bool)
+    for t in range(Lq):
+        window[:, t, t:t + W] = True
+    scores = torch.randn(S, Lq, E, generator=gen)
+    return window, ref.indexer_topk(scores, torch.rand(S, Lq, E, generator=gen) < density, k)
+
+
+@pytest.mark.parametrize("S,Lq,Lk,E,H,d,W,k,budget", [
+    (2, 9, 12, 30, 4, 32, 4, 5, 1 << 26),
+    (2, 9, 12, 30, 4, 32, 4, 5, 100),  # one query row a slice
+    (1, 24, 151, 3000, 2, 64, 128, 512, 1 << 26),  # long: thousands of entries, V4's window and top-k
+])
+def test_sparse_sink_attention_equals_the_masked_attention(S, Lq, Lk, E, H, d, W, k, budget, monkeypatch):
+    """``sparse_sink_attention`` over each row's listed keys (``key_index``: window, then selected entries, -1 past
+    them; a row with nothing listed) against ``sink_attention`` over every key under the mask."""
+    monkeypatch.setattr(ref, "SPARSE_SLICE_KEYS", budget)
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(S, Lq, H, d, generator=gen)
+    keys = torch.randn(S, Lk + E, d, generator=gen)
+    window, selected = _window_and_selection(gen, S, Lq, Lk, E, W, k)
+    window[0, 0] = False
+    selected[0, 0] = False  # row (0, 0) lists nothing: 0
+    index = key_index(OpTable(), window, selected, W, k)
+    assert index.shape == (S, Lq, min(W, Lk) + min(k, E)) and (index[0, 0] == -1).all()
+    sinks = torch.randn(H, generator=gen)
+    got = ref.sparse_sink_attention(q, keys, index, sinks, d**-0.5)
+    want = ref.sink_attention(q, keys, torch.cat([window, selected], -1), sinks, d**-0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert got[0, 0].abs().max() == 0
+
+
+def test_roped_sparse_attention_equals_the_roped_masked_attention():
+    """The derived op (query norm and RoPE, the attention, the output rotated back) against ``roped_sink_attention``,
+    through the model's ``indexed_roped_attention``; a table whose ``sparse_sink_attention`` is overridden rebuilds
+    it from that part."""
+    from deepinfer_core.models.deepseek_v4.sparse_attention import indexed_roped_attention
+
+    gen = torch.Generator().manual_seed(3)
+    S, Lq, Lk, E, H, d, W, k = 2, 7, 10, 40, 4, 32, 4, 6
+    q = torch.randn(S, Lq, H, d, generator=gen)
+    keys = torch.randn(S, Lk + E, d, generator=gen)
+    window, selected = _window_and_selection(gen, S, Lq, Lk, E, W, k)
+    cos, sin = torch.randn(S, Lq, 4, generator=gen), torch.randn(S, Lq, 4, generator=gen)
+    sinks = torch.randn(H, generator=gen)
+    calls = []
+    table = OpTable({"sparse_sink_attention": lambda *a: calls.append(1) or ref.sparse_sink_attention(*a)}, "spy")
+    got = indexed_roped_attention(table, q, keys, window, selected, W, k, sinks, d**-0.5, 1e-6, cos, sin)
+    want = ref.roped_sink_attention(q, keys, torch.cat([window, selected], -1), sinks, d**-0.5, 1e-6, cos, sin)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert calls and table.sources()["roped_sparse_sink_attention"].startswith("spy")
 
 
 def test_row_key_indices_list_every_visible_key_ascending():
@@ -36,7 +114,6 @@ def test_gathered_rows_equal_the_masked_attention(budget, monkeypatch):
     """The op level: per-row gathered keys against ``roped_sink_attention`` over every key under the mask."""
     from deepinfer_core.models.deepseek_v4 import sparse_attention
     from deepinfer_core.models.deepseek_v4.sparse_attention import sparse_roped_attention
-    from deepinfer_core.ops.table import OpTable
 
     monkeypatch.setattr(sparse_attention, "GATHER_BYTES", budget)
 
@@ -57,15 +134,19 @@ def test_gathered_rows_equal_the_masked_attention(budget, monkeypatch):
 
 
 def _run(folder, prompts, params, shapes, **kwargs):
-    """Outputs and the engine; ``shapes`` collects the query shapes of every attention call."""
+    """Outputs and the engine; ``shapes`` collects the query shapes of every attention call (the sparse op's as
+    ``("index", S, Lq)``)."""
     llm = LLM(str(folder), max_model_len=256, max_num_seqs=4, block_size=8, **kwargs)
-    attend = llm.model.ops.roped_sink_attention
-    llm.model.ops.override("roped_sink_attention",
-                           lambda q, *a, attend=attend: shapes.append(tuple(q.shape[:2])) or attend(q, *a), "spy")
+    for name in ("roped_sink_attention", "roped_sparse_sink_attention"):
+        attend = llm.model.ops.__getattr__(name)
+        tag = ("index",) if "sparse" in name else ()
+        llm.model.ops.override(
+            name, lambda q, *a, attend=attend, tag=tag: shapes.append(tag + tuple(q.shape[:2])) or attend(q, *a), "spy")
     return llm.generate(prompts, params, use_tqdm=False), llm
 
 
-def test_sparse_model_equals_dense(tmp_path, monkeypatch):
+@pytest.mark.parametrize("mode", ["1", "gather"])
+def test_sparse_model_equals_dense(tmp_path, monkeypatch, mode):
     pytest.importorskip("transformers")
     from v4_factory import ALL_TYPES, tiny_checkpoint
 
@@ -76,12 +157,16 @@ def test_sparse_model_equals_dense(tmp_path, monkeypatch):
     monkeypatch.delenv("DEEPINFER_SPARSE_CSA_ATTENTION", raising=False)
     dense_shapes = []
     dense, _ = _run(tmp_path, prompts, params, dense_shapes, enforce_eager=True)
-    assert all(rows <= 3 for rows, _ in dense_shapes)  # whole sequences under a mask
-    monkeypatch.setenv("DEEPINFER_SPARSE_CSA_ATTENTION", "1")
+    assert all(len(shape) == 2 and shape[0] <= 3 for shape in dense_shapes)  # whole sequences under a mask
+    monkeypatch.setenv("DEEPINFER_SPARSE_CSA_ATTENTION", mode)
     for kwargs in ({"enforce_eager": True}, {"cuda_graph_sizes": [1, 2, 4]}):
         shapes = []
         sparse, llm = _run(tmp_path, prompts, params, shapes, **kwargs)
-        assert any(rows > 90 and n == 1 for rows, n in shapes)  # the prefill step's rows, one query each
+        if mode == "gather":
+            assert any(shape[0] > 90 and shape[1] == 1 for shape in shapes)  # the prefill step's rows, one query each
+        else:
+            assert any(shape[0] == "index" and shape[2] >= 90 for shape in shapes)  # the prefill step, read by index
+            assert not any(len(shape) == 2 and shape[1] == 1 and shape[0] > 4 for shape in shapes)
         if "cuda_graph_sizes" in kwargs:
             assert llm.engine.runner.decode_graphs.num_replays > 0
         for a, b in zip(dense, sparse, strict=True):

@@ -277,6 +277,74 @@ output takes ``apply_rope_(..., inverse=True)``. One op so that a backend may no
 inside its attention kernel."""
 
 
+SPARSE_SLICE_KEYS = 1 << 26  # gathered key elements (query rows x keys x width) per slice of ``sparse_sink_attention``
+
+
+@reference_op
+def sparse_sink_attention(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, sinks: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """``sink_attention`` where each query row lists the keys it reads: ``index [S, Lq, N]`` (int) names keys of
+    ``kv [S, Lk, d]`` of the row's sequence, -1 for none; ``q [S, Lq, H, d]``, ``sinks [H]``. Row ``(s, t)`` attends
+    to ``kv[s, index[s, t, j]]`` for every ``j`` with ``index >= 0`` (a key listed twice counts twice) plus the
+    sink; a row listing nothing returns 0. Returns ``[S, Lq, H, d]``.
+
+    Top-k sparse attention (FlashMLA's sparse kernels): a CSA row reads its window keys and the ``k`` entries its
+    indexer selected, whatever the context. Equal to ``sink_attention`` under the mask of the listed keys, up to the
+    order of sums. This statement gathers each row's keys, in query slices of at most ``SPARSE_SLICE_KEYS``
+    elements; a backend reads them in place."""
+    S, Lq, _, d = q.shape
+    N = index.shape[-1]
+    out = q.new_zeros(q.shape)
+    if N == 0:
+        return out
+    rows = max(1, min(Lq, SPARSE_SLICE_KEYS // max(1, S * N * d)))
+    seq = torch.arange(S, device=kv.device)[:, None, None]  # [S, 1, 1]
+    for start in range(0, Lq, rows):
+        part = index[:, start:start + rows].long()  # [S, r, N]
+        keys = kv[seq, part.clamp(min=0)]  # [S, r, N, d]
+        logits = torch.einsum("sqhd,sqnd->sqhn", q[:, start:start + rows], keys) * scale  # [S, r, H, N]
+        logits = logits.masked_fill((part < 0)[:, :, None, :], float("-inf"))
+        sink = sinks.to(logits.dtype).view(1, 1, -1, 1).expand(*logits.shape[:3], 1)  # [S, r, H, 1]
+        combined = torch.cat([logits, sink], dim=-1)
+        probs = torch.softmax(combined - combined.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
+        out[:, start:start + rows] = torch.einsum("sqhn,sqnd->sqhd", probs.to(kv.dtype), keys)
+    return out
+
+
+def roped_sparse_attention(norm_rope: Callable, attention: Callable, rope_: Callable) -> Callable:
+    """``roped_sparse_sink_attention`` made of the given ``rms_norm_rope``, ``sparse_sink_attention`` and in-place
+    RoPE."""
+
+    def roped_sparse_sink_attention(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, sinks: torch.Tensor,
+                                    scale: float, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        flat_cos, flat_sin = cos.flatten(0, 1), sin.flatten(0, 1)  # [S * Lq, rope_dim // 2]
+        q = norm_rope(q.flatten(0, 1), None, eps, flat_cos, flat_sin).view_as(q)  # [S, Lq, H, d]
+        out = attention(q, kv, index, sinks, scale)  # [S, Lq, H, d]
+        return rope_(out.flatten(0, 1), flat_cos, flat_sin, inverse=True).view_as(out)
+
+    return roped_sparse_sink_attention
+
+
+roped_sparse_sink_attention = reference_op(roped_sparse_attention(rms_norm_rope, sparse_sink_attention, apply_rope_))
+roped_sparse_sink_attention.__doc__ = """``sparse_sink_attention`` of the per-head RMS-normed, RoPE'd queries, its
+output rotated back, as ``roped_sink_attention`` (whose ``visible`` mask becomes the keys' ``index [S, Lq, N]``, -1
+for none)."""
+
+
+@reference_op
+def visible_index(visible: torch.Tensor, count: int) -> torch.Tensor:
+    """The first ``count`` visible places of each row of ``visible [..., N]`` (bool), ascending, then -1: ``[...,
+    count]`` int32. Turns a mask (the sliding window's, the indexer's selection) into the key lists
+    ``sparse_sink_attention`` reads."""
+    n = visible.shape[-1]
+    places = torch.arange(n, device=visible.device).expand_as(visible)
+    ordered = torch.where(visible, places, n).sort(dim=-1).values[..., :count]  # visible places first, ascending
+    ordered = torch.where(ordered < n, ordered, -1).to(torch.int32)
+    if ordered.shape[-1] < count:
+        ordered = F.pad(ordered, (0, count - ordered.shape[-1]), value=-1)
+    return ordered
+
+
 # ----------------------------------------------------------------------------- compressors / indexer
 @reference_op
 def compressor_pool(kv: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:

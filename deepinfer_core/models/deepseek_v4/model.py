@@ -21,7 +21,11 @@ from deepinfer_core import envs
 from deepinfer_core.forward_batch import ForwardBatch
 from deepinfer_core.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
 from deepinfer_core.models.deepseek_v4.layout import DecodeInputs, DecodeLayout, StaticShape, StepLayout
-from deepinfer_core.models.deepseek_v4.sparse_attention import sparse_roped_attention
+from deepinfer_core.models.deepseek_v4.sparse_attention import (
+    indexed_roped_attention,
+    sparse_mode,
+    sparse_roped_attention,
+)
 from deepinfer_core.models.deepseek_v4.state import CompressorCarry, DeepseekV4State, SavedRows, carry_span
 from deepinfer_core.models.interface import ModelOutput, StateBytes
 from deepinfer_core.ops.table import OpTable
@@ -361,7 +365,7 @@ class Attention:
         self.sinks = reg.add(f"{prefix}.attn_sink", (self.heads,))
         self.compressor = None
         self.indexer = None
-        self.sparse = envs.DEEPINFER_SPARSE_CSA_ATTENTION  # sparse_attention.py where the indexer selects
+        self.sparse = sparse_mode()  # sparse_attention.py where the indexer selects: dense, index or gather
         if self.layer_type != SLIDING:
             self.compressor = Compressor(reg, f"{prefix}.compressor", c, self.layer_type, self.head_dim)
         if self.layer_type == CSA:
@@ -427,13 +431,14 @@ class Attention:
         selected = None
         if self.compressor is not None:
             entry_visible = self._entry_visible(ops, inputs, q_residual, ctx, index_fold)  # [S, Lq, E]
-            if self.sparse and entry_visible is not layout.entries(self.compressor.ratio).visible:
+            if self.sparse != "dense" and entry_visible is not layout.entries(self.compressor.ratio).visible:
                 selected = entry_visible  # the indexer chose: attend to the chosen entries only
             else:
                 visible = layout.attention_visible(self.compressor.ratio, entry_visible)  # [S, Lq, Lk + E]
         if selected is not None:
-            out = sparse_roped_attention(ops, layout.pad(q), keys, visible, selected, layout.window, self.indexer.topk,
-                                         self.sinks, self.head_dim**-0.5, self.eps, cos, sin)  # [S, Lq, H, hd]
+            sparse = indexed_roped_attention if self.sparse == "index" else sparse_roped_attention
+            out = sparse(ops, layout.pad(q), keys, visible, selected, layout.window, self.indexer.topk, self.sinks,
+                         self.head_dim**-0.5, self.eps, cos, sin)  # [S, Lq, H, hd]
         else:
             out = ops.roped_sink_attention(layout.pad(q), keys, visible, self.sinks, self.head_dim**-0.5, self.eps,
                                            cos, sin)  # [S, Lq, H, hd]

@@ -1,22 +1,65 @@
-"""Top-k sparse CSA attention: each query row attends to its own window keys and its selected entries, gathered.
+"""Top-k sparse CSA attention: each query row attends to its own window keys and its selected entries only.
 
 The dense path (``Attention`` with ``layout.attention_visible``) hands the attention op every key of the sequence,
 ``[S, Lk + E, d]``, and a mask ``[S, Lq, Lk + E]``: a kernel that walks a row's visible key blocks still reads nearly
 every block once the indexer's ``k`` selected entries are spread over ``E / 64`` blocks, so its work grows with the
-context although each row reads ``window + k`` keys. Here, as DeepSeek's sparse attention does, each query row becomes
-a one-query row of its own with the keys it reads gathered (``[S * Lq, W + k, d]``, window keys first, then the
-selected entries, both in ascending key order as in the dense layout): the table's ``roped_sink_attention`` over
-decode-shaped rows. Rows run in slices of at most ``GATHER_BYTES`` of gathered keys. The same keys are visible as in
-the dense path, so the result equals it up to the order of floating-point sums.
+context although each row reads ``window + k`` keys. ``DEEPINFER_SPARSE_CSA_ATTENTION`` picks how a CSA layer whose
+indexer selects reads them instead (``sparse_mode``):
+
+- ``1`` (``index``): as DeepSeek's FlashMLA sparse kernels do, each row lists the keys it reads, ``index [S, Lq, W +
+  k]`` into the step's keys (its window keys, then its selected entries offset by ``Lk``, both ascending, -1 for
+  none: ``ops.visible_index`` of the masks), and ``ops.roped_sparse_sink_attention`` reads them in place: no gathered
+  copy, no ``[S, Lq, Lk + E]`` mask.
+- ``gather``: each query row becomes a one-query row of its own with the keys it reads gathered (``[S * Lq, W + k,
+  d]``) through the table's ``roped_sink_attention`` over decode-shaped rows, in slices of at most ``GATHER_BYTES``.
+
+The same keys are visible as in the dense path, so both equal it up to the order of floating-point sums.
 """
 
 from __future__ import annotations
 
 import torch
 
+from deepinfer_core import envs
+from deepinfer_core.errors import EnvironmentVariableError
 from deepinfer_core.ops.table import OpTable
+from deepinfer_core.options import parse_flag
 
 GATHER_BYTES = 1 << 30  # gathered keys per slice of query rows
+MODES = ("dense", "index", "gather")
+
+
+def sparse_mode(environ=None) -> str:
+    """``DEEPINFER_SPARSE_CSA_ATTENTION`` as one of ``MODES``: ``0`` (or another false word) ``dense``, ``1`` (or
+    another true word) ``index``, ``gather`` ``gather``."""
+    raw = envs.get("DEEPINFER_SPARSE_CSA_ATTENTION", environ).strip().lower()
+    if raw == "gather":
+        return "gather"
+    flag = parse_flag(raw)
+    if flag is None:
+        raise EnvironmentVariableError(f"DEEPINFER_SPARSE_CSA_ATTENTION must be 0 (dense), 1 (sparse, read by index) "
+                                       f"or gather (sparse, keys gathered per row), got {raw!r}")
+    return "index" if flag else "dense"
+
+
+def indexed_roped_attention(ops: OpTable, q: torch.Tensor, keys: torch.Tensor, window_visible: torch.Tensor,
+                            selected: torch.Tensor, window: int, topk: int, sinks: torch.Tensor, scale: float,
+                            eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``ops.roped_sparse_sink_attention`` of ``q [S, Lq, H, d]`` over the keys ``[S, Lk + E, d]`` visible through
+    ``window_visible [S, Lq, Lk]`` (at most ``window`` per row) and ``selected [S, Lq, E]`` (at most ``topk``), each
+    row reading its listed keys in place. ``cos`` / ``sin``: ``[S, Lq, rope_dim // 2]``. Returns ``[S, Lq, H, d]``."""
+    return ops.roped_sparse_sink_attention(q, keys, key_index(ops, window_visible, selected, window, topk), sinks,
+                                           scale, eps, cos, sin)
+
+
+def key_index(ops: OpTable, window_visible: torch.Tensor, selected: torch.Tensor, window: int,
+              topk: int) -> torch.Tensor:
+    """``[S, Lq, W + k]`` int32: each row's window keys (``W = min(window, Lk)``), then its selected entries (``k =
+    min(topk, E)``) as indices into the keys ``[S, Lk + E, d]``, ascending, -1 for none."""
+    Lk = window_visible.shape[-1]
+    window_index = ops.visible_index(window_visible, min(window, Lk))  # [S, Lq, W]
+    entry_index = ops.visible_index(selected, min(topk, selected.shape[-1]))  # [S, Lq, k]
+    return torch.cat([window_index, torch.where(entry_index >= 0, entry_index + Lk, -1)], dim=-1)
 
 
 def row_key_indices(visible: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
