@@ -147,7 +147,8 @@ def sm100_ops() -> dict[str, Callable]:
 def triton_ops() -> dict[str, Callable]:
     """The overrides both paths share: Triton kernels (``moe_experts``, the MoE routing, ``hc_pre``, ``hc_post`` and
     ``hc_post_sum``, ``apply_rope`` and ``apply_rope_``, ``sink_attention`` of decode rows, ``indexer_scores``,
-    ``indexer_topk`` (a radix select per query row: no sort),
+    ``indexer_topk`` (a radix select per query row: no sort), ``sparse_sink_attention`` and ``visible_index`` (top-k
+    sparse CSA attention reading each row's listed keys in place),
     ``gather_keys``, ``compressor_entries`` and ``compressor_entries_rope``, the cache writes, ``greedy_sample``, the
     RMS norms, alone and fused into RoPE (``rms_norm_rope``) and the ``hc`` collapse (``hc_pre_normed``), the
     shared expert), the ops of quantized weights (``quantized_ops``), ``grouped_linear`` as a strided cuBLAS batched
@@ -170,6 +171,7 @@ def triton_ops() -> dict[str, Callable]:
         norm,
         rope,
         route,
+        sparse_attention,
         streams,
     )
 
@@ -180,7 +182,8 @@ def triton_ops() -> dict[str, Callable]:
            "moe_route_topk": route.moe_route_topk, "moe_route_hash": route.moe_route_hash,
            "compressor_entries": compressor.compressor_entries, "swiglu_mlp": moe.swiglu_mlp,
            "write_rows_": cache_writes.write_rows_, "grouped_linear": blas.grouped_linear,
-           **quantized_ops()}
+           "sparse_sink_attention": sparse_attention.sparse_sink_attention,
+           "visible_index": sparse_attention.visible_index, **quantized_ops()}
     if decode_attention.enabled():  # decode rows; the others the reference (sm90_ops: TileLang)
         ops["sink_attention"] = decode_attention.with_fallback(ref.sink_attention)
     if greedy.enabled():  # the sampler of an all-greedy step: ~16 one-block reductions -> two launches

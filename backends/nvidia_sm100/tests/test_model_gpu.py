@@ -269,15 +269,17 @@ def test_tilelang_attention_inside_the_model_matches_the_reference_attention(tmp
     assert worst < 0.05
 
 
+@pytest.mark.parametrize("mode", ["1", "gather"])
 @pytest.mark.parametrize("dtype,tol,shape", [
-    ("float32", 2e-3, {}),
+    ("float32", 2e-3, {"num_attention_heads": 16}),  # 16 heads: the sparse kernel's head block
     ("bfloat16", 0.05, {"num_attention_heads": 64, "head_dim": 512, "o_groups": 8, "partial_rotary_factor": 0.125,
                         "index_head_dim": 64}),  # V4's attention shape: the TileLang kernel takes the rows
 ])
-def test_sparse_csa_attention_matches_dense(tmp_path, monkeypatch, dtype, tol, shape):
-    """``DEEPINFER_SPARSE_CSA_ATTENTION=1`` (each query row over its gathered window and top-k entries) against the
-    dense masked attention, with an ``index_topk`` of 4 so the indexer selects past 16 tokens (prefill chunks, eager
-    and captured decode steps)."""
+def test_sparse_csa_attention_matches_dense(tmp_path, monkeypatch, dtype, tol, shape, mode):
+    """``DEEPINFER_SPARSE_CSA_ATTENTION=1`` (each query row's window and top-k entries read in place by index:
+    ``kernels/sparse_attention.py``) and ``gather`` (the same keys gathered per row) against the dense masked
+    attention, with an ``index_topk`` of 4 so the indexer selects past 16 tokens (prefill chunks, eager and captured
+    decode steps)."""
     pytest.importorskip("transformers")
     sys.path.insert(0, str(REPO / "tests"))
     from v4_factory import tiny_checkpoint
@@ -285,11 +287,11 @@ def test_sparse_csa_attention_matches_dense(tmp_path, monkeypatch, dtype, tol, s
     tiny_checkpoint(tmp_path, seed=0, hc_mult=4, index_topk=4, **shape)
     monkeypatch.delenv("DEEPINFER_SPARSE_CSA_ATTENTION", raising=False)
     _, dense = _generate(tmp_path, "nvidia_sm100", dtype)
-    monkeypatch.setenv("DEEPINFER_SPARSE_CSA_ATTENTION", "1")
+    monkeypatch.setenv("DEEPINFER_SPARSE_CSA_ATTENTION", mode)
     replays = []
     _, sparse = _generate(tmp_path, "nvidia_sm100", dtype, replays)
     assert replays[0] >= STEPS - 1
-    compared, _ = _compare(dense, sparse, lp_tol=tol, tie_gap=tol, label=f"gpu {dtype}: sparse vs dense CSA")
+    compared, _ = _compare(dense, sparse, lp_tol=tol, tie_gap=tol, label=f"gpu {dtype}: sparse ({mode}) vs dense CSA")
     assert compared >= len(PROMPTS)
 
 

@@ -26,6 +26,7 @@ from deepinfer_nvidia_sm100.kernels import (
     norm,
     rope,
     route,
+    sparse_attention,
     tl_attention,
 )
 from deepinfer_nvidia_sm100.kernels.key_blocks import visible_blocks_torch
@@ -82,6 +83,11 @@ def _cases():
                                   (q[:, :1], kv, visible[:, :1],
                                    *visible_blocks_torch(visible[:, 0].view(torch.uint8), decode_attention.BLOCK_N),
                                    rand(H), 0.05, 2)),
+        "sparse_sink_attention": (sparse_attention.sparse_attention,
+                                  lambda q, kv, index, sinks, scale, splits: ref.sparse_sink_attention(q, kv, index,
+                                                                                                      sinks, scale),
+                                  (q, kv, torch.tensor([[[0, 4, -1]] * T], dtype=torch.int32), rand(H), 0.05, 1)),
+        "visible_index": (sparse_attention.visible_places, ref.visible_index, (visible, 4)),
         "tl_sink_attention": (tl_attention._launch, lambda *a: ref.sink_attention(*a[:5]),
                               (q, kv, visible, rand(H), 0.05, None)),
     }

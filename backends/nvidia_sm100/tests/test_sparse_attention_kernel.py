@@ -1,0 +1,90 @@
+"""``sparse_sink_attention`` and ``visible_index`` (``kernels/sparse_attention.py``) against the reference ops: rows of
+V4's window and top-k (128 + 512 listed keys) among thousands of entries, rows listing nothing, lists with -1 holes,
+one split and several (decode rows), 16-bit and fp32.
+
+On the GPU the kernels run here; without one in a child pytest process under Triton's interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the test extra installs triton")
+from deepinfer_nvidia_sm100.kernels import sparse_attention
+from interpreted import DEVICE, kernel_runs_here, run_under_interpreter, starts_the_interpreter
+
+from deepinfer_core.ops import reference as ref
+
+
+@starts_the_interpreter
+def test_kernels_under_triton_interpreter():
+    run_under_interpreter(__file__)
+
+
+def case(S: int, Lq: int, Lk: int, E: int, H: int, d: int, W: int, k: int, dtype: torch.dtype, seed: int = 0):
+    """Queries, keys ``[S, Lk + E, d]``, sinks and each row's list: its window (row t: keys t .. t + W - 1 of the first
+    ``Lk``), then ``k`` random entries among ``E`` (ascending), a few dropped to -1; row (0, 0) lists nothing."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(S, Lq, H, d, generator=gen).to(dtype)
+    kv = torch.randn(S, Lk + E, d, generator=gen).to(dtype)
+    sinks = torch.randn(H, generator=gen)
+    window = (torch.arange(Lq)[:, None] + torch.arange(W)[None, :]).clamp(max=Lk - 1)  # [Lq, W]
+    entries = torch.rand(S, Lq, E, generator=gen).argsort(dim=-1)[..., :k].sort(dim=-1).values + Lk  # [S, Lq, k]
+    index = torch.cat([window.expand(S, -1, -1), entries], dim=-1)
+    index = torch.where(torch.rand(index.shape, generator=gen) < 0.05, -1, index).to(torch.int32)
+    index[0, 0] = -1
+    return [t.to(DEVICE) for t in (q, kv, index, sinks)]
+
+
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@kernel_runs_here
+@pytest.mark.parametrize(("S", "Lq", "Lk", "E", "H", "d", "W", "k", "splits", "dtype"), [
+    (1, 3, 140, 3000, 16, 64, 128, 512, 1, torch.float32),  # V4's window and top-k among thousands of entries
+    (2, 1, 128, 2000, 32, 32, 128, 512, 3, torch.float32),  # decode rows, the keys split three ways
+    (2, 4, 20, 100, 16, 16, 8, 40, 1, torch.float16),  # fewer keys than a block
+    (1, 2, 40, 600, 16, 64, 32, 100, 2, torch.float16),
+])
+def test_kernel_equals_the_reference(S, Lq, Lk, E, H, d, W, k, splits, dtype):
+    q, kv, index, sinks = case(S, Lq, Lk, E, H, d, W, k, dtype)
+    got = sparse_attention.sparse_attention(q, kv, index, sinks, d**-0.5, splits)
+    want = ref.sparse_sink_attention(q.float(), kv.float(), index, sinks, d**-0.5)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    assert got[0, 0].abs().max() == 0  # nothing listed: 0
+
+
+@kernel_runs_here
+def test_kernel_equals_the_masked_dense_attention():
+    """The same keys under a mask over every key (the dense path) give the same rows."""
+    S, Lq, Lk, E, H, d = 1, 2, 140, 1500, 16, 32
+    q, kv, index, sinks = case(S, Lq, Lk, E, H, d, 128, 512, torch.float32, seed=1)
+    visible = torch.zeros(S, Lq, Lk + E + 1, dtype=torch.bool, device=DEVICE)  # the last place: where -1 lands
+    visible = visible.scatter_(-1, torch.where(index >= 0, index, Lk + E).long(), True)[..., :-1]
+    listed = (index >= 0).sum(-1)
+    assert (visible.sum(-1) == listed).all()  # distinct keys in each list
+    got = sparse_attention.sparse_attention(q, kv, index, sinks, d**-0.5, 1)
+    torch.testing.assert_close(got, ref.sink_attention(q, kv, visible, sinks, d**-0.5), atol=2e-5, rtol=2e-5)
+
+
+@kernel_runs_here
+@pytest.mark.parametrize(("rows", "n", "count", "density"), [(5, 3000, 512, 0.3), (4, 2100, 128, 0.02),
+                                                             (3, 50, 64, 0.5), (2, 0, 8, 0.5)])
+def test_visible_index_kernel_equals_the_reference(rows, n, count, density):
+    gen = torch.Generator().manual_seed(rows)
+    visible = (torch.rand(2, rows, n, generator=gen) < density).to(DEVICE)
+    if n:
+        visible[0, 0] = False
+    got = sparse_attention.visible_places(visible, count)
+    assert got.dtype == torch.int32 and torch.equal(got.cpu(), ref.visible_index(visible.cpu(), count))
+
+
+def test_covered_and_splits():
+    q = torch.zeros(1, 1, 64, 512, dtype=torch.bfloat16)
+    assert sparse_attention.covered(q, torch.zeros(1, 10, 512, dtype=torch.bfloat16))
+    assert not sparse_attention.covered(q[..., :8, :], torch.zeros(1, 10, 512, dtype=torch.bfloat16))
+    assert not sparse_attention.covered(q[..., :48], torch.zeros(1, 10, 48, dtype=torch.bfloat16))
+    assert sparse_attention.num_splits(16384, 64, 640, 132) == 1  # a prefill chunk: no split
+    assert sparse_attention.num_splits(1, 64, 640, 132) == 5  # a decode row: 10 blocks, two a split
+    assert sparse_attention.num_splits(16, 64, 640, 132) == 2
