@@ -48,7 +48,7 @@ PLAIN_PYTHONPATH=${PYTHONPATH:-}
 source tools/gpu_site.sh  # entry points without installing
 existing=$(ls -d /tmp/deepinfer-bench/v4-* /tmp/db/v4-* 2>/dev/null | head -1)  # a preset already written here
 export DEEPINFER_BENCH_CACHE=${DEEPINFER_BENCH_CACHE:-$( [[ -n $existing ]] && dirname "$existing" || echo /tmp/deepinfer-bench)}
-KERNELS=${KERNELS:-bench_moe bench_indexer bench_indexer_topk bench_hc_mix bench_hc_norm bench_norm bench_rope bench_pool bench_tl_attention}
+KERNELS=${KERNELS:-bench_moe bench_indexer bench_indexer_topk bench_hc_mix bench_hc_norm bench_norm bench_rope bench_pool bench_tl_attention bench_sparse_attention}
 if [[ -n ${BASELINE:-} ]]; then
   BASELINE=$(cd "$BASELINE" && pwd) || exit 2
   rm -rf /tmp/site-di-baseline  # the baseline tree's dist-info folders, written afresh
