@@ -172,3 +172,27 @@ def test_row_kernels_read_the_weights_in_16_byte_vectors(name, capability):
                          options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
     loads = re.findall(r"ld\.global\.L1::evict_first\S*", ptx)
     assert loads and all(load.endswith(".v4.b32") for load in loads), loads
+
+
+@pytest.mark.parametrize("capability", sorted(ARCHS))
+@pytest.mark.parametrize("rows, block", [(16, (128, 128)), (64, (128, 128)), (16, (32, 32))])
+def test_fp8_split_k_kernel_streams_weights_into_the_tensor_cores(rows, block, capability):
+    """The decode-batch kernel: 64 weight rows a product on the left (wgmma / tcgen05 whatever the batch), the
+    e4m3 weights read in 16-byte vectors (``k_per_split`` a multiple of 16, as the JIT specializes it), no spills."""
+    tile = fp8_linear._tile(fp8_linear.SPLIT_K_TILES, rows)
+    block_m, block_n, block_k, warps, stages = tile
+    constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "B0": block[0], "B1": block[1],
+                 "UE8M0": True, "PRECISION": "tf32", "SWAP": fp8_linear.SPLIT_K_SWAP}
+    source = _divisible_source(fp8_linear._split_k_kernel, LINEAR_TYPES, constants)
+    source.attrs[(fp8_linear._split_k_kernel.arg_names.index("k_per_split"),)] = [["tt.divisibility", 16]]
+    ptx = triton.compile(source, target=GPUTarget("cuda", capability, 32),
+                         options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
+    _expect_tensor_cores(ptx, block_n if fp8_linear.SPLIT_K_SWAP else block_m, capability, f"split-K {rows} rows")
+    assert "ld.local" not in ptx, f"split-K {rows} rows: registers spill"
+    assert not re.search(r"ld\.global\S*evict_first\S*\.b8", ptx), "split-K: e4m3 weights read a byte at a time"
+
+
+@pytest.mark.parametrize("capability", sorted(ARCHS))
+def test_sum_splits_kernel_compiles(capability):
+    _compile(fp8_linear._sum_splits_kernel, {"part_ptr": "*fp32"}, {"SPLITS": 4, "BLOCK": fp8_linear.SUM_BLOCK},
+             capability)

@@ -175,20 +175,77 @@ def test_fp8_linear_weight_only_matches_reference(rows, n, k, block, ue8m0, dtyp
     gen = _gen(rows + n)
     x = torch.randn(2, rows, k, device=DEVICE, generator=gen).to(dtype)  # leading dims kept
     weight, scale = fp8_block.quantize(torch.randn(n, k, device=DEVICE, generator=gen) * k**-0.5, block, ue8m0)
-    assert fp8_linear.linear_path(2 * rows, dtype, block) == fp8_linear.WEIGHT_ONLY
+    assert fp8_linear.linear_path(2 * rows, dtype, block) == fp8_linear.SPLIT_K
     assert fp8_linear.linear_path(1, dtype, block) == fp8_linear.ROW
     want = ref.linear_fp8_block(x, weight, scale, block)
     got = fp8_linear.linear_fp8_block(x, weight, scale, block)
     assert got.shape == want.shape == (2, rows, n) and got.dtype == dtype
     torch.testing.assert_close(got, want, **_tol(dtype))
+    flat = x.reshape(2 * rows, 1, k)
+    weight_only = fp8_linear.matmul(flat, weight, scale, block, path=fp8_linear.WEIGHT_ONLY)
+    torch.testing.assert_close(weight_only.view(2, rows, n), want, **_tol(dtype))
     one = fp8_linear.linear_fp8_block(x[:1, :1], weight, scale, block)  # one row: the row kernel
     torch.testing.assert_close(one, ref.linear_fp8_block(x[:1, :1], weight, scale, block), **_tol(dtype))
 
 
 @kernel_runs_here
+@pytest.mark.parametrize("dtype", [torch.float32, DOT_DTYPE])
+@pytest.mark.parametrize("rows, n, k, groups, block, ue8m0, tile", [
+    (3, 70, 1000, 1, (128, 128), True, (16, 32, 128, 4, 2, 3)),  # 3 K splits, the last one partial; N past a tile
+    (5, 96, 200, 1, (32, 32), False, (16, 32, 64, 4, 2, 2)),  # float32 scales, slices of two 32-wide blocks
+    (18, 40, 1024, 3, (32, 32), True, (16, 16, 32, 4, 2)),  # two row blocks, groups, splits picked (8: few tiles)
+    (4, 64, 96, 1, (16, 16), True, (16, 64, 32, 4, 2, 1)),  # 16-wide blocks, one split (the output directly)
+    (2, 48, 512, 2, (64, 64), True, (16, 16, 32, 4, 2, 4)),  # a slice inside a block: the scale after the product
+])
+def test_fp8_split_k_kernel_matches_reference(rows, n, k, groups, block, ue8m0, tile, dtype):
+    """The split-K kernel: each split's float32 partial summed in split order by ``_sum_splits_kernel`` (or the
+    output written directly for one split); weights decoded to the reference op's own (the product is the
+    reference's up to fp32 sums)."""
+    gen = _gen(rows * k)
+    x = torch.randn(k, rows, groups, device=DEVICE, generator=gen).to(dtype).permute(1, 2, 0)  # strided rows
+    weight, scale = fp8_block.quantize(torch.randn(groups * n, k, device=DEVICE, generator=gen) * k**-0.5, block,
+                                       ue8m0)
+    want = ref.grouped_linear_fp8_block(x, weight, scale, block, groups)
+    got = fp8_linear.matmul(x, weight, scale, block, groups, fp8_linear.SPLIT_K, tile)
+    assert got.shape == (rows, groups, n) and got.dtype == dtype
+    torch.testing.assert_close(got, want, **_tol(dtype))
+    if len(tile) == 5:
+        assert fp8_linear._split_k_launch(rows, n, k, groups, block[1], tile)[1] == 8
+
+
+def test_fp8_split_k_splits_fill_the_gpu():
+    """K is split (powers of two) until the launch has ``MIN_PROGRAMS`` programs, never into parts of fewer than
+    ``MIN_SPLIT_STEPS`` slices; each part a whole number of slices."""
+    assert fp8_linear._splits(fp8_linear.MIN_PROGRAMS, 8192, 128) == 1
+    assert fp8_linear._splits(64, 8192, 128) == 8  # wo_b at 16 rows: 64 column tiles of 64
+    assert fp8_linear._splits(1, 1024, 128) == 2  # 8 slices: two parts of 4
+    assert fp8_linear._splits(1, 384, 128) == 1
+    tile, splits, per_split = fp8_linear._split_k_launch(16, 4096, 8192, 1, 128, None)
+    assert splits * per_split >= 8192 > (splits - 1) * per_split and per_split % tile[2] == 0
+
+
+@kernel_runs_here
+def test_fp8_tensor_core_kernel_splits_k():
+    """The tensor-core kernel with ``K`` split (forced, and picked for a grid of few tiles) equals its one-split
+    result up to the order of fp32 sums."""
+    gen = _gen(7)
+    M, n, k, block = 40, 48, 512, (64, 64)
+    x = torch.randn(M, 1, k, device=DEVICE, generator=gen)
+    weight, scale = fp8_block.quantize(torch.randn(n, k, device=DEVICE, generator=gen) * k**-0.5, block, True)
+    whole = fp8_linear.matmul(x, weight, scale, block, 1, fp8_linear.FP8_TC, (16, 32, 4, 1, 1))
+    for tile in ((16, 32, 4, 1, 3), (16, 32, 4, 1)):
+        split = fp8_linear.matmul(x, weight, scale, block, 1, fp8_linear.FP8_TC, tile)
+        torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
+    q, s = fp8_block.quantize(x.reshape(M, k), (1, block[1]), ue8m0=False)
+    torch.testing.assert_close(whole[:, 0], ref.linear_fp8_block(fp8_block.dequantize(q, s, (1, block[1])), weight,
+                                                                 scale, block), atol=1e-4, rtol=1e-4)
+
+
+@kernel_runs_here
 def test_fp8_linear_decodes_extreme_scales_exactly():
     """One-hot input rows pick single weight columns out of blocks scaled by 2^-127, 1, 2^127 (values below 2 in
-    the last: 448 x 2^127 overflows): both weight-only kernels return the exactly dequantized weights."""
+    the last: 448 x 2^127 overflows): the row, weight-only and split-K kernels return the exactly dequantized
+    weights."""
     block = (16, 32)
     gen = _gen(3)
     weight, scale = fp8_block.quantize(torch.randn(48, 96, device=DEVICE, generator=gen), block, True)
@@ -203,8 +260,9 @@ def test_fp8_linear_decodes_extreme_scales_exactly():
         assert torch.equal(fp8_linear.matmul(x[:, None], weight, scale, block, path=fp8_linear.ROW)[0, 0],
                            dense[:, column])
     eye = torch.eye(96, device=DEVICE)[:, None]  # [96, 1, 96]: every column, 96 rows
-    got = fp8_linear.matmul(eye, weight, scale, block, path=fp8_linear.WEIGHT_ONLY)[:, 0]
-    assert torch.equal(got, dense.T)
+    for path in (fp8_linear.WEIGHT_ONLY, fp8_linear.SPLIT_K):
+        got = fp8_linear.matmul(eye, weight, scale, block, path=path)[:, 0]
+        assert torch.equal(got, dense.T), path
 
 
 @kernel_runs_here
@@ -246,13 +304,13 @@ def test_fp8_tensor_core_kernel_is_the_reference_on_quantized_activations(M, n, 
 def test_fp8_linear_picks_tensor_cores_from_the_crossover(monkeypatch):
     block = (128, 128)
     rows = fp8_linear.FP8_TC_MIN_ROWS
-    assert fp8_linear.linear_path(rows - 1, torch.bfloat16, block) == fp8_linear.WEIGHT_ONLY
+    assert fp8_linear.linear_path(rows - 1, torch.bfloat16, block) == fp8_linear.SPLIT_K
     assert fp8_linear.linear_path(rows, torch.bfloat16, block) == fp8_linear.FP8_TC
-    assert fp8_linear.linear_path(rows, torch.float32, block) == fp8_linear.WEIGHT_ONLY  # fp32 runs stay exact
-    assert fp8_linear.linear_path(rows, torch.bfloat16, (16, 16)) == fp8_linear.WEIGHT_ONLY  # fp8 MMA takes K >= 32
+    assert fp8_linear.linear_path(rows, torch.float32, block) == fp8_linear.SPLIT_K  # fp32 runs stay exact
+    assert fp8_linear.linear_path(rows, torch.bfloat16, (16, 16)) == fp8_linear.SPLIT_K  # fp8 MMA takes K >= 32
     assert fp8_linear.linear_path(rows, torch.bfloat16, (24, 24)) is None  # not a power of two: the reference op
     monkeypatch.setenv("DEEPINFER_NVIDIA_FP8_TC", "0")
-    assert fp8_linear.linear_path(rows, torch.bfloat16, block) == fp8_linear.WEIGHT_ONLY
+    assert fp8_linear.linear_path(rows, torch.bfloat16, block) == fp8_linear.SPLIT_K
 
 
 @kernel_runs_here

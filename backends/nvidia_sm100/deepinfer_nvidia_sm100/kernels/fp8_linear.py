@@ -35,7 +35,7 @@ from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 FP8_TC_MIN_ROWS = 128  # rows from which the fp8 tensor-core kernel beats the weight-only one (bench_quant.py)
 FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # largest finite e4m3 magnitude
 FP8_TC_MIN_BLOCK = 32  # an fp8 tensor-core product takes at least 32 inputs
-ROW, WEIGHT_ONLY, FP8_TC = "row", "weight_only", "fp8_tc"
+ROW, SPLIT_K, WEIGHT_ONLY, FP8_TC = "row", "split_k", "weight_only", "fp8_tc"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -45,8 +45,8 @@ def tensor_cores_enabled() -> bool:
 
 
 def linear_path(rows: int, dtype: torch.dtype, block: tuple[int, int]) -> str | None:
-    """Which kernel a product of ``rows`` rows takes (``ROW``, ``WEIGHT_ONLY``, ``FP8_TC``), or None for the reference
-    op (a block that is not a power of two of at least 16, another dtype)."""
+    """Which kernel a product of ``rows`` rows takes (``ROW``, ``SPLIT_K``, ``FP8_TC``; ``WEIGHT_ONLY`` only when
+    asked for), or None for the reference op (a block that is not a power of two of at least 16, another dtype)."""
     if dtype not in _DTYPES or any(b < 16 or b & (b - 1) for b in block):
         return None
     if rows <= 1:
@@ -54,7 +54,7 @@ def linear_path(rows: int, dtype: torch.dtype, block: tuple[int, int]) -> str | 
     if (rows >= FP8_TC_MIN_ROWS and dtype != torch.float32 and block[1] >= FP8_TC_MIN_BLOCK
             and tensor_cores_enabled()):
         return FP8_TC
-    return WEIGHT_ONLY
+    return SPLIT_K
 
 
 @triton.jit
@@ -114,6 +114,106 @@ def _weight_only_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride
 
 
 @triton.jit
+def _scaled_weight_tile(w_rows, s_rows, k0, K, n_mask, dt: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, B1: tl.constexpr, UE8M0: tl.constexpr):
+    """The weights ``[BN, BK]`` of the slice from ``k0`` as ``dt``: each e4m3 value times its block's scale in
+    float32, rounded once to ``dt``: the reference op's weights bit for bit. ``w_rows`` / ``s_rows``: ``[BN, 1]``
+    pointers to the rows' weights and scales; a slice spans one block (``BK <= B1``) or whole blocks."""
+    if BLOCK_K <= B1:
+        ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
+        w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & (ks < K)[None, :], other=0.0,
+                    eviction_policy="evict_first")  # [BN, BK] e4m3
+        scale = dequant.block_scale(tl.load(s_rows + k0 // B1, mask=n_mask[:, None], other=0), UE8M0)  # [BN, 1]
+        return (w.to(tl.float32) * scale).to(dt)
+    else:
+        starts = k0 + tl.arange(0, BLOCK_K // B1) * B1  # [NB] each block's first input
+        ks = starts[:, None] + tl.arange(0, B1)[None, :]  # [NB, B1]
+        w = tl.load(w_rows[:, :, None] + ks[None, :, :], mask=n_mask[:, None, None] & (ks < K)[None, :, :],
+                    other=0.0, eviction_policy="evict_first")  # [BN, NB, B1] e4m3
+        scale = dequant.block_scale(tl.load(s_rows + starts[None, :] // B1, mask=n_mask[:, None] & (starts < K)[None, :],
+                                    other=0), UE8M0)  # [BN, NB]
+        return tl.reshape((w.to(tl.float32) * scale[:, :, None]).to(dt), (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _split_k_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_xg, stride_wn, stride_sn,
+                    stride_os, stride_om, stride_og, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr, UE8M0: tl.constexpr,
+                    PRECISION: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (column block x row block, ``K`` split, group): ``x[rows] @ W[cols, split]^T`` with the weights
+    decoded to ``x``'s dtype in registers (``_scaled_weight_tile``; ue8m0 blocks with bf16 / fp32 activations: the
+    e4m3 values converted, the power of two applied to the slice's product, the same sums), one ``tl.dot`` per
+    slice with fp32 accumulation, stored to ``out`` at ``split`` (``stride_os``: the float32 partials ``_sum_splits_kernel``
+    adds up, or the output itself when there is one split). The row blocks of a column block are consecutive
+    programs (their weight tile is read once from HBM). ``SWAP``: as ``out^T = W @ x^T`` (the weights the left
+    operand: on SM90 a wgmma with them in registers, 64 weight rows by the few activation rows)."""
+    pdl.begin(PDL)
+    dt: tl.constexpr = x_ptr.dtype.element_ty
+    POST_SCALE: tl.constexpr = UE8M0 and BLOCK_K <= B1 and (dt == tl.bfloat16 or dt == tl.float32)
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    pid_n, pid_m = tl.program_id(0) // m_tiles, tl.program_id(0) % m_tiles
+    split, group = tl.program_id(1), tl.program_id(2).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    rows = group * N + offs_n  # [BN] weight rows
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn  # [BN, 1]
+    s_rows = s_ptr + (rows // B0)[:, None] * stride_sn  # [BN, 1]
+    x_rows = x_ptr + group * stride_xg + offs_m.to(tl.int64)[:, None] * stride_xm  # [BM, 1]
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_lo = split * k_per_split
+    for k0 in range(k_lo, tl.minimum(K, k_lo + k_per_split), BLOCK_K):
+        k0 = tl.multiple_of(k0, BLOCK_K)  # k_per_split is a multiple of BLOCK_K: 16-byte weight vectors
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)  # [BM, BK]
+        if POST_SCALE:  # a power of two after the slice's product: exact, and one conversion per weight
+            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0,
+                        eviction_policy="evict_first").to(a.dtype)  # [BN, BK]
+            scale = dequant.ue8m0(tl.load(s_rows + k0 // B1, mask=n_mask[:, None], other=0))  # [BN, 1]
+            if SWAP:
+                acc += tl.dot(w, tl.trans(a), input_precision=PRECISION) * scale  # [BN, BM]
+            else:
+                acc += tl.dot(a, tl.trans(w), input_precision=PRECISION) * tl.trans(scale)  # [BM, BN]
+        else:
+            w = _scaled_weight_tile(w_rows, s_rows, k0, K, n_mask, x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K, B1,
+                                    UE8M0)  # [BN, BK]
+            if SWAP:
+                acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)  # [BN, BM]
+            else:
+                acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)  # [BM, BN]
+    if SWAP:
+        acc = tl.trans(acc)  # [BM, BN]
+    _store_tile(acc, out_ptr, split, group, offs_m, offs_n, m_mask, n_mask, stride_os, stride_om, stride_og)
+
+
+@triton.jit
+def _store_tile(acc, out_ptr, split, group, offs_m, offs_n, m_mask, n_mask, stride_os, stride_om, stride_og):
+    """``acc [BM, BN]`` to ``out`` at (``split``, rows, ``group``, columns), converted to ``out``'s dtype."""
+    at = out_ptr + split * stride_os + group * stride_og + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(at, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, N, groups, stride_ps, stride_om, stride_og, SPLITS: tl.constexpr,
+                       BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (row x group, column block): ``out = sum_s part[s]`` over the float32 partials ``[SPLITS, M, groups,
+    N]`` (contiguous), added in split order (the result does not depend on which split finished first)."""
+    pdl.begin(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    src = part_ptr + row * N + cols
+    total = tl.load(src, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        total += tl.load(src + s * stride_ps, mask=mask, other=0.0)
+    m, g = row // groups, row % groups
+    tl.store(out_ptr + m * stride_om + g * stride_og + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _round_to_e4m3(v):
     """float32 ``v`` (``|v| <= 448``) rounded to the nearest e4m3 value, ties to even, still float32: normal
     values keep 3 mantissa bits, values below 2^-6 become multiples of 2^-9 (e4m3's subnormals). The conversion to
@@ -165,16 +265,18 @@ def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, tor
 
 
 @triton.jit
-def _fp8_tc_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_xg, stride_xsm, stride_xsg,
-                   stride_wn, stride_sn, stride_om, stride_og, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   B0: tl.constexpr, B1: tl.constexpr, UE8M0: tl.constexpr, GROUP_M: tl.constexpr,
-                   PDL: tl.constexpr = False):
+def _fp8_tc_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_xg, stride_xsm,
+                   stride_xsg, stride_wn, stride_sn, stride_os, stride_om, stride_og, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr, UE8M0: tl.constexpr,
+                   GROUP_M: tl.constexpr, PDL: tl.constexpr = False):
     """Program (output tile, group): ``out = x @ W^T`` on fp8 tensor cores from ``x``'s e4m3 values ``xq`` and
     per-row block scales ``xs`` (``quantize_activations``), one ``B1``-wide ``K`` block a step: ``dot(xq, w)`` in
     fp32, times the row's and the weight block's scales, accumulated in fp32. Tiles run ``GROUP_M`` row blocks
-    per column block (consecutive programs share their weight and activation tiles in L2)."""
+    per column block (consecutive programs share their weight and activation tiles in L2). Grid axis 1 splits
+    ``K`` (``k_per_split`` inputs each, a multiple of ``B1``): a split's tile goes to the float32 partials at
+    ``split`` (``_sum_splits_kernel``), or to the output when there is one split."""
     pdl.begin(PDL)
-    group = tl.program_id(1).to(tl.int64)
+    split, group = tl.program_id(1), tl.program_id(2).to(tl.int64)
     pid_m, pid_n = moe_quant.tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -185,7 +287,9 @@ def _fp8_tc_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, st
     w_rows = w_ptr + rows[None, :] * stride_wn  # [1, BN]
     s_rows = s_ptr + (rows // B0) * stride_sn  # [BN]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, B1):
+    k_lo = split * k_per_split
+    for k0 in range(k_lo, tl.minimum(K, k_lo + k_per_split), B1):
+        k0 = tl.multiple_of(k0, B1)
         offs_k = k0 + tl.arange(0, B1)
         k_mask = offs_k < K
         a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, B1] e4m3
@@ -193,23 +297,29 @@ def _fp8_tc_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, st
         a_scale = tl.load(xs_rows + k0 // B1, mask=m_mask, other=0.0)  # [BM]
         w_scale = dequant.block_scale(tl.load(s_rows + k0 // B1, mask=n_mask, other=0), UE8M0)  # [BN]
         acc += tl.dot(a, w, out_dtype=tl.float32) * a_scale[:, None] * w_scale[None, :]
-    tl.store(out_ptr + group * stride_og + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    _store_tile(acc, out_ptr, split, group, offs_m, offs_n, m_mask, n_mask, stride_os, stride_om, stride_og)
 
 
 # Launches: (BLOCK_N, BLOCK_K, num_warps, num_stages) of the row kernel; (BLOCK_M, BLOCK_N, num_warps, num_stages)
-# of the dot kernels by rows (the first whose row bound holds). BLOCK_K of the dot kernels: min(128, B1) / B1.
+# of the weight-only and tensor-core kernels by rows (the first whose row bound holds; BLOCK_K: min(128, B1) / B1);
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the split-K kernel. A split-K or tensor-core launch may end
+# with its number of K splits (else ``_splits`` picks it).
 ROW_TILE = (16, 1024, 8, 3)  # 16 rows x 8 scale blocks of 128 fp8 inputs (bench_quant's one-row sweep on the
 # H200, 2026-12-02: wo_b 20.6 us against 24.5 us for (16, 512, 4, 3))
+SPLIT_K_TILES = ((16, 16, 64, 128, 4, 4), (32, 32, 64, 128, 4, 4), (None, 64, 64, 128, 4, 3))
 WEIGHT_ONLY_TILES = ((16, 16, 64, 4, 4), (64, 64, 64, 4, 3), (None, 64, 128, 4, 3))  # (max rows, BM, BN, warps, st.)
 FP8_TC_TILES = ((1024, 64, 128, 4, 3), (None, 128, 128, 8, 3))
 SWAP_AB_MAX_ROWS = 0  # weight-only tiles of at most this many rows multiply with the weights on the left (off:
 # on the H200 the swapped 16-row wo_b tile took 53.2 us, unswapped 36.5 us)
+SPLIT_K_SWAP = True  # the split-K kernel multiplies with the weights on the left (64 weight rows x the batch)
 FP8_TC_GROUP_M = 8  # row blocks the tensor-core kernel runs down each column block before the next
-MIN_PROGRAMS = 264  # two per SM of an H200: weight-only launches narrow their column tiles down to 16 to reach it
+MIN_PROGRAMS = 264  # two per SM of an H200: weight-only launches narrow their column tiles down to 16 to reach it,
+# split-K and tensor-core launches split K
+MIN_SPLIT_STEPS = 4  # slices of BLOCK_K inputs each K split runs at least
+SUM_BLOCK = 1024  # outputs one program of _sum_splits_kernel adds up
 
 
-def _tile(tiles, rows: int) -> tuple[int, int, int, int]:
+def _tile(tiles, rows: int) -> tuple[int, ...]:
     return next(t[1:] for t in tiles if t[0] is None or rows <= t[0])
 
 
@@ -223,9 +333,45 @@ def _weight_only_tile(rows: int, columns: int, groups: int) -> tuple[int, int, i
     return block_m, block_n, warps, stages
 
 
+def _splits(programs: int, K: int, step: int) -> int:
+    """How many parts ``K`` is split into (a power of two): the fewest that give at least ``MIN_PROGRAMS`` programs
+    (every SM streams weights), keeping at least ``MIN_SPLIT_STEPS`` slices of ``step`` inputs per part."""
+    steps, splits = triton.cdiv(K, step), 1
+    while programs * splits < MIN_PROGRAMS and steps >= 2 * splits * MIN_SPLIT_STEPS:
+        splits *= 2
+    return splits
+
+
+def _split_k_launch(M: int, N: int, K: int, groups: int, B1: int, tile: tuple | None) -> tuple[tuple, int, int]:
+    """The split-K launch ``(BM, BN, BK, warps, stages)``, its number of K splits and inputs per split (a multiple
+    of ``BK``, itself a multiple of ``B1`` or inside one block)."""
+    tile = tile or _tile(SPLIT_K_TILES, M)
+    block_m, block_n, block_k = tile[:3]
+    programs = triton.cdiv(M, block_m) * triton.cdiv(N, block_n) * groups
+    splits = tile[5] if len(tile) > 5 else _splits(programs, K, block_k)
+    per_split = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
+    return tile[:5], triton.cdiv(K, per_split), per_split
+
+
+def _partials(out: torch.Tensor, splits: int) -> torch.Tensor:
+    """Where the kernels write: ``out`` for one split, else float32 partials ``[splits, M, groups, N]``."""
+    if splits == 1:
+        return out
+    return torch.empty(splits, *out.shape, dtype=torch.float32, device=out.device)
+
+
+def _sum_splits(part: torch.Tensor, out: torch.Tensor, splits: int) -> None:
+    """``out = part.sum(0)`` in split order (nothing to do for one split)."""
+    if splits == 1:
+        return
+    M, groups, N = out.shape
+    _sum_splits_kernel[(M * groups, triton.cdiv(N, SUM_BLOCK))](
+        part, out, N, groups, part.stride(0), out.stride(0), out.stride(1), SPLITS=splits, BLOCK=SUM_BLOCK,
+        num_warps=4, **pdl.launch())
+
 
 def launch(path: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-           out: torch.Tensor, groups: int, tile: tuple[int, int, int, int] | None = None) -> None:
+           out: torch.Tensor, groups: int, tile: tuple[int, ...] | None = None) -> None:
     """``out [M, groups, N] = x [M, groups, K] @ W_g^T`` per group through the ``path`` kernel (``x`` / ``out`` with
     unit last stride, any other strides; ``weight [groups * N, K]``). ``tile`` fixes the launch (``ROW_TILE``'s or
     the dot tiles' form; ``benchmarks/bench_quant.py`` sweeps them)."""
@@ -233,33 +379,56 @@ def launch(path: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     N = out.shape[-1]
     raw, is_ue8m0 = dequant.scale_operand(scale)
     consts = {"B0": block[0], "B1": block[1], "UE8M0": is_ue8m0, **pdl.launch()}
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
     if path == ROW:
         block_n, block_k, warps, stages = tile or ROW_TILE
         _row_kernel[(triton.cdiv(N, block_n), groups)](
             x, weight, raw, out, N, K, x.stride(1), weight.stride(0), raw.stride(0), out.stride(1), BLOCK_N=block_n,
             BLOCK_K=block_k, num_warps=warps, num_stages=stages, **consts)
-        return
-    if tile is None:
-        tile = _weight_only_tile(M, N, groups) if path == WEIGHT_ONLY else _tile(FP8_TC_TILES, M)
-    block_m, block_n, warps, stages = tile
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), groups)
-    if path == WEIGHT_ONLY:
+    elif path == SPLIT_K:
+        (block_m, block_n, block_k, warps, stages), splits, per_split = _split_k_launch(M, N, K, groups, block[1],
+                                                                                        tile)
+        part = _partials(out, splits)
+        grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), splits, groups)
+        _split_k_kernel[grid](x, weight, raw, part, M, N, K, per_split, x.stride(0), x.stride(1), weight.stride(0),
+                              raw.stride(0), part.stride(0) if splits > 1 else 0, part.stride(-3), part.stride(-2),
+                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
+                              SWAP=SPLIT_K_SWAP, num_warps=warps, num_stages=stages, **consts)
+        _sum_splits(part, out, splits)
+    elif path == WEIGHT_ONLY:
+        block_m, block_n, warps, stages = tile or _weight_only_tile(M, N, groups)
+        grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), groups)
         args = (x, weight, raw, out, M, N, K, x.stride(0), x.stride(1), weight.stride(0), raw.stride(0),
                 out.stride(0), out.stride(1))
-        precision = "ieee" if x.dtype == torch.float32 else "tf32"
         _weight_only_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(128, block[1]),
                                   PRECISION=precision, SWAP=block_m <= SWAP_AB_MAX_ROWS, num_warps=warps,
                                   num_stages=stages, **consts)
-        return
+    else:
+        _launch_fp8_tc(x, weight, raw, block, out, groups, tile or _tile(FP8_TC_TILES, M), consts)
+
+
+def _launch_fp8_tc(x: torch.Tensor, weight: torch.Tensor, raw: torch.Tensor, block: tuple[int, int],
+                   out: torch.Tensor, groups: int, tile: tuple[int, ...], consts: dict) -> None:
+    """The activations quantized (``quantize_activations``), then ``_fp8_tc_kernel``, K split as ``_splits`` picks
+    (or ``tile``'s fifth entry) when the output has too few tiles to fill the GPU."""
+    M, _, K = x.shape
+    N = out.shape[-1]
+    block_m, block_n, warps, stages = tile[:4]
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    splits = tile[4] if len(tile) > 4 else _splits(tiles * groups, K, block[1])
+    per_split = triton.cdiv(triton.cdiv(K, splits), block[1]) * block[1]
+    splits = triton.cdiv(K, per_split)
     xq, xs = quantize_activations(x, block[1])
-    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), groups)
-    _fp8_tc_kernel[grid](xq, xs, weight, raw, out, M, N, K, xq.stride(0), xq.stride(1), xs.stride(0), xs.stride(1),
-                         weight.stride(0), raw.stride(0), out.stride(0), out.stride(1), BLOCK_M=block_m,
-                         BLOCK_N=block_n, GROUP_M=FP8_TC_GROUP_M, num_warps=warps, num_stages=stages, **consts)
+    part = _partials(out, splits)
+    _fp8_tc_kernel[(tiles, splits, groups)](
+        xq, xs, weight, raw, part, M, N, K, per_split, xq.stride(0), xq.stride(1), xs.stride(0), xs.stride(1),
+        weight.stride(0), raw.stride(0), part.stride(0) if splits > 1 else 0, part.stride(-3), part.stride(-2),
+        BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=FP8_TC_GROUP_M, num_warps=warps, num_stages=stages, **consts)
+    _sum_splits(part, out, splits)
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], groups: int = 1,
-           path: str | None = None, tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+           path: str | None = None, tile: tuple[int, ...] | None = None) -> torch.Tensor:
     """``x [M, groups, K]`` -> ``[M, groups, N]`` through the kernel ``linear_path`` picks (or ``path``, with
     ``tile``'s launch)."""
     path = path or linear_path(x.shape[0], x.dtype, block)
