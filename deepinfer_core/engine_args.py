@@ -53,8 +53,8 @@ class EngineArgs:
         prefix_state_split_min_tokens: an admitted prompt chunk of at least this many tokens that finishes the prompt
             ends one token before the prompt's end and keeps the state there, so the same prompt sent again is
             restored there and computes only its last token (as vLLM's full hit does); such a miss costs one decode
-            step more (its last token runs as a one-token row, through the decode graphs). Default 4096; 0 never
-            splits.
+            step more (its last token runs as a one-token row, through the decode graphs). Default 256 (shorter
+            prompts' hits recompute them whole: the exact rebuild spans more); 0 never splits.
         seed: base seed for requests without ``SamplingParams.seed``.
         enforce_eager: never replay steps from captured device graphs.
         cuda_graph_sizes: decode batch sizes to capture; default ``1, 2, 4, 8, 16, 24, 32, 48, 64, ...`` up to

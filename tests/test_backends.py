@@ -228,7 +228,11 @@ def test_env_names_the_engine_threads_and_why_and_omp_num_threads_wins():
 
 
 class _HostThreadsBackend(CpuBackend):
+    """The CPU backend with a device backend's thread choice (``Backend.host_thread_choice``: ``host_threads``),
+    not the CPU backend's own (the cores other processes leave idle, which moves with the machine's load)."""
+
     host_threads = 1  # as a device backend's, whose host only builds layouts and reads tokens
+    host_thread_choice = classmethod(Backend.host_thread_choice.__func__)
 
 
 def test_a_device_backends_host_threads_set_torchs_cpu_threads_unless_omp_num_threads_chose(monkeypatch):

@@ -22,7 +22,10 @@ def _prompt(length: int, seed: int = 0) -> list[int]:
 
 
 def _llm(**kwargs) -> LLM:
-    return LLM(max_model_len=600, max_num_seqs=2, kv_cache_memory_bytes=64 << 20, **kwargs)
+    """Prompts are not split before their last token (``prefix_state_split_min_tokens=0``), so a prompt sent again
+    is a hit whose exact replay (the padded step at an offset) these tests check."""
+    return LLM(max_model_len=600, max_num_seqs=2, kv_cache_memory_bytes=64 << 20, prefix_state_split_min_tokens=0,
+               **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +137,8 @@ LONG = 1000  # the embedded model's exact replay span is 768 tokens: a hit at 89
 
 @pytest.fixture(scope="module")
 def long_engines():
-    kwargs = {"max_model_len": 1024, "max_num_seqs": 2, "kv_cache_memory_bytes": 64 << 20, "dtype": "float32"}
+    kwargs = {"max_model_len": 1024, "max_num_seqs": 2, "kv_cache_memory_bytes": 64 << 20, "dtype": "float32",
+              "prefix_state_split_min_tokens": 0}
     return (LLM(enable_prefix_caching=False, **kwargs), LLM(**kwargs),
             LLM(cuda_graph_sizes=[1, 2], prefill_graph_buckets=[256, 1024], **kwargs))
 

@@ -10,7 +10,13 @@ import torch
 from v4_factory import ALL_TYPES, record_prompt_chunks, record_steps, tiny_checkpoint
 
 from deepinfer_core import LLM, SamplingParams
-from deepinfer_core.engine.prefix_state_cache import DEVICE_METRICS, PrefixStateCache, PrefixStateStats, partial_key
+from deepinfer_core.engine.prefix_state_cache import (
+    DEVICE_METRICS,
+    PREFIX_STATE_SPLIT_MIN_TOKENS,
+    PrefixStateCache,
+    PrefixStateStats,
+    partial_key,
+)
 from deepinfer_core.engine.state_manager import chain_hashes
 from deepinfer_core.engine_args import EngineArgsError
 from deepinfer_core.metrics import MetricsRegistry
@@ -243,12 +249,17 @@ def test_eviction_under_a_small_budget_falls_back_to_the_exact_rebuild(ckpt):
     assert metrics["bytes"] == entry
 
 
-def test_on_by_default_off_without_prefix_caching_and_short_prompts_are_not_split(ckpt):
+def test_on_by_default_off_without_prefix_caching_and_only_long_prompts_are_split(ckpt):
     llm = _llm(ckpt)
-    assert llm.engine.state_cache is not None and llm.engine.state_cache.split_min_tokens == 4096
+    assert llm.engine.state_cache is not None and llm.engine.state_cache.split_min_tokens == PREFIX_STATE_SPLIT_MIN_TOKENS
     chunks = record_prompt_chunks(llm)
     llm.generate({"prompt_token_ids": _tokens(40, seed=3)}, GREEDY, use_tqdm=False)
-    assert chunks == [(0, 40)]
+    long = {"prompt_token_ids": _tokens(PREFIX_STATE_SPLIT_MIN_TOKENS, seed=4)}
+    llm.generate(long, GREEDY, use_tqdm=False)
+    assert chunks == [(0, 40), (0, PREFIX_STATE_SPLIT_MIN_TOKENS - 1)]  # the long prompt's last token runs alone
+    chunks.clear()
+    again = llm.generate(long, GREEDY, use_tqdm=False)[0]
+    assert chunks == [] and again.num_cached_tokens == PREFIX_STATE_SPLIT_MIN_TOKENS - 1
     assert _llm(ckpt, enable_prefix_caching=False).engine.state_cache is None
     assert _llm(ckpt, enable_prefix_state_cache="false").engine.state_cache is None
     assert _llm(ckpt, prefix_state_split_min_tokens=0).engine.state_cache.split_min_tokens == 0

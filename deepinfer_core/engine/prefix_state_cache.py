@@ -55,7 +55,7 @@ from deepinfer_core.metrics import Counter, Gauge, MetricsRegistry
 #: ``EngineArgs.prefix_state_split_min_tokens``' default: a miss of a prompt this long runs its last token as a step
 #: of its own (one decode-shaped row) so the same prompt again is restored before it and computes only that token;
 #: shorter prompts are not split.
-PREFIX_STATE_SPLIT_MIN_TOKENS = 4096
+PREFIX_STATE_SPLIT_MIN_TOKENS = 256
 
 COUNTERS = ("hits", "misses", "evictions", "expirations", "stores")
 

@@ -52,7 +52,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--top-k", type=int, default=20)
     args = parser.parse_args()
-    exact, replay = LLM(dtype="float32"), LLM(dtype="float32", enable_swa_replay=True)
+    exact, replay = LLM(dtype="float32"), LLM(dtype="float32", enable_swa_replay=True, enable_prefix_state_cache=False)
     cold = LLM(dtype="float32", enable_prefix_caching=False)
     texts = heldout_token_ids(exact, max(HITS) + max(DISTANCES))
     print(f"{len(texts)} held-out files; greedy {args.max_tokens} tokens, top-{args.top_k} logprobs\n")

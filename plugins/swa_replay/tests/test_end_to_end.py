@@ -151,7 +151,8 @@ MIN_GREEDY_AGREEMENT = 0.9
 
 def test_the_embedded_model_stays_close_to_exact_reuse_on_held_out_text():
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    exact, replay = LLM(dtype="float32"), LLM(dtype="float32", enable_swa_replay=True)
+    exact = LLM(dtype="float32")
+    replay = LLM(dtype="float32", enable_swa_replay=True, enable_prefix_state_cache=False)  # no exact restore first
     texts = [exact.get_tokenizer().encode((stdlib / rel).read_text(encoding="utf-8"))
              for rel in HELDOUT if (stdlib / rel).is_file()]
     if not texts:
