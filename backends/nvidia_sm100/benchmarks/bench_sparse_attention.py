@@ -5,7 +5,8 @@
 - gathered (``gather``): each query row a one-query row over its gathered window + selected keys
   (``models/deepseek_v4/sparse_attention.sparse_roped_attention``);
 - in place (``1``): each row's keys listed by index (``visible_index`` of both masks) and read in place by
-  ``roped_sparse_sink_attention`` (``kernels/sparse_attention.py``); its attention kernel alone is timed too.
+  ``roped_sparse_sink_attention`` (``kernels/sparse_attention.py``); its parts are timed too (the index lists; the
+  attention kernel as the op launches it, and with one split at 16, 32 and 64 heads a program).
 
 All three through the NVIDIA backend's op table (``sm90_ops``: TileLang ``sink_attention`` where installed, the Triton
 decode kernel for decode rows), bf16, V4's attention (64 heads x 512, window 128, top-512 of entries at ratio 4), at:
@@ -83,6 +84,8 @@ def paths(ops: OpTable, case) -> dict:
                                                     sin),
         "in place: index lists": lambda: key_index(ops, window, selected, W, K),
         "in place: attention kernel": lambda: ops.sparse_sink_attention(q, keys, index, sinks, SCALE),
+        **{f"in place: attention kernel, {h} heads a program, one split":
+           lambda h=h: kernels.sparse_attention(q, keys, index, sinks, SCALE, 1, h) for h in (16, 32, 64)},
     }
 
 

@@ -11,14 +11,14 @@ import torch
 
 pytest.importorskip("triton", reason="the test extra installs triton")
 from deepinfer_nvidia_sm100.kernels import sparse_attention
-from interpreted import DEVICE, kernel_runs_here, run_under_interpreter, starts_the_interpreter
+from interpreted import DEVICE, INTERPRETED, kernel_runs_here, run_under_interpreter, starts_the_interpreter
 
 from deepinfer_core.ops import reference as ref
 
 
 @starts_the_interpreter
 def test_kernels_under_triton_interpreter():
-    run_under_interpreter(__file__)
+    run_under_interpreter(__file__, "compile")
 
 
 def case(S: int, Lq: int, Lk: int, E: int, H: int, d: int, W: int, k: int, dtype: torch.dtype, seed: int = 0):
@@ -56,6 +56,14 @@ def test_kernel_equals_the_reference(S, Lq, Lk, E, H, d, W, k, splits, dtype):
 
 
 @kernel_runs_here
+@pytest.mark.parametrize(("H", "block_h", "splits"), [(32, 32, 1), (64, 64, 1), (64, 32, 2)])
+def test_wider_head_blocks_equal_the_reference(H, block_h, splits):
+    q, kv, index, sinks = case(1, 2, 40, 300, H, 16, 16, 64, torch.float32, seed=4)
+    got = sparse_attention.sparse_attention(q, kv, index, sinks, 0.25, splits, block_h)
+    torch.testing.assert_close(got, ref.sparse_sink_attention(q, kv, index, sinks, 0.25), atol=2e-5, rtol=2e-5)
+
+
+@kernel_runs_here
 def test_kernel_equals_the_masked_dense_attention():
     """The same keys under a mask over every key (the dense path) give the same rows."""
     S, Lq, Lk, E, H, d = 1, 2, 140, 1500, 16, 32
@@ -88,3 +96,36 @@ def test_covered_and_splits():
     assert sparse_attention.num_splits(16384, 64, 640, 132) == 1  # a prefill chunk: no split
     assert sparse_attention.num_splits(1, 64, 640, 132) == 5  # a decode row: 10 blocks, two a split
     assert sparse_attention.num_splits(16, 64, 640, 132) == 2
+
+
+@pytest.mark.skipif(INTERPRETED, reason="ahead-of-time compiles need the real Triton compiler, not the interpreter")
+@pytest.mark.parametrize("capability", [90, 100])
+@pytest.mark.parametrize("dtype,whole", [("bf16", True), ("bf16", False), ("fp32", True)])
+def test_kernels_compile_for_sm90a_and_sm100a(capability, dtype, whole):
+    """Both kernels compile for the GPU targets on a machine without one (Triton compiles ahead of time); the
+    attention's ``tl.dot`` tiles take the tensor cores (``mma``) at V4's head width."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    def compile_kernel(fn, types, constants):
+        signature = {arg: "constexpr" if i in fn.constexprs else types.get(arg, "i32")
+                     for i, arg in enumerate(fn.arg_names)}
+        source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
+        return triton.compile(source, target=GPUTarget("cuda", capability, 32),
+                              options={"num_warps": 4, "num_stages": 2})
+
+    pointers = {name: f"*{dtype}" for name in ("q_ptr", "kv_ptr", "out_ptr")}
+    attention = compile_kernel(
+        sparse_attention._sparse_split_kernel,
+        {**pointers, "index_ptr": "*i32", "sinks_ptr": "*fp32", "opart_ptr": "*fp32", "mpart_ptr": "*fp32",
+         "lpart_ptr": "*fp32", "scale_log2": "fp32"},
+        {"D": 512 if dtype == "bf16" else 64, "BLOCK_H": 16, "BLOCK_N": 64, "WHOLE": whole,
+         "PRECISION": "ieee" if dtype == "fp32" else "tf32"})
+    ptx = attention.asm["ptx"]
+    assert f".target sm_{capability}a" in ptx
+    if dtype == "bf16":
+        assert "mma" in ptx
+    index = compile_kernel(sparse_attention._visible_index_kernel, {"vis_ptr": "*u8", "out_ptr": "*i32"},
+                           {"CHUNK": sparse_attention.INDEX_CHUNK})
+    assert len(index.asm["cubin"]) > 0

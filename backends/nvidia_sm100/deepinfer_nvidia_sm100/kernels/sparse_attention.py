@@ -133,11 +133,12 @@ def sparse_sink_attention(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor
 
 
 @opaque_under_compile("sparse_sink_attention",
-                      lambda q, kv, index, sinks, scale, splits: q.new_empty(q.shape))
+                      lambda q, kv, index, sinks, scale, splits, block_h=BLOCK_H: q.new_empty(q.shape))
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, sinks: torch.Tensor, scale: float,
-                     splits: int) -> torch.Tensor:
-    """``reference.sparse_sink_attention`` of ``covered`` inputs with ``splits`` splits of each row's keys: ``q [S,
-    Lq, H, d]``, ``kv [S, Lk, d]``, ``index [S, Lq, N]`` (int, -1 for none), ``sinks [H]`` -> ``[S, Lq, H, d]``."""
+                     splits: int, block_h: int = BLOCK_H) -> torch.Tensor:
+    """``reference.sparse_sink_attention`` of ``covered`` inputs with ``splits`` splits of each row's keys and
+    ``block_h`` heads a program (16, or 32 / 64 with 8 warps, where ``H`` is a multiple): ``q [S, Lq, H, d]``, ``kv
+    [S, Lk, d]``, ``index [S, Lq, N]`` (int, -1 for none), ``sinks [H]`` -> ``[S, Lq, H, d]``."""
     S, Lq, H, d = q.shape
     Lk, N = kv.shape[1], index.shape[-1]
     rows = S * Lq
@@ -152,12 +153,12 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, sin
         opart = mpart = lpart = out  # not written
     sinks = sinks.float().contiguous()
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32: ignored for 16-bit inputs
-    _sparse_split_kernel[(H // BLOCK_H, splits, rows)](
+    _sparse_split_kernel[(H // block_h, splits, rows)](
         qf, kv.contiguous(), keys, sinks, out, opart, mpart, lpart, Lq, Lk, H, N, splits, scale * LOG2E.value, D=d,
-        BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, WHOLE=splits == 1, PRECISION=precision, num_warps=4, num_stages=2,
-        **pdl.launch())
+        BLOCK_H=block_h, BLOCK_N=BLOCK_N, WHOLE=splits == 1, PRECISION=precision, num_warps=4 if block_h <= 16 else 8,
+        num_stages=2, **pdl.launch())
     if splits > 1:
-        _combine_kernel[(H // BLOCK_H, rows)](opart, mpart, lpart, sinks, out, H, splits, D=d, BLOCK_H=BLOCK_H,
+        _combine_kernel[(H // block_h, rows)](opart, mpart, lpart, sinks, out, H, splits, D=d, BLOCK_H=block_h,
                                               SPLITS_P2=triton.next_power_of_2(splits), num_warps=4, **pdl.launch())
     return out.view(S, Lq, H, d)
 
