@@ -44,6 +44,19 @@ def test_the_backend_offers_its_fast_kernels_for_the_mode():
     assert not {"linear", "logits", "grouped_linear", "swiglu_mlp", "sink_attention"} & set(OFFERED)
 
 
+def test_moe_tiles_differ_only_in_columns_per_program():
+    """The mode's MoE takes the wider tile from a shape-known count (assignments per expert); both tiles have the same
+    rows and BLOCK_K (the same ``tl.dot`` steps along K: ``test_cuda.py`` checks their bits agree on the GPU) and are
+    tiles of the fast path, which the backend's compile tests build for sm_90a / sm_100a."""
+    from deepinfer_nvidia_sm100.kernels import moe
+
+    small, wide = invariant.MOE_TILE, invariant.MOE_PREFILL_TILE
+    assert (small[0], small[2]) == (wide[0], wide[2]) and wide[1] > small[1]
+    assert {small, wide} <= set(moe.TILES.values())
+    assert invariant.moe_tile(64 * 64, 64) == small and invariant.moe_tile(64 * 64 + 1, 64) == wide
+    assert invariant.moe_tile(6, 64) == small and invariant.moe_tile(16384 * 6, 64) == wide
+
+
 @pytest.mark.parametrize("name", WITHOUT_DOT)
 def test_offered_kernel_keeps_a_rows_bits_in_any_batch(name):
     case = CASES[name]

@@ -106,6 +106,44 @@ def test_v4_sizes_invariant_on_gpu(bi):
     assert check_indexer_scores(on_cuda(bi["indexer_scores"]), trials=4, Hi=64, di=128) == []
 
 
+@pytest.mark.parametrize(("n", "k", "groups"), [(1024, 4096, 1), (4096, 8192, 1), (1024, 4096, 8), (129, 4096, 1)])
+def test_gemm_launches_agree_bitwise_on_gpu(n, k, groups):
+    """The GEMM's two launches (split-K with a fold kernel; the prefill tile summing its splits in one program) give
+    every element the same bits at V4 projection shapes (``wq_a``-like, ``wo_b``, the grouped ``wo_a``, a ragged N),
+    at decode and prefill row counts: so the row count may pick the launch."""
+    from deepinfer_batch_invariant import triton_kernels
+
+    gen = torch.Generator().manual_seed(n + k + groups)
+    w = (torch.randn(groups * n, k, generator=gen) * 0.02).bfloat16().cuda()
+    for m in (1, 64, 700):
+        x = torch.randn(m, groups, k, generator=gen).bfloat16().cuda()
+        split = triton_kernels._grouped_matmul(x, w, groups, wide=False)
+        assert torch.equal(triton_kernels._grouped_matmul(x, w, groups, wide=True), split), m
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_tiles_agree_bitwise_on_gpu(dtype):
+    """The mode's two MoE tiles (``invariant.MOE_TILE`` up to 64 assignments per expert, ``MOE_PREFILL_TILE`` above)
+    give every token the same bits: one token alone (the decode tile) equals it among 1,500 others."""
+    from deepinfer_nvidia_sm100.kernels import invariant, moe
+
+    gen = torch.Generator().manual_seed(3)
+    E, D, I, top_k, T = 8, 4096, 2048, 6, 1501
+    w1, w3 = ((torch.randn(E, I, D, generator=gen) * 0.02).to(dtype).cuda() for _ in range(2))
+    w2 = (torch.randn(E, D, I, generator=gen) * 0.02).to(dtype).cuda()
+    x = torch.randn(T, D, generator=gen).to(dtype).cuda()
+    ids = torch.rand(T, E, generator=gen).topk(top_k, dim=-1).indices.cuda()
+    weights = torch.rand(T, top_k, generator=gen).cuda()
+    assert invariant.moe_tile(T * top_k, E) == invariant.MOE_PREFILL_TILE
+    assert invariant.moe_tile(top_k, E) == invariant.MOE_TILE
+    many = invariant.moe_experts(x, ids, weights, w1, w2, w3, 10.0)
+    small = moe.moe_experts(x, ids, weights, w1, w2, w3, 10.0, config=invariant.MOE_TILE)
+    assert torch.equal(many, small)
+    for t in (0, 777, T - 1):
+        alone = invariant.moe_experts(x[t:t + 1], ids[t:t + 1], weights[t:t + 1], w1, w2, w3, 10.0)
+        assert torch.equal(alone, many[t:t + 1]), t
+
+
 def test_sampler_row_ops_invariant_on_gpu():
     """The sampler's log_softmax / softmax (core code, plain torch) give a row the same bits in any batch."""
     gen = torch.Generator().manual_seed(0)

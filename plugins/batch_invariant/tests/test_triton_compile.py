@@ -4,7 +4,7 @@ The ops run once on small CPU inputs under Triton's interpreter (conftest sets `
 machine without a GPU); every distinct launch (kernel, argument types, constexprs, warps, stages) is recorded and
 then compiled ahead of time with Triton's own ptxas for ``GPUTarget("cuda", 90)`` and ``("cuda", 100)``, with
 the GPU code path (``EMULATE=False``). Block sizes that follow the input shape are those of these small inputs;
-the GEMM tiles are the production ones (fixed per dtype). Checked: the PTX targets the architecture and a cubin
+the GEMM tiles are the production ones (fixed per dtype, and the prefill tile). Checked: the PTX targets the architecture and a cubin
 comes out; the bf16 GEMM tile (64 rows) uses wgmma on sm_90a and tcgen05 on sm_100a. Results on the GPU are
 checked by test_cuda.py (marker ``nvidia``); nothing here ran on an SM100 GPU.
 """
@@ -61,6 +61,8 @@ def _record_launches() -> dict[tuple, tuple]:
             k = 512 if dtype == torch.float32 else 1024  # long enough for two K splits (and their fold)
             triton_kernels.matmul_nt(torch.randn(3, k, generator=gen).to(dtype),
                                      torch.randn(40, k, generator=gen).to(dtype))
+        x, w = torch.randn(3, 1, 1024, generator=gen).bfloat16(), torch.randn(40, 1024, generator=gen).bfloat16()
+        triton_kernels._grouped_matmul(x, w, 1, wide=True)  # the prefill tile, its two K splits in one program
         q, keys, weights = _indexer_sequence(gen, 2, 16)
         ops["indexer_scores"](q[None], keys[None], weights[None], 16**-0.5)
     finally:
@@ -97,7 +99,8 @@ for launch in json.load(sys.stdin):
     ptx = compiled.asm["ptx"]
     results.append({"target": re.search(r"^\\.target (\\S+)", ptx, re.MULTILINE).group(1),
                     "cubin_bytes": len(compiled.asm["cubin"]),
-                    "instructions": [i for i in ("wgmma", "tcgen05.mma", "mma.sync") if i in ptx]})
+                    "instructions": [i for i in ("wgmma", "tcgen05.mma", "mma.sync") if i in ptx],
+                    "local_memory": "ld.local" in ptx or "st.local" in ptx})
 json.dump(results, sys.stdout)
 """
 
@@ -134,3 +137,11 @@ def test_every_launch_compiles_for_the_architecture(capability):
         assert result["target"] == arch and result["cubin_bytes"] > 0, name
         if name == "_matmul_nt_kernel" and "*bf16" in arg_types:
             assert tensor_core in result["instructions"], f"bf16 GEMM tile on {arch}: {result['instructions']}"
+            assert not result["local_memory"], f"bf16 GEMM tile on {arch}: registers in local memory"
+
+
+def test_the_wide_gemm_launch_was_recorded():
+    """The prefill tile (``MM_WIDE_CONFIGS``, serial K splits) is among the compiled launches."""
+    wide = triton_kernels.MM_WIDE_CONFIGS[torch.bfloat16]
+    assert any(name == "_matmul_nt_kernel" and ("SERIAL", True) in options and ("BLOCK_M", wide[0]) in options
+               for name, _, options in LAUNCHES)

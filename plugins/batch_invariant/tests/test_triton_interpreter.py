@@ -138,3 +138,26 @@ def test_split_k_depends_on_the_weight_only_and_keeps_rows_invariant():
     for rows in (2, 17, 70):
         assert torch.equal(triton_kernels.matmul_nt(x[:rows], w)[:1], alone)
     torch.testing.assert_close(triton_kernels.matmul_nt(x, w), x @ w.T, atol=1e-4, rtol=1e-4)
+
+
+def test_wide_gemm_launch_gives_the_split_launch_bits(monkeypatch):
+    """The prefill tile (``MM_WIDE_CONFIGS``: each program sums its tile's K splits one after the other) computes the
+    split-K launch's splits in its order, at the same BLOCK_K: the same bits for every row, plain and grouped, and a
+    row alone (split-K launch) keeps them among enough rows to take the wide one."""
+    bf16 = torch.bfloat16
+    assert triton_kernels.MM_WIDE_CONFIGS[bf16][2] == triton_kernels.MM_CONFIGS[bf16][2]  # one BLOCK_K
+    gen = torch.Generator().manual_seed(5)
+    w = (torch.randn(200, 1100, generator=gen) * 0.05).to(bf16)  # 4 N tiles, 2 splits of 576 (the last 524)
+    x = torch.randn(150, 1, 1100, generator=gen).to(bf16)
+    assert triton_kernels._k_splits(200, 1100, bf16, 1) == (576, 2)
+    split = triton_kernels._grouped_matmul(x, w, 1, wide=False)
+    assert torch.equal(triton_kernels._grouped_matmul(x, w, 1, wide=True), split)
+    close(split.float(), (x.float() @ w.float().T), atol=2e-2, rtol=1e-2)
+    wg = (torch.randn(2 * 40, 1024, generator=gen) * 0.05).to(bf16)  # 2 groups x 1 N tile, 2 splits each
+    xg = torch.randn(70, 2, 1024, generator=gen).to(bf16)
+    assert triton_kernels._k_splits(40, 1024, bf16, 2)[1] == 2
+    assert torch.equal(triton_kernels._grouped_matmul(xg, wg, 2, wide=True),
+                       triton_kernels._grouped_matmul(xg, wg, 2, wide=False))
+    monkeypatch.setattr(triton_kernels, "WIDE_MIN_ROWS", 100)
+    alone = triton_kernels.matmul_nt(x[:2, 0], w)
+    assert torch.equal(triton_kernels.matmul_nt(x[:, 0], w)[:2], alone)

@@ -8,10 +8,11 @@ a count that follows the batch. Those are offered as they are, and so is ``index
 reference sort's entries (no arithmetic on the scores). Three choose a launch from the number of rows in the
 fast path and are offered with a fixed launch instead:
 
-* ``moe_experts``: the Triton grouped GEMMs with one tile (``MOE_TILE``; no CUTLASS grouped GEMM for prefill, no
-  one-token kernels: their products are summed in another order). Every row of a ``tl.dot`` tile is
-  computed alike, and a token's experts are combined in ascending expert id, so a token's result depends only on its
-  own input and routing. No atomics.
+* ``moe_experts``: the Triton grouped GEMMs with 64-row tiles and one BLOCK_K (``MOE_TILE``, and twice as wide
+  ``MOE_PREFILL_TILE`` for prefill sizes: the same ``tl.dot`` steps along K for every output element; no CUTLASS
+  grouped GEMM for prefill, no one-token kernels: their products are summed in another order). Every row of a
+  ``tl.dot`` tile is computed alike, and a token's experts are combined in ascending expert id, so a token's result
+  depends only on its own input and routing. No atomics.
 * ``hc_pre`` / ``hc_pre_normed``: the mixing logits' K split follows the row length alone
   (``hc.INVARIANT_MIX_SPLITS``), one kernel for every token count (``hc_mix_logits(..., invariant=True)``); the
   weights stay on the caller's stream.
@@ -47,10 +48,17 @@ from deepinfer_nvidia_sm100.kernels import (
     streams,
 )
 
-MOE_TILE = moe.TILES["mid"]
-"""(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of ``moe_experts`` in the batch-invariant mode, for every batch: 64-row
-tiles (wgmma / tcgen05). A decode step reads each chosen expert's weights once with any tile; a prefill step re-reads
-them once per row block, four times as often with the 16-row decode tile."""
+MOE_TILE = (64, 64, 64, 4)
+"""(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of ``moe_experts`` in the batch-invariant mode up to
+``MOE_PREFILL_MIN_PER_EXPERT`` assignments per expert: 64-row tiles (wgmma / tcgen05). A decode step reads each chosen
+expert's weights once with any tile; a prefill step re-reads them once per row block, four times as often with the
+16-row decode tile."""
+MOE_PREFILL_TILE = (64, 128, 64, 8)
+"""The tile beyond ``MOE_PREFILL_MIN_PER_EXPERT`` (``moe.TILES["prefill"]``, the fast path's Triton prefill tile): the
+same rows and BLOCK_K, so the same ``tl.dot`` steps along K for every output element (two warpgroups side by side
+along N), and twice the columns per program. A token's bits are the same under either tile (``test_cuda.py``)."""
+MOE_PREFILL_MIN_PER_EXPERT = 64
+"""Mean assignments per expert (``T * top_k / E``, known from shapes) above which the mode takes ``MOE_PREFILL_TILE``."""
 
 INDEX_OPS = ("compressor_window", "decode_key_index", "decode_entry_places", "decode_window_plan")
 """Compiled reference ops without floating-point reductions (gathers, integer index math, one addition per element)."""
@@ -58,8 +66,14 @@ INDEX_OPS = ("compressor_window", "decode_key_index", "decode_entry_places", "de
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                 w3: torch.Tensor, limit: float) -> torch.Tensor:
-    """``reference.moe_experts`` through the Triton grouped GEMMs at ``MOE_TILE`` for every batch."""
-    return moe.moe_experts(x, ids, weights, w1, w2, w3, limit, config=MOE_TILE)
+    """``reference.moe_experts`` through the Triton grouped GEMMs: ``MOE_TILE``, or ``MOE_PREFILL_TILE`` for prefill
+    sizes (``moe_tile``)."""
+    return moe.moe_experts(x, ids, weights, w1, w2, w3, limit, config=moe_tile(ids.numel(), w1.shape[0]))
+
+
+def moe_tile(num_assign: int, num_experts: int) -> tuple[int, int, int, int]:
+    """The mode's MoE tile for ``num_assign`` token -> expert assignments over ``num_experts`` experts."""
+    return MOE_PREFILL_TILE if num_assign > MOE_PREFILL_MIN_PER_EXPERT * num_experts else MOE_TILE
 
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int,

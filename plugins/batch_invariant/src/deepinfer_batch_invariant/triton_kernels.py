@@ -45,6 +45,15 @@ _EMULATE = INTERPRET
 # N <= 24 and K = hc * hidden): small tiles, since an FMA tile's cost grows with its padded rows.
 MM_CONFIGS = {torch.bfloat16: (64, 64, 64, 4, 3), torch.float16: (64, 64, 64, 4, 3),
               torch.float32: (16, 32, 32, 4, 2)}
+# The same product in prefill-sized tiles (``WIDE_MIN_ROWS`` rows and more): 128 x 128 tiles on two warpgroups, the same
+# BLOCK_K (so the same ``tl.dot`` steps along K, in the same order), each program running every K split of its tile
+# one after the other and folding them in split order in registers: the split-K launch's arithmetic, element by element,
+# without its fp32 partials in memory (``splits x M x N`` floats: a GiB per projection at 16,384 rows).
+MM_WIDE_CONFIGS = {torch.bfloat16: (128, 128, 64, 8, 3), torch.float16: (128, 128, 64, 8, 3)}
+WIDE_MIN_ROWS = 512
+"""Rows from which a 16-bit GEMM takes ``MM_WIDE_CONFIGS``; below, the split-K launch (one program per tile and split,
+then ``_fold_splits_kernel``) keeps a decode step's weight read spread over the GPU. Both give a row the same bits
+(``test_cuda.py`` checks them against each other on the GPU), so the switch may follow the row count."""
 ROW_BLOCK_MAX = 4096
 """Largest block of a row reduction; longer rows are reduced block by block in a fixed loop."""
 ATTN_BLOCK_H = 16
@@ -92,26 +101,11 @@ def split_k(n: int, k: int, block_n: int, block_k: int, groups: int = 1) -> int:
     return max(1, min(longest, SPLIT_K_PROGRAMS // n_tiles))
 
 
-@triton.jit(do_not_specialize=["M"])
-def _matmul_nt_kernel(x_ptr, w_ptr, out_ptr, M, N, K, K_SPLIT, SPLITS, sxm, sxk, swn, swk, som, son, sos,
-                      sxg, swg, sog, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PRECISION: tl.constexpr, EMULATE: tl.constexpr):
-    """One ``[BLOCK_M, BLOCK_N]`` tile of ``x @ w.T`` for group ``program_id(2) // SPLITS`` (its operands and
-    output ``sxg`` / ``swg`` / ``sog`` elements on) over the K range of split ``program_id(2) % SPLITS`` (``K_SPLIT``
-    long), fp32 accumulation; written to ``out`` (split ``s`` at offset ``s * sos``)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    group = (tl.program_id(2) // SPLITS).to(tl.int64)
-    pid_k = tl.program_id(2) % SPLITS
-    x_ptr += group * sxg
-    w_ptr += group * swg
-    out_ptr += group * sog
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = rm < M
-    n_mask = rn < N
-    k_start = pid_k * K_SPLIT
-    k_end = tl.minimum(k_start + K_SPLIT, K)
+@triton.jit
+def _split_product(x_ptr, w_ptr, rm, rn, m_mask, n_mask, k_start, k_end, sxm, sxk, swn, swk,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+    """``x[rm, k_start:k_end] @ w[rn, k_start:k_end].T`` in fp32, ``BLOCK_K`` at a time from ``k_start``, from zero."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
@@ -121,7 +115,46 @@ def _matmul_nt_kernel(x_ptr, w_ptr, out_ptr, M, N, K, K_SPLIT, SPLITS, sxm, sxk,
         b = tl.load(w_ptr + rn[None, :].to(tl.int64) * swn + rk[:, None] * swk,
                     mask=n_mask[None, :] & k_mask[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
         acc = _dot(a, b, acc, PRECISION, EMULATE)
-    out = out_ptr + pid_k.to(tl.int64) * sos + rm[:, None].to(tl.int64) * som + rn[None, :] * son
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_nt_kernel(x_ptr, w_ptr, out_ptr, M, N, K, K_SPLIT, SPLITS, sxm, sxk, swn, swk, som, son, sos,
+                      sxg, swg, sog, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      SERIAL: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+    """One ``[BLOCK_M, BLOCK_N]`` tile of ``x @ w.T`` for one group (its operands and output ``sxg`` / ``swg`` /
+    ``sog`` elements on), fp32 accumulation, K in ``SPLITS`` ranges ``K_SPLIT`` long.
+
+    Split-K launch (``SERIAL`` false): ``program_id(2)`` = group * SPLITS + split; the split's fp32 sum goes to ``out``
+    at offset ``split * sos``, folded later by ``_fold_splits_kernel``. Serial launch: ``program_id(2)`` = group; the
+    program sums the splits one after the other, each from zero, and adds them in split order (the fold's arithmetic),
+    then writes ``out`` in its dtype."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if SERIAL:
+        group = tl.program_id(2).to(tl.int64)
+        split = 0
+    else:
+        group = (tl.program_id(2) // SPLITS).to(tl.int64)
+        split = tl.program_id(2) % SPLITS
+    x_ptr += group * sxg
+    w_ptr += group * swg
+    out_ptr += group * sog
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < N
+    k_start = split * K_SPLIT
+    acc = _split_product(x_ptr, w_ptr, rm, rn, m_mask, n_mask, k_start, tl.minimum(k_start + K_SPLIT, K),
+                         sxm, sxk, swn, swk, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, EMULATE)
+    if SERIAL:
+        for later in range(1, SPLITS):  # ((s0 + s1) + s2) + ...: _fold_splits_kernel's order
+            k_start = later * K_SPLIT
+            acc += _split_product(x_ptr, w_ptr, rm, rn, m_mask, n_mask, k_start, tl.minimum(k_start + K_SPLIT, K),
+                                  sxm, sxk, swn, swk, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, EMULATE)
+    out = out_ptr + rm[:, None].to(tl.int64) * som + rn[None, :] * son
+    if not SERIAL:
+        out += split.to(tl.int64) * sos
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
@@ -154,8 +187,11 @@ def grouped_matmul_nt(x: torch.Tensor, weight: torch.Tensor, groups: int) -> tor
     return _grouped_matmul(x, weight, groups)
 
 
-def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
-    """``x [M, G, K]`` (any strides), ``weight [G * N, K]`` -> ``[M, G, N]`` in ``x.dtype`` (docstrings above)."""
+def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, groups: int, wide: bool | None = None) -> torch.Tensor:
+    """``x [M, G, K]`` (any strides), ``weight [G * N, K]`` -> ``[M, G, N]`` in ``x.dtype`` (docstrings above).
+
+    ``wide``: the serial launch in ``MM_WIDE_CONFIGS`` tiles (True) or the split-K launch (False); by default the
+    former from ``WIDE_MIN_ROWS`` rows (16-bit operands). Both compute the same splits in the same order."""
     if x.dtype != weight.dtype:
         raise TypeError(f"matmul_nt: x is {x.dtype}, weight is {weight.dtype}")
     m, _, k = x.shape
@@ -163,21 +199,31 @@ def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch
     out = torch.empty(m, groups, n, dtype=x.dtype, device=x.device)  # [M, G, N]
     if m == 0 or n == 0:
         return out
-    block_m, block_n, block_k, warps, stages = MM_CONFIGS[x.dtype]
-    splits = split_k(n, k, block_n, block_k, groups)
-    k_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
-    splits = triton.cdiv(k, k_split)  # every split non-empty
+    k_split, splits = _k_splits(n, k, x.dtype, groups)
+    if wide is None:
+        wide = m >= WIDE_MIN_ROWS and x.dtype in MM_WIDE_CONFIGS
+    block_m, block_n, block_k, warps, stages = (MM_WIDE_CONFIGS if wide else MM_CONFIGS)[x.dtype]
+    serial = wide or splits == 1
     size = m * groups * n
-    target = out if splits == 1 else torch.empty(splits, m, groups, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits * groups)
+    target = out if serial else torch.empty(splits, m, groups, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), groups if serial else splits * groups)
     _matmul_nt_kernel[grid](x, weight, target, m, n, k, k_split, splits, x.stride(0), x.stride(2),
                             weight.stride(0), weight.stride(1), groups * n, 1, size,
                             x.stride(1), n * weight.stride(0), n,
-                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SERIAL=serial,
                             PRECISION=_precision(x.dtype), EMULATE=_EMULATE, num_warps=warps, num_stages=stages)
-    if splits > 1:  # [S, M, G, N] partials, folded in split order
+    if not serial:  # [S, M, G, N] partials, folded in split order
         _fold_splits_kernel[(triton.cdiv(size, 1024),)](target, out, size, splits, BLOCK=1024, num_warps=4)
     return out
+
+
+def _k_splits(n: int, k: int, dtype: torch.dtype, groups: int) -> tuple[int, int]:
+    """(K_SPLIT, splits) of a ``[groups * n, k]`` weight: ``split_k`` at the split-K launch's tile (``MM_CONFIGS``),
+    whichever launch runs, each split a whole number of BLOCK_K steps and none empty."""
+    _, block_n, block_k, _, _ = MM_CONFIGS[dtype]
+    splits = split_k(n, k, block_n, block_k, groups)
+    k_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    return k_split, triton.cdiv(k, k_split)
 
 
 @triton.jit(do_not_specialize=["SIZE"])
