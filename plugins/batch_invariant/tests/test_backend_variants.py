@@ -28,6 +28,7 @@ from bi_harness import check_indexer_topk, check_rows, close, fused_cases, row_c
 from deepinfer_batch_invariant import ops as bi_ops
 from deepinfer_batch_invariant.plugin import SOURCE
 
+from deepinfer_core.errors import UnsupportedBackendError
 from deepinfer_core.ops.table import DERIVED, OpTable, reference_ops
 
 REF = reference_ops()
@@ -96,6 +97,24 @@ def test_offered_fused_ops_keep_a_rows_bits_in_any_batch():
         streams[at], a[at], b[at], p[at], c[at] = needle, block_a, block_b, post, comb
         for got, solo in zip(run(streams, a, b, p, c), alone, strict=True):
             assert torch.equal(got[at], solo), others
+
+
+def test_offered_indexer_scores_keep_a_querys_bits_at_any_query_count():
+    """The backend's one-query-row indexer kernel for every query count (the fast path's query-tile kernel from 17
+    queries a sequence is not offered): a needle sequence's scores alone equal them among others, close to the
+    reference, also at prefill sizes (40 queries)."""
+    from bi_harness import check_indexer_close, check_indexer_scores
+
+    op = OFFERED["indexer_scores"]
+    assert check_indexer_scores(op, trials=6) == []
+    check_indexer_close(op, REF["indexer_scores"])
+    gen = torch.Generator().manual_seed(9)
+    q, keys, w = torch.randn(2, 40, 4, 16, generator=gen), torch.randn(2, 70, 16, generator=gen), torch.randn(2, 40, 4)
+    every = op(q, keys, w, 0.25)
+    assert torch.equal(op(q[1:, 17:18], keys[1:], w[1:, 17:18], 0.25)[0, 0], every[1, 17])
+    close(every, REF["indexer_scores"](q, keys, w, 0.25), atol=1e-5, rtol=1e-5)
+    with pytest.raises(UnsupportedBackendError, match="index heads of 24 dims"):
+        op(torch.randn(1, 2, 4, 24), torch.randn(1, 5, 24), torch.randn(1, 2, 4), 0.25)
 
 
 def test_offered_indexer_topk_selects_a_querys_entries_whatever_the_batch():

@@ -80,15 +80,49 @@ def _scores_fake(q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor
 
 @opaque_under_compile("indexer_scores", _scores_fake)
 def indexer_scores(q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, scale: float) -> torch.Tensor:
-    """Op ``indexer_scores`` (same contract as the reference op): ``q [S, Lq, Hi, di]``, ``keys [S, E, di]``,
-    ``head_weights [S, Lq, Hi]`` -> fp32 scores ``[S, Lq, E]``."""
+    """Op ``indexer_scores`` (same contract as the reference op): ``q [S, Lq, H, di]``, ``keys [S, E, di]``,
+    ``head_weights [S, Lq, H]`` -> fp32 scores ``[S, Lq, E]``."""
     S, Lq, H, D = q.shape
-    E = keys.shape[1]
-    if D < 16 or D & (D - 1):  # tl.dot needs a power-of-two head dim of at least 16
+    if not takes(D):
         return ref.indexer_scores(q, keys, head_weights, scale)
+    out, q, keys, weights, strides = _prepare(q, keys, head_weights)
+    if out.numel() == 0:
+        return out
+    E = keys.shape[1]
+    if Lq <= ROWS_KERNEL_MAX_QUERIES:
+        return _rows(q, keys, weights, out, scale, strides)
+    grid = (triton.cdiv(Lq, BLOCK_T), triton.cdiv(E, BLOCK_E), S)
+    _indexer_scores_kernel[grid](q, keys, weights, out, Lq, E, H, float(scale), *strides, D=D, BLOCK_T=BLOCK_T,
+                                 BLOCK_E=BLOCK_E, PRECISION=_precision(q), num_warps=4, num_stages=2)
+    return out
+
+
+def indexer_scores_rows(q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """``indexer_scores`` through ``_indexer_scores_rows_kernel`` for any number of queries: one program per (query,
+    entry tile), so a query's scores depend on its own row and keys only (the batch-invariant mode). Head dims must
+    be ``takes``-able (the caller checks)."""
+    out, q, keys, weights, strides = _prepare(q, keys, head_weights)
+    return out if out.numel() == 0 else _rows(q, keys, weights, out, scale, strides)
+
+
+def takes(head_dim: int) -> bool:
+    """Whether the kernels take this head dim: ``tl.dot`` needs a power of two of at least 16."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def _precision(q: torch.Tensor) -> str:
+    return "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 inputs: exact fp32 products, no TF32
+
+
+def _prepare(q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor):
+    """The output ``[S, Lq, E]`` fp32 (zeroed when empty), the operands with the unit strides the kernels read, and
+    their strides."""
+    S, Lq = q.shape[:2]
+    E = keys.shape[1]
     out = torch.empty((S, Lq, E), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
-        return out.zero_()
+        return out.zero_(), q, keys, head_weights, ()
     if keys.dtype != q.dtype:
         keys = keys.to(q.dtype)
     if q.stride(-1) != 1:
@@ -97,15 +131,15 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tens
     weights = head_weights.float()
     if weights.stride(-1) != 1:
         weights = weights.contiguous()
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 inputs: exact fp32 products, no TF32
     strides = (q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), weights.stride(0),
                weights.stride(1))
-    if Lq <= ROWS_KERNEL_MAX_QUERIES:
-        _indexer_scores_rows_kernel[(S * Lq, triton.cdiv(E, BLOCK_E))](
-            q, keys, weights, out, Lq, E, H, float(scale), *strides, D=D, H_P2=max(16, triton.next_power_of_2(H)),
-            BLOCK_E=BLOCK_E, PRECISION=precision, num_warps=4)
-        return out
-    grid = (triton.cdiv(Lq, BLOCK_T), triton.cdiv(E, BLOCK_E), S)
-    _indexer_scores_kernel[grid](q, keys, weights, out, Lq, E, H, float(scale), *strides, D=D, BLOCK_T=BLOCK_T,
-                                 BLOCK_E=BLOCK_E, PRECISION=precision, num_warps=4, num_stages=2)
+    return out, q, keys, weights, strides
+
+
+def _rows(q, keys, weights, out, scale: float, strides: tuple) -> torch.Tensor:
+    S, Lq, H, D = q.shape
+    E = keys.shape[1]
+    _indexer_scores_rows_kernel[(S * Lq, triton.cdiv(E, BLOCK_E))](
+        q, keys, weights, out, Lq, E, H, float(scale), *strides, D=D, H_P2=max(16, triton.next_power_of_2(H)),
+        BLOCK_E=BLOCK_E, PRECISION=_precision(q), num_warps=4)
     return out

@@ -5,8 +5,8 @@ A kernel is batch invariant when the arithmetic that produces one output element
 (token, window, query) and on model shapes only. Most of this backend's kernels already work that way: a program owns
 whole rows (or one row's channel block), its tiles are set by the row width, and nothing is split across programs by
 a count that follows the batch. Those are offered as they are, and so is ``indexer_topk``, whose radix select and keyed top-k pick exactly the
-reference sort's entries (no arithmetic on the scores). Three choose a launch from the number of rows in the
-fast path and are offered with a fixed launch instead:
+reference sort's entries (no arithmetic on the scores). Four choose a launch from the number of rows in the
+fast path and are offered with a launch fixed by shapes instead:
 
 * ``moe_experts``: the Triton grouped GEMMs with 64-row tiles and one BLOCK_K (``MOE_TILE``, and twice as wide
   ``MOE_PREFILL_TILE`` for prefill sizes: the same ``tl.dot`` steps along K for every output element; no CUTLASS
@@ -18,12 +18,13 @@ fast path and are offered with a fixed launch instead:
   weights stay on the caller's stream.
 * ``compressor_entries`` / ``compressor_entries_rope``: the many-windows launch whatever the number of windows
   (``compressor.launch_pool(..., few=False)``), so a window's slots are summed in blocks of one size.
+* ``indexer_scores``: the one-query-row kernel (``indexer.indexer_scores_rows``) for every number of queries, not the
+  query-tile kernel the fast path takes for prefill.
 
 Not offered (the batch-invariant plugin keeps its own portable forms): the dense GEMMs (``linear``, ``logits``,
 ``grouped_linear``, ``swiglu_mlp``: cuBLAS and the one-row GEMV choose by the row count), ``sink_attention`` (the
-decode kernel's key blocks are blocks of the step's padded key axis, which chunked prefill moves), ``indexer_scores``
-(two kernels by query count), ``greedy_sample`` (its log-probability is not the sampler's ``log_softmax``, which a
-greedy row takes in a step with sampled rows) and the ops TorchInductor compiles with reductions (``hc_head``).
+decode kernel's key blocks are blocks of the step's padded key axis, which chunked prefill moves), ``greedy_sample``
+(its log-probability is not the sampler's ``log_softmax``, which a greedy row takes in a step with sampled rows) and the ops TorchInductor compiles with reductions (``hc_head``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from deepinfer_nvidia_sm100.kernels import (
     compiled,
     compressor,
     hc,
+    indexer,
     indexer_topk,
     keys,
     moe,
@@ -74,6 +76,15 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
 def moe_tile(num_assign: int, num_experts: int) -> tuple[int, int, int, int]:
     """The mode's MoE tile for ``num_assign`` token -> expert assignments over ``num_experts`` experts."""
     return MOE_PREFILL_TILE if num_assign > MOE_PREFILL_MIN_PER_EXPERT * num_experts else MOE_TILE
+
+
+def indexer_scores(q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, scale: float) -> torch.Tensor:
+    """``reference.indexer_scores`` through the fast path's one-query-row kernel (a query's heads as the rows of one
+    tensor-core product per entry tile, the head sum in registers) for every number of queries."""
+    if not indexer.takes(q.shape[-1]):
+        raise UnsupportedBackendError(f"indexer_scores: index heads of {q.shape[-1]} dims; the batch-invariant indexer "
+                                      "kernel takes powers of two from 16; run this model without batch-invariant mode")
+    return indexer.indexer_scores_rows(q, keys, head_weights, scale)
 
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int,
@@ -149,6 +160,7 @@ def batch_invariant_ops() -> dict[str, Callable]:
         "compressor_entries": compressor_entries, "compressor_entries_rope": compressor_entries_rope,
         "gather_keys": keys.gather_keys, "write_rows_": cache_writes.write_rows_, "fork": streams.fork,
         "indexer_topk": indexer_topk.indexer_topk,  # a selection by the reference's exact key order: no arithmetic
+        "indexer_scores": indexer_scores,
     }
     compiled_index_ops = compiled.compiled_ops()
     ops.update({name: compiled_index_ops[name] for name in INDEX_OPS if name in compiled_index_ops})
