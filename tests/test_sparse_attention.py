@@ -135,13 +135,15 @@ def test_gathered_rows_equal_the_masked_attention(budget, monkeypatch):
 
 def _run(folder, prompts, params, shapes, **kwargs):
     """Outputs and the engine; ``shapes`` collects the query shapes of every attention call (the sparse op's as
-    ``("index", S, Lq)``)."""
+    ``("index", S, Lq, whether it read the entries from the store)``)."""
     llm = LLM(str(folder), max_model_len=256, max_num_seqs=4, block_size=8, **kwargs)
     for name in ("roped_sink_attention", "roped_sparse_sink_attention"):
         attend = llm.model.ops.__getattr__(name)
         tag = ("index",) if "sparse" in name else ()
         llm.model.ops.override(
-            name, lambda q, *a, attend=attend, tag=tag: shapes.append(tag + tuple(q.shape[:2])) or attend(q, *a), "spy")
+            name, lambda q, *a, attend=attend, tag=tag: shapes.append(
+                tag + tuple(q.shape[:2]) + ((len(a) > 7 and a[7] is not None,) if tag else ())) or attend(q, *a),
+            "spy")
     return llm.generate(prompts, params, use_tqdm=False), llm
 
 
@@ -166,6 +168,7 @@ def test_sparse_model_equals_dense(tmp_path, monkeypatch, mode):
             assert any(shape[0] > 90 and shape[1] == 1 for shape in shapes)  # the prefill step's rows, one query each
         else:
             assert any(shape[0] == "index" and shape[2] >= 90 for shape in shapes)  # the prefill step, read by index
+            assert all(shape[3] for shape in shapes if shape[0] == "index")  # the entries from the store
             assert not any(len(shape) == 2 and shape[1] == 1 and shape[0] > 4 for shape in shapes)
         if "cuda_graph_sizes" in kwargs:
             assert llm.engine.runner.decode_graphs.num_replays > 0
@@ -176,3 +179,31 @@ def test_sparse_model_equals_dense(tmp_path, monkeypatch, mode):
             for x, y in pairs:
                 assert x.keys() == y.keys()
                 assert max(abs(x[t].logprob - y[t].logprob) for t in x) < 1e-4
+
+
+def paged(entries: torch.Tensor, per_block: int, gen: torch.Generator):
+    """``entries [S, E, d]`` in a paged store ``[blocks, per_block, d]`` at shuffled blocks: ``(store, blocks [S, E],
+    rows [S, E])`` with ``store[blocks, rows] == entries``."""
+    S, E, d = entries.shape
+    per_seq = -(-E // per_block)
+    order = torch.randperm(S * per_seq + 3, generator=gen)[:S * per_seq].view(S, per_seq)  # [S, blocks a sequence]
+    store = torch.randn(S * per_seq + 3, per_block, d, generator=gen)
+    ids = torch.arange(E)
+    blocks, rows = order[:, ids // per_block], (ids % per_block).expand(S, -1)
+    store[blocks, rows] = entries
+    return store, blocks, rows
+
+
+def test_sparse_sink_attention_reads_entries_from_a_paged_store():
+    """The entries where they lie (a paged store and its places, as ``gather_keys`` reads them) give what the keys
+    with the entries gathered behind the window give."""
+    gen = torch.Generator().manual_seed(5)
+    S, Lq, Lk, E, H, d, W, k = 2, 6, 10, 700, 4, 32, 4, 64
+    q = torch.randn(S, Lq, H, d, generator=gen)
+    keys = torch.randn(S, Lk + E, d, generator=gen)
+    window, selected = _window_and_selection(gen, S, Lq, Lk, E, W, k)
+    index = key_index(OpTable(), window, selected, W, k)
+    sinks = torch.randn(H, generator=gen)
+    store, blocks, rows = paged(keys[:, Lk:], 16, gen)
+    got = ref.sparse_sink_attention(q, keys[:, :Lk], index, sinks, d**-0.5, store, blocks, rows)
+    torch.testing.assert_close(got, ref.sparse_sink_attention(q, keys, index, sinks, d**-0.5), atol=1e-6, rtol=1e-6)

@@ -281,12 +281,15 @@ SPARSE_SLICE_KEYS = 1 << 26  # gathered key elements (query rows x keys x width)
 
 
 @reference_op
-def sparse_sink_attention(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, sinks: torch.Tensor,
-                          scale: float) -> torch.Tensor:
-    """``sink_attention`` where each query row lists the keys it reads: ``index [S, Lq, N]`` (int) names keys of
-    ``kv [S, Lk, d]`` of the row's sequence, -1 for none; ``q [S, Lq, H, d]``, ``sinks [H]``. Row ``(s, t)`` attends
-    to ``kv[s, index[s, t, j]]`` for every ``j`` with ``index >= 0`` (a key listed twice counts twice) plus the
-    sink; a row listing nothing returns 0. Returns ``[S, Lq, H, d]``.
+def sparse_sink_attention(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, sinks: torch.Tensor, scale: float,
+                          store: torch.Tensor | None = None, entry_blocks: torch.Tensor | None = None,
+                          entry_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``sink_attention`` where each query row lists the keys it reads: ``index [S, Lq, N]`` (int) names keys of the
+    row's sequence, -1 for none; ``q [S, Lq, H, d]``, ``kv [S, Lk, d]``, ``sinks [H]``. Key ``j < Lk`` is ``kv[s,
+    j]``; with a paged ``store [blocks, rows, d]`` key ``j >= Lk`` is compressed entry ``e = j - Lk``,
+    ``store[entry_blocks[s, e], entry_rows[s, e]]`` (index tensors ``[S, E]``, as ``gather_keys`` reads them), read
+    where it lies. Row ``(s, t)`` attends to every key it lists (one listed twice counts twice) plus the sink; a row
+    listing nothing returns 0. Returns ``[S, Lq, H, d]``.
 
     Top-k sparse attention (FlashMLA's sparse kernels): a CSA row reads its window keys and the ``k`` entries its
     indexer selected, whatever the context. Equal to ``sink_attention`` under the mask of the listed keys, up to the
@@ -297,6 +300,8 @@ def sparse_sink_attention(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor
     out = q.new_zeros(q.shape)
     if N == 0:
         return out
+    if store is not None:
+        kv = torch.cat([kv, store[entry_blocks, entry_rows].to(kv.dtype)], dim=1)  # [S, Lk + E, d]
     rows = max(1, min(Lq, SPARSE_SLICE_KEYS // max(1, S * N * d)))
     seq = torch.arange(S, device=kv.device)[:, None, None]  # [S, 1, 1]
     for start in range(0, Lq, rows):
@@ -316,10 +321,12 @@ def roped_sparse_attention(norm_rope: Callable, attention: Callable, rope_: Call
     RoPE."""
 
     def roped_sparse_sink_attention(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, sinks: torch.Tensor,
-                                    scale: float, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                                    scale: float, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                                    store: torch.Tensor | None = None, entry_blocks: torch.Tensor | None = None,
+                                    entry_rows: torch.Tensor | None = None) -> torch.Tensor:
         flat_cos, flat_sin = cos.flatten(0, 1), sin.flatten(0, 1)  # [S * Lq, rope_dim // 2]
         q = norm_rope(q.flatten(0, 1), None, eps, flat_cos, flat_sin).view_as(q)  # [S, Lq, H, d]
-        out = attention(q, kv, index, sinks, scale)  # [S, Lq, H, d]
+        out = attention(q, kv, index, sinks, scale, store, entry_blocks, entry_rows)  # [S, Lq, H, d]
         return rope_(out.flatten(0, 1), flat_cos, flat_sin, inverse=True).view_as(out)
 
     return roped_sparse_sink_attention
@@ -328,7 +335,7 @@ def roped_sparse_attention(norm_rope: Callable, attention: Callable, rope_: Call
 roped_sparse_sink_attention = reference_op(roped_sparse_attention(rms_norm_rope, sparse_sink_attention, apply_rope_))
 roped_sparse_sink_attention.__doc__ = """``sparse_sink_attention`` of the per-head RMS-normed, RoPE'd queries, its
 output rotated back, as ``roped_sink_attention`` (whose ``visible`` mask becomes the keys' ``index [S, Lq, N]``, -1
-for none)."""
+for none; the compressed entries in the paged ``store`` where it is given)."""
 
 
 @reference_op

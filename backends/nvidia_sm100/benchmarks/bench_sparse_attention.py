@@ -5,8 +5,10 @@
 - gathered (``gather``): each query row a one-query row over its gathered window + selected keys
   (``models/deepseek_v4/sparse_attention.sparse_roped_attention``);
 - in place (``1``): each row's keys listed by index (``visible_index`` of both masks) and read in place by
-  ``roped_sparse_sink_attention`` (``kernels/sparse_attention.py``); its parts are timed too (the index lists; the
-  attention kernel as the op launches it, and with one split at 16, 32 and 64 heads a program).
+  ``roped_sparse_sink_attention`` (``kernels/sparse_attention.py``): the window keys from ``[S, Lk, d]``, the entries
+  from a paged store (64 a block) where they lie, as the model runs it; also with the entries gathered behind the
+  window. Its parts are timed too (the index lists; the attention kernel as the op launches it, and with one split at
+  16, 32 and 64 heads a program), and the ``[S, E, d]`` copy of the entries the other two paths' steps make.
 
 All three through the NVIDIA backend's op table (``sm90_ops``: TileLang ``sink_attention`` where installed, the Triton
 decode kernel for decode rows), bf16, V4's attention (64 heads x 512, window 128, top-512 of entries at ratio 4), at:
@@ -21,6 +23,7 @@ below 2e-2) before anything is timed; times are CUDA-event medians, decode rows 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import torch
@@ -72,20 +75,39 @@ def make_case(S: int, Lq: int, ctx: int, seed: int = 0):
     return q, keys, window, selected, sinks, cos, sin
 
 
+def paged(keys: torch.Tensor, Lk: int, per_block: int = 64):
+    """The entries of ``keys [S, Lk + E, d]`` in a paged store ``[S * E / per_block, per_block, d]`` (each sequence's
+    blocks in turn) and their places ``[S, E]``, as the layer's compressed-entry store holds them."""
+    S, total, d = keys.shape
+    E = total - Lk
+    per_block = math.gcd(E, per_block)
+    store = keys[:, Lk:].reshape(S * E // per_block, per_block, d).contiguous()
+    ids = torch.arange(E, device=keys.device)
+    blocks = (torch.arange(S, device=keys.device)[:, None] * (E // per_block) + ids // per_block).contiguous()
+    return store, blocks, (ids % per_block).expand(S, -1).contiguous()
+
+
 def paths(ops: OpTable, case) -> dict:
     """name -> callable of the case's inputs (the roped op, as the model calls it)."""
     q, keys, window, selected, sinks, cos, sin = case
     index = key_index(ops, window, selected, W, K)
+    Lk = window.shape[-1]
+    entries = paged(keys, Lk)
     return {
         "dense": lambda: ops.roped_sink_attention(q, keys, torch.cat([window, selected], dim=-1), sinks, SCALE, EPS,
                                                   cos, sin),
         "gathered": lambda: sparse_roped_attention(ops, q, keys, window, selected, W, K, sinks, SCALE, EPS, cos, sin),
-        "in place": lambda: indexed_roped_attention(ops, q, keys, window, selected, W, K, sinks, SCALE, EPS, cos,
-                                                    sin),
+        "in place": lambda: indexed_roped_attention(ops, q, keys[:, :Lk], window, selected, W, K, sinks, SCALE, EPS,
+                                                    cos, sin, entries),
+        "in place, entries gathered behind the window": lambda: indexed_roped_attention(
+            ops, q, keys, window, selected, W, K, sinks, SCALE, EPS, cos, sin),
         "in place: index lists": lambda: key_index(ops, window, selected, W, K),
-        "in place: attention kernel": lambda: ops.sparse_sink_attention(q, keys, index, sinks, SCALE),
+        "in place: attention kernel": lambda: ops.sparse_sink_attention(q, keys[:, :Lk], index, sinks, SCALE,
+                                                                        *entries),
+        "dense and gathered: the step's [S, E, d] copy of the entries": lambda: entries[0][entries[1], entries[2]],
         **{f"in place: attention kernel, {h} heads a program, one split":
-           lambda h=h: kernels.sparse_attention(q, keys, index, sinks, SCALE, 1, h) for h in (16, 32, 64)},
+           lambda h=h: kernels.sparse_attention(q, keys[:, :Lk], index, sinks, SCALE, 1, h, *entries)
+           for h in (16, 32, 64)},
     }
 
 
@@ -105,7 +127,8 @@ def run(name: str, ops: OpTable, dense: bool) -> list[tuple]:
     if not dense or (Lq > 1 and not tl_attention.available()):  # the reference op: [S, H, Lq, Lk + E] fp32 logits
         print(f"{name}: dense path skipped", flush=True)
         calls.pop("dense")
-    check(name, {path: calls[path]() for path in ("dense", "gathered", "in place") if path in calls})
+    check(name, {path: calls[path]() for path in ("dense", "gathered", "in place",
+                                                  "in place, entries gathered behind the window") if path in calls})
     rows = []
     for path, fn in calls.items():
         replay = graphed(fn, strict=False) if graph else None

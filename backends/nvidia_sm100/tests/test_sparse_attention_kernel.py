@@ -55,6 +55,36 @@ def test_kernel_equals_the_reference(S, Lq, Lk, E, H, d, W, k, splits, dtype):
     assert got[0, 0].abs().max() == 0  # nothing listed: 0
 
 
+def paged(entries: torch.Tensor, per_block: int, seed: int):
+    """``entries [S, E, d]`` in a paged store ``[blocks, per_block, d]`` at shuffled blocks: ``(store, blocks [S, E],
+    rows [S, E])``."""
+    S, E, d = entries.shape
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = -(-E // per_block)
+    order = torch.randperm(S * per_seq + 2, generator=gen)[:S * per_seq].view(S, per_seq).to(entries.device)
+    store = torch.randn(S * per_seq + 2, per_block, d, generator=gen).to(entries.device, entries.dtype)
+    ids = torch.arange(E, device=entries.device)
+    blocks, rows = order[:, ids // per_block], (ids % per_block).expand(S, -1).contiguous()
+    store[blocks, rows] = entries
+    return store, blocks, rows
+
+
+@kernel_runs_here
+@pytest.mark.parametrize(("splits", "dtype"), [(1, torch.float32), (3, torch.float32), (1, torch.float16)])
+def test_kernel_reads_entries_from_a_paged_store(splits, dtype):
+    """Window keys from ``kv [S, Lk, d]``, entries from the paged store where they lie: as the reference, and as the
+    same keys gathered behind the window."""
+    S, Lq, Lk, E, H, d = 2, 3, 140, 900, 16, 32
+    q, kv, index, sinks = case(S, Lq, Lk, E, H, d, 128, 256, dtype, seed=5)
+    store, blocks, rows = paged(kv[:, Lk:], 16, seed=5)
+    got = sparse_attention.sparse_attention(q, kv[:, :Lk], index, sinks, d**-0.5, splits, 16, store, blocks, rows)
+    tol = TOLERANCE[dtype]
+    want = ref.sparse_sink_attention(q.float(), kv[:, :Lk].float(), index, sinks, d**-0.5, store.float(), blocks, rows)
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    gathered = sparse_attention.sparse_attention(q, kv, index, sinks, d**-0.5, splits)
+    torch.testing.assert_close(got, gathered, atol=tol, rtol=tol)
+
+
 @kernel_runs_here
 @pytest.mark.parametrize(("H", "block_h", "splits"), [(32, 32, 1), (64, 64, 1), (64, 32, 2)])
 def test_wider_head_blocks_equal_the_reference(H, block_h, splits):
@@ -118,9 +148,9 @@ def test_kernels_compile_for_sm90a_and_sm100a(capability, dtype, whole):
     pointers = {name: f"*{dtype}" for name in ("q_ptr", "kv_ptr", "out_ptr")}
     attention = compile_kernel(
         sparse_attention._sparse_split_kernel,
-        {**pointers, "index_ptr": "*i32", "sinks_ptr": "*fp32", "opart_ptr": "*fp32", "mpart_ptr": "*fp32",
-         "lpart_ptr": "*fp32", "scale_log2": "fp32"},
-        {"D": 512 if dtype == "bf16" else 64, "BLOCK_H": 16, "BLOCK_N": 64, "WHOLE": whole,
+        {**pointers, "index_ptr": "*i32", "store_ptr": f"*{dtype}", "blocks_ptr": "*i64", "rows_ptr": "*i64",
+         "sinks_ptr": "*fp32", "opart_ptr": "*fp32", "mpart_ptr": "*fp32", "lpart_ptr": "*fp32", "scale_log2": "fp32"},
+        {"D": 512 if dtype == "bf16" else 64, "BLOCK_H": 16, "BLOCK_N": 64, "WHOLE": whole, "HAS_STORE": whole,
          "PRECISION": "ieee" if dtype == "fp32" else "tf32"})
     ptx = attention.asm["ptx"]
     assert f".target sm_{capability}a" in ptx

@@ -435,10 +435,14 @@ class Attention:
                 selected = entry_visible  # the indexer chose: attend to the chosen entries only
             else:
                 visible = layout.attention_visible(self.compressor.ratio, entry_visible)  # [S, Lq, Lk + E]
-        if selected is not None:
-            sparse = indexed_roped_attention if self.sparse == "index" else sparse_roped_attention
-            out = sparse(ops, layout.pad(q), keys, visible, selected, layout.window, self.indexer.topk, self.sinks,
-                         self.head_dim**-0.5, self.eps, cos, sin)  # [S, Lq, H, hd]
+        if selected is not None and self.entries_in_place(layout):  # keys [S, Lk, hd]: the entries stay in store
+            entries = layout.entries(self.compressor.ratio)
+            out = indexed_roped_attention(ops, layout.pad(q), keys, visible, selected, layout.window, self.indexer.topk,
+                                          self.sinks, self.head_dim**-0.5, self.eps, cos, sin,
+                                          (ctx.state.compressed[self.layer_idx], entries.blocks, entries.rows))
+        elif selected is not None:
+            out = sparse_roped_attention(ops, layout.pad(q), keys, visible, selected, layout.window, self.indexer.topk,
+                                         self.sinks, self.head_dim**-0.5, self.eps, cos, sin)  # [S, Lq, H, hd]
         else:
             out = ops.roped_sink_attention(layout.pad(q), keys, visible, self.sinks, self.head_dim**-0.5, self.eps,
                                            cos, sin)  # [S, Lq, H, hd]
@@ -460,9 +464,18 @@ class Attention:
             store = state.compressed[self.layer_idx]
             self.compressor.step(ops, inputs["compress"], layout, store, state.carry[self.layer_idx],
                                  ctx.rope_args["compress"])
-            keys = layout.attention_keys(ops, ring, kv, store, self.compressor.ratio)  # [S, Lk + E, hd]
+            if self.entries_in_place(layout):  # the attention reads the selected entries from the store
+                keys = layout.attention_keys(ops, ring, kv)  # [S, Lk, hd]
+            else:
+                keys = layout.attention_keys(ops, ring, kv, store, self.compressor.ratio)  # [S, Lk + E, hd]
         layout.write_ring(ops, ring, kv)
         return keys
+
+    def entries_in_place(self, layout: StepLayout) -> bool:
+        """Whether this step's attention reads the compressed entries from the store by index (``sparse_mode``
+        ``index`` on a CSA layer whose indexer selects: more entries than its top-k), so no keys gather them."""
+        return (self.sparse == "index" and self.indexer is not None
+                and layout.entries(self.compressor.ratio).blocks.shape[1] > self.indexer.topk)
 
     def _fold_index(self, ops: OpTable, inputs: dict[str, torch.Tensor], ctx: StepContext) -> None:
         """Fold this step's tokens into the indexer's key store (CSA layers)."""

@@ -7,9 +7,10 @@ context although each row reads ``window + k`` keys. ``DEEPINFER_SPARSE_CSA_ATTE
 indexer selects reads them instead (``sparse_mode``):
 
 - ``1`` (``index``): as DeepSeek's FlashMLA sparse kernels do, each row lists the keys it reads, ``index [S, Lq, W +
-  k]`` into the step's keys (its window keys, then its selected entries offset by ``Lk``, both ascending, -1 for
-  none: ``ops.visible_index`` of the masks), and ``ops.roped_sparse_sink_attention`` reads them in place: no gathered
-  copy, no ``[S, Lq, Lk + E]`` mask.
+  k]`` (its window keys, then its selected entries offset by ``Lk``, both ascending, -1 for none: ``ops.visible_index``
+  of the masks), and ``ops.roped_sparse_sink_attention`` reads them in place: the window keys from the step's ``[S,
+  Lk, d]``, the entries from the layer's paged compressed-entry store (the step gathers no ``[S, E, d]`` copy of
+  them), with no ``[S, Lq, Lk + E]`` mask.
 - ``gather``: each query row becomes a one-query row of its own with the keys it reads gathered (``[S * Lq, W + k,
   d]``) through the table's ``roped_sink_attention`` over decode-shaped rows, in slices of at most ``GATHER_BYTES``.
 
@@ -44,12 +45,14 @@ def sparse_mode(environ=None) -> str:
 
 def indexed_roped_attention(ops: OpTable, q: torch.Tensor, keys: torch.Tensor, window_visible: torch.Tensor,
                             selected: torch.Tensor, window: int, topk: int, sinks: torch.Tensor, scale: float,
-                            eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``ops.roped_sparse_sink_attention`` of ``q [S, Lq, H, d]`` over the keys ``[S, Lk + E, d]`` visible through
-    ``window_visible [S, Lq, Lk]`` (at most ``window`` per row) and ``selected [S, Lq, E]`` (at most ``topk``), each
-    row reading its listed keys in place. ``cos`` / ``sin``: ``[S, Lq, rope_dim // 2]``. Returns ``[S, Lq, H, d]``."""
+                            eps: float, cos: torch.Tensor, sin: torch.Tensor, entries: tuple = ()) -> torch.Tensor:
+    """``ops.roped_sparse_sink_attention`` of ``q [S, Lq, H, d]`` over the keys visible through ``window_visible [S,
+    Lq, Lk]`` (at most ``window`` per row) and ``selected [S, Lq, E]`` (at most ``topk``), each row reading its listed
+    keys in place: ``keys [S, Lk + E, d]``, or ``keys [S, Lk, d]`` (the window's) and ``entries`` = (paged store,
+    entry blocks ``[S, E]``, entry rows ``[S, E]``), the compressed entries where they lie. ``cos`` / ``sin``: ``[S,
+    Lq, rope_dim // 2]``. Returns ``[S, Lq, H, d]``."""
     return ops.roped_sparse_sink_attention(q, keys, key_index(ops, window_visible, selected, window, topk), sinks,
-                                           scale, eps, cos, sin)
+                                           scale, eps, cos, sin, *entries)
 
 
 def key_index(ops: OpTable, window_visible: torch.Tensor, selected: torch.Tensor, window: int,

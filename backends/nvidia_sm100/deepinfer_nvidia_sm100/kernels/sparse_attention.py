@@ -2,8 +2,9 @@
 query row's listed keys in place, as DeepSeek's FlashMLA sparse kernels do.
 
 A CSA query row reads its sliding-window keys and the ``k`` compressed entries its indexer selected (``W + k`` = 640
-for V4, whatever the context). The model lists them per row, ``index [S, Lq, N]`` into the step's keys ``[S, Lk,
-d]`` (-1 for none), and:
+for V4, whatever the context). The model lists them per row, ``index [S, Lq, N]`` (-1 for none): key ``j < Lk`` of the
+step's window keys ``[S, Lk, d]``, key ``j >= Lk`` entry ``j - Lk`` of the layer's paged store (through the entries'
+block and row ``[S, E]``, as ``gather_keys`` reads them), and:
 
 1. ``_sparse_split_kernel``: grid ``(H / BLOCK_H, splits, rows)`` (the head blocks of one row next to each other, so
    they share its keys in L2). A program loads ``BLOCK_N`` indices at a time, the keys they name (masked where -1),
@@ -42,11 +43,12 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _sparse_split_kernel(q_ptr, kv_ptr, index_ptr, sinks_ptr, out_ptr, opart_ptr, mpart_ptr, lpart_ptr, queries, Lk,
-                         H, N, splits, scale_log2, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                         WHOLE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+def _sparse_split_kernel(q_ptr, kv_ptr, index_ptr, store_ptr, blocks_ptr, rows_ptr, sinks_ptr, out_ptr, opart_ptr,
+                         mpart_ptr, lpart_ptr, queries, Lk, E, per_block, H, N, splits, scale_log2, D: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, WHOLE: tl.constexpr, HAS_STORE: tl.constexpr,
+                         PRECISION: tl.constexpr, PDL: tl.constexpr = False):
     """Program (head block, split, row): the online softmax over this split's share of the row's listed keys (module
-    docstring, step 1)."""
+    docstring, step 1); ``HAS_STORE``: keys from ``Lk`` on are entries of the paged store."""
     pdl.begin(PDL)
     heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
     split = tl.program_id(1)
@@ -64,7 +66,17 @@ def _sparse_split_kernel(q_ptr, kv_ptr, index_ptr, sinks_ptr, out_ptr, opart_ptr
         places = (first + i) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
         key = tl.load(index_ptr + row * N + places, mask=places < N, other=-1)  # [BN]
         listed = key >= 0
-        kv = tl.load(kv_ptr + (seq * Lk + key)[:, None] * D + dims[None, :], mask=listed[:, None], other=0.0)
+        if HAS_STORE:
+            own = listed & (key < Lk)
+            entry = listed & (key >= Lk)
+            kv = tl.load(kv_ptr + (seq * Lk + key)[:, None] * D + dims[None, :], mask=own[:, None], other=0.0)
+            at = seq * E + key - Lk  # [BN]: the entry's place in the block and row tables
+            block = tl.load(blocks_ptr + at, mask=entry, other=0)
+            place = block * per_block + tl.load(rows_ptr + at, mask=entry, other=0)
+            stored = tl.load(store_ptr + place[:, None] * D + dims[None, :], mask=entry[:, None], other=0.0)
+            kv = tl.where(entry[:, None], stored.to(kv.dtype), kv)  # [BN, D]
+        else:
+            kv = tl.load(kv_ptr + (seq * Lk + key)[:, None] * D + dims[None, :], mask=listed[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(kv), input_precision=PRECISION)  # [BH, BN] fp32
         scores = tl.where(listed[None, :], scores * scale_log2, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -101,12 +113,12 @@ def _visible_index_kernel(vis_ptr, out_ptr, N, count, CHUNK: tl.constexpr, PDL: 
         tl.store(out_ptr + row * count + slot, tl.full([CHUNK], -1, tl.int32), mask=(slot >= found) & (slot < count))
 
 
-def covered(q: torch.Tensor, kv: torch.Tensor) -> bool:
-    """Whether the attention kernel takes inputs of these shapes and dtypes: 16-bit or fp32 (q and kv alike), head
-    count a multiple of ``BLOCK_H``, a power-of-two head width of at least 16, some keys."""
+def covered(q: torch.Tensor, kv: torch.Tensor, store: torch.Tensor | None = None) -> bool:
+    """Whether the attention kernel takes inputs of these shapes and dtypes: 16-bit or fp32 (q, kv and a store
+    alike), head count a multiple of ``BLOCK_H``, a power-of-two head width of at least 16, some keys."""
     H, d = q.shape[-2:]
-    return (q.dtype in _DTYPES and kv.dtype == q.dtype and H % BLOCK_H == 0 and d >= 16 and d & (d - 1) == 0
-            and kv.shape[1] > 0)
+    return (q.dtype in _DTYPES and kv.dtype == q.dtype and (store is None or store.dtype == q.dtype)
+            and H % BLOCK_H == 0 and d >= 16 and d & (d - 1) == 0 and (kv.shape[1] > 0 or store is not None))
 
 
 def num_splits(rows: int, heads: int, listed: int, sms: int) -> int:
@@ -121,26 +133,36 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def sparse_sink_attention(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, sinks: torch.Tensor,
-                          scale: float) -> torch.Tensor:
+def sparse_sink_attention(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, sinks: torch.Tensor, scale: float,
+                          store: torch.Tensor | None = None, entry_blocks: torch.Tensor | None = None,
+                          entry_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Op ``sparse_sink_attention`` (``reference.sparse_sink_attention``): the kernel for ``covered`` GPU tensors,
     else the reference op."""
-    if not (q.is_cuda and covered(q, kv)) or index.shape[-1] == 0:
-        return ref.sparse_sink_attention(q, kv, index, sinks, scale)
+    if not (q.is_cuda and covered(q, kv, store)) or index.shape[-1] == 0:
+        return ref.sparse_sink_attention(q, kv, index, sinks, scale, store, entry_blocks, entry_rows)
     S, Lq, H, _ = q.shape
     splits = num_splits(S * Lq, H, index.shape[-1], _sm_count(q.device.index or 0))
-    return sparse_attention(q, kv, index, sinks, float(scale), splits)
+    return sparse_attention(q, kv, index, sinks, float(scale), splits, BLOCK_H, store, entry_blocks, entry_rows)
 
 
 @opaque_under_compile("sparse_sink_attention",
-                      lambda q, kv, index, sinks, scale, splits, block_h=BLOCK_H: q.new_empty(q.shape))
+                      lambda q, kv, index, sinks, scale, splits, block_h=BLOCK_H, store=None, entry_blocks=None,
+                      entry_rows=None: q.new_empty(q.shape))
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, sinks: torch.Tensor, scale: float,
-                     splits: int, block_h: int = BLOCK_H) -> torch.Tensor:
+                     splits: int, block_h: int = BLOCK_H, store: torch.Tensor | None = None,
+                     entry_blocks: torch.Tensor | None = None, entry_rows: torch.Tensor | None = None) -> torch.Tensor:
     """``reference.sparse_sink_attention`` of ``covered`` inputs with ``splits`` splits of each row's keys and
     ``block_h`` heads a program (16, or 32 / 64 with 8 warps, where ``H`` is a multiple): ``q [S, Lq, H, d]``, ``kv
-    [S, Lk, d]``, ``index [S, Lq, N]`` (int, -1 for none), ``sinks [H]`` -> ``[S, Lq, H, d]``."""
+    [S, Lk, d]``, ``index [S, Lq, N]`` (int, -1 for none), ``sinks [H]``, the entries in ``store [blocks, rows, d]``
+    at ``entry_blocks`` / ``entry_rows [S, E]`` or none -> ``[S, Lq, H, d]``."""
     S, Lq, H, d = q.shape
     Lk, N = kv.shape[1], index.shape[-1]
+    has_store = store is not None
+    if has_store:
+        store, blocks, places = store.contiguous(), entry_blocks.contiguous(), entry_rows.contiguous()  # [S, E] each
+        E, per_block = blocks.shape[1], store.shape[1]
+    else:
+        store, blocks, places, E, per_block = kv, index, index, 0, 1  # not read
     rows = S * Lq
     qf = q.reshape(rows, H, d).contiguous()  # [B, H, d]
     keys = index.reshape(rows, N).to(torch.int32).contiguous()  # [B, N]
@@ -154,9 +176,9 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, sin
     sinks = sinks.float().contiguous()
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32: ignored for 16-bit inputs
     _sparse_split_kernel[(H // block_h, splits, rows)](
-        qf, kv.contiguous(), keys, sinks, out, opart, mpart, lpart, Lq, Lk, H, N, splits, scale * LOG2E.value, D=d,
-        BLOCK_H=block_h, BLOCK_N=BLOCK_N, WHOLE=splits == 1, PRECISION=precision, num_warps=4 if block_h <= 16 else 8,
-        num_stages=2, **pdl.launch())
+        qf, kv.contiguous(), keys, store, blocks, places, sinks, out, opart, mpart, lpart, Lq, Lk, E, per_block, H, N,
+        splits, scale * LOG2E.value, D=d, BLOCK_H=block_h, BLOCK_N=BLOCK_N, WHOLE=splits == 1, HAS_STORE=has_store,
+        PRECISION=precision, num_warps=4 if block_h <= 16 else 8, num_stages=2, **pdl.launch())
     if splits > 1:
         _combine_kernel[(H // block_h, rows)](opart, mpart, lpart, sinks, out, H, splits, D=d, BLOCK_H=block_h,
                                               SPLITS_P2=triton.next_power_of_2(splits), num_warps=4, **pdl.launch())
