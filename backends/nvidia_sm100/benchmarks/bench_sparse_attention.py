@@ -8,7 +8,8 @@
   ``roped_sparse_sink_attention`` (``kernels/sparse_attention.py``): the window keys from ``[S, Lk, d]``, the entries
   from a paged store (64 a block) where they lie, as the model runs it; also with the entries gathered behind the
   window. Its parts are timed too (the index lists; the attention kernel as the op launches it, and with one split at
-  16, 32 and 64 heads a program), and the ``[S, E, d]`` copy of the entries the other two paths' steps make.
+  16, 32 and 64 heads a program; at decode rows with 2, 5 and 10 splits of the keys), and the ``[S, E, d]`` copy of
+  the entries the other two paths' steps make.
 
 All three through the NVIDIA backend's op table (``sm90_ops``: TileLang ``sink_attention`` where installed, the Triton
 decode kernel for decode rows), bf16, V4's attention (64 heads x 512, window 128, top-512 of entries at ratio 4), at:
@@ -108,6 +109,9 @@ def paths(ops: OpTable, case) -> dict:
         **{f"in place: attention kernel, {h} heads a program, one split":
            lambda h=h: kernels.sparse_attention(q, keys[:, :Lk], index, sinks, SCALE, 1, h, *entries)
            for h in (16, 32, 64)},
+        **({f"in place: attention kernel, 16 heads a program, {n} splits":
+            lambda n=n: kernels.sparse_attention(q, keys[:, :Lk], index, sinks, SCALE, n, 16, *entries)
+            for n in (2, 5, 10)} if q.shape[0] * q.shape[1] <= 16 else {}),  # decode rows
     }
 
 
