@@ -117,8 +117,31 @@ def test_gemm_launches_agree_bitwise_on_gpu(n, k, groups):
     w = (torch.randn(groups * n, k, generator=gen) * 0.02).bfloat16().cuda()
     for m in (1, 64, 700):
         x = torch.randn(m, groups, k, generator=gen).bfloat16().cuda()
-        split = triton_kernels._grouped_matmul(x, w, groups, wide=False)
+        split = triton_kernels._grouped_matmul(x, w, groups, wide=False)  # the fused fold where the weight is split
+        assert torch.equal(triton_kernels._grouped_matmul(x, w, groups, wide=False, fused_fold=False), split), m
         assert torch.equal(triton_kernels._grouped_matmul(x, w, groups, wide=True), split), m
+    for counts in triton_kernels._FOLD_COUNTS.values():
+        assert not counts.any()  # every tile's last program reset its count
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_fold_agrees_with_the_fold_kernel_on_gpu(dtype):
+    """Split-K partials added by each tile's last program equal the fold kernel's, launch after launch (the counts
+    return to zero), including GEMMs queued on a second stream beside the first (a count buffer per stream)."""
+    from deepinfer_batch_invariant import triton_kernels
+
+    gen = torch.Generator().manual_seed(1)
+    w = (torch.randn(1024, 4096, generator=gen) * 0.02).to(dtype).cuda()  # 16 N tiles x 8 splits
+    x = torch.randn(48, 4096, generator=gen).to(dtype).cuda()
+    want = triton_kernels._grouped_matmul(x[:, None], w, 1, wide=False, fused_fold=False)[:, 0]
+    side = torch.cuda.Stream()
+    for _ in range(20):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            beside = triton_kernels.matmul_nt(x, w)
+        here = triton_kernels.matmul_nt(x, w)
+        torch.cuda.current_stream().wait_stream(side)
+        assert torch.equal(here, want) and torch.equal(beside, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

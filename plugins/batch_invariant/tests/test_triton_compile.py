@@ -63,6 +63,7 @@ def _record_launches() -> dict[tuple, tuple]:
                                      torch.randn(40, k, generator=gen).to(dtype))
         x, w = torch.randn(3, 1, 1024, generator=gen).bfloat16(), torch.randn(40, 1024, generator=gen).bfloat16()
         triton_kernels._grouped_matmul(x, w, 1, wide=True)  # the prefill tile, its two K splits in one program
+        triton_kernels._grouped_matmul(x, w, 1, wide=False, fused_fold=False)  # the fold kernel
         q, keys, weights = _indexer_sequence(gen, 2, 16)
         ops["indexer_scores"](q[None], keys[None], weights[None], 16**-0.5)
     finally:
@@ -99,7 +100,7 @@ for launch in json.load(sys.stdin):
     ptx = compiled.asm["ptx"]
     results.append({"target": re.search(r"^\\.target (\\S+)", ptx, re.MULTILINE).group(1),
                     "cubin_bytes": len(compiled.asm["cubin"]),
-                    "instructions": [i for i in ("wgmma", "tcgen05.mma", "mma.sync") if i in ptx],
+                    "instructions": [i for i in ("wgmma", "tcgen05.mma", "mma.sync", "atom.global.gpu.acq_rel") if i in ptx],
                     "local_memory": "ld.local" in ptx or "st.local" in ptx})
 json.dump(results, sys.stdout)
 """
@@ -138,6 +139,16 @@ def test_every_launch_compiles_for_the_architecture(capability):
         if name == "_matmul_nt_kernel" and "*bf16" in arg_types:
             assert tensor_core in result["instructions"], f"bf16 GEMM tile on {arch}: {result['instructions']}"
             assert not result["local_memory"], f"bf16 GEMM tile on {arch}: registers in local memory"
+
+
+def test_the_fused_fold_counts_with_an_acquire_release_atomic():
+    """The split-K launch with the fused fold compiles its tile count to one acquire-release atomic at GPU scope (the
+    partials the other programs stored are visible to the tile's last program)."""
+    results = _compile_all(90)
+    folds = [result for name, _, result in results if name == "_matmul_nt_kernel" and "atom.global.gpu.acq_rel" in
+             result["instructions"]]
+    assert folds, "no GEMM launch with the fused fold"
+    assert ("FOLD", True) in {item for key in LAUNCHES if key[0] == "_matmul_nt_kernel" for item in key[2]}
 
 
 def test_the_wide_gemm_launch_was_recorded():

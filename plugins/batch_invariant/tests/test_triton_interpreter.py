@@ -161,3 +161,24 @@ def test_wide_gemm_launch_gives_the_split_launch_bits(monkeypatch):
     monkeypatch.setattr(triton_kernels, "WIDE_MIN_ROWS", 100)
     alone = triton_kernels.matmul_nt(x[:2, 0], w)
     assert torch.equal(triton_kernels.matmul_nt(x[:, 0], w)[:2], alone)
+
+
+def test_split_k_partials_folded_by_each_tiles_last_program(monkeypatch):
+    """The split-K launch's fused fold (the tile's last program, found by a count per tile, adds the partials in split
+    order) gives the fold kernel's bits, fp32 and bf16, plain and grouped, and leaves every count at zero for the next
+    launch; ``DEEPINFER_BATCH_INVARIANT_FUSED_FOLD=0`` takes the fold kernel."""
+    gen = torch.Generator().manual_seed(8)
+    for dtype in (torch.float32, torch.bfloat16):
+        w = (torch.randn(200, 1100, generator=gen) * 0.05).to(dtype)
+        x = torch.randn(150, 1, 1100, generator=gen).to(dtype)
+        assert triton_kernels._k_splits(200, 1100, dtype, 1)[1] >= 2
+        kernel = triton_kernels._grouped_matmul(x, w, 1, wide=False, fused_fold=False)
+        assert torch.equal(triton_kernels._grouped_matmul(x, w, 1, wide=False), kernel)
+        wg = (torch.randn(2 * 40, 1024, generator=gen) * 0.05).to(dtype)
+        xg = torch.randn(9, 2, 1024, generator=gen).to(dtype)
+        assert torch.equal(triton_kernels._grouped_matmul(xg, wg, 2, wide=False),
+                           triton_kernels._grouped_matmul(xg, wg, 2, wide=False, fused_fold=False))
+    assert not triton_kernels._FOLD_COUNTS[("cpu", 0)].any()
+    assert triton_kernels._fold_counts(torch.device("cpu"), triton_kernels.FOLD_COUNT_SLOTS + 1) is None
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT_FUSED_FOLD", "0")
+    assert triton_kernels._fold_counts(torch.device("cpu"), 4) is None

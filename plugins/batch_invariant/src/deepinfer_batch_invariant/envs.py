@@ -11,6 +11,9 @@ VARIABLES = Variables(
     "deepinfer-batch-invariant",
     Variable("DEEPINFER_BATCH_INVARIANT", bool, False,
              "Batch-invariant mode for engines built without the `batch_invariant` option (the option wins)."),
+    Variable("DEEPINFER_BATCH_INVARIANT_FUSED_FOLD", bool, True,
+             "NVIDIA: a split-K GEMM's partial sums are added by each tile's last program (a count per tile) instead "
+             "of a second kernel; the same sums in the same order. 0: the second kernel."),
     Variable("DEEPINFER_ENABLE_MTP_VARLEN", bool, None,
              "The reference engine's switch for deterministic sampling with speculative decoding: checked and "
              "logged, no effect yet (no speculative decoding)."),

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_batch_invariant import envs
 from deepinfer_batch_invariant.primitives import KV_CHUNK
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -119,16 +120,17 @@ def _split_product(x_ptr, w_ptr, rm, rn, m_mask, n_mask, k_start, k_end, sxm, sx
 
 
 @triton.jit(do_not_specialize=["M"])
-def _matmul_nt_kernel(x_ptr, w_ptr, out_ptr, M, N, K, K_SPLIT, SPLITS, sxm, sxk, swn, swk, som, son, sos,
-                      sxg, swg, sog, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SERIAL: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
-    """One ``[BLOCK_M, BLOCK_N]`` tile of ``x @ w.T`` for one group (its operands and output ``sxg`` / ``swg`` /
+def _matmul_nt_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, SPLITS, sxm, sxk, swn, swk, som,
+                      son, sos, sxg, swg, sog, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      SERIAL: tl.constexpr, FOLD: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+    """One ``[BLOCK_M, BLOCK_N]`` tile of ``x @ w.T`` for one group (its operands and outputs ``sxg`` / ``swg`` /
     ``sog`` elements on), fp32 accumulation, K in ``SPLITS`` ranges ``K_SPLIT`` long.
 
-    Split-K launch (``SERIAL`` false): ``program_id(2)`` = group * SPLITS + split; the split's fp32 sum goes to ``out``
-    at offset ``split * sos``, folded later by ``_fold_splits_kernel``. Serial launch: ``program_id(2)`` = group; the
-    program sums the splits one after the other, each from zero, and adds them in split order (the fold's arithmetic),
-    then writes ``out`` in its dtype."""
+    Serial launch (``SERIAL``; ``program_id(2)`` = group): the program sums the splits one after the other, each from
+    zero, adds them in split order and writes ``out`` in its dtype. Split-K launch (``program_id(2)`` = group * SPLITS
+    + split): the split's fp32 sum goes to ``part`` at offset ``split * sos``; then either ``_fold_splits_kernel``
+    adds them, or (``FOLD``) the tile's last program to finish, counted in ``count`` (one int32 per tile, zero before
+    and reset after), adds them in split order into ``out``. Every launch adds the same numbers in the same order."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if SERIAL:
@@ -140,6 +142,7 @@ def _matmul_nt_kernel(x_ptr, w_ptr, out_ptr, M, N, K, K_SPLIT, SPLITS, sxm, sxk,
     x_ptr += group * sxg
     w_ptr += group * swg
     out_ptr += group * sog
+    part_ptr += group * sog
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < M
@@ -147,15 +150,26 @@ def _matmul_nt_kernel(x_ptr, w_ptr, out_ptr, M, N, K, K_SPLIT, SPLITS, sxm, sxk,
     k_start = split * K_SPLIT
     acc = _split_product(x_ptr, w_ptr, rm, rn, m_mask, n_mask, k_start, tl.minimum(k_start + K_SPLIT, K),
                          sxm, sxk, swn, swk, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, EMULATE)
+    at = rm[:, None].to(tl.int64) * som + rn[None, :] * son  # [BLOCK_M, BLOCK_N]
+    mask = m_mask[:, None] & n_mask[None, :]
     if SERIAL:
         for later in range(1, SPLITS):  # ((s0 + s1) + s2) + ...: _fold_splits_kernel's order
             k_start = later * K_SPLIT
             acc += _split_product(x_ptr, w_ptr, rm, rn, m_mask, n_mask, k_start, tl.minimum(k_start + K_SPLIT, K),
                                   sxm, sxk, swn, swk, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, EMULATE)
-    out = out_ptr + rm[:, None].to(tl.int64) * som + rn[None, :] * son
-    if not SERIAL:
-        out += split.to(tl.int64) * sos
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + split.to(tl.int64) * sos + at, acc, mask=mask)
+        if FOLD:
+            tl.debug_barrier()  # every thread's partial is stored before the count releases them
+            tile = (tl.program_id(2) // SPLITS) * tl.num_programs(0) * tl.num_programs(1) + pid_m * tl.num_programs(1)
+            tile += pid_n
+            if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+                total = tl.load(part_ptr + at, mask=mask, other=0.0, cache_modifier=".cg")
+                for later in range(1, SPLITS):  # _fold_splits_kernel's order
+                    total += tl.load(part_ptr + later * sos + at, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["SIZE"])
@@ -187,11 +201,14 @@ def grouped_matmul_nt(x: torch.Tensor, weight: torch.Tensor, groups: int) -> tor
     return _grouped_matmul(x, weight, groups)
 
 
-def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, groups: int, wide: bool | None = None) -> torch.Tensor:
+def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, groups: int, wide: bool | None = None,
+                    fused_fold: bool | None = None) -> torch.Tensor:
     """``x [M, G, K]`` (any strides), ``weight [G * N, K]`` -> ``[M, G, N]`` in ``x.dtype`` (docstrings above).
 
     ``wide``: the serial launch in ``MM_WIDE_CONFIGS`` tiles (True) or the split-K launch (False); by default the
-    former from ``WIDE_MIN_ROWS`` rows (16-bit operands). Both compute the same splits in the same order."""
+    former from ``WIDE_MIN_ROWS`` rows (16-bit operands). ``fused_fold`` False: the split-K launch's partials folded
+    by ``_fold_splits_kernel`` rather than by each tile's last program (``_fold_counts``). All compute the same splits
+    and add them in the same order."""
     if x.dtype != weight.dtype:
         raise TypeError(f"matmul_nt: x is {x.dtype}, weight is {weight.dtype}")
     m, _, k = x.shape
@@ -205,16 +222,40 @@ def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, groups: int, wide: bo
     block_m, block_n, block_k, warps, stages = (MM_WIDE_CONFIGS if wide else MM_CONFIGS)[x.dtype]
     serial = wide or splits == 1
     size = m * groups * n
-    target = out if serial else torch.empty(splits, m, groups, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), groups if serial else splits * groups)
-    _matmul_nt_kernel[grid](x, weight, target, m, n, k, k_split, splits, x.stride(0), x.stride(2),
-                            weight.stride(0), weight.stride(1), groups * n, 1, size,
+    part = out if serial else torch.empty(splits, m, groups, n, dtype=torch.float32, device=x.device)
+    counts = None if serial or fused_fold is False else _fold_counts(x.device, grid[0] * grid[1] * groups)
+    _matmul_nt_kernel[grid](x, weight, out, part, part if counts is None else counts, m, n, k, k_split, splits,
+                            x.stride(0), x.stride(2), weight.stride(0), weight.stride(1), groups * n, 1, size,
                             x.stride(1), n * weight.stride(0), n,
-                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SERIAL=serial,
+                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SERIAL=serial, FOLD=counts is not None,
                             PRECISION=_precision(x.dtype), EMULATE=_EMULATE, num_warps=warps, num_stages=stages)
-    if not serial:  # [S, M, G, N] partials, folded in split order
-        _fold_splits_kernel[(triton.cdiv(size, 1024),)](target, out, size, splits, BLOCK=1024, num_warps=4)
+    if not serial and counts is None:  # [S, M, G, N] partials, folded in split order
+        _fold_splits_kernel[(triton.cdiv(size, 1024),)](part, out, size, splits, BLOCK=1024, num_warps=4)
     return out
+
+
+FOLD_COUNT_SLOTS = 16384
+"""Tiles one split-K launch may count for its fused fold (more take ``_fold_splits_kernel``)."""
+_FOLD_COUNTS: dict[tuple, torch.Tensor] = {}
+
+
+def _fold_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The zeroed int32 tile counts for a split-K launch's fused fold on the current stream, or None (then the fold
+    kernel runs: the same sums): with ``DEEPINFER_BATCH_INVARIANT_FUSED_FOLD=0``, beyond ``FOLD_COUNT_SLOTS`` tiles,
+    and while a CUDA graph is captured on a stream that has none yet (an allocation there would belong to the graph's
+    pool). One buffer per (device, stream): the work of two streams may overlap, a stream's launches never do, and
+    each launch leaves its counts at zero."""
+    if tiles > FOLD_COUNT_SLOTS or not envs.get("DEEPINFER_BATCH_INVARIANT_FUSED_FOLD"):
+        return None
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    counts = _FOLD_COUNTS.get(key)
+    if counts is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counts = _FOLD_COUNTS[key] = torch.zeros(FOLD_COUNT_SLOTS, dtype=torch.int32, device=device)
+    return counts
 
 
 def _k_splits(n: int, k: int, dtype: torch.dtype, groups: int) -> tuple[int, int]:
