@@ -1,7 +1,8 @@
 """Quantized-weight kernels on the ``v4-flash-8l64e-fp4`` preset's shapes: routed experts (bf16 vs MXFP4 vs fp8
 blocks) and fp8 block linears (bf16 vs weight-only fp8 vs fp8 tensor cores), bf16 activations.
 
-    python backends/nvidia_sm100/benchmarks/bench_quant.py      # on a GPU; prints two tables and the crossover
+    python backends/nvidia_sm100/benchmarks/bench_quant.py      # on a GPU: every section
+    python backends/nvidia_sm100/benchmarks/bench_quant.py fp8  # the fp8 linears only: A/B table, sweep, summary
     KERNELS=bench_quant KERNEL_TIMEOUT=550 bash backends/nvidia_sm100/benchmarks/h200_session.sh kernels
 
 Every variant is first checked against its reference op (``reference.moe_experts_mxfp4``, ``linear_fp8_block``,
@@ -16,6 +17,11 @@ op: they quantize activations (per token per 128 inputs). Last, launch sweeps of
 the fp8 linear kernels for tuning ``moe_quant.TILES`` / ``ROW_TILES`` / ``ONE_TOKEN_ROW_KERNELS`` /
 ``SWAP_AB_MAX_ROWS`` and ``fp8_linear``'s tiles / ``SWAP_AB_MAX_ROWS``, with the kernels before the rewrite
 (``DEEPINFER_NVIDIA_MXFP4_DOT_SCALED=0``) as a reference point.
+
+The fp8 linear table (section ``fp8``) times per weight and row count bf16 (the backend's GEMV at 1 row, cuBLAS
+beyond), the fp8 op as main c407f82 ran it (``old``), the op now (``new``, its path named), and each fp8 path
+forced (``split-K``, ``fp8 TC``, cuBLAS blockwise ``scaled_mm`` where torch has it: the reason printed where
+not); a summary of new / bf16 and new / old per row count comes last.
 """
 
 from __future__ import annotations
@@ -107,58 +113,140 @@ def bench_moe() -> None:
         print(f"| {T} | {unique} | " + " | ".join(cells) + " | " + ", ".join(errors) + " |")
 
 
-def linear_variants(x: torch.Tensor, dense: torch.Tensor, w: torch.Tensor, s: torch.Tensor, groups: int) -> dict:
-    """The products timed per (weight, rows): bf16 as the backend runs it, the fp8 kernels forced, the op."""
-    from deepinfer_nvidia_sm100.kernels import fp8_linear, gemv
-
-    weight_only = fp8_linear.ROW if x.shape[0] == 1 else fp8_linear.WEIGHT_ONLY
-    return {
-        "bf16": lambda: (gemv.grouped_linear(x, dense, groups) if groups > 1
-                         else gemv.linear(x[:, 0], dense).unsqueeze(1)),
-        "weight-only": lambda: fp8_linear.matmul(x, w, s, BLOCK, groups, weight_only),
-        "tensor cores": lambda: fp8_linear.matmul(x, w, s, BLOCK, groups, fp8_linear.FP8_TC),
-        "op": lambda: fp8_linear.grouped_linear_fp8_block(x, w, s, BLOCK, groups),
-    }
+FP8_AB_LINEARS = {  # name -> (out per group, in, groups, block): the A/B table's weights (V4.1's 32 x 32 blocks last)
+    **{name: (*shape, BLOCK) for name, shape in LINEARS.items()}, "wo_b 32x32": (4096, 8192, 1, (32, 32))}
 
 
-def bench_linear() -> None:
+def old_fp8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, block, groups: int) -> torch.Tensor:
+    """The fp8 linear as main c407f82 ran it: the row kernel at 1 row, the weight-only kernel below 128 rows, the
+    tensor-core kernel with its tiles and no K split from there."""
     from deepinfer_nvidia_sm100.kernels import fp8_linear
 
-    print(f"\nfp8 block linears ({BLOCK[0]} x {BLOCK[1]} ue8m0), bf16 activations; time (% of floor); "
-          f"the op picks weight-only below FP8_TC_MIN_ROWS = {fp8_linear.FP8_TC_MIN_ROWS} rows")
-    print("| weight | rows | bf16 | fp8 weight-only | fp8 tensor cores | op | tensor-core error |")
-    print("|---|---|---|---|---|---|---|")
-    wins = {}
-    for name, (n, k, groups) in LINEARS.items():
+    rows = x.shape[0]
+    if rows == 1:
+        return fp8_linear.matmul(x, w, s, block, groups, fp8_linear.ROW)
+    if rows < 128:
+        return fp8_linear.matmul(x, w, s, block, groups, fp8_linear.WEIGHT_ONLY)
+    return fp8_linear.matmul(x, w, s, block, groups, fp8_linear.FP8_TC, (*fp8_linear._tile(fp8_linear.FP8_TC_TILES,
+                                                                                          rows), 1))
+
+
+def scaled_mm_blockwise(w: torch.Tensor, s: torch.Tensor):
+    """``torch._scaled_mm`` with DeepSeek's scaling (activations per 1 x 128, weights per 128 x 128, float32 scales;
+    cuBLAS on SM90 from CUDA 12.9): a function of ``x [M, 1, K]``, or the reason it cannot run."""
+    from deepinfer_nvidia_sm100.kernels import fp8_linear
+
+    scale_t = torch.exp2(s.view(torch.uint8).float() - 127).t()  # [K / 128, N / 128] ue8m0 as float32, once
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        xq, xs = fp8_linear.quantize_activations(x, 128)  # [M, 1, K] e4m3, [M, 1, K / 128]
+        a_scale = xs[:, 0].t().contiguous().t()  # [M, K / 128], outer-dim-major as cuBLAS reads it
+        return torch._scaled_mm(xq[:, 0], w.t(), scale_a=a_scale, scale_b=scale_t, out_dtype=x.dtype)[:, None]
+
+    return run
+
+
+def fp8_ab_variants(x, dense, w, s, block, groups: int) -> dict:
+    """The products timed per (weight, rows): bf16 as the backend runs it, the fp8 op before this change
+    (``old``), the op now (``new``), and its paths forced: ``split-K`` (weight-only, decode batches), ``fp8 TC``
+    (tensor cores, K split where the grid is small), cuBLAS blockwise ``scaled_mm`` (128 x 128, one group)."""
+    from deepinfer_nvidia_sm100.kernels import fp8_linear, gemv
+
+    rows = x.shape[0]
+    variants = {
+        "bf16": lambda: (gemv.grouped_linear(x, dense, groups) if groups > 1
+                         else gemv.linear(x[:, 0], dense).unsqueeze(1)),
+        "old": lambda: old_fp8_linear(x, w, s, block, groups),
+        "new": lambda: fp8_linear.grouped_linear_fp8_block(x, w, s, block, groups),
+    }
+    if rows < 1024:  # beyond, bf16 products of decoded weights are far behind (compute bound)
+        variants["split-K"] = lambda: fp8_linear.matmul(x, w, s, block, groups, fp8_linear.SPLIT_K)
+    if rows > 1:
+        variants["fp8 TC"] = lambda: fp8_linear.matmul(x, w, s, block, groups, fp8_linear.FP8_TC)
+    if groups == 1 and block == (128, 128):
+        run = scaled_mm_blockwise(w, s)
+        variants["scaled_mm"] = lambda: run(x)
+    return variants
+
+
+AB_QUANTIZED = ("fp8 TC", "scaled_mm")  # variants that quantize activations (checked to fp8's error)
+
+
+def bench_fp8_linear_ab() -> list[tuple]:
+    """bf16 vs the fp8 block linear before and after (and each fp8 path) per weight and row count: each variant
+    checked against the reference op, then timed. Returns ``(weight, rows, {variant: seconds}, {variant: floor})``
+    rows for ``fp8_summary``."""
+    from deepinfer_nvidia_sm100.kernels import fp8_linear
+
+    print("\nfp8 block linears, old (main c407f82) vs new, bf16 activations; time (% of floor: fp8 bytes / 4.25 TB/s "
+          "or FLOPs / peak); max relative error vs the reference op")
+    names = ("bf16", "old", "new", "split-K", "fp8 TC", "scaled_mm")
+    print("| weight | rows | new path | " + " | ".join(names) + " | errors |")
+    print("|---|---|---|" + "---|" * len(names) + "---|")
+    results = []
+    for name, (n, k, groups, block) in FP8_AB_LINEARS.items():
         torch.manual_seed(1)
         dense = (torch.randn(groups * n, k, device=DEVICE) * 0.02).to(torch.bfloat16)
-        w, s = fp8_block.quantize(dense, BLOCK, ue8m0=True)
+        w, s = fp8_block.quantize(dense, block, ue8m0=True)
+        fp8_bytes = w.numel() + s.numel()
         for rows in LINEAR_ROWS:
             x = torch.randn(rows, groups, k, device=DEVICE).to(torch.bfloat16)
-            want = ref.grouped_linear_fp8_block(x, w, s, BLOCK, groups)
-            variants = linear_variants(x, dense, w, s, groups)
-            errors = {v: relative_error(fn(), want) for v, fn in variants.items()}
-            assert errors["weight-only"] < 2e-2 and errors["op"] < 0.1, f"{name} at {rows} rows: {errors}"
-            assert errors["tensor cores"] < 0.1, f"{name} at {rows} rows: tensor cores {errors['tensor cores']:.1e}"
-            flops = 2 * rows * groups * n * k
-            act = rows * groups * (k + n) * 2
-            floors = {"bf16": max((dense.numel() * 2 + act) / BW, flops / BF16_FLOPS),
-                      "weight-only": max((dense.numel() * WEIGHT_BYTES["fp8"] + act) / BW, flops / BF16_FLOPS),
-                      "tensor cores": max((dense.numel() * WEIGHT_BYTES["fp8"] + act) / BW, flops / FP8_FLOPS)}
-            floors["op"] = floors["tensor cores" if fp8_linear.linear_path(rows, x.dtype, BLOCK) == fp8_linear.FP8_TC
-                                  else "weight-only"]
-            times = {v: timed(fn, rows) for v, fn in variants.items()}
-            wins[name, rows] = (times["weight-only"] or float("inf")) > (times["tensor cores"] or float("inf"))
-            print(f"| {name} | {rows} | " + " | ".join(cell(times[v], floors[v]) for v in variants)
-                  + f" | {errors['tensor cores']:.1e} |")
-    print("\nfp8 tensor cores faster than weight-only at (weight: rows):")
-    for name in LINEARS:
-        faster = [rows for rows in LINEAR_ROWS if wins[name, rows]]
-        print(f"  {name}: {faster}")
-    crossover = next((r for r in LINEAR_ROWS if all(wins[name, q] for name in LINEARS for q in LINEAR_ROWS if q >= r)),
-                     None)
-    print(f"crossover (the smallest measured row count from which tensor cores win on every weight): {crossover}; "
-          f"fp8_linear.FP8_TC_MIN_ROWS = {fp8_linear.FP8_TC_MIN_ROWS}")
+            want = ref.grouped_linear_fp8_block(x, w, s, block, groups)
+            times, floors, errors = {}, {}, {}
+            for variant, fn in fp8_ab_variants(x, dense, w, s, block, groups).items():
+                try:
+                    errors[variant] = relative_error(fn(), want)
+                except (RuntimeError, ValueError, TypeError, NotImplementedError) as exc:  # scaled_mm's
+                    # blockwise scaling needs cuBLAS >= 12.9 on SM90
+                    errors[variant] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+                    continue
+                quantizes = variant in AB_QUANTIZED or (variant == "old" and rows >= 128) or (
+                    variant == "new" and fp8_linear.linear_path(rows, x.dtype, block) == fp8_linear.FP8_TC)
+                limit = 0.1 if quantizes else 2e-2
+                assert variant == "bf16" or errors[variant] < limit, (  # bf16: the quantization's own error
+                    f"{name} at {rows} rows: {variant} error {errors[variant]:.1e}")
+                flops = 2 * rows * groups * n * k
+                act = rows * groups * (k + n) * 2
+                stored = dense.numel() * 2 if variant == "bf16" else fp8_bytes
+                peak = FP8_FLOPS if variant in AB_QUANTIZED else BF16_FLOPS
+                floors[variant] = max((stored + act) / BW, flops / peak)
+                times[variant] = timed(fn, rows)
+            cells = [cell(times.get(v), floors[v]) if v in floors else "-" for v in names]
+            bad = {v: e for v, e in errors.items() if isinstance(e, str)}
+            text = ", ".join(f"{v} {e:.1e}" for v, e in errors.items() if not isinstance(e, str))
+            text += "".join(f"; {v}: {e}" for v, e in bad.items())
+            path = fp8_linear.linear_path(rows, x.dtype, block)
+            print(f"| {name} | {rows} | {path} | " + " | ".join(cells) + f" | {text} |")
+            results.append((name, rows, times, floors))
+    return results
+
+
+def fp8_summary(results: list[tuple]) -> None:
+    """The A/B table in a few lines: per row count, new / bf16 and new / old (geometric means over the weights and
+    the worst weight), new's % of the floor, and how often each fp8 variant was the fastest ("new" where the
+    path the op picks is)."""
+    print("\nsummary: fp8 block linears, new vs bf16 and vs old (time ratios < 1: new faster); fastest fp8 path")
+    for rows in LINEAR_ROWS:
+        points = [(name, t, f) for name, r, t, f in results if r == rows and t.get("new") and t.get("bf16")]
+        vs_bf16 = [(t["new"] / t["bf16"], name) for name, t, _ in points]
+        vs_old = [t["new"] / t["old"] for _, t, _ in points if t.get("old")]
+        floor_pct = [100 * f["new"] / t["new"] for _, t, f in points]
+        fastest = {}
+        for name, t, _ in points:
+            fp8 = {v: s for v, s in t.items() if v not in ("bf16", "old") and s}
+            if fp8:
+                best = min(fp8, key=fp8.get)
+                fastest[best] = fastest.get(best, 0) + 1
+        worst = max(vs_bf16)
+        print(f"  {rows:>5} rows: new/bf16 {_geomean([r for r, _ in vs_bf16]):.2f} (worst {worst[0]:.2f} {worst[1]}), "
+              f"new/old {_geomean(vs_old):.2f}, new {min(floor_pct):.0f}-{max(floor_pct):.0f}% of floor; "
+              f"fastest fp8 path: " + ", ".join(f"{v} x{c}" for v, c in fastest.items()))
+    slower = [(name, rows) for name, rows, t, _ in results if t.get("new") and t.get("bf16") and t["new"] > t["bf16"]]
+    print(f"  new slower than bf16 at {len(slower)} of {len(results)} points" + (f": {slower}" if slower else ""))
+
+
+def _geomean(values: list[float]) -> float:
+    return float(torch.tensor(values).log().mean().exp()) if values else float("nan")
 
 
 MOE_SWEEP = {  # tokens -> (path, launch) tried for the MXFP4 experts, the default first. Paths: "rows" (the one-token
@@ -174,29 +262,38 @@ MOE_SWEEP = {  # tokens -> (path, launch) tried for the MXFP4 experts, the defau
     8192: (("grouped", (128, 128, 64, 8)), ("grouped", (128, 128, 128, 8)), ("grouped", (64, 128, 64, 8)),
            ("old", (128, 128, 64, 8))),
 }
-LINEAR_SWEEP = {  # rows -> (path, launch) tried on wo_b (4096 x 8192), the default first; "unswapped": weight-only
-    # 16-row tiles with the activations as the left operand (fp8_linear.SWAP_AB_MAX_ROWS = 0)
-    1: (("row", (16, 512, 4, 3)), ("row", (16, 128, 4, 4)), ("row", (16, 1024, 8, 3)),
-        ("weight_only", (16, 64, 4, 4))),
-    16: (("weight_only", (16, 16, 4, 4)), ("weight_only", (16, 64, 4, 4)), ("unswapped", (16, 16, 4, 4))),
-    64: (("weight_only", (64, 16, 4, 3)), ("weight_only", (64, 64, 4, 3)), ("weight_only", (16, 16, 4, 4))),
+LINEAR_SWEEP = {  # rows -> (path, launch) tried on wo_b (4096 x 8192), the default first. split_k: (BM, BN, BK,
+    # warps, stages[, K splits]); "split_k_unswapped": the activations as the left operand (SPLIT_K_SWAP = False);
+    # weight_only / fp8_tc: (BM, BN, warps, stages[, K splits]); row: (BN, BK, warps, stages)
+    1: (("row", (16, 1024, 8, 3)), ("split_k", (16, 64, 128, 4, 4)), ("split_k", (16, 64, 256, 4, 3)),
+        ("split_k", (16, 32, 128, 4, 4))),
+    16: (("split_k", (16, 64, 128, 4, 4)), ("split_k", (16, 64, 256, 4, 3)), ("split_k", (16, 128, 128, 4, 4)),
+         ("split_k", (16, 32, 128, 4, 4)), ("split_k", (16, 64, 128, 4, 6)), ("split_k", (16, 64, 128, 4, 4, 16)),
+         ("split_k", (16, 64, 128, 4, 4, 2)), ("split_k_unswapped", (16, 64, 128, 4, 4)),
+         ("weight_only", (16, 16, 4, 4))),
+    64: (("split_k", (64, 64, 128, 4, 3)), ("split_k", (64, 64, 128, 4, 4)), ("split_k", (64, 128, 128, 8, 3)),
+         ("split_k", (32, 64, 128, 4, 4)), ("split_k_unswapped", (64, 64, 128, 4, 3)), ("fp8_tc", (64, 128, 4, 3)),
+         ("fp8_tc", (64, 64, 4, 4)), ("weight_only", (64, 16, 4, 3))),
+    256: (("fp8_tc", (64, 128, 4, 3)), ("fp8_tc", (64, 128, 4, 3, 1)), ("fp8_tc", (128, 128, 8, 3)),
+          ("fp8_tc", (64, 64, 4, 4)), ("fp8_tc", (64, 128, 4, 4, 4)), ("split_k", (64, 64, 128, 4, 3)),
+          ("split_k", (64, 128, 128, 8, 3))),
     8192: (("fp8_tc", (128, 128, 8, 3)), ("fp8_tc", (128, 256, 8, 3)), ("fp8_tc", (128, 128, 8, 4)),
            ("fp8_tc", (256, 128, 8, 3))),
 }
 
 
-def linear_sweep_run(path: str, tile: tuple[int, int, int, int], x, w, s):
+def linear_sweep_run(path: str, tile: tuple[int, ...], x, w, s):
     """The fp8 linear at one sweep point: a function of no arguments."""
     from deepinfer_nvidia_sm100.kernels import fp8_linear
 
     def run():
-        if path != "unswapped":
+        if path != "split_k_unswapped":
             return fp8_linear.matmul(x, w, s, BLOCK, 1, path, tile)
-        swap, fp8_linear.SWAP_AB_MAX_ROWS = fp8_linear.SWAP_AB_MAX_ROWS, 0
+        swap, fp8_linear.SPLIT_K_SWAP = fp8_linear.SPLIT_K_SWAP, False
         try:
-            return fp8_linear.matmul(x, w, s, BLOCK, 1, fp8_linear.WEIGHT_ONLY, tile)
+            return fp8_linear.matmul(x, w, s, BLOCK, 1, fp8_linear.SPLIT_K, tile)
         finally:
-            fp8_linear.SWAP_AB_MAX_ROWS = swap
+            fp8_linear.SPLIT_K_SWAP = swap
 
     return run
 
@@ -245,6 +342,11 @@ def sweep() -> None:
             err = relative_error(run(), want)
             cells.append(f"{path} {tile}: {micros(timed(run, T))}" + (f" (error {err:.1e})" if err > 2e-2 else ""))
         print(f"  {T}: " + "; ".join(cells))
+
+
+def sweep_linear() -> None:
+    """Launch sweeps of the fp8 linear kernels on ``wo_b`` by rows; each checked against the reference op, then
+    timed."""
     print("\nsweep: fp8 linear wo_b 4096 x 8192 (rows: path launch -> time; the default first)")
     torch.manual_seed(2)
     w, s = fp8_block.quantize(torch.randn(4096, 8192, device=DEVICE) * 0.02, BLOCK, ue8m0=True)
@@ -260,11 +362,19 @@ def sweep() -> None:
 
 
 def main() -> None:
+    """Sections by name on the command line (``moe``, ``fp8``: the fp8 linear A/B table, its sweep and summary);
+    all of them without."""
     sys.stdout.reconfigure(line_buffering=True)  # rows reach the log as they finish, even if the run is cut short
+    sections = set(sys.argv[1:]) or {"moe", "fp8"}
     print(torch.cuda.get_device_name())
-    bench_moe()
-    bench_linear()
-    sweep()
+    if "moe" in sections:
+        bench_moe()
+    results = bench_fp8_linear_ab() if "fp8" in sections else []
+    if "moe" in sections:
+        sweep()
+    if "fp8" in sections:
+        sweep_linear()
+        fp8_summary(results)
 
 
 if __name__ == "__main__":
