@@ -354,23 +354,24 @@ def test_quantized_moe_experts_in_cuda_graph_have_no_host_sync(fmt, T):
 
 
 @pytest.mark.parametrize("rows", [1, 16, 64, 256, 2048])
-@pytest.mark.parametrize("n, k, groups", [(4096, 8192, 1), (1024, 4096, 8)])  # wo_b; the grouped wo_a
-def test_fp8_linear_paths_match_reference_at_preset_sizes(rows, n, k, groups):
-    """Each kernel at the preset's projection widths (128 x 128 ue8m0 blocks, bf16): the weight-only ones to bf16
-    rounding; the tensor-core one to the reference run on the activations it quantizes, and within fp8's error of
-    the reference itself."""
+@pytest.mark.parametrize("n, k, groups, block", [(4096, 8192, 1, (128, 128)), (1024, 4096, 8, (128, 128)),
+                                                 (4096, 8192, 1, (32, 32))])  # wo_b; the grouped wo_a; V4.1 blocks
+def test_fp8_linear_paths_match_reference_at_preset_sizes(rows, n, k, groups, block):
+    """Each kernel at the preset's projection widths (ue8m0 blocks, bf16): the weight-only ones (row, split-K,
+    weight-only) to bf16 rounding; the tensor-core one to the reference run on the activations it quantizes, and
+    within fp8's error of the reference itself; the op is the path it picks, bit for bit."""
     from deepinfer_nvidia_sm100.kernels import fp8_linear
 
     from deepinfer_core.quant import fp8_block
 
-    block = (128, 128)
     gen = torch.Generator(device="cuda").manual_seed(rows)
     weight, scale = fp8_block.quantize(torch.randn(groups * n, k, device="cuda", generator=gen) * k**-0.5, block, True)
     x = torch.randn(rows, groups, k, device="cuda", generator=gen).to(torch.bfloat16)
     want = ref.grouped_linear_fp8_block(x, weight, scale, block, groups).float()
-    weight_only = fp8_linear.ROW if rows == 1 else fp8_linear.WEIGHT_ONLY
-    got = fp8_linear.matmul(x, weight, scale, block, groups, weight_only).float()
-    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    exact_paths = (fp8_linear.ROW, fp8_linear.SPLIT_K) if rows == 1 else (fp8_linear.SPLIT_K, fp8_linear.WEIGHT_ONLY)
+    results = {path: fp8_linear.matmul(x, weight, scale, block, groups, path).float() for path in exact_paths}
+    for path, got in results.items():
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2, msg=lambda m, p=path: f"{p}: {m}")
     q, s = fp8_block.quantize(x.reshape(rows * groups, k).float(), (1, block[1]), ue8m0=False)
     x_quantized = fp8_block.dequantize(q, s, (1, block[1])).view(rows, groups, k).to(torch.bfloat16)
     tensor_cores = fp8_linear.matmul(x, weight, scale, block, groups, fp8_linear.FP8_TC).float()
@@ -378,8 +379,8 @@ def test_fp8_linear_paths_match_reference_at_preset_sizes(rows, n, k, groups):
                                                                           groups).float(), atol=3e-2, rtol=3e-2)
     assert ((tensor_cores - want).abs().max() / want.abs().max()).item() < 0.05
     op = fp8_linear.grouped_linear_fp8_block(x, weight, scale, block, groups).float()
-    torch.testing.assert_close(op, tensor_cores if fp8_linear.linear_path(rows, x.dtype, block) == fp8_linear.FP8_TC
-                               else got, atol=0, rtol=0)
+    path = fp8_linear.linear_path(rows, x.dtype, block)
+    torch.testing.assert_close(op, tensor_cores if path == fp8_linear.FP8_TC else results[path], atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("rows", [1, 16, 256])
