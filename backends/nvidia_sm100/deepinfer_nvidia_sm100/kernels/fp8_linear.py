@@ -1,17 +1,23 @@
 """fp8 block linear layers (ops ``linear_fp8_block``, ``grouped_linear_fp8_block``, ``swiglu_mlp_fp8_block``) as
 Triton kernels reading the e4m3 weights and their block scales as stored.
 
-Three kernels, picked by the number of rows ``M`` (``linear_path``):
+Kernels picked by the number of rows ``M`` (``linear_path``):
 
 * ``M == 1`` (batch-1 decode): ``_row_kernel``, a one-row product like ``gemv._gemv_row_kernel`` (no ``tl.dot``),
   the weight decoded in registers (weight-only).
-* ``M < FP8_TC_MIN_ROWS`` (decode batches; memory bound): ``_weight_only_kernel``, fp8 weight tiles decoded in
-  registers to the activations' dtype, ``tl.dot`` in bf16 with fp32 accumulation. Exact weights, activations as
-  they are: the reference op's math.
+* ``M < FP8_TC_MIN_ROWS`` (decode batches; memory bound): ``_split_k_kernel``, which reads each weight once for
+  all the rows: 64 weight rows a program, decoded in registers to the activations' dtype (the reference op's
+  weights bit for bit) and multiplied on the left of a ``tl.dot`` with the batch (``SPLIT_K_SWAP``: on SM90 a
+  wgmma with the weights in registers, the batch padded to 16 rather than 64), fp32 accumulation. ``K`` is split
+  (``_splits``) until the grid has ``MIN_PROGRAMS`` programs, so that every SM streams weights even for narrow
+  outputs; the splits' float32 partials are summed in split order by ``_sum_splits_kernel`` (deterministic).
+  Exact weights, activations as they are: the reference op's math. (``_weight_only_kernel``, the decode-batch
+  kernel before it, one column tile over the whole ``K``, stays as ``WEIGHT_ONLY`` for comparison.)
 * ``M >= FP8_TC_MIN_ROWS`` (prefill; compute bound): ``_fp8_tc_kernel``, fp8 tensor cores (wgmma on SM90,
   tcgen05 on SM100): ``quantize_activations`` first turns every row's ``B1`` inputs of a block into e4m3 with
   one fp32 scale (``amax / 448``: DeepSeek's per-token per-128 activations, once per row, not once per column
-  tile), then each ``K`` block's fp8 product (fp32 accumulate) is scaled by the row's and the weight block's scales.
+  tile), then each ``K`` block's fp8 product (fp32 accumulate) is scaled by the row's and the weight block's scales;
+  ``K`` split as above when the output has few tiles.
   Activations are quantized: its error against the reference op is what docs/quantization.md records.
 
 ``FP8_TC_MIN_ROWS`` is the measured crossover (``benchmarks/bench_quant.py``); ``DEEPINFER_NVIDIA_FP8_TC=0`` keeps
