@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_nvidia_sm100 import envs
-from deepinfer_nvidia_sm100.kernels import dequant, moe, pdl
+from deepinfer_nvidia_sm100.kernels import dequant, moe, moe_mxfp4_decode, pdl
 from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 
 MXFP4, FP8 = 0, 1  # the ``FMT`` of the kernels
@@ -296,8 +296,9 @@ def _tiles(fmt: int, num_assign: int, num_experts: int, block: tuple[int, int]) 
 def _run(fmt: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s2, w3, s3,
          block: tuple[int, int], limit: float, tile: tuple[int, int, int, int] | None = None,
          row_kernels: bool | None = None) -> torch.Tensor:
-    """Both ops: one token through the row kernels (``row_kernels``, by default ``ONE_TOKEN_ROW_KERNELS``),
-    otherwise align, up, down, combine. ``tile`` fixes the launch (the row kernels' ``ROW_TILES`` entry for one token, else ``_tiles``'
+    """Both ops: MXFP4 at decode sizes through ``moe_mxfp4_decode`` (``moe_mxfp4_decode.used``; unless ``tile`` or
+    ``row_kernels`` is given), one token through the row kernels (``row_kernels``, by default
+    ``ONE_TOKEN_ROW_KERNELS``), otherwise align, up, down, combine. ``tile`` fixes the launch (the row kernels' ``ROW_TILES`` entry for one token, else ``_tiles``'
     (BLOCK_M, BLOCK_N, BLOCK_K, num_warps); ``benchmarks/bench_quant.py`` sweeps them and both one-token paths)."""
     T, top_k = ids.shape
     E, I = w1.shape[0], w1.shape[1]
@@ -308,6 +309,8 @@ def _run(fmt: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     w1, w2, w3 = (w.contiguous().view(torch.uint8) if fmt == MXFP4 else w.contiguous() for w in (w1, w2, w3))
     (s1, ue8m0), (s2, _), (s3, _) = (dequant.scale_operand(s.contiguous()) for s in (s1, s2, s3))
     consts = {"FMT": fmt, "B0": block[0], "B1": block[1], "UE8M0": ue8m0}
+    if fmt == MXFP4 and tile is None and row_kernels is None and moe_mxfp4_decode.used(T, T * top_k, E, x):
+        return moe_mxfp4_decode.run(x, ids, weights, w1, s1, w2, s2, w3, s3, limit)
     row_kernels = ONE_TOKEN_ROW_KERNELS if row_kernels is None else row_kernels
     if T == 1 and top_k <= moe.ONE_TOKEN_MAX_TOP_K and row_kernels:
         return _one_token(x, ids, weights, w1, s1, w2, s2, w3, s3, D, I, limit, consts, tile)

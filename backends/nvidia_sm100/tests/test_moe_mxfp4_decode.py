@@ -1,0 +1,139 @@
+"""The MXFP4 decode-size expert kernels (``kernels/moe_mxfp4_decode.py``) and their bf16 decode
+(``dequant.mxfp4_bf16_pairs``) against the reference op and ``deepinfer_core.quant.mxfp4``: on the GPU where there is
+one (every ``DECODE``, bf16), without one in a child pytest under Triton's interpreter (the float32 decode with
+float32 / fp16 activations, and the portable bf16 decode helper on its own); and compiled for sm_90a / sm_100a with
+the inline PTX (ptxas checks it), reaching the tensor cores without spilling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="the test extra installs triton")
+import triton.language as tl
+from deepinfer_nvidia_sm100.kernels import dequant, moe_mxfp4_decode, moe_quant
+from interpreted import DEVICE, kernel_runs_here, run_under_interpreter, starts_the_interpreter
+
+from deepinfer_core.ops import reference as ref
+from deepinfer_core.quant import mxfp4
+
+EXTREME_SCALES = (0, 1, 100, 126, 127, 128, 129, 253, 254, 255)  # ue8m0 bytes: 2^-127 (subnormal) ... 2^127, NaN
+DECODES = [moe_mxfp4_decode.FLOAT32] + ([moe_mxfp4_decode.PORTABLE, moe_mxfp4_decode.PTX] if DEVICE == "cuda" else [])
+DTYPES = [torch.float32, torch.bfloat16 if DEVICE == "cuda" else torch.float16]
+
+
+@starts_the_interpreter
+def test_kernels_under_triton_interpreter():
+    run_under_interpreter(__file__, also_deselect="bf16_decode")
+
+
+@triton.jit
+def _decode_kernel(packed_ptr, scale_ptr, even_ptr, odd_ptr, PTX: tl.constexpr):
+    """Row ``program_id`` of ``[rows, 256]`` packed bytes with one scale byte per row -> its bf16 weights."""
+    row = tl.program_id(0)
+    i = tl.arange(0, 256)
+    packed = tl.load(packed_ptr + row * 256 + i)
+    scale = dequant.ue8m0(tl.load(scale_ptr + row + i * 0)).to(tl.bfloat16)
+    if PTX:
+        even, odd = dequant.mxfp4_bf16_pairs(packed, scale)
+    else:
+        even, odd = dequant.mxfp4_bf16_pairs_portable(packed, scale)
+    tl.store(even_ptr + row * 256 + i, even)
+    tl.store(odd_ptr + row * 256 + i, odd)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="bf16 bit casts need a GPU (Triton's interpreter has no bf16)")
+@pytest.mark.parametrize("ptx", [False, True])
+def test_mxfp4_bf16_decode_is_exact_on_every_code_and_scale_byte(ptx):
+    """All 256 bytes (16 x 16 code pairs) under extreme scale bytes decode to ``mxfp4.dequantize``'s weights rounded
+    to bf16 (exact: a code times a power of two fits bf16; 2 x 2^127 and up overflow to inf, byte 255 is NaN)."""
+    scales = torch.tensor(EXTREME_SCALES, dtype=torch.uint8, device=DEVICE)
+    packed = torch.arange(256, dtype=torch.uint8, device=DEVICE).repeat(len(scales), 1)  # [rows, 256]
+    even = torch.empty(len(scales), 256, dtype=torch.bfloat16, device=DEVICE)
+    odd = torch.empty_like(even)
+    _decode_kernel[(len(scales),)](packed, scales, even, odd, PTX=ptx)
+    want = mxfp4.dequantize(packed, scales[:, None].repeat(1, 512 // mxfp4.GROUP).view(torch.float8_e8m0fnu))
+    want = want.to(torch.bfloat16)  # [rows, 512]
+    got = torch.stack([even, odd], dim=-1).reshape(len(scales), 512)
+    assert torch.equal(got.isnan(), want.isnan())
+    finite = ~want.isnan()
+    assert torch.equal(got[finite], want[finite]) and torch.equal(got.signbit()[finite], want.signbit()[finite])
+
+
+def _experts(E: int, D: int, I: int, gen: torch.Generator):
+    stored = []
+    for rows, cols in ((I, D), (D, I), (I, D)):
+        stored += mxfp4.quantize(torch.randn(E, rows, cols, device=DEVICE, generator=gen) * cols**-0.5)
+    return stored
+
+
+def _case(T: int, E: int, top_k: int, D: int, I: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = torch.randn(T, D, device=DEVICE, generator=gen).to(dtype)
+    ids = torch.stack([torch.randperm(E, device=DEVICE, generator=gen)[:top_k] for _ in range(T)])
+    if T > 1:
+        ids[1, -1] = ids[1, 0]  # one token picks an expert twice (hash routing can)
+    return x, ids, torch.rand(T, top_k, device=DEVICE, generator=gen), _experts(E, D, I, gen)
+
+
+def _tol(dtype: torch.dtype) -> dict:
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("decode", DECODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T, E, top_k, D, I, launch", [
+    (1, 4, 3, 128, 64, (16, 32, 2, 4, 2, True)),  # one token, the weights on the left, every tile full (EVEN)
+    (5, 4, 2, 160, 64, (16, 16, 2, 4, 2, False)),  # a partial 64-input step (D = 5 groups)
+    (5, 4, 2, 128, 96, (16, 64, 2, 4, 2, True)),  # a column tile past I and past D
+    (40, 4, 2, 64, 96, (64, 32, 1, 4, 2, False)),  # 20 assignments per expert in 64-row tiles
+    (3, 4, 3, 128, 64, (16, 64, 4, 4, 2, False)),  # four groups per step, EVEN
+])
+def test_decode_kernels_match_reference(T, E, top_k, D, I, launch, dtype, decode):
+    if decode != moe_mxfp4_decode.FLOAT32 and dtype != torch.bfloat16:
+        pytest.skip("the bf16 decodes take bf16 activations")
+    x, ids, weights, stored = _case(T, E, top_k, D, I, dtype, seed=T + D)
+    raw = [t.view(torch.uint8) for t in stored]
+    got = moe_mxfp4_decode.run(x, ids, weights, *raw, 0.7, launch=launch, decode=decode)
+    want = ref.moe_experts_mxfp4(x, ids, weights, *stored, 0.7)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got, want, **_tol(dtype))
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("T", [1, 6, 40])
+def test_mxfp4_op_takes_the_decode_kernels_up_to_the_bound(T, monkeypatch):
+    """``moe_experts_mxfp4`` runs these kernels up to ``MAX_PER_EXPERT`` assignments per expert (one token only with
+    ``ONE_TOKEN``), else ``moe_quant``'s: either way the reference's result."""
+    monkeypatch.setattr(moe_mxfp4_decode, "ONE_TOKEN", True)
+    monkeypatch.setattr(moe_mxfp4_decode, "MAX_PER_EXPERT", 16)
+    dtype = DTYPES[-1]
+    x, ids, weights, stored = _case(T, 4, 2, 96, 64, dtype, seed=T)
+    assert moe_mxfp4_decode.used(T, T * 2, 4, x) == (T * 2 <= 16 * 4)
+    got = moe_quant.moe_experts_mxfp4(x, ids, weights, *stored, 0.7)
+    torch.testing.assert_close(got, ref.moe_experts_mxfp4(x, ids, weights, *stored, 0.7), **_tol(dtype))
+
+
+def test_paired_order_puts_each_groups_even_inputs_first():
+    t = torch.arange(64).reshape(1, 64)
+    want = [*range(0, 32, 2), *range(1, 32, 2), *range(32, 64, 2), *range(33, 64, 2)]
+    assert moe_mxfp4_decode.paired(t)[0].tolist() == want
+    assert moe_mxfp4_decode.tile(64 * 6, 64) == moe_mxfp4_decode.TILES["decode"][1]
+
+
+@pytest.mark.parametrize("capability", [90, 100])
+@pytest.mark.parametrize("tile_name", sorted(moe_mxfp4_decode.TILES))
+@pytest.mark.parametrize("kernel", ["_up_kernel", "_down_kernel"])
+def test_decode_kernels_compile_with_the_inline_ptx(kernel, tile_name, capability):
+    """Each ``TILES`` launch compiles for sm_90a / sm_100a with the PTX decode (ptxas accepts the inline assembly),
+    multiplies on the tensor cores and keeps its registers (no local-memory spills)."""
+    from test_quant_compile import _compile, _weights
+
+    block_m, block_n, groups, warps, stages, swap = moe_mxfp4_decode.TILES[tile_name][1]
+    constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "GROUPS": groups, "SWAP": swap, "EVEN": True,
+                 "DECODE": moe_mxfp4_decode.PTX, "PRECISION": "tf32"}
+    ptx = _compile(getattr(moe_mxfp4_decode, kernel), _weights(moe_quant.MXFP4, ("1", "2", "3")), constants,
+                   capability, warps, stages)
+    assert "mul.rn.bf16x2" in ptx and ("mma" in ptx or "wgmma" in ptx), f"{kernel} {tile_name}: no bf16x2 decode / MMA"
+    assert "ld.local" not in ptx and "st.local" not in ptx, f"{kernel} {tile_name}: registers spill"
