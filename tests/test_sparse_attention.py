@@ -23,6 +23,24 @@ def test_sparse_mode_reads_the_variable():
         sparse_mode({"DEEPINFER_SPARSE_CSA_ATTENTION": "fast"})
 
 
+def test_indexer_topk_index_lists_the_selection():
+    """``indexer_topk_index`` is the selection's entries ascending, then -1: rows that select fewer than ``k`` (few
+    visible entries) and none; a table whose ``indexer_topk`` is overridden composes it from that part."""
+    gen = torch.Generator().manual_seed(6)
+    scores = torch.randint(-3, 4, (2, 5, 300), generator=gen).float()  # many ties
+    visible = torch.rand(2, 5, 300, generator=gen) < 0.5
+    visible[0, 0] = False
+    visible[0, 1] = False
+    visible[0, 1, :5] = True
+    got = ref.indexer_topk_index(scores, visible, 64)
+    assert got.shape == (2, 5, 64) and got.dtype == torch.int32
+    assert torch.equal(got, ref.visible_index(ref.indexer_topk(scores, visible, 64), 64))
+    assert (got[0, 0] == -1).all() and got[0, 1, :5].tolist() == [0, 1, 2, 3, 4] and (got[0, 1, 5:] == -1).all()
+    table = OpTable({"indexer_topk": ref.indexer_topk}, "spy")
+    assert table.sources()["indexer_topk_index"] == "spy (indexer_topk, composed)"
+    assert torch.equal(table.indexer_topk_index(scores, visible, 64), got)
+
+
 def test_visible_index_lists_the_first_visible_places_ascending():
     gen = torch.Generator().manual_seed(0)
     visible = torch.rand(2, 5, 40, generator=gen) < 0.3
@@ -61,7 +79,7 @@ def test_sparse_sink_attention_equals_the_masked_attention(S, Lq, Lk, E, H, d, W
     window, selected = _window_and_selection(gen, S, Lq, Lk, E, W, k)
     window[0, 0] = False
     selected[0, 0] = False  # row (0, 0) lists nothing: 0
-    index = key_index(OpTable(), window, selected, W, k)
+    index = key_index(OpTable(), window, ref.visible_index(selected, k), W)
     assert index.shape == (S, Lq, min(W, Lk) + min(k, E)) and (index[0, 0] == -1).all()
     sinks = torch.randn(H, generator=gen)
     got = ref.sparse_sink_attention(q, keys, index, sinks, d**-0.5)
@@ -72,20 +90,23 @@ def test_sparse_sink_attention_equals_the_masked_attention(S, Lq, Lk, E, H, d, W
 
 def test_roped_sparse_attention_equals_the_roped_masked_attention():
     """The derived op (query norm and RoPE, the attention, the output rotated back) against ``roped_sink_attention``,
-    through the model's ``indexed_roped_attention``; a table whose ``sparse_sink_attention`` is overridden rebuilds
-    it from that part."""
+    through the model's ``indexed_roped_attention`` over the indexer's selection as indices (``indexer_topk_index``);
+    a table whose ``sparse_sink_attention`` is overridden rebuilds it from that part."""
     from deepinfer_core.models.deepseek_v4.sparse_attention import indexed_roped_attention
 
     gen = torch.Generator().manual_seed(3)
     S, Lq, Lk, E, H, d, W, k = 2, 7, 10, 40, 4, 32, 4, 6
     q = torch.randn(S, Lq, H, d, generator=gen)
     keys = torch.randn(S, Lk + E, d, generator=gen)
-    window, selected = _window_and_selection(gen, S, Lq, Lk, E, W, k)
+    window, _ = _window_and_selection(gen, S, Lq, Lk, E, W, k)
+    scores, entry_visible = torch.randn(S, Lq, E, generator=gen), torch.rand(S, Lq, E, generator=gen) < 0.5
+    selected = ref.indexer_topk(scores, entry_visible, k)
     cos, sin = torch.randn(S, Lq, 4, generator=gen), torch.randn(S, Lq, 4, generator=gen)
     sinks = torch.randn(H, generator=gen)
     calls = []
     table = OpTable({"sparse_sink_attention": lambda *a: calls.append(1) or ref.sparse_sink_attention(*a)}, "spy")
-    got = indexed_roped_attention(table, q, keys, window, selected, W, k, sinks, d**-0.5, 1e-6, cos, sin)
+    got = indexed_roped_attention(table, q, keys, window, table.indexer_topk_index(scores, entry_visible, k), W, sinks,
+                                  d**-0.5, 1e-6, cos, sin)
     want = ref.roped_sink_attention(q, keys, torch.cat([window, selected], -1), sinks, d**-0.5, 1e-6, cos, sin)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert calls and table.sources()["roped_sparse_sink_attention"].startswith("spy")
@@ -202,8 +223,28 @@ def test_sparse_sink_attention_reads_entries_from_a_paged_store():
     q = torch.randn(S, Lq, H, d, generator=gen)
     keys = torch.randn(S, Lk + E, d, generator=gen)
     window, selected = _window_and_selection(gen, S, Lq, Lk, E, W, k)
-    index = key_index(OpTable(), window, selected, W, k)
+    index = key_index(OpTable(), window, ref.visible_index(selected, k), W)
     sinks = torch.randn(H, generator=gen)
     store, blocks, rows = paged(keys[:, Lk:], 16, gen)
     got = ref.sparse_sink_attention(q, keys[:, :Lk], index, sinks, d**-0.5, store, blocks, rows)
     torch.testing.assert_close(got, ref.sparse_sink_attention(q, keys, index, sinks, d**-0.5), atol=1e-6, rtol=1e-6)
+
+
+def test_rows_sparse_attention_equals_the_op():
+    """``rows_sparse_attention`` (the op made of a ``sink_attention`` over each row's gathered keys: the
+    batch-invariant mode builds it from its own) gives what ``sparse_sink_attention`` gives, store or not."""
+    gen = torch.Generator().manual_seed(7)
+    S, Lq, Lk, E, H, d, W, k = 2, 5, 9, 200, 4, 16, 4, 20
+    q = torch.randn(S, Lq, H, d, generator=gen)
+    keys = torch.randn(S, Lk + E, d, generator=gen)
+    window, selected = _window_and_selection(gen, S, Lq, Lk, E, W, k)
+    selected[1, 2] = False
+    window[1, 2] = False  # a row listing nothing
+    index = key_index(OpTable(), window, ref.visible_index(selected, k), W)
+    sinks = torch.randn(H, generator=gen)
+    by_rows = ref.rows_sparse_attention(ref.sink_attention)
+    want = ref.sparse_sink_attention(q, keys, index, sinks, 0.25)
+    torch.testing.assert_close(by_rows(q, keys, index, sinks, 0.25), want, atol=1e-6, rtol=1e-6)
+    store, blocks, rows = paged(keys[:, Lk:], 8, gen)
+    torch.testing.assert_close(by_rows(q, keys[:, :Lk], index, sinks, 0.25, store, blocks, rows), want, atol=1e-6,
+                               rtol=1e-6)

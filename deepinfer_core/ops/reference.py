@@ -316,6 +316,28 @@ def sparse_sink_attention(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor
     return out
 
 
+def rows_sparse_attention(attention: Callable) -> Callable:
+    """``sparse_sink_attention`` made of a ``sink_attention``: each query row a one-query row of its own over its
+    listed keys, gathered (``[S * Lq, N, d]``). A row's result then depends on its own keys alone wherever
+    ``attention``'s does (the batch-invariant mode's)."""
+
+    def sparse_sink_attention(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, sinks: torch.Tensor,
+                              scale: float, store: torch.Tensor | None = None, entry_blocks: torch.Tensor | None = None,
+                              entry_rows: torch.Tensor | None = None) -> torch.Tensor:
+        S, Lq, H, d = q.shape
+        N = index.shape[-1]
+        if N == 0:
+            return q.new_zeros(q.shape)
+        if store is not None:
+            kv = torch.cat([kv, store[entry_blocks, entry_rows].to(kv.dtype)], dim=1)  # [S, Lk + E, d]
+        seq = torch.arange(S, device=kv.device)[:, None, None]  # [S, 1, 1]
+        keys = kv[seq, index.long().clamp(min=0)].view(S * Lq, N, d)  # [S * Lq, N, d]
+        out = attention(q.reshape(S * Lq, 1, H, d), keys, (index >= 0).view(S * Lq, 1, N), sinks, scale)
+        return out.view(S, Lq, H, d)
+
+    return sparse_sink_attention
+
+
 def roped_sparse_attention(norm_rope: Callable, attention: Callable, rope_: Callable) -> Callable:
     """``roped_sparse_sink_attention`` made of the given ``rms_norm_rope``, ``sparse_sink_attention`` and in-place
     RoPE."""
@@ -467,6 +489,21 @@ def indexer_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.T
     selected = torch.zeros_like(visible)
     selected.scatter_(-1, order, True)
     return selected & visible
+
+
+def selected_index(topk: Callable, index: Callable) -> Callable:
+    """``indexer_topk_index`` made of the given ``indexer_topk`` and ``visible_index``."""
+
+    def indexer_topk_index(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+        return index(topk(scores, visible, k), k)
+
+    return indexer_topk_index
+
+
+indexer_topk_index = reference_op(selected_index(indexer_topk, visible_index))
+indexer_topk_index.__doc__ = """``indexer_topk``'s selection as entry indices: ``[S, Lq, k]`` int32, each query row's
+selected entries ascending, then -1 (``visible_index`` of the selection). What sparse attention reads; a backend may
+write the indices where it selects, never making the ``[S, Lq, E]`` mask."""
 
 
 # ----------------------------------------------------------------------------- hyper-connections

@@ -61,6 +61,7 @@ DERIVED: dict[str, tuple[tuple[str, ...], Callable[..., Callable], str]] = {
                              "composed"),
     "roped_sparse_sink_attention": (("rms_norm_rope", "sparse_sink_attention", "apply_rope_"),
                                     _composed("roped_sparse_attention"), "composed"),
+    "indexer_topk_index": (("indexer_topk", "visible_index"), _composed("selected_index"), "composed"),
 }
 """Op -> (the ops it is made of, how it is made from them, a label). Where a backend overrides a part but not the op
 itself, the op is rebuilt from the table's current parts: the model calls ``apply_rope_`` and ``compressor_entries``,
@@ -68,7 +69,8 @@ and a backend that overrides only ``apply_rope`` (its result is written back) or
 with the window op) keeps its kernel in use; ``rms_norm_rope`` is composed of the norms and the in-place RoPE,
 ``hc_pre_normed`` of ``hc_pre`` and ``rms_norm``, ``hc_post_sum`` of ``hc_post``, ``compressor_entries_rope`` of
 the entries and the in-place RoPE, ``roped_sink_attention`` of the query norm, the attention and the in-place RoPE,
-``roped_sparse_sink_attention`` likewise of the sparse attention."""
+``roped_sparse_sink_attention`` likewise of the sparse attention, ``indexer_topk_index`` of the selection and its
+compaction into indices."""
 
 
 class OpTable:

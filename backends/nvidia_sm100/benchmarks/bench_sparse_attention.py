@@ -4,7 +4,8 @@
   window's mask and the selection concatenated, as ``layout.attention_visible`` does);
 - gathered (``gather``): each query row a one-query row over its gathered window + selected keys
   (``models/deepseek_v4/sparse_attention.sparse_roped_attention``);
-- in place (``1``): each row's keys listed by index (``visible_index`` of both masks) and read in place by
+- in place (``1``): each row's keys listed by index (``visible_index`` of the window's mask, then the selection as
+  indices, as ``indexer_topk_index`` writes them) and read in place by
   ``roped_sparse_sink_attention`` (``kernels/sparse_attention.py``): the window keys from ``[S, Lk, d]``, the entries
   from a paged store (64 a block) where they lie, as the model runs it; also with the entries gathered behind the
   window. Its parts are timed too (the index lists; the attention kernel as the op launches it, and with one split at
@@ -91,18 +92,19 @@ def paged(keys: torch.Tensor, Lk: int, per_block: int = 64):
 def paths(ops: OpTable, case) -> dict:
     """name -> callable of the case's inputs (the roped op, as the model calls it)."""
     q, keys, window, selected, sinks, cos, sin = case
-    index = key_index(ops, window, selected, W, K)
+    entry_index = ops.visible_index(selected, K)  # [S, Lq, K]: the selection as the indexer's top-k writes it
+    index = key_index(ops, window, entry_index, W)
     Lk = window.shape[-1]
     entries = paged(keys, Lk)
     return {
         "dense": lambda: ops.roped_sink_attention(q, keys, torch.cat([window, selected], dim=-1), sinks, SCALE, EPS,
                                                   cos, sin),
         "gathered": lambda: sparse_roped_attention(ops, q, keys, window, selected, W, K, sinks, SCALE, EPS, cos, sin),
-        "in place": lambda: indexed_roped_attention(ops, q, keys[:, :Lk], window, selected, W, K, sinks, SCALE, EPS,
+        "in place": lambda: indexed_roped_attention(ops, q, keys[:, :Lk], window, entry_index, W, sinks, SCALE, EPS,
                                                     cos, sin, entries),
         "in place, entries gathered behind the window": lambda: indexed_roped_attention(
-            ops, q, keys, window, selected, W, K, sinks, SCALE, EPS, cos, sin),
-        "in place: index lists": lambda: key_index(ops, window, selected, W, K),
+            ops, q, keys, window, entry_index, W, sinks, SCALE, EPS, cos, sin),
+        "in place: index lists": lambda: key_index(ops, window, entry_index, W),
         "in place: attention kernel": lambda: ops.sparse_sink_attention(q, keys[:, :Lk], index, sinks, SCALE,
                                                                         *entries),
         "dense and gathered: the step's [S, E, d] copy of the entries": lambda: entries[0][entries[1], entries[2]],

@@ -111,6 +111,21 @@ def test_kernel_keys_radix_select_as_the_reference(S, Lq, E, levels, k):
 
 
 @kernel_runs_here
+@pytest.mark.parametrize(("S", "Lq", "E", "levels", "k"), KERNEL_CASES[:3])
+def test_both_forms_write_the_selection_as_the_reference_indices(S, Lq, E, levels, k):
+    """``indexer_topk_index``'s forms (the radix select writing indices, keys + ``torch.topk``) against the reference
+    (the selection's entries ascending, then -1), and the op on both sides of ``RADIX_MIN_ROWS``."""
+    scores, visible = long_case(S, Lq, E, levels, seed=E + 2)
+    want = ref.indexer_topk_index(scores.cpu(), visible.cpu(), k).reshape(-1, k)
+    for form in (indexer_topk.radix_topk_index, indexer_topk.keyed_topk_index):
+        got = form(scores.reshape(-1, E), visible.reshape(-1, E), k)
+        assert got.dtype == torch.int32 and torch.equal(got.cpu(), want), form.__name__
+    assert torch.equal(indexer_topk.indexer_topk_index(scores, visible, k).cpu(), want.view(S, Lq, k))
+    assert torch.equal(indexer_topk.indexer_topk_index(scores[..., :40], visible[..., :40], 64).cpu(),
+                       ref.visible_index(visible[..., :40].cpu(), 64))  # every entry fits: the visible ones
+
+
+@kernel_runs_here
 def test_the_op_takes_the_radix_kernel_from_radix_min_rows(monkeypatch):
     monkeypatch.setattr(indexer_topk, "RADIX_MIN_ROWS", 4)  # 64 by default: fewer rows keep the interpreter quick
     scores, visible = long_case(1, 4, 600, 4, seed=5)
@@ -127,7 +142,7 @@ def test_the_op_takes_the_radix_kernel_from_radix_min_rows(monkeypatch):
 @pytest.mark.skipif(INTERPRETED, reason="ahead-of-time compiles need the real Triton compiler, not the interpreter")
 @pytest.mark.parametrize("capability", [90, 100])
 def test_kernels_compile_for_sm90a_and_sm100a(capability):
-    """Both kernels compile for the GPU targets on a machine without one (Triton compiles ahead of time)."""
+    """The kernels compile for the GPU targets on a machine without one (Triton compiles ahead of time)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -137,6 +152,8 @@ def test_kernels_compile_for_sm90a_and_sm100a(capability):
                                "BLOCK": "constexpr"},
         "_order_keys_kernel": {"scores_ptr": "*fp32", "visible_ptr": "*u8", "keys_ptr": "*i64", "numel": "i64",
                                "E": "i32", "BLOCK": "constexpr"},
+        "_radix_topk_index_kernel": {"scores_ptr": "*fp32", "visible_ptr": "*u8", "out_ptr": "*i32", "E": "i32",
+                                     "k": "i32", "BLOCK": "constexpr"},
     }
     for name, signature in signatures.items():
         fn = getattr(indexer_topk, name)

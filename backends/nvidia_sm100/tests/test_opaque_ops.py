@@ -70,6 +70,8 @@ def _cases():
                                                                         rand(1, 5, 32, dtype=torch.bfloat16),
                                                                         rand(1, T, 4), 0.125)),
         "indexer_topk": (indexer_topk.indexer_topk, ref.indexer_topk, (rand(1, T, 9), rand(1, T, 9) > -0.5, 4)),
+        "indexer_topk_index": (indexer_topk.indexer_topk_index, ref.indexer_topk_index,
+                               (rand(1, T, 9), rand(1, T, 9) > -0.5, 4)),
         "gather_keys": (keys.gather_keys, ref.gather_keys, _key_case(rand)),
         "compressor_pool_windows": (compressor.pool_windows, _pool_windows_reference, _window_case(rand)),
         "moe_route_topk": (route.moe_route_topk, ref.moe_route_topk, (rand(T, E, dtype=torch.bfloat16), rand(E),

@@ -306,10 +306,11 @@ class Indexer:
         self.compressor = Compressor(reg, f"{prefix}.compressor", config, CSA, self.dim)
 
     def select(self, ops: OpTable, inputs: dict[str, torch.Tensor], q_residual, layout: StepLayout, keys_store,
-               query_rope, folding):
+               query_rope, folding, as_index: bool = False):
         """Bool ``[S, Lq, E]``: which compressed entries each query attends to (``inputs``: the layer input's
         projections by role, ``Attention.project``; ``folding``: the fork folding this step's keys into
-        ``keys_store``, joined before the scores read it)."""
+        ``keys_store``, joined before the scores read it). ``as_index``: where the indexer scores, the selection as
+        entry indices ``[S, Lq, topk]`` int32 instead (``indexer_topk_index``: ascending, -1 for none)."""
         ratio = self.compressor.ratio
         visible = layout.entries(ratio).visible  # [S, Lq, E]
         if visible.shape[-1] <= self.topk:  # the budget covers every entry: top-k selects all visible ones, unscored
@@ -322,13 +323,15 @@ class Indexer:
         q, head_weights = layout.pad(q), layout.pad(head_weights)  # [S, Lq, Hi, di], [S, Lq, Hi]
         S, Lq, E = visible.shape
         rows = query_slice_rows(S, Lq, E, self.chunk_entries)
+        topk = ops.indexer_topk_index if as_index else ops.indexer_topk
         if rows >= Lq:
-            return ops.indexer_topk(ops.indexer_scores(q, keys, head_weights, self.dim**-0.5), visible, self.topk)
-        selected = torch.empty_like(visible)  # [S, Lq, E]
+            return topk(ops.indexer_scores(q, keys, head_weights, self.dim**-0.5), visible, self.topk)
+        selected = (visible.new_empty((S, Lq, self.topk), dtype=torch.int32) if as_index
+                    else torch.empty_like(visible))  # [S, Lq, topk] or [S, Lq, E]
         for start in range(0, Lq, rows):
             part = slice(start, start + rows)
             scores = ops.indexer_scores(q[:, part], keys, head_weights[:, part], self.dim**-0.5)  # [S, rows, E]
-            selected[:, part] = ops.indexer_topk(scores, visible[:, part], self.topk)
+            selected[:, part] = topk(scores, visible[:, part], self.topk)
         return selected
 
 
@@ -430,15 +433,15 @@ class Attention:
         cos, sin = (layout.pad(t) for t in ctx.rope[self.rope_type])  # [S, Lq, rope_dim // 2] each
         selected = None
         if self.compressor is not None:
-            entry_visible = self._entry_visible(ops, inputs, q_residual, ctx, index_fold)  # [S, Lq, E]
+            entry_visible = self._entry_visible(ops, inputs, q_residual, ctx, index_fold)  # [S, Lq, E] or index
             if self.sparse != "dense" and entry_visible is not layout.entries(self.compressor.ratio).visible:
                 selected = entry_visible  # the indexer chose: attend to the chosen entries only
             else:
                 visible = layout.attention_visible(self.compressor.ratio, entry_visible)  # [S, Lq, Lk + E]
         if selected is not None and self.entries_in_place(layout):  # keys [S, Lk, hd]: the entries stay in store
             entries = layout.entries(self.compressor.ratio)
-            out = indexed_roped_attention(ops, layout.pad(q), keys, visible, selected, layout.window, self.indexer.topk,
-                                          self.sinks, self.head_dim**-0.5, self.eps, cos, sin,
+            out = indexed_roped_attention(ops, layout.pad(q), keys, visible, selected, layout.window, self.sinks,
+                                          self.head_dim**-0.5, self.eps, cos, sin,
                                           (ctx.state.compressed[self.layer_idx], entries.blocks, entries.rows))
         elif selected is not None:
             out = sparse_roped_attention(ops, layout.pad(q), keys, visible, selected, layout.window, self.indexer.topk,
@@ -484,12 +487,13 @@ class Attention:
                                      state.index_carry[layer], ctx.rope_args["compress"])
 
     def _entry_visible(self, ops, inputs, q_residual, ctx: StepContext, index_fold) -> torch.Tensor:
-        """Which compressed entries each query reads (``[S, Lq, E]``); the indexer's store is joined (``index_fold``)
-        where the indexer scores."""
+        """Which compressed entries each query reads (``[S, Lq, E]``; where the attention reads the entries in place,
+        ``entries_in_place``, the indexer's selection as indices ``[S, Lq, topk]``); the indexer's store is joined
+        (``index_fold``) where the indexer scores."""
         visible = ctx.layout.entries(self.compressor.ratio).visible
         if self.indexer is not None:
             visible = self.indexer.select(ops, inputs, q_residual, ctx.layout, ctx.state.index_keys[self.layer_idx],
-                                          ctx.rope["compress"], index_fold)
+                                          ctx.rope["compress"], index_fold, self.entries_in_place(ctx.layout))
         return visible
 
 

@@ -7,10 +7,10 @@ context although each row reads ``window + k`` keys. ``DEEPINFER_SPARSE_CSA_ATTE
 indexer selects reads them instead (``sparse_mode``):
 
 - ``1`` (``index``): as DeepSeek's FlashMLA sparse kernels do, each row lists the keys it reads, ``index [S, Lq, W +
-  k]`` (its window keys, then its selected entries offset by ``Lk``, both ascending, -1 for none: ``ops.visible_index``
-  of the masks), and ``ops.roped_sparse_sink_attention`` reads them in place: the window keys from the step's ``[S,
-  Lk, d]``, the entries from the layer's paged compressed-entry store (the step gathers no ``[S, E, d]`` copy of
-  them), with no ``[S, Lq, Lk + E]`` mask.
+  k]`` (its window keys, ``ops.visible_index`` of the window's mask, then its selected entries offset by ``Lk`` as the
+  indexer's top-k writes them, ``ops.indexer_topk_index``, -1 for none), and ``ops.roped_sparse_sink_attention`` reads
+  them in place: the window keys from the step's ``[S, Lk, d]``, the entries from the layer's paged compressed-entry
+  store (the step gathers no ``[S, E, d]`` copy of them), with no selection mask and no ``[S, Lq, Lk + E]`` mask.
 - ``gather``: each query row becomes a one-query row of its own with the keys it reads gathered (``[S * Lq, W + k,
   d]``) through the table's ``roped_sink_attention`` over decode-shaped rows, in slices of at most ``GATHER_BYTES``.
 
@@ -44,25 +44,25 @@ def sparse_mode(environ=None) -> str:
 
 
 def indexed_roped_attention(ops: OpTable, q: torch.Tensor, keys: torch.Tensor, window_visible: torch.Tensor,
-                            selected: torch.Tensor, window: int, topk: int, sinks: torch.Tensor, scale: float,
-                            eps: float, cos: torch.Tensor, sin: torch.Tensor, entries: tuple = ()) -> torch.Tensor:
+                            entry_index: torch.Tensor, window: int, sinks: torch.Tensor, scale: float, eps: float,
+                            cos: torch.Tensor, sin: torch.Tensor, entries: tuple = ()) -> torch.Tensor:
     """``ops.roped_sparse_sink_attention`` of ``q [S, Lq, H, d]`` over the keys visible through ``window_visible [S,
-    Lq, Lk]`` (at most ``window`` per row) and ``selected [S, Lq, E]`` (at most ``topk``), each row reading its listed
-    keys in place: ``keys [S, Lk + E, d]``, or ``keys [S, Lk, d]`` (the window's) and ``entries`` = (paged store,
-    entry blocks ``[S, E]``, entry rows ``[S, E]``), the compressed entries where they lie. ``cos`` / ``sin``: ``[S,
-    Lq, rope_dim // 2]``. Returns ``[S, Lq, H, d]``."""
-    return ops.roped_sparse_sink_attention(q, keys, key_index(ops, window_visible, selected, window, topk), sinks,
-                                           scale, eps, cos, sin, *entries)
+    Lq, Lk]`` (at most ``window`` per row) and the entries ``entry_index [S, Lq, k]`` (the indexer's selection,
+    ``ops.indexer_topk_index``: -1 for none), each row reading its listed keys in place: ``keys [S, Lk + E, d]``, or
+    ``keys [S, Lk, d]`` (the window's) and ``entries`` = (paged store, entry blocks ``[S, E]``, entry rows ``[S,
+    E]``), the compressed entries where they lie. ``cos`` / ``sin``: ``[S, Lq, rope_dim // 2]``. Returns ``[S, Lq, H,
+    d]``."""
+    return ops.roped_sparse_sink_attention(q, keys, key_index(ops, window_visible, entry_index, window), sinks, scale,
+                                           eps, cos, sin, *entries)
 
 
-def key_index(ops: OpTable, window_visible: torch.Tensor, selected: torch.Tensor, window: int,
-              topk: int) -> torch.Tensor:
-    """``[S, Lq, W + k]`` int32: each row's window keys (``W = min(window, Lk)``), then its selected entries (``k =
-    min(topk, E)``) as indices into the keys ``[S, Lk + E, d]``, ascending, -1 for none."""
+def key_index(ops: OpTable, window_visible: torch.Tensor, entry_index: torch.Tensor, window: int) -> torch.Tensor:
+    """``[S, Lq, W + k]`` int32: each row's window keys (``W = min(window, Lk)``, ``ops.visible_index`` of
+    ``window_visible [S, Lq, Lk]``), then its entries ``entry_index [S, Lq, k]`` offset by ``Lk``, as indices into the
+    keys ``[S, Lk + E, d]``, -1 for none."""
     Lk = window_visible.shape[-1]
     window_index = ops.visible_index(window_visible, min(window, Lk))  # [S, Lq, W]
-    entry_index = ops.visible_index(selected, min(topk, selected.shape[-1]))  # [S, Lq, k]
-    return torch.cat([window_index, torch.where(entry_index >= 0, entry_index + Lk, -1)], dim=-1)
+    return torch.cat([window_index, torch.where(entry_index >= 0, entry_index + Lk, -1).to(torch.int32)], dim=-1)
 
 
 def row_key_indices(visible: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_core.ops import reference as ref
 from deepinfer_nvidia_sm100 import envs
 from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 
@@ -98,12 +99,10 @@ def _radix_keys(scores_ptr, visible_ptr, offs, inside):
 
 
 @triton.jit
-def _radix_topk_kernel(scores_ptr, visible_ptr, out_ptr, E, k, BLOCK: tl.constexpr):
-    """Program (query row): the row's ``k``-th largest key ``T`` by an MSB-first radix select, 4 bits a pass (8
-    passes over the row, counting only keys that match the digits found so far), then one pass that selects keys
-    above ``T`` and, of those equal to ``T``, the first ``need`` in index order (lower entry index wins), and writes
-    the row's selection (visible entries only) as uint8. Needs ``E > k``."""
-    base = tl.program_id(0).to(tl.int64) * E
+def _radix_threshold(scores_ptr, visible_ptr, base, E, k, BLOCK: tl.constexpr):
+    """The row's (at ``base``) ``k``-th largest key ``T`` by an MSB-first radix select, 4 bits a pass (8 passes over
+    the row, counting only keys that match the digits found so far), and ``need``: how many keys equal to ``T`` the
+    selection takes."""
     bins = tl.arange(0, 16)  # [16]
     prefix = tl.full((), 0, tl.uint32)
     known = tl.full((), 0, tl.uint32)
@@ -123,6 +122,16 @@ def _radix_topk_kernel(scores_ptr, visible_ptr, out_ptr, E, k, BLOCK: tl.constex
         need -= tl.sum(tl.where(bins > d, counts, 0), axis=0)
         prefix = prefix | (d.to(tl.uint32) << shift)
         known = known | (tl.full((), 15, tl.uint32) << shift)
+    return prefix, need
+
+
+@triton.jit
+def _radix_topk_kernel(scores_ptr, visible_ptr, out_ptr, E, k, BLOCK: tl.constexpr):
+    """Program (query row): the row's ``k``-th largest key ``T`` (``_radix_threshold``), then one pass that selects
+    keys above ``T`` and, of those equal to ``T``, the first ``need`` in index order (lower entry index wins), and
+    writes the row's selection (visible entries only) as uint8. Needs ``E > k``."""
+    base = tl.program_id(0).to(tl.int64) * E
+    prefix, need = _radix_threshold(scores_ptr, visible_ptr, base, E, k, BLOCK)
     taken = tl.full((), 0, tl.int32)
     for start in range(0, E, BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -133,6 +142,31 @@ def _radix_topk_kernel(scores_ptr, visible_ptr, out_ptr, E, k, BLOCK: tl.constex
         chosen = inside & ((keys > prefix) | (tie & (rank <= need))) & seen
         taken += tl.sum(tie.to(tl.int32), axis=0)
         tl.store(out_ptr + base + offs, chosen.to(tl.uint8), mask=inside)
+
+
+@triton.jit
+def _radix_topk_index_kernel(scores_ptr, visible_ptr, out_ptr, E, k, BLOCK: tl.constexpr):
+    """Program (query row): ``_radix_topk_kernel``'s selection written as the entries' indices ``[k]`` int32,
+    ascending, then -1 (visible entries only). Needs ``E > k``."""
+    row = tl.program_id(0).to(tl.int64)
+    base = row * E
+    prefix, need = _radix_threshold(scores_ptr, visible_ptr, base, E, k, BLOCK)
+    taken = tl.full((), 0, tl.int32)
+    found = tl.full((), 0, tl.int32)
+    for start in range(0, E, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < E
+        keys, seen = _radix_keys(scores_ptr, visible_ptr, base + offs, inside)
+        tie = inside & (keys == prefix)
+        rank = taken + tl.cumsum(tie.to(tl.int32), axis=0)
+        chosen = (inside & ((keys > prefix) | (tie & (rank <= need))) & seen).to(tl.int32)
+        taken += tl.sum(tie.to(tl.int32), axis=0)
+        slot = found + tl.cumsum(chosen, axis=0) - 1  # [B]: the entry's place in the row's list
+        tl.store(out_ptr + row * k + slot, offs.to(tl.int32), mask=chosen > 0)
+        found += tl.sum(chosen, axis=0)
+    for start in range(0, k, BLOCK):
+        slot = start + tl.arange(0, BLOCK)
+        tl.store(out_ptr + row * k + slot, tl.full([BLOCK], -1, tl.int32), mask=(slot >= found) & (slot < k))
 
 
 RADIX_MIN_ROWS = 64  # fewer query rows (decode): too few programs for one per row; keys and torch.topk instead
@@ -147,6 +181,26 @@ def radix_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Ten
     R, E = scores.shape
     _radix_topk_kernel[(R,)](scores, seen, out.view(torch.uint8), E, k, BLOCK=BLOCK, num_warps=4)
     return out
+
+
+def radix_topk_index(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+    """The selection's entry indices ``[R, k]`` int32 (ascending, then -1) of fp32 ``scores [R, E]`` under ``visible
+    [R, E]`` by ``_radix_topk_index_kernel`` (``E > k``)."""
+    scores = scores.float().contiguous()
+    seen = visible.contiguous().view(torch.uint8)
+    R, E = scores.shape
+    out = torch.empty(R, k, dtype=torch.int32, device=scores.device)
+    _radix_topk_index_kernel[(R,)](scores, seen, out, E, k, BLOCK=BLOCK, num_warps=4)
+    return out
+
+
+def keyed_topk_index(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+    """The selection's entry indices ``[R, k]`` int32 (ascending, then -1) by order keys and ``torch.topk`` (``E >
+    k``)."""
+    E = scores.shape[-1]
+    index = torch.topk(order_keys(scores, visible), k, dim=-1, sorted=False).indices  # [R, k]
+    index = torch.where(visible.gather(-1, index), index, E).sort(dim=-1).values  # the visible ones first, ascending
+    return torch.where(index < E, index, -1).to(torch.int32)
 
 
 def keyed_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
@@ -179,3 +233,22 @@ def indexer_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.T
     if on_triton and rows_scores.shape[0] >= RADIX_MIN_ROWS and envs.DEEPINFER_NVIDIA_RADIX_TOPK:
         return radix_topk(rows_scores, rows_visible, k).view(visible.shape)
     return keyed_topk(rows_scores, rows_visible, k).view(visible.shape)
+
+
+def _topk_index_fake(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+    return visible.new_empty((*visible.shape[:-1], k), dtype=torch.int32)
+
+
+@opaque_under_compile("indexer_topk_index", _topk_index_fake)
+def indexer_topk_index(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+    """Op ``indexer_topk_index`` (the reference's selection as indices): ``scores [S, Lq, E]``, ``visible [S, Lq, E]``
+    bool -> ``[S, Lq, k]`` int32, each row's selected entries ascending, then -1. Where every entry fits the budget,
+    the visible ones."""
+    E = scores.shape[-1]
+    if E <= k or visible.numel() == 0:  # every entry fits the budget: the visible ones
+        return ref.visible_index(visible, k)
+    rows_scores, rows_visible = scores.reshape(-1, E), visible.reshape(-1, E)  # [R, E] each
+    on_triton = scores.device.type == "cuda" or _interpreted()
+    if on_triton and rows_scores.shape[0] >= RADIX_MIN_ROWS and envs.DEEPINFER_NVIDIA_RADIX_TOPK:
+        return radix_topk_index(rows_scores, rows_visible, k).view(*visible.shape[:-1], k)
+    return keyed_topk_index(rows_scores, rows_visible, k).view(*visible.shape[:-1], k)

@@ -159,6 +159,10 @@ VARIANTS["hc_post_sum"] = _ref.post_sum(VARIANTS["hc_post"])
 VARIANTS["roped_sink_attention"] = _ref.roped_attention(_ref.rms_norm_rope, VARIANTS["sink_attention"],
                                                        _ref.apply_rope_)
 """The reference query norm and RoPE (kept below), this module's ``sink_attention``, the reference's RoPE back."""
+VARIANTS["sparse_sink_attention"] = _ref.rows_sparse_attention(VARIANTS["sink_attention"])
+VARIANTS["roped_sparse_sink_attention"] = _ref.roped_sparse_attention(_ref.rms_norm_rope, VARIANTS["sparse_sink_attention"],
+                                                                     _ref.apply_rope_)
+"""Top-k sparse attention: each query row over its own listed keys through this module's ``sink_attention``."""
 VARIANTS.update(quantized.variants(VARIANTS))
 """The quantized-weight ops: exact dequantization, then this module's linear / MLP / expert ops."""
 
@@ -177,6 +181,8 @@ REFERENCE_KEPT: dict[str, str] = {
     "write_rows_": "a gather and a scatter of whole rows: no arithmetic",
     "rms_norm_rope": "rms_norm / unweighted_rms_norm, then apply_rope_: each kept above",
     "decode_key_index": "integer index math per sequence: no floating point",
+    "visible_index": "integer compaction of a mask row: no floating point",
+    "indexer_topk_index": "indexer_topk (kept) and visible_index: a permutation and integer compaction",
     "decode_entry_places": "integer index math per sequence and a gather: no floating point",
     "decode_window_plan": "integer index math per sequence and a gather: no floating point",
     "moe_experts_expert_parallel": "whole rows moved by all-to-all; the local experts run through the table's "

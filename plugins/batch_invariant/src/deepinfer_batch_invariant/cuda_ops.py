@@ -145,6 +145,10 @@ VARIANTS["hc_post_sum"] = _ref.post_sum(VARIANTS["hc_post"])
 VARIANTS["roped_sink_attention"] = _ref.roped_attention(VARIANTS["rms_norm_rope"], VARIANTS["sink_attention"],
                                                        _ref.apply_rope_)
 """The fused ops as their parts above, one after the other."""
+VARIANTS["sparse_sink_attention"] = _ref.rows_sparse_attention(VARIANTS["sink_attention"])
+VARIANTS["roped_sparse_sink_attention"] = _ref.roped_sparse_attention(VARIANTS["rms_norm_rope"], VARIANTS["sparse_sink_attention"],
+                                                                     _ref.apply_rope_)
+"""Top-k sparse attention: each query row over its own listed keys through this module's ``sink_attention``."""
 VARIANTS.update(quantized.variants(VARIANTS))
 """The quantized-weight ops: exact dequantization, then this module's linear / MLP / expert ops."""
 
@@ -160,6 +164,8 @@ REFERENCE_KEPT: dict[str, str] = {
     "fork": "runs its function at once, on the one stream: no arithmetic of its own",
     "write_rows_": "a gather and a scatter of whole rows: no arithmetic",
     "decode_key_index": "integer index math per sequence: no floating point",
+    "visible_index": "integer compaction of a mask row: no floating point",
+    "indexer_topk_index": "indexer_topk (kept) and visible_index: a permutation and integer compaction",
     "decode_entry_places": "integer index math per sequence and a gather: no floating point",
     "decode_window_plan": "integer index math per sequence and a gather: no floating point",
     "moe_experts_expert_parallel": "whole rows moved by all-to-all; the local experts run through the table's "
