@@ -28,9 +28,12 @@ def _run(folder, prompts, params, calls):
     return [(o.prompt_logprobs, o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
 
 
-def test_sliced_selection_gives_the_same_bits_as_one_call(tmp_path, monkeypatch):
+@pytest.mark.parametrize("sparse", ["0", "1"])  # the selection as a mask; as indices (indexer_topk_index)
+def test_sliced_selection_gives_the_same_bits_as_one_call(tmp_path, monkeypatch, sparse):
     pytest.importorskip("transformers")
     from v4_factory import ALL_TYPES, tiny_checkpoint
+
+    monkeypatch.setenv("DEEPINFER_SPARSE_CSA_ATTENTION", sparse)
 
     tiny_checkpoint(tmp_path, layer_types=ALL_TYPES * 2, index_topk=3)  # CSA ratio 4: sparse beyond 12 tokens
     prompts = [{"prompt_token_ids": [(7 * i + j) % 60 + 2 for i in range(n)]} for j, n in enumerate((90, 61, 20))]
