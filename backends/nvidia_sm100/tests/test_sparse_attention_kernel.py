@@ -85,6 +85,27 @@ def test_kernel_reads_entries_from_a_paged_store(splits, dtype):
     torch.testing.assert_close(got, gathered, atol=tol, rtol=tol)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="V4's attention shape: long under the interpreter")
+@pytest.mark.parametrize(("Lq", "splits", "block_h"), [(1, 5, 16), (4, 1, 16), (64, 1, 16), (64, 1, 64)])
+def test_v4_shape_with_the_entries_in_a_paged_store_on_the_gpu(Lq, splits, block_h):
+    """bf16, 64 heads x 512, V4's window and top-512 among 8,192 entries read from a paged store: decode rows split,
+    prefill rows whole, against the fp32 reference on the same bf16 inputs; and in a CUDA graph."""
+    Lk, E, H, d = 127 + Lq, 8192, 64, 512
+    q, kv, index, sinks = case(1, Lq, Lk, E, H, d, 128, 512, torch.bfloat16, seed=Lq)
+    store, blocks, rows = paged(kv[:, Lk:], 64, seed=Lq)
+    args = (q, kv[:, :Lk], index, sinks, d**-0.5, splits, block_h, store, blocks, rows)
+    got = sparse_attention.sparse_attention(*args)
+    want = ref.sparse_sink_attention(q.float(), kv[:, :Lk].float(), index, sinks, d**-0.5, store.float(), blocks,
+                                     rows)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    graph = torch.cuda.CUDAGraph()
+    sparse_attention.sparse_attention(*args)  # compiled before the capture
+    with torch.cuda.graph(graph):
+        replayed = sparse_attention.sparse_attention(*args)
+    graph.replay()
+    assert torch.equal(replayed, got)
+
+
 @kernel_runs_here
 @pytest.mark.parametrize(("H", "block_h", "splits"), [(32, 32, 1), (64, 64, 1), (64, 32, 2)])
 def test_wider_head_blocks_equal_the_reference(H, block_h, splits):
