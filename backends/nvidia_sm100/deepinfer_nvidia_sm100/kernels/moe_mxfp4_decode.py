@@ -47,10 +47,11 @@ ONE_TOKEN = False  # one token through these kernels (four launches) rather than
 
 
 def used(num_tokens: int, num_assign: int, num_experts: int, x: torch.Tensor) -> bool:
-    """Whether ``moe_quant``'s MXFP4 op takes these kernels: bf16 / fp16 / fp32 activations, at most
-    ``MAX_PER_EXPERT`` assignments per expert on average, one token only with ``ONE_TOKEN``."""
-    return (x.dtype in (torch.bfloat16, torch.float16, torch.float32) and num_assign <= MAX_PER_EXPERT * num_experts
-            and (num_tokens > 1 or ONE_TOKEN))
+    """Whether ``moe_quant``'s MXFP4 op takes these kernels: fp16 / fp32 activations, bf16 ones with a bf16 decode
+    (on a GPU: Triton's interpreter multiplies bf16 tiles wrongly), at most ``MAX_PER_EXPERT`` assignments per expert
+    on average, one token only with ``ONE_TOKEN``."""
+    dtype_ok = x.dtype in (torch.float16, torch.float32) or (x.dtype == torch.bfloat16 and decode_mode(x) != FLOAT32)
+    return dtype_ok and num_assign <= MAX_PER_EXPERT * num_experts and (num_tokens > 1 or ONE_TOKEN)
 
 
 def tile(num_assign: int, num_experts: int) -> tuple[int, int, int, int, int, bool]:
