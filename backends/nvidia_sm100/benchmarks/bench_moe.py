@@ -5,7 +5,9 @@
 Checks the Triton kernels and the grouped-GEMM path (``torch._grouped_mm``, expert runs padded to 16 rows or
 unpadded) against the reference op first, then times (CUDA events, median of repeats, after warmup; weights
 normal(0, 0.02), never zeros) the reference op (eager), the op as the backend runs it, the Triton kernels, the
-grouped-GEMM path, and the op replayed from a CUDA graph. Floor = max(unique experts' weight bytes / 4.25 TB/s,
+grouped-GEMM path, the batch-invariant mode's op (``invariant.moe_experts``) and the op replayed from a CUDA graph;
+then lists which variants give the mode's op's bits (were the CUTLASS grouped GEMM's bits the Triton tiles', the mode
+could take it for prefill). Floor = max(unique experts' weight bytes / 4.25 TB/s,
 FLOPs / 799 TFLOP/s) (the H200's ceilings, docs/performance.md).
 """
 
@@ -21,7 +23,7 @@ BW, FLOPS = 4.25e12, 799e12
 
 
 def main() -> None:
-    from deepinfer_nvidia_sm100.kernels import moe
+    from deepinfer_nvidia_sm100.kernels import invariant, moe
 
     torch.manual_seed(0)
     dt = torch.bfloat16
@@ -33,15 +35,18 @@ def main() -> None:
         "triton": lambda *a: moe._moe_experts(*a, moe._config(a[1].numel(), E)),
         "grouped/16": lambda *a: moe.moe_experts_grouped(*a, group_align=16),
         "grouped/1": lambda *a: moe.moe_experts_grouped(*a, group_align=1),
+        "invariant": lambda *a: invariant.moe_experts(*a),
     }
-    rows = []
+    rows, same = [], {}
     for T in (1, 16, 64, 256, 1024, 2048, 4096, 8192):
         x = torch.randn(T, D, device="cuda").to(dt)
         ids = torch.rand(T, E, device="cuda").topk(K, dim=-1).indices
         weights = torch.rand(T, K, device="cuda")
         args = (x, ids, weights, w1, w2, w3, 10.0)
         want = ref.moe_experts(*args).float()
-        errs = {name: ((fn(*args).float() - want).abs().max() / want.abs().max()).item() for name, fn in variants.items()}
+        outs = {name: fn(*args) for name, fn in variants.items()}
+        errs = {name: ((out.float() - want).abs().max() / want.abs().max()).item() for name, out in outs.items()}
+        same[T] = [name for name in ("triton", "grouped/16", "grouped/1") if torch.equal(outs[name], outs["invariant"])]
         unique = ids.unique().numel()
         floor = max(unique * 3 * I * D * 2 / BW, T * K * 3 * 2 * D * I / FLOPS)
         times = {"reference": cuda_time(lambda a=args: ref.moe_experts(*a), reps=5 if T > 256 else 20)}
@@ -61,6 +66,9 @@ def main() -> None:
     for T, _, _, floor, times in rows:
         best = min(variants, key=lambda n: times[n])
         print(f"  {T:5d} tokens: {best} {times[best] * 1e3:.3f} ms = {100 * floor / times[best]:.0f}% of floor")
+    print("\nBitwise equal to the batch-invariant mode's tiles (invariant.moe_tile), per size:")
+    for T, names_equal in same.items():
+        print(f"  {T:5d} tokens: {', '.join(names_equal) or 'none'}")
 
 
 if __name__ == "__main__":
