@@ -3,6 +3,7 @@ blocks) and fp8 block linears (bf16 vs weight-only fp8 vs fp8 tensor cores), bf1
 
     python backends/nvidia_sm100/benchmarks/bench_quant.py      # on a GPU: every section
     python backends/nvidia_sm100/benchmarks/bench_quant.py fp8  # the fp8 linears only: A/B table, sweep, summary
+    python backends/nvidia_sm100/benchmarks/bench_quant.py mxfp4  # MXFP4 experts at decode sizes (bench_mxfp4_decode)
     KERNELS=bench_quant KERNEL_TIMEOUT=550 bash backends/nvidia_sm100/benchmarks/h200_session.sh kernels
 
 Every variant is first checked against its reference op (``reference.moe_experts_mxfp4``, ``linear_fp8_block``,
@@ -362,10 +363,10 @@ def sweep_linear() -> None:
 
 
 def main() -> None:
-    """Sections by name on the command line (``moe``, ``fp8``: the fp8 linear A/B table, its sweep and summary);
-    all of them without."""
+    """Sections by name on the command line (``moe``, ``fp8``: the fp8 linear A/B table, its sweep and summary;
+    ``mxfp4``: ``bench_mxfp4_decode``); all of them without."""
     sys.stdout.reconfigure(line_buffering=True)  # rows reach the log as they finish, even if the run is cut short
-    sections = set(sys.argv[1:]) or {"moe", "fp8"}
+    sections = set(sys.argv[1:]) or {"moe", "fp8", "mxfp4"}
     print(torch.cuda.get_device_name())
     if "moe" in sections:
         bench_moe()
@@ -375,6 +376,10 @@ def main() -> None:
     if "fp8" in sections:
         sweep_linear()
         fp8_summary(results)
+    if "mxfp4" in sections:  # MXFP4 experts at decode sizes, old vs moe_mxfp4_decode, its summary last
+        from bench_mxfp4_decode import bench_mxfp4_decode
+
+        bench_mxfp4_decode()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,131 @@
+"""MXFP4 routed experts at decode sizes, old kernels vs ``moe_mxfp4_decode``, on the ``v4-flash-8l64e-fp4`` preset's
+experts (E=64, top-6, D=4096, I=2048, bf16 activations, one layer): section ``mxfp4`` of bench_quant.py.
+
+    python backends/nvidia_sm100/benchmarks/bench_quant.py mxfp4        # this section alone (~30 s)
+    python backends/nvidia_sm100/benchmarks/bench_mxfp4_decode.py       # the same
+
+Per token count (1, 16, 64, 256, 1024) every variant is first checked against ``reference.moe_experts_mxfp4``
+(max error relative to the largest output < 2e-2), then timed: replayed from a CUDA graph up to 256 tokens, eagerly
+beyond (CUDA events, median). Rows of the sweep, ``tokens: variant -> time``:
+
+* ``bf16``: ``moe.moe_experts`` on the same experts in bf16 (the preset the fp4 one is measured against);
+* ``old``: the MXFP4 kernels before ``moe_mxfp4_decode``, as the op ran them (one token: the two row kernels,
+  ``moe_quant.ROW_TILES``; more: the grouped kernels with ``tl.dot_scaled``, ``moe_quant._tiles``' launch);
+* ``op``: ``moe_quant.moe_experts_mxfp4`` as it runs now (``moe_mxfp4_decode.used`` picks the path);
+* ``new (BM, BN, G, warps, stages, swap)``: ``moe_mxfp4_decode.run`` with that launch (the first is ``tile``'s
+  default), ``portable``: its bf16 decode without inline PTX.
+
+Floor = bytes of the touched experts' packed weights and scales / 4.25 TB/s (the H200's HBM roofline), % = floor /
+time. The summary last: per token count the floor, bf16, old, the best new launch and op, and op's speed-up over old
+and over bf16.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cuda_timing import cuda_time, graphed
+
+from deepinfer_core.ops import reference as ref
+from deepinfer_core.quant import mxfp4
+
+E, TOP_K, D, I = 64, 6, 4096, 2048
+BW = 4.25e12
+TOKENS = (1, 16, 64, 256, 1024)
+GRAPH_MAX_TOKENS = 256
+LIMIT = 10.0
+LAUNCHES = {  # tokens -> moe_mxfp4_decode launches tried beside its default (BM, BN, GROUPS, warps, stages, SWAP)
+    1: ((16, 64, 4, 4, 3, True), (16, 32, 4, 4, 3, False)),
+    16: ((16, 64, 2, 4, 3, False), (16, 64, 4, 4, 3, True), (16, 32, 4, 4, 3, False)),
+    64: ((16, 64, 2, 4, 3, False), (16, 64, 4, 8, 3, False)),
+    256: ((16, 64, 4, 4, 3, False), (32, 64, 4, 4, 3, False)),
+    1024: ((64, 64, 2, 4, 3, False), (64, 128, 2, 8, 3, False)),
+}
+
+
+def _seconds(fn, tokens: int) -> float | None:
+    if tokens > GRAPH_MAX_TOKENS:
+        return cuda_time(fn, reps=10)
+    replay = graphed(fn, strict=False)
+    return cuda_time(replay, reps=10) if replay is not None else None
+
+
+def _cell(seconds: float | None, floor: float) -> str:
+    return f"{seconds * 1e6:.1f} us ({100 * floor / seconds:.0f}%)" if seconds else "failed"
+
+
+def _variants(T: int, x, ids, routing, dense, stored) -> dict:
+    """Name -> function of no arguments, for ``T`` tokens."""
+    from deepinfer_nvidia_sm100.kernels import moe, moe_mxfp4_decode, moe_quant
+
+    raw = [t.view(torch.uint8) for t in stored]
+    if T == 1:
+        old = lambda: moe_quant._run(moe_quant.MXFP4, x, ids, routing, *stored, moe_quant.MXFP4_BLOCK, LIMIT,
+                                     row_kernels=True)
+    else:
+        old_tile = moe_quant._tiles(moe_quant.MXFP4, T * TOP_K, E, moe_quant.MXFP4_BLOCK)
+        old = lambda: moe_quant._run(moe_quant.MXFP4, x, ids, routing, *stored, moe_quant.MXFP4_BLOCK, LIMIT,
+                                     old_tile, row_kernels=False)
+    default = moe_mxfp4_decode.tile(T * TOP_K, E)
+    variants = {
+        "bf16": lambda: moe.moe_experts(x, ids, routing, dense[0], dense[1], dense[2], LIMIT),
+        "old": old,
+        "op": lambda: moe_quant.moe_experts_mxfp4(x, ids, routing, *stored, LIMIT),
+    }
+    for launch in (default, *LAUNCHES[T]):
+        variants[f"new {launch}"] = lambda launch=launch: moe_mxfp4_decode.run(x, ids, routing, *raw, LIMIT, launch)
+    if T == 64:
+        variants["new portable"] = lambda: moe_mxfp4_decode.run(x, ids, routing, *raw, LIMIT, default,
+                                                                moe_mxfp4_decode.PORTABLE)
+    return variants
+
+
+def bench_mxfp4_decode() -> None:
+    """The sweep, then the summary (see the module docstring)."""
+    from deepinfer_nvidia_sm100.kernels import moe_mxfp4_decode
+
+    torch.manual_seed(0)
+    dense = [(torch.randn(E, r, c, device="cuda") * 0.02).to(torch.bfloat16) for r, c in ((I, D), (D, I), (I, D))]
+    stored = [t for w in dense for t in mxfp4.quantize(w)]
+    print(f"\nMXFP4 experts at decode sizes (E={E} top-{TOP_K} D={D} I={I}, one layer): old kernels vs "
+          f"moe_mxfp4_decode (MAX_PER_EXPERT={moe_mxfp4_decode.MAX_PER_EXPERT}, ONE_TOKEN={moe_mxfp4_decode.ONE_TOKEN}, "
+          f"BF16_DECODE={moe_mxfp4_decode.BF16_DECODE}); time (% of the HBM floor)")
+    summary = []
+    for T in TOKENS:
+        x = torch.randn(T, D, device="cuda").to(torch.bfloat16)
+        ids = torch.rand(T, E, device="cuda").topk(TOP_K, dim=-1).indices
+        routing = torch.rand(T, TOP_K, device="cuda")
+        touched = ids.unique().numel()
+        floor = touched * 3 * I * D * (0.5 + 1 / mxfp4.GROUP) / BW
+        want = ref.moe_experts_mxfp4(x, ids, routing, *stored, LIMIT).float()
+        times, cells = {}, []
+        for name, fn in _variants(T, x, ids, routing, dense, stored).items():
+            err = ((fn().float() - want).abs().max() / want.abs().max()).item()
+            if not err < 2e-2:  # NaN too
+                cells.append(f"{name}: WRONG (error {err:.1e})")
+                continue
+            times[name] = _seconds(fn, T)
+            cells.append(f"{name}: {_cell(times[name], floor)}")
+        print(f"  {T} tokens ({touched} experts, floor {floor * 1e6:.1f} us): " + "; ".join(cells))
+        summary.append((T, floor, times))
+    print("\nsummary: MXFP4 experts per layer, time (% of floor); op / old and op / bf16 as speed-ups")
+    print("| tokens | floor | bf16 | old | best new (launch) | op | op vs old | op vs bf16 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for T, floor, times in summary:
+        new = {k: v for k, v in times.items() if k.startswith("new") and v}
+        best = min(new, key=new.get) if new else None
+        op, old, bf16 = times.get("op"), times.get("old"), times.get("bf16")
+        ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"
+        print(f"| {T} | {floor * 1e6:.1f} us | {_cell(bf16, floor)} | {_cell(old, floor)} | "
+              f"{_cell(new[best], floor) + ' ' + best[4:] if best else '-'} | {_cell(op, floor)} | "
+              f"{ratio(old, op)} | {ratio(bf16, op)} |")
+
+
+if __name__ == "__main__":
+    sys.stdout.reconfigure(line_buffering=True)
+    print(torch.cuda.get_device_name())
+    bench_mxfp4_decode()
