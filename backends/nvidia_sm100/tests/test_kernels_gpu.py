@@ -329,12 +329,35 @@ def test_mxfp4_experts_other_paths_match_reference_at_preset_sizes(path, monkeyp
         monkeypatch.setattr(moe_quant, "ONE_TOKEN_ROW_KERNELS", False)
     else:
         monkeypatch.setenv("DEEPINFER_NVIDIA_MXFP4_DOT_SCALED", "0")
+        monkeypatch.setattr(moe_quant.moe_mxfp4_decode, "MAX_PER_EXPERT", 0)  # the grouped kernels, not these
     gen = torch.Generator(device="cuda").manual_seed(T)
     x = torch.randn(T, D, device="cuda", generator=gen).to(torch.bfloat16)
     ids = torch.rand(T, E, device="cuda", generator=gen).topk(k, dim=-1).indices
     weights = torch.rand(T, k, device="cuda", generator=gen)
     stored = _quantized_experts("mxfp4", E, D, I)
     got = moe_quant.moe_experts_mxfp4(x, ids, weights, *stored, 0.5)
+    want = ref.moe_experts_mxfp4(x, ids, weights, *stored, 0.5)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("T", [1, 16, 64, 256])
+@pytest.mark.parametrize("variant", ["default", "swap", "no swap", "portable"])
+def test_mxfp4_decode_kernels_match_reference_at_preset_sizes(T, variant):
+    """``moe_mxfp4_decode`` at the preset's widths, bf16: its default launch for the token count (PTX decode), the
+    weights on the left / right of the product, and the decode without inline PTX; against the reference op."""
+    from deepinfer_nvidia_sm100.kernels import moe_mxfp4_decode
+
+    E, k, D, I = 64, 6, 4096, 2048
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    x = torch.randn(T, D, device="cuda", generator=gen).to(torch.bfloat16)
+    ids = torch.rand(T, E, device="cuda", generator=gen).topk(k, dim=-1).indices
+    weights = torch.rand(T, k, device="cuda", generator=gen)
+    stored = _quantized_experts("mxfp4", E, D, I)
+    launch = list(moe_mxfp4_decode.tile(T * k, E))
+    if variant in ("swap", "no swap"):
+        launch[5] = variant == "swap"
+    decode = moe_mxfp4_decode.PORTABLE if variant == "portable" else None
+    got = moe_mxfp4_decode.run(x, ids, weights, *(t.view(torch.uint8) for t in stored), 0.5, tuple(launch), decode)
     want = ref.moe_experts_mxfp4(x, ids, weights, *stored, 0.5)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
