@@ -161,6 +161,9 @@ def test_wide_gemm_launch_gives_the_split_launch_bits(monkeypatch):
     monkeypatch.setattr(triton_kernels, "WIDE_MIN_ROWS", 100)
     alone = triton_kernels.matmul_nt(x[:2, 0], w)
     assert torch.equal(triton_kernels.matmul_nt(x[:, 0], w)[:2], alone)
+    xs, ws = torch.randn(1200, 1, 64, generator=gen).to(bf16), torch.randn(300, 64, generator=gen).to(bf16)
+    assert torch.equal(triton_kernels._grouped_matmul(xs, ws, 1, wide=True),  # 10 row tiles: two groups of 8 and 2
+                       triton_kernels._grouped_matmul(xs, ws, 1, wide=False))
 
 
 def test_split_k_partials_folded_by_each_tiles_last_program(monkeypatch):

@@ -53,8 +53,11 @@ MM_CONFIGS = {torch.bfloat16: (64, 64, 64, 4, 3), torch.float16: (64, 64, 64, 4,
 MM_WIDE_CONFIGS = {torch.bfloat16: (128, 128, 64, 8, 3), torch.float16: (128, 128, 64, 8, 3)}
 WIDE_MIN_ROWS = 512
 """Rows from which a 16-bit GEMM takes ``MM_WIDE_CONFIGS``; below, the split-K launch (one program per tile and split,
-then ``_fold_splits_kernel``) keeps a decode step's weight read spread over the GPU. Both give a row the same bits
+the partials then added in split order) keeps a decode step's weight read spread over the GPU. Both give a row the same bits
 (``test_cuda.py`` checks them against each other on the GPU), so the switch may follow the row count."""
+WIDE_GROUP_M = 8
+"""Row tiles a wide launch walks together (``_grouped_tile``): at 16,384 rows x 4,096 a projection's activations are
+read from HBM once per 8 row tiles' sweep of the columns instead of once per column tile."""
 ROW_BLOCK_MAX = 4096
 """Largest block of a row reduction; longer rows are reduced block by block in a fixed loop."""
 ATTN_BLOCK_H = 16
@@ -119,10 +122,20 @@ def _split_product(x_ptr, w_ptr, rm, rn, m_mask, n_mask, k_start, k_end, sxm, sx
     return acc
 
 
+@triton.jit
+def _grouped_tile(pid, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """Tile ``pid`` of a ``tiles_m x tiles_n`` grid walked ``GROUP_M`` row tiles at a time: (row tile, column tile)."""
+    in_group = GROUP_M * tiles_n
+    first_m = pid // in_group * GROUP_M
+    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + pid % in_group % group_m, pid % in_group // group_m
+
+
 @triton.jit(do_not_specialize=["M"])
 def _matmul_nt_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, SPLITS, sxm, sxk, swn, swk, som,
                       son, sos, sxg, swg, sog, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SERIAL: tl.constexpr, FOLD: tl.constexpr, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+                      SERIAL: tl.constexpr, FOLD: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+                      EMULATE: tl.constexpr):
     """One ``[BLOCK_M, BLOCK_N]`` tile of ``x @ w.T`` for one group (its operands and outputs ``sxg`` / ``swg`` /
     ``sog`` elements on), fp32 accumulation, K in ``SPLITS`` ranges ``K_SPLIT`` long.
 
@@ -130,9 +143,14 @@ def _matmul_nt_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPL
     zero, adds them in split order and writes ``out`` in its dtype. Split-K launch (``program_id(2)`` = group * SPLITS
     + split): the split's fp32 sum goes to ``part`` at offset ``split * sos``; then either ``_fold_splits_kernel``
     adds them, or (``FOLD``) the tile's last program to finish, counted in ``count`` (one int32 per tile, zero before
-    and reset after), adds them in split order into ``out``. Every launch adds the same numbers in the same order."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    and reset after), adds them in split order into ``out``. Every launch adds the same numbers in the same order.
+    ``GROUP_M`` (serial launch): ``program_id(0)`` numbers the tiles ``GROUP_M`` row tiles at a time, column tile by
+    column tile, so the programs running together share their rows and columns in L2 (an order of work only)."""
+    if GROUP_M > 0:
+        pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    else:
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
     if SERIAL:
         group = tl.program_id(2).to(tl.int64)
         split = 0
@@ -222,14 +240,16 @@ def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, groups: int, wide: bo
     block_m, block_n, block_k, warps, stages = (MM_WIDE_CONFIGS if wide else MM_CONFIGS)[x.dtype]
     serial = wide or splits == 1
     size = m * groups * n
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), groups if serial else splits * groups)
+    group_m = WIDE_GROUP_M if wide else 0
+    tiles = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    grid = (tiles[0] * tiles[1], 1, groups) if group_m else (*tiles, groups if serial else splits * groups)
     part = out if serial else torch.empty(splits, m, groups, n, dtype=torch.float32, device=x.device)
     counts = None if serial or fused_fold is False else _fold_counts(x.device, grid[0] * grid[1] * groups)
     _matmul_nt_kernel[grid](x, weight, out, part, part if counts is None else counts, m, n, k, k_split, splits,
                             x.stride(0), x.stride(2), weight.stride(0), weight.stride(1), groups * n, 1, size,
                             x.stride(1), n * weight.stride(0), n,
                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SERIAL=serial, FOLD=counts is not None,
-                            PRECISION=_precision(x.dtype), EMULATE=_EMULATE, num_warps=warps, num_stages=stages)
+                            GROUP_M=group_m, PRECISION=_precision(x.dtype), EMULATE=_EMULATE, num_warps=warps, num_stages=stages)
     if not serial and counts is None:  # [S, M, G, N] partials, folded in split order
         _fold_splits_kernel[(triton.cdiv(size, 1024),)](part, out, size, splits, BLOCK=1024, num_warps=4)
     return out
