@@ -175,14 +175,16 @@ def test_row_kernels_read_the_weights_in_16_byte_vectors(name, capability):
 
 
 @pytest.mark.parametrize("capability", sorted(ARCHS))
-@pytest.mark.parametrize("rows, block", [(16, (128, 128)), (64, (128, 128)), (16, (32, 32))])
-def test_fp8_split_k_kernel_streams_weights_into_the_tensor_cores(rows, block, capability):
+@pytest.mark.parametrize("rows, block, f16", [(16, (128, 128), True), (64, (128, 128), True), (16, (32, 32), True),
+                                           (16, (128, 128), False)])
+def test_fp8_split_k_kernel_streams_weights_into_the_tensor_cores(rows, block, f16, capability):
     """The decode-batch kernel: 64 weight rows a product on the left (wgmma / tcgen05 whatever the batch), the
-    e4m3 weights read in 16-byte vectors (``k_per_split`` a multiple of 16, as the JIT specializes it), no spills."""
+    e4m3 weights read in 16-byte vectors (``k_per_split`` a multiple of 16, as the JIT specializes it), no spills;
+    with ``F16`` fp16 products, the weights converted two at a time (e4m3x2 to f16x2) and never to bf16."""
     tile = fp8_linear._tile(fp8_linear.SPLIT_K_TILES, rows)
     block_m, block_n, block_k, warps, stages = tile
     constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "B0": block[0], "B1": block[1],
-                 "UE8M0": True, "PRECISION": "tf32", "SWAP": fp8_linear.SPLIT_K_SWAP}
+                 "UE8M0": True, "PRECISION": "tf32", "SWAP": fp8_linear.SPLIT_K_SWAP, "F16": f16}
     source = _divisible_source(fp8_linear._split_k_kernel, LINEAR_TYPES, constants)
     source.attrs[(fp8_linear._split_k_kernel.arg_names.index("k_per_split"),)] = [["tt.divisibility", 16]]
     ptx = triton.compile(source, target=GPUTarget("cuda", capability, 32),
@@ -190,6 +192,8 @@ def test_fp8_split_k_kernel_streams_weights_into_the_tensor_cores(rows, block, c
     _expect_tensor_cores(ptx, block_n if fp8_linear.SPLIT_K_SWAP else block_m, capability, f"split-K {rows} rows")
     assert "ld.local" not in ptx, f"split-K {rows} rows: registers spill"
     assert not re.search(r"ld\.global\S*evict_first\S*\.b8", ptx), "split-K: e4m3 weights read a byte at a time"
+    if f16:
+        assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.bf16.f16" not in ptx
 
 
 @pytest.mark.parametrize("capability", sorted(ARCHS))

@@ -145,17 +145,23 @@ def _scaled_weight_tile(w_rows, s_rows, k0, K, n_mask, dt: tl.constexpr, BLOCK_N
 def _split_k_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_xg, stride_wn, stride_sn,
                     stride_os, stride_om, stride_og, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr, UE8M0: tl.constexpr,
-                    PRECISION: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (column block x row block, ``K`` split, group): ``x[rows] @ W[cols, split]^T`` with the weights
-    decoded to ``x``'s dtype in registers (``_scaled_weight_tile``; ue8m0 blocks with bf16 / fp32 activations: the
-    e4m3 values converted, the power of two applied to the slice's product, the same sums), one ``tl.dot`` per
-    slice with fp32 accumulation, stored to ``out`` at ``split`` (``stride_os``: the float32 partials ``_sum_splits_kernel``
-    adds up, or the output itself when there is one split). The row blocks of a column block are consecutive
-    programs (their weight tile is read once from HBM). ``SWAP``: as ``out^T = W @ x^T`` (the weights the left
-    operand: on SM90 a wgmma with them in registers, 64 weight rows by the few activation rows)."""
+                    PRECISION: tl.constexpr, SWAP: tl.constexpr, F16: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
+    """Program (column block x row block, ``K`` split, group): ``x[rows] @ W[cols, split]^T``, one ``tl.dot`` per
+    slice of ``BLOCK_K`` inputs (or per scale block inside it) with fp32 accumulation, stored to ``out`` at
+    ``split`` (``stride_os``: the float32 partials ``_sum_splits_kernel`` adds up, or the output itself when there
+    is one split). The row blocks of a column block are consecutive programs (their weight tile is read once from
+    HBM). ``SWAP``: as ``out^T = W @ x^T`` (the weights the left operand: on SM90 a wgmma with them in registers,
+    64 weight rows by the few activation rows).
+
+    Weights: ue8m0 blocks with bf16 / fp32 activations take ``_post_scaled_slice`` (e4m3 values converted as they
+    are, the block's power of two applied to the product: exact); others ``_scaled_weight_tile`` (each weight times
+    its scale rounded to the activations' dtype: the reference op's weights). ``F16`` (bf16 activations, ue8m0):
+    the product in fp16 (``_post_scaled_slice``)."""
     pdl.begin(PDL)
     dt: tl.constexpr = x_ptr.dtype.element_ty
-    POST_SCALE: tl.constexpr = UE8M0 and BLOCK_K <= B1 and (dt == tl.bfloat16 or dt == tl.float32)
+    POST_SCALE: tl.constexpr = UE8M0 and (dt == tl.bfloat16 or dt == tl.float32)
+    SUB: tl.constexpr = min(BLOCK_K, B1)  # inputs of a slice inside one scale block
     m_tiles = tl.cdiv(M, BLOCK_M)
     pid_n, pid_m = tl.program_id(0) // m_tiles, tl.program_id(0) % m_tiles
     split, group = tl.program_id(1), tl.program_id(2).to(tl.int64)
@@ -173,19 +179,15 @@ def _split_k_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, stride_x
     k_lo = split * k_per_split
     for k0 in range(k_lo, tl.minimum(K, k_lo + k_per_split), BLOCK_K):
         k0 = tl.multiple_of(k0, BLOCK_K)  # k_per_split is a multiple of BLOCK_K: 16-byte weight vectors
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)  # [BM, BK]
-        if POST_SCALE:  # a power of two after the slice's product: exact, and one conversion per weight
-            w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0,
-                        eviction_policy="evict_first").to(a.dtype)  # [BN, BK]
-            scale = dequant.ue8m0(tl.load(s_rows + k0 // B1, mask=n_mask[:, None], other=0))  # [BN, 1]
-            if SWAP:
-                acc += tl.dot(w, tl.trans(a), input_precision=PRECISION) * scale  # [BN, BM]
-            else:
-                acc += tl.dot(a, tl.trans(w), input_precision=PRECISION) * tl.trans(scale)  # [BM, BN]
+        if POST_SCALE:
+            for j in tl.static_range(BLOCK_K // SUB):
+                acc = _post_scaled_slice(acc, x_rows, w_rows, s_rows, k0 + j * SUB, K, m_mask, n_mask, SUB, B1, F16,
+                                         PRECISION, SWAP)
         else:
-            w = _scaled_weight_tile(w_rows, s_rows, k0, K, n_mask, x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K, B1,
-                                    UE8M0)  # [BN, BK]
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :],
+                        other=0.0)  # [BM, BK]
+            w = _scaled_weight_tile(w_rows, s_rows, k0, K, n_mask, dt, BLOCK_N, BLOCK_K, B1, UE8M0)  # [BN, BK]
             if SWAP:
                 acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)  # [BN, BM]
             else:
@@ -193,6 +195,46 @@ def _split_k_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, stride_x
     if SWAP:
         acc = tl.trans(acc)  # [BM, BN]
     _store_tile(acc, out_ptr, split, group, offs_m, offs_n, m_mask, n_mask, stride_os, stride_om, stride_og)
+
+
+@triton.jit
+def _post_scaled_slice(acc, x_rows, w_rows, s_rows, k0, K, m_mask, n_mask, SUB: tl.constexpr, B1: tl.constexpr,
+                       F16: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr):
+    """``acc`` plus the product of the ``SUB`` inputs from ``k0`` (inside one scale block), the e4m3 weights
+    converted as they are and the block's ue8m0 power of two applied to the product (exact). ``F16``: bf16
+    activations as fp16 times a power of two per row (``_as_f16``) and the weights converted to fp16 (one
+    conversion per pair of weights, none to bf16), the row's power of two applied to the product too."""
+    offs_k = k0 + tl.arange(0, SUB)
+    k_mask = offs_k < K
+    a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, SUB]
+    w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
+                eviction_policy="evict_first")  # [BN, SUB] e4m3
+    scale = dequant.ue8m0(tl.load(s_rows + k0 // B1, mask=n_mask[:, None], other=0))  # [BN, 1]
+    if F16:
+        a, a_scale = _as_f16(a)  # [BM, SUB] fp16, [1, BM] powers of two
+        w = w.to(tl.float16)
+    else:
+        w = w.to(a.dtype)
+        a_scale = tl.full((1, 1), 1.0, tl.float32)
+    if SWAP:
+        return acc + tl.dot(w, tl.trans(a), input_precision=PRECISION) * (scale * a_scale)  # [BN, BM]
+    else:
+        return acc + tl.dot(a, tl.trans(w), input_precision=PRECISION) * tl.trans(scale * a_scale)  # [BM, BN]
+
+
+@triton.jit
+def _as_f16(a):
+    """bf16 rows ``a [BM, SUB]`` as fp16 ``a16`` and float32 powers of two ``up [1, BM]``, ``a = a16 * up``: each row
+    scaled so that its largest magnitude lies in [2^14, 2^15) (an all-zero row by 2^100). Exact for every value
+    above 2^-32 of its row's largest (bf16's 8 significant bits fit fp16's 11; smaller ones round as fp16
+    subnormals, off by less than 2^-39 of the largest)."""
+    af = a.to(tl.float32)
+    amax = tl.max(tl.abs(af), axis=1)  # [BM]
+    exponent = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased float32 exponent
+    shift = tl.minimum(tl.maximum(exponent - 141, -100), 100)  # amax * 2^-shift in [2^14, 2^15)
+    down = ((127 - shift) << 23).to(tl.float32, bitcast=True)  # [BM] 2^-shift
+    up = ((127 + shift) << 23).to(tl.float32, bitcast=True)
+    return (af * down[:, None]).to(tl.float16), up[None, :]
 
 
 @triton.jit
@@ -318,6 +360,7 @@ FP8_TC_TILES = ((1024, 64, 128, 4, 3), (None, 128, 128, 8, 3))
 SWAP_AB_MAX_ROWS = 0  # weight-only tiles of at most this many rows multiply with the weights on the left (off:
 # on the H200 the swapped 16-row wo_b tile took 53.2 us, unswapped 36.5 us)
 SPLIT_K_SWAP = True  # the split-K kernel multiplies with the weights on the left (64 weight rows x the batch)
+SPLIT_K_F16 = True  # ... and bf16 activations with ue8m0 weights as fp16 products (_post_scaled_slice)
 FP8_TC_GROUP_M = 8  # row blocks the tensor-core kernel runs down each column block before the next
 MIN_PROGRAMS = 264  # two per SM of an H200: weight-only launches narrow their column tiles down to 16 to reach it,
 # split-K and tensor-core launches split K
@@ -399,7 +442,8 @@ def launch(path: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
         _split_k_kernel[grid](x, weight, raw, part, M, N, K, per_split, x.stride(0), x.stride(1), weight.stride(0),
                               raw.stride(0), part.stride(0) if splits > 1 else 0, part.stride(-3), part.stride(-2),
                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
-                              SWAP=SPLIT_K_SWAP, num_warps=warps, num_stages=stages, **consts)
+                              SWAP=SPLIT_K_SWAP, F16=SPLIT_K_F16 and x.dtype == torch.bfloat16 and is_ue8m0,
+                              num_warps=warps, num_stages=stages, **consts)
         _sum_splits(part, out, splits)
     elif path == WEIGHT_ONLY:
         block_m, block_n, warps, stages = tile or _weight_only_tile(M, N, groups)
