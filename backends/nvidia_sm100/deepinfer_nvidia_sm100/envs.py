@@ -41,6 +41,9 @@ VARIABLES = Variables(
              "reference."),
     Variable("DEEPINFER_NVIDIA_DECODE_ATTN_MAX_ROWS", int, 1,
              "Most decode rows (sequences) a call may have to take the Triton decode attention kernel."),
+    Variable("DEEPINFER_NVIDIA_SPARSE_ATTN_HEADS", int, 16,
+             "Heads a program of the Triton `sparse_sink_attention` takes (16, 32 or 64; more share each listed key "
+             "load among more heads, with 8 warps and fewer programs); a head count it does not divide keeps 16."),
     Variable("DEEPINFER_NVIDIA_STREAMS", bool, True,
              "Run forked work (an attention layer's key path, the folds, the shared expert) on a second CUDA "
              "stream; 0: in place."),

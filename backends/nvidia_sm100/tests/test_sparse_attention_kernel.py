@@ -13,6 +13,7 @@ pytest.importorskip("triton", reason="the test extra installs triton")
 from deepinfer_nvidia_sm100.kernels import sparse_attention
 from interpreted import DEVICE, INTERPRETED, kernel_runs_here, run_under_interpreter, starts_the_interpreter
 
+from deepinfer_core.errors import EnvironmentVariableError
 from deepinfer_core.ops import reference as ref
 
 
@@ -147,6 +148,16 @@ def test_covered_and_splits():
     assert sparse_attention.num_splits(16384, 64, 640, 132) == 1  # a prefill chunk: no split
     assert sparse_attention.num_splits(1, 64, 640, 132) == 5  # a decode row: 10 blocks, two a split
     assert sparse_attention.num_splits(16, 64, 640, 132) == 2
+    assert sparse_attention.num_splits(1, 64, 640, 132, 64) == 5
+
+
+def test_head_block_reads_the_variable(monkeypatch):
+    assert sparse_attention.head_block(64) == 16
+    monkeypatch.setenv("DEEPINFER_NVIDIA_SPARSE_ATTN_HEADS", "64")
+    assert sparse_attention.head_block(64) == 64 and sparse_attention.head_block(16) == 16  # 16 heads: 16
+    monkeypatch.setenv("DEEPINFER_NVIDIA_SPARSE_ATTN_HEADS", "48")
+    with pytest.raises(EnvironmentVariableError, match="16, 32 or 64, got 48"):
+        sparse_attention.head_block(64)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="ahead-of-time compiles need the real Triton compiler, not the interpreter")

@@ -17,7 +17,8 @@ block and row ``[S, E]``, as ``gather_keys`` reads them), and:
    above, reading each mask once.
 
 ``covered`` inputs (a GPU, 16-bit or fp32, head count a multiple of ``BLOCK_H``, a power-of-two head width of at
-least 16) take the kernels; others the reference ops.
+least 16) take the kernels; others the reference ops. ``DEEPINFER_NVIDIA_SPARSE_ATTN_HEADS`` sets the heads a
+program (16 by default; ``bench_sparse_attention.py`` times 16, 32 and 64).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_core.errors import EnvironmentVariableError
 from deepinfer_core.ops import reference as ref
+from deepinfer_nvidia_sm100 import envs
 from deepinfer_nvidia_sm100.kernels import pdl
 from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 from deepinfer_nvidia_sm100.kernels.decode_attention import _combine_kernel
@@ -121,11 +124,12 @@ def covered(q: torch.Tensor, kv: torch.Tensor, store: torch.Tensor | None = None
             and H % BLOCK_H == 0 and d >= 16 and d & (d - 1) == 0 and (kv.shape[1] > 0 or store is not None))
 
 
-def num_splits(rows: int, heads: int, listed: int, sms: int) -> int:
+def num_splits(rows: int, heads: int, listed: int, sms: int, block_h: int = BLOCK_H) -> int:
     """Splits of each row's listed keys: at least ``BLOCKS_PER_SPLIT`` blocks of ``BLOCK_N`` each, and at most one
-    program per SM (of ``sms``) in all: decode rows split, prefill rows (thousands of programs) do not."""
+    program per SM (of ``sms``) in all (``block_h`` heads a program): decode rows split, prefill rows (thousands of
+    programs) do not."""
     blocks = max(1, math.ceil(listed / BLOCK_N))
-    return max(1, min(math.ceil(blocks / BLOCKS_PER_SPLIT), sms // max(1, rows * (heads // BLOCK_H))))
+    return max(1, min(math.ceil(blocks / BLOCKS_PER_SPLIT), sms // max(1, rows * (heads // block_h))))
 
 
 @functools.cache
@@ -141,8 +145,18 @@ def sparse_sink_attention(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor
     if not (q.is_cuda and covered(q, kv, store)) or index.shape[-1] == 0:
         return ref.sparse_sink_attention(q, kv, index, sinks, scale, store, entry_blocks, entry_rows)
     S, Lq, H, _ = q.shape
-    splits = num_splits(S * Lq, H, index.shape[-1], _sm_count(q.device.index or 0))
-    return sparse_attention(q, kv, index, sinks, float(scale), splits, BLOCK_H, store, entry_blocks, entry_rows)
+    block_h = head_block(H)
+    splits = num_splits(S * Lq, H, index.shape[-1], _sm_count(q.device.index or 0), block_h)
+    return sparse_attention(q, kv, index, sinks, float(scale), splits, block_h, store, entry_blocks, entry_rows)
+
+
+def head_block(heads: int) -> int:
+    """Heads a program: ``DEEPINFER_NVIDIA_SPARSE_ATTN_HEADS`` (16, 32 or 64) where it divides ``heads``, else
+    ``BLOCK_H``."""
+    wanted = envs.DEEPINFER_NVIDIA_SPARSE_ATTN_HEADS
+    if wanted not in (16, 32, 64):
+        raise EnvironmentVariableError(f"DEEPINFER_NVIDIA_SPARSE_ATTN_HEADS must be 16, 32 or 64, got {wanted}")
+    return wanted if heads % wanted == 0 else BLOCK_H
 
 
 @opaque_under_compile("sparse_sink_attention",
