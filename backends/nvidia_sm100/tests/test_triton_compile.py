@@ -42,18 +42,27 @@ def _signature(fn) -> dict[str, str]:
 
 
 def _compile(fn, tile, capability):
-    block_m, block_n, block_k, warps = tile
+    block_m, block_n, block_k, warps, *grouping = tile
     constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "PRECISION": "tf32"}
+    if grouping:
+        constants["GROUP_M"] = grouping[0]
     source = ASTSource(fn, _signature(fn), constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
     return triton.compile(source, target=GPUTarget("cuda", capability, 32),
                           options={"num_warps": warps, "num_stages": 3})
 
 
+def _moe_tiles() -> dict[str, tuple[int, ...]]:
+    """The fast path's tiles and the batch-invariant mode's (its prefill tile walks row blocks grouped)."""
+    from deepinfer_nvidia_sm100.kernels import invariant
+
+    return {**moe.TILES, "invariant": invariant.MOE_TILE, "invariant prefill": invariant.MOE_PREFILL_TILE}
+
+
 @pytest.mark.parametrize("capability", sorted(ARCHS))
-@pytest.mark.parametrize("tile_name", sorted(moe.TILES))
+@pytest.mark.parametrize("tile_name", sorted(_moe_tiles()))
 @pytest.mark.parametrize("kernel", ["_up_kernel", "_down_kernel"])
 def test_moe_kernel_compiles_to_the_architectures_tensor_core_path(kernel, tile_name, capability):
-    tile = moe.TILES[tile_name]
+    tile = _moe_tiles()[tile_name]
     compiled = _compile(getattr(moe, kernel), tile, capability)
     arch, tensor_core = ARCHS[capability]
     ptx = compiled.asm["ptx"]

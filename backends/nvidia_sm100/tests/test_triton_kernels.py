@@ -398,6 +398,27 @@ def test_moe_experts_combine_matches_reference_fp32(tokens, top_k):
 
 
 @kernel_runs_here
+@pytest.mark.parametrize("group_m", [1, 2, 16])
+def test_moe_experts_grouped_program_order_keeps_the_bits(group_m):
+    """A config's fifth entry walks the grouped GEMMs' row blocks ``group_m`` at a time across the column tiles (one
+    grid axis, ``moe._block_tile``): the order of work only, so the same bits as the 2-D grid (fp32: every block of
+    several experts, partial groups) and the reference's values."""
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    E, D, inter, T, top_k = 6, 96, 80, 70, 3
+
+    def rnd(*shape):
+        return torch.randn(*shape, device=DEVICE, generator=gen)
+
+    x, w1, w2, w3 = rnd(T, D), rnd(E, inter, D) * 0.2, rnd(E, D, inter) * 0.2, rnd(E, inter, D) * 0.2
+    ids = torch.stack([torch.randperm(E, device=DEVICE, generator=gen)[:top_k] for _ in range(T)])
+    weights = torch.rand(T, top_k, device=DEVICE, generator=gen)
+    tile = (16, 32, 32, 4)  # 5 column tiles of the 80 up columns, 3 of the 96 down columns
+    plain = moe.moe_experts(x, ids, weights, w1, w2, w3, 0.7, config=tile)
+    assert torch.equal(moe.moe_experts(x, ids, weights, w1, w2, w3, 0.7, config=(*tile, group_m)), plain)
+    torch.testing.assert_close(plain, ref.moe_experts(x, ids, weights, w1, w2, w3, 0.7), atol=1e-5, rtol=1e-5)
+
+
+@kernel_runs_here
 @pytest.mark.parametrize("group_align", [1, 16])
 def test_moe_experts_grouped_layout_and_combine(group_align):
     """The grouped-GEMM MoE path's layout (offsets of padded expert runs, an empty expert), SwiGLU epilogue and

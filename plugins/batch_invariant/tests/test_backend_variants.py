@@ -53,7 +53,7 @@ def test_moe_tiles_differ_only_in_columns_per_program():
 
     small, wide = invariant.MOE_TILE, invariant.MOE_PREFILL_TILE
     assert (small[0], small[2]) == (wide[0], wide[2]) and wide[1] > small[1]
-    assert {small, wide} <= set(moe.TILES.values())
+    assert {small, wide[:4]} <= set(moe.TILES.values())
     assert invariant.moe_tile(64 * 64, 64) == small and invariant.moe_tile(64 * 64 + 1, 64) == wide
     assert invariant.moe_tile(6, 64) == small and invariant.moe_tile(16384 * 6, 64) == wide
 

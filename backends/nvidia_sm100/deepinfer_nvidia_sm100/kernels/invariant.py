@@ -55,10 +55,12 @@ MOE_TILE = (64, 64, 64, 4)
 ``MOE_PREFILL_MIN_PER_EXPERT`` assignments per expert: 64-row tiles (wgmma / tcgen05). A decode step reads each chosen
 expert's weights once with any tile; a prefill step re-reads them once per row block, four times as often with the
 16-row decode tile."""
-MOE_PREFILL_TILE = (64, 128, 64, 8)
+MOE_PREFILL_TILE = (64, 128, 64, 8, 16)
 """The tile beyond ``MOE_PREFILL_MIN_PER_EXPERT`` (``moe.TILES["prefill"]``, the fast path's Triton prefill tile): the
 same rows and BLOCK_K, so the same ``tl.dot`` steps along K for every output element (two warpgroups side by side
-along N), and twice the columns per program. A token's bits are the same under either tile (``test_cuda.py``)."""
+along N), and twice the columns per program; its programs walk 16 row blocks at a time across the column tiles
+(``moe._block_tile``: a prefill step's gathered rows are read from HBM about once, not once per column tile). A
+token's bits are the same under either tile (``test_cuda.py``)."""
 MOE_PREFILL_MIN_PER_EXPERT = 64
 """Mean assignments per expert (``T * top_k / E``, known from shapes) above which the mode takes ``MOE_PREFILL_TILE``."""
 

@@ -203,13 +203,29 @@ def align_torch(ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 @triton.jit
+def _block_tile(cols, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row block, column tile) of this program: the 2-D grid's ids, or with ``GROUP_M`` a 1-D grid walked ``GROUP_M``
+    row blocks at a time across the column tiles (their gathered rows stay in L2 while every column tile reads them,
+    instead of each column tile sweeping all blocks; an order of work only)."""
+    if GROUP_M:
+        pid = tl.program_id(0)
+        tiles_n = tl.cdiv(cols, BLOCK_N)
+        in_group = GROUP_M * tiles_n
+        first_m = pid // in_group * GROUP_M
+        group_m = tl.minimum(tl.num_programs(0) // tiles_n - first_m, GROUP_M)
+        pid_m, pid_n = first_m + pid % in_group % group_m, pid % in_group // group_m
+    else:  # 0 (None where a compile leaves the default out)
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    return pid_m, pid_n
+
+
+@triton.jit
 def _up_kernel(x_ptr, w1_ptr, w3_ptr, h_ptr, assign_ptr, block_expert_ptr, D, I, top_k, limit,
                stride_xt, stride_we, stride_wi, stride_hm,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-               PDL: tl.constexpr = False):
+               PDL: tl.constexpr = False, GROUP_M: tl.constexpr = 0):
     pdl.begin(PDL)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = _block_tile(I, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
@@ -245,10 +261,9 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, h_ptr, assign_ptr, block_expert_ptr, D, I,
 def _down_kernel(h_ptr, w2_ptr, y_ptr, weights_ptr, assign_ptr, block_expert_ptr, D, I,
                  stride_hm, stride_we, stride_wd, stride_ym,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                 PDL: tl.constexpr = False):
+                 PDL: tl.constexpr = False, GROUP_M: tl.constexpr = 0):
     pdl.begin(PDL)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = _block_tile(D, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
@@ -294,12 +309,13 @@ def _config(num_assign: int, num_experts: int) -> tuple[int, int, int, int]:
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                w3: torch.Tensor, limit: float, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                w3: torch.Tensor, limit: float, config: tuple[int, ...] | None = None) -> torch.Tensor:
     """Triton version of the reference op ``moe_experts`` (same arguments, same result within rounding).
 
-    ``config`` = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps) fixes the tiles; by default they follow the mean tokens
-    per expert (``_config``). A fixed config makes a token's result independent of the batch (every row of a
-    tile is computed alike): the batch-invariant plugin passes one.
+    ``config`` = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps[, GROUP_M]) fixes the tiles (and walks ``GROUP_M`` row blocks
+    at a time: ``_block_tile``); by default they follow the mean tokens per expert (``_config``). A fixed config makes
+    a token's result independent of the batch (every row of a tile is computed alike): the batch-invariant plugin
+    passes one.
     """
     if config is None:
         return _moe_experts_default(x, ids, weights, w1, w2, w3, limit)
@@ -322,7 +338,8 @@ def _moe_experts(x, ids, weights, w1, w2, w3, limit, config):
     if config is None and T == 1 and top_k <= ONE_TOKEN_MAX_TOP_K:
         return moe_experts_one_token(x, ids, weights, w1, w2, w3, limit)
     x = x.contiguous()
-    block_m, block_n, block_k, warps = config or _config(T * top_k, E)
+    block_m, block_n, block_k, warps, *grouping = config or _config(T * top_k, E)
+    group_m = grouping[0] if grouping else 0  # row blocks walked together (_block_tile); 0: the 2-D grid
     sorted_assign, block_expert, dest = align(ids, E, block_m)
     rows = sorted_assign.shape[0]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 runs exact fp32 products, no TF32
@@ -331,17 +348,22 @@ def _moe_experts(x, ids, weights, w1, w2, w3, limit, config):
     y = torch.empty((rows, D), dtype=x.dtype, device=x.device)
     w1c, w2c, w3c = w1.contiguous(), w2.contiguous(), w3.contiguous()  # views of the stacked weights: no copy
     flat_weights = weights.reshape(-1).contiguous()
-    grid_up = (rows // block_m, triton.cdiv(I, block_n))
+    grid_up = _grid(rows // block_m, triton.cdiv(I, block_n), group_m)
     _up_kernel[grid_up](x, w1c, w3c, h, sorted_assign, block_expert, D, I, top_k, float(limit),
                         x.stride(0), w1c.stride(0), w1c.stride(1), h.stride(0),
                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=warps,
-                        num_stages=stages, **pdl.launch())
-    grid_down = (rows // block_m, triton.cdiv(D, block_n))
+                        num_stages=stages, GROUP_M=group_m, **pdl.launch())
+    grid_down = _grid(rows // block_m, triton.cdiv(D, block_n), group_m)
     _down_kernel[grid_down](h, w2c, y, flat_weights, sorted_assign, block_expert, D, I,
                             h.stride(0), w2c.stride(0), w2c.stride(1), y.stride(0),
                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
-                            num_warps=warps, num_stages=stages, **pdl.launch())
+                            num_warps=warps, num_stages=stages, GROUP_M=group_m, **pdl.launch())
     return _combine(y, ids, dest, x)
+
+
+def _grid(blocks: int, tiles_n: int, group_m: int) -> tuple[int, ...]:
+    """The grouped GEMMs' grid: (row blocks, column tiles), or one axis of both when ``group_m`` walks them grouped."""
+    return (blocks * tiles_n,) if group_m else (blocks, tiles_n)
 
 
 ONE_TOKEN_MAX_TOP_K = 16  # the down kernel ranks a token's picks in a [K_P2, K_P2] tile
