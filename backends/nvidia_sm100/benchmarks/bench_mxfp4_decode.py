@@ -10,7 +10,8 @@ beyond (CUDA events, median). Rows of the sweep, ``tokens: variant -> time``:
 
 * ``bf16``: ``moe.moe_experts`` on the same experts in bf16 (the preset the fp4 one is measured against);
 * ``old``: the MXFP4 kernels before ``moe_mxfp4_decode``, as the op ran them (one token: the two row kernels,
-  ``moe_quant.ROW_TILES``; more: the grouped kernels with ``tl.dot_scaled``, ``moe_quant._tiles``' launch);
+  ``moe_quant.ROW_TILES``, float32 decode; more: the grouped kernels with ``tl.dot_scaled``, ``moe_quant._tiles``'
+  launch); ``rows ptx`` (one token): the row kernels with ``moe_quant.ROW_DECODE_PTX``;
 * ``op``: ``moe_quant.moe_experts_mxfp4`` as it runs now (``moe_mxfp4_decode.used`` picks the path);
 * ``new (BM, BN, G, warps, stages, swap)``: ``moe_mxfp4_decode.run`` with that launch (the first is ``tile``'s
   default), ``portable``: its bf16 decode without inline PTX.
@@ -63,9 +64,19 @@ def _variants(T: int, x, ids, routing, dense, stored) -> dict:
     from deepinfer_nvidia_sm100.kernels import moe, moe_mxfp4_decode, moe_quant
 
     raw = [t.view(torch.uint8) for t in stored]
+    def rows(ptx: bool):
+        def run():
+            before, moe_quant.ROW_DECODE_PTX = moe_quant.ROW_DECODE_PTX, ptx
+            try:
+                return moe_quant._run(moe_quant.MXFP4, x, ids, routing, *stored, moe_quant.MXFP4_BLOCK, LIMIT,
+                                      row_kernels=True)
+            finally:
+                moe_quant.ROW_DECODE_PTX = before
+
+        return run
+
     if T == 1:
-        old = lambda: moe_quant._run(moe_quant.MXFP4, x, ids, routing, *stored, moe_quant.MXFP4_BLOCK, LIMIT,
-                                     row_kernels=True)
+        old = rows(False)
     else:
         old_tile = moe_quant._tiles(moe_quant.MXFP4, T * TOP_K, E, moe_quant.MXFP4_BLOCK)
         old = lambda: moe_quant._run(moe_quant.MXFP4, x, ids, routing, *stored, moe_quant.MXFP4_BLOCK, LIMIT,
@@ -76,6 +87,8 @@ def _variants(T: int, x, ids, routing, dense, stored) -> dict:
         "old": old,
         "op": lambda: moe_quant.moe_experts_mxfp4(x, ids, routing, *stored, LIMIT),
     }
+    if T == 1:
+        variants["rows ptx"] = rows(True)
     for launch in (default, *LAUNCHES[T]):
         variants[f"new {launch}"] = lambda launch=launch: moe_mxfp4_decode.run(x, ids, routing, *raw, LIMIT, launch)
     if T == 64:

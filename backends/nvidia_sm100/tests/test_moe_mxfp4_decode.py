@@ -137,3 +137,18 @@ def test_decode_kernels_compile_with_the_inline_ptx(kernel, tile_name, capabilit
                    capability, warps, stages)
     assert "mul.rn.bf16x2" in ptx and ("mma" in ptx or "wgmma" in ptx), f"{kernel} {tile_name}: no bf16x2 decode / MMA"
     assert "ld.local" not in ptx and "st.local" not in ptx, f"{kernel} {tile_name}: registers spill"
+
+
+@pytest.mark.parametrize("capability", [90, 100])
+@pytest.mark.parametrize("kernel", ["_up_row_kernel", "_down_row_kernel"])
+def test_one_token_row_kernels_compile_with_the_inline_ptx(kernel, capability):
+    """``moe_quant``'s one-token MXFP4 row kernels with ``PTX`` (``moe_quant.ROW_DECODE_PTX``: the codes through
+    ``dequant.mxfp4_bf16_codes``) compile for sm_90a / sm_100a without spilling."""
+    from test_quant_compile import _compile, _weights
+
+    block_n, block_k, warps, stages = moe_quant.ROW_TILES[moe_quant.MXFP4]
+    constants = {"BLOCK_N": block_n, "BLOCK_K": block_k, "FMT": moe_quant.MXFP4, "B0": 1, "B1": 32, "UE8M0": True,
+                 "PTX": True} | ({"K_P2": 8} if kernel == "_down_row_kernel" else {})
+    ptx = _compile(getattr(moe_quant, kernel), _weights(moe_quant.MXFP4, ("1", "2", "3")), constants, capability,
+                   warps, stages)
+    assert "prmt.b32 t" in ptx and "ld.local" not in ptx, f"{kernel}: no PTX decode, or registers spill"

@@ -68,6 +68,7 @@ shl.b32 u, t, 2; and.b32 u, u, 0x01c001c0; and.b32 v, t, 0x80008000; or.b32 $3, 
 mul.rn.bf16x2 $0, $0, c; mul.rn.bf16x2 $1, $1, c; mul.rn.bf16x2 $2, $2, c; mul.rn.bf16x2 $3, $3, c;
 mul.rn.bf16x2 $0, $0, $5; mul.rn.bf16x2 $1, $1, $6; mul.rn.bf16x2 $2, $2, $5; mul.rn.bf16x2 $3, $3, $6;
 }""")
+_MXFP4_CODES_PTX: tl.constexpr = tl.constexpr(_MXFP4_BF16_PTX.value.split("mul.rn.bf16x2 $0, $0, $5")[0] + "}")
 
 
 @triton.jit
@@ -77,6 +78,14 @@ def mxfp4_bf16_pairs(packed, scale):
     runs no PTX: ``mxfp4_bf16_pairs_portable``)."""
     return tl.inline_asm_elementwise(_MXFP4_BF16_PTX, "=r,=r,=r,=r,r,r,r", [packed, scale],
                                      dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+
+@triton.jit
+def mxfp4_bf16_codes(packed):
+    """The e2m1 codes (bf16, exact, unscaled) of each packed byte: ``(even, odd)``, ``mxfp4_bf16_pairs`` without the
+    scales (inline PTX, sm_90+)."""
+    return tl.inline_asm_elementwise(_MXFP4_CODES_PTX, "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16),
+                                     is_pure=True, pack=4)
 
 
 @triton.jit
@@ -218,7 +227,7 @@ def input_pairs(x_ptr, pairs, mask):
 
 @triton.jit
 def row_product(acc, x_ptr, w_rows, s_rows, k0, K, in_n, FMT: tl.constexpr, BLOCK_K: tl.constexpr,
-                B1: tl.constexpr, UE8M0: tl.constexpr):
+                B1: tl.constexpr, UE8M0: tl.constexpr, PTX: tl.constexpr = False):
     """``acc += W[rows, slice] * x[slice]`` (``row_acc``'s shape) of one ``BLOCK_K`` slice from ``k0`` of a one-row
     product (``FMT`` 0: MXFP4, ``K`` a multiple of 32; 1: fp8 blocks, ``BLOCK_K`` inside one block or whole blocks;
     fp32 products);
@@ -227,7 +236,8 @@ def row_product(acc, x_ptr, w_rows, s_rows, k0, K, in_n, FMT: tl.constexpr, BLOC
     The weights are the reference op's: where rounding them to ``x``'s dtype is exact (MXFP4 and ue8m0-scaled fp8
     with bf16 activations, anything with fp32 ones) it is skipped, and the scale multiplies the sum of a scale
     group's products, once per group (per 32 inputs for MXFP4 with 16-bit activations; per block for ue8m0 fp8);
-    fp32 MXFP4 rows scale every weight: their products may reach fp32's limits, as the extreme-scale tests do."""
+    fp32 MXFP4 rows scale every weight: their products may reach fp32's limits, as the extreme-scale tests do.
+    ``PTX``: MXFP4 codes of bf16 rows through ``mxfp4_bf16_codes``."""
     dt = x_ptr.dtype.element_ty
     if FMT == 0:
         groups = k0 // MXFP4_GROUP + tl.arange(0, BLOCK_K // MXFP4_GROUP)  # [G]
@@ -238,7 +248,11 @@ def row_product(acc, x_ptr, w_rows, s_rows, k0, K, in_n, FMT: tl.constexpr, BLOC
         scale = ue8m0(tl.load(s_rows + groups[None, :], mask=in_n[:, None] & in_g[None, :], other=UE8M0_ONE))
         rows0 = tl.zeros_like(packed).to(tl.int32)  # [BN, G, 16]: the inputs loaded in the weights' layout
         x_even, x_odd = input_pairs(x_ptr, pairs + rows0, in_g[None, :, None] & (rows0 == 0))
-        even, odd = mxfp4_codes(packed)
+        if PTX and dt == tl.bfloat16:  # the codes by ``mxfp4_bf16_codes`` (bf16 widens to float32 exactly)
+            even, odd = mxfp4_bf16_codes(packed)
+            even, odd = even.to(tl.float32), odd.to(tl.float32)
+        else:
+            even, odd = mxfp4_codes(packed)
         if dt == tl.float32:
             scale = scale[:, :, None]
             return acc + tl.sum((even * scale) * x_even + (odd * scale) * x_odd, axis=2)

@@ -197,8 +197,9 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, assign_ptr, block_ex
 def _up_row_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, ids_ptr, D, I, limit,
                    stride_we, stride_wi, stride_se, stride_si, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    FMT: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr, UE8M0: tl.constexpr,
-                   PDL: tl.constexpr = False):
-    """Program (column block, pick j) of one token: ``moe._up_row_kernel`` on stored weights."""
+                   PDL: tl.constexpr = False, PTX: tl.constexpr = False):
+    """Program (column block, pick j) of one token: ``moe._up_row_kernel`` on stored weights (``PTX``: MXFP4 codes
+    of bf16 activations through ``dequant.mxfp4_bf16_codes``)."""
     pdl.begin(PDL)
     pick = tl.program_id(1)
     expert = tl.load(ids_ptr + pick).to(tl.int64)
@@ -211,9 +212,9 @@ def _up_row_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, ids_ptr, D, I, 
     acc3 = dequant.row_acc(BLOCK_N, BLOCK_K, FMT, B1)
     for k0 in range(0, D, BLOCK_K):
         acc1 = dequant.row_product(acc1, x_ptr, w1_ptr + w_rows, s1_ptr + s_rows, k0, D, in_n, FMT, BLOCK_K, B1,
-                                    UE8M0)
+                                    UE8M0, PTX)
         acc3 = dequant.row_product(acc3, x_ptr, w3_ptr + w_rows, s3_ptr + s_rows, k0, D, in_n, FMT, BLOCK_K, B1,
-                                    UE8M0)
+                                    UE8M0, PTX)
     dt = h_ptr.dtype.element_ty
     h = moe._swiglu(dequant.row_total(acc1, FMT).to(dt).to(tl.float32),
                     dequant.row_total(acc3, FMT).to(dt).to(tl.float32), limit, dt)
@@ -224,7 +225,7 @@ def _up_row_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, ids_ptr, D, I, 
 def _down_row_kernel(h_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, weights_ptr, D, I, top_k,
                      stride_we, stride_wd, stride_se, stride_sd, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      K_P2: tl.constexpr, FMT: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
-                     UE8M0: tl.constexpr, PDL: tl.constexpr = False):
+                     UE8M0: tl.constexpr, PDL: tl.constexpr = False, PTX: tl.constexpr = False):
     """Program (column block) of one token: ``moe._down_row_kernel`` on stored weights (the picks added in
     ascending expert order, rounded as ``moe._combine``)."""
     pdl.begin(PDL)
@@ -243,13 +244,15 @@ def _down_row_kernel(h_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, weights_ptr, D, I,
         s_rows = s2_ptr + expert * stride_se + s_row[:, None].to(tl.int64) * stride_sd
         acc = dequant.row_acc(BLOCK_N, BLOCK_K, FMT, B1)
         for k0 in range(0, I, BLOCK_K):
-            acc = dequant.row_product(acc, h_ptr + pick * I, w_rows, s_rows, k0, I, in_n, FMT, BLOCK_K, B1, UE8M0)
+            acc = dequant.row_product(acc, h_ptr + pick * I, w_rows, s_rows, k0, I, in_n, FMT, BLOCK_K, B1, UE8M0,
+                                      PTX)
         w = tl.load(weights_ptr + pick).to(dt).to(tl.float32)
         part = (dequant.row_total(acc, FMT).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)  # [BN]
         total = (total + part).to(dt).to(tl.float32)
     tl.store(out_ptr + cols, total.to(dt), mask=in_n)
 
 
+ROW_DECODE_PTX = True  # bf16 MXFP4 rows expand the codes by inline PTX (``dequant.mxfp4_bf16_codes``)
 ONE_TOKEN_ROW_KERNELS = True  # one token through the two row kernels; False: through the grouped kernels (16-row
 # tiles, weights on the left), to be set from bench_quant.py's one-token sweep ("rows" vs "grouped")
 # One-token launches (BLOCK_N, BLOCK_K, num_warps, num_stages): MXFP4 rows are a quarter of bf16 rows' bytes and fp8
@@ -343,7 +346,7 @@ def _one_token(x, ids, weights, w1, s1, w2, s2, w3, s3, D, I, limit, consts, til
     flat_ids = ids.reshape(-1).contiguous()
     h = torch.empty(top_k, I, dtype=x.dtype, device=x.device)
     launch = {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages, **consts,
-              **pdl.launch()}
+              "PTX": ROW_DECODE_PTX and moe_mxfp4_decode.decode_mode(x) == moe_mxfp4_decode.PTX, **pdl.launch()}
     _up_row_kernel[(triton.cdiv(I, block_n), top_k)](
         x, w1, s1, w3, s3, h, flat_ids, D, I, float(limit), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
         **launch)
