@@ -74,7 +74,7 @@ _MXFP4_CODES_PTX: tl.constexpr = tl.constexpr(_MXFP4_BF16_PTX.value.split("mul.r
 @triton.jit
 def mxfp4_bf16_pairs(packed, scale):
     """The bf16 weights of each packed byte times its bf16 ``scale`` (same shape): ``(even, odd)``, exactly the
-    reference's, in about 2.75 instructions a weight (inline PTX for sm_90+, ``mul.rn.bf16x2``; Triton's interpreter
+    reference's, in 3 instructions a weight (inline PTX for sm_90+, ``mul.rn.bf16x2``; Triton's interpreter
     runs no PTX: ``mxfp4_bf16_pairs_portable``)."""
     return tl.inline_asm_elementwise(_MXFP4_BF16_PTX, "=r,=r,=r,=r,r,r,r", [packed, scale],
                                      dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)

@@ -5,11 +5,12 @@ expanding them.
 The bf16 kernels of ``moe.py`` are the model: ``_up_kernel`` / ``_down_kernel`` read each touched expert's weight
 tile once for all its tokens (up to ``BLOCK_M``, sorted by ``moe.align``) and multiply on the tensor cores. Here a
 tile is ``BLOCK_N`` weight rows x ``GROUPS`` ue8m0 scale groups (32 inputs, 16 bytes each); each group's bytes are
-expanded in registers into two bf16 tiles, the group's even inputs' weights and its odd inputs', already scaled
-(``dequant.mxfp4_bf16_pairs``: four bytes and their scales -> eight weights in 22 instructions, in the MMA's operand
-layout, where ``tl.dot_scaled``'s expansion on SM90 takes ~50 and the float32 decode ~75), and multiplied with the
-group's even / odd activations: two ``tl.dot`` of K = 16 per group into one float32 accumulator. No expanded weight
-ever reaches memory.
+expanded in registers, in the MMA's operand layout, into two bf16 tiles, the group's even inputs' weights and its odd
+inputs', already scaled (``dequant.mxfp4_bf16_pairs``: four bytes and their scales -> eight weights in 24
+instructions), and multiplied with the group's even / odd activations: two ``tl.dot`` of K = 16 per group into one
+float32 accumulator. No expanded weight ever reaches memory. Compiled for sm_90a, the 16 x 64 tile's loop takes ~7
+instructions a weight with 100 registers (``moe_quant``'s ``tl.dot_scaled`` 16-row tile ~6.4 with 158, its float32
+decode ~9.6); which is faster on the H200 is for ``benchmarks/bench_mxfp4_decode.py`` to say.
 
 The activations are read in ``paired`` order (within every 32 inputs the 16 even ones, then the 16 odd ones), so that
 a group's even / odd activations are two contiguous 16-element rows: ``run`` reorders ``x`` (one small copy) and
