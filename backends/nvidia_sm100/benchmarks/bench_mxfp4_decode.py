@@ -106,7 +106,8 @@ def bench_mxfp4_decode() -> None:
     dense = [(torch.randn(E, r, c, device="cuda") * 0.02).to(torch.bfloat16) for r, c in ((I, D), (D, I), (I, D))]
     stored = [t for w in dense for t in mxfp4.quantize(w)]
     print(f"\nMXFP4 experts at decode sizes (E={E} top-{TOP_K} D={D} I={I}, one layer): old kernels vs "
-          f"moe_mxfp4_decode (MAX_PER_EXPERT={moe_mxfp4_decode.MAX_PER_EXPERT}, ONE_TOKEN={moe_mxfp4_decode.ONE_TOKEN}, "
+          f"moe_mxfp4_decode (MAX_PER_EXPERT={moe_mxfp4_decode.MAX_PER_EXPERT}, DEEPINFER_NVIDIA_MXFP4_DECODE_MAX_PER_EXPERT="
+          f"{moe_mxfp4_decode.envs.DEEPINFER_NVIDIA_MXFP4_DECODE_MAX_PER_EXPERT}, ONE_TOKEN={moe_mxfp4_decode.ONE_TOKEN}, "
           f"BF16_DECODE={moe_mxfp4_decode.BF16_DECODE}); time (% of the HBM floor)")
     summary = []
     for T in TOKENS:

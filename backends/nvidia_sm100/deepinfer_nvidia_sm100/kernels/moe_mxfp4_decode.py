@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_nvidia_sm100 import envs
 from deepinfer_nvidia_sm100.kernels import dequant, moe, pdl
 
 GROUP_PAIRS = dequant.PACKED_PER_SCALE  # packed bytes of one scale group (16)
@@ -38,11 +39,12 @@ FLOAT32, PORTABLE, PTX = 0, 1, 2  # the kernels' ``DECODE``
 BF16_DECODE = PTX  # how bf16 activations decode on a GPU (``PORTABLE``: without inline PTX)
 
 # (max mean assignments per expert, (BLOCK_M, BLOCK_N, GROUPS, num_warps, num_stages, SWAP)), the first that holds
-MAX_PER_EXPERT = 64  # mean assignments per expert up to which the MXFP4 op takes these kernels; 0: never
+MAX_PER_EXPERT = None  # mean assignments per expert up to which the MXFP4 op takes these kernels (0: never); None:
+# ``DEEPINFER_NVIDIA_MXFP4_DECODE_MAX_PER_EXPERT`` (64)
 TILES = {
     "one": (1, (16, 64, 4, 4, 3, True)),
     "decode": (16, (16, 64, 4, 4, 3, False)),
-    "mid": (MAX_PER_EXPERT, (64, 64, 2, 4, 3, False)),
+    "mid": (64, (64, 64, 2, 4, 3, False)),
 }
 ONE_TOKEN = False  # one token through these kernels (four launches) rather than ``moe_quant``'s two row kernels
 
@@ -52,7 +54,8 @@ def used(num_tokens: int, num_assign: int, num_experts: int, x: torch.Tensor) ->
     (on a GPU: Triton's interpreter multiplies bf16 tiles wrongly), at most ``MAX_PER_EXPERT`` assignments per expert
     on average, one token only with ``ONE_TOKEN``."""
     dtype_ok = x.dtype in (torch.float16, torch.float32) or (x.dtype == torch.bfloat16 and decode_mode(x) != FLOAT32)
-    return dtype_ok and num_assign <= MAX_PER_EXPERT * num_experts and (num_tokens > 1 or ONE_TOKEN)
+    bound = envs.DEEPINFER_NVIDIA_MXFP4_DECODE_MAX_PER_EXPERT if MAX_PER_EXPERT is None else MAX_PER_EXPERT
+    return dtype_ok and num_assign <= bound * num_experts and (num_tokens > 1 or ONE_TOKEN)
 
 
 def tile(num_assign: int, num_experts: int) -> tuple[int, int, int, int, int, bool]:
