@@ -101,7 +101,8 @@ for launch in json.load(sys.stdin):
     results.append({"target": re.search(r"^\\.target (\\S+)", ptx, re.MULTILINE).group(1),
                     "cubin_bytes": len(compiled.asm["cubin"]),
                     "instructions": [i for i in ("wgmma", "tcgen05.mma", "mma.sync", "atom.global.gpu.acq_rel") if i in ptx],
-                    "local_memory": "ld.local" in ptx or "st.local" in ptx})
+                    "local_memory": "ld.local" in ptx or "st.local" in ptx,
+                    "pdl": "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx})
 json.dump(results, sys.stdout)
 """
 
@@ -114,6 +115,7 @@ def _compile_all(capability: int) -> list[tuple[str, tuple, dict]]:
         constants = {k: v for k, v in kwargs.items() if k not in LAUNCH_OPTIONS}
         if "EMULATE" in constants:
             constants["EMULATE"] = False  # the GPU path: tl.dot
+        constants["PDL"] = True  # launched with programmatic dependent launch on a GPU (off under the interpreter)
         launches.append({"name": name, "types": list(arg_types), "constants": constants, "capability": capability,
                          "options": {k: kwargs[k] for k in LAUNCH_OPTIONS if k in kwargs}})
         keys.append((name, arg_types))
@@ -136,6 +138,7 @@ def test_every_launch_compiles_for_the_architecture(capability):
     arch, tensor_core = ARCHS[capability]
     for name, arg_types, result in _compile_all(capability):
         assert result["target"] == arch and result["cubin_bytes"] > 0, name
+        assert result["pdl"], f"{name}: no programmatic dependent launch on {arch}"
         if name == "_matmul_nt_kernel" and "*bf16" in arg_types:
             assert tensor_core in result["instructions"], f"bf16 GEMM tile on {arch}: {result['instructions']}"
             assert not result["local_memory"], f"bf16 GEMM tile on {arch}: registers in local memory"

@@ -29,14 +29,18 @@ property is checked by the tests marked ``nvidia``, not by the interpreter.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from deepinfer_batch_invariant import envs
 from deepinfer_batch_invariant.primitives import KV_CHUNK
+from deepinfer_core import envs as core_envs
+from deepinfer_core.envs import Variable
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _EMULATE = INTERPRET
@@ -53,8 +57,8 @@ MM_CONFIGS = {torch.bfloat16: (64, 64, 64, 4, 3), torch.float16: (64, 64, 64, 4,
 MM_WIDE_CONFIGS = {torch.bfloat16: (128, 128, 64, 8, 3), torch.float16: (128, 128, 64, 8, 3)}
 WIDE_MIN_ROWS = 512
 """Rows from which a 16-bit GEMM takes ``MM_WIDE_CONFIGS``; below, the split-K launch (one program per tile and split,
-the partials then added in split order) keeps a decode step's weight read spread over the GPU. Both give a row the same bits
-(``test_cuda.py`` checks them against each other on the GPU), so the switch may follow the row count."""
+the partials then added in split order) keeps a decode step's weight read spread over the GPU. Both give a row the
+same bits (``test_cuda.py`` checks them against each other on the GPU), so the switch may follow the row count."""
 WIDE_GROUP_M = 8
 """Row tiles a wide launch walks together (``_grouped_tile``): at 16,384 rows x 4,096 a projection's activations are
 read from HBM once per 8 row tiles' sweep of the columns instead of once per column tile."""
@@ -77,6 +81,34 @@ def _pow2(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(max(n, 1)))
 
 
+def _pdl() -> dict:
+    """Launch arguments of programmatic dependent launch (SM90+; the NVIDIA backend's switch
+    ``DEEPINFER_NVIDIA_PDL``, read through the core's declarations, as the backend's own kernels): a kernel may be
+    scheduled while its predecessor on the stream finishes and waits (``_begin``) before touching memory. Off under
+    Triton's interpreter."""
+    return {"PDL": True, "launch_pdl": True} if not INTERPRET and _pdl_variable().read() else {"PDL": False}
+
+
+@functools.cache
+def _pdl_variable() -> Variable:
+    for group in core_envs.declarations():
+        if PDL_VARIABLE in group:
+            return group[PDL_VARIABLE]
+    return Variable(PDL_VARIABLE, bool, False, "no backend declares it: off")
+
+
+PDL_VARIABLE = "DEEPINFER_NVIDIA_PDL"
+
+
+@triton.jit
+def _begin(PDL: tl.constexpr):
+    """A kernel's first statement: with ``PDL``, wait until the previous kernel's writes are visible, then let the next
+    one launch."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
 @triton.jit
 def _dot(a, b, acc, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
     """``acc + a @ b`` (``a [M, K]``, ``b [K, N]``, fp32 ``acc``): ``tl.dot``, or under the interpreter an
@@ -90,9 +122,9 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, EMULATE: tl.constexpr):
 # ----------------------------------------------------------------------------- matmul
 SPLIT_K_PROGRAMS = 256
 """Split-K target: (groups x N tiles x K splits) programs per row tile, about two per SM of an H200 (132 SMs), so a
-decode-sized GEMM (one row tile) reads its weight with the whole GPU. The split count is a function of the weight's shape and dtype
-only (``split_k``), never of the row count: each output element is the same fixed-order fold of the same partial
-sums whatever the batch. Prefill steps pay for the split in fp32 partials (``splits x M x N``), so it stays low."""
+decode-sized GEMM (one row tile) reads its weight with the whole GPU. The split count is a function of the weight's
+shape and dtype only (``split_k``), never of the row count: each output element is the same fixed-order fold of the
+same partial sums whatever the batch (prefill-sized GEMMs add them in registers: ``MM_WIDE_CONFIGS``)."""
 MIN_SPLIT_BLOCKS = 8
 """Fewest BLOCK_K steps per K split."""
 
@@ -135,7 +167,7 @@ def _grouped_tile(pid, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 def _matmul_nt_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, SPLITS, sxm, sxk, swn, swk, som,
                       son, sos, sxg, swg, sog, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       SERIAL: tl.constexpr, FOLD: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
-                      EMULATE: tl.constexpr):
+                      EMULATE: tl.constexpr, PDL: tl.constexpr = False):
     """One ``[BLOCK_M, BLOCK_N]`` tile of ``x @ w.T`` for one group (its operands and outputs ``sxg`` / ``swg`` /
     ``sog`` elements on), fp32 accumulation, K in ``SPLITS`` ranges ``K_SPLIT`` long.
 
@@ -146,6 +178,7 @@ def _matmul_nt_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPL
     and reset after), adds them in split order into ``out``. Every launch adds the same numbers in the same order.
     ``GROUP_M`` (serial launch): ``program_id(0)`` numbers the tiles ``GROUP_M`` row tiles at a time, column tile by
     column tile, so the programs running together share their rows and columns in L2 (an order of work only)."""
+    _begin(PDL)
     if GROUP_M > 0:
         pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     else:
@@ -191,8 +224,9 @@ def _matmul_nt_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPL
 
 
 @triton.jit(do_not_specialize=["SIZE"])
-def _fold_splits_kernel(part_ptr, out_ptr, SIZE, SPLITS, BLOCK: tl.constexpr):
+def _fold_splits_kernel(part_ptr, out_ptr, SIZE, SPLITS, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """``out = ((part[0] + part[1]) + part[2]) + ...`` element by element, in split order (fp32), cast to out."""
+    _begin(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < SIZE
     ptrs = part_ptr + offs
@@ -249,9 +283,10 @@ def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, groups: int, wide: bo
                             x.stride(0), x.stride(2), weight.stride(0), weight.stride(1), groups * n, 1, size,
                             x.stride(1), n * weight.stride(0), n,
                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SERIAL=serial, FOLD=counts is not None,
-                            GROUP_M=group_m, PRECISION=_precision(x.dtype), EMULATE=_EMULATE, num_warps=warps, num_stages=stages)
+                            GROUP_M=group_m, PRECISION=_precision(x.dtype), EMULATE=_EMULATE, num_warps=warps,
+                            num_stages=stages, **_pdl())
     if not serial and counts is None:  # [S, M, G, N] partials, folded in split order
-        _fold_splits_kernel[(triton.cdiv(size, 1024),)](part, out, size, splits, BLOCK=1024, num_warps=4)
+        _fold_splits_kernel[(triton.cdiv(size, 1024),)](part, out, size, splits, BLOCK=1024, num_warps=4, **_pdl())
     return out
 
 
@@ -288,10 +323,12 @@ def _k_splits(n: int, k: int, dtype: torch.dtype, groups: int) -> tuple[int, int
 
 
 @triton.jit(do_not_specialize=["SIZE"])
-def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, SIZE, COLS, s_gate, s_up, limit, BLOCK: tl.constexpr):
+def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, SIZE, COLS, s_gate, s_up, limit, BLOCK: tl.constexpr,
+                   PDL: tl.constexpr = False):
     """``out = silu(min(gate, limit)) * clamp(up, -limit, limit)`` element by element over ``[rows, COLS]`` (``gate``
     / ``up`` rows ``s_gate`` / ``s_up`` apart), rounded as ``forms.InvariantOps.swiglu_mlp``: the clamps in the
     model dtype, the silu in fp32 (``x / (1 + exp(-x))``) rounded to it, the product rounded once."""
+    _begin(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < SIZE
     row, col = offs // COLS, offs % COLS
@@ -310,14 +347,15 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     out = torch.empty(rows, cols, dtype=gate.dtype, device=gate.device)
     if out.numel():
         _swiglu_kernel[(triton.cdiv(out.numel(), 1024),)](gate, up, out, out.numel(), cols, gate.stride(0),
-                                                          up.stride(0), float(limit), BLOCK=1024, num_warps=4)
+                                                          up.stride(0), float(limit), BLOCK=1024, num_warps=4, **_pdl())
     return out
 
 
 # ----------------------------------------------------------------------------- row reductions
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, sx, so, eps,
-                     HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    _begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -348,7 +386,7 @@ def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tens
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](rows, rows if weight is None else weight, out, n, rows.stride(0),
                                            out.stride(0), float(eps), HAS_WEIGHT=weight is not None,
-                                           BLOCK=_row_block(n), num_warps=4)
+                                           BLOCK=_row_block(n), num_warps=4, **_pdl())
     return out.view(x.shape)
 
 
@@ -363,7 +401,8 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit
-def _row_sum_kernel(x_ptr, out_ptr, N, sx, BLOCK: tl.constexpr):
+def _row_sum_kernel(x_ptr, out_ptr, N, sx, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    _begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -377,14 +416,16 @@ def row_sum(x: torch.Tensor) -> torch.Tensor:
     rows = _rows(x)
     out = torch.empty(rows.shape[0], dtype=x.dtype, device=x.device)
     if rows.shape[0]:
-        _row_sum_kernel[(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0), BLOCK=_row_block(rows.shape[1]))
+        _row_sum_kernel[(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0), BLOCK=_row_block(rows.shape[1]),
+                                          **_pdl())
     return out.view(*x.shape[:-1], 1)
 
 
 # ----------------------------------------------------------------------------- small-axis folds
 @triton.jit
 def _weighted_fold_kernel(w_ptr, x_ptr, out_ptr, L, B, swa, swl, swb, sxa, sxl, sxb,
-                          ROUND: tl.constexpr, BLOCK_B: tl.constexpr):
+                          ROUND: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr = False):
+    _begin(PDL)
     a = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
     mask = cols < B
@@ -411,14 +452,15 @@ def weighted_fold(w: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype, roun
     if A and B:
         block = min(_pow2(B), 1024)
         _weighted_fold_kernel[(A, triton.cdiv(B, block))](w, x, out, L, B, *w.stride(), *x.stride(),
-                                                          ROUND=round_product, BLOCK_B=block, num_warps=4)
+                                                          ROUND=round_product, BLOCK_B=block, num_warps=4, **_pdl())
     return out
 
 
 # ----------------------------------------------------------------------------- compressor pooling
 @triton.jit
 def _pool_kernel(kv_ptr, gate_ptr, out_ptr, L, C, sk_n, sk_l, sg_n, sg_l,
-                 BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr):
+                 BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):
+    _begin(PDL)
     n = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     slots = tl.arange(0, BLOCK_L)
@@ -444,7 +486,7 @@ def pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         block_c = 64 if L > 64 else 128
         _pool_kernel[(N, triton.cdiv(C, block_c))](kv, gate, out, L, C, kv.stride(0), kv.stride(1), gate.stride(0),
                                                    gate.stride(1), BLOCK_L=_pow2(L, 2), BLOCK_C=block_c,
-                                                   num_warps=4)
+                                                   num_warps=4, **_pdl())
     return out
 
 
@@ -454,7 +496,8 @@ def pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 def _sink_attention_kernel(q_ptr, kv_ptr, idx_ptr, count_ptr, sink_ptr, out_ptr, Lq, H, D, scale,
                            sq_s, sq_q, sq_h, sk_s, sk_k, si_q, so_s, so_q, so_h,
                            BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
-                           PRECISION: tl.constexpr, EMULATE: tl.constexpr):
+                           PRECISION: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr = False):
+    _begin(PDL)
     pid = tl.program_id(0).to(tl.int64)  # s * Lq + t
     s = pid // Lq
     t = pid % Lq
@@ -491,9 +534,10 @@ def _sink_attention_kernel(q_ptr, kv_ptr, idx_ptr, count_ptr, sink_ptr, out_ptr,
 
 
 @triton.jit(do_not_specialize=["Lk"])
-def _compact_kernel(vis_ptr, idx_ptr, count_ptr, Lk, s_vis, s_idx, BLOCK: tl.constexpr):
+def _compact_kernel(vis_ptr, idx_ptr, count_ptr, Lk, s_vis, s_idx, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Program = one query row: the indices of its visible keys in key order into ``idx``, their number into
     ``count`` (integers only)."""
+    _begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     found = 0
     for start in range(0, Lk, BLOCK):
@@ -516,7 +560,8 @@ def compact_visible(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     idx = torch.empty(S * Lq, Lk + 1, dtype=torch.int32, device=visible.device)
     counts = torch.empty(S * Lq, dtype=torch.int32, device=visible.device)
     if S * Lq:
-        _compact_kernel[(S * Lq,)](flat, idx, counts, Lk, flat.stride(0), idx.stride(0), BLOCK=1024, num_warps=4)
+        _compact_kernel[(S * Lq,)](flat, idx, counts, Lk, flat.stride(0), idx.stride(0), BLOCK=1024, num_warps=4,
+                                   **_pdl())
     return idx, counts
 
 
@@ -541,7 +586,7 @@ def sink_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sin
                                  out.stride(0), out.stride(1), out.stride(2),
                                  BLOCK_H=ATTN_BLOCK_H, BLOCK_D=_pow2(d), CHUNK=KV_CHUNK,
                                  PRECISION=_precision(q.dtype), EMULATE=_EMULATE,
-                                 num_warps=4 if d <= 128 else 8, num_stages=2)
+                                 num_warps=4 if d <= 128 else 8, num_stages=2, **_pdl())
     return out
 
 
@@ -549,7 +594,9 @@ def sink_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sin
 @triton.jit
 def _indexer_kernel(q_ptr, k_ptr, w_ptr, out_ptr, Lq, E, Hi, Di, scale,
                     sq_s, sq_q, sq_h, sk_s, sk_e, sw_s, sw_q, so_s, so_q,
-                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, EMULATE: tl.constexpr):
+                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, EMULATE: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    _begin(PDL)
     pid = tl.program_id(0).to(tl.int64)  # s * Lq + t
     s = pid // Lq
     t = pid % Lq
@@ -583,5 +630,5 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tens
                           q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1),
                           head_weights.stride(0), head_weights.stride(1), out.stride(0), out.stride(1),
                           BLOCK_H=_pow2(Hi), BLOCK_D=_pow2(di), BLOCK_E=KV_CHUNK, EMULATE=_EMULATE,
-                          num_warps=4)
+                          num_warps=4, **_pdl())
     return out
