@@ -6,11 +6,13 @@ size, head count, head dim, weight shape), never on the number of rows, their or
 padding. Concretely:
 
 * one fixed configuration per kernel and model shape (block sizes, ``num_warps``, ``num_stages``): no
-  autotuning, no split-K, nothing chosen from the row count; the row count ``M`` is not specialised
+  autotuning, no K split that follows the row count; the row count ``M`` is not specialised
   (``do_not_specialize``), so one compiled kernel serves every batch;
 * a row's reduction runs inside one program, over blocks of a length fixed by the model; a matmul row's
   K loop is the same for every row of every tile (``tl.dot`` computes each output element from its own
-  row and column only);
+  row and column only), its K splits are set by the weight's shape and added in split order. The GEMM has two
+  launches, picked by the row count, that do the same arithmetic element by element (split-K with the partials
+  added by each tile's last program, and wide tiles adding the splits in registers: same BLOCK_K, same splits);
 * attention reduces over each query's *own* visible keys, compacted in key order and split in fixed
   ``KV_CHUNK`` chunks from the first of them, so the batch's padding of the key axis never moves a chunk
   boundary (the same rule as ``cpu_ops.sink_attention``).
