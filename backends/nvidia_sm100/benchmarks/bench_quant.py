@@ -21,8 +21,8 @@ the fp8 linear kernels for tuning ``moe_quant.TILES`` / ``ROW_TILES`` / ``ONE_TO
 
 The fp8 linear table (section ``fp8``) times per weight and row count bf16 (the backend's GEMV at 1 row, cuBLAS
 beyond), the fp8 op as main c407f82 ran it (``old``), the op now (``new``, its path named), and each fp8 path
-forced (``split-K``, ``fp8 TC``, cuBLAS blockwise ``scaled_mm`` where torch has it: the reason printed where
-not); a summary of new / bf16 and new / old per row count comes last.
+forced (``split-K``, ``fp8 TC``, ``dequant``, cuBLAS blockwise ``scaled_mm`` where torch has it: the reason
+printed where not); a summary of new / bf16 and new / old per row count comes last.
 """
 
 from __future__ import annotations
@@ -150,7 +150,8 @@ def scaled_mm_blockwise(w: torch.Tensor, s: torch.Tensor):
 def fp8_ab_variants(x, dense, w, s, block, groups: int) -> dict:
     """The products timed per (weight, rows): bf16 as the backend runs it, the fp8 op before this change
     (``old``), the op now (``new``), and its paths forced: ``split-K`` (weight-only, decode batches), ``fp8 TC``
-    (tensor cores, K split where the grid is small), cuBLAS blockwise ``scaled_mm`` (128 x 128, one group)."""
+    (tensor cores, K split where the grid is small), ``dequant`` (the weight decoded to bf16, then cuBLAS; the
+    decode counted: bytes floor as fp8), cuBLAS blockwise ``scaled_mm`` (128 x 128, one group)."""
     from deepinfer_nvidia_sm100.kernels import fp8_linear, gemv
 
     rows = x.shape[0]
@@ -164,6 +165,8 @@ def fp8_ab_variants(x, dense, w, s, block, groups: int) -> dict:
         variants["split-K"] = lambda: fp8_linear.matmul(x, w, s, block, groups, fp8_linear.SPLIT_K)
     if rows > 1:
         variants["fp8 TC"] = lambda: fp8_linear.matmul(x, w, s, block, groups, fp8_linear.FP8_TC)
+    if rows >= 256:
+        variants["dequant"] = lambda: fp8_linear.matmul(x, w, s, block, groups, fp8_linear.DEQUANT)
     if groups == 1 and block == (128, 128):
         run = scaled_mm_blockwise(w, s)
         variants["scaled_mm"] = lambda: run(x)
@@ -181,7 +184,7 @@ def bench_fp8_linear_ab() -> list[tuple]:
 
     print("\nfp8 block linears, old (main c407f82) vs new, bf16 activations; time (% of floor: fp8 bytes / 4.25 TB/s "
           "or FLOPs / peak); max relative error vs the reference op")
-    names = ("bf16", "old", "new", "split-K", "fp8 TC", "scaled_mm")
+    names = ("bf16", "old", "new", "split-K", "fp8 TC", "dequant", "scaled_mm")
     print("| weight | rows | new path | " + " | ".join(names) + " | errors |")
     print("|---|---|---|" + "---|" * len(names) + "---|")
     results = []

@@ -391,7 +391,8 @@ def test_fp8_linear_paths_match_reference_at_preset_sizes(rows, n, k, groups, bl
     weight, scale = fp8_block.quantize(torch.randn(groups * n, k, device="cuda", generator=gen) * k**-0.5, block, True)
     x = torch.randn(rows, groups, k, device="cuda", generator=gen).to(torch.bfloat16)
     want = ref.grouped_linear_fp8_block(x, weight, scale, block, groups).float()
-    exact_paths = (fp8_linear.ROW, fp8_linear.SPLIT_K) if rows == 1 else (fp8_linear.SPLIT_K, fp8_linear.WEIGHT_ONLY)
+    exact_paths = (fp8_linear.ROW, fp8_linear.SPLIT_K) if rows == 1 else (fp8_linear.SPLIT_K, fp8_linear.WEIGHT_ONLY,
+                                                                         fp8_linear.DEQUANT)
     results = {path: fp8_linear.matmul(x, weight, scale, block, groups, path).float() for path in exact_paths}
     for path, got in results.items():
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2, msg=lambda m, p=path: f"{p}: {m}")

@@ -256,6 +256,25 @@ def test_fp8_tensor_core_kernel_splits_k():
 
 
 @kernel_runs_here
+@pytest.mark.parametrize("block, ue8m0, groups, dtype", [
+    (block, ue8m0, groups, dtype) for block, ue8m0, groups in (((128, 128), True, 1), ((32, 32), False, 3),
+                                                               ((16, 64), True, 2))
+    for dtype in (torch.float32, torch.float16, torch.bfloat16)
+    if DEVICE == "cuda" or dtype != torch.bfloat16 or ue8m0])  # the interpreter rounds float32 to bf16 toward zero
+def test_fp8_dequant_path_decodes_the_reference_weights(block, ue8m0, groups, dtype):
+    """Prefill sizes (``DEQUANT_MIN_ROWS`` rows on): the weight decoded once to the activations' dtype is the
+    reference op's own, bit for bit (partial blocks at both edges), then one batched product per group."""
+    gen = _gen(groups)
+    weight, scale = fp8_block.quantize(torch.randn(groups * 70, 200, device=DEVICE, generator=gen) * 0.02, block,
+                                       ue8m0)
+    dense = fp8_linear.dequantized(weight, scale, block, dtype)
+    assert torch.equal(dense, fp8_block.dequantize(weight, scale, block).to(dtype))
+    x = torch.randn(5, groups, 200, device=DEVICE, generator=gen).to(dtype)
+    got = fp8_linear.matmul(x, weight, scale, block, groups, fp8_linear.DEQUANT)
+    torch.testing.assert_close(got, ref.grouped_linear_fp8_block(x, weight, scale, block, groups), **_tol(dtype))
+
+
+@kernel_runs_here
 def test_fp8_linear_decodes_extreme_scales_exactly():
     """One-hot input rows pick single weight columns out of blocks scaled by 2^-127, 1, 2^127 (values below 2 in
     the last: 448 x 2^127 overflows): the row, weight-only and split-K kernels return the exactly dequantized
@@ -320,6 +339,7 @@ def test_fp8_linear_picks_tensor_cores_from_the_crossover(monkeypatch):
     rows = fp8_linear.FP8_TC_MIN_ROWS
     assert fp8_linear.linear_path(rows - 1, torch.bfloat16, block) == fp8_linear.SPLIT_K
     assert fp8_linear.linear_path(rows, torch.bfloat16, block) == fp8_linear.FP8_TC
+    assert fp8_linear.linear_path(fp8_linear.DEQUANT_MIN_ROWS, torch.bfloat16, block) == fp8_linear.DEQUANT
     assert fp8_linear.linear_path(rows, torch.float32, block) == fp8_linear.SPLIT_K  # fp32 runs stay exact
     assert fp8_linear.linear_path(rows, torch.bfloat16, (16, 16)) == fp8_linear.SPLIT_K  # fp8 MMA takes K >= 32
     assert fp8_linear.linear_path(rows, torch.bfloat16, (24, 24)) is None  # not a power of two: the reference op

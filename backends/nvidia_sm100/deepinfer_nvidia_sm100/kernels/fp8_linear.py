@@ -39,9 +39,11 @@ from deepinfer_nvidia_sm100.kernels import dequant, moe, moe_quant, pdl
 from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 
 FP8_TC_MIN_ROWS = 128  # rows from which the fp8 tensor-core kernel beats the weight-only one (bench_quant.py)
+DEQUANT_MIN_ROWS = 1024  # rows from which the weight decoded once to the activations' dtype, then cuBLAS, wins
+# (c407f82 on the H200: 1,024 rows in bf16 ~120 us against fp8 tensor cores ~280-330 us; decoding wo_b ~25 us)
 FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # largest finite e4m3 magnitude
 FP8_TC_MIN_BLOCK = 32  # an fp8 tensor-core product takes at least 32 inputs
-ROW, SPLIT_K, WEIGHT_ONLY, FP8_TC = "row", "split_k", "weight_only", "fp8_tc"
+ROW, SPLIT_K, WEIGHT_ONLY, FP8_TC, DEQUANT = "row", "split_k", "weight_only", "fp8_tc", "dequant"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -51,12 +53,15 @@ def tensor_cores_enabled() -> bool:
 
 
 def linear_path(rows: int, dtype: torch.dtype, block: tuple[int, int]) -> str | None:
-    """Which kernel a product of ``rows`` rows takes (``ROW``, ``SPLIT_K``, ``FP8_TC``; ``WEIGHT_ONLY`` only when
-    asked for), or None for the reference op (a block that is not a power of two of at least 16, another dtype)."""
+    """Which kernel a product of ``rows`` rows takes (``ROW``, ``SPLIT_K``, ``FP8_TC``, ``DEQUANT``; ``WEIGHT_ONLY``
+    only when asked for), or None for the reference op (a block that is not a power of two of at least 16, another
+    dtype)."""
     if dtype not in _DTYPES or any(b < 16 or b & (b - 1) for b in block):
         return None
     if rows <= 1:
         return ROW
+    if rows >= DEQUANT_MIN_ROWS:
+        return DEQUANT
     if (rows >= FP8_TC_MIN_ROWS and dtype != torch.float32 and block[1] >= FP8_TC_MIN_BLOCK
             and tensor_cores_enabled()):
         return FP8_TC
@@ -453,8 +458,26 @@ def launch(path: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
         _weight_only_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(128, block[1]),
                                   PRECISION=precision, SWAP=block_m <= SWAP_AB_MAX_ROWS, num_warps=warps,
                                   num_stages=stages, **consts)
+    elif path == DEQUANT:
+        dense = dequantized(weight, scale, block, x.dtype).view(groups, N, K)  # [g, N, K]
+        torch.bmm(x.transpose(0, 1), dense.transpose(1, 2), out=out.transpose(0, 1))  # [g, M, K] @ [g, K, N]
     else:
         _launch_fp8_tc(x, weight, raw, block, out, groups, tile or _tile(FP8_TC_TILES, M), consts)
+
+
+DEQUANT_TILE = (64, 128)  # (rows, columns) of a weight one program of dequant._fp8_block_kernel decodes
+
+
+def dequantized(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """``weight [out, in]`` decoded to ``dtype``: each e4m3 value times its block's scale in float32, rounded once
+    (the reference op's weight, bit for bit), by ``dequant._fp8_block_kernel``."""
+    raw, is_ue8m0 = dequant.scale_operand(scale)
+    rows, cols = weight.shape
+    out = torch.empty(rows, cols, dtype=dtype, device=weight.device)
+    grid = (triton.cdiv(rows, DEQUANT_TILE[0]), triton.cdiv(cols, DEQUANT_TILE[1]), 1)
+    dequant._fp8_block_kernel[grid](weight, raw, out, rows, cols, raw.shape[-1], B0=block[0], B1=block[1],
+                                    UE8M0=is_ue8m0, BLOCK_R=DEQUANT_TILE[0], BLOCK_C=DEQUANT_TILE[1])
+    return out
 
 
 def _launch_fp8_tc(x: torch.Tensor, weight: torch.Tensor, raw: torch.Tensor, block: tuple[int, int],
