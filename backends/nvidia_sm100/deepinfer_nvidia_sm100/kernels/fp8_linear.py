@@ -19,6 +19,10 @@ Kernels picked by the number of rows ``M`` (``linear_path``):
   tile), then each ``K`` block's fp8 product (fp32 accumulate) is scaled by the row's and the weight block's scales;
   ``K`` split as above when the output has few tiles.
   Activations are quantized: its error against the reference op is what docs/quantization.md records.
+* ``M >= DEQUANT_MIN_ROWS`` (long prefill chunks): the weight decoded once to the activations' dtype
+  (``dequantized``: the reference op's weight, bit for bit), then cuBLAS (``torch.bmm``): exact, and faster there
+  than the Triton fp8 tensor-core kernel (decoding reads the fp8 weight and writes it at twice its size once per
+  call, a few % of a product of that many rows).
 
 ``FP8_TC_MIN_ROWS`` is the measured crossover (``benchmarks/bench_quant.py``); ``DEEPINFER_NVIDIA_FP8_TC=0`` keeps
 the weight-only kernels at every size. Blocks must be powers of two of at least 16 (32 for the tensor-core
