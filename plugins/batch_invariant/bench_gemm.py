@@ -1,0 +1,93 @@
+"""The batch-invariant GEMM's launches against cuBLAS on the bench preset's projections (GPU only).
+
+    python plugins/batch_invariant/bench_gemm.py [--rows 1 64 256 2048 16384]
+
+For every projection of a ``v4-flash-8l64e`` layer (bf16; the grouped ``wo_a`` as 8 groups) and row count: the time of
+``F.linear`` (cuBLAS; the grouped one as a batched matmul), of ``triton_kernels.matmul_nt`` as the mode runs it (the
+split-K launch with its fused fold below ``WIDE_MIN_ROWS`` rows, the wide tiles from there), of the split-K launch with
+the fold kernel and, from 512 rows, of both launches, each checked to give the same bits as the mode's. CUDA events,
+median of repeats after warm-up, each call replayed from a CUDA graph (as a decode step runs). Prints one table: time
+per call and the mode's time over cuBLAS's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+# (name, N, K, groups) of one v4-flash-8l64e layer: the CSA layer's fused input run, wq_b, wo_a (8 groups), wo_b,
+# the shared expert's w1 || w3 and w2, and the vocabulary head
+SHAPES = [("input run (CSA)", 4160, 4096, 1), ("wq_b", 32768, 1024, 1), ("wo_a", 1024, 4096, 8),
+          ("wo_b", 4096, 8192, 1), ("shared w1||w3", 4096, 4096, 1), ("shared w2", 4096, 2048, 1),
+          ("head", 129280, 4096, 1)]
+
+
+def _time(fn, reps: int = 20) -> float:
+    """Median seconds of one replay of ``fn`` captured in a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _cublas(x: torch.Tensor, w: torch.Tensor, groups: int) -> torch.Tensor:
+    if groups == 1:
+        return F.linear(x[:, 0], w)
+    return torch.bmm(x.transpose(0, 1), w.view(groups, -1, w.shape[1]).transpose(1, 2))  # [G, M, N]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from deepinfer_batch_invariant import triton_kernels as tk
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256, 2048, 16384])
+    args = parser.parse_args(argv)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print("| projection | rows | cuBLAS | mode | mode / cuBLAS | split-K + fold kernel | split-K + fused fold | wide |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, n, k, groups in SHAPES:
+        w = (torch.randn(groups * n, k, device="cuda", generator=gen) * 0.02).bfloat16()
+        for m in args.rows:
+            if name == "head" and m > 256:
+                continue  # the head runs on a step's last rows only
+            x = torch.randn(m, groups, k, device="cuda", generator=gen).bfloat16()
+            mode = tk._grouped_matmul(x, w, groups)
+            launches = {"split-K + fold kernel": {"wide": False, "fused_fold": False},
+                        "split-K + fused fold": {"wide": False}}
+            if m >= tk.WIDE_MIN_ROWS:
+                launches["wide"] = {"wide": True}
+            for launch, kwargs in launches.items():
+                if not torch.equal(tk._grouped_matmul(x, w, groups, **kwargs), mode):
+                    raise AssertionError(f"{name} at {m} rows: the {launch} launch changes the bits")
+            base = _time(lambda x=x, w=w, g=groups: _cublas(x, w, g))
+            ours = _time(lambda x=x, w=w, g=groups: tk._grouped_matmul(x, w, g))
+            cells = {launch: _time(lambda x=x, w=w, g=groups, kw=kw: tk._grouped_matmul(x, w, g, **kw))
+                     for launch, kw in launches.items()}
+            row = [f"{cells[c] * 1e6:.1f} us" if c in cells else "-"
+                   for c in ("split-K + fold kernel", "split-K + fused fold", "wide")]
+            print(f"| {name} | {m} | {base * 1e6:.1f} us | {ours * 1e6:.1f} us | {ours / base:.2f}x | "
+                  + " | ".join(row) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
