@@ -168,8 +168,7 @@ def _split_k_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, stride_x
     its scale rounded to the activations' dtype: the reference op's weights). ``F16`` (bf16 activations, ue8m0):
     the product in fp16 (``_post_scaled_slice``)."""
     pdl.begin(PDL)
-    dt: tl.constexpr = x_ptr.dtype.element_ty
-    POST_SCALE: tl.constexpr = UE8M0 and (dt == tl.bfloat16 or dt == tl.float32)
+    dt = x_ptr.dtype.element_ty
     SUB: tl.constexpr = min(BLOCK_K, B1)  # inputs of a slice inside one scale block
     m_tiles = tl.cdiv(M, BLOCK_M)
     pid_n, pid_m = tl.program_id(0) // m_tiles, tl.program_id(0) % m_tiles
@@ -188,7 +187,7 @@ def _split_k_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, stride_x
     k_lo = split * k_per_split
     for k0 in range(k_lo, tl.minimum(K, k_lo + k_per_split), BLOCK_K):
         k0 = tl.multiple_of(k0, BLOCK_K)  # k_per_split is a multiple of BLOCK_K: 16-byte weight vectors
-        if POST_SCALE:
+        if UE8M0 and (dt == tl.bfloat16 or dt == tl.float32):
             for j in tl.static_range(BLOCK_K // SUB):
                 acc = _post_scaled_slice(acc, x_rows, w_rows, s_rows, k0 + j * SUB, K, m_mask, n_mask, SUB, B1, F16,
                                          PRECISION, SWAP)
