@@ -127,14 +127,16 @@ def test_gemm_launches_agree_bitwise_on_gpu(n, k, groups):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_fold_agrees_with_the_fold_kernel_on_gpu(dtype):
     """Split-K partials added by each tile's last program equal the fold kernel's, launch after launch (the counts
-    return to zero), including GEMMs queued on a second stream beside the first (a count buffer per stream)."""
+    return to zero), including GEMMs on a high-priority stream beside the main one (the engine's ``fork``: a count
+    buffer per stream priority), and replayed from a CUDA graph captured after eager launches."""
     from deepinfer_batch_invariant import triton_kernels
 
     gen = torch.Generator().manual_seed(1)
     w = (torch.randn(1024, 4096, generator=gen) * 0.02).to(dtype).cuda()  # 16 N tiles x 8 splits
     x = torch.randn(48, 4096, generator=gen).to(dtype).cuda()
     want = triton_kernels._grouped_matmul(x[:, None], w, 1, wide=False, fused_fold=False)[:, 0]
-    side = torch.cuda.Stream()
+    side = torch.cuda.Stream(priority=-1)
+    assert side.priority != torch.cuda.current_stream().priority
     for _ in range(20):
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -142,6 +144,13 @@ def test_fused_fold_agrees_with_the_fold_kernel_on_gpu(dtype):
         here = triton_kernels.matmul_nt(x, w)
         torch.cuda.current_stream().wait_stream(side)
         assert torch.equal(here, want) and torch.equal(beside, want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = triton_kernels.matmul_nt(x, w)
+    for _ in range(3):
+        captured.zero_()
+        graph.replay()
+        assert torch.equal(captured, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

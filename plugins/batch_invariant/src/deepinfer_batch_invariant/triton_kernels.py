@@ -300,13 +300,15 @@ _FOLD_COUNTS: dict[tuple, torch.Tensor] = {}
 def _fold_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
     """The zeroed int32 tile counts for a split-K launch's fused fold on the current stream, or None (then the fold
     kernel runs: the same sums): with ``DEEPINFER_BATCH_INVARIANT_FUSED_FOLD=0``, beyond ``FOLD_COUNT_SLOTS`` tiles,
-    and while a CUDA graph is captured on a stream that has none yet (an allocation there would belong to the graph's
-    pool). One buffer per (device, stream): the work of two streams may overlap, a stream's launches never do, and
-    each launch leaves its counts at zero."""
+    and while a CUDA graph is captured before any eager launch made the buffer (an allocation there would be zeroed
+    only by that graph's replays). Each launch leaves its counts at zero, and launches on one stream never overlap; the
+    engine runs work side by side only on its main stream and its high-priority side stream (``fork``), so there is
+    one buffer per (device, stream priority): a graph captured on another stream of the main stream's priority (the
+    capture stream, after eager warm-up launches) takes the main stream's."""
     if tiles > FOLD_COUNT_SLOTS or not envs.get("DEEPINFER_BATCH_INVARIANT_FUSED_FOLD"):
         return None
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
+    priority = torch.cuda.current_stream(device).priority if device.type == "cuda" else 0
+    key = (str(device), priority)
     counts = _FOLD_COUNTS.get(key)
     if counts is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
