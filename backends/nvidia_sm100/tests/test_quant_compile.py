@@ -135,7 +135,8 @@ def test_fp8_tensor_core_kernel_multiplies_e4m3_operands(rows, block, ue8m0, cap
      {"B0": 128, "B1": 128, "UE8M0": True, "BLOCK_R": 32, "BLOCK_C": 64}),
     ("dequantize fp8 to bf16 (fp8_linear.DEQUANT)", dequant._fp8_block_kernel,
      {"w_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "out_ptr": "*bf16"},
-     {"B0": 128, "B1": 128, "UE8M0": False, "BLOCK_R": fp8_linear.DEQUANT_TILE[0], "BLOCK_C": fp8_linear.DEQUANT_TILE[1]}),
+     {"B0": 128, "B1": 128, "UE8M0": False, "BLOCK_R": fp8_linear.DEQUANT_TILE[0],
+      "BLOCK_C": fp8_linear.DEQUANT_TILE[1]}),
 ])
 def test_small_quant_kernels_compile(name, fn, types, constants, capability):
     _compile(fn, types, constants, capability)

@@ -138,15 +138,17 @@ def _scaled_weight_tile(w_rows, s_rows, k0, K, n_mask, dt: tl.constexpr, BLOCK_N
         ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
         w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & (ks < K)[None, :], other=0.0,
                     eviction_policy="evict_first")  # [BN, BK] e4m3
-        scale = dequant.block_scale(tl.load(s_rows + k0 // B1, mask=n_mask[:, None], other=0), UE8M0)  # [BN, 1]
+        live = (k0 + tl.arange(0, 1) < K)[None, :]  # [1, 1]: the slice starts before K
+        scale = dequant.block_scale(tl.load(s_rows + k0 // B1, mask=n_mask[:, None] & live, other=0),
+                                    UE8M0)  # [BN, 1]
         return (w.to(tl.float32) * scale).to(dt)
     else:
         starts = k0 + tl.arange(0, BLOCK_K // B1) * B1  # [NB] each block's first input
         ks = starts[:, None] + tl.arange(0, B1)[None, :]  # [NB, B1]
         w = tl.load(w_rows[:, :, None] + ks[None, :, :], mask=n_mask[:, None, None] & (ks < K)[None, :, :],
                     other=0.0, eviction_policy="evict_first")  # [BN, NB, B1] e4m3
-        scale = dequant.block_scale(tl.load(s_rows + starts[None, :] // B1, mask=n_mask[:, None] & (starts < K)[None, :],
-                                    other=0), UE8M0)  # [BN, NB]
+        in_k = n_mask[:, None] & (starts < K)[None, :]  # [BN, NB]
+        scale = dequant.block_scale(tl.load(s_rows + starts[None, :] // B1, mask=in_k, other=0), UE8M0)  # [BN, NB]
         return tl.reshape((w.to(tl.float32) * scale[:, :, None]).to(dt), (BLOCK_N, BLOCK_K))
 
 
@@ -185,7 +187,7 @@ def _split_k_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, stride_x
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = split * k_per_split
-    for k0 in range(k_lo, tl.minimum(K, k_lo + k_per_split), BLOCK_K):
+    for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):  # the last split's slices past K load nothing
         k0 = tl.multiple_of(k0, BLOCK_K)  # k_per_split is a multiple of BLOCK_K: 16-byte weight vectors
         if UE8M0 and (dt == tl.bfloat16 or dt == tl.float32):
             for j in tl.static_range(BLOCK_K // SUB):
@@ -217,7 +219,8 @@ def _post_scaled_slice(acc, x_rows, w_rows, s_rows, k0, K, m_mask, n_mask, SUB: 
     a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, SUB]
     w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
                 eviction_policy="evict_first")  # [BN, SUB] e4m3
-    scale = dequant.ue8m0(tl.load(s_rows + k0 // B1, mask=n_mask[:, None], other=0))  # [BN, 1]
+    live = (k0 + tl.arange(0, 1) < K)[None, :]  # [1, 1]: the slice starts before K (the last split's may not)
+    scale = dequant.ue8m0(tl.load(s_rows + k0 // B1, mask=n_mask[:, None] & live, other=0))  # [BN, 1]
     if F16:
         a, a_scale = _as_f16(a)  # [BM, SUB] fp16, [1, BM] powers of two
         w = w.to(tl.float16)
@@ -344,14 +347,15 @@ def _fp8_tc_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, 
     s_rows = s_ptr + (rows // B0) * stride_sn  # [BN]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = split * k_per_split
-    for k0 in range(k_lo, tl.minimum(K, k_lo + k_per_split), B1):
+    for k0 in range(k_lo, k_lo + k_per_split, B1):
         k0 = tl.multiple_of(k0, B1)
         offs_k = k0 + tl.arange(0, B1)
         k_mask = offs_k < K
         a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, B1] e4m3
         w = tl.load(w_rows + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)  # [B1, BN] e4m3
-        a_scale = tl.load(xs_rows + k0 // B1, mask=m_mask, other=0.0)  # [BM]
-        w_scale = dequant.block_scale(tl.load(s_rows + k0 // B1, mask=n_mask, other=0), UE8M0)  # [BN]
+        live = k0 + tl.arange(0, 1) < K  # [1]: the slice starts before K (the last split's may not)
+        a_scale = tl.load(xs_rows + k0 // B1, mask=m_mask & live, other=0.0)  # [BM]
+        w_scale = dequant.block_scale(tl.load(s_rows + k0 // B1, mask=n_mask & live, other=0), UE8M0)  # [BN]
         acc += tl.dot(a, w, out_dtype=tl.float32) * a_scale[:, None] * w_scale[None, :]
     _store_tile(acc, out_ptr, split, group, offs_m, offs_n, m_mask, n_mask, stride_os, stride_om, stride_og)
 
