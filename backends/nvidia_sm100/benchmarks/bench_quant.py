@@ -268,20 +268,20 @@ MOE_SWEEP = {  # tokens -> (path, launch) tried for the MXFP4 experts, the defau
 }
 LINEAR_SWEEP = {  # rows -> (path, launch) tried on wo_b (4096 x 8192), the default first. split_k: (BM, BN, BK,
     # warps, stages[, K splits]); "split_k_unswapped": the activations as the left operand (SPLIT_K_SWAP = False);
-    # weight_only / fp8_tc: (BM, BN, warps, stages[, K splits]); row: (BN, BK, warps, stages)
-    1: (("row", (16, 1024, 8, 3)), ("split_k", (16, 64, 128, 4, 4)), ("split_k", (16, 64, 256, 4, 3)),
-        ("split_k", (16, 32, 128, 4, 4))),
-    16: (("split_k", (16, 64, 128, 4, 4)), ("split_k", (16, 64, 256, 4, 3)), ("split_k", (16, 128, 128, 4, 4)),
-         ("split_k", (16, 32, 128, 4, 4)), ("split_k", (16, 64, 128, 4, 6)), ("split_k", (16, 64, 128, 4, 4, 16)),
-         ("split_k", (16, 64, 128, 4, 4, 2)), ("split_k_unswapped", (16, 64, 128, 4, 4)),
-         ("weight_only", (16, 16, 4, 4))),
-    64: (("split_k", (64, 64, 128, 4, 3)), ("split_k", (64, 64, 128, 4, 4)), ("split_k", (64, 128, 128, 8, 3)),
-         ("split_k", (32, 64, 128, 4, 4)), ("split_k_unswapped", (64, 64, 128, 4, 3)), ("fp8_tc", (64, 128, 4, 3)),
-         ("fp8_tc", (64, 64, 4, 4)), ("weight_only", (64, 16, 4, 3))),
+    # "split_k_bf16": bf16 products (SPLIT_K_F16 = False); weight_only / fp8_tc: (BM, BN, warps, stages[, K splits]);
+    # row: (BN, BK, warps, stages)
+    1: (("row", (16, 1024, 8, 3)), ("split_k", (16, 256, 128, 8, 4)), ("split_k", (16, 128, 128, 4, 4)),
+        ("split_k", (16, 256, 128, 8, 4, 4))),
+    16: (("split_k", (16, 256, 128, 8, 4)), ("split_k", (16, 256, 128, 8, 4, 4)), ("split_k", (16, 128, 128, 4, 4)),
+         ("split_k", (16, 64, 128, 4, 4)), ("split_k", (16, 256, 256, 8, 3)), ("split_k_bf16", (16, 256, 128, 8, 4)),
+         ("split_k_unswapped", (16, 128, 128, 4, 4)), ("weight_only", (16, 16, 4, 4))),
+    64: (("split_k", (64, 256, 128, 8, 3)), ("split_k", (64, 256, 128, 8, 3, 4)), ("split_k", (64, 128, 128, 8, 3)),
+         ("split_k", (64, 64, 128, 4, 3)), ("split_k_bf16", (64, 256, 128, 8, 3)), ("fp8_tc", (64, 128, 4, 3)),
+         ("weight_only", (64, 16, 4, 3))),
     256: (("fp8_tc", (64, 128, 4, 3)), ("fp8_tc", (64, 128, 4, 3, 1)), ("fp8_tc", (128, 128, 8, 3)),
-          ("fp8_tc", (64, 64, 4, 4)), ("fp8_tc", (64, 128, 4, 4, 4)), ("split_k", (64, 64, 128, 4, 3)),
-          ("split_k", (64, 128, 128, 8, 3))),
-    8192: (("fp8_tc", (128, 128, 8, 3)), ("fp8_tc", (128, 256, 8, 3)), ("fp8_tc", (128, 128, 8, 4)),
+          ("fp8_tc", (64, 64, 4, 4)), ("split_k", (64, 256, 128, 8, 3)), ("split_k_bf16", (64, 256, 128, 8, 3)),
+          ("dequant", None)),
+    8192: (("dequant", None), ("fp8_tc", (128, 128, 8, 3)), ("fp8_tc", (128, 256, 8, 3)), ("fp8_tc", (128, 128, 8, 4)),
            ("fp8_tc", (256, 128, 8, 3))),
 }
 
@@ -290,14 +290,17 @@ def linear_sweep_run(path: str, tile: tuple[int, ...], x, w, s):
     """The fp8 linear at one sweep point: a function of no arguments."""
     from deepinfer_nvidia_sm100.kernels import fp8_linear
 
+    switch = {"split_k_unswapped": "SPLIT_K_SWAP", "split_k_bf16": "SPLIT_K_F16"}.get(path)
+
     def run():
-        if path != "split_k_unswapped":
+        if switch is None:
             return fp8_linear.matmul(x, w, s, BLOCK, 1, path, tile)
-        swap, fp8_linear.SPLIT_K_SWAP = fp8_linear.SPLIT_K_SWAP, False
+        before = getattr(fp8_linear, switch)
+        setattr(fp8_linear, switch, False)
         try:
             return fp8_linear.matmul(x, w, s, BLOCK, 1, fp8_linear.SPLIT_K, tile)
         finally:
-            fp8_linear.SPLIT_K_SWAP = swap
+            setattr(fp8_linear, switch, before)
 
     return run
 

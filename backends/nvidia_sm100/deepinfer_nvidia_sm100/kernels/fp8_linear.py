@@ -366,7 +366,9 @@ def _fp8_tc_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, 
 # with its number of K splits (else ``_splits`` picks it).
 ROW_TILE = (16, 1024, 8, 3)  # 16 rows x 8 scale blocks of 128 fp8 inputs (bench_quant's one-row sweep on the
 # H200, 2026-12-02: wo_b 20.6 us against 24.5 us for (16, 512, 4, 3))
-SPLIT_K_TILES = ((16, 16, 64, 128, 4, 4), (32, 32, 64, 128, 4, 4), (None, 64, 64, 128, 4, 3))
+SPLIT_K_TILES = ((16, 16, 256, 128, 8, 4), (32, 32, 256, 128, 8, 3), (None, 64, 256, 128, 8, 3))  # 256 weight rows
+# a program amortize the activations' conversion: ~3.0 / 3.8 / 5.2 instructions a weight on sm_90a against 3.4 /
+# 4.6 / 11 for 64 or 128 (BLOCK_N halves for narrow outputs: _split_k_launch)
 WEIGHT_ONLY_TILES = ((16, 16, 64, 4, 4), (64, 64, 64, 4, 3), (None, 64, 128, 4, 3))  # (max rows, BM, BN, warps, st.)
 FP8_TC_TILES = ((1024, 64, 128, 4, 3), (None, 128, 128, 8, 3))
 SWAP_AB_MAX_ROWS = 0  # weight-only tiles of at most this many rows multiply with the weights on the left (off:
@@ -404,9 +406,16 @@ def _splits(programs: int, K: int, step: int) -> int:
 
 
 def _split_k_launch(M: int, N: int, K: int, groups: int, B1: int, tile: tuple | None) -> tuple[tuple, int, int]:
-    """The split-K launch ``(BM, BN, BK, warps, stages)``, its number of K splits and inputs per split (a multiple
-    of ``BK``, itself a multiple of ``B1`` or inside one block)."""
-    tile = tile or _tile(SPLIT_K_TILES, M)
+    """The split-K launch ``(BM, BN, BK, warps, stages)`` (``SPLIT_K_TILES``' by rows, ``BN`` halved down to 64
+    while even the most K splits would leave fewer than ``MIN_PROGRAMS / 2`` programs), its number of K splits and
+    inputs per split (a multiple of ``BK``)."""
+    if tile is None:
+        block_m, block_n, block_k, warps, stages = _tile(SPLIT_K_TILES, M)
+        most_splits = max(1, triton.cdiv(K, block_k) // MIN_SPLIT_STEPS)
+        while block_n > 64 and triton.cdiv(M, block_m) * triton.cdiv(N, block_n) * groups * most_splits < \
+                MIN_PROGRAMS // 2:
+            block_n //= 2  # too few column tiles even split: narrower ones
+        tile = (block_m, block_n, block_k, warps if block_n > 64 else 4, stages)
     block_m, block_n, block_k = tile[:3]
     programs = triton.cdiv(M, block_m) * triton.cdiv(N, block_n) * groups
     splits = tile[5] if len(tile) > 5 else _splits(programs, K, block_k)
