@@ -42,6 +42,8 @@ from deepinfer_nvidia_sm100 import envs
 from deepinfer_nvidia_sm100.kernels import dequant, moe, moe_quant, pdl
 from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 
+ROW_MAX_ROWS = 1  # products of at most this many rows take the one-row kernel (0: the split-K kernel from 1 row;
+# on sm_90a it spends ~3.0 instructions a weight against the row kernel's ~7.5: bench_quant.py's 1-row sweep decides)
 FP8_TC_MIN_ROWS = 128  # rows from which the fp8 tensor-core kernel beats the weight-only one (bench_quant.py)
 DEQUANT_MIN_ROWS = 1024  # rows from which the weight decoded once to the activations' dtype, then cuBLAS, wins
 # (c407f82 on the H200: 1,024 rows in bf16 ~120 us against fp8 tensor cores ~280-330 us; decoding wo_b ~25 us)
@@ -62,7 +64,7 @@ def linear_path(rows: int, dtype: torch.dtype, block: tuple[int, int]) -> str | 
     dtype)."""
     if dtype not in _DTYPES or any(b < 16 or b & (b - 1) for b in block):
         return None
-    if rows <= 1:
+    if rows <= ROW_MAX_ROWS:
         return ROW
     if rows >= DEQUANT_MIN_ROWS:
         return DEQUANT
