@@ -182,7 +182,7 @@ def test_row_kernels_read_the_weights_in_16_byte_vectors(name, capability):
 @pytest.mark.parametrize("rows, block, f16", [(16, (128, 128), True), (64, (128, 128), True), (16, (32, 32), True),
                                            (16, (128, 128), False)])
 def test_fp8_split_k_kernel_streams_weights_into_the_tensor_cores(rows, block, f16, capability):
-    """The decode-batch kernel: 64 weight rows a product on the left (wgmma / tcgen05 whatever the batch), the
+    """The decode-batch kernel: 256 weight rows a program on the left (wgmma / tcgen05 whatever the batch), the
     e4m3 weights read in 16-byte vectors (``k_per_split`` a multiple of 16, as the JIT specializes it), no spills;
     with ``F16`` fp16 products, the weights converted two at a time (e4m3x2 to f16x2) and never to bf16."""
     tile = fp8_linear._tile(fp8_linear.SPLIT_K_TILES, rows)

@@ -6,9 +6,9 @@ Kernels picked by the number of rows ``M`` (``linear_path``):
 * ``M == 1`` (batch-1 decode): ``_row_kernel``, a one-row product like ``gemv._gemv_row_kernel`` (no ``tl.dot``),
   the weight decoded in registers (weight-only).
 * ``M < FP8_TC_MIN_ROWS`` (decode batches; memory bound): ``_split_k_kernel``, which reads each weight once for
-  all the rows: 64 weight rows a program, decoded in registers to the activations' dtype (the reference op's
-  weights bit for bit) and multiplied on the left of a ``tl.dot`` with the batch (``SPLIT_K_SWAP``: on SM90 a
-  wgmma with the weights in registers, the batch padded to 16 rather than 64), fp32 accumulation. ``K`` is split
+  all the rows: 256 weight rows a program (64 for narrow outputs), decoded in registers (exactly) and multiplied
+  on the left of a ``tl.dot`` with the batch (``SPLIT_K_SWAP``: on SM90 a wgmma with the weights in registers,
+  the batch padded to 16 rather than 64), fp32 accumulation. ``K`` is split
   (``_splits``) until the grid has ``MIN_PROGRAMS`` programs, so that every SM streams weights even for narrow
   outputs; the splits' float32 partials are summed in split order by ``_sum_splits_kernel`` (deterministic).
   Exact weights, activations as they are: the reference op's math. (``_weight_only_kernel``, the decode-batch
@@ -165,7 +165,7 @@ def _split_k_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, stride_x
     ``split`` (``stride_os``: the float32 partials ``_sum_splits_kernel`` adds up, or the output itself when there
     is one split). The row blocks of a column block are consecutive programs (their weight tile is read once from
     HBM). ``SWAP``: as ``out^T = W @ x^T`` (the weights the left operand: on SM90 a wgmma with them in registers,
-    64 weight rows by the few activation rows).
+    64 weight rows a warpgroup by the few activation rows).
 
     Weights: ue8m0 blocks with bf16 / fp32 activations take ``_post_scaled_slice`` (e4m3 values converted as they
     are, the block's power of two applied to the product: exact); others ``_scaled_weight_tile`` (each weight times
@@ -375,7 +375,8 @@ WEIGHT_ONLY_TILES = ((16, 16, 64, 4, 4), (64, 64, 64, 4, 3), (None, 64, 128, 4, 
 FP8_TC_TILES = ((1024, 64, 128, 4, 3), (None, 128, 128, 8, 3))
 SWAP_AB_MAX_ROWS = 0  # weight-only tiles of at most this many rows multiply with the weights on the left (off:
 # on the H200 the swapped 16-row wo_b tile took 53.2 us, unswapped 36.5 us)
-SPLIT_K_SWAP = True  # the split-K kernel multiplies with the weights on the left (64 weight rows x the batch)
+SPLIT_K_SWAP = True  # the split-K kernel multiplies with the weights on the left (64 weight rows a warpgroup x
+# the batch)
 SPLIT_K_F16 = True  # ... and bf16 activations with ue8m0 weights as fp16 products (_post_scaled_slice)
 FP8_TC_GROUP_M = 8  # row blocks the tensor-core kernel runs down each column block before the next
 MIN_PROGRAMS = 264  # two per SM of an H200: weight-only launches narrow their column tiles down to 16 to reach it,
