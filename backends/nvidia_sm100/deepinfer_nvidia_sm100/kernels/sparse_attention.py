@@ -159,6 +159,12 @@ def head_block(heads: int) -> int:
     return wanted if heads % wanted == 0 else BLOCK_H
 
 
+def _stages(block_h: int) -> int:
+    """Software pipeline depth: two key tiles in flight, one with 64 heads a program (two stages of 64 heads at
+    ``d`` = 512 asked for 262,656 bytes of shared memory on an H200, whose limit is 232,448)."""
+    return 1 if block_h >= 64 else 2
+
+
 @opaque_under_compile("sparse_sink_attention",
                       lambda q, kv, index, sinks, scale, splits, block_h=BLOCK_H, store=None, entry_blocks=None,
                       entry_rows=None: q.new_empty(q.shape))
@@ -192,7 +198,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, sin
     _sparse_split_kernel[(H // block_h, splits, rows)](
         qf, kv.contiguous(), keys, store, blocks, places, sinks, out, opart, mpart, lpart, Lq, Lk, E, per_block, H, N,
         splits, scale * LOG2E.value, D=d, BLOCK_H=block_h, BLOCK_N=BLOCK_N, WHOLE=splits == 1, HAS_STORE=has_store,
-        PRECISION=precision, num_warps=4 if block_h <= 16 else 8, num_stages=2, **pdl.launch())
+        PRECISION=precision, num_warps=4 if block_h <= 16 else 8, num_stages=_stages(block_h), **pdl.launch())
     if splits > 1:
         _combine_kernel[(H // block_h, rows)](opart, mpart, lpart, sinks, out, H, splits, D=d, BLOCK_H=block_h,
                                               SPLITS_P2=triton.next_power_of_2(splits), num_warps=4, **pdl.launch())
