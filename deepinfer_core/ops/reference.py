@@ -506,6 +506,25 @@ selected entries ascending, then -1 (``visible_index`` of the selection). What s
 write the indices where it selects, never making the ``[S, Lq, E]`` mask."""
 
 
+def counted_index(topk_index: Callable) -> Callable:
+    """``indexer_topk_index_counts`` made of the given ``indexer_topk_index``."""
+
+    def indexer_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
+        """``topk_index`` under the visibility ``counts`` stands for: each row's first ``counts`` entries."""
+        entries = torch.arange(scores.shape[-1], device=scores.device)  # [E]
+        return topk_index(scores, entries < counts[..., None], k)  # mask [S, Lq, E] of this call's rows only
+
+    return indexer_topk_index_counts
+
+
+indexer_topk_index_counts = reference_op(counted_index(indexer_topk_index))
+indexer_topk_index_counts.__doc__ = """``indexer_topk_index`` where each query row sees a prefix of the entries:
+``counts [S, Lq]`` int32 visible entries per row (row ``t`` sees entries ``[0, counts[s, t])``; causal compression
+makes every row's visible entries a prefix), instead of a ``[S, Lq, E]`` mask. ``scores [S, Lq, E]`` -> ``[S, Lq,
+k]`` int32, ascending, then -1. The spec builds the mask of the rows it is given; a backend reads the counts and
+makes none (invisible entries rank after every visible one, so a row's selection is the top-``k`` of its prefix)."""
+
+
 # ----------------------------------------------------------------------------- hyper-connections
 @reference_op
 def hc_pre(

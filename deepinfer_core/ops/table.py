@@ -62,6 +62,7 @@ DERIVED: dict[str, tuple[tuple[str, ...], Callable[..., Callable], str]] = {
     "roped_sparse_sink_attention": (("rms_norm_rope", "sparse_sink_attention", "apply_rope_"),
                                     _composed("roped_sparse_attention"), "composed"),
     "indexer_topk_index": (("indexer_topk", "visible_index"), _composed("selected_index"), "composed"),
+    "indexer_topk_index_counts": (("indexer_topk_index",), _composed("counted_index"), "composed"),
 }
 """Op -> (the ops it is made of, how it is made from them, a label). Where a backend overrides a part but not the op
 itself, the op is rebuilt from the table's current parts: the model calls ``apply_rope_`` and ``compressor_entries``,
@@ -70,7 +71,8 @@ with the window op) keeps its kernel in use; ``rms_norm_rope`` is composed of th
 ``hc_pre_normed`` of ``hc_pre`` and ``rms_norm``, ``hc_post_sum`` of ``hc_post``, ``compressor_entries_rope`` of
 the entries and the in-place RoPE, ``roped_sink_attention`` of the query norm, the attention and the in-place RoPE,
 ``roped_sparse_sink_attention`` likewise of the sparse attention, ``indexer_topk_index`` of the selection and its
-compaction into indices."""
+compaction into indices, ``indexer_topk_index_counts`` of ``indexer_topk_index`` under the mask its counts stand
+for."""
 
 
 class OpTable:

@@ -96,11 +96,30 @@ class WindowPlan:
 
 @dataclasses.dataclass
 class EntryLayout:
-    """Compressed entries each sequence can read after this step, padded to ``[S, E]``."""
+    """Compressed entries each sequence can read after this step, padded to ``[S, E]``, and which of them each query
+    row sees: entry ``w`` is visible to the query at position ``p`` iff ``(w + 1) * ratio <= p + 1`` (its whole window
+    is at or before the query), so a row sees a prefix of the entries: ``counts`` of them."""
 
     blocks: torch.Tensor  # [S, E]
     rows: torch.Tensor  # [S, E]
-    visible: torch.Tensor | None  # [S, Lq, E] entry w visible to query p iff (w + 1) * ratio <= p + 1
+    mask: torch.Tensor | None  # [S, Lq, E] bool, or None until ``visible`` builds it from ``counts``
+    row_counts: torch.Tensor | None = None  # [S, Lq] int32, or None until ``counts`` sums ``mask``
+
+    @property
+    def visible(self) -> torch.Tensor:
+        """``[S, Lq, E]`` bool: the entries each query row sees (built from ``counts`` on first use where the layout
+        deferred it: ``StepLayout``'s ``counted_ratios``)."""
+        if self.mask is None:
+            entries = torch.arange(self.blocks.shape[1], device=self.row_counts.device)  # [E]
+            self.mask = entries < self.row_counts[..., None]
+        return self.mask
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """``[S, Lq]`` int32: how many entries (a prefix) each query row sees; 0 for padding rows."""
+        if self.row_counts is None:
+            self.row_counts = self.mask.sum(-1, dtype=torch.int32)
+        return self.row_counts
 
 
 class StepLayout:
@@ -118,13 +137,16 @@ class StepLayout:
     the spare block. A static verification step (``engine/verify_graphs.py``: several sequences of ``Lq`` tokens each,
     every token writing state) adds ``fixed_windows``: each sequence gets ``ceil(Lq / ratio)`` windows, as many as
     ``Lq`` tokens can complete wherever they start, those it does not complete being dummies that pool the carry and
-    write the spare block.
+    write the spare block. ``counted_ratios``: compressed caches whose entry visibility the model reads as per-row
+    counts (``EntryLayout.counts``, ``[S, Lq]``): their ``[S, Lq, E]`` masks are built only where something asks for
+    them.
     """
 
     def __init__(self, batch: ForwardBatch, sliding_window: int, block_size: int, device: torch.device,
                  windows: tuple[tuple[int, int], ...] = (), entry_ratios: tuple[int, ...] = (),
                  buffers: StaticBuffers | None = None, written: list[int] | None = None, spare_block: int = 0,
-                 masks: bool = True, context_len: int | None = None, fixed_windows: bool = False):
+                 masks: bool = True, context_len: int | None = None, fixed_windows: bool = False,
+                 counted_ratios: tuple[int, ...] = ()):
         self.batch = batch
         self.window = sliding_window
         self.block_size = block_size
@@ -140,6 +162,7 @@ class StepLayout:
         self.written = written if self.padded else self.query_lens
         self.context_len = context_len
         self.fixed_windows = fixed_windows  # every sequence gets ceil(Lq / ratio) windows: a static multi-seq step
+        self.counted_ratios = frozenset(counted_ratios)
         if fixed_windows and context_len is None:
             raise ValueError("fixed_windows is a static step's (give context_len, the bound its shapes are fixed by)")
         self._tables: torch.Tensor | None = None
@@ -251,7 +274,7 @@ class StepLayout:
         kp, qp, W = self._key_positions[:, None, :], self.query_positions[:, :, None], self.window  # [S,1,Lk] [S,Lq,1]
         self.sliding_visible = (kp >= 0) & (kp <= qp) & (kp > qp - W) & self.query_valid[:, :, None]  # [S, Lq, Lk]
         for ratio, entries in self._entries.items():
-            entries.visible = self._entry_visible(ratio, entries.blocks.shape[1])
+            self._entry_visibility(ratio, entries)
 
     def attention_keys(self, ops, ring: torch.Tensor, new_kv: torch.Tensor, store: torch.Tensor | None = None,
                        ratio: int | None = None) -> torch.Tensor:
@@ -284,7 +307,7 @@ class StepLayout:
         if ratio not in self._entries:
             entries = self._build_entries(ratio)
             self._upload()
-            entries.visible = self._entry_visible(ratio, entries.blocks.shape[1])
+            self._entry_visibility(ratio, entries)
             self._entries[ratio] = entries
         return self._entries[ratio]
 
@@ -298,6 +321,20 @@ class StepLayout:
         self._stage(entries, "blocks", blocks)
         self._stage(entries, "rows", rows)
         return entries
+
+    def _entry_visibility(self, ratio: int, entries: EntryLayout) -> None:
+        """Set ``entries``' visibility: the per-row counts for a counted ratio (the mask deferred), else the mask."""
+        width = entries.blocks.shape[1]
+        if ratio in self.counted_ratios:
+            entries.mask, entries.row_counts = None, self._entry_counts(ratio, width)
+        else:
+            entries.mask, entries.row_counts = self._entry_visible(ratio, width), None
+
+    def _entry_counts(self, ratio: int, width: int) -> torch.Tensor:
+        """``[S, Lq]`` int32: how many entries query p sees, ``(p + 1) // ratio`` (at most ``width``; 0 for padding):
+        ``_entry_visible``'s rows, counted (on the target device)."""
+        limit = (self.query_positions + 1).div(ratio, rounding_mode="floor").clamp(max=width)  # [S, Lq]
+        return torch.where(self.query_valid, limit, 0).to(torch.int32)
 
     def _entry_visible(self, ratio: int, width: int) -> torch.Tensor:
         """``[S, Lq, E]``: entry w visible to query p iff (w + 1) * ratio <= p + 1 (on the target device)."""

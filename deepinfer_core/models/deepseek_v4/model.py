@@ -305,25 +305,31 @@ class Indexer:
         self.weights_proj = reg.add(f"{prefix}.weights_proj.weight", (self.heads, config.hidden_size))
         self.compressor = Compressor(reg, f"{prefix}.compressor", config, CSA, self.dim)
 
+    def selects(self, layout: StepLayout) -> bool:
+        """Whether the indexer scores and selects this step: its sequences have more entries than its top-k."""
+        return layout.entries(self.compressor.ratio).blocks.shape[1] > self.topk
+
     def select(self, ops: OpTable, inputs: dict[str, torch.Tensor], q_residual, layout: StepLayout, keys_store,
                query_rope, folding, as_index: bool = False):
         """Bool ``[S, Lq, E]``: which compressed entries each query attends to (``inputs``: the layer input's
         projections by role, ``Attention.project``; ``folding``: the fork folding this step's keys into
         ``keys_store``, joined before the scores read it). ``as_index``: where the indexer scores, the selection as
-        entry indices ``[S, Lq, topk]`` int32 instead (``indexer_topk_index``: ascending, -1 for none)."""
+        entry indices ``[S, Lq, topk]`` int32 instead (``indexer_topk_index_counts`` of the layout's per-row visible
+        counts ``[S, Lq]``: ascending, -1 for none; no ``[S, Lq, E]`` mask)."""
         ratio = self.compressor.ratio
-        visible = layout.entries(ratio).visible  # [S, Lq, E]
-        if visible.shape[-1] <= self.topk:  # the budget covers every entry: top-k selects all visible ones, unscored
-            return visible
+        entries = layout.entries(ratio)
+        if not self.selects(layout):  # the budget covers every entry: top-k selects all visible ones, unscored
+            return entries.visible  # [S, Lq, E]
+        visible = entries.counts if as_index else entries.visible  # [S, Lq] or [S, Lq, E]
         folding.join()
         keys = layout.gather_entries(keys_store, ratio)  # [S, E, di]
         q = linear(ops, q_residual, self.wq_b).view(-1, self.heads, self.dim)  # [T, Hi, di]
         q = ops.apply_rope_(q, *query_rope)
         head_weights = inputs["index_weights"].float() * self.heads**-0.5  # [T, Hi]
         q, head_weights = layout.pad(q), layout.pad(head_weights)  # [S, Lq, Hi, di], [S, Lq, Hi]
-        S, Lq, E = visible.shape
+        (S, E), Lq = entries.blocks.shape, visible.shape[1]
         rows = query_slice_rows(S, Lq, E, self.chunk_entries)
-        topk = ops.indexer_topk_index if as_index else ops.indexer_topk
+        topk = ops.indexer_topk_index_counts if as_index else ops.indexer_topk
         if rows >= Lq:
             return topk(ops.indexer_scores(q, keys, head_weights, self.dim**-0.5), visible, self.topk)
         selected = (visible.new_empty((S, Lq, self.topk), dtype=torch.int32) if as_index
@@ -434,7 +440,7 @@ class Attention:
         selected = None
         if self.compressor is not None:
             entry_visible = self._entry_visible(ops, inputs, q_residual, ctx, index_fold)  # [S, Lq, E] or index
-            if self.sparse != "dense" and entry_visible is not layout.entries(self.compressor.ratio).visible:
+            if self.sparse != "dense" and self.indexer is not None and self.indexer.selects(layout):
                 selected = entry_visible  # the indexer chose: attend to the chosen entries only
             else:
                 visible = layout.attention_visible(self.compressor.ratio, entry_visible)  # [S, Lq, Lk + E]
@@ -477,8 +483,7 @@ class Attention:
     def entries_in_place(self, layout: StepLayout) -> bool:
         """Whether this step's attention reads the compressed entries from the store by index (``sparse_mode``
         ``index`` on a CSA layer whose indexer selects: more entries than its top-k), so no keys gather them."""
-        return (self.sparse == "index" and self.indexer is not None
-                and layout.entries(self.compressor.ratio).blocks.shape[1] > self.indexer.topk)
+        return self.sparse == "index" and self.indexer is not None and self.indexer.selects(layout)
 
     def _fold_index(self, ops: OpTable, inputs: dict[str, torch.Tensor], ctx: StepContext) -> None:
         """Fold this step's tokens into the indexer's key store (CSA layers)."""
@@ -490,11 +495,10 @@ class Attention:
         """Which compressed entries each query reads (``[S, Lq, E]``; where the attention reads the entries in place,
         ``entries_in_place``, the indexer's selection as indices ``[S, Lq, topk]``); the indexer's store is joined
         (``index_fold``) where the indexer scores."""
-        visible = ctx.layout.entries(self.compressor.ratio).visible
-        if self.indexer is not None:
-            visible = self.indexer.select(ops, inputs, q_residual, ctx.layout, ctx.state.index_keys[self.layer_idx],
-                                          ctx.rope["compress"], index_fold, self.entries_in_place(ctx.layout))
-        return visible
+        if self.indexer is None:
+            return ctx.layout.entries(self.compressor.ratio).visible
+        return self.indexer.select(ops, inputs, q_residual, ctx.layout, ctx.state.index_keys[self.layer_idx],
+                                   ctx.rope["compress"], index_fold, self.entries_in_place(ctx.layout))
 
 
 class MoE:
@@ -643,6 +647,8 @@ class DeepseekV4Model:
                                      ("scale", (1,)))]
         self.layers = [DecoderLayer(reg, c, i) for i in range(c.num_hidden_layers)]
         self.compressor_plans = self._compressor_plans()  # every step's layout builds these plans up front
+        self.counted_ratios = tuple(sorted({layer.attn.compressor.ratio for layer in self.layers
+                                            if layer.attn.sparse == "index" and layer.attn.indexer is not None}))
         self.parameters = reg.slots
         self._allocated = reg.allocated
         self.rope_inv_freq = {t: c.rope_inv_freq(t).to(self.device) for t in ("main", "compress")}
@@ -797,6 +803,7 @@ class DeepseekV4Model:
         """The index layout of one step over ``state``, built on the host (every compressor's plan with it);
         ``static``: ``StepLayout``'s arguments of a captured prefill step (``buffers``, ``written``, ...)."""
         return StepLayout(batch, self.config.sliding_window, state.block_size, self.device, *self.compressor_plans,
+                          counted_ratios=self.counted_ratios,
                           **static)
 
     def place_prefill_inputs(self, batch: ForwardBatch, state: DeepseekV4State, buffers: StaticBuffers,

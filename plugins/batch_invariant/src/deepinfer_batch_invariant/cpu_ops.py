@@ -183,6 +183,7 @@ REFERENCE_KEPT: dict[str, str] = {
     "decode_key_index": "integer index math per sequence: no floating point",
     "visible_index": "integer compaction of a mask row: no floating point",
     "indexer_topk_index": "indexer_topk (kept) and visible_index: a permutation and integer compaction",
+    "indexer_topk_index_counts": "an integer comparison per entry, then indexer_topk_index (kept)",
     "decode_entry_places": "integer index math per sequence and a gather: no floating point",
     "decode_window_plan": "integer index math per sequence and a gather: no floating point",
     "moe_experts_expert_parallel": "whole rows moved by all-to-all; the local experts run through the table's "
