@@ -147,7 +147,7 @@ def sm100_ops() -> dict[str, Callable]:
 def triton_ops() -> dict[str, Callable]:
     """The overrides both paths share: Triton kernels (``moe_experts``, the MoE routing, ``hc_pre``, ``hc_post`` and
     ``hc_post_sum``, ``apply_rope`` and ``apply_rope_``, ``sink_attention`` of decode rows, ``indexer_scores``,
-    ``indexer_topk`` and ``indexer_topk_index`` (a radix select per query row: no sort), ``sparse_sink_attention`` and ``visible_index`` (top-k
+    ``indexer_topk``, ``indexer_topk_index`` and ``indexer_topk_index_counts`` (a radix select per query row: no sort), ``sparse_sink_attention`` and ``visible_index`` (top-k
     sparse CSA attention reading each row's listed keys in place),
     ``gather_keys``, ``compressor_entries`` and ``compressor_entries_rope``, the cache writes, ``greedy_sample``, the
     RMS norms, alone and fused into RoPE (``rms_norm_rope``) and the ``hc`` collapse (``hc_pre_normed``), the
@@ -179,6 +179,7 @@ def triton_ops() -> dict[str, Callable]:
            "hc_post_sum": hc.hc_post_sum, "apply_rope": rope.apply_rope, "apply_rope_": rope.apply_rope_,
            "indexer_scores": indexer.indexer_scores,
            "indexer_topk": indexer_topk.indexer_topk, "indexer_topk_index": indexer_topk.indexer_topk_index,
+           "indexer_topk_index_counts": indexer_topk.indexer_topk_index_counts,
            "gather_keys": keys.gather_keys, "fork": streams.fork,
            "moe_route_topk": route.moe_route_topk, "moe_route_hash": route.moe_route_hash,
            "compressor_entries": compressor.compressor_entries, "swiglu_mlp": moe.swiglu_mlp,

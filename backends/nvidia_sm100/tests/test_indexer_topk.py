@@ -139,6 +139,59 @@ def test_the_op_takes_the_radix_kernel_from_radix_min_rows(monkeypatch):
     assert taken == [1]
 
 
+def counted_case(S: int, Lq: int, E: int, levels: int, k: int, seed: int, device: str = DEVICE):
+    """``long_case``'s scores with causal prefix visibility as counts ``[S, Lq]`` int32 (a chunk's rows see more entries
+    row by row, as after a prefix): rows that see nothing, fewer than ``k``, exactly ``k``, ``k + 1`` and every entry;
+    and the mask they stand for."""
+    scores, _ = long_case(S, Lq, E, levels, seed, device="cpu")
+    counts = torch.linspace(E // 3, E, Lq).to(torch.int32)[None, :].repeat(S, 1)  # [S, Lq]
+    counts[0, :5] = torch.tensor([0, min(k - 1, E), min(k, E), min(k + 1, E), E], dtype=torch.int32)
+    mask = torch.arange(E) < counts[..., None]
+    return scores.to(device), counts.to(device), mask
+
+
+COUNTED_CASES = [(1, 6, 4096, 5, 512), (2, 5, 3000, 0, 64), (1, 6, 1031, 3, 1030), (1, 5, 700, 2, 100)]
+
+
+@pytest.mark.parametrize(("S", "Lq", "E", "levels", "k"), COUNTED_CASES)
+def test_torch_counts_select_what_the_masked_reference_selects(S, Lq, E, levels, k):
+    scores, counts, mask = counted_case(S, Lq, E, levels, k, seed=E, device="cpu")
+    want = ref.indexer_topk_index(scores, mask, k)
+    assert torch.equal(indexer_topk.keyed_topk_index_counts(scores.reshape(-1, E), counts.reshape(-1), k),
+                       want.reshape(-1, k))
+    assert torch.equal(indexer_topk.indexer_topk_index_counts(scores, counts, k), want)
+    assert torch.equal(indexer_topk.indexer_topk_index_counts(scores[..., :40], counts.clamp(max=40), 64),
+                       ref.indexer_topk_index_counts(scores[..., :40], counts.clamp(max=40), 64))  # all fit
+
+
+@kernel_runs_here
+@pytest.mark.parametrize(("S", "Lq", "E", "levels", "k"), COUNTED_CASES)
+def test_counted_kernels_select_as_the_masked_reference(S, Lq, E, levels, k):
+    """The radix select over each row's visible prefix and the counted order keys + ``torch.topk``: ties at the k-th
+    key, k = E - 1, rows of at most ``k`` visible entries listed unscored, rows that see nothing."""
+    scores, counts, mask = counted_case(S, Lq, E, levels, k, seed=E + 3)
+    want = ref.indexer_topk_index(scores.cpu(), mask, k).reshape(-1, k)
+    keys = indexer_topk.order_keys_counts(scores.reshape(-1, E), counts.reshape(-1))
+    assert torch.equal(keys.cpu(), indexer_topk.order_keys_torch(scores.reshape(-1, E).cpu(), mask.reshape(-1, E)))
+    for form in (indexer_topk.radix_topk_index_counts, indexer_topk.keyed_topk_index_counts):
+        got = form(scores.reshape(-1, E), counts.reshape(-1), k)
+        assert got.dtype == torch.int32 and torch.equal(got.cpu(), want), form.__name__
+
+
+@kernel_runs_here
+def test_the_counted_op_takes_the_radix_kernel_from_radix_min_rows(monkeypatch):
+    monkeypatch.setattr(indexer_topk, "RADIX_MIN_ROWS", 4)  # 64 by default: fewer rows keep the interpreter quick
+    scores, counts, mask = counted_case(1, 5, 600, 4, 100, seed=8)
+    want = ref.indexer_topk_index(scores.cpu(), mask, 100)
+    taken = []
+    radix = indexer_topk.radix_topk_index_counts
+    monkeypatch.setattr(indexer_topk, "radix_topk_index_counts", lambda *a: taken.append(1) or radix(*a))
+    assert torch.equal(indexer_topk.indexer_topk_index_counts(scores, counts, 100).cpu(), want)
+    monkeypatch.setenv("DEEPINFER_NVIDIA_RADIX_TOPK", "0")
+    assert torch.equal(indexer_topk.indexer_topk_index_counts(scores, counts, 100).cpu(), want)
+    assert taken == [1]
+
+
 @pytest.mark.skipif(INTERPRETED, reason="ahead-of-time compiles need the real Triton compiler, not the interpreter")
 @pytest.mark.parametrize("capability", [90, 100])
 def test_kernels_compile_for_sm90a_and_sm100a(capability):
@@ -154,6 +207,10 @@ def test_kernels_compile_for_sm90a_and_sm100a(capability):
                                "E": "i32", "BLOCK": "constexpr"},
         "_radix_topk_index_kernel": {"scores_ptr": "*fp32", "visible_ptr": "*u8", "out_ptr": "*i32", "E": "i32",
                                      "k": "i32", "BLOCK": "constexpr"},
+        "_radix_topk_counts_kernel": {"scores_ptr": "*fp32", "counts_ptr": "*i32", "out_ptr": "*i32", "E": "i32",
+                                      "k": "i32", "BLOCK": "constexpr"},
+        "_order_keys_counts_kernel": {"scores_ptr": "*fp32", "counts_ptr": "*i32", "keys_ptr": "*i64",
+                                      "numel": "i64", "E": "i32", "BLOCK": "constexpr"},
     }
     for name, signature in signatures.items():
         fn = getattr(indexer_topk, name)

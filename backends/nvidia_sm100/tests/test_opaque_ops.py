@@ -72,6 +72,8 @@ def _cases():
         "indexer_topk": (indexer_topk.indexer_topk, ref.indexer_topk, (rand(1, T, 9), rand(1, T, 9) > -0.5, 4)),
         "indexer_topk_index": (indexer_topk.indexer_topk_index, ref.indexer_topk_index,
                                (rand(1, T, 9), rand(1, T, 9) > -0.5, 4)),
+        "indexer_topk_index_counts": (indexer_topk.indexer_topk_index_counts, ref.indexer_topk_index_counts,
+                                      (rand(1, T, 9), torch.tensor([[0, 5, 9]], dtype=torch.int32), 4)),
         "gather_keys": (keys.gather_keys, ref.gather_keys, _key_case(rand)),
         "compressor_pool_windows": (compressor.pool_windows, _pool_windows_reference, _window_case(rand)),
         "moe_route_topk": (route.moe_route_topk, ref.moe_route_topk, (rand(T, E, dtype=torch.bfloat16), rand(E),

@@ -86,11 +86,15 @@ def order_keys(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _radix_keys(scores_ptr, visible_ptr, offs, inside):
+def _radix_keys(scores_ptr, visible_ptr, offs, inside, COUNTED: tl.constexpr = False):
     """The order keys' high half as uint32 in unsigned order (masked score, ``-0.0`` -> ``+0.0``, one NaN, above
-    ``+inf``) and the visibility of entries ``offs``."""
+    ``+inf``) and the visibility of entries ``offs`` (``COUNTED``: every entry ``inside`` is visible, the row's
+    visible prefix; ``visible_ptr`` unread)."""
     score = tl.load(scores_ptr + offs, mask=inside, other=0.0)
-    seen = tl.load(visible_ptr + offs, mask=inside, other=0) != 0
+    if COUNTED:
+        seen = inside
+    else:
+        seen = tl.load(visible_ptr + offs, mask=inside, other=0) != 0
     score = tl.where(seen, score, float("-inf"))
     bits = score.to(tl.uint32, bitcast=True)
     bits = tl.where(score == 0.0, 0, bits)
@@ -99,10 +103,10 @@ def _radix_keys(scores_ptr, visible_ptr, offs, inside):
 
 
 @triton.jit
-def _radix_threshold(scores_ptr, visible_ptr, base, E, k, BLOCK: tl.constexpr):
+def _radix_threshold(scores_ptr, visible_ptr, base, E, k, BLOCK: tl.constexpr, COUNTED: tl.constexpr = False):
     """The row's (at ``base``) ``k``-th largest key ``T`` by an MSB-first radix select, 4 bits a pass (8 passes over
-    the row, counting only keys that match the digits found so far), and ``need``: how many keys equal to ``T`` the
-    selection takes."""
+    the row's first ``E`` entries, counting only keys that match the digits found so far), and ``need``: how many
+    keys equal to ``T`` the selection takes."""
     bins = tl.arange(0, 16)  # [16]
     prefix = tl.full((), 0, tl.uint32)
     known = tl.full((), 0, tl.uint32)
@@ -113,7 +117,7 @@ def _radix_threshold(scores_ptr, visible_ptr, base, E, k, BLOCK: tl.constexpr):
         for start in range(0, E, BLOCK):
             offs = start + tl.arange(0, BLOCK)  # [B]
             inside = offs < E
-            keys, _ = _radix_keys(scores_ptr, visible_ptr, base + offs, inside)
+            keys, _ = _radix_keys(scores_ptr, visible_ptr, base + offs, inside, COUNTED)
             match = inside & ((keys & known) == prefix)
             digit = ((keys >> shift) & 15).to(tl.int32)  # [B]
             counts += tl.sum(((digit[:, None] == bins[None, :]) & match[:, None]).to(tl.int32), axis=0)  # [16]
@@ -167,6 +171,89 @@ def _radix_topk_index_kernel(scores_ptr, visible_ptr, out_ptr, E, k, BLOCK: tl.c
     for start in range(0, k, BLOCK):
         slot = start + tl.arange(0, BLOCK)
         tl.store(out_ptr + row * k + slot, tl.full([BLOCK], -1, tl.int32), mask=(slot >= found) & (slot < k))
+
+
+@triton.jit
+def _radix_topk_counts_kernel(scores_ptr, counts_ptr, out_ptr, E, k, BLOCK: tl.constexpr):
+    """Program (query row): ``_radix_topk_index_kernel`` where the row sees its first ``counts[row]`` entries (at most
+    ``E``): the radix select runs over that prefix only (every entry past it is invisible, ``-inf`` and of a higher
+    index, so it ranks after each visible one), and a row of at most ``k`` visible entries lists them all unscored.
+    Indices ``[k]`` int32, ascending, then -1."""
+    row = tl.program_id(0).to(tl.int64)
+    base = row * E
+    n = tl.minimum(tl.maximum(tl.load(counts_ptr + row).to(tl.int32), 0), E)
+    if n > k:
+        prefix, need = _radix_threshold(scores_ptr, scores_ptr, base, n, k, BLOCK, True)
+    else:  # every visible entry: keys are never 0 (-inf's is 0x007FFFFF), so all are above the threshold 0
+        prefix = tl.full((), 0, tl.uint32)
+        need = tl.full((), 0, tl.int32)
+    taken = tl.full((), 0, tl.int32)
+    found = tl.full((), 0, tl.int32)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < n
+        keys, _ = _radix_keys(scores_ptr, scores_ptr, base + offs, inside, True)
+        tie = inside & (keys == prefix)
+        rank = taken + tl.cumsum(tie.to(tl.int32), axis=0)
+        chosen = (inside & ((keys > prefix) | (tie & (rank <= need)))).to(tl.int32)
+        taken += tl.sum(tie.to(tl.int32), axis=0)
+        slot = found + tl.cumsum(chosen, axis=0) - 1
+        tl.store(out_ptr + row * k + slot, offs.to(tl.int32), mask=chosen > 0)
+        found += tl.sum(chosen, axis=0)
+    for start in range(0, k, BLOCK):
+        slot = start + tl.arange(0, BLOCK)
+        tl.store(out_ptr + row * k + slot, tl.full([BLOCK], -1, tl.int32), mask=(slot >= found) & (slot < k))
+
+
+@triton.jit
+def _order_keys_counts_kernel(scores_ptr, counts_ptr, keys_ptr, numel, E, BLOCK: tl.constexpr):
+    """``_order_keys_kernel`` where row ``r`` of the flattened ``[R, E]`` scores sees its first ``counts[r]``
+    entries."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [B]
+    inside = offs < numel
+    score = tl.load(scores_ptr + offs, mask=inside, other=0.0)  # [B] fp32
+    index = offs % E
+    count = tl.load(counts_ptr + offs // E, mask=inside, other=0)  # [B]
+    score = tl.where(index < count, score, float("-inf"))
+    bits = score.to(tl.int32, bitcast=True)
+    bits = tl.where(score == 0.0, 0, bits)  # -0.0 -> +0.0
+    bits = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, _NAN_BITS, bits)  # every NaN -> one NaN
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed order == float order
+    keys = (ordered.to(tl.int64) << 32) | (E - 1 - index)
+    tl.store(keys_ptr + offs, keys, mask=inside)
+
+
+def radix_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
+    """The selection's entry indices ``[R, k]`` int32 (ascending, then -1) of fp32 ``scores [R, E]`` where row ``r``
+    sees its first ``counts [R]`` entries, by ``_radix_topk_counts_kernel`` (no mask read or made)."""
+    scores = scores.float().contiguous()
+    counts = counts.to(torch.int32).contiguous()
+    R, E = scores.shape
+    out = torch.empty(R, k, dtype=torch.int32, device=scores.device)
+    _radix_topk_counts_kernel[(R,)](scores, counts, out, E, k, BLOCK=BLOCK, num_warps=4)
+    return out
+
+
+def order_keys_counts(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``order_keys`` where row ``r`` of ``scores [R, E]`` sees its first ``counts [R]`` entries: the Triton kernel on
+    CUDA (and under ``TRITON_INTERPRET=1``), else ``order_keys_torch`` of the mask they stand for."""
+    E = scores.shape[-1]
+    if scores.device.type != "cuda" and not _interpreted():
+        return order_keys_torch(scores, torch.arange(E, device=scores.device) < counts[:, None])
+    scores = scores.float().contiguous()
+    keys = torch.empty(scores.shape, dtype=torch.int64, device=scores.device)
+    numel = scores.numel()
+    _order_keys_counts_kernel[(triton.cdiv(numel, BLOCK),)](scores, counts.to(torch.int32).contiguous(), keys, numel,
+                                                            E, BLOCK=BLOCK, num_warps=4)
+    return keys
+
+
+def keyed_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
+    """``keyed_topk_index`` where row ``r`` of ``scores [R, E]`` sees its first ``counts [R]`` entries (``E > k``)."""
+    E = scores.shape[-1]
+    index = torch.topk(order_keys_counts(scores, counts), k, dim=-1, sorted=False).indices  # [R, k]
+    index = torch.where(index < counts[:, None], index, E).sort(dim=-1).values  # the visible ones first, ascending
+    return torch.where(index < E, index, -1).to(torch.int32)
 
 
 RADIX_MIN_ROWS = 64  # fewer query rows (decode): too few programs for one per row; keys and torch.topk instead
@@ -252,3 +339,23 @@ def indexer_topk_index(scores: torch.Tensor, visible: torch.Tensor, k: int) -> t
     if on_triton and rows_scores.shape[0] >= RADIX_MIN_ROWS and envs.DEEPINFER_NVIDIA_RADIX_TOPK:
         return radix_topk_index(rows_scores, rows_visible, k).view(*visible.shape[:-1], k)
     return keyed_topk_index(rows_scores, rows_visible, k).view(*visible.shape[:-1], k)
+
+
+def _topk_counts_fake(scores: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
+    return counts.new_empty((*counts.shape, k), dtype=torch.int32)
+
+
+@opaque_under_compile("indexer_topk_index_counts", _topk_counts_fake)
+def indexer_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
+    """Op ``indexer_topk_index_counts`` (the reference's selection where each row sees a prefix): ``scores [S, Lq,
+    E]``, ``counts [S, Lq]`` int32 -> ``[S, Lq, k]`` int32, each row's selected entries ascending, then -1; reads the
+    counts, makes no ``[S, Lq, E]`` mask. Where every entry fits the budget, each row's first ``counts`` entries."""
+    E = scores.shape[-1]
+    if E <= k or counts.numel() == 0:  # every entry fits the budget: the row's prefix
+        places = torch.arange(k, device=counts.device)  # [k]
+        return torch.where(places < counts.clamp(max=E)[..., None], places, -1).to(torch.int32)
+    rows_scores, rows_counts = scores.reshape(-1, E), counts.reshape(-1)  # [R, E], [R]
+    on_triton = scores.device.type == "cuda" or _interpreted()
+    if on_triton and rows_scores.shape[0] >= RADIX_MIN_ROWS and envs.DEEPINFER_NVIDIA_RADIX_TOPK:
+        return radix_topk_index_counts(rows_scores, rows_counts, k).view(*counts.shape, k)
+    return keyed_topk_index_counts(rows_scores, rows_counts, k).view(*counts.shape, k)
