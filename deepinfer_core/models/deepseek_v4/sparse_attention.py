@@ -8,9 +8,10 @@ indexer selects reads them instead (``sparse_mode``):
 
 - ``1`` (``index``): as DeepSeek's FlashMLA sparse kernels do, each row lists the keys it reads, ``index [S, Lq, W +
   k]`` (its window keys, ``ops.visible_index`` of the window's mask, then its selected entries offset by ``Lk`` as the
-  indexer's top-k writes them, ``ops.indexer_topk_index``, -1 for none), and ``ops.roped_sparse_sink_attention`` reads
-  them in place: the window keys from the step's ``[S, Lk, d]``, the entries from the layer's paged compressed-entry
-  store (the step gathers no ``[S, E, d]`` copy of them), with no selection mask and no ``[S, Lq, Lk + E]`` mask.
+  indexer's top-k writes them, ``ops.indexer_topk_index_counts`` of each row's visible-entry count, -1 for none), and
+  ``ops.roped_sparse_sink_attention`` reads them in place: the window keys from the step's ``[S, Lk, d]``, the entries
+  from the layer's paged compressed-entry store (the step gathers no ``[S, E, d]`` copy of them), with no entry
+  visibility mask, no selection mask and no ``[S, Lq, Lk + E]`` mask.
 - ``gather``: each query row becomes a one-query row of its own with the keys it reads gathered (``[S * Lq, W + k,
   d]``) through the table's ``roped_sink_attention`` over decode-shaped rows, in slices of at most ``GATHER_BYTES``.
 
@@ -48,7 +49,7 @@ def indexed_roped_attention(ops: OpTable, q: torch.Tensor, keys: torch.Tensor, w
                             cos: torch.Tensor, sin: torch.Tensor, entries: tuple = ()) -> torch.Tensor:
     """``ops.roped_sparse_sink_attention`` of ``q [S, Lq, H, d]`` over the keys visible through ``window_visible [S,
     Lq, Lk]`` (at most ``window`` per row) and the entries ``entry_index [S, Lq, k]`` (the indexer's selection,
-    ``ops.indexer_topk_index``: -1 for none), each row reading its listed keys in place: ``keys [S, Lk + E, d]``, or
+    ``ops.indexer_topk_index_counts``: -1 for none), each row reading its listed keys in place: ``keys [S, Lk + E, d]``, or
     ``keys [S, Lk, d]`` (the window's) and ``entries`` = (paged store, entry blocks ``[S, E]``, entry rows ``[S,
     E]``), the compressed entries where they lie. ``cos`` / ``sin``: ``[S, Lq, rope_dim // 2]``. Returns ``[S, Lq, H,
     d]``."""
