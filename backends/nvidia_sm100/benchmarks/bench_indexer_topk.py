@@ -4,7 +4,12 @@ the query x entry shapes one CSA layer
 sees at long context: an 8K prompt's chunk, 16K-token chunks late in 64K and 128K prompts, one 1,024-row slice of a
 16K chunk at 1M context (``DEEPINFER_INDEXER_CHUNK_ENTRIES``'s default), and batch-16 decode rows at 128K.
 
-    python backends/nvidia_sm100/benchmarks/bench_indexer_topk.py      # on a GPU; prints one table
+    python backends/nvidia_sm100/benchmarks/bench_indexer_topk.py      # on a GPU; prints two tables
+
+The second table times the selection as entry indices (index mode, ``DEEPINFER_SPARSE_CSA_ATTENTION=1``): the radix
+select reading the ``[S, Lq, E]`` mask (``indexer_topk_index``) against the forms reading per-row visible counts
+``[S, Lq]`` (``indexer_topk_index_counts``: the radix select over each row's visible prefix; counted keys +
+``torch.topk``), each checked against the reference's indices first.
 
 Checks each form against the reference first (``torch.equal`` of the selections), then times them (CUDA events,
 median of repeats, after warmup). Floor = bytes of scores, visibility and selection (4 + 1 + 1 per score) / 4.25 TB/s (the
@@ -28,33 +33,51 @@ SHAPES = (  # (sequences, query rows, entries, what)
 )
 
 
-def case(S: int, Lq: int, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+def case(S: int, Lq: int, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """bf16-rounded normal scores (ties, as bf16 indexer products give) under the CSA's causal visibility (ratio 4)
-    for the last ``Lq`` tokens of a ``4 * E``-token context: query ``t`` at position ``p`` sees ``(p + 1) // 4``."""
+    for the last ``Lq`` tokens of a ``4 * E``-token context: query ``t`` at position ``p`` sees ``(p + 1) // 4``; as a
+    mask ``[S, Lq, E]`` and as counts ``[S, Lq]`` int32."""
     scores = torch.randn(S, Lq, E, device="cuda").bfloat16().float()
     positions = torch.arange(4 * E - Lq, 4 * E, device="cuda")  # [Lq]
     limit = (positions + 1).div(4, rounding_mode="floor")  # [Lq]
     visible = torch.arange(E, device="cuda")[None, None, :] < limit[None, :, None]  # [1, Lq, E]
-    return scores, visible.expand(S, -1, -1).contiguous()
+    counts = limit.to(torch.int32)[None, :].expand(S, -1).contiguous()  # [S, Lq]
+    return scores, visible.expand(S, -1, -1).contiguous(), counts
 
 
 def main() -> None:
-    from deepinfer_nvidia_sm100.kernels.indexer_topk import keyed_topk, radix_topk
+    from deepinfer_nvidia_sm100.kernels.indexer_topk import (
+        keyed_topk,
+        keyed_topk_index_counts,
+        radix_topk,
+        radix_topk_index,
+        radix_topk_index_counts,
+    )
 
     torch.manual_seed(0)
-    rows = []
+    rows, index_rows = [], []
     for S, Lq, E, what in SHAPES:
-        scores, visible = case(S, Lq, E)
+        scores, visible, counts = case(S, Lq, E)
         flat = (scores.view(-1, E), visible.view(-1, E))
+        counted = (scores.view(-1, E), counts.view(-1))
         want = ref.indexer_topk(scores, visible, K).view(-1, E)
         same = [torch.equal(form(*flat, K), want) for form in (radix_topk, keyed_topk)]
+        want_index = ref.visible_index(want, K)  # [R, K]
         del want
+        same_index = [torch.equal(radix_topk_index(*flat, K), want_index)]
+        same_index += [torch.equal(form(*counted, K), want_index)
+                       for form in (radix_topk_index_counts, keyed_topk_index_counts)]
+        del want_index
         floor = S * Lq * E * 6 / BW
         t_ref = cuda_time(lambda a=(scores, visible): ref.indexer_topk(*a, K), reps=5)
         t_radix = cuda_time(lambda a=flat: radix_topk(*a, K), reps=10)
         t_keyed = cuda_time(lambda a=flat: keyed_topk(*a, K), reps=10)
         rows.append((what, S, Lq, E, same, floor, t_ref, t_radix, t_keyed))
-        del scores, visible, flat
+        times = [cuda_time(lambda a=flat: radix_topk_index(*a, K), reps=10)]
+        times += [cuda_time(lambda a=counted, f=form: f(*a, K), reps=10)
+                  for form in (radix_topk_index_counts, keyed_topk_index_counts)]
+        index_rows.append((what, S, Lq, E, same_index, times))
+        del scores, visible, counts, flat, counted
         torch.cuda.empty_cache()
     print(f"\nindexer_topk, top-{K}, fp32 scores (H200)")
     print("| shape | sequences x queries x entries | equal (radix, keyed) | floor | reference (sort) | radix select | "
@@ -63,8 +86,15 @@ def main() -> None:
     for what, S, Lq, E, same, floor, a, b, c in rows:
         print(f"| {what} | {S} x {Lq} x {E} | {same[0]}, {same[1]} | {floor * 1e3:.3f} ms | {a * 1e3:.3f} ms | "
               f"{b * 1e3:.3f} ms | {c * 1e3:.3f} ms | {100 * floor / b:.0f}% | {a / b:.1f}x |")
-    if not all(all(row[4]) for row in rows):
-        raise SystemExit("indexer_topk differs from the reference op")
+    print(f"\nindexer_topk_index / indexer_topk_index_counts, top-{K} as entry indices (H200)")
+    print("| shape | sequences x queries x entries | equal (mask radix, counts radix, counts keyed) | radix, mask | "
+          "radix, counts | keys + torch.topk, counts | counts speed-up |")
+    print("|---|---|---|---|---|---|---|")
+    for what, S, Lq, E, same, (a, b, c) in index_rows:
+        print(f"| {what} | {S} x {Lq} x {E} | {', '.join(map(str, same))} | {a * 1e3:.3f} ms | {b * 1e3:.3f} ms | "
+              f"{c * 1e3:.3f} ms | {a / b:.2f}x |")
+    if not all(all(row[4]) for row in rows) or not all(all(row[4]) for row in index_rows):
+        raise SystemExit("indexer_topk / indexer_topk_index(_counts) differ from the reference op")
 
 
 if __name__ == "__main__":
