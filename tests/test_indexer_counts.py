@@ -141,3 +141,26 @@ def test_index_mode_builds_no_csa_entry_mask(tmp_path, monkeypatch):
     selecting = [lay for lay in layouts if lay.entries(4).blocks.shape[1] > 3]
     assert selecting and calls and all(len(shape) == 2 for shape in calls)
     assert all(lay.entries(4).mask is None for lay in selecting)
+
+
+def test_index_mode_padded_prefill_step_equals_eager(tmp_path, monkeypatch):
+    """The padded static prefill step (what a captured prefill graph replays; its masks and counts built by
+    ``build_masks`` from the placed index tensors) in index mode gives the eager index-mode run's tokens and
+    logprobs."""
+    pytest.importorskip("transformers")
+    from v4_factory import ALL_TYPES, tiny_checkpoint
+
+    monkeypatch.setenv("DEEPINFER_SPARSE_CSA_ATTENTION", "1")
+    tiny_checkpoint(tmp_path, layer_types=ALL_TYPES, index_topk=3)
+    prompts = [{"prompt_token_ids": [(3 * i + 1) % 50 + 2 for i in range(n)]} for n in (70, 100)]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2)
+    common = {"max_model_len": 256, "max_num_seqs": 1, "block_size": 8}
+    eager = LLM(str(tmp_path), enforce_eager=True, **common)
+    static = LLM(str(tmp_path), cuda_graph_sizes=[1], prefill_graph_buckets=[128], **common)
+    for prompt in prompts:
+        want, got = (llm.generate([prompt], params, use_tqdm=False)[0].outputs[0] for llm in (eager, static))
+        assert got.token_ids == want.token_ids
+        for lp_got, lp_want in zip(got.logprobs, want.logprobs, strict=True):
+            assert lp_got.keys() == lp_want.keys()
+            assert max(abs(lp_got[k].logprob - lp_want[k].logprob) for k in lp_got) < 1e-4
+    assert static.engine.runner.prefill_graphs.num_replays == len(prompts)
