@@ -130,6 +130,30 @@ def _radix_threshold(scores_ptr, visible_ptr, base, E, k, BLOCK: tl.constexpr, C
 
 
 @triton.jit
+def _write_index(scores_ptr, visible_ptr, base, n, k, prefix, need, out_ptr, row, BLOCK: tl.constexpr,
+                 COUNTED: tl.constexpr):
+    """One pass over the row's (at ``base``) first ``n`` entries: the keys above ``prefix`` and, of those equal to
+    it, the first ``need`` in index order (visible entries only), written as indices ``[k]`` int32 at ``out_ptr + row
+    * k``, ascending, then -1."""
+    taken = tl.full((), 0, tl.int32)
+    found = tl.full((), 0, tl.int32)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < n
+        keys, seen = _radix_keys(scores_ptr, visible_ptr, base + offs, inside, COUNTED)
+        tie = inside & (keys == prefix)
+        rank = taken + tl.cumsum(tie.to(tl.int32), axis=0)  # [B]: 1-based among the row's ties so far
+        chosen = (inside & ((keys > prefix) | (tie & (rank <= need))) & seen).to(tl.int32)
+        taken += tl.sum(tie.to(tl.int32), axis=0)
+        slot = found + tl.cumsum(chosen, axis=0) - 1  # [B]: the entry's place in the row's list
+        tl.store(out_ptr + row * k + slot, offs.to(tl.int32), mask=chosen > 0)
+        found += tl.sum(chosen, axis=0)
+    for start in range(0, k, BLOCK):
+        slot = start + tl.arange(0, BLOCK)
+        tl.store(out_ptr + row * k + slot, tl.full([BLOCK], -1, tl.int32), mask=(slot >= found) & (slot < k))
+
+
+@triton.jit
 def _radix_topk_kernel(scores_ptr, visible_ptr, out_ptr, E, k, BLOCK: tl.constexpr):
     """Program (query row): the row's ``k``-th largest key ``T`` (``_radix_threshold``), then one pass that selects
     keys above ``T`` and, of those equal to ``T``, the first ``need`` in index order (lower entry index wins), and
@@ -155,22 +179,7 @@ def _radix_topk_index_kernel(scores_ptr, visible_ptr, out_ptr, E, k, BLOCK: tl.c
     row = tl.program_id(0).to(tl.int64)
     base = row * E
     prefix, need = _radix_threshold(scores_ptr, visible_ptr, base, E, k, BLOCK)
-    taken = tl.full((), 0, tl.int32)
-    found = tl.full((), 0, tl.int32)
-    for start in range(0, E, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        inside = offs < E
-        keys, seen = _radix_keys(scores_ptr, visible_ptr, base + offs, inside)
-        tie = inside & (keys == prefix)
-        rank = taken + tl.cumsum(tie.to(tl.int32), axis=0)
-        chosen = (inside & ((keys > prefix) | (tie & (rank <= need))) & seen).to(tl.int32)
-        taken += tl.sum(tie.to(tl.int32), axis=0)
-        slot = found + tl.cumsum(chosen, axis=0) - 1  # [B]: the entry's place in the row's list
-        tl.store(out_ptr + row * k + slot, offs.to(tl.int32), mask=chosen > 0)
-        found += tl.sum(chosen, axis=0)
-    for start in range(0, k, BLOCK):
-        slot = start + tl.arange(0, BLOCK)
-        tl.store(out_ptr + row * k + slot, tl.full([BLOCK], -1, tl.int32), mask=(slot >= found) & (slot < k))
+    _write_index(scores_ptr, visible_ptr, base, E, k, prefix, need, out_ptr, row, BLOCK, False)
 
 
 @triton.jit
@@ -187,22 +196,7 @@ def _radix_topk_counts_kernel(scores_ptr, counts_ptr, out_ptr, E, k, BLOCK: tl.c
     else:  # every visible entry: keys are never 0 (-inf's is 0x007FFFFF), so all are above the threshold 0
         prefix = tl.full((), 0, tl.uint32)
         need = tl.full((), 0, tl.int32)
-    taken = tl.full((), 0, tl.int32)
-    found = tl.full((), 0, tl.int32)
-    for start in range(0, n, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        inside = offs < n
-        keys, _ = _radix_keys(scores_ptr, scores_ptr, base + offs, inside, True)
-        tie = inside & (keys == prefix)
-        rank = taken + tl.cumsum(tie.to(tl.int32), axis=0)
-        chosen = (inside & ((keys > prefix) | (tie & (rank <= need)))).to(tl.int32)
-        taken += tl.sum(tie.to(tl.int32), axis=0)
-        slot = found + tl.cumsum(chosen, axis=0) - 1
-        tl.store(out_ptr + row * k + slot, offs.to(tl.int32), mask=chosen > 0)
-        found += tl.sum(chosen, axis=0)
-    for start in range(0, k, BLOCK):
-        slot = start + tl.arange(0, BLOCK)
-        tl.store(out_ptr + row * k + slot, tl.full([BLOCK], -1, tl.int32), mask=(slot >= found) & (slot < k))
+    _write_index(scores_ptr, scores_ptr, base, n, k, prefix, need, out_ptr, row, BLOCK, True)
 
 
 @triton.jit
