@@ -277,7 +277,7 @@ class PrefixStateKeeper:
         if self.slot_views is None:
             return 0
         lowest = num_cached_tokens - self.replay_span  # a restore at or below it computes more than the rebuild
-        points = [p for p in self._points(request, block_hashes) if p[0] > lowest]
+        points = [p for p in self._points(request, block_hashes, lowest) if p[0] > lowest]
         found = self.cache.find([key for _, key in points])
         if not num_cached_tokens and found is None:  # no hit at all: nothing to count
             self.pending_restores.pop(request.request_id, None)
@@ -293,15 +293,17 @@ class PrefixStateKeeper:
         self.pending_restores[request.request_id] = (restored, found[1])
         return restored
 
-    def _points(self, request: Request, block_hashes: Sequence[bytes]) -> list[tuple[int, bytes]]:
+    def _points(self, request: Request, block_hashes: Sequence[bytes], lowest: int) -> list[tuple[int, bytes]]:
         """(tokens, key) of every point a state of ``request`` may be kept at, longest first: inside block ``k`` (by
         the lengths kept after its parent, leaving one token to compute), then block ``k``'s boundary, for ``k`` from
-        the hit's last block down."""
+        the hit's last block down to the last one with a point above ``lowest`` (a long hit's lookup stays short)."""
         points = []
         last = request.num_tokens - 1
         for k in range(len(block_hashes), -1, -1):
-            parent = block_hashes[k - 1] if k else b""
             start = k * self.block_size
+            if start + self.block_size - 1 <= lowest:  # this block's points, and every earlier block's, are below
+                break
+            parent = block_hashes[k - 1] if k else b""
             lengths = self.cache.partial_lengths.get(parent, ()) if self.block_views is not None else ()
             for length in sorted((n for n in lengths if start + n <= last), reverse=True):
                 points.append((start + length, partial_key(parent, request.token_slice(start, start + length))))
