@@ -7,7 +7,7 @@ then ``engine.step()`` to the end) under torch.profiler, after one warmup run. G
 For each profiled run (the first right after the warmup, as the bench's first timed run): its total and first token,
 then every ``engine.step()`` call with its host start and end (ms from the run's start) and the device's busy time
 and kernels inside it (``--steps`` of them, first and last), then where the device sat idle over the whole run and
-what the host did meanwhile (``trace_gaps.gap_report``). A step whose host span far exceeds its device time is
+what the host did meanwhile (``trace_gaps.gap_report``); with ``--kernels N``, the N ops with the most device time. A step whose host span far exceeds its device time is
 bound by the host; idle time before the first kernel is the run's set-up.
 """
 
@@ -39,6 +39,8 @@ def main() -> None:
     parser.add_argument("--preset", default="v4-flash-8l64e")
     parser.add_argument("--runs", type=int, default=1, help="profiled runs, one after another (default 1)")
     parser.add_argument("--steps", type=int, default=8, help="engine steps listed from each end of a run")
+    parser.add_argument("--kernels", type=int, default=0, metavar="N",
+                        help="also list the run's N ops with the most device time (torch.profiler's table)")
     args = parser.parse_args()
     folder = presets.ensure_preset(args.preset)
     llm = LLM(folder, backend=args.backend, dtype="bfloat16" if torch.cuda.is_available() else "float32", max_model_len=args.input_len + args.output_len,
@@ -61,6 +63,9 @@ def main() -> None:
               f"first token {times.first_token_s() * 1e3:.1f} ms, {times.steps} steps (trace {trace})")
         print(step_report(trace, args.steps))
         print(gap_report(trace, top=10))
+        if args.kernels:
+            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.kernels,
+                                            max_name_column_width=70))
 
 
 def _sync() -> None:
