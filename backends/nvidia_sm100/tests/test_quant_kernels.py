@@ -320,7 +320,10 @@ def test_fp8_activation_quantization_rounds_as_torch(block):
 @pytest.mark.parametrize("M, n, k, groups, block", [(130, 64, 200, 1, (64, 64)), (9, 40, 128, 3, (32, 32))])
 def test_fp8_tensor_core_kernel_is_the_reference_on_quantized_activations(M, n, k, groups, block):
     """The fp8 tensor-core kernel equals the reference op run on activations quantized as ``quantize_activations``
-    does (up to fp32 sums); its error against the reference on the activations themselves is fp8's (a few %)."""
+    does, up to the sums: Hopper's fp8 MMA keeps about 14 bits while it accumulates one K block (DeepSeek-V3's report,
+    section 3.3.2; the kernel adds each block's product into a float32 accumulator), so outputs of about 1 differ by a
+    few 1e-4 (1.3e-4 seen on an H200); its error against the reference on the activations themselves is fp8's (a few
+    %)."""
     gen = _gen(M)
     x = torch.randn(M, groups, k, device=DEVICE, generator=gen)
     weight, scale = fp8_block.quantize(torch.randn(groups * n, k, device=DEVICE, generator=gen) * k**-0.5, block,
@@ -329,7 +332,7 @@ def test_fp8_tensor_core_kernel_is_the_reference_on_quantized_activations(M, n, 
     x_quantized = fp8_block.dequantize(q, s, (1, block[1])).view(M, groups, k)
     got = fp8_linear.matmul(x, weight, scale, block, groups, path=fp8_linear.FP8_TC)
     torch.testing.assert_close(got, ref.grouped_linear_fp8_block(x_quantized, weight, scale, block, groups),
-                               atol=1e-4, rtol=1e-4)
+                               atol=1e-3, rtol=1e-3)
     exact = ref.grouped_linear_fp8_block(x, weight, scale, block, groups)
     assert 0 < (got - exact).abs().max() / exact.abs().max() < 0.1
 

@@ -39,7 +39,7 @@ FLOAT32, PORTABLE, PTX = 0, 1, 2  # the kernels' ``DECODE``
 BF16_DECODE = PTX  # how bf16 activations decode on a GPU (``PORTABLE``: without inline PTX)
 
 MAX_PER_EXPERT = None  # mean assignments per expert up to which the MXFP4 op takes these kernels (0: never); None:
-# ``DEEPINFER_NVIDIA_MXFP4_DECODE_MAX_PER_EXPERT`` (64)
+# ``DEEPINFER_NVIDIA_MXFP4_DECODE_MAX_PER_EXPERT`` (0: off by default, docs/quantization.md has the timings)
 TILES = {  # (max mean assignments per expert, (BLOCK_M, BLOCK_N, GROUPS, num_warps, num_stages, SWAP)): the first
     # that holds, else the last. The 16 x 64 tile with the activations on the left compiles to the fewest
     # instructions a weight on sm_90a (~7; with the weights on the left ~8); 64-row tiles reach wgmma.
