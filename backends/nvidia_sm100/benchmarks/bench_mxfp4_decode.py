@@ -5,8 +5,8 @@ experts (E=64, top-6, D=4096, I=2048, bf16 activations, one layer): section ``mx
     python backends/nvidia_sm100/benchmarks/bench_mxfp4_decode.py       # the same
 
 Per token count (1, 16, 64, 256, 1024) every variant is first checked against ``reference.moe_experts_mxfp4``
-(max error relative to the largest output < 2e-2), then timed: replayed from a CUDA graph up to 256 tokens, eagerly
-beyond (CUDA events, median). Rows of the sweep, ``tokens: variant -> time``:
+(``bf16`` against ``reference.moe_experts`` on its bf16 weights; max error relative to the largest output < 2e-2),
+then timed: replayed from a CUDA graph up to 256 tokens, eagerly beyond (CUDA events, median). Rows of the sweep, ``tokens: variant -> time``:
 
 * ``bf16``: ``moe.moe_experts`` on the same experts in bf16 (the preset the fp4 one is measured against);
 * ``old``: the MXFP4 kernels before ``moe_mxfp4_decode``, as the op ran them (one token: the two row kernels,
@@ -116,10 +116,12 @@ def bench_mxfp4_decode() -> None:
         routing = torch.rand(T, TOP_K, device="cuda")
         touched = ids.unique().numel()
         floor = touched * 3 * I * D * (0.5 + 1 / mxfp4.GROUP) / BW
-        want = ref.moe_experts_mxfp4(x, ids, routing, *stored, LIMIT).float()
+        want = {"bf16": ref.moe_experts(x, ids, routing, *dense, LIMIT).float(),  # bf16 weights: their own reference
+                "mxfp4": ref.moe_experts_mxfp4(x, ids, routing, *stored, LIMIT).float()}
         times, cells = {}, []
         for name, fn in _variants(T, x, ids, routing, dense, stored).items():
-            err = ((fn().float() - want).abs().max() / want.abs().max()).item()
+            expected = want["bf16" if name == "bf16" else "mxfp4"]
+            err = ((fn().float() - expected).abs().max() / expected.abs().max()).item()
             if not err < 2e-2:  # NaN too
                 cells.append(f"{name}: WRONG (error {err:.1e})")
                 continue
