@@ -151,6 +151,11 @@ def counted_case(S: int, Lq: int, E: int, levels: int, k: int, seed: int, device
 
 
 COUNTED_CASES = [(1, 6, 4096, 5, 512), (2, 5, 3000, 0, 64), (1, 6, 1031, 3, 1030), (1, 5, 700, 2, 100)]
+COUNTED_FORMS = {  # the counted radix kernels: 4-bit passes; 8-bit rows held on chip; 8-bit passes over memory
+    "4-bit": indexer_topk.radix_topk_index_counts,
+    "held": indexer_topk.wide_topk_index_counts,
+    "8-bit passes": lambda scores, counts, k: indexer_topk.wide_topk_index_counts(scores, counts, k, held_row=0),
+}
 
 
 @pytest.mark.parametrize(("S", "Lq", "E", "levels", "k"), COUNTED_CASES)
@@ -173,9 +178,33 @@ def test_counted_kernels_select_as_the_masked_reference(S, Lq, E, levels, k):
     want = ref.indexer_topk_index(scores.cpu(), mask, k).reshape(-1, k)
     keys = indexer_topk.order_keys_counts(scores.reshape(-1, E), counts.reshape(-1))
     assert torch.equal(keys.cpu(), indexer_topk.order_keys_torch(scores.reshape(-1, E).cpu(), mask.reshape(-1, E)))
-    for form in (indexer_topk.radix_topk_index_counts, indexer_topk.keyed_topk_index_counts):
+    forms = {**COUNTED_FORMS, "keyed": indexer_topk.keyed_topk_index_counts}
+    for name, form in forms.items():
         got = form(scores.reshape(-1, E), counts.reshape(-1), k)
-        assert got.dtype == torch.int32 and torch.equal(got.cpu(), want), form.__name__
+        assert got.dtype == torch.int32 and torch.equal(got.cpu(), want), name
+
+
+WIDE_CASES = [  # (S, Lq, E, levels, k): the 8-bit forms across WIDE_BLOCK (4,096) and the held rows' sizes
+    (1, 6, 5000, 3, 512),  # three levels: the k-th key's ties span the first pass block and the second
+    (1, 5, 4999, 0, 600),  # continuous: ties only among the specials (signed zeros, infinities, NaNs)
+    (1, 5, 1024, 2, 1000),  # held in exactly one 1,024-entry row, two levels
+    (2, 5, 2500, 40, 64),
+    (1, 5, 9000, 4, 512),  # held as a 16,384-entry row (32 warps)
+]
+
+
+@kernel_runs_here
+@pytest.mark.parametrize(("S", "Lq", "E", "levels", "k"), WIDE_CASES)
+def test_wide_counted_forms_select_as_the_masked_reference(S, Lq, E, levels, k):
+    """The 8-bit forms (``wide_topk_index_counts``: held on chip, and the passes over memory) against the reference
+    and the 4-bit kernel: rows that see nothing, fewer than ``k``, exactly ``k``, ``k + 1`` and every entry, the k-th
+    key tied across blocks, NaN above ``+inf``, ``-0.0`` tying ``+0.0``."""
+    scores, counts, mask = counted_case(S, Lq, E, levels, k, seed=E + 4)
+    want = ref.indexer_topk_index(scores.cpu(), mask, k).reshape(-1, k)
+    assert (want[0] == -1).all() and (want >= 0).sum(-1).max() == k  # an empty row, a full one
+    for name, form in COUNTED_FORMS.items():
+        got = form(scores.reshape(-1, E), counts.reshape(-1), k)
+        assert got.dtype == torch.int32 and torch.equal(got.cpu(), want), name
 
 
 @kernel_runs_here
@@ -184,36 +213,79 @@ def test_the_counted_op_takes_the_radix_kernel_from_radix_min_rows(monkeypatch):
     scores, counts, mask = counted_case(1, 5, 600, 4, 100, seed=8)
     want = ref.indexer_topk_index(scores.cpu(), mask, 100)
     taken = []
-    radix = indexer_topk.radix_topk_index_counts
-    monkeypatch.setattr(indexer_topk, "radix_topk_index_counts", lambda *a: taken.append(1) or radix(*a))
+    for name in ("radix_topk_index_counts", "wide_topk_index_counts"):
+        form = getattr(indexer_topk, name)
+        monkeypatch.setattr(indexer_topk, name, lambda *a, n=name, f=form: taken.append(n) or f(*a))
+    assert torch.equal(indexer_topk.indexer_topk_index_counts(scores, counts, 100).cpu(), want)
+    monkeypatch.setenv("DEEPINFER_NVIDIA_RADIX_TOPK_WIDE", "0")
     assert torch.equal(indexer_topk.indexer_topk_index_counts(scores, counts, 100).cpu(), want)
     monkeypatch.setenv("DEEPINFER_NVIDIA_RADIX_TOPK", "0")
     assert torch.equal(indexer_topk.indexer_topk_index_counts(scores, counts, 100).cpu(), want)
-    assert taken == [1]
+    assert taken == ["wide_topk_index_counts", "radix_topk_index_counts"]
+
+
+def _compile(fn, signature: dict, constexprs: dict, capability: int, num_warps: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
+    source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(n),): v for n, v in constexprs.items()})
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps})
+
+
+def _ptxas_usage(ptx: str, capability: int, tmp_path) -> tuple[int, int]:
+    """Registers a thread and spilled bytes (stores + loads) of ``ptx`` by Triton's own ``ptxas -v`` (what a GPU's
+    ``kernel.n_regs`` / ``n_spills`` would say, without one)."""
+    import re
+    import subprocess
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    source = tmp_path / "kernel.ptx"
+    source.write_text(ptx)
+    log = subprocess.run([get_ptxas(capability).path, "-v", f"--gpu-name=sm_{capability}a", str(source), "-o",
+                          str(tmp_path / "kernel.cubin")], check=True, capture_output=True, text=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", log).group(1))
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+    return registers, spills
 
 
 @pytest.mark.skipif(INTERPRETED, reason="ahead-of-time compiles need the real Triton compiler, not the interpreter")
 @pytest.mark.parametrize("capability", [90, 100])
 def test_kernels_compile_for_sm90a_and_sm100a(capability):
     """The kernels compile for the GPU targets on a machine without one (Triton compiles ahead of time)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    counted = {"scores_ptr": "*fp32", "counts_ptr": "*i32", "out_ptr": "*i32", "E": "i32", "k": "i32"}
     signatures = {
-        "_radix_topk_kernel": {"scores_ptr": "*fp32", "visible_ptr": "*u8", "out_ptr": "*u8", "E": "i32", "k": "i32",
-                               "BLOCK": "constexpr"},
+        "_radix_topk_kernel": {"scores_ptr": "*fp32", "visible_ptr": "*u8", "out_ptr": "*u8", "E": "i32", "k": "i32"},
         "_order_keys_kernel": {"scores_ptr": "*fp32", "visible_ptr": "*u8", "keys_ptr": "*i64", "numel": "i64",
-                               "E": "i32", "BLOCK": "constexpr"},
+                               "E": "i32"},
         "_radix_topk_index_kernel": {"scores_ptr": "*fp32", "visible_ptr": "*u8", "out_ptr": "*i32", "E": "i32",
-                                     "k": "i32", "BLOCK": "constexpr"},
-        "_radix_topk_counts_kernel": {"scores_ptr": "*fp32", "counts_ptr": "*i32", "out_ptr": "*i32", "E": "i32",
-                                      "k": "i32", "BLOCK": "constexpr"},
+                                     "k": "i32"},
+        "_radix_topk_counts_kernel": counted,
+        "_radix_topk_counts_wide_kernel": counted,
         "_order_keys_counts_kernel": {"scores_ptr": "*fp32", "counts_ptr": "*i32", "keys_ptr": "*i64",
-                                      "numel": "i64", "E": "i32", "BLOCK": "constexpr"},
+                                      "numel": "i64", "E": "i32"},
     }
     for name, signature in signatures.items():
-        fn = getattr(indexer_topk, name)
-        source = ASTSource(fn, signature, constexprs={(fn.arg_names.index("BLOCK"),): indexer_topk.BLOCK})
-        compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": 4})
+        compiled = _compile(getattr(indexer_topk, name), signature, {"BLOCK": indexer_topk.BLOCK}, capability, 4)
         assert f".target sm_{capability}a" in compiled.asm["ptx"], name
+
+
+@pytest.mark.skipif(INTERPRETED, reason="ahead-of-time compiles need the real Triton compiler, not the interpreter")
+@pytest.mark.parametrize("capability", [90, 100])
+def test_wide_counted_kernels_compile_without_spills(capability, tmp_path):
+    """The 8-bit counted kernels as ``wide_topk_index_counts`` launches them, for each held row size up to
+    ``HELD_ROW`` and the passes over memory: no register spills (the held row stays in registers) within the
+    register file's share of each program's warps."""
+    counted = {"scores_ptr": "*fp32", "counts_ptr": "*i32", "out_ptr": "*i32", "E": "i32", "k": "i32"}
+    launches = [("_radix_topk_counts_wide_kernel", {"BLOCK": indexer_topk.WIDE_BLOCK}, 8)]
+    row = 1024
+    while row <= indexer_topk.HELD_ROW:
+        launches.append(("_radix_topk_counts_held_kernel", {"ROW": row, "FILL": 1024}, min(32, max(4, row // 512))))
+        row *= 2
+    assert launches[-1][1] == {"ROW": 16384, "FILL": 1024}
+    for name, constexprs, warps in launches:
+        compiled = _compile(getattr(indexer_topk, name), counted, constexprs, capability, warps)
+        registers, spills = _ptxas_usage(compiled.asm["ptx"], capability, tmp_path)
+        assert spills == 0 and registers <= min(255, 65536 // (32 * warps)), (name, constexprs, registers, spills)

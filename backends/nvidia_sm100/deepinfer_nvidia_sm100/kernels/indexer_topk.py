@@ -15,6 +15,10 @@ entries are ``-inf`` as in the reference, and only visible entries stay selected
   match the digits found so far), then one pass writes the selection: keys above it, and of the keys equal to it the
   first ones in index order until ``k``. 9 reads of the row's scores and visibility, 1 byte written per score, no
   temporaries.
+* ``wide_topk_index_counts`` (the counted index form's default; ``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE=0``: the 4-bit
+  ``radix_topk_index_counts``): the same select with 8-bit digits, a 256-bin ``tl.histogram`` a pass. Rows of at most
+  ``HELD_ROW`` (16,384) entries are read once into registers (16 keys a thread) and selected and written from there;
+  longer rows take 4 passes over memory and the writing pass, 5 reads instead of 9.
 * ``keyed_topk`` (fewer rows, decode; ``DEEPINFER_NVIDIA_RADIX_TOPK=0``): one Triton pass writes 64-bit keys (score key
   << 32 | ``E - 1 - index``), all distinct per row, and ``torch.topk`` on them picks exactly the entries the stable
   sort puts first; 8 bytes per score.
@@ -200,6 +204,99 @@ def _radix_topk_counts_kernel(scores_ptr, counts_ptr, out_ptr, E, k, BLOCK: tl.c
 
 
 @triton.jit
+def _take_digit(counts, bins, shift, prefix, need):
+    """One radix pass's choice from its histogram ``counts [bins]`` of the digit at ``shift`` among the keys matching
+    ``prefix``: the digit holding the ``need``-th largest key, added to ``prefix``, and ``need`` less the keys of
+    higher digits."""
+    at_least = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts  # [bins]: keys with digit >= d
+    d = tl.max(tl.where(at_least >= need, bins, -1), axis=0)
+    need -= tl.sum(tl.where(bins > d, counts, 0), axis=0)
+    return prefix | (d.to(tl.uint32) << shift), need
+
+
+@triton.jit
+def _radix_threshold8(scores_ptr, visible_ptr, base, E, k, BLOCK: tl.constexpr, COUNTED: tl.constexpr = False):
+    """``_radix_threshold`` with 8-bit digits: 4 passes over the row's first ``E`` entries, each a 256-bin
+    ``tl.histogram`` of the keys matching the digits found so far."""
+    bins = tl.arange(0, 256)  # [256]
+    prefix = tl.full((), 0, tl.uint32)
+    known = tl.full((), 0, tl.uint32)
+    need = tl.full((), 0, tl.int32) + k
+    for p in tl.static_range(4):
+        shift = 24 - 8 * p
+        counts = tl.zeros([256], dtype=tl.int32)
+        for start in range(0, E, BLOCK):
+            offs = start + tl.arange(0, BLOCK)  # [B]
+            inside = offs < E
+            keys, _ = _radix_keys(scores_ptr, visible_ptr, base + offs, inside, COUNTED)
+            match = inside & ((keys & known) == prefix)
+            counts += tl.histogram(((keys >> shift) & 255).to(tl.int32), 256, mask=match)  # [256]
+        prefix, need = _take_digit(counts, bins, shift, prefix, need)
+        known = known | (tl.full((), 255, tl.uint32) << shift)
+    return prefix, need
+
+
+@triton.jit
+def _radix_select_held(keys, inside, k):
+    """The ``k``-th largest of the on-chip ``keys [ROW]`` (where ``inside``) and ``need``, as ``_radix_threshold8``
+    finds them, with no memory read."""
+    bins = tl.arange(0, 256)  # [256]
+    prefix = tl.full((), 0, tl.uint32)
+    known = tl.full((), 0, tl.uint32)
+    need = tl.full((), 0, tl.int32) + k
+    for p in tl.static_range(4):
+        shift = 24 - 8 * p
+        match = inside & ((keys & known) == prefix)  # [ROW]
+        counts = tl.histogram(((keys >> shift) & 255).to(tl.int32), 256, mask=match)  # [256]
+        prefix, need = _take_digit(counts, bins, shift, prefix, need)
+        known = known | (tl.full((), 255, tl.uint32) << shift)
+    return prefix, need
+
+
+@triton.jit
+def _radix_topk_counts_wide_kernel(scores_ptr, counts_ptr, out_ptr, E, k, BLOCK: tl.constexpr):
+    """``_radix_topk_counts_kernel`` with 8-bit digits (``_radix_threshold8``): 4 passes over the row's visible prefix
+    and the writing pass, 5 reads of it instead of 9."""
+    row = tl.program_id(0).to(tl.int64)
+    base = row * E
+    n = tl.minimum(tl.maximum(tl.load(counts_ptr + row).to(tl.int32), 0), E)
+    if n > k:
+        prefix, need = _radix_threshold8(scores_ptr, scores_ptr, base, n, k, BLOCK, True)
+    else:
+        prefix = tl.full((), 0, tl.uint32)
+        need = tl.full((), 0, tl.int32)
+    _write_index(scores_ptr, scores_ptr, base, n, k, prefix, need, out_ptr, row, BLOCK, True)
+
+
+@triton.jit
+def _radix_topk_counts_held_kernel(scores_ptr, counts_ptr, out_ptr, E, k, ROW: tl.constexpr, FILL: tl.constexpr):
+    """``_radix_topk_counts_kernel`` for rows of at most ``ROW`` (<= 16,384) entries held on chip: one read of the
+    row's visible prefix into registers, the 4 passes of 8 bits (``_radix_select_held``) and the write from there
+    (one scan of the row: keys above the threshold in the low 16 bits, ties in the high 16)."""
+    tl.static_assert(ROW <= 16384)  # the packed scan: up to 16,384 ties in the high half of an int32
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.minimum(tl.maximum(tl.load(counts_ptr + row).to(tl.int32), 0), E)
+    offs = tl.arange(0, ROW)  # [ROW]
+    inside = offs < n
+    keys, _ = _radix_keys(scores_ptr, scores_ptr, row * E + offs, inside, True)  # [ROW] uint32
+    if n > k:
+        prefix, need = _radix_select_held(keys, inside, k)
+    else:  # every visible entry, as in _radix_topk_counts_kernel
+        prefix = tl.full((), 0, tl.uint32)
+        need = tl.full((), 0, tl.int32)
+    above = inside & (keys > prefix)
+    tie = inside & (keys == prefix)
+    before = tl.cumsum(above.to(tl.int32) | (tie.to(tl.int32) << 16), axis=0)  # [ROW]: inclusive counts, packed
+    rank = tl.minimum(before >> 16, need)  # [ROW]: ties taken up to here
+    chosen = above | (tie & ((before >> 16) <= need))
+    tl.store(out_ptr + row * k + (before & 0xFFFF) + rank - 1, offs, mask=chosen)
+    found = tl.sum(chosen.to(tl.int32), axis=0)
+    for start in range(0, k, FILL):
+        slot = start + tl.arange(0, FILL)
+        tl.store(out_ptr + row * k + slot, tl.full([FILL], -1, tl.int32), mask=(slot >= found) & (slot < k))
+
+
+@triton.jit
 def _order_keys_counts_kernel(scores_ptr, counts_ptr, keys_ptr, numel, E, BLOCK: tl.constexpr):
     """``_order_keys_kernel`` where row ``r`` of the flattened ``[R, E]`` scores sees its first ``counts[r]``
     entries."""
@@ -225,6 +322,28 @@ def radix_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: int) 
     R, E = scores.shape
     out = torch.empty(R, k, dtype=torch.int32, device=scores.device)
     _radix_topk_counts_kernel[(R,)](scores, counts, out, E, k, BLOCK=BLOCK, num_warps=4)
+    return out
+
+
+HELD_ROW = 16384  # longest rows held on chip: 16 keys a thread at 32 warps, 61 registers on sm_90a, no spills
+WIDE_BLOCK = 4096  # entries a pass of the 8-bit kernel reads at once (8 warps: 2 resident rows an SM, their passes
+# after the first mostly L2 hits at 128 KB rows)
+
+
+def wide_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: int, held_row: int = HELD_ROW) -> torch.Tensor:
+    """``radix_topk_index_counts`` (same bits) with 8-bit digits: rows of ``E <= held_row`` entries by
+    ``_radix_topk_counts_held_kernel`` (one read of each row's visible prefix), longer ones by
+    ``_radix_topk_counts_wide_kernel`` (5 reads instead of 9)."""
+    scores = scores.float().contiguous()
+    counts = counts.to(torch.int32).contiguous()
+    R, E = scores.shape
+    out = torch.empty(R, k, dtype=torch.int32, device=scores.device)
+    if E <= min(held_row, HELD_ROW):
+        row = max(triton.next_power_of_2(E), 1024)
+        _radix_topk_counts_held_kernel[(R,)](scores, counts, out, E, k, ROW=row, FILL=1024,
+                                             num_warps=min(32, max(4, row // 512)))
+    else:
+        _radix_topk_counts_wide_kernel[(R,)](scores, counts, out, E, k, BLOCK=WIDE_BLOCK, num_warps=8)
     return out
 
 
@@ -351,5 +470,6 @@ def indexer_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: int
     rows_scores, rows_counts = scores.reshape(-1, E), counts.reshape(-1)  # [R, E], [R]
     on_triton = scores.device.type == "cuda" or _interpreted()
     if on_triton and rows_scores.shape[0] >= RADIX_MIN_ROWS and envs.DEEPINFER_NVIDIA_RADIX_TOPK:
-        return radix_topk_index_counts(rows_scores, rows_counts, k).view(*counts.shape, k)
+        form = wide_topk_index_counts if envs.DEEPINFER_NVIDIA_RADIX_TOPK_WIDE else radix_topk_index_counts
+        return form(rows_scores, rows_counts, k).view(*counts.shape, k)
     return keyed_topk_index_counts(rows_scores, rows_counts, k).view(*counts.shape, k)
