@@ -8,8 +8,10 @@ sees at long context: an 8K prompt's chunk, 16K-token chunks late in 64K and 128
 
 The second table times the selection as entry indices (index mode, ``DEEPINFER_SPARSE_CSA_ATTENTION=1``): the radix
 select reading the ``[S, Lq, E]`` mask (``indexer_topk_index``) against the forms reading per-row visible counts
-``[S, Lq]`` (``indexer_topk_index_counts``: the radix select over each row's visible prefix; counted keys +
-``torch.topk``), each checked against the reference's indices first.
+``[S, Lq]`` (``indexer_topk_index_counts``: the 4-bit radix select over each row's visible prefix; the 8-bit form,
+``wide_topk_index_counts``, the op's default: rows of up to 16,384 entries held on chip, longer ones 4 passes + the
+write; the 8-bit passes alone, ``held_row=0``; counted keys + ``torch.topk``), each checked against the reference's
+indices first.
 
 Checks each form against the reference first (``torch.equal`` of the selections), then times them (CUDA events,
 median of repeats, after warmup). Floor = bytes of scores, visibility and selection (4 + 1 + 1 per score) / 4.25 TB/s (the
@@ -52,8 +54,13 @@ def main() -> None:
         radix_topk,
         radix_topk_index,
         radix_topk_index_counts,
+        wide_topk_index_counts,
     )
 
+    def passes(scores: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
+        return wide_topk_index_counts(scores, counts, k, held_row=0)
+
+    counted_forms = (radix_topk_index_counts, wide_topk_index_counts, passes, keyed_topk_index_counts)
     torch.manual_seed(0)
     rows, index_rows = [], []
     for S, Lq, E, what in SHAPES:
@@ -66,7 +73,7 @@ def main() -> None:
         del want
         same_index = [torch.equal(radix_topk_index(*flat, K), want_index)]
         same_index += [torch.equal(form(*counted, K), want_index)
-                       for form in (radix_topk_index_counts, keyed_topk_index_counts)]
+                       for form in counted_forms]
         del want_index
         floor = S * Lq * E * 6 / BW
         t_ref = cuda_time(lambda a=(scores, visible): ref.indexer_topk(*a, K), reps=5)
@@ -75,7 +82,7 @@ def main() -> None:
         rows.append((what, S, Lq, E, same, floor, t_ref, t_radix, t_keyed))
         times = [cuda_time(lambda a=flat: radix_topk_index(*a, K), reps=10)]
         times += [cuda_time(lambda a=counted, f=form: f(*a, K), reps=10)
-                  for form in (radix_topk_index_counts, keyed_topk_index_counts)]
+                  for form in counted_forms]
         index_rows.append((what, S, Lq, E, same_index, times))
         del scores, visible, counts, flat, counted
         torch.cuda.empty_cache()
@@ -87,12 +94,13 @@ def main() -> None:
         print(f"| {what} | {S} x {Lq} x {E} | {same[0]}, {same[1]} | {floor * 1e3:.3f} ms | {a * 1e3:.3f} ms | "
               f"{b * 1e3:.3f} ms | {c * 1e3:.3f} ms | {100 * floor / b:.0f}% | {a / b:.1f}x |")
     print(f"\nindexer_topk_index / indexer_topk_index_counts, top-{K} as entry indices (H200)")
-    print("| shape | sequences x queries x entries | equal (mask radix, counts radix, counts keyed) | radix, mask | "
-          "radix, counts | keys + torch.topk, counts | counts speed-up |")
-    print("|---|---|---|---|---|---|---|")
-    for what, S, Lq, E, same, (a, b, c) in index_rows:
+    print("| shape | sequences x queries x entries | equal (mask radix, counts radix 4-bit, 8-bit, 8-bit passes, "
+          "keyed) | radix, mask | radix 4-bit, counts | radix 8-bit, counts | 8-bit passes only | keys + torch.topk, "
+          "counts | counts speed-up | 8-bit over 4-bit |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for what, S, Lq, E, same, (a, b, w, p, c) in index_rows:
         print(f"| {what} | {S} x {Lq} x {E} | {', '.join(map(str, same))} | {a * 1e3:.3f} ms | {b * 1e3:.3f} ms | "
-              f"{c * 1e3:.3f} ms | {a / b:.2f}x |")
+              f"{w * 1e3:.3f} ms | {p * 1e3:.3f} ms | {c * 1e3:.3f} ms | {a / b:.2f}x | {b / w:.2f}x |")
     if not all(all(row[4]) for row in rows) or not all(all(row[4]) for row in index_rows):
         raise SystemExit("indexer_topk / indexer_topk_index(_counts) differ from the reference op")
 
