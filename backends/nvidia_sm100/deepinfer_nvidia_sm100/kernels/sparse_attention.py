@@ -6,13 +6,22 @@ for V4, whatever the context). The model lists them per row, ``index [S, Lq, N]`
 step's window keys ``[S, Lk, d]``, key ``j >= Lk`` entry ``j - Lk`` of the layer's paged store (through the entries'
 block and row ``[S, E]``, as ``gather_keys`` reads them), and:
 
-1. ``_sparse_split_kernel``: grid ``(H / BLOCK_H, splits, rows)`` (the head blocks of one row next to each other, so
-   they share its keys in L2). A program loads ``BLOCK_N`` indices at a time, the keys they name (masked where -1),
-   and runs the online softmax of ``kernels/decode_attention.py`` over them: base 2, fp32, the running max started at
-   the sink logit, probabilities rounded to the model dtype before ``P @ V`` as the reference rounds them. No
-   gathered copy, no mask over the sequence's keys. With one split the program writes the output; else partials
+1. ``_key_rows_kernel`` (with a store): one pass over the lists ``[B, N]`` writes each listed key's physical row,
+   window key ``j`` of sequence ``s`` row ``s * Lk + j`` of the window keys, entry ``e`` row ``S * Lk + block *
+   per_block + row`` (the store's rows numbered after the window keys'), -1 for none. The attention loop then loads
+   each key tile with one gather, through a pointer chosen per key (the window keys or the store), index -> data as
+   over a contiguous ``[S, Lk + E, d]``: the entries' block and row tables are read once per call, not by every head
+   block of a row in its loop, and no tile is loaded twice (window and store) and merged. Its shared memory is the
+   contiguous case's (``tile``), so 32 and 64 heads a program fit with two pipeline stages.
+2. ``_sparse_split_kernel``: grid ``(H / BLOCK_H, splits, rows)`` (the head blocks of one row next to each other, so
+   they share its keys in L2). A program loads ``BLOCK_N`` list places at a time, the keys they name (masked where
+   -1), and runs the online softmax of ``kernels/decode_attention.py`` over them: base 2, fp32, the running max
+   started at the sink logit, probabilities rounded to the model dtype before ``P @ V`` as the reference rounds them.
+   No gathered copy, no mask over the sequence's keys. With one split the program writes the output; else partials
    that ``decode_attention._combine_kernel`` merges (a decode row: a few programs per row would leave most SMs idle).
-2. ``_visible_index_kernel``: one program per row of a bool mask ``[B, N]`` writes its first ``count`` visible places,
+   ``sparse_attention(..., tables=True)`` keeps the read before step 1 (the entries' tables loaded per tile, two
+   masked gathers merged) for ``bench_sparse_attention.py``'s A/B; the op never takes it.
+3. ``_visible_index_kernel``: one program per row of a bool mask ``[B, N]`` writes its first ``count`` visible places,
    ascending, then -1 (a prefix sum per chunk of the row): the sliding window's and the indexer's masks into the lists
    above, reading each mask once.
 
@@ -38,20 +47,46 @@ from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 from deepinfer_nvidia_sm100.kernels.decode_attention import _combine_kernel
 
 BLOCK_H = 16  # heads per program: one mma row tile
-BLOCK_N = 64  # listed keys per loop iteration
+BLOCK_N = 64  # listed keys per loop iteration (``tile``: 32 at 64 heads a program)
+SHARED_BYTES = 232_448  # shared memory a program may use on an H200 (and a B200)
 BLOCKS_PER_SPLIT = 2  # key blocks a split takes at least
 INDEX_CHUNK = 1024  # mask places per loop iteration of the index kernel
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ROWS_CHUNK = 1024  # list places a program of the key-rows pass
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+NO_STORE: tl.constexpr = tl.constexpr(0)  # how the attention kernel reads keys: kv [S, Lk, d] alone
+KEY_ROWS: tl.constexpr = tl.constexpr(1)  # physical rows of kv, then of the store (one gather a tile)
+TABLES: tl.constexpr = tl.constexpr(2)  # entries through their block and row tables in the loop (the read before)
+
+
+@triton.jit
+def _key_rows_kernel(index_ptr, blocks_ptr, rows_ptr, out_ptr, total, N, queries, Lk, E, per_block, kv_rows,
+                     BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (``BLOCK`` places of the lists ``[B, N]``): each listed key's physical row (module docstring, step 1):
+    window key ``j`` of sequence ``s`` row ``s * Lk + j`` of the window keys, entry ``e`` row ``kv_rows + block *
+    per_block + row`` (the store's rows after the window keys'), -1 for none."""
+    pdl.begin(PDL)
+    places = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [C]
+    inside = places < total
+    key = tl.load(index_ptr + places, mask=inside, other=-1).to(tl.int64)  # [C]
+    seq = places // N // queries
+    entry = key >= Lk
+    at = seq * E + key - Lk  # [C]: the entry's place in the block and row tables
+    block = tl.load(blocks_ptr + at, mask=entry, other=0).to(tl.int64)
+    within = tl.load(rows_ptr + at, mask=entry, other=0).to(tl.int64)
+    physical = tl.where(entry, kv_rows + block * per_block + within, seq * Lk + key)
+    tl.store(out_ptr + places, tl.where(key >= 0, physical, -1).to(out_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
 def _sparse_split_kernel(q_ptr, kv_ptr, index_ptr, store_ptr, blocks_ptr, rows_ptr, sinks_ptr, out_ptr, opart_ptr,
-                         mpart_ptr, lpart_ptr, queries, Lk, E, per_block, H, N, splits, scale_log2, D: tl.constexpr,
-                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, WHOLE: tl.constexpr, HAS_STORE: tl.constexpr,
-                         PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+                         mpart_ptr, lpart_ptr, queries, Lk, E, per_block, kv_rows, H, N, splits, scale_log2,
+                         D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, WHOLE: tl.constexpr,
+                         STORE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
     """Program (head block, split, row): the online softmax over this split's share of the row's listed keys (module
-    docstring, step 1); ``HAS_STORE``: keys from ``Lk`` on are entries of the paged store."""
+    docstring, step 2). ``STORE``: ``NO_STORE`` (``index`` names keys of ``kv [S, Lk, d]``), ``KEY_ROWS`` (``index``
+    holds physical rows, ``_key_rows_kernel``'s: below ``kv_rows`` of ``kv``, from it of the store) or ``TABLES``
+    (``index`` names keys, those from ``Lk`` on entries read through their block and row tables, per tile)."""
     pdl.begin(PDL)
     heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
     split = tl.program_id(1)
@@ -67,9 +102,13 @@ def _sparse_split_kernel(q_ptr, kv_ptr, index_ptr, store_ptr, blocks_ptr, rows_p
     first = split * per_split
     for i in range(per_split):
         places = (first + i) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-        key = tl.load(index_ptr + row * N + places, mask=places < N, other=-1)  # [BN]
+        key = tl.load(index_ptr + row * N + places, mask=places < N, other=-1).to(tl.int64)  # [BN]
         listed = key >= 0
-        if HAS_STORE:
+        if STORE == KEY_ROWS:  # one gather, each key's pointer into kv or the store
+            entry = (key >= kv_rows)[:, None]  # [BN, 1]
+            at = tl.where(entry, key[:, None] - kv_rows, key[:, None]) * D + dims[None, :]  # [BN, D]
+            kv = tl.load(tl.where(entry, store_ptr + at, kv_ptr + at), mask=listed[:, None], other=0.0)
+        elif STORE == TABLES:
             own = listed & (key < Lk)
             entry = listed & (key >= Lk)
             kv = tl.load(kv_ptr + (seq * Lk + key)[:, None] * D + dims[None, :], mask=own[:, None], other=0.0)
@@ -101,7 +140,7 @@ def _sparse_split_kernel(q_ptr, kv_ptr, index_ptr, store_ptr, blocks_ptr, rows_p
 
 @triton.jit
 def _visible_index_kernel(vis_ptr, out_ptr, N, count, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (row): the row's first ``count`` visible places, ascending, then -1 (module docstring, step 2)."""
+    """Program (row): the row's first ``count`` visible places, ascending, then -1 (module docstring, step 3)."""
     pdl.begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     found = 0
@@ -159,33 +198,63 @@ def head_block(heads: int) -> int:
     return wanted if heads % wanted == 0 else BLOCK_H
 
 
-def _stages(block_h: int) -> int:
-    """Software pipeline depth: two key tiles in flight, one with 64 heads a program (two stages of 64 heads at
-    ``d`` = 512 asked for 262,656 bytes of shared memory on an H200, whose limit is 232,448)."""
-    return 1 if block_h >= 64 else 2
+def tile(block_h: int, tables: bool = False) -> tuple[int, int]:
+    """``(BLOCK_N, pipeline stages)`` of the attention kernel at ``block_h`` heads a program, ``tables`` for the
+    tables' read. Chosen so that bf16 at ``d`` = 512 needs at most ``SHARED_BYTES`` of shared memory with a margin,
+    as Triton 3.6 and 3.9 compile it for sm_90a and sm_100a (``test_tiles_fit_in_shared_memory``): one gather a tile,
+    16 heads (64, 2) 84,224 bytes, 32 heads (64, 2) 102,656, 64 heads (32, 2) 131,200 on sm_90a and 164,512 on sm_100a
+    ((64, 2): 196,864 and 262,944); the tables' two gathers a tile, 16 heads (64, 2) 215,552, 32 heads (64, 1) 102,400
+    ((64, 2): 233,984, which failed to launch on the H200), 64 heads (64, 1) 131,072 and 131,584."""
+    if tables:
+        return BLOCK_N, 2 if block_h <= 16 else 1
+    return (BLOCK_N // 2 if block_h >= 64 else BLOCK_N), 2
+
+
+def key_rows(index: torch.Tensor, Lk: int, entry_blocks: torch.Tensor, entry_rows: torch.Tensor, per_block: int,
+             store_rows: int) -> torch.Tensor:
+    """Each listed key of ``index [S, Lq, N]`` as a physical row ``[S * Lq, N]``: window key ``j < Lk`` of sequence
+    ``s`` row ``s * Lk + j`` of the window keys ``[S, Lk, d]``, entry ``e = j - Lk`` row ``S * Lk + entry_blocks[s, e]
+    * per_block + entry_rows[s, e]`` (the store's ``store_rows`` rows numbered after the window keys'), -1 stays -1;
+    int32 where every row fits, else int64. One pass over the lists, no host sync."""
+    S, Lq, N = index.shape
+    kv_rows = S * Lk
+    dtype = torch.int32 if kv_rows + store_rows < 2**31 else torch.int64
+    keys = index.reshape(S * Lq, N).contiguous()  # [B, N]
+    out = torch.empty(S * Lq, N, device=index.device, dtype=dtype)
+    if keys.numel():
+        _key_rows_kernel[(triton.cdiv(keys.numel(), ROWS_CHUNK),)](
+            keys, entry_blocks.contiguous(), entry_rows.contiguous(), out, keys.numel(), N, Lq, Lk,
+            entry_blocks.shape[1], per_block, kv_rows, BLOCK=ROWS_CHUNK, num_warps=4, **pdl.launch())
+    return out
 
 
 @opaque_under_compile("sparse_sink_attention",
                       lambda q, kv, index, sinks, scale, splits, block_h=BLOCK_H, store=None, entry_blocks=None,
-                      entry_rows=None: q.new_empty(q.shape))
+                      entry_rows=None, tables=False: q.new_empty(q.shape))
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, sinks: torch.Tensor, scale: float,
                      splits: int, block_h: int = BLOCK_H, store: torch.Tensor | None = None,
-                     entry_blocks: torch.Tensor | None = None, entry_rows: torch.Tensor | None = None) -> torch.Tensor:
+                     entry_blocks: torch.Tensor | None = None, entry_rows: torch.Tensor | None = None,
+                     tables: bool = False) -> torch.Tensor:
     """``reference.sparse_sink_attention`` of ``covered`` inputs with ``splits`` splits of each row's keys and
     ``block_h`` heads a program (16, or 32 / 64 with 8 warps, where ``H`` is a multiple): ``q [S, Lq, H, d]``, ``kv
     [S, Lk, d]``, ``index [S, Lq, N]`` (int, -1 for none), ``sinks [H]``, the entries in ``store [blocks, rows, d]``
-    at ``entry_blocks`` / ``entry_rows [S, E]`` or none -> ``[S, Lq, H, d]``."""
+    at ``entry_blocks`` / ``entry_rows [S, E]`` or none -> ``[S, Lq, H, d]``. With a store, ``key_rows`` translates
+    the lists first and the kernel gathers each tile once; ``tables``: the kernel reads the entries' tables per tile
+    instead (the read before that pass, kept for ``bench_sparse_attention.py``'s A/B)."""
     S, Lq, H, d = q.shape
     Lk, N = kv.shape[1], index.shape[-1]
-    has_store = store is not None
-    if has_store:
+    rows = S * Lq
+    keys, mode, E, per_block = index.reshape(rows, N).to(torch.int32).contiguous(), NO_STORE, 0, 1  # [B, N]
+    blocks = places = keys  # not read
+    if store is not None:
         store, blocks, places = store.contiguous(), entry_blocks.contiguous(), entry_rows.contiguous()  # [S, E] each
         E, per_block = blocks.shape[1], store.shape[1]
+        mode = TABLES if tables else KEY_ROWS
+        if not tables:
+            keys = key_rows(index, Lk, blocks, places, per_block, store.shape[0] * per_block)  # [B, N]
     else:
-        store, blocks, places, E, per_block = kv, index, index, 0, 1  # not read
-    rows = S * Lq
+        store = kv  # not read
     qf = q.reshape(rows, H, d).contiguous()  # [B, H, d]
-    keys = index.reshape(rows, N).to(torch.int32).contiguous()  # [B, N]
     out = torch.empty(rows, H, d, device=q.device, dtype=q.dtype)
     if splits > 1:
         opart = torch.empty(rows, splits, H, d, device=q.device, dtype=torch.float32)
@@ -195,10 +264,12 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, sin
         opart = mpart = lpart = out  # not written
     sinks = sinks.float().contiguous()
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32: ignored for 16-bit inputs
+    block_n, stages = tile(block_h, mode == TABLES)
     _sparse_split_kernel[(H // block_h, splits, rows)](
-        qf, kv.contiguous(), keys, store, blocks, places, sinks, out, opart, mpart, lpart, Lq, Lk, E, per_block, H, N,
-        splits, scale * LOG2E.value, D=d, BLOCK_H=block_h, BLOCK_N=BLOCK_N, WHOLE=splits == 1, HAS_STORE=has_store,
-        PRECISION=precision, num_warps=4 if block_h <= 16 else 8, num_stages=_stages(block_h), **pdl.launch())
+        qf, kv.contiguous(), keys, store, blocks, places, sinks, out, opart, mpart, lpart, Lq, Lk, E, per_block,
+        S * Lk, H, N, splits, scale * LOG2E.value, D=d, BLOCK_H=block_h, BLOCK_N=block_n, WHOLE=splits == 1,
+        STORE=mode, PRECISION=precision, num_warps=4 if block_h <= 16 else 8, num_stages=stages,
+        **pdl.launch())
     if splits > 1:
         _combine_kernel[(H // block_h, rows)](opart, mpart, lpart, sinks, out, H, splits, D=d, BLOCK_H=block_h,
                                               SPLITS_P2=triton.next_power_of_2(splits), num_warps=4, **pdl.launch())
