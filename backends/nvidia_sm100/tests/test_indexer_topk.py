@@ -224,6 +224,32 @@ def test_the_counted_op_takes_the_radix_kernel_from_radix_min_rows(monkeypatch):
     assert taken == ["wide_topk_index_counts", "radix_topk_index_counts"]
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="rows of 2K-64K entries need the GPU")
+@pytest.mark.parametrize("E", [2048, 16384, 16385, 32768, 65536])
+def test_counted_forms_at_long_rows_on_the_gpu(E):
+    """The counted forms at the prefill shapes (bf16-rounded scores: ties at the k-th key) on both sides of
+    ``HELD_ROW``, the causal counts of the last 384 tokens of a ``4 E``-token context plus the special rows; the op's
+    8-bit form replayed in a CUDA graph on new scores."""
+    gen = torch.Generator(device="cuda").manual_seed(E)
+    scores = torch.randn(384, E, generator=gen, device="cuda").bfloat16().float()  # [R, E]
+    counts = ((torch.arange(4 * E - 384, 4 * E, device="cuda") + 1) // 4).to(torch.int32)  # [R]
+    counts[:5] = torch.tensor([0, 511, 512, 513, E], dtype=torch.int32)
+    scores[5, :64] = torch.tensor([float("nan"), float("inf"), -0.0, 0.0] * 16)
+    mask = torch.arange(E, device="cuda") < counts[:, None]  # [R, E]
+    want = ref.indexer_topk_index(scores[None], mask[None], 512)[0]
+    for name, form in COUNTED_FORMS.items():
+        assert torch.equal(form(scores, counts, 512), want), name
+    static = scores.clone()
+    indexer_topk.wide_topk_index_counts(static, counts, 512)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = indexer_topk.wide_topk_index_counts(static, counts, 512)
+    static.copy_(torch.randn(384, E, generator=gen, device="cuda").bfloat16().float())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref.indexer_topk_index(static[None], mask[None], 512)[0])
+
+
 def _compile(fn, signature: dict, constexprs: dict, capability: int, num_warps: int):
     import triton
     from triton.backends.compiler import GPUTarget
