@@ -70,31 +70,67 @@ def paged(entries: torch.Tensor, per_block: int, seed: int):
     return store, blocks, rows
 
 
+ON_GPU_ONLY = {torch.bfloat16} if DEVICE == "cpu" else set()  # the interpreter's bf16 tl.dot is wrong
+PAGED_CASES = [  # (H, heads a program, splits, dtype, the tables' read)
+    (16, 16, 1, torch.float32, False), (16, 16, 3, torch.float32, False), (16, 16, 1, torch.float16, False),
+    (32, 32, 2, torch.float16, False), (64, 64, 1, torch.float32, False), (64, 64, 3, torch.float16, False),
+    (64, 16, 2, torch.float32, False), (16, 16, 1, torch.bfloat16, False), (64, 64, 2, torch.bfloat16, False),
+    (16, 16, 1, torch.float32, True), (32, 32, 3, torch.float16, True), (64, 64, 1, torch.float32, True),
+]
+
+
 @kernel_runs_here
-@pytest.mark.parametrize(("splits", "dtype"), [(1, torch.float32), (3, torch.float32), (1, torch.float16)])
-def test_kernel_reads_entries_from_a_paged_store(splits, dtype):
-    """Window keys from ``kv [S, Lk, d]``, entries from the paged store where they lie: as the reference, and as the
-    same keys gathered behind the window."""
-    S, Lq, Lk, E, H, d = 2, 3, 140, 900, 16, 32
+@pytest.mark.parametrize(("H", "block_h", "splits", "dtype", "tables"),
+                         [c for c in PAGED_CASES if c[3] not in ON_GPU_ONLY])
+def test_kernel_reads_entries_from_a_paged_store(H, block_h, splits, dtype, tables):
+    """Window keys from ``kv [S, Lk, d]``, entries from a paged store at shuffled blocks (a partly filled last block,
+    spare blocks), -1 holes and a row listing nothing: as the reference, and as the same keys gathered behind the
+    window; through the key-rows pass or the tables (``tables``), 16 / 32 / 64 heads a program, one split or more."""
+    S, Lq, Lk, E, d = 2, 3, 140, 900, 32
     q, kv, index, sinks = case(S, Lq, Lk, E, H, d, 128, 256, dtype, seed=5)
     store, blocks, rows = paged(kv[:, Lk:], 16, seed=5)
-    got = sparse_attention.sparse_attention(q, kv[:, :Lk], index, sinks, d**-0.5, splits, 16, store, blocks, rows)
+    got = sparse_attention.sparse_attention(q, kv[:, :Lk], index, sinks, d**-0.5, splits, block_h, store, blocks, rows,
+                                            tables=tables)
     tol = TOLERANCE[dtype]
     want = ref.sparse_sink_attention(q.float(), kv[:, :Lk].float(), index, sinks, d**-0.5, store.float(), blocks, rows)
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
-    gathered = sparse_attention.sparse_attention(q, kv, index, sinks, d**-0.5, splits)
+    assert got[0, 0].abs().max() == 0  # nothing listed: 0
+    gathered = sparse_attention.sparse_attention(q, kv, index, sinks, d**-0.5, splits, block_h)
     torch.testing.assert_close(got, gathered, atol=tol, rtol=tol)
 
 
+@kernel_runs_here
+def test_key_rows_name_the_keys_the_reference_reads():
+    """``key_rows``: row ``r`` of the window keys then the store's rows is the key the reference reads for each listed
+    place; -1 stays -1; int32, int64 once the rows pass 2**31."""
+    S, Lq, Lk, E, d = 3, 4, 50, 700, 8
+    _, kv, index, _ = case(S, Lq, Lk, E, 16, d, 32, 100, torch.float32, seed=7)
+    store, blocks, rows = paged(kv[:, Lk:], 64, seed=7)
+    got = sparse_attention.key_rows(index, Lk, blocks, rows, 64, store.shape[0] * 64)  # [S * Lq, N]
+    assert got.dtype == torch.int32 and torch.equal(got < 0, index.reshape(S * Lq, -1) < 0)
+    table = torch.cat([kv[:, :Lk].reshape(-1, d), store.reshape(-1, d)])  # [S * Lk + blocks * 64, d]
+    keys = torch.cat([kv[:, :Lk], store[blocks, rows]], dim=1)  # [S, Lk + E, d]: the reference's keys
+    seq = torch.arange(S, device=DEVICE)[:, None, None]
+    want = keys[seq, index.long().clamp(min=0)].reshape(S * Lq, -1, d)  # [S * Lq, N, d]
+    listed = got >= 0
+    assert listed.sum() > 0.8 * listed.numel()  # 5% holes and row (0, 0)
+    assert torch.equal(table[got.long().clamp(min=0)][listed], want[listed])
+    wide = sparse_attention.key_rows(index, Lk, blocks, rows, 64, 2**31)
+    assert wide.dtype == torch.int64 and torch.equal(wide, got.long())
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="V4's attention shape: long under the interpreter")
-@pytest.mark.parametrize(("Lq", "splits", "block_h"), [(1, 5, 16), (4, 1, 16), (64, 1, 16), (64, 1, 64)])
-def test_v4_shape_with_the_entries_in_a_paged_store_on_the_gpu(Lq, splits, block_h):
-    """bf16, 64 heads x 512, V4's window and top-512 among 8,192 entries read from a paged store: decode rows split,
-    prefill rows whole, against the fp32 reference on the same bf16 inputs; and in a CUDA graph."""
+@pytest.mark.parametrize(("Lq", "splits", "block_h", "tables"), [
+    (1, 5, 16, False), (4, 1, 16, False), (64, 1, 16, False), (64, 1, 32, False), (64, 1, 64, False),
+    (1, 5, 64, False), (64, 1, 16, True), (64, 1, 32, True), (64, 1, 64, True)])
+def test_v4_shape_with_the_entries_in_a_paged_store_on_the_gpu(Lq, splits, block_h, tables):
+    """bf16, 64 heads x 512, V4's window and top-512 among 8,192 entries read from a paged store (the key-rows pass or
+    the tables): decode rows split, prefill rows whole, 16 / 32 / 64 heads a program (each launches: ``tile``), against
+    the fp32 reference on the same bf16 inputs; and in a CUDA graph."""
     Lk, E, H, d = 127 + Lq, 8192, 64, 512
     q, kv, index, sinks = case(1, Lq, Lk, E, H, d, 128, 512, torch.bfloat16, seed=Lq)
     store, blocks, rows = paged(kv[:, Lk:], 64, seed=Lq)
-    args = (q, kv[:, :Lk], index, sinks, d**-0.5, splits, block_h, store, blocks, rows)
+    args = (q, kv[:, :Lk], index, sinks, d**-0.5, splits, block_h, store, blocks, rows, tables)
     got = sparse_attention.sparse_attention(*args)
     want = ref.sparse_sink_attention(q.float(), kv[:, :Lk].float(), index, sinks, d**-0.5, store.float(), blocks,
                                      rows)
@@ -160,34 +196,88 @@ def test_head_block_reads_the_variable(monkeypatch):
         sparse_attention.head_block(64)
 
 
-@pytest.mark.skipif(INTERPRETED, reason="ahead-of-time compiles need the real Triton compiler, not the interpreter")
-@pytest.mark.parametrize("capability", [90, 100])
-@pytest.mark.parametrize("dtype,whole", [("bf16", True), ("bf16", False), ("fp32", True)])
-def test_kernels_compile_for_sm90a_and_sm100a(capability, dtype, whole):
-    """Both kernels compile for the GPU targets on a machine without one (Triton compiles ahead of time); the
-    attention's ``tl.dot`` tiles take the tensor cores (``mma``) at V4's head width."""
+AOT = pytest.mark.skipif(INTERPRETED, reason="ahead-of-time compiles need the real Triton compiler, not the interpreter")
+DIVISIBLE = {"queries", "E", "per_block", "kv_rows", "H", "N", "total"}  # multiples of 16 at V4's shapes
+
+
+def compile_kernel(fn, types: dict, constants: dict, capability: int, warps: int = 4, stages: int = 2):
+    """``fn`` compiled for sm_{capability}a on this machine, as a launch specializes it: pointers and the integer
+    arguments in ``DIVISIBLE`` 16-aligned (so shared memory and vector widths are the launch's), others ``i32``."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    def compile_kernel(fn, types, constants):
-        signature = {arg: "constexpr" if i in fn.constexprs else types.get(arg, "i32")
-                     for i, arg in enumerate(fn.arg_names)}
-        source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
-        return triton.compile(source, target=GPUTarget("cuda", capability, 32),
-                              options={"num_warps": 4, "num_stages": 2})
+    signature = {arg: "constexpr" if i in fn.constexprs or arg in constants else types.get(arg, "i32")
+                 for i, arg in enumerate(fn.arg_names)}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
+             if signature[arg] != "constexpr" and (arg.endswith("_ptr") or arg in DIVISIBLE)}
+    source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()},
+                       attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32),
+                          options={"num_warps": warps, "num_stages": stages})
 
-    pointers = {name: f"*{dtype}" for name in ("q_ptr", "kv_ptr", "out_ptr")}
-    attention = compile_kernel(
-        sparse_attention._sparse_split_kernel,
-        {**pointers, "index_ptr": "*i32", "store_ptr": f"*{dtype}", "blocks_ptr": "*i64", "rows_ptr": "*i64",
-         "sinks_ptr": "*fp32", "opart_ptr": "*fp32", "mpart_ptr": "*fp32", "lpart_ptr": "*fp32", "scale_log2": "fp32"},
-        {"D": 512 if dtype == "bf16" else 64, "BLOCK_H": 16, "BLOCK_N": 64, "WHOLE": whole, "HAS_STORE": whole,
-         "PRECISION": "ieee" if dtype == "fp32" else "tf32"})
+
+def compile_attention(capability: int, dtype: str, d: int, block_h: int, store: int, whole: bool = True,
+                      tiling: tuple[int, int] | None = None):
+    """``_sparse_split_kernel`` at ``block_h`` heads a program and the ``store`` read, the tile the wrapper launches
+    (``sparse_attention.tile``) unless ``tiling`` = (BLOCK_N, stages) is given."""
+    block_n, stages = tiling or sparse_attention.tile(block_h, store == sparse_attention.TABLES.value)
+    types = {**{name: f"*{dtype}" for name in ("q_ptr", "kv_ptr", "store_ptr", "out_ptr")}, "index_ptr": "*i32",
+             "blocks_ptr": "*i64", "rows_ptr": "*i64", "sinks_ptr": "*fp32", "opart_ptr": "*fp32",
+             "mpart_ptr": "*fp32", "lpart_ptr": "*fp32", "scale_log2": "fp32"}
+    constants = {"D": d, "BLOCK_H": block_h, "BLOCK_N": block_n, "WHOLE": whole, "STORE": store,
+                 "PRECISION": "ieee" if dtype == "fp32" else "tf32", "PDL": True, **({"splits": 1} if whole else {})}
+    return compile_kernel(sparse_attention._sparse_split_kernel, types, constants, capability,
+                          4 if block_h <= 16 else 8, stages)
+
+
+@AOT
+@pytest.mark.parametrize("capability", [90, 100])
+@pytest.mark.parametrize("dtype,whole,store", [("bf16", True, 1), ("bf16", False, 1), ("bf16", True, 0),
+                                               ("bf16", False, 2), ("fp32", True, 1), ("fp32", True, 2)])
+def test_kernels_compile_for_sm90a_and_sm100a(capability, dtype, whole, store):
+    """The kernels compile for the GPU targets on a machine without one (Triton compiles ahead of time); the
+    attention's ``tl.dot`` tiles take the tensor cores (``mma``) at V4's head width."""
+    attention = compile_attention(capability, dtype, 512 if dtype == "bf16" else 64, 16, store, whole)
     ptx = attention.asm["ptx"]
     assert f".target sm_{capability}a" in ptx
     if dtype == "bf16":
         assert "mma" in ptx
+    for out in ("*i32", "*i64"):
+        rows = compile_kernel(sparse_attention._key_rows_kernel,
+                              {"index_ptr": "*i32", "blocks_ptr": "*i64", "rows_ptr": "*i64", "out_ptr": out},
+                              {"BLOCK": sparse_attention.ROWS_CHUNK, "PDL": True}, capability)
+        assert len(rows.asm["cubin"]) > 0
     index = compile_kernel(sparse_attention._visible_index_kernel, {"vis_ptr": "*u8", "out_ptr": "*i32"},
-                           {"CHUNK": sparse_attention.INDEX_CHUNK})
+                           {"CHUNK": sparse_attention.INDEX_CHUNK}, capability)
     assert len(index.asm["cubin"]) > 0
+
+
+@AOT
+@pytest.mark.parametrize("capability", [90, 100])
+@pytest.mark.parametrize("block_h", [16, 32, 64])
+@pytest.mark.parametrize("store", [1, 2])
+def test_tiles_compile_within_shared_memory(capability, block_h, store):
+    """V4's shape (bf16, d = 512) at 16 / 32 / 64 heads a program, one split and several: the tile ``tile`` picks
+    needs at most ``SHARED_BYTES`` of shared memory (the H200's limit; the tables' read at 32 heads and two stages
+    asked 233,984 there and failed to launch)."""
+    for whole in (True, False):
+        shared = compile_attention(capability, "bf16", 512, block_h, store, whole).metadata.shared
+        assert 0 < shared <= sparse_attention.SHARED_BYTES, (capability, block_h, store, whole, shared)
+
+
+@AOT
+@pytest.mark.parametrize("capability", [90, 100])
+def test_key_rows_read_compiles_to_one_gather_a_tile(capability):
+    """At 16 heads a program the key-rows read issues the contiguous read's asynchronous copies (one ``[BLOCK_N,
+    d]`` gather a tile) and needs its shared memory; the tables' read issues two tiles' copies and the tables'."""
+    import re
+
+    def copies(store):
+        compiled = compile_attention(capability, "bf16", 512, 16, store, tiling=(64, 2))
+        found = re.findall(r"cp\.async\.\w+\.shared\.global \[[^]]*\], \[[^]]*\], (0x[0-9a-f]+)", compiled.asm["ptx"])
+        return {size: found.count(size) for size in set(found)}, compiled.metadata.shared
+
+    contiguous, rows, tables = copies(0), copies(1), copies(2)
+    assert contiguous[0].get("0x10", 0) > 0 and rows == contiguous, (rows, contiguous)
+    assert tables[0]["0x10"] == 2 * contiguous[0]["0x10"] and tables[1] > rows[1], (tables, rows)
