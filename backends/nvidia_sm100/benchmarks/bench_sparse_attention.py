@@ -8,9 +8,13 @@
   indices, as ``indexer_topk_index`` writes them) and read in place by
   ``roped_sparse_sink_attention`` (``kernels/sparse_attention.py``): the window keys from ``[S, Lk, d]``, the entries
   from a paged store (64 a block) where they lie, as the model runs it; also with the entries gathered behind the
-  window. Its parts are timed too (the index lists; the attention kernel as the op launches it, and with one split at
-  16, 32 and 64 heads a program; at decode rows with 2, 5 and 10 splits of the keys), and the ``[S, E, d]`` copy of
-  the entries the other two paths' steps make.
+  window. Its parts are timed too (the index lists; the key-rows pass, which translates each listed key to its row of
+  the window keys or the store; the attention kernel as the op launches it, and with one split at 16, 32 and 64 heads
+  a program; at decode rows with 2, 5 and 10 splits of the keys at 16 and 64 heads), and the ``[S, E, d]`` copy of
+  the entries the other two paths' steps make. Each attention-kernel row is timed twice: through the key-rows pass
+  (the op's read, the pass included) and, marked "the tables' read", with the entries read through their block and
+  row tables in the loop (``tables=True``, the read before the pass), so one run gives the A/B; the kernel rows are
+  checked against the op's output first.
 
 All three through the NVIDIA backend's op table (``sm90_ops``: TileLang ``sink_attention`` where installed, the Triton
 decode kernel for decode rows), bf16, V4's attention (64 heads x 512, window 128, top-512 of entries at ratio 4), at:
@@ -96,6 +100,15 @@ def paths(ops: OpTable, case) -> dict:
     index = key_index(ops, window, entry_index, W)
     Lk = window.shape[-1]
     entries = paged(keys, Lk)
+    store_rows = entries[0].shape[0] * entries[0].shape[1]
+    block_h = kernels.head_block(H)
+    split = kernels.num_splits(q.shape[0] * q.shape[1], H, index.shape[-1], kernels._sm_count(0), block_h)  # the op's
+    kernel = {  # row name -> (splits, heads a program), each through the key-rows pass and the tables
+        **{f"in place: attention kernel, {h} heads a program, one split": (1, h) for h in (16, 32, 64)},
+        **({f"in place: attention kernel, {h} heads a program, {n} splits": (n, h) for h in (16, 64) for n in (2, 5, 10)}
+           if q.shape[0] * q.shape[1] <= 16 else {}),  # decode rows
+    }
+    reads = {"": False, " (the tables' read)": True}
     return {
         "dense": lambda: ops.roped_sink_attention(q, keys, torch.cat([window, selected], dim=-1), sinks, SCALE, EPS,
                                                   cos, sin),
@@ -105,25 +118,26 @@ def paths(ops: OpTable, case) -> dict:
         "in place, entries gathered behind the window": lambda: indexed_roped_attention(
             ops, q, keys, window, entry_index, W, sinks, SCALE, EPS, cos, sin),
         "in place: index lists": lambda: key_index(ops, window, entry_index, W),
+        "in place: key rows pass": lambda: kernels.key_rows(index, Lk, entries[1], entries[2], entries[0].shape[1],
+                                                            store_rows),
         "in place: attention kernel": lambda: ops.sparse_sink_attention(q, keys[:, :Lk], index, sinks, SCALE,
                                                                         *entries),
+        "in place: attention kernel (the tables' read)": lambda: kernels.sparse_attention(
+            q, keys[:, :Lk], index, sinks, SCALE, split, block_h, *entries, tables=True),
         "dense and gathered: the step's [S, E, d] copy of the entries": lambda: entries[0][entries[1], entries[2]],
-        **{f"in place: attention kernel, {h} heads a program, one split":
-           lambda h=h: kernels.sparse_attention(q, keys[:, :Lk], index, sinks, SCALE, 1, h, *entries)
-           for h in (16, 32, 64)},
-        **({f"in place: attention kernel, 16 heads a program, {n} splits":
-            lambda n=n: kernels.sparse_attention(q, keys[:, :Lk], index, sinks, SCALE, n, 16, *entries)
-            for n in (2, 5, 10)} if q.shape[0] * q.shape[1] <= 16 else {}),  # decode rows
+        **{row + how: lambda n=n, h=h, tables=tables: kernels.sparse_attention(q, keys[:, :Lk], index, sinks, SCALE, n,
+                                                                               h, *entries, tables=tables)
+           for row, (n, h) in kernel.items() for how, tables in reads.items()},
     }
 
 
-def check(name: str, outputs: dict) -> None:
-    """Every path's output against the in-place one: max error relative to the largest value below 2e-2."""
-    want = outputs["in place"].float()
+def check(name: str, outputs: dict, against: str) -> None:
+    """Every output against ``outputs[against]``: max error relative to the largest value below 2e-2."""
+    want = outputs[against].float()
     for path, got in outputs.items():
         err = ((got.float() - want).abs().max() / want.abs().max()).item()
-        print(f"check {name}: {path} vs in place: max relative error {err:.2e}", flush=True)
-        assert err < 2e-2, f"{name}: {path} differs from in place by {err:.2e}"
+        print(f"check {name}: {path} vs {against}: max relative error {err:.2e}", flush=True)
+        assert err < 2e-2, f"{name}: {path} differs from {against} by {err:.2e}"
 
 
 def run(name: str, ops: OpTable, dense: bool) -> list[tuple]:
@@ -134,7 +148,12 @@ def run(name: str, ops: OpTable, dense: bool) -> list[tuple]:
         print(f"{name}: dense path skipped", flush=True)
         calls.pop("dense")
     check(name, {path: calls[path]() for path in ("dense", "gathered", "in place",
-                                                  "in place, entries gathered behind the window") if path in calls})
+                                                  "in place, entries gathered behind the window") if path in calls},
+          "in place")
+    op = calls["in place: attention kernel"]()
+    for path in [path for path in calls if path.startswith("in place: attention kernel")]:  # one at a time: 1 GiB
+        check(name, {"in place: attention kernel": op, path: calls[path]()}, "in place: attention kernel")
+    del op
     rows = []
     for path, fn in calls.items():
         replay = graphed(fn, strict=False) if graph else None
@@ -151,8 +170,9 @@ def main() -> int:
     args = ap.parse_args()
     ops = OpTable(sm90_ops(), "nvidia_sm100")
     print(f"{torch.cuda.get_device_name()}; sink_attention: {ops.sources()['sink_attention']}; "
-          f"sparse_sink_attention: {ops.sources()['sparse_sink_attention']}; BLOCK_H {kernels.BLOCK_H}, "
-          f"BLOCK_N {kernels.BLOCK_N}", flush=True)
+          f"sparse_sink_attention: {ops.sources()['sparse_sink_attention']}; (BLOCK_N, stages) at 16 / 32 / 64 "
+          f"heads a program: {[kernels.tile(h) for h in (16, 32, 64)]}, the tables' read "
+          f"{[kernels.tile(h, True) for h in (16, 32, 64)]}", flush=True)
     rows = [row for name in args.cases for row in run(name, ops, not args.no_dense)]
     print("\n| case | S | rows | context | path | how | ms | vs dense |")
     print("|---|---|---|---|---|---|---|---|")
