@@ -20,7 +20,7 @@ from deepinfer_core.ops import reference as ref
 
 @starts_the_interpreter
 def test_kernel_under_triton_interpreter():
-    run_under_interpreter(__file__, "compile")
+    run_under_interpreter(__file__, "compile or on_the_gpu")
 
 
 def long_case(S: int, Lq: int, E: int, levels: int, seed: int, device: str = DEVICE):
@@ -189,7 +189,8 @@ WIDE_CASES = [  # (S, Lq, E, levels, k): the 8-bit forms across WIDE_BLOCK (4,09
     (1, 5, 4999, 0, 600),  # continuous: ties only among the specials (signed zeros, infinities, NaNs)
     (1, 5, 1024, 2, 1000),  # held in exactly one 1,024-entry row, two levels
     (2, 5, 2500, 40, 64),
-    (1, 5, 9000, 4, 512),  # held as a 16,384-entry row (32 warps)
+    (1, 5, 9000, 4, 512),  # held as a 16,384-entry row (32 warps), written from registers
+    (1, 5, 20000, 3, 512),  # held as a 32,768-entry row, written by a pass over memory
 ]
 
 
@@ -225,7 +226,7 @@ def test_the_counted_op_takes_the_radix_kernel_from_radix_min_rows(monkeypatch):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="rows of 2K-64K entries need the GPU")
-@pytest.mark.parametrize("E", [2048, 16384, 16385, 32768, 65536])
+@pytest.mark.parametrize("E", [2048, 16384, 16385, 32768, 32769, 65536])
 def test_counted_forms_at_long_rows_on_the_gpu(E):
     """The counted forms at the prefill shapes (bf16-rounded scores: ties at the k-th key) on both sides of
     ``HELD_ROW``, the causal counts of the last 384 tokens of a ``4 E``-token context plus the special rows; the op's
@@ -302,15 +303,15 @@ def test_kernels_compile_for_sm90a_and_sm100a(capability):
 @pytest.mark.parametrize("capability", [90, 100])
 def test_wide_counted_kernels_compile_without_spills(capability, tmp_path):
     """The 8-bit counted kernels as ``wide_topk_index_counts`` launches them, for each held row size up to
-    ``HELD_ROW`` and the passes over memory: no register spills (the held row stays in registers) within the
-    register file's share of each program's warps."""
+    ``HELD_ROW`` (written from registers up to ``HELD_WRITE_ROW``) and the passes over memory: no register spills
+    (the held row stays in registers) within the register file's share of each program's warps."""
     counted = {"scores_ptr": "*fp32", "counts_ptr": "*i32", "out_ptr": "*i32", "E": "i32", "k": "i32"}
     launches = [("_radix_topk_counts_wide_kernel", {"BLOCK": indexer_topk.WIDE_BLOCK}, 8)]
-    row = 1024
-    while row <= indexer_topk.HELD_ROW:
-        launches.append(("_radix_topk_counts_held_kernel", {"ROW": row, "FILL": 1024}, min(32, max(4, row // 512))))
-        row *= 2
-    assert launches[-1][1] == {"ROW": 16384, "FILL": 1024}
+    for E in (1000, 2048, 4096, 8192, 16384, 16385, 32768):
+        meta = indexer_topk.held_launch(E)
+        launches.append(("_radix_topk_counts_held_kernel", meta, meta.pop("num_warps")))
+    assert launches[-1][1]["ROW"] == indexer_topk.HELD_ROW and not launches[-1][1]["WRITE_HELD"]
+    assert launches[-2][1]["ROW"] == indexer_topk.HELD_ROW and launches[-3][1]["WRITE_HELD"]
     for name, constexprs, warps in launches:
         compiled = _compile(getattr(indexer_topk, name), counted, constexprs, capability, warps)
         registers, spills = _ptxas_usage(compiled.asm["ptx"], capability, tmp_path)

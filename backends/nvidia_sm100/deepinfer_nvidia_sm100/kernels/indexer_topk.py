@@ -17,7 +17,8 @@ entries are ``-inf`` as in the reference, and only visible entries stay selected
   temporaries.
 * ``wide_topk_index_counts`` (the counted index form's default; ``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE=0``: the 4-bit
   ``radix_topk_index_counts``): the same select with 8-bit digits, a 256-bin ``tl.histogram`` a pass. Rows of at most
-  ``HELD_ROW`` (16,384) entries are read once into registers (16 keys a thread) and selected and written from there;
+  ``HELD_ROW`` (32,768) entries are read once into registers (up to 32 keys a thread at 32 warps) and selected there,
+  and written from there too up to ``HELD_WRITE_ROW`` (16,384; longer ones read again for the write, from L2);
   longer rows take 4 passes over memory and the writing pass, 5 reads instead of 9.
 * ``keyed_topk`` (fewer rows, decode; ``DEEPINFER_NVIDIA_RADIX_TOPK=0``): one Triton pass writes 64-bit keys (score key
   << 32 | ``E - 1 - index``), all distinct per row, and ``torch.topk`` on them picks exactly the entries the stable
@@ -237,16 +238,17 @@ def _radix_threshold8(scores_ptr, visible_ptr, base, E, k, BLOCK: tl.constexpr, 
 
 
 @triton.jit
-def _radix_select_held(keys, inside, k):
-    """The ``k``-th largest of the on-chip ``keys [ROW]`` (where ``inside``) and ``need``, as ``_radix_threshold8``
-    finds them, with no memory read."""
+def _radix_select_held(keys, k):
+    """The ``k``-th largest of the on-chip ``keys [ROW]`` and ``need``, as ``_radix_threshold8`` finds them, with no
+    memory read. Entries past the row's count hold the ``-inf`` key, the least there is: with more than ``k`` visible
+    entries they change neither the ``k``-th largest key nor how many keys are above it."""
     bins = tl.arange(0, 256)  # [256]
     prefix = tl.full((), 0, tl.uint32)
     known = tl.full((), 0, tl.uint32)
     need = tl.full((), 0, tl.int32) + k
     for p in tl.static_range(4):
         shift = 24 - 8 * p
-        match = inside & ((keys & known) == prefix)  # [ROW]
+        match = (keys & known) == prefix  # [ROW]
         counts = tl.histogram(((keys >> shift) & 255).to(tl.int32), 256, mask=match)  # [256]
         prefix, need = _take_digit(counts, bins, shift, prefix, need)
         known = known | (tl.full((), 255, tl.uint32) << shift)
@@ -269,31 +271,38 @@ def _radix_topk_counts_wide_kernel(scores_ptr, counts_ptr, out_ptr, E, k, BLOCK:
 
 
 @triton.jit
-def _radix_topk_counts_held_kernel(scores_ptr, counts_ptr, out_ptr, E, k, ROW: tl.constexpr, FILL: tl.constexpr):
-    """``_radix_topk_counts_kernel`` for rows of at most ``ROW`` (<= 16,384) entries held on chip: one read of the
-    row's visible prefix into registers, the 4 passes of 8 bits (``_radix_select_held``) and the write from there
-    (one scan of the row: keys above the threshold in the low 16 bits, ties in the high 16)."""
-    tl.static_assert(ROW <= 16384)  # the packed scan: up to 16,384 ties in the high half of an int32
+def _radix_topk_counts_held_kernel(scores_ptr, counts_ptr, out_ptr, E, k, ROW: tl.constexpr, BLOCK: tl.constexpr,
+                                   WRITE_HELD: tl.constexpr):
+    """``_radix_topk_counts_kernel`` for rows of at most ``ROW`` entries held on chip: one read of the row's visible
+    prefix into registers and the 4 passes of 8 bits there (``_radix_select_held``); then ``WRITE_HELD`` (``ROW <=
+    16,384``) the write from registers too (one scan of the row: keys above the threshold counted in the low 16 bits,
+    ties in the high 16), else ``_write_index``'s pass over the row just read."""
     row = tl.program_id(0).to(tl.int64)
     n = tl.minimum(tl.maximum(tl.load(counts_ptr + row).to(tl.int32), 0), E)
     offs = tl.arange(0, ROW)  # [ROW]
-    inside = offs < n
-    keys, _ = _radix_keys(scores_ptr, scores_ptr, row * E + offs, inside, True)  # [ROW] uint32
-    if n > k:
-        prefix, need = _radix_select_held(keys, inside, k)
-    else:  # every visible entry, as in _radix_topk_counts_kernel
-        prefix = tl.full((), 0, tl.uint32)
-        need = tl.full((), 0, tl.int32)
-    above = inside & (keys > prefix)
-    tie = inside & (keys == prefix)
-    before = tl.cumsum(above.to(tl.int32) | (tie.to(tl.int32) << 16), axis=0)  # [ROW]: inclusive counts, packed
-    rank = tl.minimum(before >> 16, need)  # [ROW]: ties taken up to here
-    chosen = above | (tie & ((before >> 16) <= need))
-    tl.store(out_ptr + row * k + (before & 0xFFFF) + rank - 1, offs, mask=chosen)
-    found = tl.sum(chosen.to(tl.int32), axis=0)
-    for start in range(0, k, FILL):
-        slot = start + tl.arange(0, FILL)
-        tl.store(out_ptr + row * k + slot, tl.full([FILL], -1, tl.int32), mask=(slot >= found) & (slot < k))
+    prefix = tl.full((), 0, tl.uint32)  # n <= k: every visible entry, as in _radix_topk_counts_kernel
+    need = tl.full((), 0, tl.int32)
+    if WRITE_HELD:
+        tl.static_assert(ROW <= 16384)  # the packed scan: up to 16,384 ties in the high half of an int32
+        inside = offs < n
+        keys, _ = _radix_keys(scores_ptr, scores_ptr, row * E + offs, inside, True)  # [ROW] uint32
+        if n > k:
+            prefix, need = _radix_select_held(keys, k)
+        above = inside & (keys > prefix)
+        tie = inside & (keys == prefix)
+        before = tl.cumsum(above.to(tl.int32) | (tie.to(tl.int32) << 16), axis=0)  # [ROW]: inclusive counts, packed
+        rank = tl.minimum(before >> 16, need)  # [ROW]: ties taken up to here
+        chosen = above | (tie & ((before >> 16) <= need))
+        tl.store(out_ptr + row * k + (before & 0xFFFF) + rank - 1, offs, mask=chosen)
+        found = tl.sum(chosen.to(tl.int32), axis=0)
+        for start in range(0, k, BLOCK):
+            slot = start + tl.arange(0, BLOCK)
+            tl.store(out_ptr + row * k + slot, tl.full([BLOCK], -1, tl.int32), mask=(slot >= found) & (slot < k))
+    else:
+        if n > k:
+            keys, _ = _radix_keys(scores_ptr, scores_ptr, row * E + offs, offs < n, True)  # [ROW] uint32
+            prefix, need = _radix_select_held(keys, k)
+        _write_index(scores_ptr, scores_ptr, row * E, n, k, prefix, need, out_ptr, row, BLOCK, True)
 
 
 @triton.jit
@@ -325,23 +334,29 @@ def radix_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: int) 
     return out
 
 
-HELD_ROW = 16384  # longest rows held on chip: 16 keys a thread at 32 warps, 61 registers on sm_90a, no spills
-WIDE_BLOCK = 4096  # entries a pass of the 8-bit kernel reads at once (8 warps: 2 resident rows an SM, their passes
-# after the first mostly L2 hits at 128 KB rows)
+HELD_ROW = 32768  # longest rows held on chip: 32 keys a thread at 32 warps, 64 registers on sm_90a, no spills
+HELD_WRITE_ROW = 16384  # longest rows written from registers too (16 keys a thread at 32 warps, 61 registers)
+WIDE_BLOCK = 4096  # entries a pass of the 8-bit kernel reads at once (8 warps: 2 resident rows an SM)
+
+
+def held_launch(E: int) -> dict:
+    """``_radix_topk_counts_held_kernel``'s meta-parameters for rows of ``E <= HELD_ROW`` entries: the row as a power
+    of two of at least 1,024 entries, 16 or 32 keys a thread (4 to 32 warps)."""
+    row = max(triton.next_power_of_2(E), 1024)
+    return {"ROW": row, "BLOCK": 1024, "WRITE_HELD": row <= HELD_WRITE_ROW, "num_warps": min(32, max(4, row // 512))}
 
 
 def wide_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: int, held_row: int = HELD_ROW) -> torch.Tensor:
     """``radix_topk_index_counts`` (same bits) with 8-bit digits: rows of ``E <= held_row`` entries by
-    ``_radix_topk_counts_held_kernel`` (one read of each row's visible prefix), longer ones by
-    ``_radix_topk_counts_wide_kernel`` (5 reads instead of 9)."""
+    ``_radix_topk_counts_held_kernel`` (one read of each row's visible prefix from memory; rows over
+    ``HELD_WRITE_ROW`` read again for the write, from L2), longer ones by ``_radix_topk_counts_wide_kernel`` (5 reads
+    instead of 9)."""
     scores = scores.float().contiguous()
     counts = counts.to(torch.int32).contiguous()
     R, E = scores.shape
     out = torch.empty(R, k, dtype=torch.int32, device=scores.device)
     if E <= min(held_row, HELD_ROW):
-        row = max(triton.next_power_of_2(E), 1024)
-        _radix_topk_counts_held_kernel[(R,)](scores, counts, out, E, k, ROW=row, FILL=1024,
-                                             num_warps=min(32, max(4, row // 512)))
+        _radix_topk_counts_held_kernel[(R,)](scores, counts, out, E, k, **held_launch(E))
     else:
         _radix_topk_counts_wide_kernel[(R,)](scores, counts, out, E, k, BLOCK=WIDE_BLOCK, num_warps=8)
     return out
