@@ -201,7 +201,7 @@ def head_block(heads: int) -> int:
 def tile(block_h: int, tables: bool = False) -> tuple[int, int]:
     """``(BLOCK_N, pipeline stages)`` of the attention kernel at ``block_h`` heads a program, ``tables`` for the
     tables' read. Chosen so that bf16 at ``d`` = 512 needs at most ``SHARED_BYTES`` of shared memory with a margin,
-    as Triton 3.6 and 3.9 compile it for sm_90a and sm_100a (``test_tiles_fit_in_shared_memory``): one gather a tile,
+    as Triton 3.6 and 3.9 compile it for sm_90a and sm_100a (``test_tiles_compile_within_shared_memory``): one gather a tile,
     16 heads (64, 2) 84,224 bytes, 32 heads (64, 2) 102,656, 64 heads (32, 2) 131,200 on sm_90a and 164,512 on sm_100a
     ((64, 2): 196,864 and 262,944); the tables' two gathers a tile, 16 heads (64, 2) 215,552, 32 heads (64, 1) 102,400
     ((64, 2): 233,984, which failed to launch on the H200), 64 heads (64, 1) 131,072 and 131,584."""
@@ -244,16 +244,15 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, sin
     S, Lq, H, d = q.shape
     Lk, N = kv.shape[1], index.shape[-1]
     rows = S * Lq
-    keys, mode, E, per_block = index.reshape(rows, N).to(torch.int32).contiguous(), NO_STORE, 0, 1  # [B, N]
-    blocks = places = keys  # not read
-    if store is not None:
+    keys = index.reshape(rows, N).to(torch.int32).contiguous()  # [B, N]: keys, or their rows (KEY_ROWS)
+    if store is None:
+        mode, blocks, places, E, per_block, store = NO_STORE.value, keys, keys, 0, 1, kv  # tables and store not read
+    else:
         store, blocks, places = store.contiguous(), entry_blocks.contiguous(), entry_rows.contiguous()  # [S, E] each
         E, per_block = blocks.shape[1], store.shape[1]
-        mode = TABLES if tables else KEY_ROWS
+        mode = TABLES.value if tables else KEY_ROWS.value
         if not tables:
             keys = key_rows(index, Lk, blocks, places, per_block, store.shape[0] * per_block)  # [B, N]
-    else:
-        store = kv  # not read
     qf = q.reshape(rows, H, d).contiguous()  # [B, H, d]
     out = torch.empty(rows, H, d, device=q.device, dtype=q.dtype)
     if splits > 1:
@@ -264,7 +263,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, sin
         opart = mpart = lpart = out  # not written
     sinks = sinks.float().contiguous()
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32: ignored for 16-bit inputs
-    block_n, stages = tile(block_h, mode == TABLES)
+    block_n, stages = tile(block_h, mode == TABLES.value)
     _sparse_split_kernel[(H // block_h, splits, rows)](
         qf, kv.contiguous(), keys, store, blocks, places, sinks, out, opart, mpart, lpart, Lq, Lk, E, per_block,
         S * Lk, H, N, splits, scale * LOG2E.value, D=d, BLOCK_H=block_h, BLOCK_N=block_n, WHOLE=splits == 1,
