@@ -341,9 +341,11 @@ WIDE_BLOCK = 4096  # entries a pass of the 8-bit kernel reads at once (8 warps: 
 
 def held_launch(E: int) -> dict:
     """``_radix_topk_counts_held_kernel``'s meta-parameters for rows of ``E <= HELD_ROW`` entries: the row as a power
-    of two of at least 1,024 entries, 16 or 32 keys a thread (4 to 32 warps)."""
+    of two of at least 1,024 entries, 8 to 32 keys a thread (4 to 32 warps); a write over memory in blocks of 8,192
+    (8 entries a thread: 4 dependent scans of a 32,768-entry row, not 32)."""
     row = max(triton.next_power_of_2(E), 1024)
-    return {"ROW": row, "BLOCK": 1024, "WRITE_HELD": row <= HELD_WRITE_ROW, "num_warps": min(32, max(4, row // 512))}
+    held = row <= HELD_WRITE_ROW
+    return {"ROW": row, "BLOCK": 1024 if held else 8192, "WRITE_HELD": held, "num_warps": min(32, max(4, row // 512))}
 
 
 def wide_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: int, held_row: int = HELD_ROW) -> torch.Tensor:
