@@ -100,6 +100,17 @@ def test_kernel_reads_entries_from_a_paged_store(H, block_h, splits, dtype, tabl
 
 
 @kernel_runs_here
+def test_a_store_without_entries_yet_reads_the_window():
+    """Early in a prompt the store holds no entries (``E`` = 0): the lists name window keys only."""
+    q, kv, index, sinks = case(2, 3, 40, 1, 16, 16, 16, 1, torch.float32, seed=3)
+    index = index[..., :16].contiguous()  # [S, Lq, W]
+    store, blocks = torch.zeros(0, 64, 16, device=DEVICE), torch.zeros(2, 0, dtype=torch.long, device=DEVICE)
+    got = sparse_attention.sparse_attention(q, kv[:, :40], index, sinks, 0.25, 2, 16, store, blocks, blocks)
+    want = ref.sparse_sink_attention(q, kv[:, :40], index, sinks, 0.25, store, blocks, blocks)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@kernel_runs_here
 def test_key_rows_name_the_keys_the_reference_reads():
     """``key_rows``: row ``r`` of the window keys then the store's rows is the key the reference reads for each listed
     place; -1 stays -1; int32, int64 once the rows pass 2**31."""
