@@ -42,9 +42,9 @@ VARIABLES = Variables(
              "The indexer's top-k by a Triton radix select per query row (calls of at least 64 rows); 0: order keys "
              "and `torch.topk` (the rule for fewer rows)."),
     Variable("DEEPINFER_NVIDIA_RADIX_TOPK_WIDE", bool, True,
-             "The counted radix top-k (index mode) by 8-bit digits: rows of up to 16,384 entries held on chip (one "
-             "read of the scores), longer ones in 4 passes and the write (5 reads); 0: 4-bit digits (8 passes and "
-             "the write)."),
+             "The counted radix top-k (index mode) by wider digits: rows of up to 32,768 entries held on chip (one "
+             "read of the scores from memory), longer ones in 3 passes and the write (4 reads); 0: 4-bit digits (8 "
+             "passes and the write, 9 reads)."),
     Variable("DEEPINFER_NVIDIA_DECODE_ATTN", bool, True,
              "Triton `sink_attention` for decode rows; 0: the TileLang kernel (SM90, where installed) or the "
              "reference."),
