@@ -151,10 +151,10 @@ def counted_case(S: int, Lq: int, E: int, levels: int, k: int, seed: int, device
 
 
 COUNTED_CASES = [(1, 6, 4096, 5, 512), (2, 5, 3000, 0, 64), (1, 6, 1031, 3, 1030), (1, 5, 700, 2, 100)]
-COUNTED_FORMS = {  # the counted radix kernels: 4-bit passes; 8-bit rows held on chip; 8-bit passes over memory
+COUNTED_FORMS = {  # the counted radix kernels: 4-bit passes; rows held on chip; wide-digit passes over memory
     "4-bit": indexer_topk.radix_topk_index_counts,
     "held": indexer_topk.wide_topk_index_counts,
-    "8-bit passes": lambda scores, counts, k: indexer_topk.wide_topk_index_counts(scores, counts, k, held_row=0),
+    "wide passes": lambda scores, counts, k: indexer_topk.wide_topk_index_counts(scores, counts, k, held_row=0),
 }
 
 
@@ -184,7 +184,7 @@ def test_counted_kernels_select_as_the_masked_reference(S, Lq, E, levels, k):
         assert got.dtype == torch.int32 and torch.equal(got.cpu(), want), name
 
 
-WIDE_CASES = [  # (S, Lq, E, levels, k): the 8-bit forms across WIDE_BLOCK (4,096) and the held rows' sizes
+WIDE_CASES = [  # (S, Lq, E, levels, k): the wide-digit forms across WIDE_BLOCK (2,048) and the held rows' sizes
     (1, 6, 5000, 3, 512),  # three levels: the k-th key's ties span the first pass block and the second
     (1, 5, 4999, 0, 600),  # continuous: ties only among the specials (signed zeros, infinities, NaNs)
     (1, 5, 1024, 2, 1000),  # held in exactly one 1,024-entry row, two levels
@@ -196,16 +196,21 @@ WIDE_CASES = [  # (S, Lq, E, levels, k): the 8-bit forms across WIDE_BLOCK (4,09
 
 @kernel_runs_here
 @pytest.mark.parametrize(("S", "Lq", "E", "levels", "k"), WIDE_CASES)
-def test_wide_counted_forms_select_as_the_masked_reference(S, Lq, E, levels, k):
-    """The 8-bit forms (``wide_topk_index_counts``: held on chip, and the passes over memory) against the reference
-    and the 4-bit kernel: rows that see nothing, fewer than ``k``, exactly ``k``, ``k + 1`` and every entry, the k-th
-    key tied across blocks, NaN above ``+inf``, ``-0.0`` tying ``+0.0``."""
+def test_wide_counted_forms_select_as_the_masked_reference(S, Lq, E, levels, k, monkeypatch):
+    """The wide-digit forms (``wide_topk_index_counts``: held on chip, and the passes over memory), each with 8-bit
+    digits and with 12, 12, 8, against the reference and the 4-bit kernel: rows that see nothing, fewer than ``k``,
+    exactly ``k``, ``k + 1`` and every entry, the k-th key tied across blocks, NaN above ``+inf``, ``-0.0`` tying
+    ``+0.0``."""
     scores, counts, mask = counted_case(S, Lq, E, levels, k, seed=E + 4)
     want = ref.indexer_topk_index(scores.cpu(), mask, k).reshape(-1, k)
     assert (want[0] == -1).all() and (want >= 0).sum(-1).max() == k  # an empty row, a full one
-    for name, form in COUNTED_FORMS.items():
-        got = form(scores.reshape(-1, E), counts.reshape(-1), k)
-        assert got.dtype == torch.int32 and torch.equal(got.cpu(), want), name
+    assert torch.equal(indexer_topk.radix_topk_index_counts(scores.reshape(-1, E), counts.reshape(-1), k).cpu(), want)
+    for digit in (8, 12):
+        monkeypatch.setattr(indexer_topk, "HELD_DIGIT", digit)
+        monkeypatch.setattr(indexer_topk, "PASS_DIGIT", digit)
+        for held_row in (indexer_topk.HELD_ROW, 0):
+            got = indexer_topk.wide_topk_index_counts(scores.reshape(-1, E), counts.reshape(-1), k, held_row)
+            assert got.dtype == torch.int32 and torch.equal(got.cpu(), want), (digit, held_row)
 
 
 @kernel_runs_here
@@ -230,7 +235,7 @@ def test_the_counted_op_takes_the_radix_kernel_from_radix_min_rows(monkeypatch):
 def test_counted_forms_at_long_rows_on_the_gpu(E):
     """The counted forms at the prefill shapes (bf16-rounded scores: ties at the k-th key) on both sides of
     ``HELD_ROW``, the causal counts of the last 384 tokens of a ``4 E``-token context plus the special rows; the op's
-    8-bit form replayed in a CUDA graph on new scores."""
+    default form replayed in a CUDA graph on new scores."""
     gen = torch.Generator(device="cuda").manual_seed(E)
     scores = torch.randn(384, E, generator=gen, device="cuda").bfloat16().float()  # [R, E]
     counts = ((torch.arange(4 * E - 384, 4 * E, device="cuda") + 1) // 4).to(torch.int32)  # [R]
@@ -290,7 +295,6 @@ def test_kernels_compile_for_sm90a_and_sm100a(capability):
         "_radix_topk_index_kernel": {"scores_ptr": "*fp32", "visible_ptr": "*u8", "out_ptr": "*i32", "E": "i32",
                                      "k": "i32"},
         "_radix_topk_counts_kernel": counted,
-        "_radix_topk_counts_wide_kernel": counted,
         "_order_keys_counts_kernel": {"scores_ptr": "*fp32", "counts_ptr": "*i32", "keys_ptr": "*i64",
                                       "numel": "i64", "E": "i32"},
     }
@@ -302,11 +306,12 @@ def test_kernels_compile_for_sm90a_and_sm100a(capability):
 @pytest.mark.skipif(INTERPRETED, reason="ahead-of-time compiles need the real Triton compiler, not the interpreter")
 @pytest.mark.parametrize("capability", [90, 100])
 def test_wide_counted_kernels_compile_without_spills(capability, tmp_path):
-    """The 8-bit counted kernels as ``wide_topk_index_counts`` launches them, for each held row size up to
+    """The wide-digit counted kernels as ``wide_topk_index_counts`` launches them, for each held row size up to
     ``HELD_ROW`` (written from registers up to ``HELD_WRITE_ROW``) and the passes over memory: no register spills
     (the held row stays in registers) within the register file's share of each program's warps."""
     counted = {"scores_ptr": "*fp32", "counts_ptr": "*i32", "out_ptr": "*i32", "E": "i32", "k": "i32"}
-    launches = [("_radix_topk_counts_wide_kernel", {"BLOCK": indexer_topk.WIDE_BLOCK}, 8)]
+    launches = [("_radix_topk_counts_wide_kernel", {"BLOCK": indexer_topk.WIDE_BLOCK, "WIDE": digit}, 8)
+                for digit in (8, indexer_topk.PASS_DIGIT)]
     for E in (1000, 2048, 4096, 8192, 16384, 16385, 32768):
         meta = indexer_topk.held_launch(E)
         launches.append(("_radix_topk_counts_held_kernel", meta, meta.pop("num_warps")))

@@ -16,10 +16,11 @@ entries are ``-inf`` as in the reference, and only visible entries stay selected
   first ones in index order until ``k``. 9 reads of the row's scores and visibility, 1 byte written per score, no
   temporaries.
 * ``wide_topk_index_counts`` (the counted index form's default; ``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE=0``: the 4-bit
-  ``radix_topk_index_counts``): the same select with 8-bit digits, a 256-bin ``tl.histogram`` a pass. Rows of at most
-  ``HELD_ROW`` (32,768) entries are read once into registers (up to 32 keys a thread at 32 warps) and selected there,
-  and written from there too up to ``HELD_WRITE_ROW`` (16,384; longer ones read again for the write, from L2);
-  longer rows take 4 passes over memory and the writing pass, 5 reads instead of 9.
+  ``radix_topk_index_counts``): the same select with wider digits, a ``tl.histogram`` a pass. Rows of at most
+  ``HELD_ROW`` (32,768) entries are read once into registers (up to 32 keys a thread at 32 warps) and selected there
+  in 4 passes of 8 bits, and written from there too up to ``HELD_WRITE_ROW`` (16,384; longer ones read again for the
+  write, from L2); longer rows take 3 passes over memory (digits of 12, 12 and 8 bits) and the writing pass, 4 reads
+  instead of 9.
 * ``keyed_topk`` (fewer rows, decode; ``DEEPINFER_NVIDIA_RADIX_TOPK=0``): one Triton pass writes 64-bit keys (score key
   << 32 | ``E - 1 - index``), all distinct per row, and ``torch.topk`` on them picks exactly the entries the stable
   sort puts first; 8 bytes per score.
@@ -216,54 +217,79 @@ def _take_digit(counts, bins, shift, prefix, need):
 
 
 @triton.jit
-def _radix_threshold8(scores_ptr, visible_ptr, base, E, k, BLOCK: tl.constexpr, COUNTED: tl.constexpr = False):
-    """``_radix_threshold`` with 8-bit digits: 4 passes over the row's first ``E`` entries, each a 256-bin
-    ``tl.histogram`` of the keys matching the digits found so far."""
-    bins = tl.arange(0, 256)  # [256]
+def _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, BLOCK: tl.constexpr, COUNTED: tl.constexpr,
+                 SHIFT: tl.constexpr, BITS: tl.constexpr):
+    """One pass of ``_radix_threshold_wide`` over the row's first ``E`` entries: the ``BITS``-bit digit at ``SHIFT``
+    of the keys matching ``prefix`` on the ``known`` bits, counted by ``tl.histogram``, and ``_take_digit``'s choice."""
+    counts = tl.zeros([1 << BITS], dtype=tl.int32)
+    for start in range(0, E, BLOCK):
+        offs = start + tl.arange(0, BLOCK)  # [B]
+        inside = offs < E
+        keys, _ = _radix_keys(scores_ptr, visible_ptr, base + offs, inside, COUNTED)
+        match = inside & ((keys & known) == prefix)
+        counts += tl.histogram(((keys >> SHIFT) & ((1 << BITS) - 1)).to(tl.int32), 1 << BITS, mask=match)
+    prefix, need = _take_digit(counts, tl.arange(0, 1 << BITS), SHIFT, prefix, need)
+    return prefix, known | (tl.full((), (1 << BITS) - 1, tl.uint32) << SHIFT), need
+
+
+@triton.jit
+def _radix_threshold_wide(scores_ptr, visible_ptr, base, E, k, BLOCK: tl.constexpr, COUNTED: tl.constexpr,
+                          WIDE: tl.constexpr):
+    """``_radix_threshold`` with wider digits: ``WIDE`` 12, 3 passes of 12, 12 and 8 bits (a 4,096-bin histogram:
+    the first digit, sign, exponent and 3 mantissa bits, spreads a row's few binades over many bins); ``WIDE`` 8, 4
+    passes of 8 bits."""
     prefix = tl.full((), 0, tl.uint32)
     known = tl.full((), 0, tl.uint32)
     need = tl.full((), 0, tl.int32) + k
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p
-        counts = tl.zeros([256], dtype=tl.int32)
-        for start in range(0, E, BLOCK):
-            offs = start + tl.arange(0, BLOCK)  # [B]
-            inside = offs < E
-            keys, _ = _radix_keys(scores_ptr, visible_ptr, base + offs, inside, COUNTED)
-            match = inside & ((keys & known) == prefix)
-            counts += tl.histogram(((keys >> shift) & 255).to(tl.int32), 256, mask=match)  # [256]
-        prefix, need = _take_digit(counts, bins, shift, prefix, need)
-        known = known | (tl.full((), 255, tl.uint32) << shift)
+    if WIDE == 12:
+        prefix, known, need = _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, BLOCK, COUNTED, 20, 12)
+        prefix, known, need = _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, BLOCK, COUNTED, 8, 12)
+        prefix, known, need = _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, BLOCK, COUNTED, 0, 8)
+    else:
+        tl.static_assert(WIDE == 8)
+        for p in tl.static_range(4):
+            prefix, known, need = _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, BLOCK, COUNTED,
+                                               24 - 8 * p, 8)
     return prefix, need
 
 
 @triton.jit
-def _radix_select_held(keys, k):
-    """The ``k``-th largest of the on-chip ``keys [ROW]`` and ``need``, as ``_radix_threshold8`` finds them, with no
-    memory read. Entries past the row's count hold the ``-inf`` key, the least there is: with more than ``k`` visible
-    entries they change neither the ``k``-th largest key nor how many keys are above it."""
-    bins = tl.arange(0, 256)  # [256]
+def _held_pass(keys, prefix, known, need, SHIFT: tl.constexpr, BITS: tl.constexpr):
+    """``_memory_pass`` over the on-chip ``keys [ROW]``."""
+    match = (keys & known) == prefix  # [ROW]
+    counts = tl.histogram(((keys >> SHIFT) & ((1 << BITS) - 1)).to(tl.int32), 1 << BITS, mask=match)  # [2^BITS]
+    prefix, need = _take_digit(counts, tl.arange(0, 1 << BITS), SHIFT, prefix, need)
+    return prefix, known | (tl.full((), (1 << BITS) - 1, tl.uint32) << SHIFT), need
+
+
+@triton.jit
+def _radix_select_held(keys, k, WIDE: tl.constexpr):
+    """The ``k``-th largest of the on-chip ``keys [ROW]`` and ``need``, as ``_radix_threshold_wide`` finds them, with
+    no memory read. Entries past the row's count hold the ``-inf`` key, the least there is: with more than ``k``
+    visible entries they change neither the ``k``-th largest key nor how many keys are above it."""
     prefix = tl.full((), 0, tl.uint32)
     known = tl.full((), 0, tl.uint32)
     need = tl.full((), 0, tl.int32) + k
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p
-        match = (keys & known) == prefix  # [ROW]
-        counts = tl.histogram(((keys >> shift) & 255).to(tl.int32), 256, mask=match)  # [256]
-        prefix, need = _take_digit(counts, bins, shift, prefix, need)
-        known = known | (tl.full((), 255, tl.uint32) << shift)
+    if WIDE == 12:
+        prefix, known, need = _held_pass(keys, prefix, known, need, 20, 12)
+        prefix, known, need = _held_pass(keys, prefix, known, need, 8, 12)
+        prefix, known, need = _held_pass(keys, prefix, known, need, 0, 8)
+    else:
+        tl.static_assert(WIDE == 8)
+        for p in tl.static_range(4):
+            prefix, known, need = _held_pass(keys, prefix, known, need, 24 - 8 * p, 8)
     return prefix, need
 
 
 @triton.jit
-def _radix_topk_counts_wide_kernel(scores_ptr, counts_ptr, out_ptr, E, k, BLOCK: tl.constexpr):
-    """``_radix_topk_counts_kernel`` with 8-bit digits (``_radix_threshold8``): 4 passes over the row's visible prefix
-    and the writing pass, 5 reads of it instead of 9."""
+def _radix_topk_counts_wide_kernel(scores_ptr, counts_ptr, out_ptr, E, k, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    """``_radix_topk_counts_kernel`` with wider digits (``_radix_threshold_wide``): 3 (``WIDE`` 12) or 4 (8) passes
+    over the row's visible prefix and the writing pass, 4 or 5 reads of it instead of 9."""
     row = tl.program_id(0).to(tl.int64)
     base = row * E
     n = tl.minimum(tl.maximum(tl.load(counts_ptr + row).to(tl.int32), 0), E)
     if n > k:
-        prefix, need = _radix_threshold8(scores_ptr, scores_ptr, base, n, k, BLOCK, True)
+        prefix, need = _radix_threshold_wide(scores_ptr, scores_ptr, base, n, k, BLOCK, True, WIDE)
     else:
         prefix = tl.full((), 0, tl.uint32)
         need = tl.full((), 0, tl.int32)
@@ -272,9 +298,9 @@ def _radix_topk_counts_wide_kernel(scores_ptr, counts_ptr, out_ptr, E, k, BLOCK:
 
 @triton.jit
 def _radix_topk_counts_held_kernel(scores_ptr, counts_ptr, out_ptr, E, k, ROW: tl.constexpr, BLOCK: tl.constexpr,
-                                   WRITE_HELD: tl.constexpr):
+                                   WRITE_HELD: tl.constexpr, WIDE: tl.constexpr):
     """``_radix_topk_counts_kernel`` for rows of at most ``ROW`` entries held on chip: one read of the row's visible
-    prefix into registers and the 4 passes of 8 bits there (``_radix_select_held``); then ``WRITE_HELD`` (``ROW <=
+    prefix into registers and the passes of ``WIDE``-bit digits there (``_radix_select_held``); then ``WRITE_HELD`` (``ROW <=
     16,384``) the write from registers too (one scan of the row: keys above the threshold counted in the low 16 bits,
     ties in the high 16), else ``_write_index``'s pass over the row just read."""
     row = tl.program_id(0).to(tl.int64)
@@ -287,7 +313,7 @@ def _radix_topk_counts_held_kernel(scores_ptr, counts_ptr, out_ptr, E, k, ROW: t
         inside = offs < n
         keys, _ = _radix_keys(scores_ptr, scores_ptr, row * E + offs, inside, True)  # [ROW] uint32
         if n > k:
-            prefix, need = _radix_select_held(keys, k)
+            prefix, need = _radix_select_held(keys, k, WIDE)
         above = inside & (keys > prefix)
         tie = inside & (keys == prefix)
         before = tl.cumsum(above.to(tl.int32) | (tie.to(tl.int32) << 16), axis=0)  # [ROW]: inclusive counts, packed
@@ -301,7 +327,7 @@ def _radix_topk_counts_held_kernel(scores_ptr, counts_ptr, out_ptr, E, k, ROW: t
     else:
         if n > k:
             keys, _ = _radix_keys(scores_ptr, scores_ptr, row * E + offs, offs < n, True)  # [ROW] uint32
-            prefix, need = _radix_select_held(keys, k)
+            prefix, need = _radix_select_held(keys, k, WIDE)
         _write_index(scores_ptr, scores_ptr, row * E, n, k, prefix, need, out_ptr, row, BLOCK, True)
 
 
@@ -336,7 +362,9 @@ def radix_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: int) 
 
 HELD_ROW = 32768  # longest rows held on chip: 32 keys a thread at 32 warps, 64 registers on sm_90a, no spills
 HELD_WRITE_ROW = 16384  # longest rows written from registers too (16 keys a thread at 32 warps, 61 registers)
-WIDE_BLOCK = 4096  # entries a pass of the 8-bit kernel reads at once (8 warps: 2 resident rows an SM)
+HELD_DIGIT = 8  # digit bits of the held select: 4 passes (12-bit digits spill at 16K-entry rows and up)
+PASS_DIGIT = 12  # digit bits of the select over memory: 12, 12, 8 (3 passes and the write: 4 reads of the row)
+WIDE_BLOCK = 2048  # entries a pass over memory reads at once (8 warps, 79 registers: 3 resident rows an SM)
 
 
 def held_launch(E: int) -> dict:
@@ -345,13 +373,14 @@ def held_launch(E: int) -> dict:
     (8 entries a thread: 4 dependent scans of a 32,768-entry row, not 32)."""
     row = max(triton.next_power_of_2(E), 1024)
     held = row <= HELD_WRITE_ROW
-    return {"ROW": row, "BLOCK": 1024 if held else 8192, "WRITE_HELD": held, "num_warps": min(32, max(4, row // 512))}
+    return {"ROW": row, "BLOCK": 1024 if held else 8192, "WRITE_HELD": held, "WIDE": HELD_DIGIT,
+            "num_warps": min(32, max(4, row // 512))}
 
 
 def wide_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: int, held_row: int = HELD_ROW) -> torch.Tensor:
-    """``radix_topk_index_counts`` (same bits) with 8-bit digits: rows of ``E <= held_row`` entries by
+    """``radix_topk_index_counts`` (same bits) with wider digits: rows of ``E <= held_row`` entries by
     ``_radix_topk_counts_held_kernel`` (one read of each row's visible prefix from memory; rows over
-    ``HELD_WRITE_ROW`` read again for the write, from L2), longer ones by ``_radix_topk_counts_wide_kernel`` (5 reads
+    ``HELD_WRITE_ROW`` read again for the write, from L2), longer ones by ``_radix_topk_counts_wide_kernel`` (4 reads
     instead of 9)."""
     scores = scores.float().contiguous()
     counts = counts.to(torch.int32).contiguous()
@@ -360,7 +389,8 @@ def wide_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: int, h
     if E <= min(held_row, HELD_ROW):
         _radix_topk_counts_held_kernel[(R,)](scores, counts, out, E, k, **held_launch(E))
     else:
-        _radix_topk_counts_wide_kernel[(R,)](scores, counts, out, E, k, BLOCK=WIDE_BLOCK, num_warps=8)
+        _radix_topk_counts_wide_kernel[(R,)](scores, counts, out, E, k, BLOCK=WIDE_BLOCK, WIDE=PASS_DIGIT,
+                                             num_warps=8)
     return out
 
 
