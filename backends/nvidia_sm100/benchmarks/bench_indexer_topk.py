@@ -8,10 +8,10 @@ sees at long context: an 8K prompt's chunk, 16K-token chunks late in 64K and 128
 
 The second table times the selection as entry indices (index mode, ``DEEPINFER_SPARSE_CSA_ATTENTION=1``): the radix
 select reading the ``[S, Lq, E]`` mask (``indexer_topk_index``) against the forms reading per-row visible counts
-``[S, Lq]`` (``indexer_topk_index_counts``: the 4-bit radix select over each row's visible prefix; the 8-bit form,
-``wide_topk_index_counts``, the op's default: rows of up to 16,384 entries held on chip, longer ones 4 passes + the
-write; the 8-bit passes alone, ``held_row=0``; counted keys + ``torch.topk``), each checked against the reference's
-indices first.
+``[S, Lq]`` (``indexer_topk_index_counts``: the 4-bit radix select over each row's visible prefix; the wide-digit
+form, ``wide_topk_index_counts``, the op's default: rows of up to 32,768 entries held on chip, longer ones 3 passes of
+12, 12 and 8 bits + the write; its passes over memory alone, ``held_row=0``; counted keys + ``torch.topk``), each
+checked against the reference's indices first.
 
 Checks each form against the reference first (``torch.equal`` of the selections), then times them (CUDA events,
 median of repeats, after warmup). Floor = bytes of scores, visibility and selection (4 + 1 + 1 per score) / 4.25 TB/s (the
@@ -94,9 +94,9 @@ def main() -> None:
         print(f"| {what} | {S} x {Lq} x {E} | {same[0]}, {same[1]} | {floor * 1e3:.3f} ms | {a * 1e3:.3f} ms | "
               f"{b * 1e3:.3f} ms | {c * 1e3:.3f} ms | {100 * floor / b:.0f}% | {a / b:.1f}x |")
     print(f"\nindexer_topk_index / indexer_topk_index_counts, top-{K} as entry indices (H200)")
-    print("| shape | sequences x queries x entries | equal (mask radix, counts radix 4-bit, 8-bit, 8-bit passes, "
-          "keyed) | radix, mask | radix 4-bit, counts | radix 8-bit, counts | 8-bit passes only | keys + torch.topk, "
-          "counts | counts speed-up | 8-bit over 4-bit |")
+    print("| shape | sequences x queries x entries | equal (mask radix, counts radix 4-bit, wide, wide passes, "
+          "keyed) | radix, mask | radix 4-bit, counts | radix wide, counts | wide passes only | keys + torch.topk, "
+          "counts | counts speed-up | wide over 4-bit |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for what, S, Lq, E, same, (a, b, w, p, c) in index_rows:
         print(f"| {what} | {S} x {Lq} x {E} | {', '.join(map(str, same))} | {a * 1e3:.3f} ms | {b * 1e3:.3f} ms | "
