@@ -230,6 +230,33 @@ def test_the_counted_op_takes_the_radix_kernel_from_radix_min_rows(monkeypatch):
     assert taken == ["wide_topk_index_counts", "radix_topk_index_counts"]
 
 
+@kernel_runs_here
+@pytest.mark.parametrize("E", [3000, 20000])
+def test_wide_counted_forms_with_the_kth_key_at_minus_inf(E, monkeypatch):
+    """Rows of mostly ``-inf`` scores, so that the ``k``-th key is often ``-inf`` or a finite score in ``-inf``'s
+    first-digit bin (``-3e38``): the held select leaves every ``-inf`` key out of its first histogram and adds the
+    visible ones back (the row's padding past its count is ``-inf`` too), which must count exactly."""
+    gen = torch.Generator().manual_seed(E)
+    rows, k = 12, 100
+    scores = torch.randn(rows, E, generator=gen)
+    pick = torch.rand(rows, E, generator=gen)
+    scores = torch.where(pick < 0.9, float("-inf"), scores)
+    scores = torch.where((pick >= 0.9) & (pick < 0.93), -3e38, scores)
+    scores = torch.where((pick >= 0.93) & (pick < 0.94), -0.0, scores)
+    scores = torch.where((pick >= 0.94) & (pick < 0.945), float("nan"), scores)
+    counts = torch.tensor([0, 50, 100, 101, 500, 999, 1000, 1500, E // 2, E - 1000, E - 1, E], dtype=torch.int32)
+    mask = torch.arange(E) < counts[:, None]  # [rows, E]
+    want = ref.indexer_topk_index(scores[None], mask[None], k)[0]
+    finite = (scores.isfinite() & (scores > -1e38) | scores.isnan()) & mask
+    assert ((finite.sum(-1) < k) & (counts > k)).sum() >= 3  # rows whose k-th key is -3e38 or -inf
+    for digit in (8, 12):
+        monkeypatch.setattr(indexer_topk, "HELD_DIGIT", digit)
+        monkeypatch.setattr(indexer_topk, "PASS_DIGIT", digit)
+        for held_row in (indexer_topk.HELD_ROW, 0):
+            got = indexer_topk.wide_topk_index_counts(scores.to(DEVICE), counts.to(DEVICE), k, held_row)
+            assert torch.equal(got.cpu(), want), (digit, held_row)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="rows of 2K-64K entries need the GPU")
 @pytest.mark.parametrize("E", [2048, 16384, 16385, 32768, 32769, 65536])
 def test_counted_forms_at_long_rows_on_the_gpu(E):

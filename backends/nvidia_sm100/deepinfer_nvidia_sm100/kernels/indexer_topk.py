@@ -43,6 +43,7 @@ from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 BLOCK = 1024
 QUIET_NAN_BITS = 0x7FC00000  # the positive quiet NaN torch's sort and topk treat as larger than +inf
 _NAN_BITS = tl.constexpr(QUIET_NAN_BITS)
+_NEG_INF_KEY = tl.constexpr(0x007FFFFF)  # -inf's order key (the high half), the least key there is
 
 
 @triton.jit
@@ -254,29 +255,39 @@ def _radix_threshold_wide(scores_ptr, visible_ptr, base, E, k, BLOCK: tl.constex
 
 
 @triton.jit
-def _held_pass(keys, prefix, known, need, SHIFT: tl.constexpr, BITS: tl.constexpr):
-    """``_memory_pass`` over the on-chip ``keys [ROW]``."""
-    match = (keys & known) == prefix  # [ROW]
-    counts = tl.histogram(((keys >> SHIFT) & ((1 << BITS) - 1)).to(tl.int32), 1 << BITS, mask=match)  # [2^BITS]
-    prefix, need = _take_digit(counts, tl.arange(0, 1 << BITS), SHIFT, prefix, need)
+def _held_pass(keys, prefix, known, need, SHIFT: tl.constexpr, BITS: tl.constexpr, n=None):
+    """``_memory_pass`` over the on-chip ``keys [ROW]``. ``n`` (the first pass): only the first ``n`` keys count; the
+    ``-inf`` keys (the row's past ``n`` among them) are left out of the histogram, one bin for all of them (atomics on
+    one address), and the visible ones added to their bin after: ``-inf`` keys less ``ROW - n``."""
+    bins = tl.arange(0, 1 << BITS)  # [2^BITS]
+    digit = ((keys >> SHIFT) & ((1 << BITS) - 1)).to(tl.int32)  # [ROW]
+    if n is None:
+        counts = tl.histogram(digit, 1 << BITS, mask=(keys & known) == prefix)  # [2^BITS]
+    else:
+        counts = tl.histogram(digit, 1 << BITS, mask=keys != _NEG_INF_KEY)
+        lows = tl.sum((keys == _NEG_INF_KEY).to(tl.int32), axis=0) - (keys.shape[0] - n)
+        counts += tl.where(bins == ((_NEG_INF_KEY >> SHIFT) & ((1 << BITS) - 1)), lows, 0)
+    prefix, need = _take_digit(counts, bins, SHIFT, prefix, need)
     return prefix, known | (tl.full((), (1 << BITS) - 1, tl.uint32) << SHIFT), need
 
 
 @triton.jit
-def _radix_select_held(keys, k, WIDE: tl.constexpr):
-    """The ``k``-th largest of the on-chip ``keys [ROW]`` and ``need``, as ``_radix_threshold_wide`` finds them, with
-    no memory read. Entries past the row's count hold the ``-inf`` key, the least there is: with more than ``k``
-    visible entries they change neither the ``k``-th largest key nor how many keys are above it."""
+def _radix_select_held(keys, n, k, WIDE: tl.constexpr):
+    """The ``k``-th largest of the first ``n`` on-chip ``keys [ROW]`` and ``need``, as ``_radix_threshold_wide``
+    finds them, with no memory read. Keys past ``n`` hold the ``-inf`` key, the least there is: the first pass leaves
+    them out, and with more than ``k`` visible entries they change neither the ``k``-th largest key nor how many keys
+    are above it in the later passes."""
     prefix = tl.full((), 0, tl.uint32)
     known = tl.full((), 0, tl.uint32)
     need = tl.full((), 0, tl.int32) + k
     if WIDE == 12:
-        prefix, known, need = _held_pass(keys, prefix, known, need, 20, 12)
+        prefix, known, need = _held_pass(keys, prefix, known, need, 20, 12, n)
         prefix, known, need = _held_pass(keys, prefix, known, need, 8, 12)
         prefix, known, need = _held_pass(keys, prefix, known, need, 0, 8)
     else:
         tl.static_assert(WIDE == 8)
-        for p in tl.static_range(4):
+        prefix, known, need = _held_pass(keys, prefix, known, need, 24, 8, n)
+        for p in tl.static_range(1, 4):
             prefix, known, need = _held_pass(keys, prefix, known, need, 24 - 8 * p, 8)
     return prefix, need
 
@@ -300,9 +311,9 @@ def _radix_topk_counts_wide_kernel(scores_ptr, counts_ptr, out_ptr, E, k, BLOCK:
 def _radix_topk_counts_held_kernel(scores_ptr, counts_ptr, out_ptr, E, k, ROW: tl.constexpr, BLOCK: tl.constexpr,
                                    WRITE_HELD: tl.constexpr, WIDE: tl.constexpr):
     """``_radix_topk_counts_kernel`` for rows of at most ``ROW`` entries held on chip: one read of the row's visible
-    prefix into registers and the passes of ``WIDE``-bit digits there (``_radix_select_held``); then ``WRITE_HELD`` (``ROW <=
-    16,384``) the write from registers too (one scan of the row: keys above the threshold counted in the low 16 bits,
-    ties in the high 16), else ``_write_index``'s pass over the row just read."""
+    prefix into registers and the passes of ``WIDE``-bit digits there (``_radix_select_held``); then ``WRITE_HELD``
+    (``ROW <= 16,384``) the write from registers too (one scan of the row: keys above the threshold counted in the low
+    16 bits, ties in the high 16), else ``_write_index``'s pass over the row just read."""
     row = tl.program_id(0).to(tl.int64)
     n = tl.minimum(tl.maximum(tl.load(counts_ptr + row).to(tl.int32), 0), E)
     offs = tl.arange(0, ROW)  # [ROW]
@@ -313,7 +324,7 @@ def _radix_topk_counts_held_kernel(scores_ptr, counts_ptr, out_ptr, E, k, ROW: t
         inside = offs < n
         keys, _ = _radix_keys(scores_ptr, scores_ptr, row * E + offs, inside, True)  # [ROW] uint32
         if n > k:
-            prefix, need = _radix_select_held(keys, k, WIDE)
+            prefix, need = _radix_select_held(keys, n, k, WIDE)
         above = inside & (keys > prefix)
         tie = inside & (keys == prefix)
         before = tl.cumsum(above.to(tl.int32) | (tie.to(tl.int32) << 16), axis=0)  # [ROW]: inclusive counts, packed
@@ -327,7 +338,7 @@ def _radix_topk_counts_held_kernel(scores_ptr, counts_ptr, out_ptr, E, k, ROW: t
     else:
         if n > k:
             keys, _ = _radix_keys(scores_ptr, scores_ptr, row * E + offs, offs < n, True)  # [ROW] uint32
-            prefix, need = _radix_select_held(keys, k, WIDE)
+            prefix, need = _radix_select_held(keys, n, k, WIDE)
         _write_index(scores_ptr, scores_ptr, row * E, n, k, prefix, need, out_ptr, row, BLOCK, True)
 
 
