@@ -266,8 +266,8 @@ def test_counted_forms_at_long_rows_on_the_gpu(E):
     gen = torch.Generator(device="cuda").manual_seed(E)
     scores = torch.randn(384, E, generator=gen, device="cuda").bfloat16().float()  # [R, E]
     counts = ((torch.arange(4 * E - 384, 4 * E, device="cuda") + 1) // 4).to(torch.int32)  # [R]
-    counts[:5] = torch.tensor([0, 511, 512, 513, E], dtype=torch.int32)
-    scores[5, :64] = torch.tensor([float("nan"), float("inf"), -0.0, 0.0] * 16)
+    counts[:5] = torch.tensor([0, 511, 512, 513, E], dtype=torch.int32, device="cuda")
+    scores[5, :64] = torch.tensor([float("nan"), float("inf"), -0.0, 0.0] * 16, device="cuda")
     mask = torch.arange(E, device="cuda") < counts[:, None]  # [R, E]
     want = ref.indexer_topk_index(scores[None], mask[None], 512)[0]
     for name, form in COUNTED_FORMS.items():
