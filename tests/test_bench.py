@@ -234,6 +234,18 @@ def test_cli_bench_prints_the_table_and_writes_json(cache_dir, tmp_path, capsys,
 def test_cli_bench_bad_values_exit_2(capsys):
     assert main(["bench", "--preset", "tiny", "--num-prompts", "0"]) == 2
     assert "num_prompts must be a positive integer" in capsys.readouterr().err
+    assert main(["bench", "--preset", "tiny", "--input-len", "8", "--output-len", "4", "--max-model-len", "11"]) == 2
+    assert "max_model_len must be an integer of at least input_len + output_len (12), got 11" in capsys.readouterr().err
+
+
+def test_cli_bench_max_model_len_reaches_the_engine(cache_dir, tmp_path, capsys):
+    path = tmp_path / "result.json"
+    code = main(["bench", "--preset", "tiny", "--cache-dir", str(cache_dir), "--input-len", "8", "--output-len", "3",
+                 "--num-prompts", "1", "--max-num-seqs", "1", "--warmup", "0", "--max-model-len", "300",
+                 "--json", str(path)])
+    out = capsys.readouterr().out
+    assert code == 0 and "max_model_len 300" in out
+    assert json.loads(path.read_text())["config"]["max_model_len"] == 300
 
 
 def test_cli_bench_batch_invariant_flag_sets_the_plugin_option_and_refuses_a_contradiction(capsys):

@@ -39,7 +39,7 @@ def run_engine_ranks(folder: Path, config: BenchConfig, prompts: Sequence[Sequen
 
     log(f"starting {config.data_parallel_size} ranks ...")
     t0 = time.perf_counter()
-    llm = LLM(folder, backend=config.backend, dtype=config.dtype, max_model_len=config.input_len + config.output_len,
+    llm = LLM(folder, backend=config.backend, dtype=config.dtype, max_model_len=config.model_len,
               max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed,
               enforce_eager=config.enforce_eager, enable_mixed_chunk=config.enable_mixed_chunk,
               async_scheduling=config.async_scheduling, data_parallel_size=config.data_parallel_size,

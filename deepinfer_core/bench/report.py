@@ -114,12 +114,18 @@ def _header(config: Mapping[str, Any], engine: Mapping[str, Any]) -> list[str]:
          f"{config['output_len']} out "
          f"({'greedy, JSON schema, ending with the grammar' if config.get('json_schema') else 'greedy, EOS ignored'}); "
          f"max_num_seqs {config['max_num_seqs']}, max_num_batched_tokens "
-         f"{config['max_num_batched_tokens']}, async scheduling {_on(config.get('async_scheduling'))}, "
+         f"{config['max_num_batched_tokens']}{_model_len(config)}, async scheduling {_on(config.get('async_scheduling'))}, "
          f"mixed chunks {_on(config.get('enable_mixed_chunk'))}, warmup {config['warmup']}{_iterations(engine)}"),
         (f"  device {config['device']}, dtype {config['dtype']}, torch {config['torch']} "
          f"({config['torch_threads']} threads), {config['date']}{_load(config)}"),
         f"  {engine['output_tokens']} output tokens, {engine['prompt_tokens']} prompt tokens{_computed(engine)}",
     ] + _environment(config)
+
+
+def _model_len(config: Mapping[str, Any]) -> str:
+    """The engine's ``max_model_len`` where it is longer than the requests need (``--max-model-len``), else nothing."""
+    model_len = config.get("max_model_len")
+    return f", max_model_len {model_len}" if model_len and model_len > config["input_len"] + config["output_len"] else ""
 
 
 def _share(config: Mapping[str, Any]) -> str:

@@ -73,6 +73,7 @@ class BenchConfig:
     num_prompts: int = 16
     max_num_seqs: int = 16
     max_num_batched_tokens: int | None = None  # None: the backend's default
+    max_model_len: int | None = None  # None: input_len + output_len (the least the requests need)
     backend: str | None = None
     dtype: str = "auto"
     compare_hf: bool = False
@@ -99,6 +100,11 @@ class BenchConfig:
     # an empty list: none and mtp (``bench/speculative.py``); None: no comparison
     compare_speculative: Sequence[str | Mapping[str, Any]] | None = None
 
+    @property
+    def model_len(self) -> int:
+        """The engine's ``max_model_len``: ``max_model_len`` where given, else what the requests need."""
+        return self.max_model_len or self.input_len + self.output_len
+
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
         for name in ("input_len", "output_len", "num_prompts", "max_num_seqs", "max_num_batched_tokens", "num_iters",
@@ -108,6 +114,11 @@ class BenchConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and (isinstance(self.max_model_len, bool)
+                                               or not isinstance(self.max_model_len, int)
+                                               or self.max_model_len < self.input_len + self.output_len):
+            raise ValueError(f"max_model_len must be an integer of at least input_len + output_len "
+                             f"({self.input_len + self.output_len}), got {self.max_model_len!r}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if self.model is not None and self.preset is not None:
@@ -216,6 +227,7 @@ def run_bench(config: BenchConfig, log: Log = lambda msg: None) -> dict[str, Any
     result["config"]["decode_graph_replays"] = engine["graph_replays"]["decode"]
     result["config"]["prefill_graph_replays"] = engine["graph_replays"]["prefill"]
     result["config"]["max_num_batched_tokens"] = engine["max_num_batched_tokens"]  # the backend's default if unset
+    result["config"]["max_model_len"] = engine.get("max_model_len", config.model_len)  # as the engine resolved it
     result["config"]["async_scheduling"] = engine["async_scheduling"]
     result["config"]["op_sources"] = engine["op_sources"]
     result["config"]["speculative_config"] = engine.get("speculative_config", config.speculative_config)  # as run
@@ -350,7 +362,7 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
 
     log("loading the engine ...")
     t0 = time.perf_counter()
-    llm = LLM(folder, backend=config.backend, dtype=config.dtype, max_model_len=config.input_len + config.output_len,
+    llm = LLM(folder, backend=config.backend, dtype=config.dtype, max_model_len=config.model_len,
               max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed,
               enforce_eager=config.enforce_eager, enable_mixed_chunk=config.enable_mixed_chunk,
               prefill_graph_buckets=None if config.prefill_graphs else [],
@@ -383,7 +395,7 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
     metrics["engine_metrics"] = {metric.name: metric.value for metric in llm.engine.metrics.snapshot()}
     metrics["speculative"] = speculation_figures(before, metrics["engine_metrics"], sum(run.steps for run in runs))
     outputs = [runs[0].outputs[f"bench-{i}"] for i in range(len(prompts))]
-    budget, overlapped = llm.max_num_batched_tokens, llm.async_scheduling
+    budget, overlapped, model_len = llm.max_num_batched_tokens, llm.async_scheduling, llm.max_model_len
     op_sources = llm.model.ops.sources()  # which implementation each op ran (backend, plugin or reference)
     speculator = llm.engine.speculator  # None without speculation; DEEPINFER_USE_NEXTN_DECODE's config included
     spec = (None if speculator is None else {"method": speculator.config.method,
@@ -393,7 +405,7 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
     del llm
     _free(device)
     return {"metrics": metrics, "outputs": outputs, "graph_replays": replays, "max_num_batched_tokens": budget,
-            "async_scheduling": overlapped, "op_sources": op_sources, "speculative_config": spec,
+            "max_model_len": model_len, "async_scheduling": overlapped, "op_sources": op_sources, "speculative_config": spec,
             "structured_output": masks[median] if config.json_schema is not None else None}, device, dtype
 
 

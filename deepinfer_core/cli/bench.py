@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=16, help="engine batch; HF batch size too (default 16)")
     parser.add_argument("--max-num-batched-tokens", type=int,
                         help="engine token budget per step (default: the backend's, 2048 on CPU, 8192 on NVIDIA)")
+    parser.add_argument("--max-model-len", type=int,
+                        help="the engine's context length (default: --input-len + --output-len); a longer one, e.g. "
+                             "the model's whole range, pads decode graphs to coarser context buckets as serving does")
     parser.add_argument("--backend", help="engine backend (default: automatic)")
     parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on accelerators), "
                                                         "float32, bfloat16, float16")
@@ -127,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
     config = BenchConfig(
         model=args.model, preset=args.preset, input_len=args.input_len, output_len=args.output_len,
         num_prompts=args.num_prompts, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, backend=args.backend, dtype=args.dtype,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, backend=args.backend,
+        dtype=args.dtype,
         compare_hf=args.compare_hf, warmup=args.warmup, num_iters=args.num_iters, enforce_eager=args.enforce_eager,
         prefill_graphs=args.prefill_graphs, enable_mixed_chunk=args.enable_mixed_chunk,
         async_scheduling=args.async_scheduling, seed=args.seed, prefix_share=args.prefix_share,
