@@ -2,6 +2,8 @@
 top kernels (torch.profiler). GPU only.
 
     python backends/nvidia_sm100/benchmarks/profile_decode.py [--batches 1 64] [--input-len 1024]
+    python backends/nvidia_sm100/benchmarks/profile_decode.py --preset v4-flash-8l64e-1m --input-len 131072 \
+        --batches 1 --max-num-batched-tokens 16384   (decode at a 128K context)
     python backends/nvidia_sm100/benchmarks/profile_decode.py --prefill 8 [--input-len 1024]   (one prefill step)
     python backends/nvidia_sm100/benchmarks/profile_decode.py --prefill 8 --decoding 248
         (one step of batch 256's prefill phase: 8 prompts prefilled while 248 sequences decode)
@@ -41,6 +43,8 @@ from deepinfer_core.sampling.params import SamplingParams
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="v4-flash-8l64e",
+                        help="bench preset (v4-flash-8l64e-1m for contexts past 65,536 positions)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--backend", default="nvidia_sm100")
@@ -55,7 +59,7 @@ def main() -> None:
     parser.add_argument("--sync-debug", action="store_true",
                         help="prefill: warn at every host-device synchronisation of one step (with its stack)")
     args = parser.parse_args()
-    folder = presets.ensure_preset("v4-flash-8l64e")
+    folder = presets.ensure_preset(args.preset)
     top = max(max(args.batches), args.prefill + args.decoding)
     llm = LLM(folder, backend=args.backend, dtype="bfloat16", max_model_len=args.input_len + 64, max_num_seqs=top,
               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
