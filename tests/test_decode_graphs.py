@@ -140,6 +140,18 @@ def test_context_bucket_is_a_power_of_two_within_max_model_len():
     assert all(graphs.context_bucket(n) >= n for n in (1, 255, 256, 513, 1000))
 
 
+def test_long_context_buckets_pad_by_at_most_a_quarter():
+    """Beyond ``FINE_CONTEXT_FROM`` a bucket is 1, 1.25, 1.5 or 1.75 times a power of two: a 128K context decodes in
+    a 160K bucket, not 256K; up to it, powers of two."""
+    bucket = decode_graphs.context_bucket
+    assert bucket(131072, 128, 1 << 20) == 131072 and bucket(131073, 128, 1 << 20) == 163840
+    assert bucket(200000, 128, 1 << 20) == 229376 and bucket(8193, 128, 1 << 20) == 10240
+    assert bucket(5000, 128, 1 << 20) == 8192 and bucket(131073, 128, 140032) == 140032
+    for n in range(decode_graphs.FINE_CONTEXT_FROM + 1, 1 << 20, 997):
+        b = bucket(n, 128, 1 << 21)
+        assert n <= b <= 1.25 * n + 128 and b % 128 == 0
+
+
 def test_decodes_replay_beside_an_eager_prefill_in_one_step():
     """A long prompt prefilled in chunks while short ones decode: each such step runs the decodes in the static
     graph path and the prompt chunk eagerly; results equal the all-dynamic run."""

@@ -32,6 +32,7 @@ logger = logging.getLogger("deepinfer")
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 MIN_CONTEXT_BUCKET = 256
+FINE_CONTEXT_FROM = 8192  # contexts beyond this take quarter-octave buckets
 
 
 @dataclasses.dataclass
@@ -90,11 +91,9 @@ class DecodeGraphs:
         return self.logits[:len(chunks)]
 
     def context_bucket(self, length: int) -> int:
-        """The static context length for sequences of up to ``length`` tokens: a power of two (at least
-        ``MIN_CONTEXT_BUCKET``) rounded to the block multiple, at most ``max_model_len`` rounded up."""
-        bucket = max(MIN_CONTEXT_BUCKET, 1 << max(0, length - 1).bit_length())
-        multiple = self.model.block_multiple
-        return min(-(-bucket // multiple) * multiple, self.max_context)
+        """The static context length for sequences of up to ``length`` tokens (``context_bucket``), at most
+        ``max_model_len`` rounded up."""
+        return context_bucket(length, self.model.block_multiple, self.max_context)
 
     def _capture(self, size: int, context: int) -> CapturedStep | None:
         shape = self.model.static_shape(size, context, self.spare_slot, self.spare_block)
@@ -142,6 +141,18 @@ class DecodeGraphs:
             compressed_write_start=[c.request.replay_until for c in chunks] + [0] * pad,
             sliding_floor=[c.request.sliding_floor for c in chunks] + [0] * pad,
         )
+
+
+def context_bucket(length: int, multiple: int, cap: int) -> int:
+    """The static context of a captured step for sequences of up to ``length`` tokens: a power of two (at least
+    ``MIN_CONTEXT_BUCKET``); beyond ``FINE_CONTEXT_FROM`` the least of 1, 1.25, 1.5 and 1.75 times a power of two that
+    covers ``length`` (a decode step's compressed entries, indexer scores and attention grow with the bucket, so a
+    bucket pads by at most a quarter there, not double); rounded up to ``multiple``, at most ``cap``."""
+    bucket = max(MIN_CONTEXT_BUCKET, 1 << max(0, length - 1).bit_length())
+    if bucket > FINE_CONTEXT_FROM:
+        half, quarter = bucket // 2, bucket // 8
+        bucket = half + quarter * -(-(length - half) // quarter)
+    return min(-(-bucket // multiple) * multiple, cap)
 
 
 def capture_or_explain(capture: Callable, step_fn: Callable[[], None], what: str

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from deepinfer_core.device_copy import to_device
-from deepinfer_core.engine.decode_graphs import MIN_CONTEXT_BUCKET, capture_or_explain, graph_sizes
+from deepinfer_core.engine.decode_graphs import capture_or_explain, context_bucket, graph_sizes
 from deepinfer_core.engine.scheduler import ScheduledChunk
 from deepinfer_core.forward_batch import ForwardBatch
 from deepinfer_core.models.interface import StaticVerifyModel, missing_members
@@ -140,11 +140,9 @@ class VerifyGraphs:
         return VerifyStep(logits, hidden, step.saved["rows"], starts, [id(c) for c in chunks])
 
     def context_bucket(self, length: int) -> int:
-        """The static context for sequences (padding included) of up to ``length`` tokens: a power of two (at least
-        ``MIN_CONTEXT_BUCKET``) rounded to the block multiple, at most ``max_model_len`` plus a step's tokens."""
-        bucket = max(MIN_CONTEXT_BUCKET, 1 << max(0, length - 1).bit_length())
-        multiple = self.model.block_multiple
-        return min(-(-bucket // multiple) * multiple, self.max_context)
+        """The static context for sequences (padding included) of up to ``length`` tokens
+        (``decode_graphs.context_bucket``), at most ``max_model_len`` plus a step's tokens."""
+        return context_bucket(length, self.model.block_multiple, self.max_context)
 
     def _capture(self, size: int, context: int, tokens: int) -> CapturedVerify | None:
         if self.logits is None:
