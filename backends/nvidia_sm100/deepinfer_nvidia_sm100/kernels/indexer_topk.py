@@ -96,13 +96,14 @@ def order_keys(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
 def _radix_keys(scores_ptr, visible_ptr, offs, inside, COUNTED: tl.constexpr = False):
     """The order keys' high half as uint32 in unsigned order (masked score, ``-0.0`` -> ``+0.0``, one NaN, above
     ``+inf``) and the visibility of entries ``offs`` (``COUNTED``: every entry ``inside`` is visible, the row's
-    visible prefix; ``visible_ptr`` unread)."""
-    score = tl.load(scores_ptr + offs, mask=inside, other=0.0)
+    visible prefix; ``visible_ptr`` unread). Invisible entries' scores are not read: each score load waits on its
+    visibility, so the two are not in registers at once."""
     if COUNTED:
         seen = inside
+        score = tl.where(seen, tl.load(scores_ptr + offs, mask=inside, other=0.0), float("-inf"))
     else:
         seen = tl.load(visible_ptr + offs, mask=inside, other=0) != 0
-    score = tl.where(seen, score, float("-inf"))
+        score = tl.load(scores_ptr + offs, mask=seen, other=float("-inf"))
     bits = score.to(tl.uint32, bitcast=True)
     bits = tl.where(score == 0.0, 0, bits)
     bits = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, _NAN_BITS, bits)
@@ -155,18 +156,14 @@ def _write_index(scores_ptr, visible_ptr, base, n, k, prefix, need, out_ptr, row
         slot = found + tl.cumsum(chosen, axis=0) - 1  # [B]: the entry's place in the row's list
         tl.store(out_ptr + row * k + slot, offs.to(tl.int32), mask=chosen > 0)
         found += tl.sum(chosen, axis=0)
-    for start in range(0, k, BLOCK):
-        slot = start + tl.arange(0, BLOCK)
-        tl.store(out_ptr + row * k + slot, tl.full([BLOCK], -1, tl.int32), mask=(slot >= found) & (slot < k))
+    _fill_index(out_ptr, row, k, found, BLOCK)
 
 
 @triton.jit
-def _radix_topk_kernel(scores_ptr, visible_ptr, out_ptr, E, k, BLOCK: tl.constexpr):
-    """Program (query row): the row's ``k``-th largest key ``T`` (``_radix_threshold``), then one pass that selects
-    keys above ``T`` and, of those equal to ``T``, the first ``need`` in index order (lower entry index wins), and
-    writes the row's selection (visible entries only) as uint8. Needs ``E > k``."""
-    base = tl.program_id(0).to(tl.int64) * E
-    prefix, need = _radix_threshold(scores_ptr, visible_ptr, base, E, k, BLOCK)
+def _write_mask(scores_ptr, visible_ptr, base, E, prefix, need, out_ptr, BLOCK: tl.constexpr):
+    """One pass over the row's (at ``base``) ``E`` entries: the keys above ``prefix`` and, of those equal to it, the
+    first ``need`` in index order (lower entry index wins), visible entries only, written as uint8 at ``out_ptr +
+    base``."""
     taken = tl.full((), 0, tl.int32)
     for start in range(0, E, BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -177,6 +174,28 @@ def _radix_topk_kernel(scores_ptr, visible_ptr, out_ptr, E, k, BLOCK: tl.constex
         chosen = inside & ((keys > prefix) | (tie & (rank <= need))) & seen
         taken += tl.sum(tie.to(tl.int32), axis=0)
         tl.store(out_ptr + base + offs, chosen.to(tl.uint8), mask=inside)
+
+
+@triton.jit
+def _write_mask_cut(scores_ptr, visible_ptr, E, prefix, last, out_ptr, BLOCK: tl.constexpr):
+    """``_write_mask`` of a row (at ``scores_ptr``, ``visible_ptr``, ``out_ptr``) whose ties taken are known: those at
+    places up to ``last``; entry by entry, no scan."""
+    for start in range(0, E, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < E
+        keys, seen = _radix_keys(scores_ptr, visible_ptr, offs, inside)
+        chosen = inside & ((keys > prefix) | ((keys == prefix) & (offs <= last))) & seen
+        tl.store(out_ptr + offs, chosen.to(tl.uint8), mask=inside)
+
+
+@triton.jit
+def _radix_topk_kernel(scores_ptr, visible_ptr, out_ptr, E, k, BLOCK: tl.constexpr):
+    """Program (query row): the row's ``k``-th largest key ``T`` (``_radix_threshold``), then one pass that selects
+    keys above ``T`` and, of those equal to ``T``, the first ``need`` in index order (``_write_mask``), and writes the
+    row's selection (visible entries only) as uint8. Needs ``E > k``."""
+    base = tl.program_id(0).to(tl.int64) * E
+    prefix, need = _radix_threshold(scores_ptr, visible_ptr, base, E, k, BLOCK)
+    _write_mask(scores_ptr, visible_ptr, base, E, prefix, need, out_ptr, BLOCK)
 
 
 @triton.jit
@@ -218,55 +237,91 @@ def _take_digit(counts, bins, shift, prefix, need):
 
 
 @triton.jit
-def _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, BLOCK: tl.constexpr, COUNTED: tl.constexpr,
-                 SHIFT: tl.constexpr, BITS: tl.constexpr):
+def _add_lows(counts, bins, prefix, known, lows, SHIFT: tl.constexpr, BITS: tl.constexpr):
+    """``counts [bins]`` of a pass that left the ``-inf`` keys out (all in one bin: atomics on one address) with the
+    ``lows`` ``-inf`` keys that count added to their bin, if ``-inf`` matches ``prefix`` on the ``known`` bits."""
+    low_bin = (_NEG_INF_KEY >> SHIFT) & ((1 << BITS) - 1)
+    return counts + tl.where((bins == low_bin) & ((known & _NEG_INF_KEY) == prefix), lows, 0)
+
+
+@triton.jit
+def _histogram_mask(keys, digit, prefix, known, SHIFT: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr):
+    """The keys a pass's histogram counts: those matching ``prefix`` on the ``known`` bits, but the ``-inf`` keys,
+    counted apart (``_add_lows``; in one bin they pile atomics on one address). ``FIRST``: every key but ``-inf``;
+    later passes leave out ``-inf``'s digit where ``-inf`` matches ``prefix``: past the first digit no valid key
+    shares ``-inf``'s bin (keys below ``-inf``'s are unused), and ``digit`` differs pass to pass, so no predicate is
+    held over the passes."""
+    if FIRST:
+        counted = keys != _NEG_INF_KEY
+    else:
+        skip = tl.where((known & _NEG_INF_KEY) == prefix, (_NEG_INF_KEY >> SHIFT) & ((1 << BITS) - 1), -1)
+        counted = ((keys & known) == prefix) & (digit != skip)
+    return counted
+
+
+@triton.jit
+def _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, lows, BLOCK: tl.constexpr,
+                 COUNTED: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr = False):
     """One pass of ``_radix_threshold_wide`` over the row's first ``E`` entries: the ``BITS``-bit digit at ``SHIFT``
-    of the keys matching ``prefix`` on the ``known`` bits, counted by ``tl.histogram``, and ``_take_digit``'s choice."""
+    of the keys matching ``prefix`` on the ``known`` bits, counted by ``tl.histogram`` but for the ``-inf`` keys
+    (invisible entries among them; ``FIRST``: counted here, else ``lows``, ``_add_lows``), and ``_take_digit``'s
+    choice."""
     counts = tl.zeros([1 << BITS], dtype=tl.int32)
+    infs = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(0, E, BLOCK):
         offs = start + tl.arange(0, BLOCK)  # [B]
         inside = offs < E
         keys, _ = _radix_keys(scores_ptr, visible_ptr, base + offs, inside, COUNTED)
-        match = inside & ((keys & known) == prefix)
-        counts += tl.histogram(((keys >> SHIFT) & ((1 << BITS) - 1)).to(tl.int32), 1 << BITS, mask=match)
-    prefix, need = _take_digit(counts, tl.arange(0, 1 << BITS), SHIFT, prefix, need)
-    return prefix, known | (tl.full((), (1 << BITS) - 1, tl.uint32) << SHIFT), need
+        digit = ((keys >> SHIFT) & ((1 << BITS) - 1)).to(tl.int32)  # [B]
+        match = inside & _histogram_mask(keys, digit, prefix, known, SHIFT, BITS, FIRST)
+        counts += tl.histogram(digit, 1 << BITS, mask=match)
+        if FIRST:
+            infs += (inside & (keys == _NEG_INF_KEY)).to(tl.int32)
+    if FIRST:
+        lows = tl.sum(infs, axis=0)
+    bins = tl.arange(0, 1 << BITS)
+    counts = _add_lows(counts, bins, prefix, known, lows, SHIFT, BITS)
+    prefix, need = _take_digit(counts, bins, SHIFT, prefix, need)
+    return prefix, known | (tl.full((), (1 << BITS) - 1, tl.uint32) << SHIFT), need, lows
 
 
 @triton.jit
 def _radix_threshold_wide(scores_ptr, visible_ptr, base, E, k, BLOCK: tl.constexpr, COUNTED: tl.constexpr,
                           WIDE: tl.constexpr):
-    """``_radix_threshold`` with wider digits: ``WIDE`` 12, 3 passes of 12, 12 and 8 bits (a 4,096-bin histogram:
-    the first digit, sign, exponent and 3 mantissa bits, spreads a row's few binades over many bins); ``WIDE`` 8, 4
-    passes of 8 bits."""
+    """``_radix_threshold`` with wider digits (``COUNTED``: the row's ``E`` entries all visible; else under the
+    visibility at ``visible_ptr``): ``WIDE`` 12, 3 passes of 12, 12 and 8 bits (a 4,096-bin histogram: the first
+    digit, sign, exponent and 3 mantissa bits, spreads a row's few binades over many bins); ``WIDE`` 8, 4 passes of 8
+    bits."""
     prefix = tl.full((), 0, tl.uint32)
     known = tl.full((), 0, tl.uint32)
     need = tl.full((), 0, tl.int32) + k
+    lows = tl.full((), 0, tl.int32)
     if WIDE == 12:
-        prefix, known, need = _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, BLOCK, COUNTED, 20, 12)
-        prefix, known, need = _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, BLOCK, COUNTED, 8, 12)
-        prefix, known, need = _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, BLOCK, COUNTED, 0, 8)
+        prefix, known, need, lows = _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, lows, BLOCK,
+                                                 COUNTED, 20, 12, True)
+        prefix, known, need, lows = _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, lows, BLOCK,
+                                                 COUNTED, 8, 12)
+        prefix, known, need, lows = _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, lows, BLOCK,
+                                                 COUNTED, 0, 8)
     else:
         tl.static_assert(WIDE == 8)
-        for p in tl.static_range(4):
-            prefix, known, need = _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, BLOCK, COUNTED,
-                                               24 - 8 * p, 8)
+        prefix, known, need, lows = _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, lows, BLOCK,
+                                                 COUNTED, 24, 8, True)
+        for p in tl.static_range(1, 4):
+            prefix, known, need, lows = _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, lows,
+                                                     BLOCK, COUNTED, 24 - 8 * p, 8)
     return prefix, need
 
 
 @triton.jit
-def _held_pass(keys, prefix, known, need, SHIFT: tl.constexpr, BITS: tl.constexpr, n=None):
-    """``_memory_pass`` over the on-chip ``keys [ROW]``. ``n`` (the first pass): only the first ``n`` keys count; the
-    ``-inf`` keys (the row's past ``n`` among them) are left out of the histogram, one bin for all of them (atomics on
-    one address), and the visible ones added to their bin after: ``-inf`` keys less ``ROW - n``."""
+def _held_pass(keys, prefix, known, need, lows, SHIFT: tl.constexpr, BITS: tl.constexpr,
+               FIRST: tl.constexpr = False):
+    """``_memory_pass`` over the on-chip ``keys [ROW]``: the ``-inf`` keys (the row's padding and invisible entries
+    among them) left out of the histogram and the ``lows`` that count added to their bin."""
     bins = tl.arange(0, 1 << BITS)  # [2^BITS]
     digit = ((keys >> SHIFT) & ((1 << BITS) - 1)).to(tl.int32)  # [ROW]
-    if n is None:
-        counts = tl.histogram(digit, 1 << BITS, mask=(keys & known) == prefix)  # [2^BITS]
-    else:
-        counts = tl.histogram(digit, 1 << BITS, mask=keys != _NEG_INF_KEY)
-        lows = tl.sum((keys == _NEG_INF_KEY).to(tl.int32), axis=0) - (keys.shape[0] - n)
-        counts += tl.where(bins == ((_NEG_INF_KEY >> SHIFT) & ((1 << BITS) - 1)), lows, 0)
+    counts = tl.histogram(digit, 1 << BITS, mask=_histogram_mask(keys, digit, prefix, known, SHIFT, BITS, FIRST))
+    counts = _add_lows(counts, bins, prefix, known, lows, SHIFT, BITS)
     prefix, need = _take_digit(counts, bins, SHIFT, prefix, need)
     return prefix, known | (tl.full((), (1 << BITS) - 1, tl.uint32) << SHIFT), need
 
@@ -274,21 +329,21 @@ def _held_pass(keys, prefix, known, need, SHIFT: tl.constexpr, BITS: tl.constexp
 @triton.jit
 def _radix_select_held(keys, n, k, WIDE: tl.constexpr):
     """The ``k``-th largest of the first ``n`` on-chip ``keys [ROW]`` and ``need``, as ``_radix_threshold_wide``
-    finds them, with no memory read. Keys past ``n`` hold the ``-inf`` key, the least there is: the first pass leaves
-    them out, and with more than ``k`` visible entries they change neither the ``k``-th largest key nor how many keys
-    are above it in the later passes."""
+    finds them, with no memory read. Keys past ``n`` hold the ``-inf`` key, the least there is: no pass counts them
+    (``lows``: the ``-inf`` keys among the first ``n``)."""
     prefix = tl.full((), 0, tl.uint32)
     known = tl.full((), 0, tl.uint32)
     need = tl.full((), 0, tl.int32) + k
+    lows = tl.sum((keys == _NEG_INF_KEY).to(tl.int32), axis=0) - (keys.shape[0] - n)
     if WIDE == 12:
-        prefix, known, need = _held_pass(keys, prefix, known, need, 20, 12, n)
-        prefix, known, need = _held_pass(keys, prefix, known, need, 8, 12)
-        prefix, known, need = _held_pass(keys, prefix, known, need, 0, 8)
+        prefix, known, need = _held_pass(keys, prefix, known, need, lows, 20, 12, True)
+        prefix, known, need = _held_pass(keys, prefix, known, need, lows, 8, 12)
+        prefix, known, need = _held_pass(keys, prefix, known, need, lows, 0, 8)
     else:
         tl.static_assert(WIDE == 8)
-        prefix, known, need = _held_pass(keys, prefix, known, need, 24, 8, n)
+        prefix, known, need = _held_pass(keys, prefix, known, need, lows, 24, 8, True)
         for p in tl.static_range(1, 4):
-            prefix, known, need = _held_pass(keys, prefix, known, need, 24 - 8 * p, 8)
+            prefix, known, need = _held_pass(keys, prefix, known, need, lows, 24 - 8 * p, 8)
     return prefix, need
 
 
@@ -308,38 +363,124 @@ def _radix_topk_counts_wide_kernel(scores_ptr, counts_ptr, out_ptr, E, k, BLOCK:
 
 
 @triton.jit
+def _fill_index(out_ptr, row, k, found, BLOCK: tl.constexpr):
+    """-1 in the row's index list ``[k]`` (at ``out_ptr + row * k``) from place ``found`` on."""
+    for start in range(0, k, BLOCK):
+        slot = start + tl.arange(0, BLOCK)
+        tl.store(out_ptr + row * k + slot, tl.full([BLOCK], -1, tl.int32), mask=(slot >= found) & (slot < k))
+
+
+@triton.jit
+def _held_choice(keys, inside, prefix, need):
+    """The selection of the on-chip ``keys [ROW]`` (entries ``inside`` the row) by one scan, where every tie is
+    visible: ``above`` (keys above ``prefix``), ``taken`` (of the keys equal to it the first ``need`` in index order)
+    and ``before``, the scan's inclusive counts packed (keys above in the low 16 bits, ties in the high 16)."""
+    tl.static_assert(keys.shape[0] <= 16384)  # the packed scan: up to 16,384 ties in the high half of an int32
+    above = inside & (keys > prefix)
+    tie = inside & (keys == prefix)
+    before = tl.cumsum(above.to(tl.int32) | (tie.to(tl.int32) << 16), axis=0)  # [ROW]: inclusive counts, packed
+    return above, tie & ((before >> 16) <= need), before
+
+
+@triton.jit
+def _held_write_index(above, taken, before, need, out_ptr, row, k, BLOCK: tl.constexpr):
+    """``_held_choice``'s selection written as the row's indices ``[k]`` int32 (ascending, then -1), each chosen
+    entry's place from the packed scan: keys above before it and ties taken up to it."""
+    offs = tl.arange(0, above.shape[0])  # [ROW]
+    chosen = above | taken
+    tl.store(out_ptr + row * k + (before & 0xFFFF) + tl.minimum(before >> 16, need) - 1, offs, mask=chosen)
+    _fill_index(out_ptr, row, k, tl.sum(chosen.to(tl.int32), axis=0), BLOCK)
+
+
+@triton.jit
 def _radix_topk_counts_held_kernel(scores_ptr, counts_ptr, out_ptr, E, k, ROW: tl.constexpr, BLOCK: tl.constexpr,
                                    WRITE_HELD: tl.constexpr, WIDE: tl.constexpr):
     """``_radix_topk_counts_kernel`` for rows of at most ``ROW`` entries held on chip: one read of the row's visible
     prefix into registers and the passes of ``WIDE``-bit digits there (``_radix_select_held``); then ``WRITE_HELD``
-    (``ROW <= 16,384``) the write from registers too (one scan of the row: keys above the threshold counted in the low
-    16 bits, ties in the high 16), else ``_write_index``'s pass over the row just read."""
+    (``ROW <= 16,384``) the write from registers too (``_held_choice``, ``_held_write_index``), else
+    ``_write_index``'s pass over the row just read."""
     row = tl.program_id(0).to(tl.int64)
     n = tl.minimum(tl.maximum(tl.load(counts_ptr + row).to(tl.int32), 0), E)
     offs = tl.arange(0, ROW)  # [ROW]
     prefix = tl.full((), 0, tl.uint32)  # n <= k: every visible entry, as in _radix_topk_counts_kernel
     need = tl.full((), 0, tl.int32)
     if WRITE_HELD:
-        tl.static_assert(ROW <= 16384)  # the packed scan: up to 16,384 ties in the high half of an int32
         inside = offs < n
         keys, _ = _radix_keys(scores_ptr, scores_ptr, row * E + offs, inside, True)  # [ROW] uint32
         if n > k:
             prefix, need = _radix_select_held(keys, n, k, WIDE)
-        above = inside & (keys > prefix)
-        tie = inside & (keys == prefix)
-        before = tl.cumsum(above.to(tl.int32) | (tie.to(tl.int32) << 16), axis=0)  # [ROW]: inclusive counts, packed
-        rank = tl.minimum(before >> 16, need)  # [ROW]: ties taken up to here
-        chosen = above | (tie & ((before >> 16) <= need))
-        tl.store(out_ptr + row * k + (before & 0xFFFF) + rank - 1, offs, mask=chosen)
-        found = tl.sum(chosen.to(tl.int32), axis=0)
-        for start in range(0, k, BLOCK):
-            slot = start + tl.arange(0, BLOCK)
-            tl.store(out_ptr + row * k + slot, tl.full([BLOCK], -1, tl.int32), mask=(slot >= found) & (slot < k))
+        above, taken, before = _held_choice(keys, inside, prefix, need)
+        _held_write_index(above, taken, before, need, out_ptr, row, k, BLOCK)
     else:
         if n > k:
             keys, _ = _radix_keys(scores_ptr, scores_ptr, row * E + offs, offs < n, True)  # [ROW] uint32
             prefix, need = _radix_select_held(keys, n, k, WIDE)
         _write_index(scores_ptr, scores_ptr, row * E, n, k, prefix, need, out_ptr, row, BLOCK, True)
+
+
+@triton.jit
+def _tie_cut(tie, need):
+    """The place of the ``need``-th of the on-chip ``tie [ROW]`` (``ROW`` of 256 to 32,768 entries) in index order,
+    by a radix select of the places (two histograms: the high bits, then the low 7 of the places in the bin found),
+    not a scan of the row (a 32,768-entry scan spills at 32 warps)."""
+    ROW: tl.constexpr = tie.shape[0]
+    later = ROW - 1 - tl.arange(0, ROW)  # [ROW]: larger for earlier places, so the select takes the largest
+    bins = tl.arange(0, ROW >> 7)
+    prefix = tl.full((), 0, tl.uint32)
+    counts = tl.histogram(later >> 7, ROW >> 7, mask=tie)  # [ROW / 128]
+    prefix, need = _take_digit(counts, bins, 7, prefix, need)
+    fine = tl.arange(0, 128)
+    counts = tl.histogram(later & 127, 128, mask=tie & ((later >> 7) == (prefix >> 7).to(tl.int32)))  # [128]
+    prefix, need = _take_digit(counts, fine, 0, prefix, need)
+    return ROW - 1 - prefix.to(tl.int32)
+
+
+@triton.jit
+def _radix_topk_held_kernel(scores_ptr, visible_ptr, out_ptr, E, k, ROW: tl.constexpr, BLOCK: tl.constexpr,
+                            WRITE_HELD: tl.constexpr, WIDE: tl.constexpr, INDEX: tl.constexpr):
+    """``_radix_topk_kernel`` (``INDEX``: ``_radix_topk_index_kernel``) for rows of at most ``ROW`` entries held on
+    chip: one read of the row's scores and visibility into registers (invisible entries as the ``-inf`` key), the
+    passes of ``WIDE``-bit digits there (``_radix_select_held``); then ``WRITE_HELD`` (``ROW <= 16,384``) the write
+    from registers too, else a pass over the row just read. Only ties at ``-inf`` (rows of fewer than ``k`` visible
+    finite scores) can be invisible: the mask reads their visibility again, the indices take the pass over memory.
+    Needs ``E > k``."""
+    row = tl.program_id(0).to(tl.int64)
+    base = row * E
+    offs = tl.arange(0, ROW)  # [ROW]
+    inside = offs < E
+    keys, _ = _radix_keys(scores_ptr + base, visible_ptr + base, offs, inside)  # [ROW] uint32
+    prefix, need = _radix_select_held(keys, E, k, WIDE)
+    if WRITE_HELD and not INDEX:
+        above, taken, _ = _held_choice(keys, inside, prefix, need)
+        low = tl.where(prefix == _NEG_INF_KEY, taken, False)  # ties at -inf (where rather than &: the interpreter)
+        taken = taken & (tl.load(visible_ptr + base + offs, mask=low, other=1) != 0)
+        tl.store(out_ptr + base + offs, (above | taken).to(tl.uint8), mask=inside)
+    elif WRITE_HELD:
+        if prefix == _NEG_INF_KEY:
+            _write_index(scores_ptr, visible_ptr, base, E, k, prefix, need, out_ptr, row, BLOCK, False)
+        else:
+            above, taken, before = _held_choice(keys, inside, prefix, need)
+            _held_write_index(above, taken, before, need, out_ptr, row, k, BLOCK)
+    elif INDEX:
+        _write_index(scores_ptr, visible_ptr, base, E, k, prefix, need, out_ptr, row, BLOCK, False)
+    else:
+        last = _tie_cut(inside & (keys == prefix), need)
+        _write_mask_cut(scores_ptr + base, visible_ptr + base, E, prefix, last, out_ptr + base, BLOCK)
+
+
+@triton.jit
+def _radix_topk_wide_kernel(scores_ptr, visible_ptr, out_ptr, E, k, BLOCK: tl.constexpr, WIDE: tl.constexpr,
+                            INDEX: tl.constexpr):
+    """``_radix_topk_kernel`` (``INDEX``: ``_radix_topk_index_kernel``) with wider digits (``_radix_threshold_wide``
+    under the visibility): 3 (``WIDE`` 12) or 4 (8) passes over the row and the writing pass, 4 or 5 reads of it
+    instead of 9. Needs ``E > k``."""
+    row = tl.program_id(0).to(tl.int64)
+    base = row * E
+    prefix, need = _radix_threshold_wide(scores_ptr, visible_ptr, base, E, k, BLOCK, False, WIDE)
+    if INDEX:
+        _write_index(scores_ptr, visible_ptr, base, E, k, prefix, need, out_ptr, row, BLOCK, False)
+    else:
+        _write_mask(scores_ptr, visible_ptr, base, E, prefix, need, out_ptr, BLOCK)
 
 
 @triton.jit
@@ -379,9 +520,9 @@ WIDE_BLOCK = 2048  # entries a pass over memory reads at once (8 warps, 79 regis
 
 
 def held_launch(E: int) -> dict:
-    """``_radix_topk_counts_held_kernel``'s meta-parameters for rows of ``E <= HELD_ROW`` entries: the row as a power
-    of two of at least 1,024 entries, 8 to 32 keys a thread (4 to 32 warps); a write over memory in blocks of 8,192
-    (8 entries a thread: 4 dependent scans of a 32,768-entry row, not 32)."""
+    """``_radix_topk_counts_held_kernel``'s (and ``_radix_topk_held_kernel``'s) meta-parameters for rows of ``E <=
+    HELD_ROW`` entries: the row as a power of two of at least 1,024 entries, 8 to 32 keys a thread (4 to 32 warps); a
+    write over memory in blocks of 8,192 (8 entries a thread: 4 dependent scans of a 32,768-entry row, not 32)."""
     row = max(triton.next_power_of_2(E), 1024)
     held = row <= HELD_WRITE_ROW
     return {"ROW": row, "BLOCK": 1024 if held else 8192, "WRITE_HELD": held, "WIDE": HELD_DIGIT,
@@ -452,6 +593,38 @@ def radix_topk_index(scores: torch.Tensor, visible: torch.Tensor, k: int) -> tor
     return out
 
 
+def _wide_launch(scores: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, k: int, held_row: int,
+                 index: bool) -> None:
+    """``_radix_topk_held_kernel`` for rows of ``E <= held_row`` (at most ``HELD_ROW``) entries, else
+    ``_radix_topk_wide_kernel``, writing the selection (``index``: its indices) of ``scores`` under ``visible`` to
+    ``out``."""
+    R, E = scores.shape
+    if E <= min(held_row, HELD_ROW):
+        _radix_topk_held_kernel[(R,)](scores, visible, out, E, k, INDEX=index, **held_launch(E))
+    else:
+        _radix_topk_wide_kernel[(R,)](scores, visible, out, E, k, BLOCK=WIDE_BLOCK, WIDE=PASS_DIGIT, INDEX=index,
+                                      num_warps=8)
+
+
+def wide_topk(scores: torch.Tensor, visible: torch.Tensor, k: int, held_row: int = HELD_ROW) -> torch.Tensor:
+    """``radix_topk`` (same bits) with wider digits, as ``wide_topk_index_counts`` selects: rows of ``E <= held_row``
+    entries held on chip (one read of each row's scores and visibility; over ``HELD_WRITE_ROW`` read again for the
+    write, from L2), longer ones in 3 passes over memory and the write (4 reads instead of 9). ``E > k``."""
+    scores = scores.float().contiguous()
+    out = torch.empty(scores.shape, dtype=torch.bool, device=scores.device)
+    _wide_launch(scores, visible.contiguous().view(torch.uint8), out.view(torch.uint8), k, held_row, False)
+    return out
+
+
+def wide_topk_index(scores: torch.Tensor, visible: torch.Tensor, k: int, held_row: int = HELD_ROW) -> torch.Tensor:
+    """``radix_topk_index`` (same bits) with ``wide_topk``'s wider digits: indices ``[R, k]`` int32, ascending, then
+    -1. ``E > k``."""
+    scores = scores.float().contiguous()
+    out = torch.empty(scores.shape[0], k, dtype=torch.int32, device=scores.device)
+    _wide_launch(scores, visible.contiguous().view(torch.uint8), out, k, held_row, True)
+    return out
+
+
 def keyed_topk_index(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
     """The selection's entry indices ``[R, k]`` int32 (ascending, then -1) by order keys and ``torch.topk`` (``E >
     k``)."""
@@ -489,7 +662,8 @@ def indexer_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.T
     rows_scores, rows_visible = scores.reshape(-1, E), visible.reshape(-1, E)  # [R, E] each
     on_triton = scores.device.type == "cuda" or _interpreted()
     if on_triton and rows_scores.shape[0] >= RADIX_MIN_ROWS and envs.DEEPINFER_NVIDIA_RADIX_TOPK:
-        return radix_topk(rows_scores, rows_visible, k).view(visible.shape)
+        form = wide_topk if envs.DEEPINFER_NVIDIA_RADIX_TOPK_WIDE else radix_topk
+        return form(rows_scores, rows_visible, k).view(visible.shape)
     return keyed_topk(rows_scores, rows_visible, k).view(visible.shape)
 
 
@@ -508,7 +682,8 @@ def indexer_topk_index(scores: torch.Tensor, visible: torch.Tensor, k: int) -> t
     rows_scores, rows_visible = scores.reshape(-1, E), visible.reshape(-1, E)  # [R, E] each
     on_triton = scores.device.type == "cuda" or _interpreted()
     if on_triton and rows_scores.shape[0] >= RADIX_MIN_ROWS and envs.DEEPINFER_NVIDIA_RADIX_TOPK:
-        return radix_topk_index(rows_scores, rows_visible, k).view(*visible.shape[:-1], k)
+        form = wide_topk_index if envs.DEEPINFER_NVIDIA_RADIX_TOPK_WIDE else radix_topk_index
+        return form(rows_scores, rows_visible, k).view(*visible.shape[:-1], k)
     return keyed_topk_index(rows_scores, rows_visible, k).view(*visible.shape[:-1], k)
 
 
