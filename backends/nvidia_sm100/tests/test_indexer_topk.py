@@ -127,16 +127,22 @@ def test_both_forms_write_the_selection_as_the_reference_indices(S, Lq, E, level
 
 @kernel_runs_here
 def test_the_op_takes_the_radix_kernel_from_radix_min_rows(monkeypatch):
+    """Both mask ops from ``RADIX_MIN_ROWS`` rows: the wide form, ``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE=0`` the 4-bit
+    one, ``DEEPINFER_NVIDIA_RADIX_TOPK=0`` keys + ``torch.topk``; the same bits each time."""
     monkeypatch.setattr(indexer_topk, "RADIX_MIN_ROWS", 4)  # 64 by default: fewer rows keep the interpreter quick
     scores, visible = long_case(1, 4, 600, 4, seed=5)
     want = ref.indexer_topk(scores.cpu(), visible.cpu(), 100)
+    want_index = ref.indexer_topk_index(scores.cpu(), visible.cpu(), 100)
     taken = []
-    radix = indexer_topk.radix_topk
-    monkeypatch.setattr(indexer_topk, "radix_topk", lambda *a: taken.append(1) or radix(*a))
-    assert torch.equal(indexer_topk.indexer_topk(scores, visible, 100).cpu(), want)
-    monkeypatch.setenv("DEEPINFER_NVIDIA_RADIX_TOPK", "0")
-    assert torch.equal(indexer_topk.indexer_topk(scores, visible, 100).cpu(), want)
-    assert taken == [1]
+    for name in ("radix_topk", "wide_topk", "radix_topk_index", "wide_topk_index"):
+        form = getattr(indexer_topk, name)
+        monkeypatch.setattr(indexer_topk, name, lambda *a, n=name, f=form: taken.append(n) or f(*a))
+    for _ in range(3):
+        assert torch.equal(indexer_topk.indexer_topk(scores, visible, 100).cpu(), want)
+        assert torch.equal(indexer_topk.indexer_topk_index(scores, visible, 100).cpu(), want_index)
+        monkeypatch.setenv("DEEPINFER_NVIDIA_RADIX_TOPK" if taken[-1].startswith("radix") else
+                           "DEEPINFER_NVIDIA_RADIX_TOPK_WIDE", "0")
+    assert taken == ["wide_topk", "wide_topk_index", "radix_topk", "radix_topk_index"]
 
 
 def counted_case(S: int, Lq: int, E: int, levels: int, k: int, seed: int, device: str = DEVICE):
@@ -257,6 +263,79 @@ def test_wide_counted_forms_with_the_kth_key_at_minus_inf(E, monkeypatch):
             assert torch.equal(got.cpu(), want), (digit, held_row)
 
 
+MASK_FORMS = {  # the mask-based radix kernels (selection mask, indices): 4-bit passes; held on chip; wide passes
+    "4-bit": (indexer_topk.radix_topk, indexer_topk.radix_topk_index),
+    "held": (indexer_topk.wide_topk, indexer_topk.wide_topk_index),
+    "wide passes": (lambda scores, visible, k: indexer_topk.wide_topk(scores, visible, k, held_row=0),
+                    lambda scores, visible, k: indexer_topk.wide_topk_index(scores, visible, k, held_row=0)),
+}
+WIDE_MASK_CASES = [  # (S, Lq, E, levels, k): held rows of 1,024 to 32,768 entries and the passes over memory
+    (1, 5, 5000, 3, 512),  # three levels: the k-th key's ties span blocks
+    (1, 4, 4999, 0, 600),  # continuous: ties only among the specials (signed zeros, infinities, NaNs)
+    (1, 4, 1031, 3, 1030),  # k = E - 1
+    (2, 3, 2500, 40, 64),
+    (1, 4, 9000, 4, 512),  # held as a 16,384-entry row, written from registers
+    (1, 4, 20000, 3, 512),  # held as a 32,768-entry row, written by a pass over memory
+]
+
+
+def _check_mask_forms(scores, visible, k, monkeypatch, forms=("held", "wide passes")):
+    """Each wide mask form (selection mask and indices), with 8-bit digits and with 12, 12, 8, against the
+    reference op."""
+    E = scores.shape[-1]
+    want = ref.indexer_topk(scores.cpu(), visible.cpu(), k).reshape(-1, E)
+    want_index = ref.visible_index(want, k)
+    flat = (scores.reshape(-1, E), visible.reshape(-1, E))
+    for digit in (8, 12):
+        monkeypatch.setattr(indexer_topk, "HELD_DIGIT", digit)
+        monkeypatch.setattr(indexer_topk, "PASS_DIGIT", digit)
+        for name in forms:
+            mask_form, index_form = MASK_FORMS[name]
+            got = mask_form(*flat, k)
+            assert got.dtype == torch.bool and torch.equal(got.cpu(), want), (name, digit)
+            got = index_form(*flat, k)
+            assert got.dtype == torch.int32 and torch.equal(got.cpu(), want_index), (name, digit)
+    return want
+
+
+@kernel_runs_here
+@pytest.mark.parametrize(("S", "Lq", "E", "levels", "k"), WIDE_MASK_CASES)
+def test_wide_mask_forms_select_as_the_reference(S, Lq, E, levels, k, monkeypatch):
+    """``wide_topk`` / ``wide_topk_index`` (held on chip and the passes over memory) under a visibility mask: the
+    k-th key tied across blocks, ``-0.0`` tying ``+0.0``, NaN above ``+inf``, a row that sees nothing, one that sees
+    fewer entries than ``k`` (its k-th key ``-inf``: invisible entries tie the visible ``-inf`` scores), k = E - 1."""
+    scores, visible = long_case(S, Lq, E, levels, seed=E + 5)
+    want = _check_mask_forms(scores, visible, k, monkeypatch)
+    assert not want[0].any() and 0 < want[1].sum() <= 7 and (want.sum(-1) == torch.clamp(visible.reshape(-1, E).sum(-1), max=k)).all()
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("E", [3000, 20000])
+def test_wide_mask_forms_with_the_kth_key_at_minus_inf(E, monkeypatch):
+    """Rows of mostly ``-inf`` scores under a scattered visibility, so that the ``k``-th key is ``-inf`` with visible
+    and invisible entries tied there (the first ``need`` of them in index order taken, the invisible ones dropped),
+    or a finite score in ``-inf``'s first-digit bin (``-3e38``); rows that see nothing, fewer than ``k``, every
+    entry."""
+    gen = torch.Generator().manual_seed(E)
+    rows, k = 12, 100
+    scores = torch.randn(rows, E, generator=gen)
+    pick = torch.rand(rows, E, generator=gen)
+    scores = torch.where(pick < 0.9, float("-inf"), scores)
+    scores = torch.where((pick >= 0.9) & (pick < 0.93), -3e38, scores)
+    scores = torch.where((pick >= 0.93) & (pick < 0.94), -0.0, scores)
+    scores = torch.where((pick >= 0.94) & (pick < 0.945), float("nan"), scores)
+    seen = torch.rand(rows, E, generator=gen) < torch.linspace(0.0, 1.0, rows)[:, None]  # [rows, E]: 0% to 100%
+    seen[1] = False
+    seen[1, torch.randperm(E, generator=gen)[:50]] = True  # fewer visible entries than k
+    rare = torch.rand(3, E, generator=gen) < 1 - 200 / E  # rows 2-4: ~200 scores not -inf, fewer visible than k
+    scores[2:5] = scores[2:5].masked_fill(rare, float("-inf"))
+    finite = (scores.isfinite() & (scores > -1e38) | scores.isnan()) & seen
+    at_minus_inf = (finite.sum(-1) < k) & (seen.sum(-1) > k)  # rows whose k-th key is -inf and some -inf are visible
+    assert at_minus_inf.sum() >= 2 and ((scores == float("-inf")) & seen & at_minus_inf[:, None]).any()
+    want = _check_mask_forms(scores[None].to(DEVICE), seen[None].to(DEVICE), k, monkeypatch)
+    assert not want[0].any() and 0 < want[1].sum() < 50  # its visible -inf scores rank after earlier invisible ones
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="rows of 2K-64K entries need the GPU")
 @pytest.mark.parametrize("E", [2048, 16384, 16385, 32768, 32769, 65536])
 def test_counted_forms_at_long_rows_on_the_gpu(E):
@@ -281,6 +360,39 @@ def test_counted_forms_at_long_rows_on_the_gpu(E):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, ref.indexer_topk_index(static[None], mask[None], 512)[0])
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="rows of 2K-64K entries need the GPU")
+@pytest.mark.parametrize("E", [2048, 16384, 16385, 32768, 32769, 65536])
+def test_mask_forms_at_long_rows_on_the_gpu(E):
+    """The mask forms at the prefill shapes (bf16-rounded scores: ties at the k-th key) on both sides of ``HELD_ROW``
+    and ``HELD_WRITE_ROW``: the causal visibility of the last 384 tokens of a ``4 E``-token context with holes, a row
+    that sees nothing, one that sees fewer than ``k``, one whose k-th key is ``-inf`` with invisible entries tied
+    there, signed zeros, infinities and NaNs; ``wide_topk`` replayed in a CUDA graph on new scores."""
+    gen = torch.Generator(device="cuda").manual_seed(E)
+    scores = torch.randn(384, E, generator=gen, device="cuda").bfloat16().float()  # [R, E]
+    limit = (torch.arange(4 * E - 384, 4 * E, device="cuda") + 1) // 4  # [R]
+    visible = torch.arange(E, device="cuda") < limit[:, None]  # [R, E]
+    visible &= torch.rand(384, E, generator=gen, device="cuda") > 0.05
+    visible[0] = False
+    visible[1] = False
+    visible[1, :300] = True
+    scores[2, 200:] = float("-inf")  # 200 finite scores at most: the k-th key is -inf
+    scores[5, :64] = torch.tensor([float("nan"), float("inf"), -0.0, 0.0] * 16, device="cuda")
+    want = ref.indexer_topk(scores[None], visible[None], 512)[0]
+    want_index = ref.visible_index(want, 512)
+    for name, (mask_form, index_form) in MASK_FORMS.items():
+        assert torch.equal(mask_form(scores, visible, 512), want), name
+        assert torch.equal(index_form(scores, visible, 512), want_index), name
+    static = scores.clone()
+    indexer_topk.wide_topk(static, visible, 512)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = indexer_topk.wide_topk(static, visible, 512)
+    static.copy_(torch.randn(384, E, generator=gen, device="cuda").bfloat16().float())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref.indexer_topk(static[None], visible[None], 512)[0])
 
 
 def _compile(fn, signature: dict, constexprs: dict, capability: int, num_warps: int):
@@ -346,5 +458,27 @@ def test_wide_counted_kernels_compile_without_spills(capability, tmp_path):
     assert launches[-2][1]["ROW"] == indexer_topk.HELD_ROW and launches[-3][1]["WRITE_HELD"]
     for name, constexprs, warps in launches:
         compiled = _compile(getattr(indexer_topk, name), counted, constexprs, capability, warps)
+        registers, spills = _ptxas_usage(compiled.asm["ptx"], capability, tmp_path)
+        assert spills == 0 and registers <= min(255, 65536 // (32 * warps)), (name, constexprs, registers, spills)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="ahead-of-time compiles need the real Triton compiler, not the interpreter")
+@pytest.mark.parametrize("capability", [90, 100])
+def test_wide_mask_kernels_compile_without_spills(capability, tmp_path):
+    """The wide-digit mask kernels (selection mask and indices) as ``wide_topk`` / ``wide_topk_index`` launch them,
+    for each held row size up to ``HELD_ROW`` and the passes over memory: no register spills within the register
+    file's share of each program's warps."""
+    launches = []
+    for index in (False, True):
+        signature = {"scores_ptr": "*fp32", "visible_ptr": "*u8", "out_ptr": "*i32" if index else "*u8", "E": "i32",
+                     "k": "i32"}
+        launches += [("_radix_topk_wide_kernel", signature, {"BLOCK": indexer_topk.WIDE_BLOCK, "WIDE": digit,
+                                                             "INDEX": index}, 8) for digit in (8, indexer_topk.PASS_DIGIT)]
+        for E in (1000, 2048, 4096, 8192, 16384, 16385, 32768):
+            meta = indexer_topk.held_launch(E)
+            warps = meta.pop("num_warps")
+            launches.append(("_radix_topk_held_kernel", signature, {**meta, "INDEX": index}, warps))
+    for name, signature, constexprs, warps in launches:
+        compiled = _compile(getattr(indexer_topk, name), signature, constexprs, capability, warps)
         registers, spills = _ptxas_usage(compiled.asm["ptx"], capability, tmp_path)
         assert spills == 0 and registers <= min(255, 65536 // (32 * warps)), (name, constexprs, registers, spills)
