@@ -1,8 +1,9 @@
 """Lightning-indexer selection (``indexer_topk``, top-512): the reference op (a stable sort of every row) against the
-NVIDIA op's two forms (``kernels/indexer_topk.py``: the Triton radix select per row; order keys + ``torch.topk``), at
-the query x entry shapes one CSA layer
-sees at long context: an 8K prompt's chunk, 16K-token chunks late in 64K and 128K prompts, one 1,024-row slice of a
-16K chunk at 1M context (``DEEPINFER_INDEXER_CHUNK_ENTRIES``'s default), and batch-16 decode rows at 128K.
+NVIDIA op's forms (``kernels/indexer_topk.py``: the Triton radix select per row, 4-bit digits, ``radix_topk``, and
+wide digits, ``wide_topk``, the op's default: rows of up to 32,768 entries held on chip, longer ones 3 passes of 12,
+12 and 8 bits + the write; order keys + ``torch.topk``), at the query x entry shapes one CSA layer sees at long
+context: an 8K prompt's chunk, 16K-token chunks late in 64K and 128K prompts, one 1,024-row slice of a 16K chunk at
+1M context (``DEEPINFER_INDEXER_CHUNK_ENTRIES``'s default), and batch-16 decode rows at 128K.
 
     python backends/nvidia_sm100/benchmarks/bench_indexer_topk.py      # on a GPU; prints two tables
 
@@ -54,6 +55,7 @@ def main() -> None:
         radix_topk,
         radix_topk_index,
         radix_topk_index_counts,
+        wide_topk,
         wide_topk_index_counts,
     )
 
@@ -68,7 +70,7 @@ def main() -> None:
         flat = (scores.view(-1, E), visible.view(-1, E))
         counted = (scores.view(-1, E), counts.view(-1))
         want = ref.indexer_topk(scores, visible, K).view(-1, E)
-        same = [torch.equal(form(*flat, K), want) for form in (radix_topk, keyed_topk)]
+        same = [torch.equal(form(*flat, K), want) for form in (radix_topk, wide_topk, keyed_topk)]
         want_index = ref.visible_index(want, K)  # [R, K]
         del want
         same_index = [torch.equal(radix_topk_index(*flat, K), want_index)]
@@ -78,8 +80,9 @@ def main() -> None:
         floor = S * Lq * E * 6 / BW
         t_ref = cuda_time(lambda a=(scores, visible): ref.indexer_topk(*a, K), reps=5)
         t_radix = cuda_time(lambda a=flat: radix_topk(*a, K), reps=10)
+        t_wide = cuda_time(lambda a=flat: wide_topk(*a, K), reps=10)
         t_keyed = cuda_time(lambda a=flat: keyed_topk(*a, K), reps=10)
-        rows.append((what, S, Lq, E, same, floor, t_ref, t_radix, t_keyed))
+        rows.append((what, S, Lq, E, same, floor, t_ref, t_radix, t_wide, t_keyed))
         times = [cuda_time(lambda a=flat: radix_topk_index(*a, K), reps=10)]
         times += [cuda_time(lambda a=counted, f=form: f(*a, K), reps=10)
                   for form in counted_forms]
@@ -87,12 +90,13 @@ def main() -> None:
         del scores, visible, counts, flat, counted
         torch.cuda.empty_cache()
     print(f"\nindexer_topk, top-{K}, fp32 scores (H200)")
-    print("| shape | sequences x queries x entries | equal (radix, keyed) | floor | reference (sort) | radix select | "
-          "keys + torch.topk | radix % floor | radix speed-up |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for what, S, Lq, E, same, floor, a, b, c in rows:
-        print(f"| {what} | {S} x {Lq} x {E} | {same[0]}, {same[1]} | {floor * 1e3:.3f} ms | {a * 1e3:.3f} ms | "
-              f"{b * 1e3:.3f} ms | {c * 1e3:.3f} ms | {100 * floor / b:.0f}% | {a / b:.1f}x |")
+    print("| shape | sequences x queries x entries | equal (radix 4-bit, wide, keyed) | floor | reference (sort) | "
+          "radix 4-bit | radix wide | keys + torch.topk | wide % floor | wide speed-up | wide over 4-bit |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for what, S, Lq, E, same, floor, a, b, w, c in rows:
+        print(f"| {what} | {S} x {Lq} x {E} | {', '.join(map(str, same))} | {floor * 1e3:.3f} ms | {a * 1e3:.3f} ms | "
+              f"{b * 1e3:.3f} ms | {w * 1e3:.3f} ms | {c * 1e3:.3f} ms | {100 * floor / w:.0f}% | {a / w:.1f}x | "
+              f"{b / w:.2f}x |")
     print(f"\nindexer_topk_index / indexer_topk_index_counts, top-{K} as entry indices (H200)")
     print("| shape | sequences x queries x entries | equal (mask radix, counts radix 4-bit, wide, wide passes, "
           "keyed) | radix, mask | radix 4-bit, counts | radix wide, counts | wide passes only | keys + torch.topk, "
