@@ -22,7 +22,7 @@ entries are ``-inf`` as in the reference, and only visible entries stay selected
   write, from L2); longer rows take 3 passes over memory (digits of 12, 12 and 8 bits) and the writing pass, 4 reads
   instead of 9. The mask forms the same way (``wide_topk``, ``wide_topk_index``: the default of ``indexer_topk`` and
   ``indexer_topk_index``; ``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE=0``: ``radix_topk``, ``radix_topk_index``), invisible
-  entries as the ``-inf`` key; every pass leaves the ``-inf`` keys out of its histogram and counts them apart.
+  entries as the ``-inf`` key; each held pass leaves the ``-inf`` keys out of its histogram and counts them apart.
 * ``keyed_topk`` (fewer rows, decode; ``DEEPINFER_NVIDIA_RADIX_TOPK=0``): one Triton pass writes 64-bit keys (score key
   << 32 | ``E - 1 - index``), all distinct per row, and ``torch.topk`` on them picks exactly the entries the stable
   sort puts first; 8 bytes per score.
@@ -262,29 +262,21 @@ def _histogram_mask(keys, digit, prefix, known, SHIFT: tl.constexpr, BITS: tl.co
 
 
 @triton.jit
-def _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, lows, BLOCK: tl.constexpr,
-                 COUNTED: tl.constexpr, SHIFT: tl.constexpr, BITS: tl.constexpr, FIRST: tl.constexpr = False):
+def _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, BLOCK: tl.constexpr, COUNTED: tl.constexpr,
+                 SHIFT: tl.constexpr, BITS: tl.constexpr):
     """One pass of ``_radix_threshold_wide`` over the row's first ``E`` entries: the ``BITS``-bit digit at ``SHIFT``
-    of the keys matching ``prefix`` on the ``known`` bits, counted by ``tl.histogram`` but for the ``-inf`` keys
-    (invisible entries among them; ``FIRST``: counted here, else ``lows``, ``_add_lows``), and ``_take_digit``'s
-    choice."""
+    of the keys matching ``prefix`` on the ``known`` bits, counted by ``tl.histogram``, and ``_take_digit``'s choice.
+    The ``-inf`` keys count in their bin here (counting them apart, as ``_held_pass`` does, takes 97 registers at 8
+    warps on sm_100a, not 80: 2 resident rows an SM, not 3; rows this long are mostly visible)."""
     counts = tl.zeros([1 << BITS], dtype=tl.int32)
-    infs = tl.zeros([BLOCK], dtype=tl.int32)
     for start in range(0, E, BLOCK):
         offs = start + tl.arange(0, BLOCK)  # [B]
         inside = offs < E
         keys, _ = _radix_keys(scores_ptr, visible_ptr, base + offs, inside, COUNTED)
-        digit = ((keys >> SHIFT) & ((1 << BITS) - 1)).to(tl.int32)  # [B]
-        match = inside & _histogram_mask(keys, digit, prefix, known, SHIFT, BITS, FIRST)
-        counts += tl.histogram(digit, 1 << BITS, mask=match)
-        if FIRST:
-            infs += (inside & (keys == _NEG_INF_KEY)).to(tl.int32)
-    if FIRST:
-        lows = tl.sum(infs, axis=0)
-    bins = tl.arange(0, 1 << BITS)
-    counts = _add_lows(counts, bins, prefix, known, lows, SHIFT, BITS)
-    prefix, need = _take_digit(counts, bins, SHIFT, prefix, need)
-    return prefix, known | (tl.full((), (1 << BITS) - 1, tl.uint32) << SHIFT), need, lows
+        match = inside & ((keys & known) == prefix)
+        counts += tl.histogram(((keys >> SHIFT) & ((1 << BITS) - 1)).to(tl.int32), 1 << BITS, mask=match)
+    prefix, need = _take_digit(counts, tl.arange(0, 1 << BITS), SHIFT, prefix, need)
+    return prefix, known | (tl.full((), (1 << BITS) - 1, tl.uint32) << SHIFT), need
 
 
 @triton.jit
@@ -297,21 +289,15 @@ def _radix_threshold_wide(scores_ptr, visible_ptr, base, E, k, BLOCK: tl.constex
     prefix = tl.full((), 0, tl.uint32)
     known = tl.full((), 0, tl.uint32)
     need = tl.full((), 0, tl.int32) + k
-    lows = tl.full((), 0, tl.int32)
     if WIDE == 12:
-        prefix, known, need, lows = _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, lows, BLOCK,
-                                                 COUNTED, 20, 12, True)
-        prefix, known, need, lows = _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, lows, BLOCK,
-                                                 COUNTED, 8, 12)
-        prefix, known, need, lows = _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, lows, BLOCK,
-                                                 COUNTED, 0, 8)
+        prefix, known, need = _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, BLOCK, COUNTED, 20, 12)
+        prefix, known, need = _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, BLOCK, COUNTED, 8, 12)
+        prefix, known, need = _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, BLOCK, COUNTED, 0, 8)
     else:
         tl.static_assert(WIDE == 8)
-        prefix, known, need, lows = _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, lows, BLOCK,
-                                                 COUNTED, 24, 8, True)
-        for p in tl.static_range(1, 4):
-            prefix, known, need, lows = _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, lows,
-                                                     BLOCK, COUNTED, 24 - 8 * p, 8)
+        for p in tl.static_range(4):
+            prefix, known, need = _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, BLOCK, COUNTED,
+                                               24 - 8 * p, 8)
     return prefix, need
 
 
