@@ -127,9 +127,10 @@ def test_both_forms_write_the_selection_as_the_reference_indices(S, Lq, E, level
 
 @kernel_runs_here
 def test_the_op_takes_the_radix_kernel_from_radix_min_rows(monkeypatch):
-    """Both mask ops from ``RADIX_MIN_ROWS`` rows: the wide form, ``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE=0`` the 4-bit
-    one, ``DEEPINFER_NVIDIA_RADIX_TOPK=0`` keys + ``torch.topk``; the same bits each time."""
+    """Both mask ops from ``RADIX_MIN_ROWS`` rows: ``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE=1`` the wide form, ``0`` the
+    4-bit one, ``DEEPINFER_NVIDIA_RADIX_TOPK=0`` keys + ``torch.topk``; the same bits each time."""
     monkeypatch.setattr(indexer_topk, "RADIX_MIN_ROWS", 4)  # 64 by default: fewer rows keep the interpreter quick
+    monkeypatch.setenv("DEEPINFER_NVIDIA_RADIX_TOPK_WIDE", "1")
     scores, visible = long_case(1, 4, 600, 4, seed=5)
     want = ref.indexer_topk(scores.cpu(), visible.cpu(), 100)
     want_index = ref.indexer_topk_index(scores.cpu(), visible.cpu(), 100)
@@ -222,6 +223,7 @@ def test_wide_counted_forms_select_as_the_masked_reference(S, Lq, E, levels, k, 
 @kernel_runs_here
 def test_the_counted_op_takes_the_radix_kernel_from_radix_min_rows(monkeypatch):
     monkeypatch.setattr(indexer_topk, "RADIX_MIN_ROWS", 4)  # 64 by default: fewer rows keep the interpreter quick
+    monkeypatch.setenv("DEEPINFER_NVIDIA_RADIX_TOPK_WIDE", "1")
     scores, counts, mask = counted_case(1, 5, 600, 4, 100, seed=8)
     want = ref.indexer_topk_index(scores.cpu(), mask, 100)
     taken = []

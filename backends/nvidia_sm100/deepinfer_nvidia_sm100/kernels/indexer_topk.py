@@ -15,13 +15,13 @@ entries are ``-inf`` as in the reference, and only visible entries stay selected
   match the digits found so far), then one pass writes the selection: keys above it, and of the keys equal to it the
   first ones in index order until ``k``. 9 reads of the row's scores and visibility, 1 byte written per score, no
   temporaries.
-* ``wide_topk_index_counts`` (the counted index form's default; ``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE=0``: the 4-bit
-  ``radix_topk_index_counts``): the same select with wider digits, a ``tl.histogram`` a pass. Rows of at most
+* ``wide_topk_index_counts`` (``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE=1``; off by default until timed on a GPU, when the
+  4-bit ``radix_topk_index_counts`` runs): the same select with wider digits, a ``tl.histogram`` a pass. Rows of at most
   ``HELD_ROW`` (32,768) entries are read once into registers (up to 32 keys a thread at 32 warps) and selected there
   in 4 passes of 8 bits, and written from there too up to ``HELD_WRITE_ROW`` (16,384; longer ones read again for the
   write, from L2); longer rows take 3 passes over memory (digits of 12, 12 and 8 bits) and the writing pass, 4 reads
-  instead of 9. The mask forms the same way (``wide_topk``, ``wide_topk_index``: the default of ``indexer_topk`` and
-  ``indexer_topk_index``; ``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE=0``: ``radix_topk``, ``radix_topk_index``), invisible
+  instead of 9. The mask forms the same way (``wide_topk``, ``wide_topk_index`` for ``indexer_topk`` and
+  ``indexer_topk_index`` with the switch on; ``radix_topk``, ``radix_topk_index`` without it), invisible
   entries as the ``-inf`` key; each held pass leaves the ``-inf`` keys out of its histogram and counts them apart.
 * ``keyed_topk`` (fewer rows, decode; ``DEEPINFER_NVIDIA_RADIX_TOPK=0``): one Triton pass writes 64-bit keys (score key
   << 32 | ``E - 1 - index``), all distinct per row, and ``torch.topk`` on them picks exactly the entries the stable
