@@ -445,3 +445,105 @@ def test_cuda_graph_drafts_match_eager_drafts(checkpoint, dtype, tol):
     print(f"[{dtype}] draft graphs by fold rows {graphed.graphs.replays_by_rows}; tokens equal {agree}/{total}")
     assert agree >= 0.9 * total
     llm.engine.shutdown()
+
+
+LONG_PROMPT = 65_536
+LONG_STEPS = 8
+LONG_SCORED = 512  # the prompt's last positions whose logprobs are compared
+LONG_TOL = 0.05  # the largest logprob difference: bounds indexer selection flips (the test's docstring)
+LONG_TOL_MEDIAN = 1e-3
+LONG_TOPK = 256  # of up to 16,384 CSA entries at 64K
+
+
+@pytest.fixture(scope="module")
+def long_checkpoint(tmp_path_factory) -> Path:
+    """The tiny preset's layers (sliding, CSA, HCA, CSA; hidden 256; V4-Flash's compress rates 4 / 128 and window
+    128) with 16 heads (the Triton sparse kernel's head block), ``index_topk`` ``LONG_TOPK``, and V4-Flash's
+    1,048,576 positions with yarn RoPE on the compressed layers (the ``-1m`` presets'), random weights."""
+    from deepinfer_core.bench import presets
+
+    rope = {"main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+            "compress": {**presets.FLASH_COMPRESS_ROPE, "partial_rotary_factor": 0.25}}
+    overrides = {"max_position_embeddings": presets.FLASH_MAX_POSITIONS, "rope_parameters": rope,
+                 "num_attention_heads": 16, "index_topk": LONG_TOPK}
+    return presets.ensure_preset("tiny", cache_dir=tmp_path_factory.mktemp("long"), overrides=overrides)
+
+
+def _long_prompt_run(folder, backend: str, chunk: int):
+    """One seeded prompt of ``LONG_PROMPT`` random ids prefilled in steps of ``chunk`` tokens, then ``LONG_STEPS``
+    greedy tokens, fp32: ((token, logprob, top-2 gap) per step, the last ``LONG_SCORED`` prompt tokens' logprobs,
+    decode graph replays)."""
+    import torch
+
+    from deepinfer_core.llm import LLM
+    from deepinfer_core.sampling.params import SamplingParams
+
+    prompt = torch.randint(3, 4096, (LONG_PROMPT,), generator=torch.Generator().manual_seed(64)).tolist()
+    llm = LLM(model=str(folder), backend=backend, dtype="float32", max_model_len=LONG_PROMPT + 64, max_num_seqs=1,
+              max_num_batched_tokens=chunk)
+    assert llm.backend.name == backend
+    params = SamplingParams(temperature=0.0, max_tokens=LONG_STEPS, ignore_eos=True, logprobs=2, prompt_logprobs=0)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    graphs = llm.engine.runner.decode_graphs
+    replays = graphs.num_replays if graphs is not None else 0
+    llm.engine.shutdown()
+    comp = out.outputs[0]
+    steps = [(t, lps[t].logprob, _top2_gap(lps)) for t, lps in zip(comp.token_ids, comp.logprobs, strict=True)]
+    scored = [lps[t].logprob for t, lps in zip(prompt[-LONG_SCORED:], out.prompt_logprobs[-LONG_SCORED:],
+                                               strict=True)]
+    return steps, scored, replays
+
+
+@pytest.fixture(scope="module")
+def long_cpu_reference(long_checkpoint):
+    """The reference path at 64K: the CPU backend (reference ops) on the host's cores, its CSA layers through the
+    reference ``sparse_sink_attention`` (``DEEPINFER_SPARSE_CSA_ATTENTION=1``: each row's window and selected
+    entries gathered; the dense masked attention over every entry would take minutes at 64K), 1,024-token steps."""
+    import torch
+
+    from deepinfer_core.backends.host_threads import physical_cores
+
+    threads = torch.get_num_threads()  # a GPU engine made earlier in this process left torch one thread
+    torch.set_num_threads(physical_cores())
+    try:
+        with pytest.MonkeyPatch.context() as m:
+            m.setenv("DEEPINFER_SPARSE_CSA_ATTENTION", "1")
+            return _long_prompt_run(long_checkpoint, "cpu", 1024)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("mode", ["0", "1"])
+def test_long_prompt_logits_match_the_reference_path_at_64k(long_checkpoint, long_cpu_reference, monkeypatch,
+                                                            mode):
+    """A 65,536-token prompt on the NVIDIA backend in 8,192-token prefill steps (the Triton indexer scores, the
+    radix top-k of each prefill row over up to 16,384 CSA entries; ``DEEPINFER_SPARSE_CSA_ATTENTION`` ``0``: the
+    dense masked attention, ``1``: the Triton sparse kernel reading each row's listed keys in place), then
+    ``LONG_STEPS`` greedy tokens replayed from CUDA graphs at a 64K context (keys + ``torch.topk`` selection),
+    against the CPU reference path on the same checkpoint, fp32 on both sides: greedy tokens equal until a near-tie
+    of the reference; the generated tokens' and the prompt's last ``LONG_SCORED`` positions' logprobs within
+    ``LONG_TOL``, their median within ``LONG_TOL_MEDIAN``. fp32 runs neither the TileLang attention nor the Triton
+    decode attention (16-bit only).
+
+    Tolerance. The two sides sum in other orders (GEMMs, attention, the indexer's dot products), so the indexer's
+    fp32 scores differ in their last bits, and where a row's k-th and (k+1)-th entries score closer than that, the
+    sides select different entries (on equal scores the top-k is the reference's bit for bit:
+    ``test_kernels_gpu.py``). Such a flip swaps one of the row's 128 + ``LONG_TOPK`` keys for one that scores the
+    same, and moves later positions through the states it writes. The test bounds flips rather than avoiding them.
+    Measured with this harness on the CPU at 64K, the reference against itself with its indexer scores times ``1 +
+    noise`` (Gaussian; the scores only select, so whatever moves comes from flipped selections): noise 1e-6 (about
+    the sides' disagreement) moved the last 512 prompt logprobs by at most 3.7e-3
+    (median 4.8e-6) and the generated ones by 4.2e-3, noise 1e-5 by at most 0.040 (median 8.5e-5) and 4.4e-3.
+    ``LONG_TOL`` (0.05) covers ten times the expected disagreement; the median keeps the test sharp: a bug that
+    moves every row, even one more entry read per row (``index_topk`` 257 against 256), moved the median by 4.4e-3,
+    above ``LONG_TOL_MEDIAN`` (1e-3)."""
+    monkeypatch.setenv("DEEPINFER_SPARSE_CSA_ATTENTION", mode)
+    want_steps, want_scored, _ = long_cpu_reference
+    got_steps, got_scored, replays = _long_prompt_run(long_checkpoint, "nvidia_sm100", 8192)
+    assert replays >= LONG_STEPS - 1, "decode steps at 64K should replay CUDA graphs"
+    label = f"64K prompt, CSA attention mode {mode}: gpu fp32 vs cpu reference"
+    _compare([want_steps], [got_steps], lp_tol=LONG_TOL, tie_gap=LONG_TOL, label=label, steps=LONG_STEPS)
+    diffs = sorted(abs(w - g) for w, g in zip(want_scored, got_scored, strict=True))
+    worst, median = diffs[-1], diffs[len(diffs) // 2]
+    print(f"[{label}] last {LONG_SCORED} prompt positions: max |logprob diff| {worst:.3g}, median {median:.3g}")
+    assert worst < LONG_TOL and median < LONG_TOL_MEDIAN
