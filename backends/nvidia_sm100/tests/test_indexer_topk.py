@@ -238,6 +238,17 @@ def test_the_counted_op_takes_the_radix_kernel_from_radix_min_rows(monkeypatch):
     assert taken == ["wide_topk_index_counts", "radix_topk_index_counts"]
 
 
+def mostly_minus_inf(rows: int, E: int, gen: torch.Generator) -> torch.Tensor:
+    """``[rows, E]`` scores, 90% ``-inf``, 3% ``-3e38`` (in ``-inf``'s first-digit bin), 1% ``-0.0``, 0.5% NaN, the
+    rest normal."""
+    scores = torch.randn(rows, E, generator=gen)
+    pick = torch.rand(rows, E, generator=gen)
+    scores = torch.where(pick < 0.9, float("-inf"), scores)
+    scores = torch.where((pick >= 0.9) & (pick < 0.93), -3e38, scores)
+    scores = torch.where((pick >= 0.93) & (pick < 0.94), -0.0, scores)
+    return torch.where((pick >= 0.94) & (pick < 0.945), float("nan"), scores)
+
+
 @kernel_runs_here
 @pytest.mark.parametrize("E", [3000, 20000])
 def test_wide_counted_forms_with_the_kth_key_at_minus_inf(E, monkeypatch):
@@ -246,12 +257,7 @@ def test_wide_counted_forms_with_the_kth_key_at_minus_inf(E, monkeypatch):
     visible ones back (the row's padding past its count is ``-inf`` too), which must count exactly."""
     gen = torch.Generator().manual_seed(E)
     rows, k = 12, 100
-    scores = torch.randn(rows, E, generator=gen)
-    pick = torch.rand(rows, E, generator=gen)
-    scores = torch.where(pick < 0.9, float("-inf"), scores)
-    scores = torch.where((pick >= 0.9) & (pick < 0.93), -3e38, scores)
-    scores = torch.where((pick >= 0.93) & (pick < 0.94), -0.0, scores)
-    scores = torch.where((pick >= 0.94) & (pick < 0.945), float("nan"), scores)
+    scores = mostly_minus_inf(rows, E, gen)  # [rows, E]
     counts = torch.tensor([0, 50, 100, 101, 500, 999, 1000, 1500, E // 2, E - 1000, E - 1, E], dtype=torch.int32)
     mask = torch.arange(E) < counts[:, None]  # [rows, E]
     want = ref.indexer_topk_index(scores[None], mask[None], k)[0]
@@ -320,12 +326,7 @@ def test_wide_mask_forms_with_the_kth_key_at_minus_inf(E, monkeypatch):
     entry."""
     gen = torch.Generator().manual_seed(E)
     rows, k = 12, 100
-    scores = torch.randn(rows, E, generator=gen)
-    pick = torch.rand(rows, E, generator=gen)
-    scores = torch.where(pick < 0.9, float("-inf"), scores)
-    scores = torch.where((pick >= 0.9) & (pick < 0.93), -3e38, scores)
-    scores = torch.where((pick >= 0.93) & (pick < 0.94), -0.0, scores)
-    scores = torch.where((pick >= 0.94) & (pick < 0.945), float("nan"), scores)
+    scores = mostly_minus_inf(rows, E, gen)  # [rows, E]
     seen = torch.rand(rows, E, generator=gen) < torch.linspace(0.0, 1.0, rows)[:, None]  # [rows, E]: 0% to 100%
     seen[1] = False
     seen[1, torch.randperm(E, generator=gen)[:50]] = True  # fewer visible entries than k
@@ -353,15 +354,8 @@ def test_counted_forms_at_long_rows_on_the_gpu(E):
     want = ref.indexer_topk_index(scores[None], mask[None], 512)[0]
     for name, form in COUNTED_FORMS.items():
         assert torch.equal(form(scores, counts, 512), want), name
-    static = scores.clone()
-    indexer_topk.wide_topk_index_counts(static, counts, 512)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = indexer_topk.wide_topk_index_counts(static, counts, 512)
-    static.copy_(torch.randn(384, E, generator=gen, device="cuda").bfloat16().float())
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, ref.indexer_topk_index(static[None], mask[None], 512)[0])
+    _replays_on_new_scores(indexer_topk.wide_topk_index_counts, scores.clone(), counts, gen,
+                           lambda new: ref.indexer_topk_index(new[None], mask[None], 512)[0])
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="rows of 2K-64K entries need the GPU")
@@ -386,15 +380,21 @@ def test_mask_forms_at_long_rows_on_the_gpu(E):
     for name, (mask_form, index_form) in MASK_FORMS.items():
         assert torch.equal(mask_form(scores, visible, 512), want), name
         assert torch.equal(index_form(scores, visible, 512), want_index), name
-    static = scores.clone()
-    indexer_topk.wide_topk(static, visible, 512)  # compile outside the capture
+    _replays_on_new_scores(indexer_topk.wide_topk, scores.clone(), visible, gen,
+                           lambda new: ref.indexer_topk(new[None], visible[None], 512)[0])
+
+
+def _replays_on_new_scores(form, static: torch.Tensor, rows: torch.Tensor, gen: torch.Generator, reference) -> None:
+    """``form(static, rows, 512)`` captured in a CUDA graph, then replayed on new bf16-rounded scores written into
+    ``static``: its output is ``reference`` of them."""
+    form(static, rows, 512)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = indexer_topk.wide_topk(static, visible, 512)
-    static.copy_(torch.randn(384, E, generator=gen, device="cuda").bfloat16().float())
+        out = form(static, rows, 512)
+    static.copy_(torch.randn(static.shape, generator=gen, device="cuda").bfloat16().float())
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, ref.indexer_topk(static[None], visible[None], 512)[0])
+    assert torch.equal(out, reference(static))
 
 
 def _compile(fn, signature: dict, constexprs: dict, capability: int, num_warps: int):
