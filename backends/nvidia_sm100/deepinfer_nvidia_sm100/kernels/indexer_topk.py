@@ -636,6 +636,16 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _radix_form(rows_scores: torch.Tensor, wide, four_bit):
+    """The radix kernel an op call over ``rows_scores [R, E]`` takes: ``wide`` with
+    ``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE``, else ``four_bit``; None (keys and ``torch.topk``) off Triton, below
+    ``RADIX_MIN_ROWS`` rows or with ``DEEPINFER_NVIDIA_RADIX_TOPK=0``."""
+    on_triton = rows_scores.device.type == "cuda" or _interpreted()
+    if not (on_triton and rows_scores.shape[0] >= RADIX_MIN_ROWS and envs.DEEPINFER_NVIDIA_RADIX_TOPK):
+        return None
+    return wide if envs.DEEPINFER_NVIDIA_RADIX_TOPK_WIDE else four_bit
+
+
 def _topk_fake(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
     return torch.empty_like(visible)
 
@@ -648,9 +658,8 @@ def indexer_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.T
     if E <= k or visible.numel() == 0:  # every entry fits the budget: the visible ones
         return visible.clone()
     rows_scores, rows_visible = scores.reshape(-1, E), visible.reshape(-1, E)  # [R, E] each
-    on_triton = scores.device.type == "cuda" or _interpreted()
-    if on_triton and rows_scores.shape[0] >= RADIX_MIN_ROWS and envs.DEEPINFER_NVIDIA_RADIX_TOPK:
-        form = wide_topk if envs.DEEPINFER_NVIDIA_RADIX_TOPK_WIDE else radix_topk
+    form = _radix_form(rows_scores, wide_topk, radix_topk)
+    if form is not None:
         return form(rows_scores, rows_visible, k).view(visible.shape)
     return keyed_topk(rows_scores, rows_visible, k).view(visible.shape)
 
@@ -668,9 +677,8 @@ def indexer_topk_index(scores: torch.Tensor, visible: torch.Tensor, k: int) -> t
     if E <= k or visible.numel() == 0:  # every entry fits the budget: the visible ones
         return ref.visible_index(visible, k)
     rows_scores, rows_visible = scores.reshape(-1, E), visible.reshape(-1, E)  # [R, E] each
-    on_triton = scores.device.type == "cuda" or _interpreted()
-    if on_triton and rows_scores.shape[0] >= RADIX_MIN_ROWS and envs.DEEPINFER_NVIDIA_RADIX_TOPK:
-        form = wide_topk_index if envs.DEEPINFER_NVIDIA_RADIX_TOPK_WIDE else radix_topk_index
+    form = _radix_form(rows_scores, wide_topk_index, radix_topk_index)
+    if form is not None:
         return form(rows_scores, rows_visible, k).view(*visible.shape[:-1], k)
     return keyed_topk_index(rows_scores, rows_visible, k).view(*visible.shape[:-1], k)
 
@@ -689,8 +697,7 @@ def indexer_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: int
         places = torch.arange(k, device=counts.device)  # [k]
         return torch.where(places < counts.clamp(max=E)[..., None], places, -1).to(torch.int32)
     rows_scores, rows_counts = scores.reshape(-1, E), counts.reshape(-1)  # [R, E], [R]
-    on_triton = scores.device.type == "cuda" or _interpreted()
-    if on_triton and rows_scores.shape[0] >= RADIX_MIN_ROWS and envs.DEEPINFER_NVIDIA_RADIX_TOPK:
-        form = wide_topk_index_counts if envs.DEEPINFER_NVIDIA_RADIX_TOPK_WIDE else radix_topk_index_counts
+    form = _radix_form(rows_scores, wide_topk_index_counts, radix_topk_index_counts)
+    if form is not None:
         return form(rows_scores, rows_counts, k).view(*counts.shape, k)
     return keyed_topk_index_counts(rows_scores, rows_counts, k).view(*counts.shape, k)
