@@ -36,18 +36,18 @@ def _environ() -> dict[str, str]:
 
 
 def _start(*args: str) -> subprocess.Popen:
-    """The CLI in a child process with SIGINT not ignored, as at a terminal, even where these tests run with SIGINT
-    ignored (a shell's background job: the child would inherit that, install no handler, and Ctrl-C would do
-    nothing). A handler of this process is reset to the default in the child; an ignored signal is not."""
-    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
-    if ignored:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    """The CLI in a child process that gets SIGINT as a terminal's foreground process would: handled by default, not
+    blocked. Where these tests run with SIGINT ignored (a shell's background job) or blocked (some CI runners), the
+    child would inherit that: Python would install no handler, or the signal would stay pending, and Ctrl-C would do
+    nothing. A handler of this process is reset to the default in the child; an ignored or blocked signal is not."""
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     try:
         return subprocess.Popen([sys.executable, "-m", "deepinfer_core.cli", *args], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, env=_environ())
     finally:
-        if ignored:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        signal.signal(signal.SIGINT, handler)
 
 
 def _wait_until_sigint_is_handled(process: subprocess.Popen) -> None:
