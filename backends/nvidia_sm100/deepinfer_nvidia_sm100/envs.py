@@ -33,9 +33,10 @@ VARIABLES = Variables(
              "float32 and multiplied as even / odd halves (the kernels before the rewrite)."),
     Variable("DEEPINFER_NVIDIA_MXFP4_DECODE_MAX_PER_EXPERT", int, 0,
              "MXFP4 routed experts of 2+ tokens with at most this many assignments per expert on average (decode "
-             "sizes) take `moe_mxfp4_decode`'s kernels (bytes expanded to scaled bf16 by inline PTX, two K = 16 "
-             "products per scale group); 0 (default: slower than `moe_quant`'s grouped kernels at 16-256 tokens "
-             "on an H200): the grouped kernels of `moe_quant` at every size."),
+             "sizes) take `moe_mxfp4_decode`'s kernels (the packed words expanded by inline PTX straight into the "
+             "MMA's register operand, in fragment order); 0 (default until they are timed on a GPU; their previous "
+             "design was slower than `moe_quant`'s grouped kernels on an H200): the grouped kernels of `moe_quant` "
+             "at every size."),
     Variable("DEEPINFER_NVIDIA_NORM", bool, True, "Triton RMS-norm kernels; 0: the compiled reference ops."),
     Variable("DEEPINFER_NVIDIA_GREEDY", bool, True, "Triton sampler for all-greedy steps; 0: the reference sampler."),
     Variable("DEEPINFER_NVIDIA_RADIX_TOPK", bool, True,

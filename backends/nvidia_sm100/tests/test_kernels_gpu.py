@@ -341,10 +341,10 @@ def test_mxfp4_experts_other_paths_match_reference_at_preset_sizes(path, monkeyp
 
 
 @pytest.mark.parametrize("T", [1, 16, 64, 256])
-@pytest.mark.parametrize("variant", ["default", "swap", "no swap", "portable"])
+@pytest.mark.parametrize("variant", ["default", "128 inputs a step", "portable"])
 def test_mxfp4_decode_kernels_match_reference_at_preset_sizes(T, variant):
-    """``moe_mxfp4_decode`` at the preset's widths, bf16: its default launch for the token count (PTX decode), the
-    weights on the left / right of the product, and the decode without inline PTX; against the reference op."""
+    """``moe_mxfp4_decode`` at the preset's widths, bf16: its default launch for the token count (PTX decode), 128
+    inputs a loop step, and the decode without inline PTX; against the reference op."""
     from deepinfer_nvidia_sm100.kernels import moe_mxfp4_decode
 
     E, k, D, I = 64, 6, 4096, 2048
@@ -354,8 +354,8 @@ def test_mxfp4_decode_kernels_match_reference_at_preset_sizes(T, variant):
     weights = torch.rand(T, k, device="cuda", generator=gen)
     stored = _quantized_experts("mxfp4", E, D, I)
     launch = list(moe_mxfp4_decode.tile(T * k, E))
-    if variant in ("swap", "no swap"):
-        launch[5] = variant == "swap"
+    if variant == "128 inputs a step":
+        launch[1] = 128
     decode = moe_mxfp4_decode.PORTABLE if variant == "portable" else None
     got = moe_mxfp4_decode.run(x, ids, weights, *(t.view(torch.uint8) for t in stored), 0.5, tuple(launch), decode)
     want = ref.moe_experts_mxfp4(x, ids, weights, *stored, 0.5)

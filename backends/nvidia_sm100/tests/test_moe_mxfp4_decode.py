@@ -1,10 +1,13 @@
-"""The MXFP4 decode-size expert kernels (``kernels/moe_mxfp4_decode.py``) and their bf16 decode
-(``dequant.mxfp4_bf16_pairs``) against the reference op and ``deepinfer_core.quant.mxfp4``: on the GPU where there is
+"""The MXFP4 decode-size expert kernels (``kernels/moe_mxfp4_decode.py``) and their word decode
+(``dequant.mxfp4_word_codes``) against the reference op and ``deepinfer_core.quant.mxfp4``: on the GPU where there is
 one (every ``DECODE``, bf16), without one in a child pytest under Triton's interpreter (the float32 decode with
-float32 / fp16 activations, and the portable bf16 decode helper on its own); and compiled for sm_90a / sm_100a with
-the inline PTX (ptxas checks it), reaching the tensor cores without spilling."""
+float32 / fp16 activations: the fragment order, the row order and the epilogues); and compiled for sm_90a / sm_100a
+with the inline PTX (ptxas checks it), reaching the tensor cores with the weights in registers and without
+spilling."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -28,18 +31,19 @@ def test_kernels_under_triton_interpreter():
 
 
 @triton.jit
-def _decode_kernel(packed_ptr, scale_ptr, even_ptr, odd_ptr, PTX: tl.constexpr):
-    """Row ``program_id`` of ``[rows, 256]`` packed bytes with one scale byte per row -> its bf16 weights."""
+def _decode_kernel(words_ptr, scale_ptr, out_ptr, PTX: tl.constexpr):
+    """Row ``program_id`` of ``[rows, 64]`` int32 words with one scale byte per row -> its ``[rows, 64, 8]`` bf16
+    weights (code ``i`` of word ``w`` at ``[w, i]``)."""
     row = tl.program_id(0)
-    i = tl.arange(0, 256)
-    packed = tl.load(packed_ptr + row * 256 + i)
-    scale = dequant.ue8m0(tl.load(scale_ptr + row + i * 0)).to(tl.bfloat16)
+    w = tl.arange(0, 64)
+    words = tl.load(words_ptr + row * 64 + w)
+    scale = dequant.ue8m0(tl.load(scale_ptr + row + w * 0)).to(tl.bfloat16)
     if PTX:
-        even, odd = dequant.mxfp4_bf16_pairs(packed, scale)
+        codes = dequant.mxfp4_word_codes(words, scale)
     else:
-        even, odd = dequant.mxfp4_bf16_pairs_portable(packed, scale)
-    tl.store(even_ptr + row * 256 + i, even)
-    tl.store(odd_ptr + row * 256 + i, odd)
+        codes = dequant.mxfp4_word_values(words, scale)
+    for i in tl.static_range(8):
+        tl.store(out_ptr + row * 512 + w * 8 + i, codes[i])
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 bit casts need a GPU (Triton's interpreter has no bf16)")
@@ -49,12 +53,11 @@ def test_mxfp4_bf16_decode_is_exact_on_every_code_and_scale_byte(ptx):
     to bf16 (exact: a code times a power of two fits bf16; 2 x 2^127 and up overflow to inf, byte 255 is NaN)."""
     scales = torch.tensor(EXTREME_SCALES, dtype=torch.uint8, device=DEVICE)
     packed = torch.arange(256, dtype=torch.uint8, device=DEVICE).repeat(len(scales), 1)  # [rows, 256]
-    even = torch.empty(len(scales), 256, dtype=torch.bfloat16, device=DEVICE)
-    odd = torch.empty_like(even)
-    _decode_kernel[(len(scales),)](packed, scales, even, odd, PTX=ptx)
+    out = torch.empty(len(scales), 512, dtype=torch.bfloat16, device=DEVICE)
+    _decode_kernel[(len(scales),)](packed.view(torch.int32), scales, out, PTX=ptx)
     want = mxfp4.dequantize(packed, scales[:, None].repeat(1, 512 // mxfp4.GROUP).view(torch.float8_e8m0fnu))
     want = want.to(torch.bfloat16)  # [rows, 512]
-    got = torch.stack([even, odd], dim=-1).reshape(len(scales), 512)
+    got = out
     assert torch.equal(got.isnan(), want.isnan())
     finite = ~want.isnan()
     assert torch.equal(got[finite], want[finite]) and torch.equal(got.signbit()[finite], want.signbit()[finite])
@@ -84,11 +87,10 @@ def _tol(dtype: torch.dtype) -> dict:
 @pytest.mark.parametrize("decode", DECODES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T, E, top_k, D, I, launch", [
-    (1, 4, 3, 128, 64, (16, 32, 2, 4, 2, True)),  # one token, the weights on the left, every tile full (EVEN)
-    (5, 4, 2, 160, 64, (16, 16, 2, 4, 2, False)),  # a partial 64-input step (D = 5 groups)
-    (5, 4, 2, 128, 96, (16, 64, 2, 4, 2, True)),  # a column tile past I and past D
-    (40, 4, 2, 64, 96, (64, 32, 1, 4, 2, False)),  # 20 assignments per expert in 64-row tiles
-    (3, 4, 3, 128, 64, (16, 64, 4, 4, 2, False)),  # four groups per step, EVEN
+    (1, 4, 3, 128, 128, (16, 128, 4, 2)),  # one token, one step over each width
+    (5, 4, 2, 256, 384, (16, 256, 4, 2)),  # 256 inputs a step over D, 128 over I (384 is not a multiple of 256)
+    (40, 4, 2, 128, 256, (64, 128, 4, 2)),  # 20 assignments per expert in 64-row tiles
+    (3, 4, 3, 256, 128, (16, 128, 4, 2)),  # two steps over D
 ])
 def test_decode_kernels_match_reference(T, E, top_k, D, I, launch, dtype, decode):
     if decode != moe_mxfp4_decode.FLOAT32 and dtype != torch.bfloat16:
@@ -109,17 +111,37 @@ def test_mxfp4_op_takes_the_decode_kernels_up_to_the_bound(T, monkeypatch):
     monkeypatch.setattr(moe_mxfp4_decode, "ONE_TOKEN", True)
     monkeypatch.setattr(moe_mxfp4_decode, "MAX_PER_EXPERT", 16)
     dtype = DTYPES[-1]
-    x, ids, weights, stored = _case(T, 4, 2, 96, 64, dtype, seed=T)
-    assert moe_mxfp4_decode.used(T, T * 2, 4, x) == (T * 2 <= 16 * 4)
+    x, ids, weights, stored = _case(T, 4, 2, 128, 128, dtype, seed=T)
+    assert moe_mxfp4_decode.used(T, T * 2, 4, x, 128) == (T * 2 <= 16 * 4)
+    assert not moe_mxfp4_decode.used(T, T * 2, 4, x, 96)  # a width that is not a multiple of 128
     got = moe_quant.moe_experts_mxfp4(x, ids, weights, *stored, 0.7)
     torch.testing.assert_close(got, ref.moe_experts_mxfp4(x, ids, weights, *stored, 0.7), **_tol(dtype))
 
 
-def test_paired_order_puts_each_groups_even_inputs_first():
-    t = torch.arange(64).reshape(1, 64)
-    want = [*range(0, 32, 2), *range(1, 32, 2), *range(32, 64, 2), *range(33, 64, 2)]
-    assert moe_mxfp4_decode.paired(t)[0].tolist() == want
+def test_fragment_order_and_its_inverse_map():
+    """``fragment_order`` puts input ``32 q + 16 h + 8 e + s`` of every 128 at column ``16 s + 8 h + 2 q + e``, and
+    ``fragment_column`` (the up kernel's ``h`` columns) is the same map."""
+    t = torch.arange(256).reshape(1, 256)
+    got = moe_mxfp4_decode.fragment_order(t)[0]
+    for p in (0, 1, 7, 8, 16, 31, 32, 100, 127, 128, 255):
+        q, h, e, s = p % 128 // 32, p // 16 % 2, p // 8 % 2, p % 8
+        assert got[p // 128 * 128 + 16 * s + 8 * h + 2 * q + e] == p
+    assert sorted(got.tolist()) == list(range(256))
     assert moe_mxfp4_decode.tile(64 * 6, 64) == moe_mxfp4_decode.TILES["decode"][1]
+
+
+@kernel_runs_here
+def test_fragment_column_is_the_inverse_of_fragment_order():
+    cols = torch.empty(256, dtype=torch.int32, device=DEVICE)
+    _columns_kernel[(1,)](cols)
+    assert moe_mxfp4_decode.fragment_order(torch.arange(256, device=DEVICE).reshape(1, 256))[0][cols.long()].tolist() \
+        == list(range(256))
+
+
+@triton.jit
+def _columns_kernel(out_ptr):
+    n = tl.arange(0, 256)
+    tl.store(out_ptr + n, moe_mxfp4_decode.fragment_column(n))
 
 
 @pytest.mark.parametrize("capability", [90, 100])
@@ -128,15 +150,20 @@ def test_paired_order_puts_each_groups_even_inputs_first():
 def test_decode_kernels_compile_with_the_inline_ptx(kernel, tile_name, capability):
     """Each ``TILES`` launch compiles for sm_90a / sm_100a with the PTX decode (ptxas accepts the inline assembly),
     multiplies on the tensor cores and keeps its registers (no local-memory spills)."""
-    from test_quant_compile import _compile, _weights
+    from test_quant_compile import _divisible_source, _weights
+    from triton.backends.compiler import GPUTarget
 
-    block_m, block_n, groups, warps, stages, swap = moe_mxfp4_decode.TILES[tile_name][1]
-    constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "GROUPS": groups, "SWAP": swap, "EVEN": True,
-                 "DECODE": moe_mxfp4_decode.PTX, "PRECISION": "tf32"}
-    ptx = _compile(getattr(moe_mxfp4_decode, kernel), _weights(moe_quant.MXFP4, ("1", "2", "3")), constants,
-                   capability, warps, stages)
-    assert "mul.rn.bf16x2" in ptx and ("mma" in ptx or "wgmma" in ptx), f"{kernel} {tile_name}: no bf16x2 decode / MMA"
+    block_m, block_k, warps, stages = moe_mxfp4_decode.TILES[tile_name][1]
+    constants = {"BLOCK_M": block_m, "BLOCK_K": block_k, "DECODE": moe_mxfp4_decode.PTX, "PRECISION": "tf32"}
+    types = _weights(moe_quant.MXFP4, ("1", "2", "3")) | {f"w{i}_ptr": "*i32" for i in "123"}
+    source = _divisible_source(getattr(moe_mxfp4_decode, kernel), types, constants)  # as the JIT sees the preset
+    ptx = triton.compile(source, target=GPUTarget("cuda", capability, 32),
+                         options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
+    assert "mul.rn.bf16x2" in ptx, f"{kernel} {tile_name}: no bf16x2 decode"
     assert "ld.local" not in ptx and "st.local" not in ptx, f"{kernel} {tile_name}: registers spill"
+    if capability == 90:  # the expanded weights feed wgmma from registers: none goes through shared memory
+        assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16 \{[^}]*\}, \{%r", ptx), kernel
+        assert "ldmatrix" not in ptx, f"{kernel} {tile_name}: weights through shared memory"  # (stmatrix: epilogue)
 
 
 @pytest.mark.parametrize("capability", [90, 100])

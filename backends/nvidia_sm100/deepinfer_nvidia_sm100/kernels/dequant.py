@@ -51,12 +51,11 @@ def mxfp4_pair(packed, scale):
             (odd.to(tl.float32, bitcast=True) * TWO_126) * scale)
 
 
-# Four packed bytes (one 32-bit register, $4) and their four bf16 scales ($5, $6) -> the even inputs' weights ($0, $1)
-# and the odd inputs' ($2, $3), two bf16 per register: bytes [b0, b1] spread to [b0, b0, b1, b1] (prmt), then each
-# output register takes one nibble of each copy, the magnitude bits (e2m1 exponent and mantissa) into bf16 bits 6-8 /
-# 22-24 and the sign into bit 15 / 31: the bf16 of the code times 2^-126 (0.5 the subnormal 2^-127). A bf16x2 multiply
-# by 2^126 makes each code exact, one by the scales the weight (exact: a power of two times an e2m1 code fits bf16).
-_MXFP4_BF16_PTX: tl.constexpr = tl.constexpr("""{
+# Four packed bytes (one 32-bit register, $4) -> the codes of the even inputs ($0, $1) and the odd ones ($2, $3), two bf16
+# per register: bytes [b0, b1] spread to [b0, b0, b1, b1] (prmt), then each output register takes one nibble of each
+# copy, the magnitude bits (e2m1 exponent and mantissa) into bf16 bits 6-8 / 22-24 and the sign into bit 15 / 31: the
+# bf16 of the code times 2^-126 (0.5 the subnormal 2^-127); a bf16x2 multiply by 2^126 makes each code exact.
+_MXFP4_CODES_PTX: tl.constexpr = tl.constexpr("""{
 .reg .b32 t, u, v, c;
 mov.b32 c, 0x7e807e80;
 prmt.b32 t, $4, 0, 0x1100;
@@ -66,35 +65,57 @@ prmt.b32 t, $4, 0, 0x3322;
 shl.b32 u, t, 6; and.b32 u, u, 0x01c001c0; shl.b32 v, t, 4; and.b32 v, v, 0x80008000; or.b32 $1, u, v;
 shl.b32 u, t, 2; and.b32 u, u, 0x01c001c0; and.b32 v, t, 0x80008000; or.b32 $3, u, v;
 mul.rn.bf16x2 $0, $0, c; mul.rn.bf16x2 $1, $1, c; mul.rn.bf16x2 $2, $2, c; mul.rn.bf16x2 $3, $3, c;
-mul.rn.bf16x2 $0, $0, $5; mul.rn.bf16x2 $1, $1, $6; mul.rn.bf16x2 $2, $2, $5; mul.rn.bf16x2 $3, $3, $6;
 }""")
-_MXFP4_CODES_PTX: tl.constexpr = tl.constexpr(_MXFP4_BF16_PTX.value.split("mul.rn.bf16x2 $0, $0, $5")[0] + "}")
-
-
-@triton.jit
-def mxfp4_bf16_pairs(packed, scale):
-    """The bf16 weights of each packed byte times its bf16 ``scale`` (same shape): ``(even, odd)``, exactly the
-    reference's, in 3 instructions a weight (inline PTX for sm_90+, ``mul.rn.bf16x2``; Triton's interpreter
-    runs no PTX: ``mxfp4_bf16_pairs_portable``)."""
-    return tl.inline_asm_elementwise(_MXFP4_BF16_PTX, "=r,=r,=r,=r,r,r,r", [packed, scale],
-                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
 
 @triton.jit
 def mxfp4_bf16_codes(packed):
-    """The e2m1 codes (bf16, exact, unscaled) of each packed byte: ``(even, odd)``, ``mxfp4_bf16_pairs`` without the
-    scales (inline PTX, sm_90+)."""
+    """The e2m1 codes (bf16, exact, unscaled) of each packed byte: ``(even, odd)`` (inline PTX, sm_90+)."""
     return tl.inline_asm_elementwise(_MXFP4_CODES_PTX, "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16),
                                      is_pure=True, pack=4)
 
 
+# Two 32-bit words of packed bytes ($8, $9: eight e2m1 codes each, code i in bits 4i..4i+3, one row and one scale group)
+# and their bf16 scale twice ($10) -> eight bf16x2 registers: $i holds code i of the first word (low half) and of the
+# second (high half), times the scale. Per byte j: prmt puts byte j of each word at bits 0-7 / 16-23; a code n
+# (masked to bits 0-3 / 16-19, or 4-7 / 20-23) times 0x1040 (0x104) is n << 6 plus n << 12, so one mask keeps its
+# magnitude bits at bf16 bits 6-8 and its sign at bit 15: the bf16 of the code times 2^-126, made exact by a multiply
+# by 2^126, then by the scale (exact: a power of two times an e2m1 code fits bf16).
+_MXFP4_WORDS_PTX: tl.constexpr = tl.constexpr("{\n.reg .b32 t, u, c;\nmov.b32 c, 0x7e807e80;\n" + "".join(
+    f"prmt.b32 t, $8, $9, {0x4400 + 0x1111 * j:#06x};\n"
+    f"and.b32 u, t, 0x000F000F; mul.lo.u32 u, u, 0x1040; and.b32 u, u, 0x81C081C0; mul.rn.bf16x2 u, u, c; "
+    f"mul.rn.bf16x2 ${2 * j}, u, $10;\n"
+    f"and.b32 u, t, 0x00F000F0; mul.lo.u32 u, u, 0x104; and.b32 u, u, 0x81C081C0; mul.rn.bf16x2 u, u, c; "
+    f"mul.rn.bf16x2 ${2 * j + 1}, u, $10;\n" for j in range(4)) + "}")
+
+
 @triton.jit
-def mxfp4_bf16_pairs_portable(packed, scale):
-    """``mxfp4_bf16_pairs`` in Triton operations (the same bit placement, one weight at a time)."""
-    b = packed.to(tl.int32)
-    even = (((b << 12) & 0x8000) | ((b << 6) & 0x01C0)).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    odd = (((b << 8) & 0x8000) | ((b << 2) & 0x01C0)).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return (even * TWO_126) * scale, (odd * TWO_126) * scale
+def mxfp4_word_codes(words, scale):
+    """The eight bf16 weights of each int32 word of packed bytes (code ``i``: bits ``4i .. 4i + 3``) times its bf16
+    ``scale`` (same shape): a tuple of eight tensors shaped as ``words``, exactly the reference's weights, in about 2.8
+    instructions a weight (inline PTX for sm_90+, two words an invocation; Triton's interpreter runs no PTX:
+    ``mxfp4_word_codes_portable``)."""
+    return tl.inline_asm_elementwise(_MXFP4_WORDS_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [words, scale],
+                                     dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+
+
+@triton.jit
+def _word_code_bits(words, i: tl.constexpr):
+    """Code ``i`` of each word placed as ``mxfp4_pair`` places it: float32 bits of the code times 2^-126."""
+    n = ((words >> (4 * i)) & 0xF).to(tl.uint32)
+    return (((n << 28) & SIGN_BIT) | ((n << 22) & E2M1_BITS)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mxfp4_word_values(words, scale):
+    """``mxfp4_word_codes`` in Triton operations: the eight weights of each word as ``scale``'s dtype (bf16: the
+    same bits as the PTX; float32: the reference's exact values)."""
+    dt = scale.dtype
+    s = scale.to(tl.float32)
+    return ((_word_code_bits(words, 0) * TWO_126 * s).to(dt), (_word_code_bits(words, 1) * TWO_126 * s).to(dt),
+            (_word_code_bits(words, 2) * TWO_126 * s).to(dt), (_word_code_bits(words, 3) * TWO_126 * s).to(dt),
+            (_word_code_bits(words, 4) * TWO_126 * s).to(dt), (_word_code_bits(words, 5) * TWO_126 * s).to(dt),
+            (_word_code_bits(words, 6) * TWO_126 * s).to(dt), (_word_code_bits(words, 7) * TWO_126 * s).to(dt))
 
 
 @triton.jit
