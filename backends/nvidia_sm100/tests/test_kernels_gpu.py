@@ -340,7 +340,7 @@ def test_mxfp4_experts_other_paths_match_reference_at_preset_sizes(path, monkeyp
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("T", [1, 16, 64, 256])
+@pytest.mark.parametrize("T", [1, 16, 64, 256, 2048])
 @pytest.mark.parametrize("variant", ["default", "128 inputs a step", "portable"])
 def test_mxfp4_decode_kernels_match_reference_at_preset_sizes(T, variant):
     """``moe_mxfp4_decode`` at the preset's widths, bf16: its default launch for the token count (PTX decode), 128

@@ -91,6 +91,7 @@ def _tol(dtype: torch.dtype) -> dict:
     (5, 4, 2, 256, 384, (16, 256, 4, 2)),  # 256 inputs a step over D, 128 over I (384 is not a multiple of 256)
     (40, 4, 2, 128, 256, (64, 128, 4, 2)),  # 20 assignments per expert in 64-row tiles
     (3, 4, 3, 256, 128, (16, 128, 4, 2)),  # two steps over D
+    (90, 2, 2, 128, 128, (128, 128, 4, 2)),  # a prefill tile: 90 assignments per expert in 128-row tiles
 ])
 def test_decode_kernels_match_reference(T, E, top_k, D, I, launch, dtype, decode):
     if decode != moe_mxfp4_decode.FLOAT32 and dtype != torch.bfloat16:

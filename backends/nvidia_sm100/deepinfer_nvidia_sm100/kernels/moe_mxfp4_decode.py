@@ -1,11 +1,13 @@
-"""MXFP4 routed experts at decode sizes (up to a few dozen tokens per expert): ``moe_quant``'s grouped layout with
-the packed weights expanded straight into the tensor cores' register operand, so that the kernels are bound by
-reading the bytes rather than by expanding them.
+"""MXFP4 routed experts, written for decode sizes (up to a few dozen tokens per expert) and tiled for prefill too:
+``moe_quant``'s grouped layout with the packed weights expanded straight into the tensor cores' register operand, so
+that the kernels are bound by reading the bytes (decode) or by the tensor cores (prefill) rather than by expanding
+them.
 
 The bf16 kernels of ``moe.py`` are the model: ``_up_kernel`` / ``_down_kernel`` read each touched expert's weight
 tile once for all its tokens (up to ``BLOCK_M``, sorted by ``moe.align``) and multiply on the tensor cores. Here the
 weights are the left operand (``acc^T [64, BM] = W x^T``: 64 weight rows fill the MMA's M, the tokens its N, one
-token too) and each thread expands only the weights its own MMA fragment holds, in registers:
+token too; the up kernel's 64 rows are 32 columns' rows of ``w1`` and of ``w3``, one accumulator) and each thread
+expands only the weights its own MMA fragment holds, in registers:
 
 * A weight tile is ``[64 rows, BLOCK_K / 8]`` int32 words as stored (16-byte loads, eight codes a word). Each pair
   of words of one row and scale group becomes eight bf16x2 registers, already scaled (``dequant.mxfp4_word_codes``:
@@ -42,10 +44,13 @@ FRAGMENT = 128  # inputs per fragment-order block: four lane quarters of 32 (the
 MAX_PER_EXPERT = None  # mean assignments per expert up to which the MXFP4 op takes these kernels (0: never); None:
 # ``DEEPINFER_NVIDIA_MXFP4_DECODE_MAX_PER_EXPERT`` (0: off by default, docs/quantization.md has the timings)
 TILES = {  # (max mean assignments per expert, (BLOCK_M, BLOCK_K, num_warps, num_stages)): the first that holds,
-    # else the last. 256 inputs a step halve the loop's fixed instructions per weight against 128 (sm_90a: ~4.0
-    # instructions a weight at 16 tokens, against ~6.4 for ``moe_quant``'s ``tl.dot_scaled`` tile).
+    # else the last. Static SASS counts of the loops on sm_90a (Triton 3.6): ~4.4 instructions a weight at 16 rows
+    # and 256 inputs a step (128: more of the loop's fixed instructions per weight), ~5.0-5.6 at 64-256 rows; no
+    # spills. From 128 rows every expansion feeds 128+ tokens, so the tensor cores, not the expansion, set the pace.
     "decode": (16, (16, 256, 4, 3)),
     "mid": (64, (64, 128, 4, 3)),
+    "prefill": (256, (128, 128, 4, 3)),
+    "large": (None, (256, 128, 4, 2)),
 }
 ONE_TOKEN = False  # one token through these kernels (four launches) rather than ``moe_quant``'s two row kernels
 
@@ -68,7 +73,7 @@ def used(num_tokens: int, num_assign: int, num_experts: int, x: torch.Tensor, i:
 def tile(num_assign: int, num_experts: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_K, num_warps, num_stages) by the mean assignments per expert (``TILES``)."""
     per_expert = num_assign / max(num_experts, 1)
-    return next((t for bound, t in TILES.values() if per_expert <= bound), list(TILES.values())[-1][1])
+    return next(t for bound, t in TILES.values() if bound is None or per_expert <= bound)
 
 
 def decode_mode(x: torch.Tensor) -> int:
@@ -91,17 +96,18 @@ def fragment_column(n):
 
 
 @triton.jit
-def _tile_rows(first):
-    """The weight rows of a 64-row tile in load order: load row ``32 r + 8 w + l`` is row ``16 w + 8 r + l`` (``l``
+def _tile_rows():
+    """The 64 rows of a weight tile in load order: load row ``32 r + 8 w + l`` is tile row ``16 w + 8 r + l`` (``l``
     lane row, ``w`` warp, ``r`` register), so that ``_fragment_tile``'s row permute returns them in order."""
     i = tl.arange(0, 64)
-    return first + 16 * (i // 8 % 4) + 8 * (i // 32) + i % 8
+    return 16 * (i // 8 % 4) + 8 * (i // 32) + i % 8
 
 
 @triton.jit
 def _fragment_tile(words, raw_scale, dt: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr):
     """The ``[64, BLOCK_K]`` weights (``dt``) of ``words [64, BLOCK_K / 8]`` (int32, rows in ``_tile_rows`` order)
     and their ue8m0 bytes ``raw_scale [64, BLOCK_K / 32]``, rows in order and columns in fragment order."""
+    tl.static_assert(BLOCK_K % 128 == 0, "fragment order takes whole blocks of 128 inputs")
     if DECODE == 0:
         scale = dequant.ue8m0(raw_scale)
     else:
@@ -118,13 +124,13 @@ def _fragment_tile(words, raw_scale, dt: tl.constexpr, BLOCK_K: tl.constexpr, DE
 
 
 @triton.jit
-def _product(a_rows, w_ptr, s_ptr, rows, K, w_stride, s_stride, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-             DECODE: tl.constexpr, PRECISION: tl.constexpr):
-    """``W[rows] a^T`` over all ``K`` inputs as ``[64, BLOCK_M]`` float32: ``a_rows [BM]`` pointers to the activation
-    rows (in fragment order; padding rows point at a real row: their results are never stored), ``w_ptr`` /
-    ``s_ptr`` the expert's int32 words / ue8m0 bytes, ``rows [64]`` from ``_tile_rows``."""
-    words_at = w_ptr + rows[:, None].to(tl.int64) * w_stride + tl.arange(0, BLOCK_K // 8)[None, :]  # [64, BK / 8]
-    scales_at = s_ptr + rows[:, None].to(tl.int64) * s_stride + tl.arange(0, BLOCK_K // 32)[None, :]
+def _product(a_rows, w_rows, s_rows, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr,
+             PRECISION: tl.constexpr):
+    """``W a^T`` over all ``K`` inputs as ``[64, BLOCK_M]`` float32 (rows in tile order): ``a_rows [BM]`` pointers to
+    the activation rows (in fragment order; padding rows point at a real row: their results are never stored),
+    ``w_rows`` / ``s_rows [64]`` to the weight rows' int32 words and ue8m0 bytes, in ``_tile_rows`` order."""
+    words_at = w_rows[:, None] + tl.arange(0, BLOCK_K // 8)[None, :]  # [64, BK / 8]
+    scales_at = s_rows[:, None] + tl.arange(0, BLOCK_K // 32)[None, :]
     inputs = tl.arange(0, BLOCK_K)
     acc = tl.zeros((64, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -140,9 +146,9 @@ def _up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, assign_ptr, block_e
                stride_xt, stride_we, stride_wi, stride_se, stride_si, stride_hm,
                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, PRECISION: tl.constexpr,
                PDL: tl.constexpr = False):
-    """Program (block of sorted rows, 64 columns of I): ``h = silu(clamp(x w1^T)) * clamp(x w3^T)`` as
+    """Program (block of sorted rows, 32 columns of I): ``h = silu(clamp(x w1^T)) * clamp(x w3^T)`` as
     ``moe_quant._up_kernel``, ``w1`` / ``w3 [E, I, D / 8]`` int32 words, scales ``[E, I, D / 32]``; ``x`` and ``h``
-    in fragment order."""
+    in fragment order. The tile's 64 rows are the 32 columns' rows of ``w1`` then of ``w3``: one accumulator."""
     pdl.begin(PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -152,15 +158,16 @@ def _up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, assign_ptr, block_e
     assign = tl.load(assign_ptr + offs_m)
     valid = assign >= 0
     x_rows = x_ptr + tl.where(valid, assign // top_k, 0).to(tl.int64) * stride_xt  # [BM]
-    rows = _tile_rows(pid_n * 64)
-    w_at, s_at = expert.to(tl.int64) * stride_we, expert.to(tl.int64) * stride_se
-    acc1 = tl.trans(_product(x_rows, w1_ptr + w_at, s1_ptr + s_at, rows, D, stride_wi, stride_si, BLOCK_M, BLOCK_K,
-                             DECODE, PRECISION))  # [BM, 64]
-    acc3 = tl.trans(_product(x_rows, w3_ptr + w_at, s3_ptr + s_at, rows, D, stride_wi, stride_si, BLOCK_M, BLOCK_K,
-                             DECODE, PRECISION))
+    rows = _tile_rows()
+    cols = (pid_n * 32 + rows % 32).to(tl.int64)  # [64] each row's column of I
+    first = rows < 32  # rows of w1, then of w3
+    w_rows = tl.where(first, w1_ptr, w3_ptr) + expert.to(tl.int64) * stride_we + cols * stride_wi
+    s_rows = tl.where(first, s1_ptr, s3_ptr) + expert.to(tl.int64) * stride_se + cols * stride_si
+    acc = _product(x_rows, w_rows, s_rows, D, BLOCK_M, BLOCK_K, DECODE, PRECISION)  # [64, BM]
+    acc1, acc3 = tl.split(tl.permute(tl.reshape(acc, (2, 32, BLOCK_M)), (1, 2, 0)))  # [32, BM] each
     dt = h_ptr.dtype.element_ty
-    h = moe._swiglu(acc1.to(dt).to(tl.float32), acc3.to(dt).to(tl.float32), limit, dt)
-    h_cols = fragment_column(pid_n * 64 + tl.arange(0, 64))  # fragment order for _down_kernel
+    h = moe._swiglu(tl.trans(acc1).to(dt).to(tl.float32), tl.trans(acc3).to(dt).to(tl.float32), limit, dt)
+    h_cols = fragment_column(pid_n * 32 + tl.arange(0, 32))  # fragment order for _down_kernel
     tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + h_cols[None, :], h.to(dt), mask=valid[:, None])
 
 
@@ -180,9 +187,10 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, assign_ptr, block_ex
     assign = tl.load(assign_ptr + offs_m)
     valid = assign >= 0
     h_rows = h_ptr + offs_m.to(tl.int64) * stride_hm  # [BM]
-    acc = tl.trans(_product(h_rows, w2_ptr + expert.to(tl.int64) * stride_we, s2_ptr + expert.to(tl.int64) * stride_se,
-                            _tile_rows(pid_n * 64), I, stride_wd, stride_sd, BLOCK_M, BLOCK_K, DECODE,
-                            PRECISION))  # [BM, 64]
+    cols = (pid_n * 64 + _tile_rows()).to(tl.int64)
+    w_rows = w2_ptr + expert.to(tl.int64) * stride_we + cols * stride_wd
+    s_rows = s2_ptr + expert.to(tl.int64) * stride_se + cols * stride_sd
+    acc = tl.trans(_product(h_rows, w_rows, s_rows, I, BLOCK_M, BLOCK_K, DECODE, PRECISION))  # [BM, 64]
     dt = y_ptr.dtype.element_ty
     w = tl.load(weights_ptr + tl.where(valid, assign, 0), mask=valid, other=0.0)
     acc = acc.to(dt).to(tl.float32) * w.to(dt).to(tl.float32)[:, None]
@@ -212,7 +220,7 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s
               "num_stages": stages, **pdl.launch()}
     blocks = rows // block_m
     xf = fragment_order(x)
-    _up_kernel[(blocks, I // TILE_ROWS)](
+    _up_kernel[(blocks, I // (TILE_ROWS // 2))](
         xf, w1, s1, w3, s3, h, sorted_assign, block_expert, D, I, top_k, float(limit), xf.stride(0), w1.stride(0),
         w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0), **consts)
     _down_kernel[(blocks, D // TILE_ROWS)](

@@ -1,0 +1,117 @@
+"""Static instruction counts of the MXFP4 expert kernels' main loops, compiled for sm_90a on any machine (no GPU):
+what an expanded weight costs in issued instructions, the bound of weight expansion at decode sizes.
+
+    python backends/nvidia_sm100/benchmarks/sass_census.py            # moe_quant's grouped kernels vs moe_mxfp4_decode
+
+Each kernel is compiled ahead of time as Triton's JIT sees the preset (pointers, strides and widths divisible by 16)
+with the installed Triton and its bundled ``nvdisasm``; the longest loop of the SASS (the K loop) is counted per
+opcode. ``per weight`` = the loop's instructions x threads / weights expanded per iteration (one program): the H200
+issues 4 warp instructions per SM and clock, ~33 T thread instructions a second, so at N instructions a weight a
+layer of the ``v4-flash-8l64e-fp4`` preset (64 experts x 3 x 4,096 x 2,048 weights) takes at least N x 48 us when
+every expert is touched. ``local`` counts spill loads and stores (``LDL`` / ``STL``) in the whole kernel.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from deepinfer_nvidia_sm100.kernels import moe, moe_mxfp4_decode, moe_quant
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+TYPES = {"w1_ptr": "*u8", "w2_ptr": "*u8", "w3_ptr": "*u8", "s1_ptr": "*u8", "s2_ptr": "*u8", "s3_ptr": "*u8",
+         "assign_ptr": "*i64", "block_expert_ptr": "*i64", "weights_ptr": "*fp32", "limit": "fp32"}
+WORDS = {f"w{i}_ptr": "*i32" for i in "123"}  # moe_mxfp4_decode reads the packed bytes as int32 words
+
+
+def compile_sm90(fn, types: dict[str, str], constants: dict, warps: int, stages: int):
+    """``fn`` compiled for sm_90a, pointers / strides / widths marked divisible by 16 as the JIT sees the preset."""
+    signature, attrs = {}, {}
+    for i, arg in enumerate(fn.arg_names):
+        if i in fn.constexprs:
+            signature[arg] = "constexpr"
+            continue
+        signature[arg] = types.get(arg, "*bf16" if arg.endswith("_ptr") else "i32")
+        if arg.endswith("_ptr") or arg.startswith("stride") or arg in ("D", "I"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()},
+                       attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
+def disassemble(cubin: bytes) -> str:
+    """SASS text of a cubin by the ``nvdisasm`` bundled with Triton."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def loop_census(sass: str) -> tuple[collections.Counter, int]:
+    """(opcode counts of the longest backward-branch loop, spill loads / stores in the whole kernel)."""
+    labels, pending, rows = {}, [], []
+    for line in sass.splitlines():
+        label = LABEL.match(line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        match = INSTRUCTION.search(line)
+        if match:
+            address = int(match.group(1), 16)
+            labels.update(dict.fromkeys(pending, address))
+            pending = []
+            rows.append((address, match.group(2), match.group(3)))
+    loops = [(labels[target.group(1)], address) for address, op, args in rows
+             if op.startswith("BRA") and (target := re.search(r"(\.L_x_\d+)", args)) and target.group(1) in labels
+             and labels[target.group(1)] < address]
+    start, end = max(loops, key=lambda loop: loop[1] - loop[0])
+    counts = collections.Counter(op.split(".")[0] for address, op, _ in rows if start <= address <= end)
+    return counts, sum(op.startswith(("LDL", "STL")) for _, op, _ in rows)
+
+
+def cases() -> dict[str, tuple]:
+    """Name -> (kernel, types, constants, warps, stages, weights expanded per loop iteration)."""
+    out = {}
+    for name, (_, (bm, bn, bk, warps)) in moe_quant.TILES.items():
+        if name == "large":
+            continue
+        constants = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "FMT": moe_quant.MXFP4, "B0": 1, "B1": 32,
+                     "UE8M0": True, "PRECISION": "tf32", "SCALED": True, "SWAP": False,
+                     "GROUP_M": moe_quant.TILE_GROUP_M if bm >= moe_quant.TILE_GROUP_MIN_ROWS else 1}
+        for kernel, matrices in (("_up_kernel", 2), ("_down_kernel", 1)):
+            out[f"moe_quant.{kernel} {name} {(bm, bn, bk, warps)}"] = (
+                getattr(moe_quant, kernel), TYPES, constants, warps, 3, bn * bk * matrices)
+    for name, (_, (bm, bk, warps, stages)) in moe_mxfp4_decode.TILES.items():
+        constants = {"BLOCK_M": bm, "BLOCK_K": bk, "DECODE": moe_mxfp4_decode.PTX, "PRECISION": "tf32"}
+        for kernel in ("_up_kernel", "_down_kernel"):
+            out[f"moe_mxfp4_decode.{kernel} {name} {(bm, bk, warps, stages)}"] = (
+                getattr(moe_mxfp4_decode, kernel), TYPES | WORDS, constants, warps, stages,
+                moe_mxfp4_decode.TILE_ROWS * bk)
+    return out
+
+
+def main() -> None:
+    print(f"Triton {triton.__version__}, sm_90a; loop instructions per expanded weight (moe.TILES decode "
+          f"{moe.TILES['decode']})")
+    print("| kernel | loop instructions | per weight | local | top opcodes |")
+    print("|---|---|---|---|---|")
+    for name, (fn, types, constants, warps, stages, weights) in cases().items():
+        compiled = compile_sm90(fn, types, constants, warps, stages)
+        counts, spills = loop_census(disassemble(compiled.asm["cubin"]))
+        total = sum(counts.values())
+        top = ", ".join(f"{op} {n}" for op, n in counts.most_common(6))
+        print(f"| {name} | {total} | {total * warps * 32 / weights:.2f} | {spills} | {top} |")
+
+
+if __name__ == "__main__":
+    sys.stdout.reconfigure(line_buffering=True)
+    main()
