@@ -4,7 +4,7 @@ experts (E=64, top-6, D=4096, I=2048, bf16 activations, one layer): section ``mx
     python backends/nvidia_sm100/benchmarks/bench_quant.py mxfp4        # this section alone (~30 s)
     python backends/nvidia_sm100/benchmarks/bench_mxfp4_decode.py       # the same
 
-Per token count (1, 16, 64, 256, 1024) every variant is first checked against ``reference.moe_experts_mxfp4``
+Per token count (1, 16, 64, 256, 1,024, 8,192: prefill) every variant is first checked against ``reference.moe_experts_mxfp4``
 (``bf16`` against ``reference.moe_experts`` on its bf16 weights; max error relative to the largest output < 2e-2),
 then timed: replayed from a CUDA graph up to 256 tokens, eagerly beyond (CUDA events, median). Rows of the sweep, ``tokens: variant -> time``:
 
@@ -36,7 +36,7 @@ from deepinfer_core.quant import mxfp4
 
 E, TOP_K, D, I = 64, 6, 4096, 2048
 BW = 4.25e12
-TOKENS = (1, 16, 64, 256, 1024)
+TOKENS = (1, 16, 64, 256, 1024, 8192)
 GRAPH_MAX_TOKENS = 256
 LIMIT = 10.0
 LAUNCHES = {  # tokens -> moe_mxfp4_decode launches tried beside its default (BLOCK_M, BLOCK_K, warps, stages);
@@ -45,7 +45,8 @@ LAUNCHES = {  # tokens -> moe_mxfp4_decode launches tried beside its default (BL
     16: ((16, 128, 4, 3), (16, 256, 4, 4)),
     64: ((16, 128, 4, 3),),
     256: ((32, 256, 4, 3), (64, 128, 4, 3)),
-    1024: (),
+    1024: ((64, 128, 4, 3),),
+    8192: ((128, 128, 4, 3),),
 }
 
 

@@ -90,6 +90,12 @@ def cases() -> dict[str, tuple]:
         for kernel, matrices in (("_up_kernel", 2), ("_down_kernel", 1)):
             out[f"moe_quant.{kernel} {name} {(bm, bn, bk, warps)}"] = (
                 getattr(moe_quant, kernel), TYPES, constants, warps, 3, bn * bk * matrices)
+    bn, bk, warps, stages = moe_quant.ROW_TILES[moe_quant.MXFP4]
+    for kernel, matrices in (("_up_row_kernel", 2), ("_down_row_kernel", 1)):
+        constants = {"BLOCK_N": bn, "BLOCK_K": bk, "FMT": moe_quant.MXFP4, "B0": 1, "B1": 32, "UE8M0": True,
+                     "PTX": moe_quant.ROW_DECODE_PTX} | ({"K_P2": 8} if kernel == "_down_row_kernel" else {})
+        out[f"moe_quant.{kernel} one token {(bn, bk, warps, stages)}"] = (
+            getattr(moe_quant, kernel), TYPES | {"ids_ptr": "*i64"}, constants, warps, stages, bn * bk * matrices)
     for name, (_, (bm, bk, warps, stages)) in moe_mxfp4_decode.TILES.items():
         constants = {"BLOCK_M": bm, "BLOCK_K": bk, "DECODE": moe_mxfp4_decode.PTX, "PRECISION": "tf32"}
         for kernel in ("_up_kernel", "_down_kernel"):
