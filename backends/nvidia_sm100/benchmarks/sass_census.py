@@ -40,7 +40,7 @@ def compile_sm90(fn, types: dict[str, str], constants: dict, warps: int, stages:
             signature[arg] = "constexpr"
             continue
         signature[arg] = types.get(arg, "*bf16" if arg.endswith("_ptr") else "i32")
-        if arg.endswith("_ptr") or arg.startswith("stride") or arg in ("D", "I"):
+        if arg.endswith("_ptr") or arg.startswith("stride") or arg in ("D", "I", "K", "N", "k_per_split"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()},
                        attrs=attrs)
