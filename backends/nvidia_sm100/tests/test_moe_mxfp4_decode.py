@@ -113,8 +113,11 @@ def test_mxfp4_op_takes_the_decode_kernels_up_to_the_bound(T, monkeypatch):
     monkeypatch.setattr(moe_mxfp4_decode, "MAX_PER_EXPERT", 16)
     dtype = DTYPES[-1]
     x, ids, weights, stored = _case(T, 4, 2, 128, 128, dtype, seed=T)
-    assert moe_mxfp4_decode.used(T, T * 2, 4, x, 128) == (T * 2 <= 16 * 4)
-    assert not moe_mxfp4_decode.used(T, T * 2, 4, x, 96)  # a width that is not a multiple of 128
+    w1, w2, w3 = stored[0], stored[2], stored[4]
+    assert moe_mxfp4_decode.used(T, T * 2, x, w1, w2, w3) == (T * 2 <= 16 * 4)
+    assert not moe_mxfp4_decode.used(T, T * 2, x[:, :96], w1[:, :, :48], w2[:, :96], w3[:, :, :48])  # D = 96
+    shifted = torch.empty(w1.numel() + 1, dtype=w1.dtype, device=DEVICE)[1:].view(w1.shape)  # storage offset 1
+    assert not moe_mxfp4_decode.used(T, T * 2, x, shifted.copy_(w1), w2, w3)  # not readable as int32 words
     got = moe_quant.moe_experts_mxfp4(x, ids, weights, *stored, 0.7)
     torch.testing.assert_close(got, ref.moe_experts_mxfp4(x, ids, weights, *stored, 0.7), **_tol(dtype))
 

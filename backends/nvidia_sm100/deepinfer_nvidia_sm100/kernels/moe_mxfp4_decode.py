@@ -55,18 +55,21 @@ TILES = {  # (max mean assignments per expert, (BLOCK_M, BLOCK_K, num_warps, num
 ONE_TOKEN = False  # one token through these kernels (four launches) rather than ``moe_quant``'s two row kernels
 
 
-def fits(d: int, i: int) -> bool:
-    """Whether experts of hidden width ``d`` and intermediate width ``i`` fit these kernels' tiles."""
-    return d % FRAGMENT == 0 and i % FRAGMENT == 0
+def fits(x: torch.Tensor, *packed: torch.Tensor) -> bool:
+    """Whether activations ``x [T, D]`` and packed expert weights (``w1``, ``w2``, ``w3``: ``[E, I, D / 2]``,
+    ``[E, D, I / 2]``) fit these kernels: both widths multiples of 128, the bytes readable as int32 words."""
+    d, i = x.shape[1], packed[0].shape[1]
+    return d % FRAGMENT == 0 and i % FRAGMENT == 0 and all(w.storage_offset() % 4 == 0 for w in packed)
 
 
-def used(num_tokens: int, num_assign: int, num_experts: int, x: torch.Tensor, i: int) -> bool:
+def used(num_tokens: int, num_assign: int, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+         w3: torch.Tensor) -> bool:
     """Whether ``moe_quant``'s MXFP4 op takes these kernels: fp16 / fp32 activations, bf16 ones with a bf16 decode
-    (on a GPU: Triton's interpreter multiplies bf16 tiles wrongly), widths that ``fit``, at most ``MAX_PER_EXPERT``
-    assignments per expert on average, one token only with ``ONE_TOKEN``."""
+    (on a GPU: Triton's interpreter multiplies bf16 tiles wrongly), weights that ``fit``, at most
+    ``MAX_PER_EXPERT`` assignments per expert on average, one token only with ``ONE_TOKEN``."""
     dtype_ok = x.dtype in (torch.float16, torch.float32) or (x.dtype == torch.bfloat16 and decode_mode(x) != FLOAT32)
     bound = envs.DEEPINFER_NVIDIA_MXFP4_DECODE_MAX_PER_EXPERT if MAX_PER_EXPERT is None else MAX_PER_EXPERT
-    return (dtype_ok and fits(x.shape[1], i) and num_assign <= bound * num_experts
+    return (dtype_ok and fits(x, w1, w2, w3) and num_assign <= bound * w1.shape[0]
             and (num_tokens > 1 or ONE_TOKEN))
 
 
@@ -206,8 +209,9 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s
     ``decode_mode``'s (``benchmarks/bench_quant.py`` sweeps both)."""
     T, top_k = ids.shape
     E, I, D = w1.shape[0], w1.shape[1], x.shape[1]
-    if not fits(D, I):
-        raise ValueError(f"moe_mxfp4_decode: widths D={D}, I={I} are not multiples of {FRAGMENT}")
+    if not fits(x, w1, w2, w3):
+        raise ValueError(f"moe_mxfp4_decode: widths D={D}, I={I} must be multiples of {FRAGMENT} and the packed "
+                         "weights 4-byte aligned; moe_quant's grouped kernels take any shape")
     block_m, block_k, warps, stages = launch or tile(T * top_k, E)
     block_k = block_k if D % block_k == 0 and I % block_k == 0 else FRAGMENT  # whole steps over both widths
     sorted_assign, block_expert, dest = moe.align(ids, E, block_m)
