@@ -21,9 +21,8 @@ import sys
 import tempfile
 
 import triton
-from deepinfer_nvidia_sm100.kernels import moe, moe_mxfp4_decode, moe_quant
+from deepinfer_nvidia_sm100.kernels import aot, moe, moe_mxfp4_decode, moe_quant
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 LABEL = re.compile(r"^\s*(\.L_x_\d+):")
@@ -33,18 +32,9 @@ WORDS = {f"w{i}_ptr": "*i32" for i in "123"}  # moe_mxfp4_decode reads the packe
 
 
 def compile_sm90(fn, types: dict[str, str], constants: dict, warps: int, stages: int):
-    """``fn`` compiled for sm_90a, pointers / strides / widths marked divisible by 16 as the JIT sees the preset."""
-    signature, attrs = {}, {}
-    for i, arg in enumerate(fn.arg_names):
-        if i in fn.constexprs:
-            signature[arg] = "constexpr"
-            continue
-        signature[arg] = types.get(arg, "*bf16" if arg.endswith("_ptr") else "i32")
-        if arg.endswith("_ptr") or arg.startswith("stride") or arg in ("D", "I", "K", "N", "k_per_split"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()},
-                       attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    """``fn`` compiled for sm_90a as the JIT sees the preset (``aot.divisible_source``)."""
+    return triton.compile(aot.divisible_source(fn, types, constants), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": stages})
 
 
 def disassemble(cubin: bytes) -> str:

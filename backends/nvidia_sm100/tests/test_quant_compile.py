@@ -12,7 +12,7 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton", reason="the test extra installs triton")
-from deepinfer_nvidia_sm100.kernels import dequant, fp8_linear, moe_quant
+from deepinfer_nvidia_sm100.kernels import aot, dequant, fp8_linear, moe_quant
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -144,16 +144,7 @@ def test_small_quant_kernels_compile(name, fn, types, constants, capability):
 
 def _divisible_source(fn, types: dict[str, str], constants: dict) -> ASTSource:
     """``fn`` with pointers, strides and widths marked divisible by 16, as Triton's JIT sees the preset's shapes."""
-    signature, attrs = {}, {}
-    for i, arg in enumerate(fn.arg_names):
-        if i in fn.constexprs:
-            signature[arg] = "constexpr"
-            continue
-        signature[arg] = types.get(arg, "*bf16" if arg.endswith("_ptr") else "i32")
-        if arg.endswith("_ptr") or arg.startswith("stride") or arg in ("D", "I", "K", "N"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    return ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()},
-                     attrs=attrs)
+    return aot.divisible_source(fn, types, constants)
 
 
 @pytest.mark.parametrize("capability", sorted(ARCHS))
@@ -190,7 +181,6 @@ def test_fp8_split_k_kernel_streams_weights_into_the_tensor_cores(rows, block, f
     constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "B0": block[0], "B1": block[1],
                  "UE8M0": True, "PRECISION": "tf32", "SWAP": fp8_linear.SPLIT_K_SWAP, "F16": f16}
     source = _divisible_source(fp8_linear._split_k_kernel, LINEAR_TYPES, constants)
-    source.attrs[(fp8_linear._split_k_kernel.arg_names.index("k_per_split"),)] = [["tt.divisibility", 16]]
     ptx = triton.compile(source, target=GPUTarget("cuda", capability, 32),
                          options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
     _expect_tensor_cores(ptx, block_n if fp8_linear.SPLIT_K_SWAP else block_m, capability, f"split-K {rows} rows")
