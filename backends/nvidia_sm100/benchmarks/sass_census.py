@@ -1,14 +1,19 @@
-"""Static instruction counts of the MXFP4 expert kernels' main loops, compiled for sm_90a on any machine (no GPU):
-what an expanded weight costs in issued instructions, the bound of weight expansion at decode sizes.
+"""Static instruction counts of kernels' main loops, compiled for sm_90a on any machine (no GPU): what an expanded
+MXFP4 weight costs in issued instructions (the bound of weight expansion at decode sizes), and what the sparse
+attention's key reads compile to.
 
-    python backends/nvidia_sm100/benchmarks/sass_census.py            # moe_quant's grouped kernels vs moe_mxfp4_decode
+    python backends/nvidia_sm100/benchmarks/sass_census.py             # both sections
+    python backends/nvidia_sm100/benchmarks/sass_census.py mxfp4       # moe_quant's kernels vs moe_mxfp4_decode
+    python backends/nvidia_sm100/benchmarks/sass_census.py sparse      # _sparse_split_kernel by heads and key read
 
 Each kernel is compiled ahead of time as Triton's JIT sees the preset (pointers, strides and widths divisible by 16)
 with the installed Triton and its bundled ``nvdisasm``; the longest loop of the SASS (the K loop) is counted per
 opcode. ``per weight`` = the loop's instructions x threads / weights expanded per iteration (one program): the H200
 issues 4 warp instructions per SM and clock, ~33 T thread instructions a second, so at N instructions a weight a
 layer of the ``v4-flash-8l64e-fp4`` preset (64 experts x 3 x 4,096 x 2,048 weights) takes at least N x 48 us when
-every expert is touched. ``local`` counts spill loads and stores (``LDL`` / ``STL``) in the whole kernel.
+every expert is touched. ``local`` counts spill loads and stores (``LDL`` / ``STL``) in the whole kernel. The sparse
+section: per (key, head) of a loop step, at V4's head width (512, bf16), each ``STORE`` read (contiguous keys, the
+key rows' one gather, the block and row tables).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import sys
 import tempfile
 
 import triton
-from deepinfer_nvidia_sm100.kernels import aot, moe, moe_mxfp4_decode, moe_quant
+from deepinfer_nvidia_sm100.kernels import aot, moe, moe_mxfp4_decode, moe_quant, sparse_attention
 from triton.backends.compiler import GPUTarget
 
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
@@ -31,9 +36,13 @@ TYPES = {"w1_ptr": "*u8", "w2_ptr": "*u8", "w3_ptr": "*u8", "s1_ptr": "*u8", "s2
 WORDS = {f"w{i}_ptr": "*i32" for i in "123"}  # moe_mxfp4_decode reads the packed bytes as int32 words
 
 
-def compile_sm90(fn, types: dict[str, str], constants: dict, warps: int, stages: int):
+SPARSE_WIDTHS = ("queries", "E", "per_block", "kv_rows", "H", "N", "total")  # multiples of 16 at V4's shapes
+
+
+def compile_sm90(fn, types: dict[str, str], constants: dict, warps: int, stages: int,
+                 widths=aot.DIVISIBLE_WIDTHS):
     """``fn`` compiled for sm_90a as the JIT sees the preset (``aot.divisible_source``)."""
-    return triton.compile(aot.divisible_source(fn, types, constants), target=GPUTarget("cuda", 90, 32),
+    return triton.compile(aot.divisible_source(fn, types, constants, widths), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": warps, "num_stages": stages})
 
 
@@ -68,6 +77,24 @@ def loop_census(sass: str) -> tuple[collections.Counter, int]:
     return counts, sum(op.startswith(("LDL", "STL")) for _, op, _ in rows)
 
 
+def sparse_cases() -> dict[str, tuple]:
+    """Name -> (kernel, types, constants, warps, stages, (key, head) pairs per loop iteration, widths)."""
+    types = {**{name: "*bf16" for name in ("q_ptr", "kv_ptr", "store_ptr", "out_ptr")}, "index_ptr": "*i32",
+             "blocks_ptr": "*i64", "rows_ptr": "*i64", "sinks_ptr": "*fp32", "opart_ptr": "*fp32",
+             "mpart_ptr": "*fp32", "lpart_ptr": "*fp32", "scale_log2": "fp32"}
+    out = {}
+    for heads in (16, 32, 64):
+        for read in ("NO_STORE", "KEY_ROWS", "TABLES"):
+            store = getattr(sparse_attention, read).value
+            block_n, stages = sparse_attention.tile(heads, store == sparse_attention.TABLES.value)
+            constants = {"D": 512, "BLOCK_H": heads, "BLOCK_N": block_n, "WHOLE": True, "STORE": store,
+                         "PRECISION": "tf32", "PDL": True, "splits": 1}
+            out[f"_sparse_split_kernel {heads} heads {read} (BLOCK_N {block_n}, {stages} stages)"] = (
+                sparse_attention._sparse_split_kernel, types, constants, 4 if heads <= 16 else 8, stages,
+                block_n * heads, SPARSE_WIDTHS)
+    return out
+
+
 def cases() -> dict[str, tuple]:
     """Name -> (kernel, types, constants, warps, stages, weights expanded per loop iteration)."""
     out = {}
@@ -95,19 +122,26 @@ def cases() -> dict[str, tuple]:
     return out
 
 
-def main() -> None:
-    print(f"Triton {triton.__version__}, sm_90a; loop instructions per expanded weight (moe.TILES decode "
-          f"{moe.TILES['decode']})")
-    print("| kernel | loop instructions | per weight | local | top opcodes |")
-    print("|---|---|---|---|---|")
-    for name, (fn, types, constants, warps, stages, weights) in cases().items():
-        compiled = compile_sm90(fn, types, constants, warps, stages)
+def table(title: str, unit: str, rows: dict[str, tuple]) -> None:
+    """Each case compiled and its loop counted: one Markdown row per case."""
+    print(f"\n{title}\n| kernel | loop instructions | per {unit} | local | top opcodes |\n|---|---|---|---|---|")
+    for name, (fn, types, constants, warps, stages, work, *widths) in rows.items():
+        compiled = compile_sm90(fn, types, constants, warps, stages, *widths)
         counts, spills = loop_census(disassemble(compiled.asm["cubin"]))
         total = sum(counts.values())
         top = ", ".join(f"{op} {n}" for op, n in counts.most_common(6))
-        print(f"| {name} | {total} | {total * warps * 32 / weights:.2f} | {spills} | {top} |")
+        print(f"| {name} | {total} | {total * warps * 32 / work:.2f} | {spills} | {top} |")
+
+
+def main(sections: list[str]) -> None:
+    print(f"Triton {triton.__version__}, sm_90a")
+    if "mxfp4" in sections:
+        table(f"MXFP4 experts (moe.TILES decode {moe.TILES['decode']}): thread instructions per expanded weight",
+              "weight", cases())
+    if "sparse" in sections:
+        table("sparse attention, d 512 bf16: thread instructions per (key, head)", "key x head", sparse_cases())
 
 
 if __name__ == "__main__":
     sys.stdout.reconfigure(line_buffering=True)
-    main()
+    main(sys.argv[1:] or ["mxfp4", "sparse"])

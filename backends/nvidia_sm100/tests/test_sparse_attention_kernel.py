@@ -215,16 +215,10 @@ def compile_kernel(fn, types: dict, constants: dict, capability: int, warps: int
     """``fn`` compiled for sm_{capability}a on this machine, as a launch specializes it: pointers and the integer
     arguments in ``DIVISIBLE`` 16-aligned (so shared memory and vector widths are the launch's), others ``i32``."""
     import triton
+    from deepinfer_nvidia_sm100.kernels import aot
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
-    signature = {arg: "constexpr" if i in fn.constexprs or arg in constants else types.get(arg, "i32")
-                 for i, arg in enumerate(fn.arg_names)}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
-             if signature[arg] != "constexpr" and (arg.endswith("_ptr") or arg in DIVISIBLE)}
-    source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()},
-                       attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", capability, 32),
+    return triton.compile(aot.divisible_source(fn, types, constants, DIVISIBLE), target=GPUTarget("cuda", capability, 32),
                           options={"num_warps": warps, "num_stages": stages})
 
 
