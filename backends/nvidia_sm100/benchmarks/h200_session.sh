@@ -16,7 +16,8 @@
 #            (profile_decode.py, traces kept); the 8 x 1K and 1 x 8K prefill steps (profile_decode.py --prefill, the
 #            8 x 1K trace kept); a whole 8 x 1K bench run, engine step by step (profile_run.py)
 #   kernels  op benchmarks, each checking its kernel against the reference op before timing it (KERNELS, default
-#            below; sweep_gemv and sweep_moe_configs, the GEMV launch and MoE tile sweeps, run when named there)
+#            below; sweep_gemv and sweep_moe_configs, the GEMV launch and MoE tile sweeps, run when named there;
+#            NAME:ARG passes one argument, e.g. KERNELS="bench_quant:mxfp4 bench_quant:fp8")
 #
 # Variables (bench and prefill):
 #   BENCH_ARGS    extra `deepinfer bench` arguments for every row, e.g. "--compare-hf" (HF transformers timed in
@@ -183,13 +184,14 @@ if [[ $mode == profile ]]; then
   fi
 fi
 if [[ $mode == kernels ]]; then
-  for k in $KERNELS; do
-    extra=()  # the scripts that write files write them into RES
+  for entry in $KERNELS; do
+    k=${entry%%:*}; extra=()  # NAME:ARG passes ARG, e.g. bench_quant:mxfp4 (one section)
+    [[ $entry == *:* ]] && extra=("${entry#*:}")
     [[ $k == bench_tl_attention ]] && extra=(--out "$RES/tl-attention") && mkdir -p "$RES/tl-attention"
-    [[ $k == sweep_moe_configs ]] && extra=(--out "$RES/moe-sweep.json")
+    [[ $k == sweep_moe_configs ]] && extra=(--out "$RES/moe-sweep.json")  # the scripts that write files: into RES
     (cd backends/nvidia_sm100/benchmarks && timeout "${KERNEL_TIMEOUT:-300}" python "$k.py" "${extra[@]}") \
-      > "$RES/$k.txt" 2>&1 || echo "$k failed (rc $?)"
-    echo "== $k"; tail -25 "$RES/$k.txt"; save
+      > "$RES/${entry/:/-}.txt" 2>&1 || echo "$entry failed (rc $?)"
+    echo "== $entry"; tail -25 "$RES/${entry/:/-}.txt"; save
   done
 fi
 save
