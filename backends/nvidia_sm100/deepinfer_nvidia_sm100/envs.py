@@ -44,8 +44,9 @@ VARIABLES = Variables(
              "and `torch.topk` (the rule for fewer rows)."),
     Variable("DEEPINFER_NVIDIA_RADIX_TOPK_WIDE", bool, False,
              "The radix top-k kernels (mask and counted forms) by wider digits: rows of up to 32,768 entries held on "
-             "chip (one read of the scores from memory), longer ones in 3 passes and the write (4 reads); 0 (the "
-             "default until timed on a GPU): 4-bit digits (8 passes and the write, 9 reads)."),
+             "chip (one read of the scores from memory), longer ones in 3 passes and the write (4 reads; needs Triton "
+             ">= 3.6, whose tl.histogram takes a mask); 0 (the default until timed on a GPU): 4-bit digits (8 passes "
+             "and the write, 9 reads)."),
     Variable("DEEPINFER_NVIDIA_DECODE_ATTN", bool, True,
              "Triton `sink_attention` for decode rows; 0: the TileLang kernel (SM90, where installed) or the "
              "reference."),
