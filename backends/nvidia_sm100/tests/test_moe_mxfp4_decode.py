@@ -87,11 +87,11 @@ def _tol(dtype: torch.dtype) -> dict:
 @pytest.mark.parametrize("decode", DECODES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T, E, top_k, D, I, launch", [
-    (1, 4, 3, 128, 128, (16, 128, 4, 2)),  # one token, one step over each width
-    (5, 4, 2, 256, 384, (16, 256, 4, 2)),  # 256 inputs a step over D, 128 over I (384 is not a multiple of 256)
-    (40, 4, 2, 128, 256, (64, 128, 4, 2)),  # 20 assignments per expert in 64-row tiles
-    (3, 4, 3, 256, 128, (16, 128, 4, 2)),  # two steps over D
-    (90, 2, 2, 128, 128, (128, 128, 4, 2)),  # a prefill tile: 90 assignments per expert in 128-row tiles
+    (1, 4, 3, 128, 128, (16, 128, 2)),  # one token, one step over each width
+    (5, 4, 2, 256, 384, (16, 256, 2)),  # 256 inputs a step over D, 128 over I (384 is not a multiple of 256)
+    (40, 4, 2, 128, 256, (64, 128, 2)),  # 20 assignments per expert in 64-row tiles
+    (3, 4, 3, 256, 128, (16, 128, 2)),  # two steps over D
+    (90, 2, 2, 128, 128, (128, 128, 2)),  # a prefill tile: 90 assignments per expert in 128-row tiles
 ])
 def test_decode_kernels_match_reference(T, E, top_k, D, I, launch, dtype, decode):
     if decode != moe_mxfp4_decode.FLOAT32 and dtype != torch.bfloat16:
@@ -157,12 +157,12 @@ def test_decode_kernels_compile_with_the_inline_ptx(kernel, tile_name, capabilit
     from test_quant_compile import _divisible_source, _weights
     from triton.backends.compiler import GPUTarget
 
-    block_m, block_k, warps, stages = moe_mxfp4_decode.TILES[tile_name][1]
+    block_m, block_k, stages = moe_mxfp4_decode.TILES[tile_name][1]
     constants = {"BLOCK_M": block_m, "BLOCK_K": block_k, "DECODE": moe_mxfp4_decode.PTX, "PRECISION": "tf32"}
     types = _weights(moe_quant.MXFP4, ("1", "2", "3")) | {f"w{i}_ptr": "*i32" for i in "123"}
     source = _divisible_source(getattr(moe_mxfp4_decode, kernel), types, constants)  # as the JIT sees the preset
     ptx = triton.compile(source, target=GPUTarget("cuda", capability, 32),
-                         options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
+                         options={"num_warps": moe_mxfp4_decode.WARPS, "num_stages": stages}).asm["ptx"]
     assert "mul.rn.bf16x2" in ptx, f"{kernel} {tile_name}: no bf16x2 decode"
     assert "ld.local" not in ptx and "st.local" not in ptx, f"{kernel} {tile_name}: registers spill"
     if capability == 90:  # the expanded weights feed wgmma from registers: none goes through shared memory

@@ -39,18 +39,20 @@ from deepinfer_nvidia_sm100.kernels import dequant, moe, pdl
 FLOAT32, PORTABLE, PTX = 0, 1, 2  # the kernels' ``DECODE``
 BF16_DECODE = PTX  # how bf16 activations decode on a GPU (``PORTABLE``: without inline PTX)
 TILE_ROWS = 64  # weight rows a program: one warpgroup's MMA M, four warps of 16 (the fragment layout assumes it)
+WARPS = 4  # one warpgroup (with more, the compiler's MMA layout no longer matches the fragment order: ~2x the work)
 FRAGMENT = 128  # inputs per fragment-order block: four lane quarters of 32 (the widths must be multiples of it)
 
 MAX_PER_EXPERT = None  # mean assignments per expert up to which the MXFP4 op takes these kernels (0: never); None:
 # ``DEEPINFER_NVIDIA_MXFP4_DECODE_MAX_PER_EXPERT`` (0: off by default, docs/quantization.md has the timings)
-TILES = {  # (max mean assignments per expert, (BLOCK_M, BLOCK_K, num_warps, num_stages)): the first that holds,
-    # else the last. Static SASS counts of the loops on sm_90a (Triton 3.6): ~4.4 instructions a weight at 16 rows
-    # and 256 inputs a step (128: more of the loop's fixed instructions per weight), ~5.0-5.6 at 64-256 rows; no
-    # spills. From 128 rows every expansion feeds 128+ tokens, so the tensor cores, not the expansion, set the pace.
-    "decode": (16, (16, 256, 4, 3)),
-    "mid": (64, (64, 128, 4, 3)),
-    "prefill": (256, (128, 128, 4, 3)),
-    "large": (None, (256, 128, 4, 2)),
+TILES = {  # (max mean assignments per expert, (BLOCK_M, BLOCK_K, num_stages)): the first that holds, else the last.
+    # Static SASS counts of the loops on sm_90a (Triton 3.6, ``benchmarks/sass_census.py``): ~4.1-4.2 instructions a
+    # weight at 16 rows and 512 inputs a step (256: 4.3-4.4; fewer inputs a step, more of the loop's fixed
+    # instructions per weight), ~5.0-5.6 at 64-256 rows; no spills. From 128 rows every expansion feeds 128+ tokens,
+    # so the tensor cores, not the expansion, set the pace.
+    "decode": (16, (16, 512, 2)),
+    "mid": (64, (64, 128, 3)),
+    "prefill": (256, (128, 128, 3)),
+    "large": (None, (256, 128, 2)),
 }
 ONE_TOKEN = False  # one token through these kernels (four launches) rather than ``moe_quant``'s two row kernels
 
@@ -73,8 +75,8 @@ def used(num_tokens: int, num_assign: int, x: torch.Tensor, w1: torch.Tensor, w2
             and (num_tokens > 1 or ONE_TOKEN))
 
 
-def tile(num_assign: int, num_experts: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_K, num_warps, num_stages) by the mean assignments per expert (``TILES``)."""
+def tile(num_assign: int, num_experts: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_K, num_stages) by the mean assignments per expert (``TILES``)."""
     per_expert = num_assign / max(num_experts, 1)
     return next(t for bound, t in TILES.values() if bound is None or per_expert <= bound)
 
@@ -202,17 +204,17 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, assign_ptr, block_ex
 
 
 def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s2, w3, s3, limit: float,
-        launch: tuple[int, int, int, int] | None = None, decode: int | None = None) -> torch.Tensor:
+        launch: tuple[int, int, int] | None = None, decode: int | None = None) -> torch.Tensor:
     """The MXFP4 experts through these kernels: ``moe.align``, ``_up_kernel``, ``_down_kernel``, ``moe._combine``.
     ``w*`` packed bytes (uint8), ``s*`` ue8m0 bytes (uint8), contiguous, widths that ``fit``; ``launch`` fixes
-    (BLOCK_M, BLOCK_K, num_warps, num_stages), by default ``tile``'s; ``decode`` the ``DECODE``, by default
+    (BLOCK_M, BLOCK_K, num_stages), by default ``tile``'s; ``decode`` the ``DECODE``, by default
     ``decode_mode``'s (``benchmarks/bench_quant.py`` sweeps both)."""
     T, top_k = ids.shape
     E, I, D = w1.shape[0], w1.shape[1], x.shape[1]
     if not fits(x, w1, w2, w3):
         raise ValueError(f"moe_mxfp4_decode: widths D={D}, I={I} must be multiples of {FRAGMENT} and the packed "
                          "weights 4-byte aligned; moe_quant's grouped kernels take any shape")
-    block_m, block_k, warps, stages = launch or tile(T * top_k, E)
+    block_m, block_k, stages = launch or tile(T * top_k, E)
     block_k = block_k if D % block_k == 0 and I % block_k == 0 else FRAGMENT  # whole steps over both widths
     sorted_assign, block_expert, dest = moe.align(ids, E, block_m)
     rows = sorted_assign.shape[0]
@@ -220,7 +222,7 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s
     y = torch.empty((rows, D), dtype=x.dtype, device=x.device)
     w1, w2, w3 = (w.view(torch.int32) for w in (w1, w2, w3))  # eight codes a word
     consts = {"BLOCK_M": block_m, "BLOCK_K": block_k, "DECODE": decode_mode(x) if decode is None else decode,
-              "PRECISION": "ieee" if x.dtype == torch.float32 else "tf32", "num_warps": warps,
+              "PRECISION": "ieee" if x.dtype == torch.float32 else "tf32", "num_warps": WARPS,
               "num_stages": stages, **pdl.launch()}
     blocks = rows // block_m
     xf = fragment_order(x)
