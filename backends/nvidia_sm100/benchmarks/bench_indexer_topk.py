@@ -3,7 +3,7 @@ NVIDIA op's forms (``kernels/indexer_topk.py``: the Triton radix select per row,
 wide digits, ``wide_topk``, the op's default: rows of up to 32,768 entries held on chip, longer ones 3 passes of 12,
 12 and 8 bits + the write; order keys + ``torch.topk``), at the query x entry shapes one CSA layer sees at long
 context: an 8K prompt's chunk, 16K-token chunks late in 64K and 128K prompts, one 1,024-row slice of a 16K chunk at
-1M context (``DEEPINFER_INDEXER_CHUNK_ENTRIES``'s default), and batch-16 decode rows at 128K.
+1M context (``DEEPINFER_INDEXER_CHUNK_ENTRIES``'s default), and batch-16 and batch-1 decode rows at 128K.
 
     python backends/nvidia_sm100/benchmarks/bench_indexer_topk.py      # on a GPU; prints two tables
 
@@ -33,6 +33,7 @@ SHAPES = (  # (sequences, query rows, entries, what)
     (1, 16384, 32768, "16K chunk at 128K"),
     (1, 1024, 262144, "1M: one slice"),
     (16, 1, 32768, "decode b16 at 128K"),
+    (1, 1, 32768, "decode b1 at 128K"),
 )
 
 

@@ -40,8 +40,12 @@ VARIABLES = Variables(
     Variable("DEEPINFER_NVIDIA_NORM", bool, True, "Triton RMS-norm kernels; 0: the compiled reference ops."),
     Variable("DEEPINFER_NVIDIA_GREEDY", bool, True, "Triton sampler for all-greedy steps; 0: the reference sampler."),
     Variable("DEEPINFER_NVIDIA_RADIX_TOPK", bool, True,
-             "The indexer's top-k by a Triton radix select per query row (calls of at least 64 rows); 0: order keys "
-             "and `torch.topk` (the rule for fewer rows)."),
+             "The indexer's top-k by a Triton radix select per query row (calls of at least "
+             "`DEEPINFER_NVIDIA_RADIX_TOPK_MIN_ROWS` rows); 0: order keys and `torch.topk` (the rule for fewer rows)."),
+    Variable("DEEPINFER_NVIDIA_RADIX_TOPK_MIN_ROWS", int, 64,
+             "Query rows from which an `indexer_topk` call takes the radix select (one program per row); fewer rows "
+             "(decode steps) take order keys and `torch.topk`. 1: the radix select for decode rows too (not yet "
+             "timed against `torch.topk` at long context)."),
     Variable("DEEPINFER_NVIDIA_RADIX_TOPK_WIDE", bool, False,
              "The radix top-k kernels (mask and counted forms) by wider digits: rows of up to 32,768 entries held on "
              "chip (one read of the scores from memory), longer ones in 3 passes and the write (4 reads; needs Triton "

@@ -10,7 +10,7 @@ equal scores). Scores that compare equal as floats but differ in bits are made o
 and every NaN the positive quiet NaN (the sort puts NaN first, as the largest, and ties NaNs by index); invisible
 entries are ``-inf`` as in the reference, and only visible entries stay selected.
 
-* ``radix_topk`` (calls of at least ``RADIX_MIN_ROWS`` query rows: prefill): one Triton program per row finds the
+* ``radix_topk`` (calls of at least ``DEEPINFER_NVIDIA_RADIX_TOPK_MIN_ROWS`` query rows: prefill): one Triton program per row finds the
   row's ``k``-th largest score key by an MSB-first radix select (8 passes of 4 bits, counting only the keys that
   match the digits found so far), then one pass writes the selection: keys above it, and of the keys equal to it the
   first ones in index order until ``k``. 9 reads of the row's scores and visibility, 1 byte written per score, no
@@ -556,7 +556,8 @@ def keyed_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: int) 
     return torch.where(index < E, index, -1).to(torch.int32)
 
 
-RADIX_MIN_ROWS = 64  # fewer query rows (decode): too few programs for one per row; keys and torch.topk instead
+RADIX_MIN_ROWS = None  # fewer query rows (decode: too few programs for one per row) take keys and torch.topk; None:
+# ``DEEPINFER_NVIDIA_RADIX_TOPK_MIN_ROWS`` (64)
 
 
 def radix_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
@@ -641,7 +642,8 @@ def _radix_form(rows_scores: torch.Tensor, wide, four_bit):
     ``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE``, else ``four_bit``; None (keys and ``torch.topk``) off Triton, below
     ``RADIX_MIN_ROWS`` rows or with ``DEEPINFER_NVIDIA_RADIX_TOPK=0``."""
     on_triton = rows_scores.device.type == "cuda" or _interpreted()
-    if not (on_triton and rows_scores.shape[0] >= RADIX_MIN_ROWS and envs.DEEPINFER_NVIDIA_RADIX_TOPK):
+    min_rows = envs.DEEPINFER_NVIDIA_RADIX_TOPK_MIN_ROWS if RADIX_MIN_ROWS is None else RADIX_MIN_ROWS
+    if not (on_triton and rows_scores.shape[0] >= min_rows and envs.DEEPINFER_NVIDIA_RADIX_TOPK):
         return None
     return wide if envs.DEEPINFER_NVIDIA_RADIX_TOPK_WIDE else four_bit
 
