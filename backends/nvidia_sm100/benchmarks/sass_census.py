@@ -5,6 +5,7 @@ attention's key reads compile to.
     python backends/nvidia_sm100/benchmarks/sass_census.py             # both sections
     python backends/nvidia_sm100/benchmarks/sass_census.py mxfp4       # moe_quant's kernels vs moe_mxfp4_decode
     python backends/nvidia_sm100/benchmarks/sass_census.py sparse      # _sparse_split_kernel by heads and key read
+    python backends/nvidia_sm100/benchmarks/sass_census.py fp8         # the fp8 block linears' kernels
 
 Each kernel is compiled ahead of time as Triton's JIT sees the preset (pointers, strides and widths divisible by 16)
 with the installed Triton and its bundled ``nvdisasm``; the longest loop of the SASS (the K loop) is counted per
@@ -13,7 +14,9 @@ issues 4 warp instructions per SM and clock, ~33 T thread instructions a second,
 layer of the ``v4-flash-8l64e-fp4`` preset (64 experts x 3 x 4,096 x 2,048 weights) takes at least N x 48 us when
 every expert is touched. ``local`` counts spill loads and stores (``LDL`` / ``STL``) in the whole kernel. The sparse
 section: per (key, head) of a loop step, at V4's head width (512, bf16), each ``STORE`` read (contiguous keys, the
-key rows' one gather, the block and row tables).
+key rows' one gather, the block and row tables). The fp8 section: the one-row and split-K kernels per weight, the
+tensor-core kernel per 128-input K step of its tile as issue clocks of an SM (4 warp instructions a clock) beside
+the fp8 MMA's clocks (~7,570 FLOP a clock and SM at the H200's dense fp8 peak).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import sys
 import tempfile
 
 import triton
-from deepinfer_nvidia_sm100.kernels import aot, moe, moe_mxfp4_decode, moe_quant, sparse_attention
+from deepinfer_nvidia_sm100.kernels import aot, fp8_linear, moe, moe_mxfp4_decode, moe_quant, sparse_attention
 from triton.backends.compiler import GPUTarget
 
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
@@ -36,6 +39,8 @@ TYPES = {"w1_ptr": "*u8", "w2_ptr": "*u8", "w3_ptr": "*u8", "s1_ptr": "*u8", "s2
 WORDS = {f"w{i}_ptr": "*i32" for i in "123"}  # moe_mxfp4_decode reads the packed bytes as int32 words
 
 
+FP8_TYPES = {"w_ptr": "*fp8e4nv", "s_ptr": "*u8", "xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "x_ptr": "*bf16"}
+FP8_FLOP_PER_CLOCK = 7570  # dense fp8 tensor-core FLOP per clock and SM on the H200 (~1,979 TFLOP/s, 132 SMs, 1.98 GHz)
 SPARSE_WIDTHS = ("queries", "E", "per_block", "kv_rows", "H", "N", "total")  # multiples of 16 at V4's shapes
 
 
@@ -95,6 +100,34 @@ def sparse_cases() -> dict[str, tuple]:
     return out
 
 
+def fp8_cases() -> dict[str, tuple]:
+    """Name -> (kernel, types, constants, warps, stages, weights per loop iteration): the row and split-K kernels."""
+    bn, bk, warps, stages = fp8_linear.ROW_TILE
+    out = {f"_row_kernel {fp8_linear.ROW_TILE}": (fp8_linear._row_kernel, FP8_TYPES, {
+        "BLOCK_N": bn, "BLOCK_K": bk, "B0": 128, "B1": 128, "UE8M0": True}, warps, stages, bn * bk)}
+    for rows in (16, 32, 64):
+        bm, bn, bk, warps, stages = fp8_linear._tile(fp8_linear.SPLIT_K_TILES, rows)
+        constants = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "B0": 128, "B1": 128, "UE8M0": True,
+                     "PRECISION": "tf32", "SWAP": fp8_linear.SPLIT_K_SWAP, "F16": fp8_linear.SPLIT_K_F16}
+        out[f"_split_k_kernel {rows} rows {(bm, bn, bk, warps, stages)}"] = (
+            fp8_linear._split_k_kernel, FP8_TYPES | {"out_ptr": "*fp32"}, constants, warps, stages, bn * bk)
+    return out
+
+
+def fp8_tc_table() -> None:
+    """The tensor-core kernel at each ``FP8_TC_TILES`` tile, 128 x 128 ue8m0 blocks, per K step."""
+    print("\nfp8 tensor-core kernel, 128 x 128 ue8m0 blocks: a K step (128 inputs) of one tile, SM clocks")
+    print("| tile | loop instructions a warp | issue clocks | fp8 MMA clocks | local |\n|---|---|---|---|---|")
+    for _, bm, bn, warps, stages in fp8_linear.FP8_TC_TILES:
+        constants = {"BLOCK_M": bm, "BLOCK_N": bn, "B0": 128, "B1": 128, "UE8M0": True,
+                     "GROUP_M": fp8_linear.FP8_TC_GROUP_M, "ONE_SCALE": 128 % bn == 0, "EVEN_K": True}
+        compiled = compile_sm90(fp8_linear._fp8_tc_kernel, FP8_TYPES | {"out_ptr": "*bf16"}, constants, warps, stages)
+        counts, spills = loop_census(disassemble(compiled.asm["cubin"]))
+        total = sum(counts.values())
+        print(f"| {(bm, bn, warps, stages)} | {total} | {total * warps / 4:.0f} | "
+              f"{2 * bm * bn * 128 / FP8_FLOP_PER_CLOCK:.0f} | {spills} |")
+
+
 def cases() -> dict[str, tuple]:
     """Name -> (kernel, types, constants, warps, stages, weights expanded per loop iteration)."""
     out = {}
@@ -140,8 +173,12 @@ def main(sections: list[str]) -> None:
               "weight", cases())
     if "sparse" in sections:
         table("sparse attention, d 512 bf16: thread instructions per (key, head)", "key x head", sparse_cases())
+    if "fp8" in sections:
+        table("fp8 block linears (128 x 128 ue8m0), bf16 activations: thread instructions per weight", "weight",
+              fp8_cases())
+        fp8_tc_table()
 
 
 if __name__ == "__main__":
     sys.stdout.reconfigure(line_buffering=True)
-    main(sys.argv[1:] or ["mxfp4", "sparse"])
+    main(sys.argv[1:] or ["mxfp4", "sparse", "fp8"])

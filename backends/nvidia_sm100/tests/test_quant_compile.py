@@ -114,11 +114,13 @@ def test_fp8_tensor_core_kernel_multiplies_e4m3_operands(rows, block, ue8m0, cap
     """The prefill kernel's products are fp8 tensor-core instructions (e4m3 x e4m3 with fp32 accumulate), for
     V4-Flash's 128 x 128 blocks (ue8m0 scales; float32 as V4-Flash-Base) and V4.1-Flash's 32 x 32."""
     block_m, block_n, warps, stages = fp8_linear._tile(fp8_linear.FP8_TC_TILES, rows)
+    one_scale = block[0] % block_n == 0  # as _launch_fp8_tc sets it for one group
     constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "B0": block[0], "B1": block[1], "UE8M0": ue8m0,
-                 "GROUP_M": fp8_linear.FP8_TC_GROUP_M}
+                 "GROUP_M": fp8_linear.FP8_TC_GROUP_M, "ONE_SCALE": one_scale, "EVEN_K": True}
     types = LINEAR_TYPES | {"s_ptr": "*u8" if ue8m0 else "*fp32"}
     ptx = _compile(fp8_linear._fp8_tc_kernel, types, constants, capability, warps, stages)
     assert re.search(FP8_MMA[capability], ptx), f"fp8 tensor cores {block_m} rows {block}: no e4m3 MMA"
+    assert one_scale == (block == (128, 128))  # V4-Flash's blocks take one weight scale a K step
 
 
 @pytest.mark.parametrize("capability", sorted(ARCHS))

@@ -317,7 +317,8 @@ def test_fp8_activation_quantization_rounds_as_torch(block):
 
 
 @kernel_runs_here
-@pytest.mark.parametrize("M, n, k, groups, block", [(130, 64, 200, 1, (64, 64)), (9, 40, 128, 3, (32, 32))])
+@pytest.mark.parametrize("M, n, k, groups, block", [(130, 64, 200, 1, (64, 64)), (9, 40, 128, 3, (32, 32)),
+                                                    (130, 128, 256, 2, (128, 128))])  # one scale a K step
 def test_fp8_tensor_core_kernel_is_the_reference_on_quantized_activations(M, n, k, groups, block):
     """The fp8 tensor-core kernel equals the reference op run on activations quantized as ``quantize_activations``
     does, up to the sums: Hopper's fp8 MMA keeps about 14 bits while it accumulates one K block (DeepSeek-V3's report,

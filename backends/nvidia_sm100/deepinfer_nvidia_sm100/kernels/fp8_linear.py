@@ -329,13 +329,18 @@ def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, tor
 def _fp8_tc_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_xg, stride_xsm,
                    stride_xsg, stride_wn, stride_sn, stride_os, stride_om, stride_og, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr, UE8M0: tl.constexpr,
-                   GROUP_M: tl.constexpr, PDL: tl.constexpr = False):
+                   GROUP_M: tl.constexpr, ONE_SCALE: tl.constexpr = False, EVEN_K: tl.constexpr = False,
+                   PDL: tl.constexpr = False):
     """Program (output tile, group): ``out = x @ W^T`` on fp8 tensor cores from ``x``'s e4m3 values ``xq`` and
     per-row block scales ``xs`` (``quantize_activations``), one ``B1``-wide ``K`` block a step: ``dot(xq, w)`` in
     fp32, times the row's and the weight block's scales, accumulated in fp32. Tiles run ``GROUP_M`` row blocks
     per column block (consecutive programs share their weight and activation tiles in L2). Grid axis 1 splits
     ``K`` (``k_per_split`` inputs each, a multiple of ``B1``): a split's tile goes to the float32 partials at
-    ``split`` (``_sum_splits_kernel``), or to the output when there is one split."""
+    ``split`` (``_sum_splits_kernel``), or to the output when there is one split.
+
+    ``ONE_SCALE``: the tile's rows lie in one ``B0`` block, so a K step has one weight scale, folded into the rows'
+    scales (one multiply a row, then one FMA an output; a ue8m0 scale is a power of two: the same result).
+    ``EVEN_K``: every split's steps lie inside ``K`` (no K masks)."""
     pdl.begin(PDL)
     split, group = tl.program_id(1), tl.program_id(2).to(tl.int64)
     pid_m, pid_n = moe_quant.tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -347,18 +352,30 @@ def _fp8_tc_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, 
     rows = group * N + offs_n  # [BN] weight rows
     w_rows = w_ptr + rows[None, :] * stride_wn  # [1, BN]
     s_rows = s_ptr + (rows // B0) * stride_sn  # [BN]
+    s_tile = s_ptr + ((group * N + pid_n * BLOCK_N) // B0) * stride_sn  # ONE_SCALE: the tile's scale row
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = split * k_per_split
     for k0 in range(k_lo, k_lo + k_per_split, B1):
         k0 = tl.multiple_of(k0, B1)
         offs_k = k0 + tl.arange(0, B1)
-        k_mask = offs_k < K
-        a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, B1] e4m3
-        w = tl.load(w_rows + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)  # [B1, BN] e4m3
-        live = k0 + tl.arange(0, 1) < K  # [1]: the slice starts before K (the last split's may not)
-        a_scale = tl.load(xs_rows + k0 // B1, mask=m_mask & live, other=0.0)  # [BM]
-        w_scale = dequant.block_scale(tl.load(s_rows + k0 // B1, mask=n_mask & live, other=0), UE8M0)  # [BN]
-        acc += tl.dot(a, w, out_dtype=tl.float32) * a_scale[:, None] * w_scale[None, :]
+        if EVEN_K:
+            a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)  # [BM, B1] e4m3
+            w = tl.load(w_rows + offs_k[:, None], mask=n_mask[None, :], other=0.0)  # [B1, BN] e4m3
+            a_scale = tl.load(xs_rows + k0 // B1, mask=m_mask, other=0.0)  # [BM]
+        else:
+            k_mask = offs_k < K
+            a = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_rows + offs_k[:, None], mask=n_mask[None, :] & k_mask[:, None], other=0.0)
+            live = k0 + tl.arange(0, 1) < K  # [1]: the slice starts before K (the last split's may not)
+            a_scale = tl.load(xs_rows + k0 // B1, mask=m_mask & live, other=0.0)
+        if ONE_SCALE:
+            step = k0 + tl.arange(0, 1)  # [1]
+            w_scale = dequant.block_scale(tl.load(s_tile + step // B1, mask=step < K, other=0), UE8M0)  # [1]
+            acc += tl.dot(a, w, out_dtype=tl.float32) * (a_scale * w_scale)[:, None]
+        else:
+            w_scale = dequant.block_scale(tl.load(s_rows + k0 // B1, mask=n_mask & (k0 + tl.arange(0, 1) < K), other=0),
+                                          UE8M0)  # [BN]
+            acc += tl.dot(a, w, out_dtype=tl.float32) * a_scale[:, None] * w_scale[None, :]
     _store_tile(acc, out_ptr, split, group, offs_m, offs_n, m_mask, n_mask, stride_os, stride_om, stride_og)
 
 
@@ -512,10 +529,12 @@ def _launch_fp8_tc(x: torch.Tensor, weight: torch.Tensor, raw: torch.Tensor, blo
     splits = triton.cdiv(K, per_split)
     xq, xs = quantize_activations(x, block[1])
     part = _partials(out, splits)
+    one_scale = block[0] % block_n == 0 and (groups == 1 or N % block[0] == 0)  # no tile straddles a B0 block
     _fp8_tc_kernel[(tiles, splits, groups)](
         xq, xs, weight, raw, part, M, N, K, per_split, xq.stride(0), xq.stride(1), xs.stride(0), xs.stride(1),
         weight.stride(0), raw.stride(0), part.stride(0) if splits > 1 else 0, part.stride(-3), part.stride(-2),
-        BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=FP8_TC_GROUP_M, num_warps=warps, num_stages=stages, **consts)
+        BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=FP8_TC_GROUP_M, ONE_SCALE=one_scale, EVEN_K=K % per_split == 0,
+        num_warps=warps, num_stages=stages, **consts)
     _sum_splits(part, out, splits)
 
 
