@@ -54,7 +54,8 @@ TILES = {  # (max mean assignments per expert, (BLOCK_M, BLOCK_K, num_stages)): 
     "prefill": (256, (128, 128, 3)),
     "large": (None, (256, 128, 2)),
 }
-ONE_TOKEN = False  # one token through these kernels (four launches) rather than ``moe_quant``'s two row kernels
+ONE_TOKEN = False  # one token through these kernels (align, the fragment-order copy, up, down, combine) rather than
+# ``moe_quant``'s two row kernels
 
 
 def fits(x: torch.Tensor, *packed: torch.Tensor) -> bool:
