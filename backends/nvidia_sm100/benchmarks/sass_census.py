@@ -21,19 +21,12 @@ the fp8 MMA's clocks (~7,570 FLOP a clock and SM at the H200's dense fp8 peak).
 
 from __future__ import annotations
 
-import collections
-import os
-import re
-import subprocess
 import sys
-import tempfile
 
 import triton
 from deepinfer_nvidia_sm100.kernels import aot, fp8_linear, moe, moe_mxfp4_decode, moe_quant, sparse_attention
 from triton.backends.compiler import GPUTarget
 
-INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
-LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 TYPES = {"w1_ptr": "*u8", "w2_ptr": "*u8", "w3_ptr": "*u8", "s1_ptr": "*u8", "s2_ptr": "*u8", "s3_ptr": "*u8",
          "assign_ptr": "*i64", "block_expert_ptr": "*i64", "weights_ptr": "*fp32", "limit": "fp32"}
 WORDS = {f"w{i}_ptr": "*i32" for i in "123"}  # moe_mxfp4_decode reads the packed bytes as int32 words
@@ -49,37 +42,6 @@ def compile_sm90(fn, types: dict[str, str], constants: dict, warps: int, stages:
     """``fn`` compiled for sm_90a as the JIT sees the preset (``aot.divisible_source``)."""
     return triton.compile(aot.divisible_source(fn, types, constants, widths), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": warps, "num_stages": stages})
-
-
-def disassemble(cubin: bytes) -> str:
-    """SASS text of a cubin by the ``nvdisasm`` bundled with Triton."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
-
-
-def loop_census(sass: str) -> tuple[collections.Counter, int]:
-    """(opcode counts of the longest backward-branch loop, spill loads / stores in the whole kernel)."""
-    labels, pending, rows = {}, [], []
-    for line in sass.splitlines():
-        label = LABEL.match(line)
-        if label:
-            pending.append(label.group(1))
-            continue
-        match = INSTRUCTION.search(line)
-        if match:
-            address = int(match.group(1), 16)
-            labels.update(dict.fromkeys(pending, address))
-            pending = []
-            rows.append((address, match.group(2), match.group(3)))
-    loops = [(labels[target.group(1)], address) for address, op, args in rows
-             if op.startswith("BRA") and (target := re.search(r"(\.L_x_\d+)", args)) and target.group(1) in labels
-             and labels[target.group(1)] < address]
-    start, end = max(loops, key=lambda loop: loop[1] - loop[0])
-    counts = collections.Counter(op.split(".")[0] for address, op, _ in rows if start <= address <= end)
-    return counts, sum(op.startswith(("LDL", "STL")) for _, op, _ in rows)
 
 
 def sparse_cases() -> dict[str, tuple]:
@@ -122,7 +84,7 @@ def fp8_tc_table() -> None:
         constants = {"BLOCK_M": bm, "BLOCK_N": bn, "B0": 128, "B1": 128, "UE8M0": True,
                      "GROUP_M": fp8_linear.FP8_TC_GROUP_M, "ONE_SCALE": 128 % bn == 0, "EVEN_K": True}
         compiled = compile_sm90(fp8_linear._fp8_tc_kernel, FP8_TYPES | {"out_ptr": "*bf16"}, constants, warps, stages)
-        counts, spills = loop_census(disassemble(compiled.asm["cubin"]))
+        counts, spills = aot.loop_census(aot.disassemble(compiled.asm["cubin"]))
         total = sum(counts.values())
         print(f"| {(bm, bn, warps, stages)} | {total} | {total * warps / 4:.0f} | "
               f"{2 * bm * bn * 128 / FP8_FLOP_PER_CLOCK:.0f} | {spills} |")
@@ -160,7 +122,7 @@ def table(title: str, unit: str, rows: dict[str, tuple]) -> None:
     print(f"\n{title}\n| kernel | loop instructions | per {unit} | local | top opcodes |\n|---|---|---|---|---|")
     for name, (fn, types, constants, warps, stages, work, *widths) in rows.items():
         compiled = compile_sm90(fn, types, constants, warps, stages, *widths)
-        counts, spills = loop_census(disassemble(compiled.asm["cubin"]))
+        counts, spills = aot.loop_census(aot.disassemble(compiled.asm["cubin"]))
         total = sum(counts.values())
         top = ", ".join(f"{op} {n}" for op, n in counts.most_common(6))
         print(f"| {name} | {total} | {total * warps * 32 / work:.2f} | {spills} | {top} |")

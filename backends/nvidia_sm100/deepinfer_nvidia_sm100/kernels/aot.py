@@ -1,9 +1,20 @@
 """Triton kernels compiled ahead of time for a named GPU (``GPUTarget``), on any machine: the compile checks of the
-tests and ``benchmarks/sass_census.py`` see the code the JIT would build for a preset's shapes."""
+tests and ``benchmarks/sass_census.py`` see the code the JIT would build for a preset's shapes, and can count the
+machine instructions (SASS) of a kernel's main loop."""
 
 from __future__ import annotations
 
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
 from triton.compiler import ASTSource
+
+INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 
 DIVISIBLE_WIDTHS = ("D", "I", "K", "N", "k_per_split")  # integer arguments the presets' shapes make multiples of 16
 
@@ -22,3 +33,34 @@ def divisible_source(fn, types: dict[str, str], constants: dict, widths=DIVISIBL
             attrs[(i,)] = [["tt.divisibility", 16]]
     return ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()},
                      attrs=attrs)
+
+
+def disassemble(cubin: bytes) -> str:
+    """SASS text of a cubin by the ``nvdisasm`` bundled with Triton."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def loop_census(sass: str) -> tuple[collections.Counter, int]:
+    """(opcode counts of the longest backward-branch loop, spill loads / stores in the whole kernel)."""
+    labels, pending, rows = {}, [], []
+    for line in sass.splitlines():
+        label = LABEL.match(line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        match = INSTRUCTION.search(line)
+        if match:
+            address = int(match.group(1), 16)
+            labels.update(dict.fromkeys(pending, address))
+            pending = []
+            rows.append((address, match.group(2), match.group(3)))
+    loops = [(labels[target.group(1)], address) for address, op, args in rows
+             if op.startswith("BRA") and (target := re.search(r"(\.L_x_\d+)", args)) and target.group(1) in labels
+             and labels[target.group(1)] < address]
+    start, end = max(loops, key=lambda loop: loop[1] - loop[0])
+    counts = collections.Counter(op.split(".")[0] for address, op, _ in rows if start <= address <= end)
+    return counts, sum(op.startswith(("LDL", "STL")) for _, op, _ in rows)
