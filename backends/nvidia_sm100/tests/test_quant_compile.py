@@ -196,3 +196,19 @@ def test_fp8_split_k_kernel_streams_weights_into_the_tensor_cores(rows, block, f
 def test_sum_splits_kernel_compiles(capability):
     _compile(fp8_linear._sum_splits_kernel, {"part_ptr": "*fp32"}, {"SPLITS": 4, "BLOCK": fp8_linear.SUM_BLOCK},
              capability)
+
+
+@pytest.mark.parametrize("rows", [256, 8192])
+def test_fp8_tensor_core_k_step_issues_in_fewer_clocks_than_its_mma(rows):
+    """Static count on sm_90a (``benchmarks/sass_census.py fp8``): with V4-Flash's 128 x 128 ue8m0 blocks a K step of
+    the tile issues fewer instruction clocks (4 warp instructions a clock and SM) than its fp8 MMA takes at the
+    H200's peak (~7,570 FLOP a clock and SM), so the scaling around the products need not set the pace (before
+    ``ONE_SCALE`` / ``EVEN_K``: 682 issue clocks against 554 at 128 x 128)."""
+    block_m, block_n, warps, stages = fp8_linear._tile(fp8_linear.FP8_TC_TILES, rows)
+    constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "B0": 128, "B1": 128, "UE8M0": True,
+                 "GROUP_M": fp8_linear.FP8_TC_GROUP_M, "ONE_SCALE": 128 % block_n == 0, "EVEN_K": True}
+    compiled = triton.compile(_divisible_source(fp8_linear._fp8_tc_kernel, LINEAR_TYPES, constants),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    counts, spills = aot.loop_census(aot.disassemble(compiled.asm["cubin"]))
+    issue_clocks = sum(counts.values()) * warps / 4
+    assert issue_clocks < 2 * block_m * block_n * 128 / 7570 and spills == 0, (issue_clocks, spills)
