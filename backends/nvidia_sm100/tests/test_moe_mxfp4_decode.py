@@ -203,9 +203,9 @@ def _loop_instructions_per_weight(fn, constants: dict, warps: int, stages: int, 
 @pytest.mark.parametrize("kernel, matrices", [("_up_kernel", 2), ("_down_kernel", 1)])
 def test_decode_tile_expands_a_weight_in_fewer_instructions_than_the_grouped_kernels(kernel, matrices):
     """Static count on sm_90a (``benchmarks/sass_census.py``): the decode tile's K loop issues under 5 instructions
-    per expanded weight, at most three quarters of ``moe_quant``'s ``tl.dot_scaled`` decode tile (Triton 3.6: 4.2 /
+    per expanded weight, under four fifths of ``moe_quant``'s ``tl.dot_scaled`` decode tile (Triton 3.6: 4.2 /
     4.1 against 8.6 / 9.6; 3.9: 4.5 / 3.8 against 6.4 / 7.1), without spilling: the expansion, which bounds MXFP4
-    experts at decode sizes, costs less than half of what it did."""
+    experts at decode sizes, costs about half of what it did."""
     block_m, block_k, stages = moe_mxfp4_decode.TILES["decode"][1]
     new, spills = _loop_instructions_per_weight(
         getattr(moe_mxfp4_decode, kernel), {"BLOCK_M": block_m, "BLOCK_K": block_k, "DECODE": moe_mxfp4_decode.PTX,
@@ -216,4 +216,4 @@ def test_decode_tile_expands_a_weight_in_fewer_instructions_than_the_grouped_ker
         getattr(moe_quant, kernel), {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "FMT": moe_quant.MXFP4, "B0": 1,
                                      "B1": 32, "UE8M0": True, "PRECISION": "tf32", "SCALED": True, "SWAP": False,
                                      "GROUP_M": 1}, warps, 3, bn * bk * matrices)
-    assert new < 5 and new < 0.75 * old and spills == 0, (new, old, spills)
+    assert new < 5 and new < 0.8 * old and spills == 0, (new, old, spills)
