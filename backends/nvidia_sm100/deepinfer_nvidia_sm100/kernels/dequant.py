@@ -94,7 +94,7 @@ def mxfp4_word_codes(words, scale):
     """The eight bf16 weights of each int32 word of packed bytes (code ``i``: bits ``4i .. 4i + 3``) times its bf16
     ``scale`` (same shape): a tuple of eight tensors shaped as ``words``, exactly the reference's weights, in about 2.8
     instructions a weight (inline PTX for sm_90+, two words an invocation; Triton's interpreter runs no PTX:
-    ``mxfp4_word_codes_portable``)."""
+    ``mxfp4_word_values``)."""
     return tl.inline_asm_elementwise(_MXFP4_WORDS_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r", [words, scale],
                                      dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
 
