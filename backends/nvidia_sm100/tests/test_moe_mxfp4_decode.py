@@ -53,11 +53,10 @@ def test_mxfp4_bf16_decode_is_exact_on_every_code_and_scale_byte(ptx):
     to bf16 (exact: a code times a power of two fits bf16; 2 x 2^127 and up overflow to inf, byte 255 is NaN)."""
     scales = torch.tensor(EXTREME_SCALES, dtype=torch.uint8, device=DEVICE)
     packed = torch.arange(256, dtype=torch.uint8, device=DEVICE).repeat(len(scales), 1)  # [rows, 256]
-    out = torch.empty(len(scales), 512, dtype=torch.bfloat16, device=DEVICE)
-    _decode_kernel[(len(scales),)](packed.view(torch.int32), scales, out, PTX=ptx)
+    got = torch.empty(len(scales), 512, dtype=torch.bfloat16, device=DEVICE)
+    _decode_kernel[(len(scales),)](packed.view(torch.int32), scales, got, PTX=ptx)
     want = mxfp4.dequantize(packed, scales[:, None].repeat(1, 512 // mxfp4.GROUP).view(torch.float8_e8m0fnu))
     want = want.to(torch.bfloat16)  # [rows, 512]
-    got = out
     assert torch.equal(got.isnan(), want.isnan())
     finite = ~want.isnan()
     assert torch.equal(got[finite], want[finite]) and torch.equal(got.signbit()[finite], want.signbit()[finite])
@@ -122,9 +121,9 @@ def test_mxfp4_op_takes_the_decode_kernels_up_to_the_bound(T, monkeypatch):
     torch.testing.assert_close(got, ref.moe_experts_mxfp4(x, ids, weights, *stored, 0.7), **_tol(dtype))
 
 
-def test_fragment_order_and_its_inverse_map():
-    """``fragment_order`` puts input ``32 q + 16 h + 8 e + s`` of every 128 at column ``16 s + 8 h + 2 q + e``, and
-    ``fragment_column`` (the up kernel's ``h`` columns) is the same map."""
+def test_fragment_order_places_each_input():
+    """``fragment_order`` puts input ``32 q + 16 h + 8 e + s`` of every 128 at column ``16 s + 8 h + 2 q + e`` (the
+    next test: ``fragment_column``, the up kernel's ``h`` columns, is its inverse)."""
     t = torch.arange(256).reshape(1, 256)
     got = moe_mxfp4_decode.fragment_order(t)[0]
     for p in (0, 1, 7, 8, 16, 31, 32, 100, 127, 128, 255):
