@@ -1,6 +1,6 @@
 """Lightning-indexer selection (``indexer_topk``, top-512): the reference op (a stable sort of every row) against the
 NVIDIA op's forms (``kernels/indexer_topk.py``: the Triton radix select per row, 4-bit digits, ``radix_topk``, and
-wide digits, ``wide_topk``, the op's default: rows of up to 32,768 entries held on chip, longer ones 3 passes of 12,
+wide digits, ``wide_topk``, opt-in until timed (``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE=1``): rows of up to 32,768 entries held on chip, longer ones 3 passes of 12,
 12 and 8 bits + the write; order keys + ``torch.topk``), at the query x entry shapes one CSA layer sees at long
 context: an 8K prompt's chunk, 16K-token chunks late in 64K and 128K prompts, one 1,024-row slice of a 16K chunk at
 1M context (``DEEPINFER_INDEXER_CHUNK_ENTRIES``'s default), and batch-16 and batch-1 decode rows at 128K.
@@ -10,7 +10,7 @@ context: an 8K prompt's chunk, 16K-token chunks late in 64K and 128K prompts, on
 The second table times the selection as entry indices (index mode, ``DEEPINFER_SPARSE_CSA_ATTENTION=1``): the radix
 select reading the ``[S, Lq, E]`` mask (``indexer_topk_index``) against the forms reading per-row visible counts
 ``[S, Lq]`` (``indexer_topk_index_counts``: the 4-bit radix select over each row's visible prefix; the wide-digit
-form, ``wide_topk_index_counts``, the op's default: rows of up to 32,768 entries held on chip, longer ones 3 passes of
+form, ``wide_topk_index_counts``, opt-in likewise: rows of up to 32,768 entries held on chip, longer ones 3 passes of
 12, 12 and 8 bits + the write; its passes over memory alone, ``held_row=0``; counted keys + ``torch.topk``), each
 checked against the reference's indices first.
 

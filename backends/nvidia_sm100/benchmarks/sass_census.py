@@ -34,7 +34,6 @@ WORDS = {f"w{i}_ptr": "*i32" for i in "123"}  # moe_mxfp4_decode reads the packe
 
 FP8_TYPES = {"w_ptr": "*fp8e4nv", "s_ptr": "*u8", "xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "x_ptr": "*bf16"}
 FP8_FLOP_PER_CLOCK = 7570  # dense fp8 tensor-core FLOP per clock and SM on the H200 (~1,979 TFLOP/s, 132 SMs, 1.98 GHz)
-SPARSE_WIDTHS = ("queries", "E", "per_block", "kv_rows", "H", "N", "total")  # multiples of 16 at V4's shapes
 
 
 def compile_sm90(fn, types: dict[str, str], constants: dict, warps: int, stages: int,
@@ -58,7 +57,7 @@ def sparse_cases() -> dict[str, tuple]:
                          "PRECISION": "tf32", "PDL": True, "splits": 1}
             out[f"_sparse_split_kernel {heads} heads {read} (BLOCK_N {block_n}, {stages} stages)"] = (
                 sparse_attention._sparse_split_kernel, types, constants, 4 if heads <= 16 else 8, stages,
-                block_n * heads, SPARSE_WIDTHS)
+                block_n * heads, aot.SPARSE_WIDTHS)
     return out
 
 

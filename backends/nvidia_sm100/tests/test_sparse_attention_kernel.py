@@ -208,17 +208,16 @@ def test_head_block_reads_the_variable(monkeypatch):
 
 
 AOT = pytest.mark.skipif(INTERPRETED, reason="ahead-of-time compiles need the real Triton compiler, not the interpreter")
-DIVISIBLE = {"queries", "E", "per_block", "kv_rows", "H", "N", "total"}  # multiples of 16 at V4's shapes
 
 
 def compile_kernel(fn, types: dict, constants: dict, capability: int, warps: int = 4, stages: int = 2):
     """``fn`` compiled for sm_{capability}a on this machine, as a launch specializes it: pointers and the integer
-    arguments in ``DIVISIBLE`` 16-aligned (so shared memory and vector widths are the launch's), others ``i32``."""
+    arguments in ``aot.SPARSE_WIDTHS`` 16-aligned (so shared memory and vector widths are the launch's), others ``i32``."""
     import triton
     from deepinfer_nvidia_sm100.kernels import aot
     from triton.backends.compiler import GPUTarget
 
-    return triton.compile(aot.divisible_source(fn, types, constants, DIVISIBLE), target=GPUTarget("cuda", capability, 32),
+    return triton.compile(aot.divisible_source(fn, types, constants, aot.SPARSE_WIDTHS), target=GPUTarget("cuda", capability, 32),
                           options={"num_warps": warps, "num_stages": stages})
 
 

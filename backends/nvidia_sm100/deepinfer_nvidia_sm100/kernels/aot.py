@@ -17,6 +17,7 @@ INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9
 LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 
 DIVISIBLE_WIDTHS = ("D", "I", "K", "N", "k_per_split")  # integer arguments the presets' shapes make multiples of 16
+SPARSE_WIDTHS = ("queries", "E", "per_block", "kv_rows", "H", "N", "total")  # the same, of sparse_attention.py's
 
 
 def divisible_source(fn, types: dict[str, str], constants: dict, widths=DIVISIBLE_WIDTHS) -> ASTSource:
