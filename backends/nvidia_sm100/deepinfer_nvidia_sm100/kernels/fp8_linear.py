@@ -5,7 +5,7 @@ Kernels picked by the number of rows ``M`` (``linear_path``):
 
 * ``M == 1`` (batch-1 decode): ``_row_kernel``, a one-row product like ``gemv._gemv_row_kernel`` (no ``tl.dot``),
   the weight decoded in registers (weight-only).
-* ``M < FP8_TC_MIN_ROWS`` (decode batches; memory bound): ``_split_k_kernel``, which reads each weight once for
+* ``1 < M < FP8_TC_MIN_ROWS`` (small decode batches; memory bound): ``_split_k_kernel``, which reads each weight once for
   all the rows: 256 weight rows a program (64 for narrow outputs), decoded in registers (exactly) and multiplied
   on the left of a ``tl.dot`` with the batch (``SPLIT_K_SWAP``: on SM90 a wgmma with the weights in registers,
   the batch padded to 16 rather than 64), fp32 accumulation. ``K`` is split
@@ -13,7 +13,7 @@ Kernels picked by the number of rows ``M`` (``linear_path``):
   outputs; the splits' float32 partials are summed in split order by ``_sum_splits_kernel`` (deterministic).
   Exact weights, activations as they are: the reference op's math. (``_weight_only_kernel``, the decode-batch
   kernel before it, one column tile over the whole ``K``, stays as ``WEIGHT_ONLY`` for comparison.)
-* ``M >= FP8_TC_MIN_ROWS`` (prefill; compute bound): ``_fp8_tc_kernel``, fp8 tensor cores (wgmma on SM90,
+* ``M >= FP8_TC_MIN_ROWS`` (decode batches of 16+ and prefill): ``_fp8_tc_kernel``, fp8 tensor cores (wgmma on SM90,
   tcgen05 on SM100): ``quantize_activations`` first turns every row's ``B1`` inputs of a block into e4m3 with
   one fp32 scale (``amax / 448``: DeepSeek's per-token per-128 activations, once per row, not once per column
   tile), then each ``K`` block's fp8 product (fp32 accumulate) is scaled by the row's and the weight block's scales;
@@ -44,7 +44,8 @@ from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 
 ROW_MAX_ROWS = 1  # products of at most this many rows take the one-row kernel (0: the split-K kernel from 1 row;
 # on sm_90a it spends ~3.0 instructions a weight against the row kernel's ~7.5: bench_quant.py's 1-row sweep decides)
-FP8_TC_MIN_ROWS = 128  # rows from which the fp8 tensor-core kernel beats the weight-only one (bench_quant.py)
+FP8_TC_MIN_ROWS = 16  # rows from which the fp8 tensor-core kernel beats the weight-only one (bench_quant.py fp8 on an
+# H200, 2026-12-02: faster at 16 rows for 5 of the preset's 6 weights, at 64 for all)
 DEQUANT_MIN_ROWS = 1024  # rows from which the weight decoded once to the activations' dtype, then cuBLAS, wins
 # (c407f82 on the H200: 1,024 rows in bf16 ~120 us against fp8 tensor cores ~280-330 us; decoding wo_b ~25 us)
 FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # largest finite e4m3 magnitude

@@ -45,14 +45,11 @@ FRAGMENT = 128  # inputs per fragment-order block: four lane quarters of 32 (the
 MAX_PER_EXPERT = None  # mean assignments per expert up to which the MXFP4 op takes these kernels (0: never); None:
 # ``DEEPINFER_NVIDIA_MXFP4_DECODE_MAX_PER_EXPERT`` (0: off by default, docs/quantization.md has the timings)
 TILES = {  # (max mean assignments per expert, (BLOCK_M, BLOCK_K, num_stages)): the first that holds, else the last.
-    # Static SASS counts of the loops on sm_90a (Triton 3.6, ``benchmarks/sass_census.py``): ~4.1-4.2 instructions a
-    # weight at 16 rows and 512 inputs a step (256: 4.3-4.4; fewer inputs a step, more of the loop's fixed
-    # instructions per weight), ~5.0-5.6 at 64-256 rows; no spills. From 128 rows every expansion feeds 128+ tokens,
-    # so the tensor cores, not the expansion, set the pace.
-    "decode": (16, (16, 512, 2)),
-    "mid": (64, (64, 128, 3)),
-    "prefill": (256, (128, 128, 3)),
-    "large": (None, (256, 128, 2)),
+    # Measured on an H200 (bench_mxfp4_decode.py, 2026-12-02; the v4-flash-8l64e-fp4 experts): (16, 256, 3) fastest
+    # at 16 and 64 tokens, (32, 256, 3) at 256, (128, 128, 3) at 1,024 and 8,192 (256-row tiles: 1.4x slower).
+    "decode": (16, (16, 256, 3)),
+    "mid": (64, (32, 256, 3)),
+    "prefill": (None, (128, 128, 3)),
 }
 ONE_TOKEN = False  # one token through these kernels (align, the fragment-order copy, up, down, combine) rather than
 # ``moe_quant``'s two row kernels
