@@ -1,0 +1,154 @@
+"""What quantized activations cost a quantized model: the backend's default (fp8 linears of ``FP8_TC_MIN_ROWS`` rows
+and more on fp8 tensor cores, activations quantized per token and 128 inputs) against the same run with
+``DEEPINFER_NVIDIA_FP8_TC=0`` (every fp8 linear weight-only: the exact weights times the activations as they are,
+the reference op's math), on the same prompts in one process.
+
+    python backends/nvidia_sm100/benchmarks/quant_accuracy.py                      # v4-flash-8l64e-fp4, H200
+    python backends/nvidia_sm100/benchmarks/quant_accuracy.py --model DIR --backend cpu --num-prompts 4
+
+Two measures, each with the reference run (``FP8_TC=0``) as the baseline:
+
+* greedy agreement: both runs generate ``--output-len`` greedy tokens from ``--num-prompts`` random prompts in one
+  batch (decode rows take the tensor cores from 16 sequences); per prompt, the tokens equal before the first
+  difference, and whether the reference's top-2 gap there was a near-tie (below ``--tie-gap``);
+* teacher-forced logprobs: the reference's prompts plus completions are scored by both runs (``prompt_logprobs``:
+  prefill rows); the largest and median absolute difference of the completion tokens' logprobs.
+
+The last line is a Markdown row for docs/quantization.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+FP8_TC_VARIABLE = "DEEPINFER_NVIDIA_FP8_TC"
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """Greedy agreement of one run against a reference run."""
+
+    prompts: int
+    tokens: int  # generated tokens per prompt
+    matched: int  # tokens equal before each prompt's first difference, summed over prompts
+    identical: int  # prompts whose completions are equal throughout
+    near_ties: int  # first differences where the reference's top-2 gap was below the tie gap
+
+    @property
+    def fraction(self) -> float:
+        return self.matched / (self.prompts * self.tokens)
+
+
+def greedy_agreement(reference: list[list[tuple[int, float]]], other: list[list[int]], tie_gap: float) -> Agreement:
+    """``reference``: per prompt, (token, top-2 logprob gap) per generated step; ``other``: per prompt, the tokens."""
+    matched = identical = near_ties = 0
+    for want, got in zip(reference, other, strict=True):
+        same = next((i for i, ((w, _), g) in enumerate(zip(want, got, strict=True)) if w != g), len(want))
+        matched += same
+        identical += same == len(want)
+        near_ties += same < len(want) and want[same][1] < tie_gap
+    return Agreement(len(reference), len(reference[0]) if reference else 0, matched, identical, near_ties)
+
+
+def logprob_differences(reference: list[list[float]], other: list[list[float]]) -> list[float]:
+    """Absolute differences of two runs' logprobs of the same tokens, every position of every sequence."""
+    return [abs(a - b) for want, got in zip(reference, other, strict=True) for a, b in zip(want, got, strict=True)]
+
+
+def _top2_gap(logprobs) -> float:
+    ranked = sorted((lp.logprob for lp in logprobs.values()), reverse=True)
+    return ranked[0] - ranked[1] if len(ranked) > 1 else float("inf")
+
+
+def _run(args, prompts: list[list[int]], fp8_tc: bool):
+    """One engine with ``FP8_TC`` set: its greedy completions (token, top-2 gap), and a scoring function."""
+    from deepinfer_core.llm import LLM
+    from deepinfer_core.sampling.params import SamplingParams
+
+    before = os.environ.get(FP8_TC_VARIABLE)
+    os.environ[FP8_TC_VARIABLE] = "1" if fp8_tc else "0"
+    try:
+        llm = LLM(model=str(args.folder), backend=args.backend, dtype=args.dtype, max_num_seqs=len(prompts),
+                  max_model_len=args.input_len + args.output_len + 1)
+        greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, logprobs=2)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+        steps = [[(t, _top2_gap(lps)) for t, lps in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)]
+                 for o in outs]
+
+        def score(sequences: list[list[int]]) -> list[list[float]]:
+            """The logprob of each completion token, the sequence run as a prompt (teacher forcing)."""
+            params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
+            scored = llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+            return [[lps[t].logprob for t, lps in zip(s[args.input_len:], o.prompt_logprobs[args.input_len:],
+                                                      strict=True)] for s, o in zip(sequences, scored, strict=True)]
+
+        return llm, steps, score
+    finally:
+        if before is None:
+            os.environ.pop(FP8_TC_VARIABLE, None)
+        else:
+            os.environ[FP8_TC_VARIABLE] = before
+
+
+def measure(args) -> tuple[Agreement, list[float]]:
+    """Both runs on the same prompts: (greedy agreement, teacher-forced logprob differences)."""
+    from deepinfer_core.bench.runner import random_prompts
+
+    vocab = int(json.loads((Path(args.folder) / "config.json").read_text())["vocab_size"])
+    prompts = random_prompts(args.num_prompts, args.input_len, vocab, seed=0)
+    sides = {}
+    for fp8_tc in (False, True):  # one engine at a time: the preset fills much of the GPU
+        llm, steps, score = _run(args, prompts, fp8_tc)
+        if not fp8_tc:  # the reference's completions, scored by both
+            sequences = [p + [t for t, _ in s] for p, s in zip(prompts, steps, strict=True)]
+        sides[fp8_tc] = steps, score(sequences)
+        llm.engine.shutdown()
+        del llm
+    (ref_steps, ref_scores), (steps, scores) = sides[False], sides[True]
+    agreement = greedy_agreement(ref_steps, [[t for t, _ in s] for s in steps], args.tie_gap)
+    return agreement, logprob_differences(ref_scores, scores)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="v4-flash-8l64e-fp4", help="a bench preset (written when missing)")
+    parser.add_argument("--model", default=None, help="a checkpoint folder instead of the preset")
+    parser.add_argument("--backend", default="nvidia_sm100")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--num-prompts", type=int, default=64, help="prompts, run as one batch")
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--tie-gap", type=float, default=0.05,
+                        help="a first difference where the reference's top-2 logprob gap is below this is a near-tie")
+    args = parser.parse_args(argv)
+    if args.model is None:
+        from deepinfer_core.bench import presets
+
+        args.folder = presets.ensure_preset(args.preset)
+    else:
+        args.folder = args.model
+    agreement, diffs = measure(args)
+    worst, median = max(diffs), statistics.median(diffs)
+    name = args.model or args.preset
+    print(f"{name}, {args.backend}, {args.dtype}: {args.num_prompts} prompts of {args.input_len} tokens, "
+          f"{args.output_len} greedy tokens each; default vs {FP8_TC_VARIABLE}=0")
+    print(f"greedy agreement {agreement.fraction:.3f} ({agreement.matched} of {agreement.prompts * agreement.tokens} "
+          f"tokens before each prompt's first difference), {agreement.identical} of {agreement.prompts} completions "
+          f"identical, {agreement.near_ties} of {agreement.prompts - agreement.identical} first differences at a "
+          f"near-tie (top-2 gap < {args.tie_gap})")
+    print(f"teacher-forced completion logprobs: largest |difference| {worst:.4f}, median {median:.2e} "
+          f"({len(diffs)} tokens)")
+    print(f"| {name} | {args.dtype}, {args.num_prompts} x {args.input_len} in / {args.output_len} out | "
+          f"{agreement.fraction:.3f} | {agreement.identical} / {agreement.prompts} | {worst:.4f} | {median:.2e} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.stdout.reconfigure(line_buffering=True)
+    raise SystemExit(main())
