@@ -13,7 +13,7 @@ then timed: replayed from a CUDA graph up to 256 tokens, eagerly beyond (CUDA ev
   ``moe_quant.ROW_TILES``, float32 decode; more: the grouped kernels with ``tl.dot_scaled``, ``moe_quant._tiles``'
   launch); ``rows ptx`` (one token): the row kernels with ``moe_quant.ROW_DECODE_PTX``;
 * ``op``: ``moe_quant.moe_experts_mxfp4`` as it runs now (``moe_mxfp4_decode.used`` picks the path);
-* ``new (BLOCK_M, BLOCK_K, stages)``: ``moe_mxfp4_decode.run`` with that launch (the first is ``tile``'s
+* ``new (BLOCK_M, BLOCK_K, stages[, subtiles])``: ``moe_mxfp4_decode.run`` with that launch (the first is ``tile``'s
   default), ``portable``: its bf16 decode without inline PTX.
 
 Floor = bytes of the touched experts' packed weights and scales / 4.25 TB/s (the H200's HBM roofline), % = floor /
@@ -39,14 +39,14 @@ BW = 4.25e12
 TOKENS = (1, 16, 64, 256, 1024, 8192)
 GRAPH_MAX_TOKENS = 256
 LIMIT = 10.0
-LAUNCHES = {  # tokens -> moe_mxfp4_decode launches tried beside its default (BLOCK_M, BLOCK_K, stages);
+LAUNCHES = {  # tokens -> moe_mxfp4_decode launches tried beside its default, (BLOCK_M, BLOCK_K, stages[, subtiles]);
     # few distinct ones (each compiles once): the section stays near 30 s
-    1: ((16, 256, 3),),
-    16: ((16, 256, 3), (16, 128, 3)),
-    64: ((16, 256, 3),),
-    256: ((32, 256, 3), (64, 128, 3)),
-    1024: ((64, 128, 3),),
-    8192: ((128, 128, 3),),
+    1: (),
+    16: ((16, 512, 2), (16, 256, 3, 2)),
+    64: ((16, 256, 3, 2), (16, 256, 2, 2)),
+    256: ((64, 128, 3), (32, 256, 3, 2)),
+    1024: ((64, 128, 3, 2), (128, 128, 2, 2)),
+    8192: ((128, 128, 2, 2), (128, 128, 3, 2)),
 }
 
 

@@ -107,12 +107,14 @@ def cases() -> dict[str, tuple]:
                      "PTX": moe_quant.ROW_DECODE_PTX} | ({"K_P2": 8} if kernel == "_down_row_kernel" else {})
         out[f"moe_quant.{kernel} one token {(bn, bk, warps, stages)}"] = (
             getattr(moe_quant, kernel), TYPES | {"ids_ptr": "*i64"}, constants, warps, stages, bn * bk * matrices)
-    for name, (_, (bm, bk, stages)) in moe_mxfp4_decode.TILES.items():
-        constants = {"BLOCK_M": bm, "BLOCK_K": bk, "DECODE": moe_mxfp4_decode.PTX, "PRECISION": "tf32"}
-        for kernel in ("_up_kernel", "_down_kernel"):
-            out[f"moe_mxfp4_decode.{kernel} {name} {(bm, bk, stages)}"] = (
-                getattr(moe_mxfp4_decode, kernel), TYPES | WORDS, constants, moe_mxfp4_decode.WARPS, stages,
-                moe_mxfp4_decode.TILE_ROWS * bk)
+    for name, (_, (bm, bk, stages, *_)) in moe_mxfp4_decode.TILES.items():
+        for subtiles in (1, 2):  # 64-row weight tiles a program
+            constants = {"BLOCK_M": bm, "BLOCK_K": bk, "DECODE": moe_mxfp4_decode.PTX, "PRECISION": "tf32",
+                         "SUBTILES": subtiles}
+            for kernel in ("_up_kernel", "_down_kernel"):
+                out[f"moe_mxfp4_decode.{kernel} {name} {(bm, bk, stages, subtiles)}"] = (
+                    getattr(moe_mxfp4_decode, kernel), TYPES | WORDS, constants, moe_mxfp4_decode.WARPS, stages,
+                    moe_mxfp4_decode.TILE_ROWS * subtiles * bk)
     return out
 
 

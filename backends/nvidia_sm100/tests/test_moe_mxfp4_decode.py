@@ -91,6 +91,8 @@ def _tol(dtype: torch.dtype) -> dict:
     (40, 4, 2, 128, 256, (64, 128, 2)),  # 20 assignments per expert in 64-row tiles
     (3, 4, 3, 256, 128, (16, 128, 2)),  # two steps over D
     (90, 2, 2, 128, 128, (128, 128, 2)),  # a prefill tile: 90 assignments per expert in 128-row tiles
+    (5, 4, 2, 256, 384, (16, 256, 2, 2)),  # two weight tiles a program: 64 columns of I, 128 of D
+    (90, 2, 2, 128, 128, (128, 128, 2, 2)),  # the same at a prefill tile
 ])
 def test_decode_kernels_match_reference(T, E, top_k, D, I, launch, dtype, decode):
     if decode != moe_mxfp4_decode.FLOAT32 and dtype != torch.bfloat16:
@@ -148,16 +150,19 @@ def _columns_kernel(out_ptr):
 
 
 @pytest.mark.parametrize("capability", [90, 100])
+@pytest.mark.parametrize("subtiles", [1, 2])
 @pytest.mark.parametrize("tile_name", sorted(moe_mxfp4_decode.TILES))
 @pytest.mark.parametrize("kernel", ["_up_kernel", "_down_kernel"])
-def test_decode_kernels_compile_with_the_inline_ptx(kernel, tile_name, capability):
-    """Each ``TILES`` launch compiles for sm_90a / sm_100a with the PTX decode (ptxas accepts the inline assembly),
-    multiplies on the tensor cores and keeps its registers (no local-memory spills)."""
+def test_decode_kernels_compile_with_the_inline_ptx(kernel, tile_name, subtiles, capability):
+    """Each ``TILES`` launch, with one and two weight tiles a program, compiles for sm_90a / sm_100a with the PTX
+    decode (ptxas accepts the inline assembly), multiplies on the tensor cores and keeps its registers (no
+    local-memory spills)."""
     from test_quant_compile import _divisible_source, _weights
     from triton.backends.compiler import GPUTarget
 
-    block_m, block_k, stages = moe_mxfp4_decode.TILES[tile_name][1]
-    constants = {"BLOCK_M": block_m, "BLOCK_K": block_k, "DECODE": moe_mxfp4_decode.PTX, "PRECISION": "tf32"}
+    block_m, block_k, stages, *_ = moe_mxfp4_decode.TILES[tile_name][1]
+    constants = {"BLOCK_M": block_m, "BLOCK_K": block_k, "DECODE": moe_mxfp4_decode.PTX, "PRECISION": "tf32",
+                 "SUBTILES": subtiles}
     types = _weights(moe_quant.MXFP4, ("1", "2", "3")) | {f"w{i}_ptr": "*i32" for i in "123"}
     source = _divisible_source(getattr(moe_mxfp4_decode, kernel), types, constants)  # as the JIT sees the preset
     ptx = triton.compile(source, target=GPUTarget("cuda", capability, 32),
@@ -205,7 +210,7 @@ def test_decode_tile_expands_a_weight_in_fewer_instructions_than_the_grouped_ker
     per expanded weight, under four fifths of ``moe_quant``'s ``tl.dot_scaled`` decode tile (Triton 3.6: 4.2 /
     4.1 against 8.6 / 9.6; 3.9: 4.5 / 3.8 against 6.4 / 7.1), without spilling: the expansion, which bounds MXFP4
     experts at decode sizes, costs about half of what it did."""
-    block_m, block_k, stages = moe_mxfp4_decode.TILES["decode"][1]
+    block_m, block_k, stages, *_ = moe_mxfp4_decode.TILES["decode"][1]
     new, spills = _loop_instructions_per_weight(
         getattr(moe_mxfp4_decode, kernel), {"BLOCK_M": block_m, "BLOCK_K": block_k, "DECODE": moe_mxfp4_decode.PTX,
                                             "PRECISION": "tf32"}, moe_mxfp4_decode.WARPS, stages,
@@ -216,3 +221,28 @@ def test_decode_tile_expands_a_weight_in_fewer_instructions_than_the_grouped_ker
                                      "B1": 32, "UE8M0": True, "PRECISION": "tf32", "SCALED": True, "SWAP": False,
                                      "GROUP_M": 1}, warps, 3, bn * bk * matrices)
     assert new < 5 and new < 0.8 * old and spills == 0, (new, old, spills)
+
+
+@pytest.mark.parametrize("kernel", ["_up_kernel", "_down_kernel"])
+def test_two_subtiles_expand_a_weight_in_fewer_instructions(kernel):
+    """Static count on sm_90a: two 64-row weight tiles a program share each K step's fixed instructions (activation
+    tile, addresses, barriers), so at the decode tile their loop issues fewer instructions per weight than one
+    tile's (up / down, Triton 3.6: 3.95 / 3.95 against 4.41 / 4.33; 3.9: 4.27 / 3.90 against 4.56 / 4.10), without
+    spilling. (At the 128-row prefill tile Triton 3.9 spills the up kernel's two epilogues; 3.6 does not.)"""
+    block_m, block_k, stages, *_ = moe_mxfp4_decode.TILES["decode"][1]
+    per_weight = {}
+    for subtiles in (1, 2):
+        constants = {"BLOCK_M": block_m, "BLOCK_K": block_k, "DECODE": moe_mxfp4_decode.PTX, "PRECISION": "tf32",
+                     "SUBTILES": subtiles}
+        per_weight[subtiles], spills = _loop_instructions_per_weight(
+            getattr(moe_mxfp4_decode, kernel), constants, moe_mxfp4_decode.WARPS, stages,
+            moe_mxfp4_decode.TILE_ROWS * subtiles * block_k)
+        assert spills == 0, (subtiles, spills)
+    assert per_weight[2] < per_weight[1], per_weight
+
+
+def test_run_refuses_subtiles_other_than_one_or_two():
+    x, ids, weights, stored = _case(2, 4, 2, 128, 128, torch.float32, seed=0)
+    raw = [t.view(torch.uint8) for t in stored]
+    with pytest.raises(ValueError, match="subtiles must be 1 or 2, got 3"):
+        moe_mxfp4_decode.run(x, ids, weights, *raw, 0.7, launch=(16, 128, 2, 3))

@@ -73,8 +73,8 @@ def used(num_tokens: int, num_assign: int, x: torch.Tensor, w1: torch.Tensor, w2
             and (num_tokens > 1 or ONE_TOKEN))
 
 
-def tile(num_assign: int, num_experts: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_K, num_stages) by the mean assignments per expert (``TILES``)."""
+def tile(num_assign: int, num_experts: int) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_K, num_stages[, subtiles]) by the mean assignments per expert (``TILES``)."""
     per_expert = num_assign / max(num_experts, 1)
     return next(t for bound, t in TILES.values() if bound is None or per_expert <= bound)
 
@@ -127,31 +127,49 @@ def _fragment_tile(words, raw_scale, dt: tl.constexpr, BLOCK_K: tl.constexpr, DE
 
 
 @triton.jit
-def _product(a_rows, w_rows, s_rows, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr,
-             PRECISION: tl.constexpr):
-    """``W a^T`` over all ``K`` inputs as ``[64, BLOCK_M]`` float32 (rows in tile order): ``a_rows [BM]`` pointers to
-    the activation rows (in fragment order; padding rows point at a real row: their results are never stored),
-    ``w_rows`` / ``s_rows [64]`` to the weight rows' int32 words and ue8m0 bytes, in ``_tile_rows`` order."""
+def _product(a_rows, w_rows, s_rows, w_next, s_next, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+             SUBTILES: tl.constexpr, DECODE: tl.constexpr, PRECISION: tl.constexpr):
+    """``W a^T`` over all ``K`` inputs for ``SUBTILES`` (1 or 2) weight tiles of 64 rows, each ``[64, BLOCK_M]``
+    float32 (rows in tile order; the second zeros with one subtile), every activation tile loaded once for both:
+    ``a_rows [BM]`` pointers to the activation rows (in fragment order; padding rows point at a real row: their
+    results are never stored), ``w_rows`` / ``s_rows [64]`` to the first tile's rows' int32 words and ue8m0 bytes in
+    ``_tile_rows`` order, the second tile's ``w_next`` / ``s_next`` elements further."""
     words_at = w_rows[:, None] + tl.arange(0, BLOCK_K // 8)[None, :]  # [64, BK / 8]
     scales_at = s_rows[:, None] + tl.arange(0, BLOCK_K // 32)[None, :]
     inputs = tl.arange(0, BLOCK_K)
+    dt = a_rows.dtype.element_ty
     acc = tl.zeros((64, BLOCK_M), dtype=tl.float32)
+    acc_next = tl.zeros((64, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        w = _fragment_tile(tl.load(words_at + k0 // 8), tl.load(scales_at + k0 // 32), a_rows.dtype.element_ty,
-                           BLOCK_K, DECODE)
+        w = _fragment_tile(tl.load(words_at + k0 // 8), tl.load(scales_at + k0 // 32), dt, BLOCK_K, DECODE)
         a_t = tl.load(a_rows[None, :] + (k0 + inputs)[:, None])  # [BK, BM]
         acc = tl.dot(w, a_t, acc, input_precision=PRECISION)
-    return acc
+        if SUBTILES == 2:
+            w = _fragment_tile(tl.load(words_at + w_next + k0 // 8), tl.load(scales_at + s_next + k0 // 32), dt,
+                               BLOCK_K, DECODE)
+            acc_next = tl.dot(w, a_t, acc_next, input_precision=PRECISION)
+    return acc, acc_next
+
+
+@triton.jit
+def _store_h(acc, h_ptr, offs_m, valid, first_col, stride_hm, limit):
+    """A tile's ``[64, BM]`` sums (32 columns of ``w1``, then of ``w3``) through ``moe._swiglu`` into ``h``'s 32
+    columns from ``first_col``, in fragment order for ``_down_kernel``."""
+    acc1, acc3 = tl.split(tl.permute(tl.reshape(acc, (2, 32, acc.shape[1])), (1, 2, 0)))  # [32, BM] each
+    dt = h_ptr.dtype.element_ty
+    h = moe._swiglu(tl.trans(acc1).to(dt).to(tl.float32), tl.trans(acc3).to(dt).to(tl.float32), limit, dt)
+    h_cols = fragment_column(first_col + tl.arange(0, 32))
+    tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + h_cols[None, :], h.to(dt), mask=valid[:, None])
 
 
 @triton.jit
 def _up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, assign_ptr, block_expert_ptr, D, I, top_k, limit,
                stride_xt, stride_we, stride_wi, stride_se, stride_si, stride_hm,
                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, PRECISION: tl.constexpr,
-               PDL: tl.constexpr = False):
-    """Program (block of sorted rows, 32 columns of I): ``h = silu(clamp(x w1^T)) * clamp(x w3^T)`` as
+               SUBTILES: tl.constexpr = 1, PDL: tl.constexpr = False):
+    """Program (block of sorted rows, ``32 SUBTILES`` columns of I): ``h = silu(clamp(x w1^T)) * clamp(x w3^T)`` as
     ``moe_quant._up_kernel``, ``w1`` / ``w3 [E, I, D / 8]`` int32 words, scales ``[E, I, D / 32]``; ``x`` and ``h``
-    in fragment order. The tile's 64 rows are the 32 columns' rows of ``w1`` then of ``w3``: one accumulator."""
+    in fragment order. A tile's 64 rows are 32 columns' rows of ``w1`` then of ``w3``: one accumulator."""
     pdl.begin(PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -162,24 +180,33 @@ def _up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, assign_ptr, block_e
     valid = assign >= 0
     x_rows = x_ptr + tl.where(valid, assign // top_k, 0).to(tl.int64) * stride_xt  # [BM]
     rows = _tile_rows()
-    cols = (pid_n * 32 + rows % 32).to(tl.int64)  # [64] each row's column of I
+    first_col = pid_n * 32 * SUBTILES
+    cols = (first_col + rows % 32).to(tl.int64)  # [64] each row's column of I
     first = rows < 32  # rows of w1, then of w3
     w_rows = tl.where(first, w1_ptr, w3_ptr) + expert.to(tl.int64) * stride_we + cols * stride_wi
     s_rows = tl.where(first, s1_ptr, s3_ptr) + expert.to(tl.int64) * stride_se + cols * stride_si
-    acc = _product(x_rows, w_rows, s_rows, D, BLOCK_M, BLOCK_K, DECODE, PRECISION)  # [64, BM]
-    acc1, acc3 = tl.split(tl.permute(tl.reshape(acc, (2, 32, BLOCK_M)), (1, 2, 0)))  # [32, BM] each
-    dt = h_ptr.dtype.element_ty
-    h = moe._swiglu(tl.trans(acc1).to(dt).to(tl.float32), tl.trans(acc3).to(dt).to(tl.float32), limit, dt)
-    h_cols = fragment_column(pid_n * 32 + tl.arange(0, 32))  # fragment order for _down_kernel
-    tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + h_cols[None, :], h.to(dt), mask=valid[:, None])
+    acc, acc_next = _product(x_rows, w_rows, s_rows, 32 * stride_wi, 32 * stride_si, D, BLOCK_M, BLOCK_K, SUBTILES,
+                             DECODE, PRECISION)  # [64, BM] each
+    _store_h(acc, h_ptr, offs_m, valid, first_col, stride_hm, limit)
+    if SUBTILES == 2:
+        _store_h(acc_next, h_ptr, offs_m, valid, first_col + 32, stride_hm, limit)
+
+
+@triton.jit
+def _store_y(acc, y_ptr, offs_m, valid, routing, first_col, stride_ym):
+    """A tile's ``[64, BM]`` sums times each row's routing weight into ``y``'s 64 columns from ``first_col``."""
+    dt = y_ptr.dtype.element_ty
+    out = tl.trans(acc).to(dt).to(tl.float32) * routing[:, None]  # [BM, 64]
+    offs_n = first_col + tl.arange(0, 64)
+    tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], out, mask=valid[:, None])
 
 
 @triton.jit
 def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, assign_ptr, block_expert_ptr, D, I,
                  stride_hm, stride_we, stride_wd, stride_se, stride_sd, stride_ym,
                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, PRECISION: tl.constexpr,
-                 PDL: tl.constexpr = False):
-    """Program (block of sorted rows, 64 columns of D): ``y = (h w2^T) * routing weight`` as
+                 SUBTILES: tl.constexpr = 1, PDL: tl.constexpr = False):
+    """Program (block of sorted rows, ``64 SUBTILES`` columns of D): ``y = (h w2^T) * routing weight`` as
     ``moe_quant._down_kernel``, ``w2 [E, D, I / 8]`` int32 words, scales ``[E, D, I / 32]``."""
     pdl.begin(PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -190,29 +217,35 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, assign_ptr, block_ex
     assign = tl.load(assign_ptr + offs_m)
     valid = assign >= 0
     h_rows = h_ptr + offs_m.to(tl.int64) * stride_hm  # [BM]
-    cols = (pid_n * 64 + _tile_rows()).to(tl.int64)
+    first_col = pid_n * 64 * SUBTILES
+    cols = (first_col + _tile_rows()).to(tl.int64)
     w_rows = w2_ptr + expert.to(tl.int64) * stride_we + cols * stride_wd
     s_rows = s2_ptr + expert.to(tl.int64) * stride_se + cols * stride_sd
-    acc = tl.trans(_product(h_rows, w_rows, s_rows, I, BLOCK_M, BLOCK_K, DECODE, PRECISION))  # [BM, 64]
-    dt = y_ptr.dtype.element_ty
-    w = tl.load(weights_ptr + tl.where(valid, assign, 0), mask=valid, other=0.0)
-    acc = acc.to(dt).to(tl.float32) * w.to(dt).to(tl.float32)[:, None]
-    offs_n = pid_n * 64 + tl.arange(0, 64)
-    tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], acc, mask=valid[:, None])
+    acc, acc_next = _product(h_rows, w_rows, s_rows, 64 * stride_wd, 64 * stride_sd, I, BLOCK_M, BLOCK_K, SUBTILES,
+                             DECODE, PRECISION)
+    routing = tl.load(weights_ptr + tl.where(valid, assign, 0), mask=valid, other=0.0)
+    routing = routing.to(y_ptr.dtype.element_ty).to(tl.float32)
+    _store_y(acc, y_ptr, offs_m, valid, routing, first_col, stride_ym)
+    if SUBTILES == 2:
+        _store_y(acc_next, y_ptr, offs_m, valid, routing, first_col + 64, stride_ym)
 
 
 def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s2, w3, s3, limit: float,
-        launch: tuple[int, int, int] | None = None, decode: int | None = None) -> torch.Tensor:
+        launch: tuple[int, ...] | None = None, decode: int | None = None) -> torch.Tensor:
     """The MXFP4 experts through these kernels: ``moe.align``, ``_up_kernel``, ``_down_kernel``, ``moe._combine``.
     ``w*`` packed bytes (uint8), ``s*`` ue8m0 bytes (uint8), contiguous, widths that ``fit``; ``launch`` fixes
-    (BLOCK_M, BLOCK_K, num_stages), by default ``tile``'s; ``decode`` the ``DECODE``, by default
+    (BLOCK_M, BLOCK_K, num_stages[, subtiles]) (subtiles: 64-row weight tiles a program, 1 or 2, each activation
+    tile loaded once for them; 1 when left out), by default ``tile``'s; ``decode`` the ``DECODE``, by default
     ``decode_mode``'s (``benchmarks/bench_quant.py`` sweeps both)."""
     T, top_k = ids.shape
     E, I, D = w1.shape[0], w1.shape[1], x.shape[1]
     if not fits(x, w1, w2, w3):
         raise ValueError(f"moe_mxfp4_decode: widths D={D}, I={I} must be multiples of {FRAGMENT} and the packed "
                          "weights 4-byte aligned; moe_quant's grouped kernels take any shape")
-    block_m, block_k, stages = launch or tile(T * top_k, E)
+    block_m, block_k, stages, *rest = launch or tile(T * top_k, E)
+    subtiles = rest[0] if rest else 1
+    if subtiles not in (1, 2):
+        raise ValueError(f"moe_mxfp4_decode: subtiles must be 1 or 2, got {subtiles}")
     block_k = block_k if D % block_k == 0 and I % block_k == 0 else FRAGMENT  # whole steps over both widths
     sorted_assign, block_expert, dest = moe.align(ids, E, block_m)
     rows = sorted_assign.shape[0]
@@ -221,13 +254,13 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s
     w1, w2, w3 = (w.view(torch.int32) for w in (w1, w2, w3))  # eight codes a word
     consts = {"BLOCK_M": block_m, "BLOCK_K": block_k, "DECODE": decode_mode(x) if decode is None else decode,
               "PRECISION": "ieee" if x.dtype == torch.float32 else "tf32", "num_warps": WARPS,
-              "num_stages": stages, **pdl.launch()}
+              "SUBTILES": subtiles, "num_stages": stages, **pdl.launch()}
     blocks = rows // block_m
     xf = fragment_order(x)
-    _up_kernel[(blocks, I // (TILE_ROWS // 2))](
+    _up_kernel[(blocks, I // (TILE_ROWS // 2 * subtiles))](
         xf, w1, s1, w3, s3, h, sorted_assign, block_expert, D, I, top_k, float(limit), xf.stride(0), w1.stride(0),
         w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0), **consts)
-    _down_kernel[(blocks, D // TILE_ROWS)](
+    _down_kernel[(blocks, D // (TILE_ROWS * subtiles))](
         h, w2, s2, y, weights.reshape(-1).contiguous(), sorted_assign, block_expert, D, I, h.stride(0), w2.stride(0),
         w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0), **consts)
     return moe._combine(y, ids, dest, x)
