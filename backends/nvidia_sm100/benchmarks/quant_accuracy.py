@@ -71,29 +71,22 @@ def _run(args, prompts: list[list[int]], fp8_tc: bool):
     from deepinfer_core.llm import LLM
     from deepinfer_core.sampling.params import SamplingParams
 
-    before = os.environ.get(FP8_TC_VARIABLE)
-    os.environ[FP8_TC_VARIABLE] = "1" if fp8_tc else "0"
-    try:
-        llm = LLM(model=str(args.folder), backend=args.backend, dtype=args.dtype, max_num_seqs=len(prompts),
-                  max_model_len=args.input_len + args.output_len + 1)
-        greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, logprobs=2)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
-        steps = [[(t, _top2_gap(lps)) for t, lps in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)]
-                 for o in outs]
+    os.environ[FP8_TC_VARIABLE] = "1" if fp8_tc else "0"  # read when the engine's steps run and are captured
+    llm = LLM(model=str(args.folder), backend=args.backend, dtype=args.dtype, max_num_seqs=len(prompts),
+              max_model_len=args.input_len + args.output_len + 1)
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    steps = [[(t, _top2_gap(lps)) for t, lps in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)]
+             for o in outs]
 
-        def score(sequences: list[list[int]]) -> list[list[float]]:
-            """The logprob of each completion token, the sequence run as a prompt (teacher forcing)."""
-            params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
-            scored = llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
-            return [[lps[t].logprob for t, lps in zip(s[args.input_len:], o.prompt_logprobs[args.input_len:],
-                                                      strict=True)] for s, o in zip(sequences, scored, strict=True)]
+    def score(sequences: list[list[int]]) -> list[list[float]]:
+        """The logprob of each completion token, the sequence run as a prompt (teacher forcing)."""
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
+        scored = llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+        return [[lps[t].logprob for t, lps in zip(s[args.input_len:], o.prompt_logprobs[args.input_len:],
+                                                  strict=True)] for s, o in zip(sequences, scored, strict=True)]
 
-        return llm, steps, score
-    finally:
-        if before is None:
-            os.environ.pop(FP8_TC_VARIABLE, None)
-        else:
-            os.environ[FP8_TC_VARIABLE] = before
+    return llm, steps, score
 
 
 def measure(args) -> tuple[Agreement, list[float]]:

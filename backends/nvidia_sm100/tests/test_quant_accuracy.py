@@ -32,8 +32,10 @@ def test_logprob_differences_pair_positions():
     assert quant_accuracy.logprob_differences([[-1.0, -2.0], [-0.5]], [[-1.5, -2.0], [-0.25]]) == [0.5, 0.0, 0.25]
 
 
-def test_the_tool_on_the_cpu_backend_reports_exact_agreement(tmp_path, capsys):
+def test_the_tool_on_the_cpu_backend_reports_exact_agreement(tmp_path, capsys, monkeypatch):
     from deepinfer_core.quant.writer import QuantRecipe, quantize_checkpoint
+
+    monkeypatch.setenv(quant_accuracy.FP8_TC_VARIABLE, "1")  # the tool sets it for each run; restored after
 
     folder = tmp_path / "tiny_fp4"
     quantize_checkpoint(REPO / "deepinfer_core" / "assets" / "tiny_v4", folder, QuantRecipe("fp4", "fp8", 128))
