@@ -43,8 +43,9 @@ WARPS = 4  # one warpgroup (with more, the compiler's MMA layout no longer match
 FRAGMENT = 128  # inputs per fragment-order block: four lane quarters of 32 (the widths must be multiples of it)
 
 MAX_PER_EXPERT = None  # mean assignments per expert up to which the MXFP4 op takes these kernels (0: never); None:
-# ``DEEPINFER_NVIDIA_MXFP4_DECODE_MAX_PER_EXPERT`` (0: off by default, docs/quantization.md has the timings)
-TILES = {  # (max mean assignments per expert, (BLOCK_M, BLOCK_K, num_stages)): the first that holds, else the last.
+# ``DEEPINFER_NVIDIA_MXFP4_DECODE_MAX_PER_EXPERT`` (1,024 by default; docs/quantization.md has the timings)
+TILES = {  # (max mean assignments per expert, (BLOCK_M, BLOCK_K, num_stages[, subtiles])): the first that holds, else
+    # the last.
     # Measured on an H200 (bench_mxfp4_decode.py, 2026-12-02; the v4-flash-8l64e-fp4 experts): (16, 256, 3) fastest
     # at 16 and 64 tokens, (32, 256, 3) at 256, (128, 128, 3) at 1,024 and 8,192 (256-row tiles: 1.4x slower).
     "decode": (16, (16, 256, 3)),
