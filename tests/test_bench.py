@@ -369,6 +369,44 @@ def test_roofline_matches_benchmarks_md_for_the_flash_preset():
     assert hit["decode_floor_s"] == floors["decode_floor_s"] and floors["prefill_tokens"] == 1024
 
 
+def test_a_quantized_preset_gets_a_floor_with_its_quantized_products_at_the_fp8_peak():
+    """The fp4 preset's 8K prefill: the same FLOPs as bf16's, of which the quantized weights' (the active parameters
+    but the bf16 head's and a few small matrices') run at the fp8 peak in the second floor; a bf16 model's floor
+    stays as it is."""
+    from deepinfer_core.quant.writer import planned_quantization
+
+    preset = presets.get_preset("v4-flash-8l64e-fp4")
+    config = DeepseekV4Config.from_dict(preset.config_dict())
+    mb = roofline.model_bytes(config, torch.bfloat16, quantized=planned_quantization(preset.quantize, config))
+    plain = roofline.model_bytes(config, torch.bfloat16)
+    peak = roofline.KNOWN_PEAKS["H200"]
+    assert mb.active_params == plain.active_params and plain.quantized_active_params == 0
+    head = config.vocab_size * config.hidden_size
+    assert mb.quantized_active_params == pytest.approx(mb.active_params - head, rel=0.01)  # + small bf16 matrices
+    assert mb.quantized_active_params <= mb.active_params - head
+    tokens, attention = 8192, mb.attention.prefill_flops(8192)
+    quantized = 2 * mb.quantized_active_params * tokens
+    want = (2 * mb.active_params * tokens - quantized + attention) / peak.flops + quantized / peak.fp8_flops
+    assert roofline.prefill_wave_floor(mb, peak, 1, 8192, 8192, fp8=True) == pytest.approx(want)
+    assert roofline.prefill_wave_floor(mb, peak, 1, 8192, 8192) == pytest.approx(
+        (2 * mb.active_params * tokens + attention) / peak.flops)
+    assert roofline.prefill_wave_floor(plain, peak, 1, 8192, 8192, fp8=True) == roofline.prefill_wave_floor(
+        plain, peak, 1, 8192, 8192)
+
+
+def test_the_report_prints_the_fp8_floor_of_a_quantized_run():
+    value = {"fraction": 0.406, "device": "NVIDIA H200", "floor_s": 0.0627, "prefill_floor_s": 0.0627,
+             "prefill_tokens": 8192, "decode_floor_s": 0.0, "fp8_fraction": 0.3, "fp8_floor_s": 0.0463,
+             "fp8_prefill_floor_s": 0.0463}
+    from deepinfer_core.bench.report import _roofline_lines
+
+    lines = _roofline_lines({"engine": value})
+    assert lines[0].startswith("roofline (engine): 40.6% of the NVIDIA H200 floor (62.70 ms")
+    assert lines[1] == ("roofline (engine) with the quantized weights' products at the fp8 peak: 30.0% (46.30 ms: "
+                        "prefill 46.30 ms)")
+    assert len(_roofline_lines({"engine": {k: v for k, v in value.items() if not k.startswith("fp8")}})) == 1
+
+
 def test_roofline_is_not_applicable_on_cpu():
     config = DeepseekV4Config.from_dict(presets.get_preset("tiny").config_dict())
     assert roofline.roofline(config, torch.float32, "cpu", 1.0, 1, 8, 4, 1) == "n/a (CPU)"

@@ -199,6 +199,10 @@ def _roofline_lines(roofline: Mapping[str, Any]) -> list[str]:
                          f"({value['floor_s'] * 1e3:.2f} ms: prefill {value['prefill_floor_s'] * 1e3:.2f} ms "
                          f"of {value['prefill_tokens']:,} prompt tokens, decode {value['decode_floor_s'] * 1e3:.2f} "
                          "ms)")
+            if "fp8_fraction" in value:
+                lines.append(f"roofline ({name}) with the quantized weights' products at the fp8 peak: "
+                             f"{100 * value['fp8_fraction']:.1f}% ({value['fp8_floor_s'] * 1e3:.2f} ms: prefill "
+                             f"{value['fp8_prefill_floor_s'] * 1e3:.2f} ms)")
     return lines
 
 

@@ -13,6 +13,8 @@
 
 Quantized weights count the bytes actually stored: an fp8 weight 1 B per value plus its block scales, an MXFP4
 expert 0.5 B per value plus 1/32 B of ue8m0 scale (``quantized``: the checkpoint's ``CheckpointPlan.quantized``).
+A quantized run also gets a second floor, ``fp8_floor_s`` / ``fp8_fraction``: the products of its quantized weights
+at the device's fp8 peak (``DevicePeak.fp8_flops``), the rest at the bf16 one.
 Only devices with measured peak numbers get a fraction; anything else reports ``n/a``.
 """
 
@@ -31,16 +33,17 @@ from deepinfer_core.quant.tensors import QuantizedTensor
 
 @dataclasses.dataclass(frozen=True)
 class DevicePeak:
-    """Measured ceilings of one device kind (bytes/s copy bandwidth, dense bf16 FLOP/s)."""
+    """Measured ceilings of one device kind (bytes/s copy bandwidth, dense bf16 FLOP/s, dense fp8 FLOP/s)."""
 
     name: str
     bandwidth: float
     flops: float
+    fp8_flops: float | None = None
 
 
-# Measured ceilings: a device-to-device copy's bandwidth (read + write counted) and a bf16 8192^3 matmul's FLOP/s.
-# Matched against torch.cuda.get_device_name().
-KNOWN_PEAKS: dict[str, DevicePeak] = {"H200": DevicePeak("NVIDIA H200", 4.25e12, 799e12)}
+# Measured ceilings: a device-to-device copy's bandwidth (read + write counted), a bf16 8192^3 matmul's FLOP/s and
+# an fp8 8192^3 ``torch._scaled_mm``'s. Matched against torch.cuda.get_device_name().
+KNOWN_PEAKS: dict[str, DevicePeak] = {"H200": DevicePeak("NVIDIA H200", 4.25e12, 799e12, 1415e12)}
 
 
 def device_peak(device: torch.device | str) -> DevicePeak | None:
@@ -202,6 +205,7 @@ class ModelBytes:
     embed_row_bytes: int
     head_bytes: int
     active_params: int  # parameters one token multiplies through (no embedding)
+    quantized_active_params: int  # of those, the ones stored quantized (fp8 blocks, MXFP4)
     state_bytes_per_token: float  # paged state per context token
     state_bytes_per_seq: int  # slot state per running sequence
     attention: AttentionShape  # per-query attention FLOPs and state reads
@@ -223,7 +227,7 @@ def model_bytes(config: DeepseekV4Config, dtype: torch.dtype, block_size: int | 
     from deepinfer_core.models.deepseek_v4.state import DeepseekV4State
 
     sizes = {"dense": 0, "shared": 0, "routed": 0, "embed": 0, "head": 0}
-    params = dict(sizes)
+    params, quantized_params = dict(sizes), dict(sizes)
     itemsize = torch.empty((), dtype=dtype).element_size()
     for name, (shape, kind) in v4_weights.expected_tensors(config).items():
         if kind == v4_weights.INT:  # hash-routing rows: one per token, negligible
@@ -231,19 +235,21 @@ def model_bytes(config: DeepseekV4Config, dtype: torch.dtype, block_size: int | 
         part = _tensor_class(name)
         if quantized and name in quantized:
             sizes[part] += quantized[name].nbytes
+            quantized_params[part] += math.prod(shape)
         else:
             sizes[part] += math.prod(shape) * (itemsize if kind == v4_weights.WEIGHT else 4)
         params[part] += math.prod(shape)
     moe_layers = config.num_hidden_layers
-    expert_params = params["routed"] // max(moe_layers * config.n_routed_experts, 1)
+    experts = max(moe_layers * config.n_routed_experts, 1)
+    active = lambda p: (p["dense"] + p["shared"] + p["head"]
+                        + config.num_experts_per_tok * (p["routed"] // experts) * moe_layers)
     block = block_size or max(config.block_multiple, 16)
     return ModelBytes(
         dense_bytes=sizes["dense"], shared_bytes=sizes["shared"],
-        expert_bytes=sizes["routed"] // max(moe_layers * config.n_routed_experts, 1), moe_layers=moe_layers,
+        expert_bytes=sizes["routed"] // experts, moe_layers=moe_layers,
         n_experts=config.n_routed_experts, top_k=config.num_experts_per_tok,
         embed_row_bytes=sizes["embed"] // config.vocab_size, head_bytes=sizes["head"],
-        active_params=params["dense"] + params["shared"] + params["head"]
-        + config.num_experts_per_tok * expert_params * moe_layers,
+        active_params=active(params), quantized_active_params=active(quantized_params),
         state_bytes_per_token=DeepseekV4State.bytes_per_block(config, block, dtype) / block,
         state_bytes_per_seq=DeepseekV4State.bytes_per_slot(config, block, dtype),
         attention=AttentionShape.from_config(config, dtype, block),
@@ -263,51 +269,70 @@ def _tensor_class(name: str) -> str:
 
 
 def run_floor(mb: ModelBytes, peak: DevicePeak, num_prompts: int, input_len: int, output_len: int,
-              batch: int, prefill_tokens: int | None = None) -> dict[str, float]:
+              batch: int, prefill_tokens: int | None = None, fp8: bool = False) -> dict[str, float]:
     """Floors (seconds) of an offline run: prompts in waves of ``batch``, prefill then ``output_len - 1`` decodes.
 
     The first output token of each request comes out of its prefill step; each later token costs one
-    decode step of the whole wave. ``prefill_tokens``: the prompt tokens computed (default all of them).
+    decode step of the whole wave. ``prefill_tokens``: the prompt tokens computed (default all of them); ``fp8``:
+    the quantized weights' products at the fp8 peak (``compute_seconds``).
     """
     computed = num_prompts * input_len if prefill_tokens is None else prefill_tokens
     per_prompt = min(input_len, round(computed / max(num_prompts, 1)))  # each prompt computes its last positions
     prefill = decode = 0.0
     for start in range(0, num_prompts, batch):
         wave = min(batch, num_prompts - start)
-        prefill += prefill_wave_floor(mb, peak, wave, input_len, per_prompt)
-        decode += sum(decode_step_floor(mb, peak, wave, input_len + step) for step in range(1, output_len))
+        prefill += prefill_wave_floor(mb, peak, wave, input_len, per_prompt, fp8)
+        decode += sum(decode_step_floor(mb, peak, wave, input_len + step, fp8) for step in range(1, output_len))
     return {"prefill_floor_s": prefill, "decode_floor_s": decode, "floor_s": prefill + decode,
             "prefill_tokens": computed}
 
 
-def prefill_wave_floor(mb: ModelBytes, peak: DevicePeak, wave: int, input_len: int, computed: int) -> float:
+def compute_seconds(mb: ModelBytes, peak: DevicePeak, tokens: int, attention_flops: float, fp8: bool = False) -> float:
+    """Seconds of ``tokens`` tokens' FLOPs (2 x active parameters each) plus ``attention_flops`` at the bf16 peak;
+    with ``fp8`` the products of the quantized weights at the fp8 peak instead."""
+    quantized = 2 * mb.quantized_active_params * tokens if fp8 and peak.fp8_flops else 0
+    rest = 2 * mb.active_params * tokens - quantized + attention_flops
+    return rest / peak.flops + (quantized / peak.fp8_flops if quantized else 0.0)
+
+
+def prefill_wave_floor(mb: ModelBytes, peak: DevicePeak, wave: int, input_len: int, computed: int,
+                       fp8: bool = False) -> float:
     """Seconds of one wave's prefill: ``wave`` prompts of ``input_len`` tokens computing their last ``computed``.
 
     FLOPs: 2 x active parameters per token + every query's attention, indexer and compressor FLOPs. Bytes: the
     weights the wave's tokens touch once + the state the prompts write (paged per token, plus each slot).
     """
     tokens = wave * computed
-    flops = 2 * mb.active_params * tokens + wave * mb.attention.prefill_flops(input_len, input_len - computed)
+    attention = wave * mb.attention.prefill_flops(input_len, input_len - computed)
     state = wave * (computed * mb.state_bytes_per_token + mb.state_bytes_per_seq)
-    return max(flops / peak.flops, (mb.weight_bytes_touched(tokens) + state) / peak.bandwidth)
+    return max(compute_seconds(mb, peak, tokens, attention, fp8),
+               (mb.weight_bytes_touched(tokens) + state) / peak.bandwidth)
 
 
-def decode_step_floor(mb: ModelBytes, peak: DevicePeak, wave: int, context: int) -> float:
+def decode_step_floor(mb: ModelBytes, peak: DevicePeak, wave: int, context: int, fp8: bool = False) -> float:
     """Seconds of one decode step of ``wave`` sequences whose query sees ``context`` tokens: the step's bytes
     (weights touched + each sequence's state reads) over bandwidth, or its FLOPs over peak FLOP/s if larger."""
     state = wave * sum(mb.attention.state_bytes(context).values())
-    flops = wave * (2 * mb.active_params + sum(mb.attention.query_flops(context).values()))
-    return max((mb.weight_bytes_touched(wave) + state) / peak.bandwidth, flops / peak.flops)
+    attention = wave * sum(mb.attention.query_flops(context).values())
+    return max((mb.weight_bytes_touched(wave) + state) / peak.bandwidth,
+               compute_seconds(mb, peak, wave, attention, fp8))
 
 
 def roofline(config: DeepseekV4Config, dtype: torch.dtype, device: torch.device | str, measured_s: float,
              num_prompts: int, input_len: int, output_len: int, batch: int,
              quantized: Mapping[str, QuantizedTensor] | None = None,
              prefill_tokens: int | None = None) -> dict[str, float] | str:
-    """The floor of a run and ``fraction`` = floor / measured, or the reason none applies (``"n/a (CPU)"``)."""
+    """The floor of a run and ``fraction`` = floor / measured, or the reason none applies (``"n/a (CPU)"``); for a
+    quantized model on a device with an fp8 peak also ``fp8_floor_s``, ``fp8_prefill_floor_s`` and ``fp8_fraction``
+    (its quantized weights' products at the fp8 peak)."""
     peak = device_peak(device)
     if peak is None:
         return unavailable_reason(device)
-    floors = run_floor(model_bytes(config, dtype, quantized=quantized), peak, num_prompts, input_len, output_len,
-                       batch, prefill_tokens)
-    return {**floors, "measured_s": measured_s, "fraction": floors["floor_s"] / measured_s, "device": peak.name}
+    mb = model_bytes(config, dtype, quantized=quantized)
+    floors = run_floor(mb, peak, num_prompts, input_len, output_len, batch, prefill_tokens)
+    result = {**floors, "measured_s": measured_s, "fraction": floors["floor_s"] / measured_s, "device": peak.name}
+    if mb.quantized_active_params and peak.fp8_flops:
+        fp8 = run_floor(mb, peak, num_prompts, input_len, output_len, batch, prefill_tokens, fp8=True)
+        result |= {"fp8_floor_s": fp8["floor_s"], "fp8_prefill_floor_s": fp8["prefill_floor_s"],
+                   "fp8_fraction": fp8["floor_s"] / measured_s}
+    return result
