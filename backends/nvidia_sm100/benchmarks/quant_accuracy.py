@@ -20,6 +20,7 @@ The last line is a Markdown row for docs/quantization.md.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -66,8 +67,11 @@ def _top2_gap(logprobs) -> float:
     return ranked[0] - ranked[1] if len(ranked) > 1 else float("inf")
 
 
-def _run(args, prompts: list[list[int]], fp8_tc: bool):
-    """One engine with ``FP8_TC`` set: its greedy completions (token, top-2 gap), and a scoring function."""
+def _run(args, prompts: list[list[int]], fp8_tc: bool, sequences: list[list[int]] | None = None):
+    """One engine with ``FP8_TC`` set: its greedy completions ((token, top-2 gap) per step), and its logprobs of each
+    completion token of ``sequences`` (default: the prompts plus its own completions) run as prompts."""
+    import torch
+
     from deepinfer_core.llm import LLM
     from deepinfer_core.sampling.params import SamplingParams
 
@@ -78,32 +82,29 @@ def _run(args, prompts: list[list[int]], fp8_tc: bool):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
     steps = [[(t, _top2_gap(lps)) for t, lps in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)]
              for o in outs]
-
-    def score(sequences: list[list[int]]) -> list[list[float]]:
-        """The logprob of each completion token, the sequence run as a prompt (teacher forcing)."""
-        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
-        scored = llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
-        return [[lps[t].logprob for t, lps in zip(s[args.input_len:], o.prompt_logprobs[args.input_len:],
-                                                  strict=True)] for s, o in zip(sequences, scored, strict=True)]
-
-    return llm, steps, score
+    if sequences is None:
+        sequences = [p + [t for t, _ in s] for p, s in zip(prompts, steps, strict=True)]
+    forced = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
+    scored = llm.generate([{"prompt_token_ids": s} for s in sequences], forced, use_tqdm=False)
+    scores = [[lps[t].logprob for t, lps in zip(s[args.input_len:], o.prompt_logprobs[args.input_len:], strict=True)]
+              for s, o in zip(sequences, scored, strict=True)]
+    llm.engine.shutdown()
+    del llm, outs, scored
+    gc.collect()  # one engine at a time: the preset fills much of the GPU
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return steps, scores, sequences
 
 
 def measure(args) -> tuple[Agreement, list[float]]:
-    """Both runs on the same prompts: (greedy agreement, teacher-forced logprob differences)."""
+    """Both runs on the same prompts: (greedy agreement, teacher-forced logprob differences of the reference's
+    completions)."""
     from deepinfer_core.bench.runner import random_prompts
 
     vocab = int(json.loads((Path(args.folder) / "config.json").read_text())["vocab_size"])
     prompts = random_prompts(args.num_prompts, args.input_len, vocab, seed=0)
-    sides = {}
-    for fp8_tc in (False, True):  # one engine at a time: the preset fills much of the GPU
-        llm, steps, score = _run(args, prompts, fp8_tc)
-        if not fp8_tc:  # the reference's completions, scored by both
-            sequences = [p + [t for t, _ in s] for p, s in zip(prompts, steps, strict=True)]
-        sides[fp8_tc] = steps, score(sequences)
-        llm.engine.shutdown()
-        del llm
-    (ref_steps, ref_scores), (steps, scores) = sides[False], sides[True]
+    ref_steps, ref_scores, sequences = _run(args, prompts, fp8_tc=False)
+    steps, scores, _ = _run(args, prompts, fp8_tc=True, sequences=sequences)
     agreement = greedy_agreement(ref_steps, [[t for t, _ in s] for s in steps], args.tie_gap)
     return agreement, logprob_differences(ref_scores, scores)
 
