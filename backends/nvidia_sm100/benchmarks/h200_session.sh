@@ -20,6 +20,9 @@
 #            NAME:ARG passes one argument, e.g. KERNELS="bench_quant:mxfp4 bench_quant:fp8")
 #
 # Variables (bench and prefill):
+#   PRESETS       bench presets, each row run on each (default v4-flash-8l64e); rows of a preset after the first are
+#                 named ROW@PRESET, e.g. PRESETS="v4-flash-8l64e v4-flash-8l64e-fp4" ROWS="b1 b64" puts the fp4
+#                 preset's rows beside bf16's in one call (the quantized preset is written from the bf16 one)
 #   BENCH_ARGS    extra `deepinfer bench` arguments for every row, e.g. "--compare-hf" (HF transformers timed in
 #                 the same process) or "--enforce-eager"
 #   BENCH_ENV     VAR=value words every bench process starts with, e.g. "DEEPINFER_NVIDIA_PDL=0"
@@ -57,18 +60,22 @@ fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$RES/gpu.txt"
 python -c "import tilelang" 2>/dev/null && echo "tilelang: yes" || echo "tilelang: no (sink_attention takes the reference op)"
 
-preset_flushed() {  # the preset written when the machine has none, then flushed to disk before the first bench
-  python -c "from deepinfer_core.bench.presets import ensure_preset; ensure_preset('v4-flash-8l64e')" \
-    > "$RES/preset.log" 2>&1; sync
+PRESETS=${PRESETS:-v4-flash-8l64e}
+preset_flushed() {  # the presets written when the machine has none, then flushed to disk before the first bench
+  for preset in $PRESETS; do
+    python -c "from deepinfer_core.bench.presets import ensure_preset; ensure_preset('$preset')" \
+      >> "$RES/preset.log" 2>&1
+  done
+  sync
 }
-bench() {  # tree (. = this one), result name, then deepinfer bench arguments
-  local tree=$1 name=$2; shift 2
+bench() {  # tree (. = this one), result name, preset, then deepinfer bench arguments
+  local tree=$1 name=$2 preset=$3; shift 3
   (
     if [[ $tree != . ]]; then  # the baseline's sources and entry points instead of this tree's
       cd "$tree" && PYTHONPATH=$PLAIN_PYTHONPATH GPU_SITE=/tmp/site-di-baseline source "$REPO/tools/gpu_site.sh"
     fi
     # shellcheck disable=SC2086  # BENCH_ENV and BENCH_ARGS are word lists
-    env ${BENCH_ENV:-} timeout "${BENCH_TIMEOUT:-300}" python -m deepinfer_core.cli bench --preset v4-flash-8l64e \
+    env ${BENCH_ENV:-} timeout "${BENCH_TIMEOUT:-300}" python -m deepinfer_core.cli bench --preset "$preset" \
       --backend nvidia_sm100 --dtype bfloat16 --json "$RES/$name.json" "$@" ${BENCH_ARGS:-}
   ) > "$RES/$name.txt" 2> "$RES/$name.log" || echo "bench $name failed: $(tail -3 "$RES/$name.log")"
   grep -E "^output tok/s|^roofline \(|^engine/HF" "$RES/$name.txt" | sed "s/^/$name: /"
@@ -82,20 +89,25 @@ row_args() {  # the deepinfer bench arguments of a row
     *) return 1 ;;
   esac
 }
-rows() {  # iterations, then row names: each row on this tree, or with BASELINE on both trees alternately
-  local iters=$1 row args round suffix; shift
+rows() {  # iterations, then row names: each row on each preset, on this tree or with BASELINE on both alternately
+  local iters=$1 row args round suffix preset at first=${PRESETS%% *}; shift
   for row in "$@"; do
     args=$(row_args "$row") || { echo "unknown row: $row"; continue; }
-    if [[ -z ${BASELINE:-} ]]; then
-      bench . "$row" $args --num-iters "$iters"; continue
-    fi
-    for ((round = 1; round <= ${ROUNDS:-1}; round++)); do
-      suffix=$( ((round > 1)) && echo "-r$round")
-      if ((round % 2)); then
-        bench "$BASELINE" "$row-base$suffix" $args --num-iters "$iters"; bench . "$row$suffix" $args --num-iters "$iters"
-      else
-        bench . "$row$suffix" $args --num-iters "$iters"; bench "$BASELINE" "$row-base$suffix" $args --num-iters "$iters"
+    for preset in $PRESETS; do
+      at=$([[ $preset != "$first" ]] && echo "@$preset")
+      if [[ -z ${BASELINE:-} ]]; then
+        bench . "$row$at" "$preset" $args --num-iters "$iters"; continue
       fi
+      for ((round = 1; round <= ${ROUNDS:-1}; round++)); do
+        suffix=$( ((round > 1)) && echo "-r$round")
+        if ((round % 2)); then
+          bench "$BASELINE" "$row-base$suffix$at" "$preset" $args --num-iters "$iters"
+          bench . "$row$suffix$at" "$preset" $args --num-iters "$iters"
+        else
+          bench . "$row$suffix$at" "$preset" $args --num-iters "$iters"
+          bench "$BASELINE" "$row-base$suffix$at" "$preset" $args --num-iters "$iters"
+        fi
+      done
     done
   done
 }
@@ -112,29 +124,29 @@ def fraction(r):
     return roof.get("fraction") if isinstance(roof, dict) else None
 
 results = {f.stem: json.loads(f.read_text()) for f in sorted(Path(sys.argv[1]).glob("*.json"))}
-print(f"\n{'run':18} {'out tok/s':>10} {'total tok/s':>11} {'tpot ms':>8} {'ttft ms':>9} {'roofline':>9} {'vs HF':>6} "
+print(f"\n{'run':28} {'out tok/s':>10} {'total tok/s':>11} {'tpot ms':>8} {'ttft ms':>9} {'roofline':>9} {'vs HF':>6} "
       f"{'runs (ms)':>24}")
 for name, r in results.items():
     e = r["engine"]; frac = fraction(r)
     ratio = (r.get("ratio") or {}).get("output_throughput")
     runs = " ".join(f"{1e3 * t:.1f}" for t in e.get("iteration_total_times_s") or [])
-    print(f"{name:18} {e['output_throughput']:10.1f} {e['total_throughput']:11.1f} {ms(e['tpot_s']):>8} "
+    print(f"{name:28} {e['output_throughput']:10.1f} {e['total_throughput']:11.1f} {ms(e['tpot_s']):>8} "
           f"{ms(e['ttft_s']):>9} {f'{100 * frac:.1f}%' if frac else '-':>9} {f'{ratio:.2f}x' if ratio else '-':>6} "
           f"{runs:>24}")
 for name, r in results.items():  # the engine's steps one by one: the first six, then the median of the rest
     steps = r["engine"].get("step_times_s") or []
     if len(steps) > 6:
-        print(f"{name:18} steps (ms): {' '.join(f'{1e3 * t:.1f}' for t in steps[:6])} "
+        print(f"{name:28} steps (ms): {' '.join(f'{1e3 * t:.1f}' for t in steps[:6])} "
               f"| median after {1e3 * statistics.median(steps[6:]):.2f}")
 pairs = [(n, n.replace("-base", "", 1)) for n in results if "-base" in n and n.replace("-base", "", 1) in results]
 if pairs:
-    print(f"\n{'row (tok/s)':18} {'baseline':>10} {'this tree':>10} {'change':>8} {'baseline roof':>13} {'this roof':>10}")
+    print(f"\n{'row (tok/s)':28} {'baseline':>10} {'this tree':>10} {'change':>8} {'baseline roof':>13} {'this roof':>10}")
     for base, this in pairs:  # output tok/s; total tok/s for prefill rows (one output token)
         b, t = results[base], results[this]
         key = "output_throughput" if t["config"].get("output_len", 2) > 1 else "total_throughput"
         bt, tt = b["engine"][key], t["engine"][key]
         bf, tf = fraction(b), fraction(t)
-        print(f"{this:18} {bt:10.1f} {tt:10.1f} {100 * (tt / bt - 1):+7.1f}% "
+        print(f"{this:28} {bt:10.1f} {tt:10.1f} {100 * (tt / bt - 1):+7.1f}% "
               f"{f'{100 * bf:.1f}%' if bf else '-':>13} {f'{100 * tf:.1f}%' if tf else '-':>10}")
 PY
 }
