@@ -241,8 +241,11 @@ def model_bytes(config: DeepseekV4Config, dtype: torch.dtype, block_size: int | 
         params[part] += math.prod(shape)
     moe_layers = config.num_hidden_layers
     experts = max(moe_layers * config.n_routed_experts, 1)
-    active = lambda p: (p["dense"] + p["shared"] + p["head"]
-                        + config.num_experts_per_tok * (p["routed"] // experts) * moe_layers)
+
+    def active(part_params: dict[str, int]) -> int:  # dense + shared + head + top-k routed experts per MoE layer
+        return (part_params["dense"] + part_params["shared"] + part_params["head"]
+                + config.num_experts_per_tok * (part_params["routed"] // experts) * moe_layers)
+
     block = block_size or max(config.block_multiple, 16)
     return ModelBytes(
         dense_bytes=sizes["dense"], shared_bytes=sizes["shared"],
