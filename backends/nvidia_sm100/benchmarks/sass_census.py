@@ -25,7 +25,6 @@ import sys
 
 import triton
 from deepinfer_nvidia_sm100.kernels import aot, fp8_linear, moe, moe_mxfp4_decode, moe_quant, sparse_attention
-from triton.backends.compiler import GPUTarget
 
 TYPES = {"w1_ptr": "*u8", "w2_ptr": "*u8", "w3_ptr": "*u8", "s1_ptr": "*u8", "s2_ptr": "*u8", "s3_ptr": "*u8",
          "assign_ptr": "*i64", "block_expert_ptr": "*i64", "weights_ptr": "*fp32", "limit": "fp32"}
@@ -34,13 +33,6 @@ WORDS = {f"w{i}_ptr": "*i32" for i in "123"}  # moe_mxfp4_decode reads the packe
 
 FP8_TYPES = {"w_ptr": "*fp8e4nv", "s_ptr": "*u8", "xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "x_ptr": "*bf16"}
 FP8_FLOP_PER_CLOCK = 7570  # dense fp8 tensor-core FLOP per clock and SM on the H200 (~1,979 TFLOP/s, 132 SMs, 1.98 GHz)
-
-
-def compile_sm90(fn, types: dict[str, str], constants: dict, warps: int, stages: int,
-                 widths=aot.DIVISIBLE_WIDTHS):
-    """``fn`` compiled for sm_90a as the JIT sees the preset (``aot.divisible_source``)."""
-    return triton.compile(aot.divisible_source(fn, types, constants, widths), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps, "num_stages": stages})
 
 
 def sparse_cases() -> dict[str, tuple]:
@@ -82,7 +74,8 @@ def fp8_tc_table() -> None:
     for _, bm, bn, warps, stages in fp8_linear.FP8_TC_TILES:
         constants = {"BLOCK_M": bm, "BLOCK_N": bn, "B0": 128, "B1": 128, "UE8M0": True,
                      "GROUP_M": fp8_linear.FP8_TC_GROUP_M, "ONE_SCALE": 128 % bn == 0, "EVEN_K": True}
-        compiled = compile_sm90(fp8_linear._fp8_tc_kernel, FP8_TYPES | {"out_ptr": "*bf16"}, constants, warps, stages)
+        compiled = aot.compile_divisible(fp8_linear._fp8_tc_kernel, FP8_TYPES | {"out_ptr": "*bf16"}, constants, 90,
+                                         warps, stages)
         counts, spills = aot.loop_census(aot.disassemble(compiled.asm["cubin"]))
         total = sum(counts.values())
         print(f"| {(bm, bn, warps, stages)} | {total} | {total * warps / 4:.0f} | "
@@ -122,7 +115,7 @@ def table(title: str, unit: str, rows: dict[str, tuple]) -> None:
     """Each case compiled and its loop counted: one Markdown row per case."""
     print(f"\n{title}\n| kernel | loop instructions | per {unit} | local | top opcodes |\n|---|---|---|---|---|")
     for name, (fn, types, constants, warps, stages, work, *widths) in rows.items():
-        compiled = compile_sm90(fn, types, constants, warps, stages, *widths)
+        compiled = aot.compile_divisible(fn, types, constants, 90, warps, stages, *widths)
         counts, spills = aot.loop_census(aot.disassemble(compiled.asm["cubin"]))
         total = sum(counts.values())
         top = ", ".join(f"{op} {n}" for op, n in counts.most_common(6))

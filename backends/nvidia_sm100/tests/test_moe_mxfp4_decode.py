@@ -157,16 +157,15 @@ def test_decode_kernels_compile_with_the_inline_ptx(kernel, tile_name, subtiles,
     """Each ``TILES`` launch, with one and two weight tiles a program, compiles for sm_90a / sm_100a with the PTX
     decode (ptxas accepts the inline assembly), multiplies on the tensor cores and keeps its registers (no
     local-memory spills)."""
-    from test_quant_compile import _divisible_source, _weights
-    from triton.backends.compiler import GPUTarget
+    from deepinfer_nvidia_sm100.kernels import aot
+    from test_quant_compile import _weights
 
     block_m, block_k, stages, *_ = moe_mxfp4_decode.TILES[tile_name][1]
     constants = {"BLOCK_M": block_m, "BLOCK_K": block_k, "DECODE": moe_mxfp4_decode.PTX, "PRECISION": "tf32",
                  "SUBTILES": subtiles}
     types = _weights(moe_quant.MXFP4, ("1", "2", "3")) | {f"w{i}_ptr": "*i32" for i in "123"}
-    source = _divisible_source(getattr(moe_mxfp4_decode, kernel), types, constants)  # as the JIT sees the preset
-    ptx = triton.compile(source, target=GPUTarget("cuda", capability, 32),
-                         options={"num_warps": moe_mxfp4_decode.WARPS, "num_stages": stages}).asm["ptx"]
+    ptx = aot.compile_divisible(getattr(moe_mxfp4_decode, kernel), types, constants, capability,
+                                moe_mxfp4_decode.WARPS, stages).asm["ptx"]  # as the JIT sees the preset
     assert "mul.rn.bf16x2" in ptx, f"{kernel} {tile_name}: no bf16x2 decode"
     assert "ld.local" not in ptx and "st.local" not in ptx, f"{kernel} {tile_name}: registers spill"
     if capability == 90:  # the expanded weights feed wgmma from registers: none goes through shared memory
@@ -192,14 +191,12 @@ def test_one_token_row_kernels_compile_with_the_inline_ptx(kernel, capability):
 def _loop_instructions_per_weight(fn, constants: dict, warps: int, stages: int, weights: int) -> tuple[float, int]:
     """(instructions of ``fn``'s K loop per expanded weight on sm_90a, spill loads / stores): ``aot.loop_census``."""
     from deepinfer_nvidia_sm100.kernels import aot
-    from test_quant_compile import _divisible_source, _weights
-    from triton.backends.compiler import GPUTarget
+    from test_quant_compile import _weights
 
     types = _weights(moe_quant.MXFP4, ("1", "2", "3"))
     if fn in (moe_mxfp4_decode._up_kernel, moe_mxfp4_decode._down_kernel):
         types |= {f"w{i}_ptr": "*i32" for i in "123"}
-    compiled = triton.compile(_divisible_source(fn, types, constants), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_stages": stages})
+    compiled = aot.compile_divisible(fn, types, constants, 90, warps, stages)
     counts, spills = aot.loop_census(aot.disassemble(compiled.asm["cubin"]))
     return sum(counts.values()) * warps * 32 / weights, spills
 

@@ -144,11 +144,6 @@ def test_small_quant_kernels_compile(name, fn, types, constants, capability):
     _compile(fn, types, constants, capability)
 
 
-def _divisible_source(fn, types: dict[str, str], constants: dict) -> ASTSource:
-    """``fn`` with pointers, strides and widths marked divisible by 16, as Triton's JIT sees the preset's shapes."""
-    return aot.divisible_source(fn, types, constants)
-
-
 @pytest.mark.parametrize("capability", sorted(ARCHS))
 @pytest.mark.parametrize("name", ["mxfp4", "fp8", "linear"])
 def test_row_kernels_read_the_weights_in_16_byte_vectors(name, capability):
@@ -165,8 +160,7 @@ def test_row_kernels_read_the_weights_in_16_byte_vectors(name, capability):
         fn, types = moe_quant._up_row_kernel, _weights(fmt, ("1", "2", "3"))
         constants = {"BLOCK_N": block_n, "BLOCK_K": block_k, "FMT": fmt, "B0": block[0], "B1": block[1],
                      "UE8M0": True}
-    ptx = triton.compile(_divisible_source(fn, types, constants), target=GPUTarget("cuda", capability, 32),
-                         options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
+    ptx = aot.compile_divisible(fn, types, constants, capability, warps, stages).asm["ptx"]
     loads = re.findall(r"ld\.global\.L1::evict_first\S*", ptx)
     assert loads and all(load.endswith(".v4.b32") for load in loads), loads
 
@@ -182,9 +176,8 @@ def test_fp8_split_k_kernel_streams_weights_into_the_tensor_cores(rows, block, f
     block_m, block_n, block_k, warps, stages = tile
     constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "B0": block[0], "B1": block[1],
                  "UE8M0": True, "PRECISION": "tf32", "SWAP": fp8_linear.SPLIT_K_SWAP, "F16": f16}
-    source = _divisible_source(fp8_linear._split_k_kernel, LINEAR_TYPES, constants)
-    ptx = triton.compile(source, target=GPUTarget("cuda", capability, 32),
-                         options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
+    ptx = aot.compile_divisible(fp8_linear._split_k_kernel, LINEAR_TYPES, constants, capability, warps,
+                                stages).asm["ptx"]
     _expect_tensor_cores(ptx, block_n if fp8_linear.SPLIT_K_SWAP else block_m, capability, f"split-K {rows} rows")
     assert "ld.local" not in ptx, f"split-K {rows} rows: registers spill"
     assert not re.search(r"ld\.global\S*evict_first\S*\.b8", ptx), "split-K: e4m3 weights read a byte at a time"
@@ -207,8 +200,7 @@ def test_fp8_tensor_core_k_step_issues_in_fewer_clocks_than_its_mma(rows):
     block_m, block_n, warps, stages = fp8_linear._tile(fp8_linear.FP8_TC_TILES, rows)
     constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "B0": 128, "B1": 128, "UE8M0": True,
                  "GROUP_M": fp8_linear.FP8_TC_GROUP_M, "ONE_SCALE": 128 % block_n == 0, "EVEN_K": True}
-    compiled = triton.compile(_divisible_source(fp8_linear._fp8_tc_kernel, LINEAR_TYPES, constants),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    compiled = aot.compile_divisible(fp8_linear._fp8_tc_kernel, LINEAR_TYPES, constants, 90, warps, stages)
     counts, spills = aot.loop_census(aot.disassemble(compiled.asm["cubin"]))
     issue_clocks = sum(counts.values()) * warps / 4
     assert issue_clocks < 2 * block_m * block_n * 128 / 7570 and spills == 0, (issue_clocks, spills)

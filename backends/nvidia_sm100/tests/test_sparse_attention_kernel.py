@@ -213,12 +213,9 @@ AOT = pytest.mark.skipif(INTERPRETED, reason="ahead-of-time compiles need the re
 def compile_kernel(fn, types: dict, constants: dict, capability: int, warps: int = 4, stages: int = 2):
     """``fn`` compiled for sm_{capability}a on this machine, as a launch specializes it: pointers and the integer
     arguments in ``aot.SPARSE_WIDTHS`` 16-aligned (so shared memory and vector widths are the launch's), others ``i32``."""
-    import triton
     from deepinfer_nvidia_sm100.kernels import aot
-    from triton.backends.compiler import GPUTarget
 
-    return triton.compile(aot.divisible_source(fn, types, constants, aot.SPARSE_WIDTHS), target=GPUTarget("cuda", capability, 32),
-                          options={"num_warps": warps, "num_stages": stages})
+    return aot.compile_divisible(fn, types, constants, capability, warps, stages, aot.SPARSE_WIDTHS)
 
 
 def compile_attention(capability: int, dtype: str, d: int, block_h: int, store: int, whole: bool = True,

@@ -12,6 +12,7 @@ import subprocess
 import tempfile
 
 import triton
+from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
@@ -40,6 +41,13 @@ def divisible_source(fn, types: dict[str, str], constants: dict, widths=DIVISIBL
             attrs[(i,)] = [["tt.divisibility", 16]]
     return ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()},
                      attrs=attrs)
+
+
+def compile_divisible(fn, types: dict[str, str], constants: dict, capability: int, warps: int, stages: int,
+                      widths=DIVISIBLE_WIDTHS):
+    """``fn`` compiled for sm_{capability}a as the JIT sees the preset's shapes (``divisible_source``)."""
+    return triton.compile(divisible_source(fn, types, constants, widths), target=GPUTarget("cuda", capability, 32),
+                          options={"num_warps": warps, "num_stages": stages})
 
 
 def disassemble(cubin: bytes) -> str:
