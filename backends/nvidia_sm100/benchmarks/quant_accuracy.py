@@ -12,7 +12,9 @@ Two measures, each with the reference run (``FP8_TC=0``) as the baseline:
   batch (decode rows take the tensor cores from 16 sequences); per prompt, the tokens equal before the first
   difference, and whether the reference's top-2 gap there was a near-tie (below ``--tie-gap``);
 * teacher-forced logprobs: the reference's prompts plus completions are scored by both runs (``prompt_logprobs``:
-  prefill rows); the largest and median absolute difference of the completion tokens' logprobs.
+  prefill rows, in steps of at most ``--max-num-batched-tokens`` tokens: 512 by default, so that every step's
+  linears take the fp8 tensor cores, not ``DEQUANT_MIN_ROWS``' decoded weights, which quantize no activations); the
+  largest and median absolute difference of the completion tokens' logprobs.
 
 The last line is a Markdown row for docs/quantization.md.
 """
@@ -77,7 +79,8 @@ def _run(args, prompts: list[list[int]], fp8_tc: bool, sequences: list[list[int]
 
     os.environ[FP8_TC_VARIABLE] = "1" if fp8_tc else "0"  # read when the engine's steps run and are captured
     llm = LLM(model=str(args.folder), backend=args.backend, dtype=args.dtype, max_num_seqs=len(prompts),
-              max_model_len=args.input_len + args.output_len + 1)
+              max_model_len=args.input_len + args.output_len + 1,
+              max_num_batched_tokens=args.max_num_batched_tokens)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, logprobs=2)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
     steps = [[(t, _top2_gap(lps)) for t, lps in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)]
@@ -118,9 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=64, help="prompts, run as one batch")
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512,
+                        help="tokens a step (below the fp8 linears' DEQUANT_MIN_ROWS, so prefill rows quantize too)")
     parser.add_argument("--tie-gap", type=float, default=0.05,
                         help="a first difference where the reference's top-2 logprob gap is below this is a near-tie")
     args = parser.parse_args(argv)
+    from deepinfer_nvidia_sm100.kernels import fp8_linear
+
+    if args.max_num_batched_tokens >= fp8_linear.DEQUANT_MIN_ROWS:
+        parser.error(f"--max-num-batched-tokens {args.max_num_batched_tokens}: steps of {fp8_linear.DEQUANT_MIN_ROWS}+ "
+                     "rows decode the fp8 weights and quantize no activations; take fewer")
     if args.model is None:
         from deepinfer_core.bench import presets
 

@@ -46,11 +46,14 @@ MAX_PER_EXPERT = None  # mean assignments per expert up to which the MXFP4 op ta
 # ``DEEPINFER_NVIDIA_MXFP4_DECODE_MAX_PER_EXPERT`` (1,024 by default; docs/quantization.md has the timings)
 TILES = {  # (max mean assignments per expert, (BLOCK_M, BLOCK_K, num_stages[, subtiles])): the first that holds, else
     # the last.
-    # Measured on an H200 (bench_mxfp4_decode.py, 2026-12-02; the v4-flash-8l64e-fp4 experts): (16, 256, 3) fastest
-    # at 16 and 64 tokens, (32, 256, 3) at 256, (128, 128, 3) at 1,024 and 8,192 (256-row tiles: 1.4x slower).
-    "decode": (16, (16, 256, 3)),
-    "mid": (64, (32, 256, 3)),
-    "prefill": (None, (128, 128, 3)),
+    # Measured on an H200 (bench_quant.py mxfp4, 2026-12-02; the v4-flash-8l64e-fp4 experts, one layer): two subtiles
+    # fastest at every size from 16 tokens: (16, 256, 3, 2) 306.8 us at 16 tokens (one subtile 331.7) and 370.0 at 64
+    # (376.5); (32, 256, 3, 2) 470.4 us at 256 (481.4); (64, 128, 3, 2) 1,605.9 us at 1,024 ((128, 128, 3): 1,644.7);
+    # (128, 128, 3, 2) 8,510.0 us at 8,192 ((128, 128, 3): 9,632.9). The bound between the last two is not measured.
+    "decode": (16, (16, 256, 3, 2)),
+    "mid": (64, (32, 256, 3, 2)),
+    "prefill": (256, (64, 128, 3, 2)),
+    "large": (None, (128, 128, 3, 2)),
 }
 ONE_TOKEN = False  # one token through these kernels (align, the fragment-order copy, up, down, combine) rather than
 # ``moe_quant``'s two row kernels
