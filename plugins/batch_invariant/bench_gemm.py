@@ -3,11 +3,12 @@
     python plugins/batch_invariant/bench_gemm.py [--rows 1 64 256 2048 16384]
 
 For every projection of a ``v4-flash-8l64e`` layer (bf16; the grouped ``wo_a`` as 8 groups) and row count: the time of
-``F.linear`` (cuBLAS; the grouped one as a batched matmul), of ``triton_kernels.matmul_nt`` as the mode runs it (the
-split-K launch with its fused fold below ``WIDE_MIN_ROWS`` rows, the wide tiles from there), of the split-K launch with
-the fold kernel and, from 512 rows, of both launches, each checked to give the same bits as the mode's. CUDA events,
-median of repeats after warm-up, each call replayed from a CUDA graph (as a decode step runs). Prints one table: time
-per call and the mode's time over cuBLAS's.
+``F.linear`` (cuBLAS; the grouped one as a batched matmul), of ``triton_kernels.matmul_nt`` as the mode runs it
+(``launch_for``'s launch), of every launch in ``triton_kernels.LAUNCHES`` and of the split-K launch with the fold
+kernel, each checked to give the same bits as the mode's. CUDA events, median of repeats after warm-up, each call
+replayed from a CUDA graph (as a decode step runs). Prints one table (time per call, the mode's time over cuBLAS's),
+the fastest launch per row count summed over the projections, and a ``DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES`` value
+from those (``suggest``).
 """
 
 from __future__ import annotations
@@ -59,11 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     from deepinfer_batch_invariant import triton_kernels as tk
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256, 2048, 16384])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512, 2048, 16384])
     args = parser.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    print("| projection | rows | cuBLAS | mode | mode / cuBLAS | split-K + fold kernel | split-K + fused fold | wide |")
-    print("|---|---|---|---|---|---|---|---|")
+    launches = list(tk.LAUNCHES)
+    print("| projection | rows | cuBLAS | mode | mode / cuBLAS | " + " | ".join(launches) + " | split, fold kernel |")
+    print("|---|---|---|---|---|" + "---|" * (len(launches) + 1))
+    totals: dict[int, dict[str, float]] = {}  # rows -> launch -> seconds summed over the projections
     for name, n, k, groups in SHAPES:
         w = (torch.randn(groups * n, k, device="cuda", generator=gen) * 0.02).bfloat16()
         for m in args.rows:
@@ -71,22 +74,37 @@ def main(argv: list[str] | None = None) -> int:
                 continue  # the head runs on a step's last rows only
             x = torch.randn(m, groups, k, device="cuda", generator=gen).bfloat16()
             mode = tk._grouped_matmul(x, w, groups)
-            launches = {"split-K + fold kernel": {"wide": False, "fused_fold": False},
-                        "split-K + fused fold": {"wide": False}}
-            if m >= tk.WIDE_MIN_ROWS:
-                launches["wide"] = {"wide": True}
-            for launch, kwargs in launches.items():
+            variants = {launch: {"launch": launch} for launch in launches}
+            variants["split, fold kernel"] = {"launch": "split", "fused_fold": False}
+            for variant, kwargs in variants.items():
                 if not torch.equal(tk._grouped_matmul(x, w, groups, **kwargs), mode):
-                    raise AssertionError(f"{name} at {m} rows: the {launch} launch changes the bits")
+                    raise AssertionError(f"{name} at {m} rows: the {variant} launch changes the bits")
             base = _time(lambda x=x, w=w, g=groups: _cublas(x, w, g))
             ours = _time(lambda x=x, w=w, g=groups: tk._grouped_matmul(x, w, g))
-            cells = {launch: _time(lambda x=x, w=w, g=groups, kw=kw: tk._grouped_matmul(x, w, g, **kw))
-                     for launch, kw in launches.items()}
-            row = [f"{cells[c] * 1e6:.1f} us" if c in cells else "-"
-                   for c in ("split-K + fold kernel", "split-K + fused fold", "wide")]
+            cells = {variant: _time(lambda x=x, w=w, g=groups, kw=kw: tk._grouped_matmul(x, w, g, **kw))
+                     for variant, kw in variants.items()}
+            if name != "head":
+                for launch in launches:
+                    totals.setdefault(m, {}).setdefault(launch, 0.0)
+                    totals[m][launch] += cells[launch]
             print(f"| {name} | {m} | {base * 1e6:.1f} us | {ours * 1e6:.1f} us | {ours / base:.2f}x | "
-                  + " | ".join(row) + " |")
+                  + " | ".join(f"{cells[v] * 1e6:.1f} us" for v in variants) + " |")
+    print("\nsummed over the projections but the head, per row count: " + ", ".join(
+        f"{m}: {min(t, key=t.get)} ({1e6 * min(t.values()):.0f} us; mode's {1e6 * t[tk.launch_for(m, torch.bfloat16)]:.0f})"
+        for m, t in totals.items()))
+    print(f"DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES={suggest(totals)}")
     return 0
+
+
+def suggest(totals: dict[int, dict[str, float]]) -> str:
+    """``rows:launch`` pairs from the fastest launch (summed over the projections) at each measured row count: each
+    launch from the first row count where it is fastest, the first from 0."""
+    pairs: list[tuple[int, str]] = []
+    for m in sorted(totals):
+        best = min(totals[m], key=totals[m].get)
+        if not pairs or pairs[-1][1] != best:
+            pairs.append((0 if not pairs else m, best))
+    return ",".join(f"{rows}:{launch}" for rows, launch in pairs)
 
 
 if __name__ == "__main__":

@@ -108,18 +108,20 @@ def test_v4_sizes_invariant_on_gpu(bi):
 
 @pytest.mark.parametrize(("n", "k", "groups"), [(1024, 4096, 1), (4096, 8192, 1), (1024, 4096, 8), (129, 4096, 1)])
 def test_gemm_launches_agree_bitwise_on_gpu(n, k, groups):
-    """The GEMM's two launches (split-K with a fold kernel; the prefill tile summing its splits in one program) give
-    every element the same bits at V4 projection shapes (``wq_a``-like, ``wo_b``, the grouped ``wo_a``, a ragged N),
-    at decode and prefill row counts: so the row count may pick the launch."""
+    """The GEMM's launches (split-K in 64 x 64, 64 x 128 and 128 x 128 tiles, with the fused fold or a fold kernel;
+    the prefill tile summing its splits in one program) give every element the same bits at V4 projection shapes
+    (``wq_a``-like, ``wo_b``, the grouped ``wo_a``, a ragged N), at decode and prefill row counts: so the row count may
+    pick the launch."""
     from deepinfer_batch_invariant import triton_kernels
 
     gen = torch.Generator().manual_seed(n + k + groups)
     w = (torch.randn(groups * n, k, generator=gen) * 0.02).bfloat16().cuda()
-    for m in (1, 64, 700):
+    for m in (1, 64, 200, 700):
         x = torch.randn(m, groups, k, generator=gen).bfloat16().cuda()
-        split = triton_kernels._grouped_matmul(x, w, groups, wide=False)  # the fused fold where the weight is split
-        assert torch.equal(triton_kernels._grouped_matmul(x, w, groups, wide=False, fused_fold=False), split), m
-        assert torch.equal(triton_kernels._grouped_matmul(x, w, groups, wide=True), split), m
+        split = triton_kernels._grouped_matmul(x, w, groups, launch="split")  # the fused fold where the weight is split
+        assert torch.equal(triton_kernels._grouped_matmul(x, w, groups, launch="split", fused_fold=False), split), m
+        for launch in triton_kernels.LAUNCHES:
+            assert torch.equal(triton_kernels._grouped_matmul(x, w, groups, launch=launch), split), (m, launch)
     for counts in triton_kernels._FOLD_COUNTS.values():
         assert not counts.any()  # every tile's last program reset its count
 
@@ -134,7 +136,7 @@ def test_fused_fold_agrees_with_the_fold_kernel_on_gpu(dtype):
     gen = torch.Generator().manual_seed(1)
     w = (torch.randn(1024, 4096, generator=gen) * 0.02).to(dtype).cuda()  # 16 N tiles x 8 splits
     x = torch.randn(48, 4096, generator=gen).to(dtype).cuda()
-    want = triton_kernels._grouped_matmul(x[:, None], w, 1, wide=False, fused_fold=False)[:, 0]
+    want = triton_kernels._grouped_matmul(x[:, None], w, 1, launch="split", fused_fold=False)[:, 0]
     side = torch.cuda.Stream(priority=-1)
     assert side.priority != torch.cuda.current_stream().priority
     for _ in range(20):

@@ -62,8 +62,10 @@ def _record_launches() -> dict[tuple, tuple]:
             triton_kernels.matmul_nt(torch.randn(3, k, generator=gen).to(dtype),
                                      torch.randn(40, k, generator=gen).to(dtype))
         x, w = torch.randn(3, 1, 1024, generator=gen).bfloat16(), torch.randn(40, 1024, generator=gen).bfloat16()
-        triton_kernels._grouped_matmul(x, w, 1, wide=True)  # the prefill tile, its two K splits in one program
-        triton_kernels._grouped_matmul(x, w, 1, wide=False, fused_fold=False)  # the fold kernel
+        triton_kernels._grouped_matmul(x, w, 1, launch="wide")  # the prefill tile, its two K splits in one program
+        triton_kernels._grouped_matmul(x, w, 1, launch="split", fused_fold=False)  # the fold kernel
+        for launch in ("split_mid", "split_wide"):  # the batch-sized split-K tiles
+            triton_kernels._grouped_matmul(x, w, 1, launch=launch)
         q, keys, weights = _indexer_sequence(gen, 2, 16)
         ops["indexer_scores"](q[None], keys[None], weights[None], 16**-0.5)
     finally:
@@ -154,8 +156,10 @@ def test_the_fused_fold_counts_with_an_acquire_release_atomic():
     assert ("FOLD", True) in {item for key in LAUNCHES if key[0] == "_matmul_nt_kernel" for item in key[2]}
 
 
-def test_the_wide_gemm_launch_was_recorded():
-    """The prefill tile (``MM_WIDE_CONFIGS``, serial K splits) is among the compiled launches."""
-    wide = triton_kernels.MM_WIDE_CONFIGS[torch.bfloat16]
-    assert any(name == "_matmul_nt_kernel" and ("SERIAL", True) in options and ("BLOCK_M", wide[0]) in options
-               for name, _, options in LAUNCHES)
+def test_every_gemm_launch_was_recorded():
+    """Each of ``LAUNCHES`` (tile and serial / split-K) is among the compiled launches."""
+    recorded = {(dict(options)["BLOCK_M"], dict(options)["BLOCK_N"], dict(options)["SERIAL"])
+                for name, _, options in LAUNCHES if name == "_matmul_nt_kernel"}
+    for launch, (configs, serial) in triton_kernels.LAUNCHES.items():
+        block_m, block_n = configs[torch.bfloat16][:2]
+        assert (block_m, block_n, serial) in recorded, launch

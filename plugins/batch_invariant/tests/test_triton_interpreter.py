@@ -150,20 +150,54 @@ def test_wide_gemm_launch_gives_the_split_launch_bits(monkeypatch):
     w = (torch.randn(200, 1100, generator=gen) * 0.05).to(bf16)  # 4 N tiles, 2 splits of 576 (the last 524)
     x = torch.randn(150, 1, 1100, generator=gen).to(bf16)
     assert triton_kernels._k_splits(200, 1100, bf16, 1) == (576, 2)
-    split = triton_kernels._grouped_matmul(x, w, 1, wide=False)
-    assert torch.equal(triton_kernels._grouped_matmul(x, w, 1, wide=True), split)
+    split = triton_kernels._grouped_matmul(x, w, 1, launch="split")
+    assert torch.equal(triton_kernels._grouped_matmul(x, w, 1, launch="wide"), split)
     close(split.float(), (x.float() @ w.float().T), atol=2e-2, rtol=1e-2)
     wg = (torch.randn(2 * 40, 1024, generator=gen) * 0.05).to(bf16)  # 2 groups x 1 N tile, 2 splits each
     xg = torch.randn(70, 2, 1024, generator=gen).to(bf16)
     assert triton_kernels._k_splits(40, 1024, bf16, 2)[1] == 2
-    assert torch.equal(triton_kernels._grouped_matmul(xg, wg, 2, wide=True),
-                       triton_kernels._grouped_matmul(xg, wg, 2, wide=False))
-    monkeypatch.setattr(triton_kernels, "WIDE_MIN_ROWS", 100)
+    assert torch.equal(triton_kernels._grouped_matmul(xg, wg, 2, launch="wide"),
+                       triton_kernels._grouped_matmul(xg, wg, 2, launch="split"))
+    monkeypatch.setattr(triton_kernels, "ROW_LAUNCHES", ((100, "wide"), (0, "split")))
     alone = triton_kernels.matmul_nt(x[:2, 0], w)
     assert torch.equal(triton_kernels.matmul_nt(x[:, 0], w)[:2], alone)
     xs, ws = torch.randn(1200, 1, 64, generator=gen).to(bf16), torch.randn(300, 64, generator=gen).to(bf16)
-    assert torch.equal(triton_kernels._grouped_matmul(xs, ws, 1, wide=True),  # 10 row tiles: two groups of 8 and 2
-                       triton_kernels._grouped_matmul(xs, ws, 1, wide=False))
+    assert torch.equal(triton_kernels._grouped_matmul(xs, ws, 1, launch="wide"),  # 10 row tiles: two groups of 8 and 2
+                       triton_kernels._grouped_matmul(xs, ws, 1, launch="split"))
+
+
+def test_every_gemm_launch_gives_the_split_launch_bits():
+    """The batch-sized split-K tiles (64 x 128, 128 x 128) compute the same splits at the same BLOCK_K as the 64 x 64
+    one: the same bits for every row, plain and grouped (the interpreter checks indexing, masks and fold order; the
+    tensor cores' bits: test_cuda.py)."""
+    bf16 = torch.bfloat16
+    gen = torch.Generator().manual_seed(6)
+    w = (torch.randn(200, 1100, generator=gen) * 0.05).to(bf16)  # 2 splits
+    x = torch.randn(150, 1, 1100, generator=gen).to(bf16)
+    wg = (torch.randn(2 * 40, 1024, generator=gen) * 0.05).to(bf16)
+    xg = torch.randn(70, 2, 1024, generator=gen).to(bf16)
+    for launch, (configs, _) in triton_kernels.LAUNCHES.items():
+        assert configs[bf16][2] == triton_kernels.MM_CONFIGS[bf16][2], launch  # one BLOCK_K
+        assert torch.equal(triton_kernels._grouped_matmul(x, w, 1, launch=launch),
+                           triton_kernels._grouped_matmul(x, w, 1, launch="split")), launch
+        assert torch.equal(triton_kernels._grouped_matmul(xg, wg, 2, launch=launch),
+                           triton_kernels._grouped_matmul(xg, wg, 2, launch="split")), launch
+
+
+def test_gemm_launches_by_row_count_from_the_variable(monkeypatch):
+    """``DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES`` replaces ``ROW_LAUNCHES``; fp32 keeps the split-K launch; a
+    malformed value names itself and the launches."""
+    bf16 = torch.bfloat16
+    assert triton_kernels.launch_for(1, bf16) == "split"
+    assert triton_kernels.launch_for(triton_kernels.WIDE_MIN_ROWS, bf16) == "wide"
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES", "64:split_mid, 0:split,256:split_wide,1024:wide")
+    got = [triton_kernels.launch_for(m, bf16) for m in (1, 63, 64, 255, 256, 1023, 1024)]
+    assert got == ["split", "split", "split_mid", "split_mid", "split_wide", "split_wide", "wide"]
+    assert triton_kernels.launch_for(4096, torch.float32) == "split"
+    for bad in ("64:split_mid", "0:split,x:wide", "0:tall"):
+        monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES", bad)
+        with pytest.raises(ValueError, match="DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES"):
+            triton_kernels.launch_for(8, bf16)
 
 
 def test_split_k_partials_folded_by_each_tiles_last_program(monkeypatch):
@@ -175,13 +209,26 @@ def test_split_k_partials_folded_by_each_tiles_last_program(monkeypatch):
         w = (torch.randn(200, 1100, generator=gen) * 0.05).to(dtype)
         x = torch.randn(150, 1, 1100, generator=gen).to(dtype)
         assert triton_kernels._k_splits(200, 1100, dtype, 1)[1] >= 2
-        kernel = triton_kernels._grouped_matmul(x, w, 1, wide=False, fused_fold=False)
-        assert torch.equal(triton_kernels._grouped_matmul(x, w, 1, wide=False), kernel)
+        kernel = triton_kernels._grouped_matmul(x, w, 1, launch="split", fused_fold=False)
+        assert torch.equal(triton_kernels._grouped_matmul(x, w, 1, launch="split"), kernel)
         wg = (torch.randn(2 * 40, 1024, generator=gen) * 0.05).to(dtype)
         xg = torch.randn(9, 2, 1024, generator=gen).to(dtype)
-        assert torch.equal(triton_kernels._grouped_matmul(xg, wg, 2, wide=False),
-                           triton_kernels._grouped_matmul(xg, wg, 2, wide=False, fused_fold=False))
+        assert torch.equal(triton_kernels._grouped_matmul(xg, wg, 2, launch="split"),
+                           triton_kernels._grouped_matmul(xg, wg, 2, launch="split", fused_fold=False))
     assert not triton_kernels._FOLD_COUNTS[("cpu", 0)].any()
     assert triton_kernels._fold_counts(torch.device("cpu"), triton_kernels.FOLD_COUNT_SLOTS + 1) is None
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT_FUSED_FOLD", "0")
     assert triton_kernels._fold_counts(torch.device("cpu"), 4) is None
+
+
+def test_bench_gemm_suggests_each_launch_from_where_it_is_fastest():
+    """``bench_gemm.suggest``: the fastest launch per measured row count, as a ``rows:launch`` table from 0."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import bench_gemm
+
+    totals = {1: {"split": 1.0, "wide": 2.0}, 16: {"split": 1.0, "split_mid": 0.5},
+              64: {"split_mid": 1.0, "split": 2.0}, 512: {"wide": 1.0, "split": 2.0}}
+    assert bench_gemm.suggest(totals) == "0:split,16:split_mid,512:wide"

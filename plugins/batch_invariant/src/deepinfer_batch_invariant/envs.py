@@ -14,6 +14,9 @@ VARIABLES = Variables(
     Variable("DEEPINFER_BATCH_INVARIANT_FUSED_FOLD", bool, True,
              "NVIDIA: a split-K GEMM's partial sums are added by each tile's last program (a count per tile) instead "
              "of a second kernel; the same sums in the same order. 0: the second kernel."),
+    Variable("DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES", str, None,
+             "NVIDIA: the GEMM launch by row count as `rows:launch` pairs, e.g. `0:split,64:split_mid,512:wide` "
+             "(launches in `triton_kernels.LAUNCHES`; every one gives the same bits); unset: `ROW_LAUNCHES`."),
     Variable("DEEPINFER_ENABLE_MTP_VARLEN", bool, None,
              "The reference engine's switch for deterministic sampling with speculative decoding: checked and "
              "logged, no effect yet (no speculative decoding)."),

@@ -10,9 +10,10 @@ padding. Concretely:
   (``do_not_specialize``), so one compiled kernel serves every batch;
 * a row's reduction runs inside one program, over blocks of a length fixed by the model; a matmul row's
   K loop is the same for every row of every tile (``tl.dot`` computes each output element from its own
-  row and column only), its K splits are set by the weight's shape and added in split order. The GEMM has two
-  launches, picked by the row count, that do the same arithmetic element by element (split-K with the partials
-  added by each tile's last program, and wide tiles adding the splits in registers: same BLOCK_K, same splits);
+  row and column only), its K splits are set by the weight's shape and added in split order. The GEMM has four
+  launches (``LAUNCHES``), picked by the row count, that do the same arithmetic element by element (split-K in
+  three tile sizes with the partials added by each tile's last program, and wide tiles adding the splits in
+  registers: same BLOCK_K, same splits);
 * attention reduces over each query's *own* visible keys, compacted in key order and split in fixed
   ``KV_CHUNK`` chunks from the first of them, so the batch's padding of the key axis never moves a chunk
   boundary (the same rule as ``cpu_ops.sink_attention``).
@@ -52,15 +53,25 @@ _EMULATE = INTERPRET
 # N <= 24 and K = hc * hidden): small tiles, since an FMA tile's cost grows with its padded rows.
 MM_CONFIGS = {torch.bfloat16: (64, 64, 64, 4, 3), torch.float16: (64, 64, 64, 4, 3),
               torch.float32: (16, 32, 32, 4, 2)}
-# The same product in prefill-sized tiles (``WIDE_MIN_ROWS`` rows and more): 128 x 128 tiles on two warpgroups, the same
-# BLOCK_K (so the same ``tl.dot`` steps along K, in the same order), each program running every K split of its tile
-# one after the other and folding them in split order in registers: the split-K launch's arithmetic, element by element,
-# without its fp32 partials in memory (``splits x M x N`` floats: a GiB per projection at 16,384 rows).
+# The same product in prefill-sized tiles: 128 x 128 tiles on two warpgroups, the same BLOCK_K (so the same ``tl.dot``
+# steps along K, in the same order), each program running every K split of its tile one after the other and folding
+# them in split order in registers: the split-K launch's arithmetic, element by element, without its fp32 partials in
+# memory (``splits x M x N`` floats: a GiB per projection at 16,384 rows).
 MM_WIDE_CONFIGS = {torch.bfloat16: (128, 128, 64, 8, 3), torch.float16: (128, 128, 64, 8, 3)}
-WIDE_MIN_ROWS = 512
-"""Rows from which a 16-bit GEMM takes ``MM_WIDE_CONFIGS``; below, the split-K launch (one program per tile and split,
-the partials then added in split order) keeps a decode step's weight read spread over the GPU. Both give a row the
-same bits (``test_cuda.py`` checks them against each other on the GPU), so the switch may follow the row count."""
+# Batch-sized tiles for the split-K launch: 64 rows (one warpgroup), 128 columns, the same BLOCK_K.
+MM_MID_CONFIGS = {torch.bfloat16: (64, 128, 64, 4, 3), torch.float16: (64, 128, 64, 4, 3)}
+LAUNCHES = {  # name: (tiles by dtype, serial): every launch gives an element the same bits (same BLOCK_K, same splits)
+    "split": (MM_CONFIGS, False),  # a program per tile and K split, the partials added by the tile's last program
+    "split_mid": (MM_MID_CONFIGS, False),  # the same in 64 x 128 tiles
+    "split_wide": (MM_WIDE_CONFIGS, False),  # the same in 128 x 128 tiles
+    "wide": (MM_WIDE_CONFIGS, True),  # a program per tile, its splits one after the other (``WIDE_GROUP_M``)
+}
+WIDE_MIN_ROWS = 512  # the default row launches' last bound (``ROW_LAUNCHES``)
+ROW_LAUNCHES = ((WIDE_MIN_ROWS, "wide"), (0, "split"))
+"""(fewest rows, launch) of a 16-bit GEMM, largest bound first (``DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES`` replaces
+it): the split-K launch keeps a decode step's weight read spread over the GPU, the wide one reads prefill-sized
+activations once per row-tile group. All give a row the same bits (``test_cuda.py`` checks them against each other on
+the GPU), so the choice may follow the row count."""
 WIDE_GROUP_M = 8
 """Row tiles a wide launch walks together (``_grouped_tile``): at 16,384 rows x 4,096 a projection's activations are
 read from HBM once per 8 row tiles' sweep of the columns instead of once per column tile."""
@@ -255,14 +266,38 @@ def grouped_matmul_nt(x: torch.Tensor, weight: torch.Tensor, groups: int) -> tor
     return _grouped_matmul(x, weight, groups)
 
 
-def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, groups: int, wide: bool | None = None,
+def row_launches() -> tuple[tuple[int, str], ...]:
+    """``ROW_LAUNCHES``, or ``DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES`` (``rows:launch`` pairs separated by commas,
+    e.g. ``0:split,64:split_mid,512:wide``) parsed, largest bound first; a malformed value raises ``ValueError``."""
+    raw = envs.get("DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES")
+    if not raw:
+        return ROW_LAUNCHES
+    pairs = []
+    for item in raw.split(","):
+        rows, _, name = item.strip().partition(":")
+        if not rows.strip().isdigit() or name.strip() not in LAUNCHES:
+            raise ValueError(f"DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES={raw!r}: {item!r} is not rows:launch with a "
+                             f"launch among {sorted(LAUNCHES)}")
+        pairs.append((int(rows), name.strip()))
+    if 0 not in (rows for rows, _ in pairs):
+        raise ValueError(f"DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES={raw!r}: no launch from 0 rows")
+    return tuple(sorted(pairs, reverse=True))
+
+
+def launch_for(m: int, dtype: torch.dtype) -> str:
+    """The GEMM launch of ``m`` rows (``row_launches``); fp32 always the split-K launch (its own small tiles)."""
+    if dtype not in MM_WIDE_CONFIGS:
+        return "split"
+    return next(name for rows, name in row_launches() if m >= rows)
+
+
+def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, groups: int, launch: str | None = None,
                     fused_fold: bool | None = None) -> torch.Tensor:
     """``x [M, G, K]`` (any strides), ``weight [G * N, K]`` -> ``[M, G, N]`` in ``x.dtype`` (docstrings above).
 
-    ``wide``: the serial launch in ``MM_WIDE_CONFIGS`` tiles (True) or the split-K launch (False); by default the
-    former from ``WIDE_MIN_ROWS`` rows (16-bit operands). ``fused_fold`` False: the split-K launch's partials folded
-    by ``_fold_splits_kernel`` rather than by each tile's last program (``_fold_counts``). All compute the same splits
-    and add them in the same order."""
+    ``launch``: one of ``LAUNCHES`` (16-bit operands), by default ``launch_for``'s. ``fused_fold`` False: the split-K
+    launches' partials folded by ``_fold_splits_kernel`` rather than by each tile's last program (``_fold_counts``).
+    All compute the same splits and add them in the same order."""
     if x.dtype != weight.dtype:
         raise TypeError(f"matmul_nt: x is {x.dtype}, weight is {weight.dtype}")
     m, _, k = x.shape
@@ -271,9 +306,8 @@ def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, groups: int, wide: bo
     if m == 0 or n == 0:
         return out
     k_split, splits = _k_splits(n, k, x.dtype, groups)
-    if wide is None:
-        wide = m >= WIDE_MIN_ROWS and x.dtype in MM_WIDE_CONFIGS
-    block_m, block_n, block_k, warps, stages = (MM_WIDE_CONFIGS if wide else MM_CONFIGS)[x.dtype]
+    configs, wide = LAUNCHES[launch or launch_for(m, x.dtype)]
+    block_m, block_n, block_k, warps, stages = configs[x.dtype]
     serial = wide or splits == 1
     size = m * groups * n
     group_m = WIDE_GROUP_M if wide else 0
