@@ -61,7 +61,12 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512, 2048, 16384])
+    parser.add_argument("--split-targets", nargs="+", metavar="PROGRAMS:MIN_BLOCKS",
+                        help="instead: the split-K launch at each K-split target (``split_k``'s programs per row tile "
+                             "and fewest K blocks a split), summed over the projections but the head")
     args = parser.parse_args(argv)
+    if args.split_targets:
+        return sweep_split_targets(args.rows, args.split_targets)
     gen = torch.Generator(device="cuda").manual_seed(0)
     launches = list(tk.LAUNCHES)
     print("| projection | rows | cuBLAS | mode | mode / cuBLAS | " + " | ".join(launches) + " | split, fold kernel |")
@@ -93,6 +98,43 @@ def main(argv: list[str] | None = None) -> int:
         f"{m}: {min(t, key=t.get)} ({1e6 * min(t.values()):.0f} us; mode's {1e6 * t[tk.launch_for(m, torch.bfloat16)]:.0f})"
         for m, t in totals.items()))
     print(f"DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES={suggest(totals)}")
+    return 0
+
+
+def sweep_split_targets(rows: list[int], targets: list[str]) -> int:
+    """The split-K launch's time per call summed over the projections (not the head: too wide to split) at each
+    target and row count, each checked against the fold kernel's bits; the last line names the target fastest over
+    all ``rows`` together as the two variables' values."""
+    import os
+
+    from deepinfer_batch_invariant import triton_kernels as tk
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weights = [((torch.randn(g * n, k, device="cuda", generator=gen) * 0.02).bfloat16(), g)
+               for name, n, k, g in SHAPES if name != "head"]
+    inputs = {m: [torch.randn(m, g, w.shape[1], device="cuda", generator=gen).bfloat16() for w, g in weights]
+              for m in rows}
+    totals = {}
+    print("| programs:min blocks | " + " | ".join(f"{m} rows" for m in rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    for target in targets:
+        programs, _, min_blocks = target.partition(":")
+        os.environ["DEEPINFER_BATCH_INVARIANT_SPLIT_K_PROGRAMS"] = programs
+        os.environ["DEEPINFER_BATCH_INVARIANT_MIN_SPLIT_BLOCKS"] = min_blocks
+        cells = []
+        for m in rows:
+            total = 0.0
+            for (w, g), x in zip(weights, inputs[m], strict=True):
+                if not torch.equal(tk._grouped_matmul(x, w, g, launch="split"),
+                                   tk._grouped_matmul(x, w, g, launch="split", fused_fold=False)):
+                    raise AssertionError(f"{target} at {m} rows: the fused fold changes the bits")
+                total += _time(lambda x=x, w=w, g=g: tk._grouped_matmul(x, w, g, launch="split"))
+            cells.append(total)
+        totals[target] = sum(cells)
+        print(f"| {target} | " + " | ".join(f"{1e6 * c:.0f} us" for c in cells) + " |")
+    best = min(totals, key=totals.get)
+    programs, _, min_blocks = best.partition(":")
+    print(f"DEEPINFER_BATCH_INVARIANT_SPLIT_K_PROGRAMS={programs} DEEPINFER_BATCH_INVARIANT_MIN_SPLIT_BLOCKS={min_blocks}")
     return 0
 
 

@@ -140,6 +140,17 @@ def test_split_k_depends_on_the_weight_only_and_keeps_rows_invariant():
     torch.testing.assert_close(triton_kernels.matmul_nt(x, w), x @ w.T, atol=1e-4, rtol=1e-4)
 
 
+def test_split_k_targets_from_the_variables(monkeypatch):
+    """``DEEPINFER_BATCH_INVARIANT_SPLIT_K_PROGRAMS`` / ``_MIN_SPLIT_BLOCKS`` replace the split target and the
+    shortest split (still a function of the weight's shape only)."""
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT_SPLIT_K_PROGRAMS", "1024")
+    assert triton_kernels.split_k(4096, 8192, 64, 64) == 16  # 64 N tiles x 16 splits of 8 K blocks
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT_MIN_SPLIT_BLOCKS", "4")
+    assert triton_kernels.split_k(4096, 2048, 64, 64) == 8  # 64 N tiles x 8 splits of 4 K blocks
+    monkeypatch.delenv("DEEPINFER_BATCH_INVARIANT_SPLIT_K_PROGRAMS")
+    assert triton_kernels.split_k(4096, 2048, 64, 64) == 4  # 256 programs
+
+
 def test_wide_gemm_launch_gives_the_split_launch_bits(monkeypatch):
     """The prefill tile (``MM_WIDE_CONFIGS``: each program sums its tile's K splits one after the other) computes the
     split-K launch's splits in its order, at the same BLOCK_K: the same bits for every row, plain and grouped, and a

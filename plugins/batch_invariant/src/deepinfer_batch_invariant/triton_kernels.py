@@ -144,10 +144,14 @@ MIN_SPLIT_BLOCKS = 8
 
 def split_k(n: int, k: int, block_n: int, block_k: int, groups: int = 1) -> int:
     """K splits for a ``[groups * n, k]`` weight (``groups`` blocks of ``[n, k]``): enough programs to fill the GPU
-    from one row tile, each split at least ``MIN_SPLIT_BLOCKS`` K blocks long."""
+    from one row tile, each split at least ``MIN_SPLIT_BLOCKS`` K blocks long (``DEEPINFER_BATCH_INVARIANT_SPLIT_K_
+    PROGRAMS`` / ``_MIN_SPLIT_BLOCKS`` replace either: other splits, other bits, as invariant; set them before the
+    engine starts)."""
+    programs = envs.get("DEEPINFER_BATCH_INVARIANT_SPLIT_K_PROGRAMS") or SPLIT_K_PROGRAMS
+    min_blocks = envs.get("DEEPINFER_BATCH_INVARIANT_MIN_SPLIT_BLOCKS") or MIN_SPLIT_BLOCKS
     n_tiles = triton.cdiv(n, block_n) * groups
-    longest = max(1, k // (MIN_SPLIT_BLOCKS * block_k))
-    return max(1, min(longest, SPLIT_K_PROGRAMS // n_tiles))
+    longest = max(1, k // (min_blocks * block_k))
+    return max(1, min(longest, programs // n_tiles))
 
 
 @triton.jit
