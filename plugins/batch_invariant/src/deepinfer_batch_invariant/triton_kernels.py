@@ -67,10 +67,11 @@ LAUNCHES = {  # name: (tiles by dtype, serial): every launch gives an element th
     "wide": (MM_WIDE_CONFIGS, True),  # a program per tile, its splits one after the other (``WIDE_GROUP_M``)
 }
 WIDE_MIN_ROWS = 512  # the default row launches' last bound (``ROW_LAUNCHES``)
-ROW_LAUNCHES = ((WIDE_MIN_ROWS, "wide"), (0, "split"))
+ROW_LAUNCHES = ((WIDE_MIN_ROWS, "wide"), (128, "split_wide"), (0, "split"))
 """(fewest rows, launch) of a 16-bit GEMM, largest bound first (``DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES`` replaces
-it): the split-K launch keeps a decode step's weight read spread over the GPU, the wide one reads prefill-sized
-activations once per row-tile group. All give a row the same bits (``test_cuda.py`` checks them against each other on
+it): the split-K launch keeps a decode step's weight read spread over the GPU, in 128 x 128 tiles from 128 rows (on
+the H200, bench_gemm.py: the head at 256 rows 549 us against 825 us in 64 x 64 tiles, ``wq_b`` 38 against 52; the
+other projections within 10%), the wide one reads prefill-sized activations once per row-tile group. All give a row the same bits (``test_cuda.py`` checks them against each other on
 the GPU), so the choice may follow the row count."""
 WIDE_GROUP_M = 8
 """Row tiles a wide launch walks together (``_grouped_tile``): at 16,384 rows x 4,096 a projection's activations are
