@@ -108,7 +108,7 @@ def test_v4_sizes_invariant_on_gpu(bi):
 
 @pytest.mark.parametrize(("n", "k", "groups"), [(1024, 4096, 1), (4096, 8192, 1), (1024, 4096, 8), (129, 4096, 1)])
 def test_gemm_launches_agree_bitwise_on_gpu(n, k, groups):
-    """The GEMM's launches (split-K in 64 x 64, 64 x 128 and 128 x 128 tiles, with the fused fold or a fold kernel;
+    """The GEMM's launches (split-K in 64 x 64 and 128 x 128 tiles, with the fused fold or a fold kernel;
     the prefill tile summing its splits in one program) give every element the same bits at V4 projection shapes
     (``wq_a``-like, ``wo_b``, the grouped ``wo_a``, a ragged N), at decode and prefill row counts: so the row count may
     pick the launch."""

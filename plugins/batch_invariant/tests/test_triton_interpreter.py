@@ -178,7 +178,7 @@ def test_wide_gemm_launch_gives_the_split_launch_bits(monkeypatch):
 
 
 def test_every_gemm_launch_gives_the_split_launch_bits():
-    """The batch-sized split-K tiles (64 x 128, 128 x 128) compute the same splits at the same BLOCK_K as the 64 x 64
+    """The batch-sized split-K tile (128 x 128) computes the same splits at the same BLOCK_K as the 64 x 64
     one: the same bits for every row, plain and grouped (the interpreter checks indexing, masks and fold order; the
     tensor cores' bits: test_cuda.py)."""
     bf16 = torch.bfloat16
@@ -201,11 +201,11 @@ def test_gemm_launches_by_row_count_from_the_variable(monkeypatch):
     bf16 = torch.bfloat16
     assert triton_kernels.launch_for(1, bf16) == "split"
     assert triton_kernels.launch_for(triton_kernels.WIDE_MIN_ROWS, bf16) == "wide"
-    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES", "64:split_mid, 0:split,256:split_wide,1024:wide")
-    got = [triton_kernels.launch_for(m, bf16) for m in (1, 63, 64, 255, 256, 1023, 1024)]
-    assert got == ["split", "split", "split_mid", "split_mid", "split_wide", "split_wide", "wide"]
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES", "256:split_wide, 0:split,1024:wide")
+    got = [triton_kernels.launch_for(m, bf16) for m in (1, 255, 256, 1023, 1024)]
+    assert got == ["split", "split", "split_wide", "split_wide", "wide"]
     assert triton_kernels.launch_for(4096, torch.float32) == "split"
-    for bad in ("64:split_mid", "0:split,x:wide", "0:tall"):
+    for bad in ("64:split_wide", "0:split,x:wide", "0:tall"):
         monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES", bad)
         with pytest.raises(ValueError, match="DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES"):
             triton_kernels.launch_for(8, bf16)
@@ -240,6 +240,6 @@ def test_bench_gemm_suggests_each_launch_from_where_it_is_fastest():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import bench_gemm
 
-    totals = {1: {"split": 1.0, "wide": 2.0}, 16: {"split": 1.0, "split_mid": 0.5},
-              64: {"split_mid": 1.0, "split": 2.0}, 512: {"wide": 1.0, "split": 2.0}}
-    assert bench_gemm.suggest(totals) == "0:split,16:split_mid,512:wide"
+    totals = {1: {"split": 1.0, "wide": 2.0}, 16: {"split": 1.0, "split_wide": 0.5},
+              64: {"split_wide": 1.0, "split": 2.0}, 512: {"wide": 1.0, "split": 2.0}}
+    assert bench_gemm.suggest(totals) == "0:split,16:split_wide,512:wide"

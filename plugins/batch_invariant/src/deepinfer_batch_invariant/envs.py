@@ -15,13 +15,13 @@ VARIABLES = Variables(
              "NVIDIA: a split-K GEMM's partial sums are added by each tile's last program (a count per tile) instead "
              "of a second kernel; the same sums in the same order. 0: the second kernel."),
     Variable("DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES", str, None,
-             "NVIDIA: the GEMM launch by row count as `rows:launch` pairs, e.g. `0:split,64:split_mid,512:wide` "
+             "NVIDIA: the GEMM launch by row count as `rows:launch` pairs, e.g. `0:split,128:split_wide,512:wide` "
              "(launches in `triton_kernels.LAUNCHES`; every one gives the same bits); unset: `ROW_LAUNCHES`."),
     Variable("DEEPINFER_BATCH_INVARIANT_SPLIT_K_PROGRAMS", int, None,
              "NVIDIA: the GEMM's K-split target, programs per row tile (`triton_kernels.SPLIT_K_PROGRAMS` when "
              "unset); the split follows the weight's shape only, so any value keeps invariance (other bits)."),
     Variable("DEEPINFER_BATCH_INVARIANT_MIN_SPLIT_BLOCKS", int, None,
-             "NVIDIA: the fewest 64-long K blocks per GEMM K split (`triton_kernels.MIN_SPLIT_BLOCKS` when unset)."),
+             "NVIDIA: the fewest BLOCK_K-long K blocks per GEMM K split (`triton_kernels.MIN_SPLIT_BLOCKS` when unset)."),
     Variable("DEEPINFER_ENABLE_MTP_VARLEN", bool, None,
              "The reference engine's switch for deterministic sampling with speculative decoding: checked and "
              "logged, no effect yet (no speculative decoding)."),

@@ -10,9 +10,9 @@ padding. Concretely:
   (``do_not_specialize``), so one compiled kernel serves every batch;
 * a row's reduction runs inside one program, over blocks of a length fixed by the model; a matmul row's
   K loop is the same for every row of every tile (``tl.dot`` computes each output element from its own
-  row and column only), its K splits are set by the weight's shape and added in split order. The GEMM has four
+  row and column only), its K splits are set by the weight's shape and added in split order. The GEMM has three
   launches (``LAUNCHES``), picked by the row count, that do the same arithmetic element by element (split-K in
-  three tile sizes with the partials added by each tile's last program, and wide tiles adding the splits in
+  two tile sizes with the partials added by each tile's last program, and wide tiles adding the splits in
   registers: same BLOCK_K, same splits);
 * attention reduces over each query's *own* visible keys, compacted in key order and split in fixed
   ``KV_CHUNK`` chunks from the first of them, so the batch's padding of the key axis never moves a chunk
@@ -58,11 +58,8 @@ MM_CONFIGS = {torch.bfloat16: (64, 64, 64, 4, 3), torch.float16: (64, 64, 64, 4,
 # them in split order in registers: the split-K launch's arithmetic, element by element, without its fp32 partials in
 # memory (``splits x M x N`` floats: a GiB per projection at 16,384 rows).
 MM_WIDE_CONFIGS = {torch.bfloat16: (128, 128, 64, 8, 3), torch.float16: (128, 128, 64, 8, 3)}
-# Batch-sized tiles for the split-K launch: 64 rows (one warpgroup), 128 columns, the same BLOCK_K.
-MM_MID_CONFIGS = {torch.bfloat16: (64, 128, 64, 4, 3), torch.float16: (64, 128, 64, 4, 3)}
 LAUNCHES = {  # name: (tiles by dtype, serial): every launch gives an element the same bits (same BLOCK_K, same splits)
     "split": (MM_CONFIGS, False),  # a program per tile and K split, the partials added by the tile's last program
-    "split_mid": (MM_MID_CONFIGS, False),  # the same in 64 x 128 tiles
     "split_wide": (MM_WIDE_CONFIGS, False),  # the same in 128 x 128 tiles
     "wide": (MM_WIDE_CONFIGS, True),  # a program per tile, its splits one after the other (``WIDE_GROUP_M``)
 }
@@ -71,8 +68,9 @@ ROW_LAUNCHES = ((WIDE_MIN_ROWS, "wide"), (128, "split_wide"), (0, "split"))
 """(fewest rows, launch) of a 16-bit GEMM, largest bound first (``DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES`` replaces
 it): the split-K launch keeps a decode step's weight read spread over the GPU, in 128 x 128 tiles from 128 rows (on
 the H200, bench_gemm.py: the head at 256 rows 549 us against 825 us in 64 x 64 tiles, ``wq_b`` 38 against 52; the
-other projections within 10%), the wide one reads prefill-sized activations once per row-tile group. All give a row the same bits (``test_cuda.py`` checks them against each other on
-the GPU), so the choice may follow the row count."""
+other projections within 10%; 64 x 128 tiles were never the fastest), the wide one reads prefill-sized activations
+once per row-tile group. All give a row the same bits (``test_cuda.py`` checks them against each other on the GPU),
+so the choice may follow the row count."""
 WIDE_GROUP_M = 8
 """Row tiles a wide launch walks together (``_grouped_tile``): at 16,384 rows x 4,096 a projection's activations are
 read from HBM once per 8 row tiles' sweep of the columns instead of once per column tile."""
@@ -273,7 +271,7 @@ def grouped_matmul_nt(x: torch.Tensor, weight: torch.Tensor, groups: int) -> tor
 
 def row_launches() -> tuple[tuple[int, str], ...]:
     """``ROW_LAUNCHES``, or ``DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES`` (``rows:launch`` pairs separated by commas,
-    e.g. ``0:split,64:split_mid,512:wide``) parsed, largest bound first; a malformed value raises ``ValueError``."""
+    e.g. ``0:split,128:split_wide,512:wide``) parsed, largest bound first; a malformed value raises ``ValueError``."""
     raw = envs.get("DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES")
     if not raw:
         return ROW_LAUNCHES
