@@ -143,9 +143,9 @@ MIN_SPLIT_BLOCKS = 8
 
 def split_k(n: int, k: int, block_n: int, block_k: int, groups: int = 1) -> int:
     """K splits for a ``[groups * n, k]`` weight (``groups`` blocks of ``[n, k]``): enough programs to fill the GPU
-    from one row tile, each split at least ``MIN_SPLIT_BLOCKS`` K blocks long (``DEEPINFER_BATCH_INVARIANT_SPLIT_K_
-    PROGRAMS`` / ``_MIN_SPLIT_BLOCKS`` replace either: other splits, other bits, as invariant; set them before the
-    engine starts)."""
+    from one row tile, each split at least ``MIN_SPLIT_BLOCKS`` K blocks long. The plugin's variables
+    ``DEEPINFER_BATCH_INVARIANT_SPLIT_K_PROGRAMS`` and ``DEEPINFER_BATCH_INVARIANT_MIN_SPLIT_BLOCKS`` replace either
+    (other splits, other bits, as invariant; set them before the engine starts)."""
     programs = envs.get("DEEPINFER_BATCH_INVARIANT_SPLIT_K_PROGRAMS") or SPLIT_K_PROGRAMS
     min_blocks = envs.get("DEEPINFER_BATCH_INVARIANT_MIN_SPLIT_BLOCKS") or MIN_SPLIT_BLOCKS
     n_tiles = triton.cdiv(n, block_n) * groups
@@ -309,11 +309,11 @@ def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, groups: int, launch: 
     if m == 0 or n == 0:
         return out
     k_split, splits = _k_splits(n, k, x.dtype, groups)
-    configs, wide = LAUNCHES[launch or launch_for(m, x.dtype)]
+    configs, serial_launch = LAUNCHES[launch or launch_for(m, x.dtype)]
     block_m, block_n, block_k, warps, stages = configs[x.dtype]
-    serial = wide or splits == 1
+    serial = serial_launch or splits == 1
     size = m * groups * n
-    group_m = WIDE_GROUP_M if wide else 0
+    group_m = WIDE_GROUP_M if serial_launch else 0
     tiles = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     grid = (tiles[0] * tiles[1], 1, groups) if group_m else (*tiles, groups if serial else splits * groups)
     part = out if serial else torch.empty(splits, m, groups, n, dtype=torch.float32, device=x.device)
