@@ -162,11 +162,11 @@ VARIABLES = Variables(
              "Query rows x compressed entries the lightning indexer scores and selects at once (4 bytes of fp32 "
              "score each): a longer prefill chunk runs in query slices, bounding the indexer's memory at long "
              "context; read when the model is built."),
-    Variable("DEEPINFER_SPARSE_CSA_ATTENTION", str, "0",
-             "CSA layers whose indexer selects: `1` attend per query row to its window and selected entries only, "
-             "read in place by index (`sparse_sink_attention`, top-k sparse attention); `gather` the same keys "
-             "gathered per query row first; `0` the whole sequence's keys under a mask. Read when the model is "
-             "built."),
+    Variable("DEEPINFER_SPARSE_CSA_ATTENTION", str, "1",
+             "CSA layers whose indexer selects: `1` (the default) attend per query row to its window and selected "
+             "entries only, read in place by index (`sparse_sink_attention`, top-k sparse attention); `gather` the "
+             "same keys gathered per query row first; `0` the whole sequence's keys under a mask. Read when the "
+             "model is built."),
     Variable("DEEPINFER_BENCH_CACHE", Path, None,
              "Where `deepinfer bench` keeps its preset checkpoints; unset: `$XDG_CACHE_HOME/deepinfer/bench`, "
              "else `~/.cache/deepinfer/bench`. `--cache-dir` wins."),

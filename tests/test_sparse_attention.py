@@ -17,6 +17,7 @@ from deepinfer_core.ops.table import OpTable
 
 
 def test_sparse_mode_reads_the_variable():
+    assert sparse_mode({}) == "index"  # the default: read by index
     assert [sparse_mode({"DEEPINFER_SPARSE_CSA_ATTENTION": v}) for v in ("", "0", "1", "true", "Gather")] == [
         "dense", "dense", "index", "index", "gather"]
     with pytest.raises(EnvironmentVariableError, match="0 \\(dense\\), 1 .* or gather"):
@@ -177,7 +178,7 @@ def test_sparse_model_equals_dense(tmp_path, monkeypatch, mode):
     tiny_checkpoint(tmp_path, layer_types=ALL_TYPES * 2, index_topk=3)  # CSA ratio 4: sparse beyond 12 tokens
     prompts = [{"prompt_token_ids": [(7 * i + j) % 60 + 2 for i in range(n)]} for j, n in enumerate((90, 61, 20))]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=3)
-    monkeypatch.delenv("DEEPINFER_SPARSE_CSA_ATTENTION", raising=False)
+    monkeypatch.setenv("DEEPINFER_SPARSE_CSA_ATTENTION", "0")
     dense_shapes = []
     dense, _ = _run(tmp_path, prompts, params, dense_shapes, enforce_eager=True)
     assert all(len(shape) == 2 and shape[0] <= 3 for shape in dense_shapes)  # whole sequences under a mask

@@ -1,18 +1,20 @@
 """Lightning-indexer selection (``indexer_topk``, top-512): the reference op (a stable sort of every row) against the
 NVIDIA op's forms (``kernels/indexer_topk.py``: the Triton radix select per row, 4-bit digits, ``radix_topk``, and
-wide digits, ``wide_topk``, opt-in until timed (``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE=1``): rows of up to 32,768 entries held on chip, longer ones 3 passes of 12,
-12 and 8 bits + the write; order keys + ``torch.topk``), at the query x entry shapes one CSA layer sees at long
-context: an 8K prompt's chunk, 16K-token chunks late in 64K and 128K prompts, one 1,024-row slice of a 16K chunk at
-1M context (``DEEPINFER_INDEXER_CHUNK_ENTRIES``'s default), and batch-16 and batch-1 decode rows at 128K.
+wide digits, ``wide_topk`` (``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE``): rows of up to 32,768 entries held on chip, longer
+ones 3 passes of 12, 12 and 8 bits + the write; order keys + ``torch.topk``), at the query x entry shapes one CSA
+layer sees at long context: an 8K prompt's chunk, 16K-token chunks late in 64K and 128K prompts, one 1,024-row slice
+of a 16K chunk at 1M context (``DEEPINFER_INDEXER_CHUNK_ENTRIES``'s default), and decode rows: batch 16 and 1 at
+128K, batch 1 at 256K and 1M.
 
     python backends/nvidia_sm100/benchmarks/bench_indexer_topk.py      # on a GPU; prints two tables
 
 The second table times the selection as entry indices (index mode, ``DEEPINFER_SPARSE_CSA_ATTENTION=1``): the radix
 select reading the ``[S, Lq, E]`` mask (``indexer_topk_index``) against the forms reading per-row visible counts
 ``[S, Lq]`` (``indexer_topk_index_counts``: the 4-bit radix select over each row's visible prefix; the wide-digit
-form, ``wide_topk_index_counts``, opt-in likewise: rows of up to 32,768 entries held on chip, longer ones 3 passes of
-12, 12 and 8 bits + the write; its passes over memory alone, ``held_row=0``; counted keys + ``torch.topk``), each
-checked against the reference's indices first.
+form, ``wide_topk_index_counts``: rows of up to 32,768 entries held on chip, longer ones 3 passes of 12, 12 and 8
+bits + the write; its passes over memory alone, ``held_row=0``; counted keys + ``torch.topk``; the two-stage split,
+``split_topk_index_counts``: each 4,096-entry chunk's top-k, then the row's among the candidates; and the op as it
+dispatches), each checked against the reference's indices first.
 
 Checks each form against the reference first (``torch.equal`` of the selections), then times them (CUDA events,
 median of repeats, after warmup). Floor = bytes of scores, visibility and selection (4 + 1 + 1 per score) / 4.25 TB/s (the
@@ -34,6 +36,8 @@ SHAPES = (  # (sequences, query rows, entries, what)
     (1, 1024, 262144, "1M: one slice"),
     (16, 1, 32768, "decode b16 at 128K"),
     (1, 1, 32768, "decode b1 at 128K"),
+    (1, 1, 65536, "decode b1 at 256K"),
+    (1, 1, 262144, "decode b1 at 1M"),
 )
 
 
@@ -51,11 +55,13 @@ def case(S: int, Lq: int, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 def main() -> None:
     from deepinfer_nvidia_sm100.kernels.indexer_topk import (
+        indexer_topk_index_counts,
         keyed_topk,
         keyed_topk_index_counts,
         radix_topk,
         radix_topk_index,
         radix_topk_index_counts,
+        split_topk_index_counts,
         wide_topk,
         wide_topk_index_counts,
     )
@@ -63,7 +69,11 @@ def main() -> None:
     def passes(scores: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
         return wide_topk_index_counts(scores, counts, k, held_row=0)
 
-    counted_forms = (radix_topk_index_counts, wide_topk_index_counts, passes, keyed_topk_index_counts)
+    def op(scores: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
+        return indexer_topk_index_counts(scores, counts, k)
+
+    counted_forms = (radix_topk_index_counts, wide_topk_index_counts, passes, keyed_topk_index_counts,
+                     split_topk_index_counts, op)
     torch.manual_seed(0)
     rows, index_rows = [], []
     for S, Lq, E, what in SHAPES:
@@ -100,12 +110,13 @@ def main() -> None:
               f"{b / w:.2f}x |")
     print(f"\nindexer_topk_index / indexer_topk_index_counts, top-{K} as entry indices (H200)")
     print("| shape | sequences x queries x entries | equal (mask radix, counts radix 4-bit, wide, wide passes, "
-          "keyed) | radix, mask | radix 4-bit, counts | radix wide, counts | wide passes only | keys + torch.topk, "
-          "counts | counts speed-up | wide over 4-bit |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for what, S, Lq, E, same, (a, b, w, p, c) in index_rows:
+          "keyed, split, op) | radix, mask | radix 4-bit, counts | radix wide, counts | wide passes only | "
+          "keys + torch.topk, counts | split (chunks, then candidates) | the op | counts speed-up | wide over 4-bit |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for what, S, Lq, E, same, (a, b, w, p, c, sp, o) in index_rows:
         print(f"| {what} | {S} x {Lq} x {E} | {', '.join(map(str, same))} | {a * 1e3:.3f} ms | {b * 1e3:.3f} ms | "
-              f"{w * 1e3:.3f} ms | {p * 1e3:.3f} ms | {c * 1e3:.3f} ms | {a / b:.2f}x | {b / w:.2f}x |")
+              f"{w * 1e3:.3f} ms | {p * 1e3:.3f} ms | {c * 1e3:.3f} ms | {sp * 1e3:.3f} ms | {o * 1e3:.3f} ms | "
+              f"{a / b:.2f}x | {b / w:.2f}x |")
     if not all(all(row[4]) for row in rows) or not all(all(row[4]) for row in index_rows):
         raise SystemExit("indexer_topk / indexer_topk_index(_counts) differ from the reference op")
 

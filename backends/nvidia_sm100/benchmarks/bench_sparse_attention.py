@@ -101,8 +101,9 @@ def paths(ops: OpTable, case) -> dict:
     Lk = window.shape[-1]
     entries = paged(keys, Lk)
     store_rows = entries[0].shape[0] * entries[0].shape[1]
-    block_h = kernels.head_block(H)
-    split = kernels.num_splits(q.shape[0] * q.shape[1], H, index.shape[-1], kernels._sm_count(0), block_h)  # the op's
+    rows, sms = q.shape[0] * q.shape[1], kernels._sm_count(0)
+    block_h = kernels.head_block(H, rows, sms)
+    split = kernels.num_splits(rows, H, index.shape[-1], sms, block_h)  # the op's
     kernel = {  # row name -> (splits, heads a program), each through the key-rows pass and the tables
         **{f"in place: attention kernel, {h} heads a program, one split": (1, h) for h in (16, 32, 64)},
         **({f"in place: attention kernel, {h} heads a program, {n} splits": (n, h) for h in (16, 64) for n in (2, 5, 10)}

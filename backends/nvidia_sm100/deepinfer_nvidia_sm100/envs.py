@@ -40,25 +40,26 @@ VARIABLES = Variables(
     Variable("DEEPINFER_NVIDIA_NORM", bool, True, "Triton RMS-norm kernels; 0: the compiled reference ops."),
     Variable("DEEPINFER_NVIDIA_GREEDY", bool, True, "Triton sampler for all-greedy steps; 0: the reference sampler."),
     Variable("DEEPINFER_NVIDIA_RADIX_TOPK", bool, True,
-             "The indexer's top-k by a Triton radix select per query row (calls of at least "
-             "`DEEPINFER_NVIDIA_RADIX_TOPK_MIN_ROWS` rows); 0: order keys and `torch.topk` (the rule for fewer rows)."),
+             "The indexer's top-k by a Triton radix select per query row (`DEEPINFER_NVIDIA_RADIX_TOPK_WIDE` says "
+             "which); 0: order keys and `torch.topk` at every size."),
     Variable("DEEPINFER_NVIDIA_RADIX_TOPK_MIN_ROWS", int, 64,
-             "Query rows from which an `indexer_topk` call takes the radix select (one program per row); fewer rows "
-             "(decode steps) take order keys and `torch.topk`. 1: the radix select for decode rows too (not yet "
-             "timed against `torch.topk` at long context)."),
-    Variable("DEEPINFER_NVIDIA_RADIX_TOPK_WIDE", bool, False,
-             "The radix top-k kernels (mask and counted forms) by wider digits: rows of up to 32,768 entries held on "
-             "chip (one read of the scores from memory), longer ones in 3 passes and the write (4 reads; needs Triton "
-             ">= 3.6, whose tl.histogram takes a mask); 0 (the default until timed on a GPU): 4-bit digits (8 passes "
-             "and the write, 9 reads)."),
+             "With `DEEPINFER_NVIDIA_RADIX_TOPK_WIDE=0`: query rows from which an `indexer_topk` call takes the 4-bit "
+             "radix select (one program per row); fewer rows (decode steps) take order keys and `torch.topk`."),
+    Variable("DEEPINFER_NVIDIA_RADIX_TOPK_WIDE", bool, True,
+             "The radix top-k by wider digits: rows of up to 32,768 entries held on chip (one read of the scores) "
+             "at any row count, decode rows too; longer rows take order keys and `torch.topk` (needs Triton >= 3.6, "
+             "whose tl.histogram takes a mask); 0: the 4-bit radix select (8 passes over memory and the write) from "
+             "`DEEPINFER_NVIDIA_RADIX_TOPK_MIN_ROWS` rows."),
     Variable("DEEPINFER_NVIDIA_DECODE_ATTN", bool, True,
              "Triton `sink_attention` for decode rows; 0: the TileLang kernel (SM90, where installed) or the "
              "reference."),
     Variable("DEEPINFER_NVIDIA_DECODE_ATTN_MAX_ROWS", int, 1,
              "Most decode rows (sequences) a call may have to take the Triton decode attention kernel."),
-    Variable("DEEPINFER_NVIDIA_SPARSE_ATTN_HEADS", int, 16,
+    Variable("DEEPINFER_NVIDIA_SPARSE_ATTN_HEADS", int, 0,
              "Heads a program of the Triton `sparse_sink_attention` takes (16, 32 or 64; more share each listed key "
-             "load among more heads, with 8 warps and fewer programs); a head count it does not divide keeps 16."),
+             "load among more heads, with 8 warps and fewer programs); 0: 64 for calls of at least one row per SM "
+             "(prefill), 16 for fewer (decode, whose keys are split across programs instead); a head count it does "
+             "not divide keeps 16."),
     Variable("DEEPINFER_NVIDIA_STREAMS", bool, True,
              "Run forked work (an attention layer's key path, the folds, the shared expert) on a second CUDA "
              "stream; 0: in place."),

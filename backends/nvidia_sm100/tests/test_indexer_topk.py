@@ -146,6 +146,57 @@ def test_the_op_takes_the_radix_kernel_from_radix_min_rows(monkeypatch):
     assert taken == ["wide_topk", "wide_topk_index", "radix_topk", "radix_topk_index"]
 
 
+@kernel_runs_here
+def test_the_wide_forms_take_rows_by_count_and_length(monkeypatch):
+    """With ``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE`` (the default): a single query row (a decode step) of one chunk takes
+    the wide form; of more than one chunk (``SPLIT_CHUNK`` made small), the counted op the split form; rows longer
+    than ``HELD_ROW`` entries the split form (counted op) or keys + ``torch.topk`` (mask op); the same bits each
+    time."""
+    monkeypatch.delenv("DEEPINFER_NVIDIA_RADIX_TOPK_WIDE", raising=False)
+    scores = long_case(1, 3, 600, 4, seed=6)[0][:, 2:]  # [1, 1, 600]: one row, ties, signed zeros, NaNs
+    counts = torch.full((1, 1), 450, dtype=torch.int32, device=scores.device)  # the row sees its first 450 entries
+    visible = torch.arange(600, device=scores.device) < counts[..., None]  # [1, 1, 600]
+    want = ref.indexer_topk_index(scores.cpu(), visible.cpu(), 100)
+    taken = []
+    for name in ("wide_topk_index", "wide_topk_index_counts", "split_topk_index_counts", "keyed_topk_index"):
+        form = getattr(indexer_topk, name)
+        monkeypatch.setattr(indexer_topk, name, lambda *a, n=name, f=form: taken.append(n) or f(*a))
+    for split_chunk, held_row in ((indexer_topk.SPLIT_CHUNK, indexer_topk.HELD_ROW), (256, indexer_topk.HELD_ROW),
+                                  (256, 512)):
+        monkeypatch.setattr(indexer_topk, "SPLIT_CHUNK", split_chunk)
+        monkeypatch.setattr(indexer_topk, "HELD_ROW", held_row)  # 512: rows of 600 entries count as long
+        taken.clear()
+        assert torch.equal(indexer_topk.indexer_topk_index_counts(scores, counts, 100).cpu(), want)
+        counted = taken[0]
+        taken.clear()
+        assert torch.equal(indexer_topk.indexer_topk_index(scores, visible, 100).cpu(), want)
+        assert (counted, taken[0]) == {indexer_topk.HELD_ROW: ("wide_topk_index_counts", "wide_topk_index"),
+                                       256: ("split_topk_index_counts", "wide_topk_index"),
+                                       512: ("split_topk_index_counts", "keyed_topk_index")}[
+            held_row if held_row == 512 else split_chunk if split_chunk == 256 else held_row], (split_chunk, held_row)
+
+
+SPLIT_CASES = [  # (S, Lq, E, levels, k, chunk): chunks that cut ties, a last short chunk, rows of one chunk's count
+    (1, 5, 3000, 4, 100, 256),
+    (2, 5, 4096, 0, 512, 1024),
+    (1, 6, 1031, 3, 130, 256),
+]
+
+
+@kernel_runs_here
+@pytest.mark.parametrize(("S", "Lq", "E", "levels", "k", "chunk"), SPLIT_CASES)
+def test_split_counted_form_selects_as_the_masked_reference(S, Lq, E, levels, k, chunk, monkeypatch):
+    """``split_topk_index_counts`` (each chunk's top-k, then the row's among the candidates) selects what the
+    reference selects from the counts' mask, ties at the k-th key across chunks included."""
+    scores, counts, mask = counted_case(S, Lq, E, levels, k, seed=11)
+    want = ref.indexer_topk_index(scores.cpu(), mask, k)
+    got = indexer_topk.split_topk_index_counts(scores.reshape(-1, E), counts.reshape(-1), k, chunk)
+    assert got.dtype == torch.int32 and torch.equal(got.cpu().view(S, Lq, k), want)
+    monkeypatch.setattr(indexer_topk, "HELD_ROW", k)  # the second stage could not hold the candidates
+    with pytest.raises(ValueError, match="more than HELD_ROW"):
+        indexer_topk.split_topk_index_counts(scores.reshape(-1, E), counts.reshape(-1), k, chunk)
+
+
 def counted_case(S: int, Lq: int, E: int, levels: int, k: int, seed: int, device: str = DEVICE):
     """``long_case``'s scores with causal prefix visibility as counts ``[S, Lq]`` int32 (a chunk's rows see more entries
     row by row, as after a prefix): rows that see nothing, fewer than ``k``, exactly ``k``, ``k + 1`` and every entry;

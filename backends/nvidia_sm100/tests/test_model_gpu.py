@@ -285,7 +285,7 @@ def test_sparse_csa_attention_matches_dense(tmp_path, monkeypatch, dtype, tol, s
     from v4_factory import tiny_checkpoint
 
     tiny_checkpoint(tmp_path, seed=0, hc_mult=4, index_topk=4, **shape)
-    monkeypatch.delenv("DEEPINFER_SPARSE_CSA_ATTENTION", raising=False)
+    monkeypatch.setenv("DEEPINFER_SPARSE_CSA_ATTENTION", "0")
     _, dense = _generate(tmp_path, "nvidia_sm100", dtype)
     monkeypatch.setenv("DEEPINFER_SPARSE_CSA_ATTENTION", mode)
     replays = []

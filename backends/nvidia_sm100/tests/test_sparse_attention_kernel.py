@@ -199,9 +199,14 @@ def test_covered_and_splits():
 
 
 def test_head_block_reads_the_variable(monkeypatch):
-    assert sparse_attention.head_block(64) == 16
+    monkeypatch.delenv("DEEPINFER_NVIDIA_SPARSE_ATTN_HEADS", raising=False)
+    assert sparse_attention.head_block(64, rows=16, sms=132) == 16  # decode rows: 16 heads, keys split
+    assert sparse_attention.head_block(64, rows=16384, sms=132) == 64  # prefill rows: each key loaded once
+    assert sparse_attention.head_block(16, rows=16384, sms=132) == 16  # 64 does not divide 16 heads
     monkeypatch.setenv("DEEPINFER_NVIDIA_SPARSE_ATTN_HEADS", "64")
     assert sparse_attention.head_block(64) == 64 and sparse_attention.head_block(16) == 16  # 16 heads: 16
+    monkeypatch.setenv("DEEPINFER_NVIDIA_SPARSE_ATTN_HEADS", "16")
+    assert sparse_attention.head_block(64, rows=16384, sms=132) == 16
     monkeypatch.setenv("DEEPINFER_NVIDIA_SPARSE_ATTN_HEADS", "48")
     with pytest.raises(EnvironmentVariableError, match="16, 32 or 64, got 48"):
         sparse_attention.head_block(64)

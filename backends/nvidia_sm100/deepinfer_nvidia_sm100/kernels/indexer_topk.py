@@ -10,22 +10,22 @@ equal scores). Scores that compare equal as floats but differ in bits are made o
 and every NaN the positive quiet NaN (the sort puts NaN first, as the largest, and ties NaNs by index); invisible
 entries are ``-inf`` as in the reference, and only visible entries stay selected.
 
-* ``radix_topk`` (calls of at least ``DEEPINFER_NVIDIA_RADIX_TOPK_MIN_ROWS`` query rows: prefill): one Triton program per row finds the
-  row's ``k``-th largest score key by an MSB-first radix select (8 passes of 4 bits, counting only the keys that
-  match the digits found so far), then one pass writes the selection: keys above it, and of the keys equal to it the
-  first ones in index order until ``k``. 9 reads of the row's scores and visibility, 1 byte written per score, no
-  temporaries.
-* ``wide_topk_index_counts`` (``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE=1``; off by default until timed on a GPU, when the
-  4-bit ``radix_topk_index_counts`` runs): the same select with wider digits, a ``tl.histogram`` a pass. Rows of at most
-  ``HELD_ROW`` (32,768) entries are read once into registers (up to 32 keys a thread at 32 warps) and selected there
-  in 4 passes of 8 bits, and written from there too up to ``HELD_WRITE_ROW`` (16,384; longer ones read again for the
-  write, from L2); longer rows take 3 passes over memory (digits of 12, 12 and 8 bits) and the writing pass, 4 reads
-  instead of 9. The mask forms the same way (``wide_topk``, ``wide_topk_index`` for ``indexer_topk`` and
-  ``indexer_topk_index`` with the switch on; ``radix_topk``, ``radix_topk_index`` without it), invisible
-  entries as the ``-inf`` key; each held pass leaves the ``-inf`` keys out of its histogram and counts them apart.
-* ``keyed_topk`` (fewer rows, decode; ``DEEPINFER_NVIDIA_RADIX_TOPK=0``): one Triton pass writes 64-bit keys (score key
-  << 32 | ``E - 1 - index``), all distinct per row, and ``torch.topk`` on them picks exactly the entries the stable
-  sort puts first; 8 bytes per score.
+Which form a call takes (``_radix_form``; timed on an H200 by ``bench_indexer_topk.py``, 2026-12-03):
+
+* ``wide_topk`` / ``wide_topk_index`` / ``wide_topk_index_counts`` (``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE``, the
+  default), rows of at most ``HELD_ROW`` (32,768) entries at any row count: one Triton program per row reads the row
+  once into registers (up to 32 keys a thread at 32 warps), finds its ``k``-th largest key by an MSB-first radix
+  select there (4 passes of 8-bit digits, a ``tl.histogram`` each, counting only the keys that match the digits found
+  so far), and writes the selection (keys above it, then the keys equal to it in index order until ``k``) from
+  registers up to ``HELD_WRITE_ROW`` (16,384; longer rows read again for the write, from L2). Invisible entries are
+  the ``-inf`` key, left out of each histogram and counted apart. Its passes over memory for longer rows (3 passes
+  of 12, 12 and 8 bits and the write, ``held_row=0``) stay for the benchmark: keys + ``torch.topk`` beat them.
+* ``keyed_topk`` (rows over ``HELD_ROW`` entries, e.g. 1M-context slices; ``DEEPINFER_NVIDIA_RADIX_TOPK=0``): one
+  Triton pass writes 64-bit keys (score key << 32 | ``E - 1 - index``), all distinct per row, and ``torch.topk`` on
+  them picks exactly the entries the stable sort puts first; 8 bytes per score.
+* ``radix_topk`` / ``radix_topk_index`` / ``radix_topk_index_counts`` (``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE=0``, calls
+  of at least ``DEEPINFER_NVIDIA_RADIX_TOPK_MIN_ROWS`` rows): the same select in 8 passes of 4-bit digits over
+  memory and the write, 9 reads of the row, no temporaries; slower than the wide form at every shape timed.
 
 The caller (``Indexer.select``) bounds how many scores one call sees.
 """
@@ -534,6 +534,39 @@ def wide_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: int, h
     return out
 
 
+SPLIT_CHUNK = 4096  # entries of a row a first-stage program of the split select holds (8 warps)
+SPLIT_MAX_ROWS = 64  # calls of fewer query rows (decode steps) take the split select: more programs than rows
+
+
+def split_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: int,
+                            chunk: int = SPLIT_CHUNK) -> torch.Tensor:
+    """``wide_topk_index_counts`` (same bits) in two stages, for calls of few rows (one program a row would leave
+    most SMs idle) or rows longer than ``HELD_ROW``: each row of ``scores [R, E]`` is cut into chunks of ``chunk``
+    entries (at least ``2 k``), each chunk's top-``k`` selected by a program of its own (held on chip); then each
+    row's top-``k`` among its chunks' candidates (at most ``C k``, held). An entry among a row's top ``k`` is among
+    its chunk's, and the candidates keep entry order (chunk by chunk, ascending within one), so the second stage's
+    tie rule (lower place first) is the reference's (lower entry first) and its ascending places are ascending
+    entries. Returns ``[R, k]`` int32, ascending, then -1; ``C k`` must be at most ``HELD_ROW``."""
+    scores = scores.float()
+    counts = counts.to(torch.int32)
+    R, E = scores.shape
+    chunk = max(chunk, triton.next_power_of_2(2 * k))
+    C = triton.cdiv(E, chunk)
+    if C * k > HELD_ROW:
+        raise ValueError(f"split_topk_index_counts: {C} chunks of {chunk} entries give {C * k} candidates a row, "
+                         f"more than HELD_ROW ({HELD_ROW})")
+    chunked = torch.nn.functional.pad(scores, (0, C * chunk - E)).view(R * C, chunk)  # [R * C, chunk]
+    starts = torch.arange(0, C * chunk, chunk, device=scores.device, dtype=torch.int32)  # [C]
+    chunk_counts = (counts[:, None] - starts).clamp(0, chunk).view(-1)  # [R * C]: each chunk sees a prefix
+    local = wide_topk_index_counts(chunked, chunk_counts, k)  # [R * C, k]: ascending, then -1
+    found = local >= 0
+    candidates = torch.where(found, local + starts.repeat(R)[:, None], -1).view(R, C * k)  # [R, C k] entries
+    candidate_scores = chunked.gather(1, local.clamp(min=0).long()).view(R, C * k)  # [R, C k]
+    places = wide_topk_index(candidate_scores, found.view(R, C * k), k)  # [R, k]: ascending, then -1
+    picked = candidates.gather(1, places.clamp(min=0).long())  # [R, k]
+    return torch.where(places >= 0, picked, -1)
+
+
 def order_keys_counts(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """``order_keys`` where row ``r`` of ``scores [R, E]`` sees its first ``counts [R]`` entries: the Triton kernel on
     CUDA (and under ``TRITON_INTERPRET=1``), else ``order_keys_torch`` of the mask they stand for."""
@@ -637,15 +670,25 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _radix_form(rows_scores: torch.Tensor, wide, four_bit):
-    """The radix kernel an op call over ``rows_scores [R, E]`` takes: ``wide`` with
-    ``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE``, else ``four_bit``; None (keys and ``torch.topk``) off Triton, below
-    ``RADIX_MIN_ROWS`` rows or with ``DEEPINFER_NVIDIA_RADIX_TOPK=0``."""
+def _radix_form(rows_scores: torch.Tensor, k: int, wide, four_bit, split=None):
+    """The radix kernel an op call over ``rows_scores [R, E]`` takes; None (keys and ``torch.topk``) off Triton or
+    with ``DEEPINFER_NVIDIA_RADIX_TOPK=0``. With ``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE`` (the default): ``split`` (the
+    counted op's two-stage form, where given) for calls of fewer than ``SPLIT_MAX_ROWS`` rows of more than one chunk
+    and for rows over ``HELD_ROW`` entries, as far as its candidates fit; else ``wide`` for rows of at most
+    ``HELD_ROW`` entries at any row count; longer rows keys and ``torch.topk`` (faster than the passes over memory of
+    either radix form). Without it: ``four_bit`` from ``RADIX_MIN_ROWS`` rows."""
     on_triton = rows_scores.device.type == "cuda" or _interpreted()
-    min_rows = envs.DEEPINFER_NVIDIA_RADIX_TOPK_MIN_ROWS if RADIX_MIN_ROWS is None else RADIX_MIN_ROWS
-    if not (on_triton and rows_scores.shape[0] >= min_rows and envs.DEEPINFER_NVIDIA_RADIX_TOPK):
+    if not (on_triton and envs.DEEPINFER_NVIDIA_RADIX_TOPK):
         return None
-    return wide if envs.DEEPINFER_NVIDIA_RADIX_TOPK_WIDE else four_bit
+    R, E = rows_scores.shape
+    if envs.DEEPINFER_NVIDIA_RADIX_TOPK_WIDE:
+        chunk = max(SPLIT_CHUNK, triton.next_power_of_2(2 * k))
+        splits = split is not None and chunk < E and triton.cdiv(E, chunk) * k <= HELD_ROW
+        if splits and (R < SPLIT_MAX_ROWS or E > HELD_ROW):
+            return split
+        return wide if E <= HELD_ROW else None
+    min_rows = envs.DEEPINFER_NVIDIA_RADIX_TOPK_MIN_ROWS if RADIX_MIN_ROWS is None else RADIX_MIN_ROWS
+    return four_bit if R >= min_rows else None
 
 
 def _topk_fake(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
@@ -660,7 +703,7 @@ def indexer_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.T
     if E <= k or visible.numel() == 0:  # every entry fits the budget: the visible ones
         return visible.clone()
     rows_scores, rows_visible = scores.reshape(-1, E), visible.reshape(-1, E)  # [R, E] each
-    form = _radix_form(rows_scores, wide_topk, radix_topk)
+    form = _radix_form(rows_scores, k, wide_topk, radix_topk)
     if form is not None:
         return form(rows_scores, rows_visible, k).view(visible.shape)
     return keyed_topk(rows_scores, rows_visible, k).view(visible.shape)
@@ -679,7 +722,7 @@ def indexer_topk_index(scores: torch.Tensor, visible: torch.Tensor, k: int) -> t
     if E <= k or visible.numel() == 0:  # every entry fits the budget: the visible ones
         return ref.visible_index(visible, k)
     rows_scores, rows_visible = scores.reshape(-1, E), visible.reshape(-1, E)  # [R, E] each
-    form = _radix_form(rows_scores, wide_topk_index, radix_topk_index)
+    form = _radix_form(rows_scores, k, wide_topk_index, radix_topk_index)
     if form is not None:
         return form(rows_scores, rows_visible, k).view(*visible.shape[:-1], k)
     return keyed_topk_index(rows_scores, rows_visible, k).view(*visible.shape[:-1], k)
@@ -699,7 +742,8 @@ def indexer_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: int
         places = torch.arange(k, device=counts.device)  # [k]
         return torch.where(places < counts.clamp(max=E)[..., None], places, -1).to(torch.int32)
     rows_scores, rows_counts = scores.reshape(-1, E), counts.reshape(-1)  # [R, E], [R]
-    form = _radix_form(rows_scores, wide_topk_index_counts, radix_topk_index_counts)
+    form = _radix_form(rows_scores, k, wide_topk_index_counts, radix_topk_index_counts,
+                       split_topk_index_counts)
     if form is not None:
         return form(rows_scores, rows_counts, k).view(*counts.shape, k)
     return keyed_topk_index_counts(rows_scores, rows_counts, k).view(*counts.shape, k)

@@ -27,7 +27,8 @@ block and row ``[S, E]``, as ``gather_keys`` reads them), and:
 
 ``covered`` inputs (a GPU, 16-bit or fp32, head count a multiple of ``BLOCK_H``, a power-of-two head width of at
 least 16) take the kernels; others the reference ops. ``DEEPINFER_NVIDIA_SPARSE_ATTN_HEADS`` sets the heads a
-program (16 by default; ``bench_sparse_attention.py`` times 16, 32 and 64).
+program (by default 64 for prefill calls, 16 for decode rows: ``head_block``; ``bench_sparse_attention.py`` times
+16, 32 and 64).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 from deepinfer_nvidia_sm100.kernels.decode_attention import _combine_kernel
 
 BLOCK_H = 16  # heads per program: one mma row tile
+PREFILL_BLOCK_H = 64  # heads per program for calls of at least one query row per SM (``head_block``)
 BLOCK_N = 64  # listed keys per loop iteration (``tile``: 32 at 64 heads a program)
 SHARED_BYTES = 232_448  # shared memory a program may use on an H200 (and a B200)
 BLOCKS_PER_SPLIT = 2  # key blocks a split takes at least
@@ -184,17 +186,23 @@ def sparse_sink_attention(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor
     if not (q.is_cuda and covered(q, kv, store)) or index.shape[-1] == 0:
         return ref.sparse_sink_attention(q, kv, index, sinks, scale, store, entry_blocks, entry_rows)
     S, Lq, H, _ = q.shape
-    block_h = head_block(H)
-    splits = num_splits(S * Lq, H, index.shape[-1], _sm_count(q.device.index or 0), block_h)
+    sms = _sm_count(q.device.index or 0)
+    block_h = head_block(H, S * Lq, sms)
+    splits = num_splits(S * Lq, H, index.shape[-1], sms, block_h)
     return sparse_attention(q, kv, index, sinks, float(scale), splits, block_h, store, entry_blocks, entry_rows)
 
 
-def head_block(heads: int) -> int:
+def head_block(heads: int, rows: int = 0, sms: int = 1) -> int:
     """Heads a program: ``DEEPINFER_NVIDIA_SPARSE_ATTN_HEADS`` (16, 32 or 64) where it divides ``heads``, else
-    ``BLOCK_H``."""
+    ``BLOCK_H``; 0 (the default): ``PREFILL_BLOCK_H`` for a call of at least ``sms`` query ``rows`` (each listed key
+    then loaded once for all its heads, the rows filling the SMs), ``BLOCK_H`` for fewer (decode rows, whose keys are
+    split across programs instead)."""
     wanted = envs.DEEPINFER_NVIDIA_SPARSE_ATTN_HEADS
-    if wanted not in (16, 32, 64):
-        raise EnvironmentVariableError(f"DEEPINFER_NVIDIA_SPARSE_ATTN_HEADS must be 16, 32 or 64, got {wanted}")
+    if wanted not in (0, 16, 32, 64):
+        raise EnvironmentVariableError(f"DEEPINFER_NVIDIA_SPARSE_ATTN_HEADS must be 0 (by rows), 16, 32 or 64, got "
+                                       f"{wanted}")
+    if wanted == 0:
+        wanted = PREFILL_BLOCK_H if rows >= sms else BLOCK_H
     return wanted if heads % wanted == 0 else BLOCK_H
 
 
