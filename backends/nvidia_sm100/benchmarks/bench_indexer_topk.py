@@ -17,14 +17,14 @@ bits + the write; its passes over memory alone, ``held_row=0``; counted keys + `
 dispatches), each checked against the reference's indices first.
 
 Checks each form against the reference first (``torch.equal`` of the selections), then times them (CUDA events,
-median of repeats, after warmup). Floor = bytes of scores, visibility and selection (4 + 1 + 1 per score) / 4.25 TB/s (the
+median of repeats, after warmup; the second table's decode rows replayed from CUDA graphs). Floor = bytes of scores, visibility and selection (4 + 1 + 1 per score) / 4.25 TB/s (the
 H200's ceiling, docs/performance.md): one read of the inputs and one write of the mask.
 """
 
 from __future__ import annotations
 
 import torch
-from cuda_timing import cuda_time
+from cuda_timing import cuda_time, graphed
 
 from deepinfer_core.ops import reference as ref
 
@@ -51,6 +51,14 @@ def case(S: int, Lq: int, E: int) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     visible = torch.arange(E, device="cuda")[None, None, :] < limit[None, :, None]  # [1, Lq, E]
     counts = limit.to(torch.int32)[None, :].expand(S, -1).contiguous()  # [S, Lq]
     return scores, visible.expand(S, -1, -1).contiguous(), counts
+
+
+def timed(fn, query_rows: int) -> float:
+    """Median seconds per call of ``fn``: decode rows (one query row a sequence) replayed from a CUDA graph, as the
+    engine runs a decode step (eager, a form of several launches would time its launches); others eagerly."""
+    if query_rows == 1:
+        fn = graphed(fn)
+    return cuda_time(fn, reps=10)
 
 
 def main() -> None:
@@ -94,9 +102,8 @@ def main() -> None:
         t_wide = cuda_time(lambda a=flat: wide_topk(*a, K), reps=10)
         t_keyed = cuda_time(lambda a=flat: keyed_topk(*a, K), reps=10)
         rows.append((what, S, Lq, E, same, floor, t_ref, t_radix, t_wide, t_keyed))
-        times = [cuda_time(lambda a=flat: radix_topk_index(*a, K), reps=10)]
-        times += [cuda_time(lambda a=counted, f=form: f(*a, K), reps=10)
-                  for form in counted_forms]
+        times = [timed(lambda a=flat: radix_topk_index(*a, K), Lq)]
+        times += [timed(lambda a=counted, f=form: f(*a, K), Lq) for form in counted_forms]
         index_rows.append((what, S, Lq, E, same_index, times))
         del scores, visible, counts, flat, counted
         torch.cuda.empty_cache()

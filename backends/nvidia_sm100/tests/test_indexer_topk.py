@@ -146,13 +146,26 @@ def test_the_op_takes_the_radix_kernel_from_radix_min_rows(monkeypatch):
     assert taken == ["wide_topk", "wide_topk_index", "radix_topk", "radix_topk_index"]
 
 
+ROUTES = [  # (SPLIT_CHUNK, HELD_ROW, HELD_WRITE_ROW, SPLIT_MAX_ROWS) -> the counted op's form, the mask op's form
+    ((None, None, None, None), ("wide_topk_index_counts", "wide_topk_index")),  # one chunk: held on chip
+    ((256, None, None, None), ("split_topk_index_counts", "wide_topk_index")),  # a decode row of 3 chunks
+    ((256, None, None, 1), ("wide_topk_index_counts", "wide_topk_index")),  # as many rows as a prefill call
+    ((256, None, 512, 1), ("split_topk_index_counts", "wide_topk_index")),  # prefill rows the held kernel reads twice
+    ((256, 512, None, None), ("split_topk_index_counts", "keyed_topk_index")),  # rows longer than HELD_ROW
+]
+
+
 @kernel_runs_here
-def test_the_wide_forms_take_rows_by_count_and_length(monkeypatch):
-    """With ``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE`` (the default): a single query row (a decode step) of one chunk takes
-    the wide form; of more than one chunk (``SPLIT_CHUNK`` made small), the counted op the split form; rows longer
-    than ``HELD_ROW`` entries the split form (counted op) or keys + ``torch.topk`` (mask op); the same bits each
-    time."""
+@pytest.mark.parametrize(("sizes", "forms"), ROUTES)
+def test_the_wide_forms_take_rows_by_count_and_length(sizes, forms, monkeypatch):
+    """With ``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE`` (the default), a row of 600 entries (``ROUTES``, the sizes made
+    small): of one chunk, the wide form; the counted op's split form for calls of fewer than ``SPLIT_MAX_ROWS`` rows
+    and for rows over ``HELD_WRITE_ROW``; rows over ``HELD_ROW``: the split form (counted op) or keys +
+    ``torch.topk`` (mask op). The same bits each time."""
     monkeypatch.delenv("DEEPINFER_NVIDIA_RADIX_TOPK_WIDE", raising=False)
+    for name, size in zip(("SPLIT_CHUNK", "HELD_ROW", "HELD_WRITE_ROW", "SPLIT_MAX_ROWS"), sizes, strict=True):
+        if size is not None:
+            monkeypatch.setattr(indexer_topk, name, size)
     scores = long_case(1, 3, 600, 4, seed=6)[0][:, 2:]  # [1, 1, 600]: one row, ties, signed zeros, NaNs
     counts = torch.full((1, 1), 450, dtype=torch.int32, device=scores.device)  # the row sees its first 450 entries
     visible = torch.arange(600, device=scores.device) < counts[..., None]  # [1, 1, 600]
@@ -161,19 +174,11 @@ def test_the_wide_forms_take_rows_by_count_and_length(monkeypatch):
     for name in ("wide_topk_index", "wide_topk_index_counts", "split_topk_index_counts", "keyed_topk_index"):
         form = getattr(indexer_topk, name)
         monkeypatch.setattr(indexer_topk, name, lambda *a, n=name, f=form: taken.append(n) or f(*a))
-    for split_chunk, held_row in ((indexer_topk.SPLIT_CHUNK, indexer_topk.HELD_ROW), (256, indexer_topk.HELD_ROW),
-                                  (256, 512)):
-        monkeypatch.setattr(indexer_topk, "SPLIT_CHUNK", split_chunk)
-        monkeypatch.setattr(indexer_topk, "HELD_ROW", held_row)  # 512: rows of 600 entries count as long
-        taken.clear()
-        assert torch.equal(indexer_topk.indexer_topk_index_counts(scores, counts, 100).cpu(), want)
-        counted = taken[0]
-        taken.clear()
-        assert torch.equal(indexer_topk.indexer_topk_index(scores, visible, 100).cpu(), want)
-        assert (counted, taken[0]) == {indexer_topk.HELD_ROW: ("wide_topk_index_counts", "wide_topk_index"),
-                                       256: ("split_topk_index_counts", "wide_topk_index"),
-                                       512: ("split_topk_index_counts", "keyed_topk_index")}[
-            held_row if held_row == 512 else split_chunk if split_chunk == 256 else held_row], (split_chunk, held_row)
+    assert torch.equal(indexer_topk.indexer_topk_index_counts(scores, counts, 100).cpu(), want)
+    counted = taken[0]
+    taken.clear()
+    assert torch.equal(indexer_topk.indexer_topk_index(scores, visible, 100).cpu(), want)
+    assert (counted, taken[0]) == forms
 
 
 SPLIT_CASES = [  # (S, Lq, E, levels, k, chunk): chunks that cut ties, a last short chunk, rows of one chunk's count

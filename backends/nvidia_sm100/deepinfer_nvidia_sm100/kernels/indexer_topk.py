@@ -10,7 +10,7 @@ equal scores). Scores that compare equal as floats but differ in bits are made o
 and every NaN the positive quiet NaN (the sort puts NaN first, as the largest, and ties NaNs by index); invisible
 entries are ``-inf`` as in the reference, and only visible entries stay selected.
 
-Which form a call takes (``_radix_form``; timed on an H200 by ``bench_indexer_topk.py``, 2026-12-03):
+Which form a call takes (``_radix_form``, chosen from ``bench_indexer_topk.py``'s timings):
 
 * ``wide_topk`` / ``wide_topk_index`` / ``wide_topk_index_counts`` (``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE``, the
   default), rows of at most ``HELD_ROW`` (32,768) entries at any row count: one Triton program per row reads the row
@@ -20,7 +20,11 @@ Which form a call takes (``_radix_form``; timed on an H200 by ``bench_indexer_to
   registers up to ``HELD_WRITE_ROW`` (16,384; longer rows read again for the write, from L2). Invisible entries are
   the ``-inf`` key, left out of each histogram and counted apart. Its passes over memory for longer rows (3 passes
   of 12, 12 and 8 bits and the write, ``held_row=0``) stay for the benchmark: keys + ``torch.topk`` beat them.
-* ``keyed_topk`` (rows over ``HELD_ROW`` entries, e.g. 1M-context slices; ``DEEPINFER_NVIDIA_RADIX_TOPK=0``): one
+* ``split_topk_index_counts`` (the counted op, index mode's selection: calls of fewer than ``SPLIT_MAX_ROWS`` rows,
+  i.e. decode steps, and rows over ``HELD_WRITE_ROW`` entries, up to 64 chunks a row): each row cut into chunks of
+  ``SPLIT_CHUNK`` (4,096) entries, each chunk's top-k by the held form in a program of its own, then the row's top-k
+  among the candidates by the held mask form: a decode row takes many programs instead of one.
+* ``keyed_topk`` (the mask ops' rows over ``HELD_ROW`` entries; ``DEEPINFER_NVIDIA_RADIX_TOPK=0``): one
   Triton pass writes 64-bit keys (score key << 32 | ``E - 1 - index``), all distinct per row, and ``torch.topk`` on
   them picks exactly the entries the stable sort puts first; 8 bytes per score.
 * ``radix_topk`` / ``radix_topk_index`` / ``radix_topk_index_counts`` (``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE=0``, calls
@@ -674,8 +678,8 @@ def _radix_form(rows_scores: torch.Tensor, k: int, wide, four_bit, split=None):
     """The radix kernel an op call over ``rows_scores [R, E]`` takes; None (keys and ``torch.topk``) off Triton or
     with ``DEEPINFER_NVIDIA_RADIX_TOPK=0``. With ``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE`` (the default): ``split`` (the
     counted op's two-stage form, where given) for calls of fewer than ``SPLIT_MAX_ROWS`` rows of more than one chunk
-    and for rows over ``HELD_ROW`` entries, as far as its candidates fit; else ``wide`` for rows of at most
-    ``HELD_ROW`` entries at any row count; longer rows keys and ``torch.topk`` (faster than the passes over memory of
+    and for rows over ``HELD_WRITE_ROW`` entries (which the held kernel reads twice), as far as its candidates fit;
+    else ``wide`` for rows of at most ``HELD_ROW`` entries at any row count; longer rows keys and ``torch.topk`` (faster than the passes over memory of
     either radix form). Without it: ``four_bit`` from ``RADIX_MIN_ROWS`` rows."""
     on_triton = rows_scores.device.type == "cuda" or _interpreted()
     if not (on_triton and envs.DEEPINFER_NVIDIA_RADIX_TOPK):
@@ -684,7 +688,7 @@ def _radix_form(rows_scores: torch.Tensor, k: int, wide, four_bit, split=None):
     if envs.DEEPINFER_NVIDIA_RADIX_TOPK_WIDE:
         chunk = max(SPLIT_CHUNK, triton.next_power_of_2(2 * k))
         splits = split is not None and chunk < E and triton.cdiv(E, chunk) * k <= HELD_ROW
-        if splits and (R < SPLIT_MAX_ROWS or E > HELD_ROW):
+        if splits and (R < SPLIT_MAX_ROWS or E > HELD_WRITE_ROW):
             return split
         return wide if E <= HELD_ROW else None
     min_rows = envs.DEEPINFER_NVIDIA_RADIX_TOPK_MIN_ROWS if RADIX_MIN_ROWS is None else RADIX_MIN_ROWS
