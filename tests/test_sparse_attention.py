@@ -17,8 +17,8 @@ from deepinfer_core.ops.table import OpTable
 
 
 def test_sparse_mode_reads_the_variable():
-    assert sparse_mode({}) == "index"  # the default: read by index
-    assert [sparse_mode({"DEEPINFER_SPARSE_CSA_ATTENTION": v}) for v in ("", "0", "1", "true", "Gather")] == [
+    assert sparse_mode({}) == sparse_mode({"DEEPINFER_SPARSE_CSA_ATTENTION": ""}) == "index"  # the default
+    assert [sparse_mode({"DEEPINFER_SPARSE_CSA_ATTENTION": v}) for v in ("0", "false", "1", "true", "Gather")] == [
         "dense", "dense", "index", "index", "gather"]
     with pytest.raises(EnvironmentVariableError, match="0 \\(dense\\), 1 .* or gather"):
         sparse_mode({"DEEPINFER_SPARSE_CSA_ATTENTION": "fast"})
