@@ -197,9 +197,23 @@ def test_split_counted_form_selects_as_the_masked_reference(S, Lq, E, levels, k,
     want = ref.indexer_topk_index(scores.cpu(), mask, k)
     got = indexer_topk.split_topk_index_counts(scores.reshape(-1, E), counts.reshape(-1), k, chunk)
     assert got.dtype == torch.int32 and torch.equal(got.cpu().view(S, Lq, k), want)
-    monkeypatch.setattr(indexer_topk, "HELD_ROW", k)  # the second stage could not hold the candidates
-    with pytest.raises(ValueError, match="more than HELD_ROW"):
+    monkeypatch.setattr(indexer_topk, "SPLIT_CANDIDATES", k)  # the candidates could not be held for the write
+    with pytest.raises(ValueError, match="do not split"):
         indexer_topk.split_topk_index_counts(scores.reshape(-1, E), counts.reshape(-1), k, chunk)
+
+
+@kernel_runs_here
+def test_split_counted_form_takes_visible_infinities_in_entry_order():
+    """Rows with fewer finite visible scores than ``k`` across several chunks: the split select takes every finite
+    one, then the visible ``-inf`` entries of lowest index (the reference's stable order), never an invisible one."""
+    gen = torch.Generator().manual_seed(12)
+    scores = torch.full((3, 3000), float("-inf"))
+    for r, finite in enumerate((40, 99, 300)):
+        scores[r, torch.randperm(2000, generator=gen)[:finite]] = torch.randn(finite, generator=gen)
+    counts = torch.tensor([2500, 1800, 90], dtype=torch.int32)  # the last row sees fewer entries than k
+    want = ref.indexer_topk_index(scores[:, None], (torch.arange(3000) < counts[:, None])[:, None], 100)[:, 0]
+    got = indexer_topk.split_topk_index_counts(scores.to(DEVICE), counts.to(DEVICE), 100, chunk=256)
+    assert torch.equal(got.cpu(), want)
 
 
 def counted_case(S: int, Lq: int, E: int, levels: int, k: int, seed: int, device: str = DEVICE):
@@ -540,3 +554,24 @@ def test_wide_mask_kernels_compile_without_spills(capability, tmp_path):
         compiled = _compile(getattr(indexer_topk, name), signature, constexprs, capability, warps)
         registers, spills = _ptxas_usage(compiled.asm["ptx"], capability, tmp_path)
         assert spills == 0 and registers <= min(255, 65536 // (32 * warps)), (name, constexprs, registers, spills)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="ahead-of-time compiles need the real Triton compiler, not the interpreter")
+@pytest.mark.parametrize("capability", [90, 100])
+def test_split_kernels_compile_without_spills(capability, tmp_path):
+    """The split select's two kernels as ``split_topk_index_counts`` launches them for top-512 over an 8K prompt's
+    entries, a 128K decode row's (9 chunks), a 512K one's and a 1M one's (16 chunks of 16,384, 8,192 candidates):
+    no register spills within the register file's share of each program's warps."""
+    first = {"scores_ptr": "*fp32", "counts_ptr": "*i32", "cand_ptr": "*i32", "entry_ptr": "*i32", "E": "i32",
+             "k": "i32", "CK": "i32"}
+    second = {"cand_ptr": "*i32", "entry_ptr": "*i32", "counts_ptr": "*i32", "out_ptr": "*i32", "E": "i32",
+              "k": "i32", "CK": "i32"}
+    for E in (2048, 32800, 131072, 262144):
+        _, chunk_meta, merge_meta = indexer_topk.split_launch(E, 512)
+        for kernel, signature, meta in ((indexer_topk._split_chunk_kernel, first, chunk_meta),
+                                        (indexer_topk._split_merge_kernel, second, merge_meta)):
+            meta = dict(meta)
+            warps = meta.pop("num_warps")
+            compiled = _compile(kernel, signature, meta, capability, warps)
+            registers, spills = _ptxas_usage(compiled.asm["ptx"], capability, tmp_path)
+            assert spills == 0 and registers <= min(255, 65536 // (32 * warps)), (E, meta, registers, spills)

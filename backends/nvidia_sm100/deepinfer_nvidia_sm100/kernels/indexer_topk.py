@@ -375,13 +375,19 @@ def _held_choice(keys, inside, prefix, need):
 
 
 @triton.jit
-def _held_write_index(above, taken, before, need, out_ptr, row, k, BLOCK: tl.constexpr):
-    """``_held_choice``'s selection written as the row's indices ``[k]`` int32 (ascending, then -1), each chosen
-    entry's place from the packed scan: keys above before it and ties taken up to it."""
-    offs = tl.arange(0, above.shape[0])  # [ROW]
+def _held_write_index(above, taken, before, need, out_ptr, row, k, BLOCK: tl.constexpr, entries):
+    """``_held_choice``'s selection written as the row's indices ``[k]`` int32 (ascending, then -1): the chosen
+    places' ``entries [ROW]`` (the places themselves, or the entries they stand for), each at its place in the list
+    from the packed scan (keys above before it and ties taken up to it)."""
     chosen = above | taken
-    tl.store(out_ptr + row * k + (before & 0xFFFF) + tl.minimum(before >> 16, need) - 1, offs, mask=chosen)
+    tl.store(out_ptr + row * k + _held_places(before, need), entries, mask=chosen)
     _fill_index(out_ptr, row, k, tl.sum(chosen.to(tl.int32), axis=0), BLOCK)
+
+
+@triton.jit
+def _held_places(before, need):
+    """Each chosen key's place in the selection list from ``_held_choice``'s packed scan ``before``."""
+    return (before & 0xFFFF) + tl.minimum(before >> 16, need) - 1
 
 
 @triton.jit
@@ -402,12 +408,61 @@ def _radix_topk_counts_held_kernel(scores_ptr, counts_ptr, out_ptr, E, k, ROW: t
         if n > k:
             prefix, need = _radix_select_held(keys, n, k, WIDE)
         above, taken, before = _held_choice(keys, inside, prefix, need)
-        _held_write_index(above, taken, before, need, out_ptr, row, k, BLOCK)
+        _held_write_index(above, taken, before, need, out_ptr, row, k, BLOCK, offs)
     else:
         if n > k:
             keys, _ = _radix_keys(scores_ptr, scores_ptr, row * E + offs, offs < n, True)  # [ROW] uint32
             prefix, need = _radix_select_held(keys, n, k, WIDE)
         _write_index(scores_ptr, scores_ptr, row * E, n, k, prefix, need, out_ptr, row, BLOCK, True)
+
+
+@triton.jit
+def _split_chunk_kernel(scores_ptr, counts_ptr, cand_ptr, entry_ptr, E, k, CK, CHUNK: tl.constexpr,
+                        WIDE: tl.constexpr):
+    """Program (query row, chunk ``c``) of the split select's first stage: the row's entries ``[c CHUNK, (c + 1)
+    CHUNK)`` within its visible prefix, held on chip, and their top ``k`` (all of them where at most ``k`` are
+    visible), written as candidates at places ``c k + j`` of the row's ``CK = C k``: their order keys (int32 bits)
+    to ``cand_ptr`` and entry indices to ``entry_ptr``, ascending. A full chunk writes ``k``, the last visible one
+    ``min(n, k)``, later ones none, so the row's written candidates are a prefix of its ``CK`` places."""
+    row = tl.program_id(0).to(tl.int64)
+    start = tl.program_id(1) * CHUNK
+    n = tl.minimum(tl.maximum(tl.load(counts_ptr + row).to(tl.int32), 0), E)
+    n = tl.minimum(tl.maximum(n - start, 0), CHUNK)
+    offs = tl.arange(0, CHUNK)  # [CHUNK]
+    inside = offs < n
+    keys, _ = _radix_keys(scores_ptr, scores_ptr, row * E + start + offs, inside, True)  # [CHUNK] uint32
+    prefix = tl.full((), 0, tl.uint32)  # n <= k: every visible entry
+    need = tl.full((), 0, tl.int32)
+    if n > k:
+        prefix, need = _radix_select_held(keys, n, k, WIDE)
+    above, taken, before = _held_choice(keys, inside, prefix, need)
+    place = row * CK + tl.program_id(1) * k + _held_places(before, need)  # [CHUNK]
+    tl.store(cand_ptr + place, keys.to(tl.int32, bitcast=True), mask=above | taken)
+    tl.store(entry_ptr + place, start + offs, mask=above | taken)
+
+
+@triton.jit
+def _split_merge_kernel(cand_ptr, entry_ptr, counts_ptr, out_ptr, E, k, CK, CHUNK: tl.constexpr, ROW: tl.constexpr,
+                        BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    """Program (query row) of the split select's second stage: the row's ``m`` candidates (``k`` a full visible
+    chunk, ``min(n, k)`` the last; a prefix of its ``CK`` places, in entry order) held on chip, their top ``k``
+    selected as ``_radix_topk_counts_held_kernel`` selects (ties: lower place, so lower entry, first), written as
+    the entries' indices ``[k]`` int32, ascending, then -1."""
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.minimum(tl.maximum(tl.load(counts_ptr + row).to(tl.int32), 0), E)
+    full = n // CHUNK
+    m = full * k + tl.minimum(n - full * CHUNK, k)
+    offs = tl.arange(0, ROW)  # [ROW]
+    inside = offs < m
+    keys = tl.load(cand_ptr + row * CK + offs, mask=inside, other=0).to(tl.uint32, bitcast=True)
+    keys = tl.where(inside, keys, tl.full([ROW], _NEG_INF_KEY, tl.uint32))  # [ROW]: past them, the least key
+    prefix = tl.full((), 0, tl.uint32)
+    need = tl.full((), 0, tl.int32)
+    if m > k:
+        prefix, need = _radix_select_held(keys, m, k, WIDE)
+    above, taken, before = _held_choice(keys, inside, prefix, need)
+    entries = tl.load(entry_ptr + row * CK + offs, mask=above | taken, other=-1)  # [ROW]: the chosen ones' only
+    _held_write_index(above, taken, before, need, out_ptr, row, k, BLOCK, entries)
 
 
 @triton.jit
@@ -452,7 +507,7 @@ def _radix_topk_held_kernel(scores_ptr, visible_ptr, out_ptr, E, k, ROW: tl.cons
             _write_index(scores_ptr, visible_ptr, base, E, k, prefix, need, out_ptr, row, BLOCK, False)
         else:
             above, taken, before = _held_choice(keys, inside, prefix, need)
-            _held_write_index(above, taken, before, need, out_ptr, row, k, BLOCK)
+            _held_write_index(above, taken, before, need, out_ptr, row, k, BLOCK, offs)
     elif INDEX:
         _write_index(scores_ptr, visible_ptr, base, E, k, prefix, need, out_ptr, row, BLOCK, False)
     else:
@@ -538,37 +593,52 @@ def wide_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: int, h
     return out
 
 
-SPLIT_CHUNK = 4096  # entries of a row a first-stage program of the split select holds (8 warps)
+SPLIT_CHUNK = 4096  # entries of a row a first-stage program of the split select holds (8 warps), at least
 SPLIT_MAX_ROWS = 64  # calls of fewer query rows (decode steps) take the split select: more programs than rows
+SPLIT_CANDIDATES = 8192  # most candidates a row's second stage holds with their entries (no spills at 16 warps)
+
+
+def split_chunk(E: int, k: int) -> int | None:
+    """The chunk a row of ``E`` entries splits into for a top-``k``: ``SPLIT_CHUNK``, or larger (a power of two) so
+    that a chunk holds more than ``k`` and the ``C k`` candidates of ``C`` chunks stay within
+    ``SPLIT_CANDIDATES``; None where no chunk of at most ``HELD_WRITE_ROW`` entries does."""
+    chunk = max(SPLIT_CHUNK, triton.next_power_of_2(2 * k), triton.next_power_of_2(triton.cdiv(E * k, SPLIT_CANDIDATES)))
+    return chunk if chunk <= HELD_WRITE_ROW and triton.cdiv(E, chunk) * k <= SPLIT_CANDIDATES else None
 
 
 def split_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: int,
-                            chunk: int = SPLIT_CHUNK) -> torch.Tensor:
+                            chunk: int | None = None) -> torch.Tensor:
     """``wide_topk_index_counts`` (same bits) in two stages, for calls of few rows (one program a row would leave
-    most SMs idle) or rows longer than ``HELD_ROW``: each row of ``scores [R, E]`` is cut into chunks of ``chunk``
-    entries (at least ``2 k``), each chunk's top-``k`` selected by a program of its own (held on chip); then each
-    row's top-``k`` among its chunks' candidates (at most ``C k``, held). An entry among a row's top ``k`` is among
-    its chunk's, and the candidates keep entry order (chunk by chunk, ascending within one), so the second stage's
-    tie rule (lower place first) is the reference's (lower entry first) and its ascending places are ascending
-    entries. Returns ``[R, k]`` int32, ascending, then -1; ``C k`` must be at most ``HELD_ROW``."""
-    scores = scores.float()
-    counts = counts.to(torch.int32)
+    most SMs idle) or long rows: each row of ``scores [R, E]`` (row ``r`` sees its first ``counts[r]`` entries) cut
+    into chunks (``split_chunk``, or ``chunk``), each chunk's top ``k`` selected on chip by a program of its own
+    (``_split_chunk_kernel``); then each row's top ``k`` among its chunks' candidates (``_split_merge_kernel``). An
+    entry among a row's top ``k`` is among its chunk's, and the candidates keep entry order, so the second stage's
+    tie rule (lower place first) is the reference's (lower entry first). Returns ``[R, k]`` int32, ascending, then
+    -1."""
+    scores = scores.float().contiguous()
+    counts = counts.to(torch.int32).contiguous()
     R, E = scores.shape
-    chunk = max(chunk, triton.next_power_of_2(2 * k))
-    C = triton.cdiv(E, chunk)
-    if C * k > HELD_ROW:
-        raise ValueError(f"split_topk_index_counts: {C} chunks of {chunk} entries give {C * k} candidates a row, "
-                         f"more than HELD_ROW ({HELD_ROW})")
-    chunked = torch.nn.functional.pad(scores, (0, C * chunk - E)).view(R * C, chunk)  # [R * C, chunk]
-    starts = torch.arange(0, C * chunk, chunk, device=scores.device, dtype=torch.int32)  # [C]
-    chunk_counts = (counts[:, None] - starts).clamp(0, chunk).view(-1)  # [R * C]: each chunk sees a prefix
-    local = wide_topk_index_counts(chunked, chunk_counts, k)  # [R * C, k]: ascending, then -1
-    found = local >= 0
-    candidates = torch.where(found, local + starts.repeat(R)[:, None], -1).view(R, C * k)  # [R, C k] entries
-    candidate_scores = chunked.gather(1, local.clamp(min=0).long()).view(R, C * k)  # [R, C k]
-    places = wide_topk_index(candidate_scores, found.view(R, C * k), k)  # [R, k]: ascending, then -1
-    picked = candidates.gather(1, places.clamp(min=0).long())  # [R, k]
-    return torch.where(places >= 0, picked, -1)
+    C, first, second = split_launch(E, k, chunk)
+    cand = torch.empty(R, C * k, dtype=torch.int32, device=scores.device)  # [R, C k]: order keys
+    entries = torch.empty_like(cand)  # [R, C k]: entry indices
+    out = torch.empty(R, k, dtype=torch.int32, device=scores.device)
+    _split_chunk_kernel[(R, C)](scores, counts, cand, entries, E, k, C * k, **first)
+    _split_merge_kernel[(R,)](cand, entries, counts, out, E, k, C * k, **second)
+    return out
+
+
+def split_launch(E: int, k: int, chunk: int | None = None) -> tuple[int, dict, dict]:
+    """The split select's chunks a row of ``E`` entries (``split_chunk``, or ``chunk`` of at least ``2 k``) and the
+    meta-parameters of its two kernels: 4 to 32 warps as the held kernels take them (``held_launch``)."""
+    chunk = split_chunk(E, k) if chunk is None else max(chunk, triton.next_power_of_2(2 * k))
+    C = triton.cdiv(E, chunk) if chunk is not None else 0
+    if chunk is None or chunk > HELD_WRITE_ROW or C * k > SPLIT_CANDIDATES:
+        raise ValueError(f"split_topk_index_counts: rows of {E} entries do not split for a top-{k} into chunks of at "
+                         f"most {HELD_WRITE_ROW} entries and at most {SPLIT_CANDIDATES} candidates")
+    row = max(triton.next_power_of_2(C * k), 1024)
+    first = {"CHUNK": chunk, "WIDE": HELD_DIGIT, "num_warps": min(32, max(4, chunk // 512))}
+    second = {"CHUNK": chunk, "ROW": row, "BLOCK": 1024, "WIDE": HELD_DIGIT, "num_warps": min(32, max(4, row // 512))}
+    return C, first, second
 
 
 def order_keys_counts(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -686,8 +756,8 @@ def _radix_form(rows_scores: torch.Tensor, k: int, wide, four_bit, split=None):
         return None
     R, E = rows_scores.shape
     if envs.DEEPINFER_NVIDIA_RADIX_TOPK_WIDE:
-        chunk = max(SPLIT_CHUNK, triton.next_power_of_2(2 * k))
-        splits = split is not None and chunk < E and triton.cdiv(E, chunk) * k <= HELD_ROW
+        chunk = split_chunk(E, k)
+        splits = split is not None and chunk is not None and chunk < E
         if splits and (R < SPLIT_MAX_ROWS or E > HELD_WRITE_ROW):
             return split
         return wide if E <= HELD_ROW else None
