@@ -644,6 +644,9 @@ def test_gather_keys_reads_ring_step_rows_then_entries():
                         torch.stack([ring[0, 1], new_kv[1], ring[0, 0], store[1, 0].float()])])
     assert got.dtype == torch.float32 and torch.equal(got, want)
     assert torch.equal(ref.gather_keys(ring, slots, index, new_kv, new_rows, from_new), want[:, :3])
+    no_window = blocks[:, :0]  # [S, 0]: the entries alone, as StepLayout.gather_entries asks
+    got = ref.gather_keys(store, no_window, no_window, store[0], no_window, no_window.bool(), store, blocks, rows)
+    assert got.dtype == store.dtype and torch.equal(got, store[blocks, rows])
 
 
 # ============================================================================ linear / head / embed

@@ -310,6 +310,20 @@ def test_gather_keys_matches_reference(seqs, window, entries, dim, dtype):
 
 
 @kernel_runs_here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_keys_with_an_empty_window_reads_the_entries(dtype):
+    """``StepLayout.gather_entries``'s call (the indexer's keys): index tensors ``[S, 0]`` for the window, the store
+    standing in for the ring and step rows (never read): the store's rows at the entries' places, bit for bit."""
+    gen = torch.Generator(device=DEVICE).manual_seed(9)
+    store = torch.randn(7, 4, 128, device=DEVICE, generator=gen).to(dtype)  # [blocks, rows, di]
+    blocks = torch.randint(0, 7, (3, 21), device=DEVICE, generator=gen)  # [S, E]
+    rows = torch.randint(0, 4, (3, 21), device=DEVICE, generator=gen)
+    no_window = blocks[:, :0]  # [S, 0]
+    got = keys.gather_keys(store, no_window, no_window, store[0], no_window, no_window.bool(), store, blocks, rows)
+    assert torch.equal(got, store[blocks, rows])
+
+
+@kernel_runs_here
 @pytest.mark.parametrize("rows, lk, block_n, density", [(3, 200, 64, 0.1), (2, 64 * 70 + 5, 64, 0.02),
                                                         (4, 33, 16, 0.0), (0, 64, 64, 0.5), (5, 100, 16, 1.0)])
 def test_visible_blocks_kernel_matches_torch(rows, lk, block_n, density):

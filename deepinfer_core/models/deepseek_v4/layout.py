@@ -350,10 +350,14 @@ class StepLayout:
             self._tables = self._tensor([list(t) + [0] * (longest - len(t)) for t in tables])
         return self._tables
 
-    def gather_entries(self, store: torch.Tensor, ratio: int) -> torch.Tensor:
-        """Entries ``[S, E, d]`` from a paged store ``[num_blocks, rows_per_block, d]``."""
-        layout = self.entries(ratio)
-        return store[layout.blocks, layout.rows]
+    def gather_entries(self, ops, store: torch.Tensor, ratio: int) -> torch.Tensor:
+        """Entries ``[S, E, d]`` from a paged store ``[num_blocks, rows_per_block, d]`` of compression ``ratio``:
+        ``ops.gather_keys`` with an empty window (its index tensors ``[S, 0]``; the ring and step rows are never
+        read)."""
+        entries = self.entries(ratio)
+        no_window = entries.blocks[:, :0]  # [S, 0]
+        return ops.gather_keys(store, no_window, no_window, store[0], no_window, no_window.bool(), store,
+                               entries.blocks, entries.rows)
 
     # ------------------------------------------------------------------ compressor windows
     def windows(self, ratio: int, span: int) -> WindowPlan:

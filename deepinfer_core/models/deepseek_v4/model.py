@@ -322,7 +322,7 @@ class Indexer:
             return entries.visible  # [S, Lq, E]
         visible = entries.counts if as_index else entries.visible  # [S, Lq] or [S, Lq, E]
         folding.join()
-        keys = layout.gather_entries(keys_store, ratio)  # [S, E, di]
+        keys = layout.gather_entries(ops, keys_store, ratio)  # [S, E, di]
         q = linear(ops, q_residual, self.wq_b).view(-1, self.heads, self.dim)  # [T, Hi, di]
         q = ops.apply_rope_(q, *query_rope)
         head_weights = inputs["index_weights"].float() * self.heads**-0.5  # [T, Hi]
