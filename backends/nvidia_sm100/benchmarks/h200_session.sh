@@ -8,7 +8,10 @@
 #   tests    every test file of the backend (backends/nvidia_sm100/tests), then the batch-invariant plugin's GPU
 #            tests (plugins/batch_invariant/tests/test_cuda.py), file by file (TESTS: other files)
 #   bench    `deepinfer bench` on the v4-flash-8l64e preset, 1,024 prompt and 128 output tokens per request, rows
-#            b1 b16 b64 b256 (ROWS; bN = N requests at batch N), each the median of ITERS timed runs (default 3)
+#            b1 b16 b64 b256 (ROWS; bN = N requests at batch N), each the median of ITERS timed runs (default 3);
+#            long-context rows (issue #38, on PRESETS=v4-flash-8l64e-1m): ctx-N, one prompt of N tokens to 128 output
+#            tokens in 16,384-token steps, ctx16-N the same for 16 prompts at batch 16 (e.g. ROWS="ctx-1024
+#            ctx-8192 ctx-131072 ctx16-32768"; the 1M row is ctx-1048448: max_model_len is prompt + output)
 #   prefill  8 prompts of 1,024 tokens in one step and one prompt of 8,192 tokens, to one output token each
 #            (rows prefill-8x1k prefill-8k), the median of ITERS timed runs (default 5)
 #   profile  where the time goes (PROFILES, default "decode prefill run"): decode steps at batch 1 and 64 with
@@ -86,6 +89,8 @@ row_args() {  # the deepinfer bench arguments of a row
     b[0-9]*) echo "--input-len 1024 --output-len 128 --num-prompts ${1#b} --max-num-seqs ${1#b}" ;;
     prefill-8x1k) echo "--input-len 1024 --output-len 1 --num-prompts 8 --max-num-seqs 8 --max-num-batched-tokens 8192" ;;
     prefill-8k) echo "--input-len 8192 --output-len 1 --num-prompts 1 --max-num-seqs 1 --max-num-batched-tokens 8192" ;;
+    ctx-[0-9]*) echo "--input-len ${1#ctx-} --output-len 128 --num-prompts 1 --max-num-seqs 1 --max-num-batched-tokens 16384" ;;
+    ctx16-[0-9]*) echo "--input-len ${1#ctx16-} --output-len 128 --num-prompts 16 --max-num-seqs 16 --max-num-batched-tokens 16384" ;;
     *) return 1 ;;
   esac
 }
