@@ -1,24 +1,23 @@
 """Lightning-indexer selection (``indexer_topk``, top-512): the reference op (a stable sort of every row) against the
-NVIDIA op's forms (``kernels/indexer_topk.py``: the Triton radix select per row, 4-bit digits, ``radix_topk``, and
-wide digits, ``wide_topk`` (``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE``): rows of up to 32,768 entries held on chip, longer
-ones 3 passes of 12, 12 and 8 bits + the write; order keys + ``torch.topk``), at the query x entry shapes one CSA
-layer sees at long context: an 8K prompt's chunk, 16K-token chunks late in 64K and 128K prompts, one 1,024-row slice
-of a 16K chunk at 1M context (``DEEPINFER_INDEXER_CHUNK_ENTRIES``'s default), and decode rows: batch 16 and 1 at
-128K, batch 1 at 256K and 1M.
+NVIDIA op's forms (``kernels/indexer_topk.py``): the radix select per row in 4-bit digits (``radix_topk``), in wide
+digits with the row held on chip (``wide_topk``, ``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE``: rows of up to 32,768 entries),
+and order keys + ``torch.topk``, at the query x entry shapes one CSA layer sees at long context: an 8K prompt's chunk,
+16K-token chunks late in 64K and 128K prompts, one 1,024-row slice of a 16K chunk at 1M context
+(``DEEPINFER_INDEXER_CHUNK_ENTRIES``'s default), and decode rows: batch 16 and 1 at 128K, batch 1 at 256K and 1M.
 
     python backends/nvidia_sm100/benchmarks/bench_indexer_topk.py      # on a GPU; prints two tables
 
 The second table times the selection as entry indices (index mode, ``DEEPINFER_SPARSE_CSA_ATTENTION=1``): the radix
 select reading the ``[S, Lq, E]`` mask (``indexer_topk_index``) against the forms reading per-row visible counts
-``[S, Lq]`` (``indexer_topk_index_counts``: the 4-bit radix select over each row's visible prefix; the wide-digit
-form, ``wide_topk_index_counts``: rows of up to 32,768 entries held on chip, longer ones 3 passes of 12, 12 and 8
-bits + the write; its passes over memory alone, ``held_row=0``; counted keys + ``torch.topk``; the two-stage split,
-``split_topk_index_counts``: each 4,096-entry chunk's top-k, then the row's among the candidates; and the op as it
-dispatches), each checked against the reference's indices first.
+``[S, Lq]`` (``indexer_topk_index_counts``: the 4-bit radix select over each row's visible prefix; the held wide form
+``wide_topk_index_counts``; counted keys + ``torch.topk``; the two-stage split ``split_topk_index_counts``, each
+chunk's top-k, then the row's among the candidates; and the op as it dispatches). A form that does not take a shape
+(the held ones past 32,768 entries) shows ``-``.
 
-Checks each form against the reference first (``torch.equal`` of the selections), then times them (CUDA events,
-median of repeats, after warmup; the second table's decode rows replayed from CUDA graphs). Floor = bytes of scores, visibility and selection (4 + 1 + 1 per score) / 4.25 TB/s (the
-H200's ceiling, docs/performance.md): one read of the inputs and one write of the mask.
+Checks each form against the reference first (``torch.equal`` of the selections; any difference stops the run), then
+times them (CUDA events, median of repeats, after warmup; the second table's decode rows replayed from CUDA graphs).
+Floor = bytes of scores, visibility and selection (4 + 1 + 1 per score) / 4.25 TB/s (the H200's ceiling,
+docs/performance.md): one read of the inputs and one write of the mask.
 """
 
 from __future__ import annotations
@@ -63,25 +62,32 @@ def timed(fn, query_rows: int) -> float:
 
 def main() -> None:
     from deepinfer_nvidia_sm100.kernels.indexer_topk import (
+        HELD_ROW,
         indexer_topk_index_counts,
         keyed_topk,
         keyed_topk_index_counts,
         radix_topk,
         radix_topk_index,
         radix_topk_index_counts,
+        split_chunk,
         split_topk_index_counts,
         wide_topk,
         wide_topk_index_counts,
     )
 
-    def passes(scores: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
-        return wide_topk_index_counts(scores, counts, k, held_row=0)
-
     def op(scores: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
         return indexer_topk_index_counts(scores, counts, k)
 
-    counted_forms = (radix_topk_index_counts, wide_topk_index_counts, passes, keyed_topk_index_counts,
-                     split_topk_index_counts, op)
+    def held(E: int) -> bool:  # the held forms take rows of at most HELD_ROW entries
+        return E <= HELD_ROW
+
+    mask_forms = {"radix 4-bit": (radix_topk, None), "radix wide": (wide_topk, held),
+                  "keys + torch.topk": (keyed_topk, None)}
+    counted_forms = {"radix 4-bit, counts": (radix_topk_index_counts, None),
+                     "radix wide, counts": (wide_topk_index_counts, held),
+                     "keys + torch.topk, counts": (keyed_topk_index_counts, None),
+                     "split (chunks, then candidates)": (split_topk_index_counts, lambda E: split_chunk(E, K)),
+                     "the op": (op, None)}
     torch.manual_seed(0)
     rows, index_rows = [], []
     for S, Lq, E, what in SHAPES:
@@ -89,43 +95,45 @@ def main() -> None:
         flat = (scores.view(-1, E), visible.view(-1, E))
         counted = (scores.view(-1, E), counts.view(-1))
         want = ref.indexer_topk(scores, visible, K).view(-1, E)
-        same = [torch.equal(form(*flat, K), want) for form in (radix_topk, wide_topk, keyed_topk)]
+        takes = {name: rule is None or bool(rule(E)) for name, (_, rule) in {**mask_forms, **counted_forms}.items()}
+        same = {name: torch.equal(form(*flat, K), want) for name, (form, _) in mask_forms.items() if takes[name]}
         want_index = ref.visible_index(want, K)  # [R, K]
         del want
-        same_index = [torch.equal(radix_topk_index(*flat, K), want_index)]
-        same_index += [torch.equal(form(*counted, K), want_index)
-                       for form in counted_forms]
+        same["radix, mask (indices)"] = torch.equal(radix_topk_index(*flat, K), want_index)
+        same.update({name: torch.equal(form(*counted, K), want_index) for name, (form, _) in counted_forms.items()
+                     if takes[name]})
         del want_index
         floor = S * Lq * E * 6 / BW
-        t_ref = cuda_time(lambda a=(scores, visible): ref.indexer_topk(*a, K), reps=5)
-        t_radix = cuda_time(lambda a=flat: radix_topk(*a, K), reps=10)
-        t_wide = cuda_time(lambda a=flat: wide_topk(*a, K), reps=10)
-        t_keyed = cuda_time(lambda a=flat: keyed_topk(*a, K), reps=10)
-        rows.append((what, S, Lq, E, same, floor, t_ref, t_radix, t_wide, t_keyed))
-        times = [timed(lambda a=flat: radix_topk_index(*a, K), Lq)]
-        times += [timed(lambda a=counted, f=form: f(*a, K), Lq) for form in counted_forms]
-        index_rows.append((what, S, Lq, E, same_index, times))
+        times = {"reference (sort)": cuda_time(lambda a=(scores, visible): ref.indexer_topk(*a, K), reps=5)}
+        times.update({name: cuda_time(lambda a=flat, f=form: f(*a, K), reps=10)
+                      for name, (form, _) in mask_forms.items() if takes[name]})
+        index_times = {"radix, mask": timed(lambda a=flat: radix_topk_index(*a, K), Lq)}
+        index_times.update({name: timed(lambda a=counted, f=form: f(*a, K), Lq)
+                            for name, (form, _) in counted_forms.items() if takes[name]})
+        rows.append((what, S, Lq, E, floor, times))
+        index_rows.append((what, S, Lq, E, index_times))
+        if not all(same.values()):
+            print(f"{what}: differs from the reference: {[name for name, ok in same.items() if not ok]}")
+            raise SystemExit("indexer_topk / indexer_topk_index(_counts) differ from the reference op")
         del scores, visible, counts, flat, counted
         torch.cuda.empty_cache()
-    print(f"\nindexer_topk, top-{K}, fp32 scores (H200)")
-    print("| shape | sequences x queries x entries | equal (radix 4-bit, wide, keyed) | floor | reference (sort) | "
-          "radix 4-bit | radix wide | keys + torch.topk | wide % floor | wide speed-up | wide over 4-bit |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for what, S, Lq, E, same, floor, a, b, w, c in rows:
-        print(f"| {what} | {S} x {Lq} x {E} | {', '.join(map(str, same))} | {floor * 1e3:.3f} ms | {a * 1e3:.3f} ms | "
-              f"{b * 1e3:.3f} ms | {w * 1e3:.3f} ms | {c * 1e3:.3f} ms | {100 * floor / w:.0f}% | {a / w:.1f}x | "
-              f"{b / w:.2f}x |")
-    print(f"\nindexer_topk_index / indexer_topk_index_counts, top-{K} as entry indices (H200)")
-    print("| shape | sequences x queries x entries | equal (mask radix, counts radix 4-bit, wide, wide passes, "
-          "keyed, split, op) | radix, mask | radix 4-bit, counts | radix wide, counts | wide passes only | "
-          "keys + torch.topk, counts | split (chunks, then candidates) | the op | counts speed-up | wide over 4-bit |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for what, S, Lq, E, same, (a, b, w, p, c, sp, o) in index_rows:
-        print(f"| {what} | {S} x {Lq} x {E} | {', '.join(map(str, same))} | {a * 1e3:.3f} ms | {b * 1e3:.3f} ms | "
-              f"{w * 1e3:.3f} ms | {p * 1e3:.3f} ms | {c * 1e3:.3f} ms | {sp * 1e3:.3f} ms | {o * 1e3:.3f} ms | "
-              f"{a / b:.2f}x | {b / w:.2f}x |")
-    if not all(all(row[4]) for row in rows) or not all(all(row[4]) for row in index_rows):
-        raise SystemExit("indexer_topk / indexer_topk_index(_counts) differ from the reference op")
+    print(f"\nindexer_topk, top-{K}, fp32 scores (H200); every form equal to the reference; floor: one read of the "
+          "inputs and one write of the mask")
+    _table(["floor", "reference (sort)", *mask_forms], [(what, S, Lq, E, {"floor": floor, **times})
+                                                        for what, S, Lq, E, floor, times in rows])
+    print(f"\nindexer_topk_index / indexer_topk_index_counts, top-{K} as entry indices (H200; decode rows from CUDA "
+          "graphs)")
+    _table(["radix, mask", *counted_forms], index_rows)
+
+
+def _table(columns: list[str], rows: list) -> None:
+    """A markdown table: shape, sequences x queries x entries, then each column's time (``-`` where a form does not
+    take the shape)."""
+    print("| shape | sequences x queries x entries | " + " | ".join(columns) + " |")
+    print("|---" * (len(columns) + 2) + "|")
+    for what, S, Lq, E, times in rows:
+        cells = [f"{times[c] * 1e3:.3f} ms" if c in times else "-" for c in columns]
+        print(f"| {what} | {S} x {Lq} x {E} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

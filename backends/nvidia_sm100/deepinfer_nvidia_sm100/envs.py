@@ -46,9 +46,11 @@ VARIABLES = Variables(
              "With `DEEPINFER_NVIDIA_RADIX_TOPK_WIDE=0`: query rows from which an `indexer_topk` call takes the 4-bit "
              "radix select (one program per row); fewer rows (decode steps) take order keys and `torch.topk`."),
     Variable("DEEPINFER_NVIDIA_RADIX_TOPK_WIDE", bool, True,
-             "The radix top-k by wider digits: rows of up to 32,768 entries held on chip (one read of the scores) "
-             "at any row count, decode rows too; longer rows take order keys and `torch.topk` (needs Triton >= 3.6, "
-             "whose tl.histogram takes a mask); 0: the 4-bit radix select (8 passes over memory and the write) from "
+             "The radix top-k by wider digits with the row held on chip (one read of the scores; needs Triton >= "
+             "3.6, whose tl.histogram takes a mask): rows of up to 32,768 entries at any row count; index mode's "
+             "selection of decode rows and of rows over 16,384 entries in two stages (each 4,096-entry chunk's "
+             "top-k, then the row's among them); the mask forms' rows over 32,768 by order keys and `torch.topk`; "
+             "0: the 4-bit radix select (8 passes over memory and the write) from "
              "`DEEPINFER_NVIDIA_RADIX_TOPK_MIN_ROWS` rows."),
     Variable("DEEPINFER_NVIDIA_DECODE_ATTN", bool, True,
              "Triton `sink_attention` for decode rows; 0: the TileLang kernel (SM90, where installed) or the "

@@ -228,11 +228,18 @@ def counted_case(S: int, Lq: int, E: int, levels: int, k: int, seed: int, device
 
 
 COUNTED_CASES = [(1, 6, 4096, 5, 512), (2, 5, 3000, 0, 64), (1, 6, 1031, 3, 1030), (1, 5, 700, 2, 100)]
-COUNTED_FORMS = {  # the counted radix kernels: 4-bit passes; rows held on chip; wide-digit passes over memory
+COUNTED_FORMS = {  # the counted radix kernels: 4-bit passes; rows held on chip; the two-stage split
     "4-bit": indexer_topk.radix_topk_index_counts,
     "held": indexer_topk.wide_topk_index_counts,
-    "wide passes": lambda scores, counts, k: indexer_topk.wide_topk_index_counts(scores, counts, k, held_row=0),
+    "split": indexer_topk.split_topk_index_counts,
 }
+
+
+def counted_forms(E: int, k: int) -> dict:
+    """``COUNTED_FORMS`` that take rows of ``E`` entries for a top-``k``: held rows up to ``HELD_ROW``, the split where
+    its candidates fit."""
+    return {name: form for name, form in COUNTED_FORMS.items()
+            if (name != "held" or E <= indexer_topk.HELD_ROW) and (name != "split" or indexer_topk.split_chunk(E, k))}
 
 
 @pytest.mark.parametrize(("S", "Lq", "E", "levels", "k"), COUNTED_CASES)
@@ -255,13 +262,13 @@ def test_counted_kernels_select_as_the_masked_reference(S, Lq, E, levels, k):
     want = ref.indexer_topk_index(scores.cpu(), mask, k).reshape(-1, k)
     keys = indexer_topk.order_keys_counts(scores.reshape(-1, E), counts.reshape(-1))
     assert torch.equal(keys.cpu(), indexer_topk.order_keys_torch(scores.reshape(-1, E).cpu(), mask.reshape(-1, E)))
-    forms = {**COUNTED_FORMS, "keyed": indexer_topk.keyed_topk_index_counts}
+    forms = {**counted_forms(E, k), "keyed": indexer_topk.keyed_topk_index_counts}
     for name, form in forms.items():
         got = form(scores.reshape(-1, E), counts.reshape(-1), k)
         assert got.dtype == torch.int32 and torch.equal(got.cpu(), want), name
 
 
-WIDE_CASES = [  # (S, Lq, E, levels, k): the wide-digit forms across WIDE_BLOCK (2,048) and the held rows' sizes
+WIDE_CASES = [  # (S, Lq, E, levels, k): the wide-digit forms across the held rows' sizes
     (1, 6, 5000, 3, 512),  # three levels: the k-th key's ties span the first pass block and the second
     (1, 5, 4999, 0, 600),  # continuous: ties only among the specials (signed zeros, infinities, NaNs)
     (1, 5, 1024, 2, 1000),  # held in exactly one 1,024-entry row, two levels
@@ -274,8 +281,8 @@ WIDE_CASES = [  # (S, Lq, E, levels, k): the wide-digit forms across WIDE_BLOCK 
 @kernel_runs_here
 @pytest.mark.parametrize(("S", "Lq", "E", "levels", "k"), WIDE_CASES)
 def test_wide_counted_forms_select_as_the_masked_reference(S, Lq, E, levels, k, monkeypatch):
-    """The wide-digit forms (``wide_topk_index_counts``: held on chip, and the passes over memory), each with 8-bit
-    digits and with 12, 12, 8, against the reference and the 4-bit kernel: rows that see nothing, fewer than ``k``,
+    """The wide-digit forms (``wide_topk_index_counts``, held on chip, and the split select), each with 8-bit digits
+    and with 12, 12, 8, against the reference and the 4-bit kernel: rows that see nothing, fewer than ``k``,
     exactly ``k``, ``k + 1`` and every entry, the k-th key tied across blocks, NaN above ``+inf``, ``-0.0`` tying
     ``+0.0``."""
     scores, counts, mask = counted_case(S, Lq, E, levels, k, seed=E + 4)
@@ -284,10 +291,9 @@ def test_wide_counted_forms_select_as_the_masked_reference(S, Lq, E, levels, k, 
     assert torch.equal(indexer_topk.radix_topk_index_counts(scores.reshape(-1, E), counts.reshape(-1), k).cpu(), want)
     for digit in (8, 12):
         monkeypatch.setattr(indexer_topk, "HELD_DIGIT", digit)
-        monkeypatch.setattr(indexer_topk, "PASS_DIGIT", digit)
-        for held_row in (indexer_topk.HELD_ROW, 0):
-            got = indexer_topk.wide_topk_index_counts(scores.reshape(-1, E), counts.reshape(-1), k, held_row)
-            assert got.dtype == torch.int32 and torch.equal(got.cpu(), want), (digit, held_row)
+        for name in ("held", "split"):
+            got = COUNTED_FORMS[name](scores.reshape(-1, E), counts.reshape(-1), k)
+            assert got.dtype == torch.int32 and torch.equal(got.cpu(), want), (digit, name)
 
 
 @kernel_runs_here
@@ -335,19 +341,16 @@ def test_wide_counted_forms_with_the_kth_key_at_minus_inf(E, monkeypatch):
     assert ((finite.sum(-1) < k) & (counts > k)).sum() >= 3  # rows whose k-th key is -3e38 or -inf
     for digit in (8, 12):
         monkeypatch.setattr(indexer_topk, "HELD_DIGIT", digit)
-        monkeypatch.setattr(indexer_topk, "PASS_DIGIT", digit)
-        for held_row in (indexer_topk.HELD_ROW, 0):
-            got = indexer_topk.wide_topk_index_counts(scores.to(DEVICE), counts.to(DEVICE), k, held_row)
-            assert torch.equal(got.cpu(), want), (digit, held_row)
+        for name in ("held", "split"):
+            got = COUNTED_FORMS[name](scores.to(DEVICE), counts.to(DEVICE), k)
+            assert torch.equal(got.cpu(), want), (digit, name)
 
 
-MASK_FORMS = {  # the mask-based radix kernels (selection mask, indices): 4-bit passes; held on chip; wide passes
+MASK_FORMS = {  # the mask-based radix kernels (selection mask, indices): 4-bit passes; held on chip
     "4-bit": (indexer_topk.radix_topk, indexer_topk.radix_topk_index),
     "held": (indexer_topk.wide_topk, indexer_topk.wide_topk_index),
-    "wide passes": (lambda scores, visible, k: indexer_topk.wide_topk(scores, visible, k, held_row=0),
-                    lambda scores, visible, k: indexer_topk.wide_topk_index(scores, visible, k, held_row=0)),
 }
-WIDE_MASK_CASES = [  # (S, Lq, E, levels, k): held rows of 1,024 to 32,768 entries and the passes over memory
+WIDE_MASK_CASES = [  # (S, Lq, E, levels, k): held rows of 1,024 to 32,768 entries
     (1, 5, 5000, 3, 512),  # three levels: the k-th key's ties span blocks
     (1, 4, 4999, 0, 600),  # continuous: ties only among the specials (signed zeros, infinities, NaNs)
     (1, 4, 1031, 3, 1030),  # k = E - 1
@@ -357,7 +360,7 @@ WIDE_MASK_CASES = [  # (S, Lq, E, levels, k): held rows of 1,024 to 32,768 entri
 ]
 
 
-def _check_mask_forms(scores, visible, k, monkeypatch, forms=("held", "wide passes")):
+def _check_mask_forms(scores, visible, k, monkeypatch, forms=("held",)):
     """Each wide mask form (selection mask and indices), with 8-bit digits and with 12, 12, 8, against the
     reference op."""
     E = scores.shape[-1]
@@ -366,7 +369,6 @@ def _check_mask_forms(scores, visible, k, monkeypatch, forms=("held", "wide pass
     flat = (scores.reshape(-1, E), visible.reshape(-1, E))
     for digit in (8, 12):
         monkeypatch.setattr(indexer_topk, "HELD_DIGIT", digit)
-        monkeypatch.setattr(indexer_topk, "PASS_DIGIT", digit)
         for name in forms:
             mask_form, index_form = MASK_FORMS[name]
             got = mask_form(*flat, k)
@@ -379,7 +381,7 @@ def _check_mask_forms(scores, visible, k, monkeypatch, forms=("held", "wide pass
 @kernel_runs_here
 @pytest.mark.parametrize(("S", "Lq", "E", "levels", "k"), WIDE_MASK_CASES)
 def test_wide_mask_forms_select_as_the_reference(S, Lq, E, levels, k, monkeypatch):
-    """``wide_topk`` / ``wide_topk_index`` (held on chip and the passes over memory) under a visibility mask: the
+    """``wide_topk`` / ``wide_topk_index`` (held on chip) under a visibility mask: the
     k-th key tied across blocks, ``-0.0`` tying ``+0.0``, NaN above ``+inf``, a row that sees nothing, one that sees
     fewer entries than ``k`` (its k-th key ``-inf``: invisible entries tie the visible ``-inf`` scores), k = E - 1."""
     scores, visible = long_case(S, Lq, E, levels, seed=E + 5)
@@ -422,9 +424,9 @@ def test_counted_forms_at_long_rows_on_the_gpu(E):
     scores[5, :64] = torch.tensor([float("nan"), float("inf"), -0.0, 0.0] * 16, device="cuda")
     mask = torch.arange(E, device="cuda") < counts[:, None]  # [R, E]
     want = ref.indexer_topk_index(scores[None], mask[None], 512)[0]
-    for name, form in COUNTED_FORMS.items():
+    for name, form in counted_forms(E, 512).items():
         assert torch.equal(form(scores, counts, 512), want), name
-    _replays_on_new_scores(indexer_topk.wide_topk_index_counts, scores.clone(), counts, gen,
+    _replays_on_new_scores(indexer_topk.indexer_topk_index_counts, scores.clone(), counts, gen,
                            lambda new: ref.indexer_topk_index(new[None], mask[None], 512)[0])
 
 
@@ -448,9 +450,11 @@ def test_mask_forms_at_long_rows_on_the_gpu(E):
     want = ref.indexer_topk(scores[None], visible[None], 512)[0]
     want_index = ref.visible_index(want, 512)
     for name, (mask_form, index_form) in MASK_FORMS.items():
+        if name == "held" and E > indexer_topk.HELD_ROW:
+            continue
         assert torch.equal(mask_form(scores, visible, 512), want), name
         assert torch.equal(index_form(scores, visible, 512), want_index), name
-    _replays_on_new_scores(indexer_topk.wide_topk, scores.clone(), visible, gen,
+    _replays_on_new_scores(indexer_topk.indexer_topk, scores.clone(), visible, gen,
                            lambda new: ref.indexer_topk(new[None], visible[None], 512)[0])
 
 
@@ -518,11 +522,10 @@ def test_kernels_compile_for_sm90a_and_sm100a(capability):
 @pytest.mark.parametrize("capability", [90, 100])
 def test_wide_counted_kernels_compile_without_spills(capability, tmp_path):
     """The wide-digit counted kernels as ``wide_topk_index_counts`` launches them, for each held row size up to
-    ``HELD_ROW`` (written from registers up to ``HELD_WRITE_ROW``) and the passes over memory: no register spills
+    ``HELD_ROW`` (written from registers up to ``HELD_WRITE_ROW``): no register spills
     (the held row stays in registers) within the register file's share of each program's warps."""
     counted = {"scores_ptr": "*fp32", "counts_ptr": "*i32", "out_ptr": "*i32", "E": "i32", "k": "i32"}
-    launches = [("_radix_topk_counts_wide_kernel", {"BLOCK": indexer_topk.WIDE_BLOCK, "WIDE": digit}, 8)
-                for digit in (8, indexer_topk.PASS_DIGIT)]
+    launches = []
     for E in (1000, 2048, 4096, 8192, 16384, 16385, 32768):
         meta = indexer_topk.held_launch(E)
         launches.append(("_radix_topk_counts_held_kernel", meta, meta.pop("num_warps")))
@@ -538,14 +541,12 @@ def test_wide_counted_kernels_compile_without_spills(capability, tmp_path):
 @pytest.mark.parametrize("capability", [90, 100])
 def test_wide_mask_kernels_compile_without_spills(capability, tmp_path):
     """The wide-digit mask kernels (selection mask and indices) as ``wide_topk`` / ``wide_topk_index`` launch them,
-    for each held row size up to ``HELD_ROW`` and the passes over memory: no register spills within the register
+    for each held row size up to ``HELD_ROW``: no register spills within the register
     file's share of each program's warps."""
     launches = []
     for index in (False, True):
         signature = {"scores_ptr": "*fp32", "visible_ptr": "*u8", "out_ptr": "*i32" if index else "*u8", "E": "i32",
                      "k": "i32"}
-        launches += [("_radix_topk_wide_kernel", signature, {"BLOCK": indexer_topk.WIDE_BLOCK, "WIDE": digit,
-                                                             "INDEX": index}, 8) for digit in (8, indexer_topk.PASS_DIGIT)]
         for E in (1000, 2048, 4096, 8192, 16384, 16385, 32768):
             meta = indexer_topk.held_launch(E)
             warps = meta.pop("num_warps")

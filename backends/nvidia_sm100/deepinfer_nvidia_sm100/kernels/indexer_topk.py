@@ -18,8 +18,7 @@ Which form a call takes (``_radix_form``, chosen from ``bench_indexer_topk.py``'
   select there (4 passes of 8-bit digits, a ``tl.histogram`` each, counting only the keys that match the digits found
   so far), and writes the selection (keys above it, then the keys equal to it in index order until ``k``) from
   registers up to ``HELD_WRITE_ROW`` (16,384; longer rows read again for the write, from L2). Invisible entries are
-  the ``-inf`` key, left out of each histogram and counted apart. Its passes over memory for longer rows (3 passes
-  of 12, 12 and 8 bits and the write, ``held_row=0``) stay for the benchmark: keys + ``torch.topk`` beat them.
+  the ``-inf`` key, left out of each histogram and counted apart.
 * ``split_topk_index_counts`` (the counted op, index mode's selection: calls of fewer than ``SPLIT_MAX_ROWS`` rows,
   i.e. decode steps, and rows over ``HELD_WRITE_ROW`` entries, up to 64 chunks a row): each row cut into chunks of
   ``SPLIT_CHUNK`` (4,096) entries, each chunk's top-k by the held form in a program of its own, then the row's top-k
@@ -266,50 +265,12 @@ def _histogram_mask(keys, digit, prefix, known, SHIFT: tl.constexpr, BITS: tl.co
 
 
 @triton.jit
-def _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, BLOCK: tl.constexpr, COUNTED: tl.constexpr,
-                 SHIFT: tl.constexpr, BITS: tl.constexpr):
-    """One pass of ``_radix_threshold_wide`` over the row's first ``E`` entries: the ``BITS``-bit digit at ``SHIFT``
-    of the keys matching ``prefix`` on the ``known`` bits, counted by ``tl.histogram``, and ``_take_digit``'s choice.
-    The ``-inf`` keys count in their bin here (counting them apart, as ``_held_pass`` does, takes 97 registers at 8
-    warps on sm_100a, not 80: 2 resident rows an SM, not 3; rows this long are mostly visible)."""
-    counts = tl.zeros([1 << BITS], dtype=tl.int32)
-    for start in range(0, E, BLOCK):
-        offs = start + tl.arange(0, BLOCK)  # [B]
-        inside = offs < E
-        keys, _ = _radix_keys(scores_ptr, visible_ptr, base + offs, inside, COUNTED)
-        match = inside & ((keys & known) == prefix)
-        counts += tl.histogram(((keys >> SHIFT) & ((1 << BITS) - 1)).to(tl.int32), 1 << BITS, mask=match)
-    prefix, need = _take_digit(counts, tl.arange(0, 1 << BITS), SHIFT, prefix, need)
-    return prefix, known | (tl.full((), (1 << BITS) - 1, tl.uint32) << SHIFT), need
-
-
-@triton.jit
-def _radix_threshold_wide(scores_ptr, visible_ptr, base, E, k, BLOCK: tl.constexpr, COUNTED: tl.constexpr,
-                          WIDE: tl.constexpr):
-    """``_radix_threshold`` with wider digits (``COUNTED``: the row's ``E`` entries all visible; else under the
-    visibility at ``visible_ptr``): ``WIDE`` 12, 3 passes of 12, 12 and 8 bits (a 4,096-bin histogram: the first
-    digit, sign, exponent and 3 mantissa bits, spreads a row's few binades over many bins); ``WIDE`` 8, 4 passes of 8
-    bits."""
-    prefix = tl.full((), 0, tl.uint32)
-    known = tl.full((), 0, tl.uint32)
-    need = tl.full((), 0, tl.int32) + k
-    if WIDE == 12:
-        prefix, known, need = _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, BLOCK, COUNTED, 20, 12)
-        prefix, known, need = _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, BLOCK, COUNTED, 8, 12)
-        prefix, known, need = _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, BLOCK, COUNTED, 0, 8)
-    else:
-        tl.static_assert(WIDE == 8)
-        for p in tl.static_range(4):
-            prefix, known, need = _memory_pass(scores_ptr, visible_ptr, base, E, prefix, known, need, BLOCK, COUNTED,
-                                               24 - 8 * p, 8)
-    return prefix, need
-
-
-@triton.jit
 def _held_pass(keys, prefix, known, need, lows, SHIFT: tl.constexpr, BITS: tl.constexpr,
                FIRST: tl.constexpr = False):
-    """``_memory_pass`` over the on-chip ``keys [ROW]``: the ``-inf`` keys (the row's padding and invisible entries
-    among them) left out of the histogram and the ``lows`` that count added to their bin."""
+    """One radix pass over the on-chip ``keys [ROW]``: the ``BITS``-bit digit at ``SHIFT`` of the keys matching
+    ``prefix`` on the ``known`` bits, counted by ``tl.histogram`` (the ``-inf`` keys, the row's padding and
+    invisible entries among them, left out and the ``lows`` that count added to their bin), and ``_take_digit``'s
+    choice."""
     bins = tl.arange(0, 1 << BITS)  # [2^BITS]
     digit = ((keys >> SHIFT) & ((1 << BITS) - 1)).to(tl.int32)  # [ROW]
     counts = tl.histogram(digit, 1 << BITS, mask=_histogram_mask(keys, digit, prefix, known, SHIFT, BITS, FIRST))
@@ -320,8 +281,9 @@ def _held_pass(keys, prefix, known, need, lows, SHIFT: tl.constexpr, BITS: tl.co
 
 @triton.jit
 def _radix_select_held(keys, n, k, WIDE: tl.constexpr):
-    """The ``k``-th largest of the first ``n`` on-chip ``keys [ROW]`` and ``need``, as ``_radix_threshold_wide``
-    finds them, with no memory read. Keys past ``n`` hold the ``-inf`` key, the least there is: no pass counts them
+    """The ``k``-th largest of the first ``n`` on-chip ``keys [ROW]`` and ``need`` (how many keys equal to it the
+    selection takes), by MSB-first passes of ``WIDE``-bit digits (12: 12, 12 and 8 bits; 8: four of 8), with no
+    memory read. Keys past ``n`` hold the ``-inf`` key, the least there is: no pass counts them
     (``lows``: the ``-inf`` keys among the first ``n``)."""
     prefix = tl.full((), 0, tl.uint32)
     known = tl.full((), 0, tl.uint32)
@@ -337,21 +299,6 @@ def _radix_select_held(keys, n, k, WIDE: tl.constexpr):
         for p in tl.static_range(1, 4):
             prefix, known, need = _held_pass(keys, prefix, known, need, lows, 24 - 8 * p, 8)
     return prefix, need
-
-
-@triton.jit
-def _radix_topk_counts_wide_kernel(scores_ptr, counts_ptr, out_ptr, E, k, BLOCK: tl.constexpr, WIDE: tl.constexpr):
-    """``_radix_topk_counts_kernel`` with wider digits (``_radix_threshold_wide``): 3 (``WIDE`` 12) or 4 (8) passes
-    over the row's visible prefix and the writing pass, 4 or 5 reads of it instead of 9."""
-    row = tl.program_id(0).to(tl.int64)
-    base = row * E
-    n = tl.minimum(tl.maximum(tl.load(counts_ptr + row).to(tl.int32), 0), E)
-    if n > k:
-        prefix, need = _radix_threshold_wide(scores_ptr, scores_ptr, base, n, k, BLOCK, True, WIDE)
-    else:
-        prefix = tl.full((), 0, tl.uint32)
-        need = tl.full((), 0, tl.int32)
-    _write_index(scores_ptr, scores_ptr, base, n, k, prefix, need, out_ptr, row, BLOCK, True)
 
 
 @triton.jit
@@ -516,21 +463,6 @@ def _radix_topk_held_kernel(scores_ptr, visible_ptr, out_ptr, E, k, ROW: tl.cons
 
 
 @triton.jit
-def _radix_topk_wide_kernel(scores_ptr, visible_ptr, out_ptr, E, k, BLOCK: tl.constexpr, WIDE: tl.constexpr,
-                            INDEX: tl.constexpr):
-    """``_radix_topk_kernel`` (``INDEX``: ``_radix_topk_index_kernel``) with wider digits (``_radix_threshold_wide``
-    under the visibility): 3 (``WIDE`` 12) or 4 (8) passes over the row and the writing pass, 4 or 5 reads of it
-    instead of 9. Needs ``E > k``."""
-    row = tl.program_id(0).to(tl.int64)
-    base = row * E
-    prefix, need = _radix_threshold_wide(scores_ptr, visible_ptr, base, E, k, BLOCK, False, WIDE)
-    if INDEX:
-        _write_index(scores_ptr, visible_ptr, base, E, k, prefix, need, out_ptr, row, BLOCK, False)
-    else:
-        _write_mask(scores_ptr, visible_ptr, base, E, prefix, need, out_ptr, BLOCK)
-
-
-@triton.jit
 def _order_keys_counts_kernel(scores_ptr, counts_ptr, keys_ptr, numel, E, BLOCK: tl.constexpr):
     """``_order_keys_kernel`` where row ``r`` of the flattened ``[R, E]`` scores sees its first ``counts[r]``
     entries."""
@@ -562,8 +494,6 @@ def radix_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: int) 
 HELD_ROW = 32768  # longest rows held on chip: 32 keys a thread at 32 warps, 64 registers on sm_90a, no spills
 HELD_WRITE_ROW = 16384  # longest rows written from registers too (16 keys a thread at 32 warps, 61 registers)
 HELD_DIGIT = 8  # digit bits of the held select: 4 passes (12-bit digits spill at 16K-entry rows and up)
-PASS_DIGIT = 12  # digit bits of the select over memory: 12, 12, 8 (3 passes and the write: 4 reads of the row)
-WIDE_BLOCK = 2048  # entries a pass over memory reads at once (8 warps, 79 registers: 3 resident rows an SM)
 
 
 def held_launch(E: int) -> dict:
@@ -576,21 +506,23 @@ def held_launch(E: int) -> dict:
             "num_warps": min(32, max(4, row // 512))}
 
 
-def wide_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: int, held_row: int = HELD_ROW) -> torch.Tensor:
-    """``radix_topk_index_counts`` (same bits) with wider digits: rows of ``E <= held_row`` entries by
-    ``_radix_topk_counts_held_kernel`` (one read of each row's visible prefix from memory; rows over
-    ``HELD_WRITE_ROW`` read again for the write, from L2), longer ones by ``_radix_topk_counts_wide_kernel`` (4 reads
-    instead of 9)."""
+def wide_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
+    """``radix_topk_index_counts`` (same bits) with wider digits for rows of ``E <= HELD_ROW`` entries, by
+    ``_radix_topk_counts_held_kernel``: one read of each row's visible prefix from memory (rows over
+    ``HELD_WRITE_ROW`` read again for the write, from L2)."""
     scores = scores.float().contiguous()
     counts = counts.to(torch.int32).contiguous()
     R, E = scores.shape
+    _check_held(E)
     out = torch.empty(R, k, dtype=torch.int32, device=scores.device)
-    if E <= min(held_row, HELD_ROW):
-        _radix_topk_counts_held_kernel[(R,)](scores, counts, out, E, k, **held_launch(E))
-    else:
-        _radix_topk_counts_wide_kernel[(R,)](scores, counts, out, E, k, BLOCK=WIDE_BLOCK, WIDE=PASS_DIGIT,
-                                             num_warps=8)
+    _radix_topk_counts_held_kernel[(R,)](scores, counts, out, E, k, **held_launch(E))
     return out
+
+
+def _check_held(E: int) -> None:
+    if E > HELD_ROW:
+        raise ValueError(f"the held radix select takes rows of at most HELD_ROW ({HELD_ROW}) entries, got {E}: "
+                         "longer rows take split_topk_index_counts or keys + torch.topk")
 
 
 SPLIT_CHUNK = 4096  # entries of a row a first-stage program of the split select holds (8 warps), at least
@@ -689,35 +621,30 @@ def radix_topk_index(scores: torch.Tensor, visible: torch.Tensor, k: int) -> tor
     return out
 
 
-def _wide_launch(scores: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, k: int, held_row: int,
-                 index: bool) -> None:
-    """``_radix_topk_held_kernel`` for rows of ``E <= held_row`` (at most ``HELD_ROW``) entries, else
-    ``_radix_topk_wide_kernel``, writing the selection (``index``: its indices) of ``scores`` under ``visible`` to
-    ``out``."""
+def _wide_launch(scores: torch.Tensor, visible: torch.Tensor, out: torch.Tensor, k: int, index: bool) -> None:
+    """``_radix_topk_held_kernel`` for rows of at most ``HELD_ROW`` entries, writing the selection (``index``: its
+    indices) of ``scores`` under ``visible`` to ``out``."""
     R, E = scores.shape
-    if E <= min(held_row, HELD_ROW):
-        _radix_topk_held_kernel[(R,)](scores, visible, out, E, k, INDEX=index, **held_launch(E))
-    else:
-        _radix_topk_wide_kernel[(R,)](scores, visible, out, E, k, BLOCK=WIDE_BLOCK, WIDE=PASS_DIGIT, INDEX=index,
-                                      num_warps=8)
+    _check_held(E)
+    _radix_topk_held_kernel[(R,)](scores, visible, out, E, k, INDEX=index, **held_launch(E))
 
 
-def wide_topk(scores: torch.Tensor, visible: torch.Tensor, k: int, held_row: int = HELD_ROW) -> torch.Tensor:
-    """``radix_topk`` (same bits) with wider digits, as ``wide_topk_index_counts`` selects: rows of ``E <= held_row``
-    entries held on chip (one read of each row's scores and visibility; over ``HELD_WRITE_ROW`` read again for the
-    write, from L2), longer ones in 3 passes over memory and the write (4 reads instead of 9). ``E > k``."""
+def wide_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+    """``radix_topk`` (same bits) with wider digits, as ``wide_topk_index_counts`` selects: rows of at most
+    ``HELD_ROW`` entries held on chip (one read of each row's scores and visibility; over ``HELD_WRITE_ROW`` read
+    again for the write, from L2). ``E > k``."""
     scores = scores.float().contiguous()
     out = torch.empty(scores.shape, dtype=torch.bool, device=scores.device)
-    _wide_launch(scores, visible.contiguous().view(torch.uint8), out.view(torch.uint8), k, held_row, False)
+    _wide_launch(scores, visible.contiguous().view(torch.uint8), out.view(torch.uint8), k, False)
     return out
 
 
-def wide_topk_index(scores: torch.Tensor, visible: torch.Tensor, k: int, held_row: int = HELD_ROW) -> torch.Tensor:
+def wide_topk_index(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
     """``radix_topk_index`` (same bits) with ``wide_topk``'s wider digits: indices ``[R, k]`` int32, ascending, then
     -1. ``E > k``."""
     scores = scores.float().contiguous()
     out = torch.empty(scores.shape[0], k, dtype=torch.int32, device=scores.device)
-    _wide_launch(scores, visible.contiguous().view(torch.uint8), out, k, held_row, True)
+    _wide_launch(scores, visible.contiguous().view(torch.uint8), out, k, True)
     return out
 
 
