@@ -20,9 +20,11 @@ Which form a call takes (``_radix_form``, chosen from ``bench_indexer_topk.py``'
   registers up to ``HELD_WRITE_ROW`` (16,384; longer rows read again for the write, from L2). Invisible entries are
   the ``-inf`` key, left out of each histogram and counted apart.
 * ``split_topk_index_counts`` (the counted op, index mode's selection: calls of fewer than ``SPLIT_MAX_ROWS`` rows,
-  i.e. decode steps, and rows over ``HELD_WRITE_ROW`` entries, up to 64 chunks a row): each row cut into chunks of
-  ``SPLIT_CHUNK`` (4,096) entries, each chunk's top-k by the held form in a program of its own, then the row's top-k
-  among the candidates by the held mask form: a decode row takes many programs instead of one.
+  i.e. decode steps, and rows over ``HELD_WRITE_ROW`` entries, 1M-context rows included): each row cut into chunks
+  of ``SPLIT_CHUNK`` (4,096) entries or more (``split_chunk``: at most ``SPLIT_CANDIDATES`` candidates a row), each
+  chunk's top-k selected held on chip by a program of its own and written as candidates (order keys and entry
+  indices), then the row's top-k among its candidates by one program holding them: a decode row takes many programs
+  instead of one.
 * ``keyed_topk`` (the mask ops' rows over ``HELD_ROW`` entries; ``DEEPINFER_NVIDIA_RADIX_TOPK=0``): one
   Triton pass writes 64-bit keys (score key << 32 | ``E - 1 - index``), all distinct per row, and ``torch.topk`` on
   them picks exactly the entries the stable sort puts first; 8 bytes per score.
@@ -525,7 +527,7 @@ def _check_held(E: int) -> None:
                          "longer rows take split_topk_index_counts or keys + torch.topk")
 
 
-SPLIT_CHUNK = 4096  # entries of a row a first-stage program of the split select holds (8 warps), at least
+SPLIT_CHUNK = 4096  # fewest entries of a row a first-stage program of the split select holds (8 warps)
 SPLIT_MAX_ROWS = 64  # calls of fewer query rows (decode steps) take the split select: more programs than rows
 SPLIT_CANDIDATES = 8192  # most candidates a row's second stage holds with their entries (no spills at 16 warps)
 
