@@ -597,8 +597,8 @@ def keyed_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: int) 
     return torch.where(index < E, index, -1).to(torch.int32)
 
 
-RADIX_MIN_ROWS = None  # fewer query rows (decode: too few programs for one per row) take keys and torch.topk; None:
-# ``DEEPINFER_NVIDIA_RADIX_TOPK_MIN_ROWS`` (64)
+RADIX_MIN_ROWS = None  # with the wide form off: calls of fewer rows take keys and torch.topk instead of the 4-bit
+# radix select; None: ``DEEPINFER_NVIDIA_RADIX_TOPK_MIN_ROWS`` (64)
 
 
 def radix_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
