@@ -75,9 +75,6 @@ def main() -> None:
         wide_topk_index_counts,
     )
 
-    def op(scores: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
-        return indexer_topk_index_counts(scores, counts, k)
-
     def held(E: int) -> bool:  # the held forms take rows of at most HELD_ROW entries
         return E <= HELD_ROW
 
@@ -87,7 +84,7 @@ def main() -> None:
                      "radix wide, counts": (wide_topk_index_counts, held),
                      "keys + torch.topk, counts": (keyed_topk_index_counts, None),
                      "split (chunks, then candidates)": (split_topk_index_counts, lambda E: split_chunk(E, K)),
-                     "the op": (op, None)}
+                     "the op": (indexer_topk_index_counts, None)}
     torch.manual_seed(0)
     rows, index_rows = [], []
     for S, Lq, E, what in SHAPES:

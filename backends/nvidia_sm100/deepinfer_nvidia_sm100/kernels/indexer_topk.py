@@ -324,11 +324,23 @@ def _held_choice(keys, inside, prefix, need):
 
 
 @triton.jit
-def _held_write_index(above, taken, before, need, out_ptr, row, k, BLOCK: tl.constexpr, entries):
-    """``_held_choice``'s selection written as the row's indices ``[k]`` int32 (ascending, then -1): the chosen
+def _held_prefix_choice(keys, inside, n, k, WIDE: tl.constexpr):
+    """The selection of the on-chip ``keys [ROW]`` whose first ``n`` are ``inside`` (a visible prefix): ``chosen``,
+    ``_held_choice``'s packed scan ``before`` and ``need``. The radix select where more than ``k`` are visible, else
+    every visible key (keys are never 0, ``-inf``'s is 0x007FFFFF: all lie above the threshold 0)."""
+    prefix = tl.full((), 0, tl.uint32)
+    need = tl.full((), 0, tl.int32)
+    if n > k:
+        prefix, need = _radix_select_held(keys, n, k, WIDE)
+    above, taken, before = _held_choice(keys, inside, prefix, need)
+    return above | taken, before, need
+
+
+@triton.jit
+def _held_write_index(chosen, before, need, out_ptr, row, k, BLOCK: tl.constexpr, entries):
+    """A held selection ``chosen [ROW]`` written as the row's indices ``[k]`` int32 (ascending, then -1): the chosen
     places' ``entries [ROW]`` (the places themselves, or the entries they stand for), each at its place in the list
-    from the packed scan (keys above before it and ties taken up to it)."""
-    chosen = above | taken
+    from ``_held_choice``'s packed scan ``before`` (keys above before it and ties taken up to it)."""
     tl.store(out_ptr + row * k + _held_places(before, need), entries, mask=chosen)
     _fill_index(out_ptr, row, k, tl.sum(chosen.to(tl.int32), axis=0), BLOCK)
 
@@ -349,16 +361,14 @@ def _radix_topk_counts_held_kernel(scores_ptr, counts_ptr, out_ptr, E, k, ROW: t
     row = tl.program_id(0).to(tl.int64)
     n = tl.minimum(tl.maximum(tl.load(counts_ptr + row).to(tl.int32), 0), E)
     offs = tl.arange(0, ROW)  # [ROW]
-    prefix = tl.full((), 0, tl.uint32)  # n <= k: every visible entry, as in _radix_topk_counts_kernel
-    need = tl.full((), 0, tl.int32)
     if WRITE_HELD:
         inside = offs < n
         keys, _ = _radix_keys(scores_ptr, scores_ptr, row * E + offs, inside, True)  # [ROW] uint32
-        if n > k:
-            prefix, need = _radix_select_held(keys, n, k, WIDE)
-        above, taken, before = _held_choice(keys, inside, prefix, need)
-        _held_write_index(above, taken, before, need, out_ptr, row, k, BLOCK, offs)
+        chosen, before, need = _held_prefix_choice(keys, inside, n, k, WIDE)
+        _held_write_index(chosen, before, need, out_ptr, row, k, BLOCK, offs)
     else:
+        prefix = tl.full((), 0, tl.uint32)  # n <= k: every visible entry, as in _radix_topk_counts_kernel
+        need = tl.full((), 0, tl.int32)
         if n > k:
             keys, _ = _radix_keys(scores_ptr, scores_ptr, row * E + offs, offs < n, True)  # [ROW] uint32
             prefix, need = _radix_select_held(keys, n, k, WIDE)
@@ -380,14 +390,10 @@ def _split_chunk_kernel(scores_ptr, counts_ptr, cand_ptr, entry_ptr, E, k, CK, C
     offs = tl.arange(0, CHUNK)  # [CHUNK]
     inside = offs < n
     keys, _ = _radix_keys(scores_ptr, scores_ptr, row * E + start + offs, inside, True)  # [CHUNK] uint32
-    prefix = tl.full((), 0, tl.uint32)  # n <= k: every visible entry
-    need = tl.full((), 0, tl.int32)
-    if n > k:
-        prefix, need = _radix_select_held(keys, n, k, WIDE)
-    above, taken, before = _held_choice(keys, inside, prefix, need)
+    chosen, before, need = _held_prefix_choice(keys, inside, n, k, WIDE)
     place = row * CK + tl.program_id(1) * k + _held_places(before, need)  # [CHUNK]
-    tl.store(cand_ptr + place, keys.to(tl.int32, bitcast=True), mask=above | taken)
-    tl.store(entry_ptr + place, start + offs, mask=above | taken)
+    tl.store(cand_ptr + place, keys.to(tl.int32, bitcast=True), mask=chosen)
+    tl.store(entry_ptr + place, start + offs, mask=chosen)
 
 
 @triton.jit
@@ -405,13 +411,9 @@ def _split_merge_kernel(cand_ptr, entry_ptr, counts_ptr, out_ptr, E, k, CK, CHUN
     inside = offs < m
     keys = tl.load(cand_ptr + row * CK + offs, mask=inside, other=0).to(tl.uint32, bitcast=True)
     keys = tl.where(inside, keys, tl.full([ROW], _NEG_INF_KEY, tl.uint32))  # [ROW]: past them, the least key
-    prefix = tl.full((), 0, tl.uint32)
-    need = tl.full((), 0, tl.int32)
-    if m > k:
-        prefix, need = _radix_select_held(keys, m, k, WIDE)
-    above, taken, before = _held_choice(keys, inside, prefix, need)
-    entries = tl.load(entry_ptr + row * CK + offs, mask=above | taken, other=-1)  # [ROW]: the chosen ones' only
-    _held_write_index(above, taken, before, need, out_ptr, row, k, BLOCK, entries)
+    chosen, before, need = _held_prefix_choice(keys, inside, m, k, WIDE)
+    entries = tl.load(entry_ptr + row * CK + offs, mask=chosen, other=-1)  # [ROW]: the chosen ones' only
+    _held_write_index(chosen, before, need, out_ptr, row, k, BLOCK, entries)
 
 
 @triton.jit
@@ -456,7 +458,7 @@ def _radix_topk_held_kernel(scores_ptr, visible_ptr, out_ptr, E, k, ROW: tl.cons
             _write_index(scores_ptr, visible_ptr, base, E, k, prefix, need, out_ptr, row, BLOCK, False)
         else:
             above, taken, before = _held_choice(keys, inside, prefix, need)
-            _held_write_index(above, taken, before, need, out_ptr, row, k, BLOCK, offs)
+            _held_write_index(above | taken, before, need, out_ptr, row, k, BLOCK, offs)
     elif INDEX:
         _write_index(scores_ptr, visible_ptr, base, E, k, prefix, need, out_ptr, row, BLOCK, False)
     else:
@@ -498,6 +500,12 @@ HELD_WRITE_ROW = 16384  # longest rows written from registers too (16 keys a thr
 HELD_DIGIT = 8  # digit bits of the held select: 4 passes (12-bit digits spill at 16K-entry rows and up)
 
 
+def held_warps(row: int) -> int:
+    """Warps of a program holding ``row`` keys on chip: 16 keys a thread, within 4 to 32 warps (fewer keys a thread
+    below 2,048, more above 16,384)."""
+    return min(32, max(4, row // 512))
+
+
 def held_launch(E: int) -> dict:
     """``_radix_topk_counts_held_kernel``'s (and ``_radix_topk_held_kernel``'s) meta-parameters for rows of ``E <=
     HELD_ROW`` entries: the row as a power of two of at least 1,024 entries, 8 to 32 keys a thread (4 to 32 warps); a
@@ -505,7 +513,7 @@ def held_launch(E: int) -> dict:
     row = max(triton.next_power_of_2(E), 1024)
     held = row <= HELD_WRITE_ROW
     return {"ROW": row, "BLOCK": 1024 if held else 8192, "WRITE_HELD": held, "WIDE": HELD_DIGIT,
-            "num_warps": min(32, max(4, row // 512))}
+            "num_warps": held_warps(row)}
 
 
 def wide_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
@@ -565,13 +573,13 @@ def split_launch(E: int, k: int, chunk: int | None = None) -> tuple[int, dict, d
     """The split select's chunks a row of ``E`` entries (``split_chunk``, or ``chunk`` of at least ``2 k``) and the
     meta-parameters of its two kernels: 4 to 32 warps as the held kernels take them (``held_launch``)."""
     chunk = split_chunk(E, k) if chunk is None else max(chunk, triton.next_power_of_2(2 * k))
-    C = triton.cdiv(E, chunk) if chunk is not None else 0
-    if chunk is None or chunk > HELD_WRITE_ROW or C * k > SPLIT_CANDIDATES:
+    if chunk is None or chunk > HELD_WRITE_ROW or triton.cdiv(E, chunk) * k > SPLIT_CANDIDATES:
         raise ValueError(f"split_topk_index_counts: rows of {E} entries do not split for a top-{k} into chunks of at "
                          f"most {HELD_WRITE_ROW} entries and at most {SPLIT_CANDIDATES} candidates")
+    C = triton.cdiv(E, chunk)
     row = max(triton.next_power_of_2(C * k), 1024)
-    first = {"CHUNK": chunk, "WIDE": HELD_DIGIT, "num_warps": min(32, max(4, chunk // 512))}
-    second = {"CHUNK": chunk, "ROW": row, "BLOCK": 1024, "WIDE": HELD_DIGIT, "num_warps": min(32, max(4, row // 512))}
+    first = {"CHUNK": chunk, "WIDE": HELD_DIGIT, "num_warps": held_warps(chunk)}
+    second = {"CHUNK": chunk, "ROW": row, "BLOCK": 1024, "WIDE": HELD_DIGIT, "num_warps": held_warps(row)}
     return C, first, second
 
 
@@ -678,8 +686,8 @@ def _radix_form(rows_scores: torch.Tensor, k: int, wide, four_bit, split=None):
     with ``DEEPINFER_NVIDIA_RADIX_TOPK=0``. With ``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE`` (the default): ``split`` (the
     counted op's two-stage form, where given) for calls of fewer than ``SPLIT_MAX_ROWS`` rows of more than one chunk
     and for rows over ``HELD_WRITE_ROW`` entries (which the held kernel reads twice), as far as its candidates fit;
-    else ``wide`` for rows of at most ``HELD_ROW`` entries at any row count; longer rows keys and ``torch.topk`` (faster than the passes over memory of
-    either radix form). Without it: ``four_bit`` from ``RADIX_MIN_ROWS`` rows."""
+    else ``wide`` for rows of at most ``HELD_ROW`` entries at any row count; longer rows keys and ``torch.topk``.
+    Without it: ``four_bit`` from ``RADIX_MIN_ROWS`` rows."""
     on_triton = rows_scores.device.type == "cuda" or _interpreted()
     if not (on_triton and envs.DEEPINFER_NVIDIA_RADIX_TOPK):
         return None
