@@ -19,7 +19,8 @@
 #            (profile_decode.py, traces kept); the 8 x 1K and 1 x 8K prefill steps (profile_decode.py --prefill, the
 #            8 x 1K trace kept); a whole 8 x 1K bench run, engine step by step (profile_run.py)
 #   kernels  op benchmarks, each checking its kernel against the reference op before timing it (KERNELS, default
-#            below; sweep_gemv and sweep_moe_configs, the GEMV launch and MoE tile sweeps, run when named there;
+#            below; sweep_gemv, sweep_moe_configs and sweep_indexer, the GEMV launch, MoE tile and indexer tile
+#            sweeps, run when named there;
 #            NAME:ARG passes one argument, e.g. KERNELS="bench_quant:mxfp4 bench_quant:fp8")
 #
 # Variables (bench and prefill):

@@ -2,10 +2,12 @@
 
 ``deepinfer_core.ops.reference.indexer_scores`` materialises every head's dot products ``[S, Lq, Hi, E]`` in fp32
 and reduces them in three more passes: at one 8K-token prompt (64 heads, 2,048 entries) that is a 4.3 GB tensor per
-CSA layer and an fp32 GEMM. Here a program owns a tile of ``BLOCK_T`` queries x ``BLOCK_E`` entries of one
+CSA layer and an fp32 GEMM. Here a program owns a tile of ``BLOCK_T`` queries x ``TILE_E`` entries of one
 sequence: it keeps the entries' keys on chip and, head by head, multiplies the queries with them on tensor cores
 (fp32 accumulation: the reference's fp32 products are exact for 16-bit inputs), applies ReLU and the head weight and
-adds into one fp32 accumulator, so only the scores ``[S, Lq, E]`` reach memory. With few queries per sequence
+adds into one fp32 accumulator, so only the scores ``[S, Lq, E]`` reach memory. The grid walks entry tiles first:
+the programs running at once share one query tile, so a long chunk's queries are read from memory once, not once
+per entry tile. With few queries per sequence
 (decode) a query-row tile would be mostly padding: there a program takes one query row and all its heads as the rows
 of one product instead (``_indexer_scores_rows_kernel``). fp32 inputs multiply in IEEE fp32. Head dims that are not a
 power of two of at least 16 take the reference op.
@@ -21,18 +23,19 @@ from deepinfer_core.ops import reference as ref
 from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 
 BLOCK_T, BLOCK_E = 64, 64
+TILE_E, TILE_WARPS, STAGES = 128, 4, 2  # the query-tile kernel's entries per program, warps, pipeline stages
 
 
 @triton.jit
 def _indexer_scores_kernel(q_ptr, k_ptr, w_ptr, out_ptr, Lq, E, H, scale,
                            stride_qs, stride_qt, stride_qh, stride_ks, stride_ke, stride_ws, stride_wt,
                            D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, PRECISION: tl.constexpr):
-    """Program (query tile, entry tile, sequence): ``out[s, t, e] = scale * sum_h w[s, t, h] * relu(q[s, t, h] .
+    """Program (entry tile, query tile, sequence): ``out[s, t, e] = scale * sum_h w[s, t, h] * relu(q[s, t, h] .
     k[s, e])`` (``q [S, Lq, H, D]`` with unit stride over ``D``, ``k [S, E, D]``, ``w [S, Lq, H]`` fp32, ``out [S,
     Lq, E]`` fp32 contiguous)."""
     seq = tl.program_id(2).to(tl.int64)
-    ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
-    es = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BE]
+    es = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)  # [BE]
+    ts = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
     ds = tl.arange(0, D)  # [D]
     in_t, in_e = ts < Lq, es < E
     keys = tl.load(k_ptr + seq * stride_ks + es[None, :].to(tl.int64) * stride_ke + ds[:, None],
@@ -91,9 +94,9 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tens
     E = keys.shape[1]
     if Lq <= ROWS_KERNEL_MAX_QUERIES:
         return _rows(q, keys, weights, out, scale, strides)
-    grid = (triton.cdiv(Lq, BLOCK_T), triton.cdiv(E, BLOCK_E), S)
+    grid = (triton.cdiv(E, TILE_E), triton.cdiv(Lq, BLOCK_T), S)  # entry tiles first: running programs share queries
     _indexer_scores_kernel[grid](q, keys, weights, out, Lq, E, H, float(scale), *strides, D=D, BLOCK_T=BLOCK_T,
-                                 BLOCK_E=BLOCK_E, PRECISION=_precision(q), num_warps=4, num_stages=2)
+                                 BLOCK_E=TILE_E, PRECISION=_precision(q), num_warps=TILE_WARPS, num_stages=STAGES)
     return out
 
 

@@ -1,0 +1,73 @@
+"""The lightning indexer's query-tile kernel (``kernels/indexer.py``, ``_indexer_scores_kernel``) over a grid of
+tile sizes and launch configurations, at the prefill shapes one CSA layer sees at long context (64 heads x 128,
+bf16), to pick ``indexer.BLOCK_T``, ``TILE_E`` and ``STAGES``.
+
+    python backends/nvidia_sm100/benchmarks/sweep_indexer.py      # on a GPU; prints one table, the default marked
+
+Each configuration's scores are checked against the reference op on a few query rows (the reference materialises
+every head's products, so all rows of a long shape would not fit), then timed (CUDA events, median of repeats,
+after warmup). TFLOP/s counts every head's product over the whole ``queries x entries`` tile; the fraction is of
+the H200's 799 TFLOP/s bf16 peak (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from cuda_timing import cuda_time
+
+from deepinfer_core.ops import reference as ref
+
+H, D, PEAK, CHECKED_ROWS = 64, 128, 799e12, 16
+SHAPES = (  # (queries, entries, what)
+    (8192, 2048, "8K prompt"),
+    (16384, 32768, "16K chunk at 128K"),
+    (1024, 262144, "1M: one slice"),
+)
+CONFIGS = [  # (BLOCK_T, TILE_E, warps, stages)
+    (64, 64, 4, 2), (64, 128, 4, 2), (64, 128, 4, 3), (64, 128, 4, 4), (64, 256, 8, 3), (128, 128, 8, 3),
+]
+
+
+def launch(q, keys, weights, out, config) -> None:
+    """One ``_indexer_scores_kernel`` launch with ``config`` (entry tiles on the grid's first axis)."""
+    from deepinfer_nvidia_sm100.kernels import indexer
+
+    block_t, tile_e, warps, stages = config
+    _, Lq, _, _ = q.shape
+    E = keys.shape[1]
+    strides = (q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), weights.stride(0),
+               weights.stride(1))
+    grid = (triton.cdiv(E, tile_e), triton.cdiv(Lq, block_t), 1)
+    indexer._indexer_scores_kernel[grid](q, keys, weights, out, Lq, E, H, D**-0.5, *strides, D=D, BLOCK_T=block_t,
+                                         BLOCK_E=tile_e, PRECISION="tf32", num_warps=warps, num_stages=stages)
+
+
+def main() -> None:
+    from deepinfer_nvidia_sm100.kernels import indexer
+
+    default = (indexer.BLOCK_T, indexer.TILE_E, indexer.TILE_WARPS, indexer.STAGES)
+    torch.manual_seed(0)
+    print("\nindexer_scores query-tile kernel, 64 heads x 128, bf16 (H200); * = the default")
+    print("| shape | queries x entries | BLOCK_T x TILE_E, warps, stages | time | TFLOP/s | % of bf16 peak |")
+    print("|---|---|---|---|---|---|")
+    for Lq, E, what in SHAPES:
+        q = torch.randn(1, Lq, H, D, device="cuda").bfloat16()
+        keys = torch.randn(1, E, D, device="cuda").bfloat16()
+        weights = torch.randn(1, Lq, H, device="cuda") * 0.125
+        rows = torch.linspace(0, Lq - 1, CHECKED_ROWS, device="cuda").long()  # [CHECKED_ROWS]
+        want = ref.indexer_scores(q[:, rows], keys, weights[:, rows], D**-0.5)  # [1, CHECKED_ROWS, E]
+        out = torch.empty(1, Lq, E, device="cuda")
+        flops = 2 * Lq * E * H * D
+        for config in CONFIGS:
+            args = (q, keys, weights, out)
+            launch(*args, config)
+            torch.testing.assert_close(out[:, rows], want, atol=1e-4, rtol=1e-4, msg=lambda m, c=config: f"{c}: {m}")
+            seconds = cuda_time(lambda a=args, c=config: launch(*a, c), reps=10)
+            mark = "*" if config == default else ""
+            print(f"| {what} | {Lq} x {E} | {config[0]} x {config[1]}, {config[2]}, {config[3]}{mark} | "
+                  f"{seconds * 1e3:.3f} ms | {flops / seconds / 1e12:.0f} | {100 * flops / seconds / PEAK:.0f}% |")
+
+
+if __name__ == "__main__":
+    main()
