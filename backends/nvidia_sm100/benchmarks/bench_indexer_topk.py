@@ -11,7 +11,8 @@ The second table times the selection as entry indices (index mode, ``DEEPINFER_S
 select reading the ``[S, Lq, E]`` mask (``indexer_topk_index``) against the forms reading per-row visible counts
 ``[S, Lq]`` (``indexer_topk_index_counts``: the 4-bit radix select over each row's visible prefix; the held wide form
 ``wide_topk_index_counts``; counted keys + ``torch.topk``; the two-stage split ``split_topk_index_counts``, each
-chunk's top-k, then the row's among the candidates; and the op as it dispatches). A form that does not take a shape
+chunk's top-k, then the row's among the candidates; the filtered select ``filtered_topk_index_counts``, a floor
+from the row's tile maxima, then the top-k of the entries at or above it; and the op as it dispatches). A form that does not take a shape
 (the held ones past 32,768 entries) shows ``-``.
 
 Checks each form against the reference first (``torch.equal`` of the selections; any difference stops the run), then
@@ -63,6 +64,8 @@ def timed(fn, query_rows: int) -> float:
 def main() -> None:
     from deepinfer_nvidia_sm100.kernels.indexer_topk import (
         HELD_ROW,
+        filter_fits,
+        filtered_topk_index_counts,
         indexer_topk_index_counts,
         keyed_topk,
         keyed_topk_index_counts,
@@ -84,6 +87,7 @@ def main() -> None:
                      "radix wide, counts": (wide_topk_index_counts, held),
                      "keys + torch.topk, counts": (keyed_topk_index_counts, None),
                      "split (chunks, then candidates)": (split_topk_index_counts, lambda E: split_chunk(E, K)),
+                     "filtered (tile maxima, floor)": (filtered_topk_index_counts, lambda E: filter_fits(E, K)),
                      "the op": (indexer_topk_index_counts, None)}
     torch.manual_seed(0)
     rows, index_rows = [], []

@@ -52,6 +52,11 @@ VARIABLES = Variables(
              "top-k, then the row's among them); the mask forms' rows over 32,768 by order keys and `torch.topk`; "
              "0: the 4-bit radix select (8 passes over memory and the write) from "
              "`DEEPINFER_NVIDIA_RADIX_TOPK_MIN_ROWS` rows."),
+    Variable("DEEPINFER_NVIDIA_TOPK_FILTER", bool, False,
+             "With `DEEPINFER_NVIDIA_RADIX_TOPK_WIDE`: index mode's selection of prefill rows (calls of at least 64 "
+             "rows) over 16,384 entries by the filtered select (each row's 16-entry tiles' maxima, their 512th "
+             "largest as a floor, one pass listing the entries at or above it, their top-k on chip) instead of the "
+             "two-stage split; rows of up to 262,144 entries at top-512."),
     Variable("DEEPINFER_NVIDIA_DECODE_ATTN", bool, True,
              "Triton `sink_attention` for decode rows; 0: the TileLang kernel (SM90, where installed) or the "
              "reference."),

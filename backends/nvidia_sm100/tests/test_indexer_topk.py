@@ -216,6 +216,37 @@ def test_split_counted_form_takes_visible_infinities_in_entry_order():
     assert torch.equal(got.cpu(), want)
 
 
+FILTER_CASES = [  # (S, Lq, E, levels, k, cap): floors over many tiles; few levels, so lists overflow a small cap
+    (2, 5, 5000, 0, 64, 8192),  # continuous: about k entries listed a row
+    (1, 6, 3001, 3, 100, 8192),  # three levels: the floor's ties listed too
+    (1, 5, 5000, 2, 64, 1024),  # two levels: half a row at the floor, more than the cap: passes over memory
+]
+
+
+@kernel_runs_here
+@pytest.mark.parametrize(("S", "Lq", "E", "levels", "k", "cap"), FILTER_CASES)
+def test_filtered_form_selects_as_the_masked_reference(S, Lq, E, levels, k, cap, monkeypatch):
+    """``filtered_topk_index_counts`` (a floor from the tile maxima, the entries at or above it listed, their top-k)
+    selects what the reference selects, ties at the floor and at the k-th key included, through the held select and,
+    where a row lists more than ``FILTER_CAP``, the passes over memory; the op takes it with
+    ``DEEPINFER_NVIDIA_TOPK_FILTER`` for calls of ``SPLIT_MAX_ROWS`` rows over ``HELD_WRITE_ROW`` entries."""
+    monkeypatch.setattr(indexer_topk, "FILTER_CAP", cap)
+    scores, counts, mask = counted_case(S, Lq, E, levels, k, seed=E + 5)
+    want = ref.indexer_topk_index(scores.cpu(), mask, k)
+    got = indexer_topk.filtered_topk_index_counts(scores.reshape(-1, E), counts.reshape(-1), k)
+    assert got.dtype == torch.int32 and torch.equal(got.cpu().view(S, Lq, k), want)
+    taken = []
+    form = indexer_topk.filtered_topk_index_counts
+    monkeypatch.setattr(indexer_topk, "filtered_topk_index_counts", lambda *a: taken.append(1) or form(*a))
+    monkeypatch.setattr(indexer_topk, "SPLIT_MAX_ROWS", S * Lq)
+    monkeypatch.setattr(indexer_topk, "HELD_WRITE_ROW", E - 1)
+    monkeypatch.setenv("DEEPINFER_NVIDIA_TOPK_FILTER", "1")
+    assert torch.equal(indexer_topk.indexer_topk_index_counts(scores, counts, k).cpu(), want) and taken == [1]
+    monkeypatch.setattr(indexer_topk, "FILTER_CAP", k * indexer_topk.FILTER_TILE - 1)  # a short row's list: no cap
+    with pytest.raises(ValueError, match="exceed"):
+        form(scores.reshape(-1, E), counts.reshape(-1), k)
+
+
 def counted_case(S: int, Lq: int, E: int, levels: int, k: int, seed: int, device: str = DEVICE):
     """``long_case``'s scores with causal prefix visibility as counts ``[S, Lq]`` int32 (a chunk's rows see more entries
     row by row, as after a prefix): rows that see nothing, fewer than ``k``, exactly ``k``, ``k + 1`` and every entry;
@@ -228,18 +259,20 @@ def counted_case(S: int, Lq: int, E: int, levels: int, k: int, seed: int, device
 
 
 COUNTED_CASES = [(1, 6, 4096, 5, 512), (2, 5, 3000, 0, 64), (1, 6, 1031, 3, 1030), (1, 5, 700, 2, 100)]
-COUNTED_FORMS = {  # the counted radix kernels: 4-bit passes; rows held on chip; the two-stage split
+COUNTED_FORMS = {  # the counted radix kernels: 4-bit passes; rows held on chip; the two-stage split; the filtered
     "4-bit": indexer_topk.radix_topk_index_counts,
     "held": indexer_topk.wide_topk_index_counts,
     "split": indexer_topk.split_topk_index_counts,
+    "filtered": indexer_topk.filtered_topk_index_counts,
 }
 
 
 def counted_forms(E: int, k: int) -> dict:
     """``COUNTED_FORMS`` that take rows of ``E`` entries for a top-``k``: held rows up to ``HELD_ROW``, the split where
-    its candidates fit."""
-    return {name: form for name, form in COUNTED_FORMS.items()
-            if (name != "held" or E <= indexer_topk.HELD_ROW) and (name != "split" or indexer_topk.split_chunk(E, k))}
+    its candidates fit, the filtered select where its tiles and list fit."""
+    takes = {"held": E <= indexer_topk.HELD_ROW, "split": bool(indexer_topk.split_chunk(E, k)),
+             "filtered": indexer_topk.filter_fits(E, k)}
+    return {name: form for name, form in COUNTED_FORMS.items() if takes.get(name, True)}
 
 
 @pytest.mark.parametrize(("S", "Lq", "E", "levels", "k"), COUNTED_CASES)
@@ -291,7 +324,7 @@ def test_wide_counted_forms_select_as_the_masked_reference(S, Lq, E, levels, k, 
     assert torch.equal(indexer_topk.radix_topk_index_counts(scores.reshape(-1, E), counts.reshape(-1), k).cpu(), want)
     for digit in (8, 12):
         monkeypatch.setattr(indexer_topk, "HELD_DIGIT", digit)
-        for name in ("held", "split"):
+        for name in ("held", "split", "filtered")[:3 if indexer_topk.filter_fits(E, k) else 2]:
             got = COUNTED_FORMS[name](scores.reshape(-1, E), counts.reshape(-1), k)
             assert got.dtype == torch.int32 and torch.equal(got.cpu(), want), (digit, name)
 
@@ -341,7 +374,7 @@ def test_wide_counted_forms_with_the_kth_key_at_minus_inf(E, monkeypatch):
     assert ((finite.sum(-1) < k) & (counts > k)).sum() >= 3  # rows whose k-th key is -3e38 or -inf
     for digit in (8, 12):
         monkeypatch.setattr(indexer_topk, "HELD_DIGIT", digit)
-        for name in ("held", "split"):
+        for name in ("held", "split", "filtered"):
             got = COUNTED_FORMS[name](scores.to(DEVICE), counts.to(DEVICE), k)
             assert torch.equal(got.cpu(), want), (digit, name)
 
@@ -576,3 +609,34 @@ def test_split_kernels_compile_without_spills(capability, tmp_path):
             compiled = _compile(kernel, signature, meta, capability, warps)
             registers, spills = _ptxas_usage(compiled.asm["ptx"], capability, tmp_path)
             assert spills == 0 and registers <= min(255, 65536 // (32 * warps)), (E, meta, registers, spills)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="ahead-of-time compiles need the real Triton compiler, not the interpreter")
+@pytest.mark.parametrize("capability", [90, 100])
+def test_filtered_kernels_compile_without_spills(capability, tmp_path):
+    """The filtered select's kernels as ``filtered_topk_index_counts`` launches them for top-512 over a 128K prompt's
+    rows, a 256K one's and a 1M one's (16,384 tile maxima): no register spills within the register file's share of
+    each program's warps."""
+    import triton
+
+    counted = {"scores_ptr": "*fp32", "counts_ptr": "*i32", "E": "i32"}
+    lists = {"key_ptr": "*i32", "entry_ptr": "*i32", "listed_ptr": "*i32"}
+    cap = indexer_topk.FILTER_CAP
+    launches = [("_listed_select_kernel", {**counted, **lists, "out_ptr": "*i32", "k": "i32"},
+                 {"CAP": cap, "BLOCK": 1024, "WIDE": indexer_topk.HELD_DIGIT}, indexer_topk.held_warps(cap)),
+                ("_listed_overflow_kernel", {**counted, "listed_ptr": "*i32", "out_ptr": "*i32", "k": "i32"},
+                 {"CAP": cap, "BLOCK": 1024}, 4),
+                ("_tile_max_kernel", {**counted, "max_ptr": "*i32", "T": "i32"},
+                 {"TILE": indexer_topk.FILTER_TILE, "TILES": 256}, 8)]
+    for E in (32768, 65536, 262144):
+        assert indexer_topk.filter_fits(E, 512)
+        t_row = max(triton.next_power_of_2(triton.cdiv(E, indexer_topk.FILTER_TILE)), 1024)
+        launches.append(("_floor_list_kernel", {**counted, "max_ptr": "*i32", **lists, "T": "i32", "k": "i32"},
+                         {"TILE": indexer_topk.FILTER_TILE, "T_ROW": t_row, "CAP": cap, "BLOCK": 1024,
+                          "WIDE": indexer_topk.HELD_DIGIT}, indexer_topk.held_warps(t_row)))
+    for name, signature, constexprs, warps in launches:
+        fn = getattr(indexer_topk, name)
+        signature = {arg: signature[arg] for arg in fn.arg_names if arg in signature}
+        compiled = _compile(fn, signature, constexprs, capability, warps)
+        registers, spills = _ptxas_usage(compiled.asm["ptx"], capability, tmp_path)
+        assert spills == 0 and registers <= min(255, 65536 // (32 * warps)), (name, constexprs, registers, spills)

@@ -406,13 +406,22 @@ def _split_merge_kernel(cand_ptr, entry_ptr, counts_ptr, out_ptr, E, k, CK, CHUN
     row = tl.program_id(0).to(tl.int64)
     n = tl.minimum(tl.maximum(tl.load(counts_ptr + row).to(tl.int32), 0), E)
     full = n // CHUNK
-    m = full * k + tl.minimum(n - full * CHUNK, k)
+    _select_listed(cand_ptr + row * CK, entry_ptr + row * CK, full * k + tl.minimum(n - full * CHUNK, k), out_ptr,
+                   row, k, ROW, BLOCK, WIDE)
+
+
+@triton.jit
+def _select_listed(key_ptr, entry_ptr, m, out_ptr, row, k, ROW: tl.constexpr, BLOCK: tl.constexpr,
+                   WIDE: tl.constexpr):
+    """The top ``k`` of ``m`` listed entries (at most ``ROW``; order keys as int32 bits at ``key_ptr``, entry indices
+    at ``entry_ptr``, in entry order) held on chip, ties to the lower place, written as the row's indices ``[k]``
+    int32, ascending, then -1."""
     offs = tl.arange(0, ROW)  # [ROW]
     inside = offs < m
-    keys = tl.load(cand_ptr + row * CK + offs, mask=inside, other=0).to(tl.uint32, bitcast=True)
+    keys = tl.load(key_ptr + offs, mask=inside, other=0).to(tl.uint32, bitcast=True)
     keys = tl.where(inside, keys, tl.full([ROW], _NEG_INF_KEY, tl.uint32))  # [ROW]: past them, the least key
     chosen, before, need = _held_prefix_choice(keys, inside, m, k, WIDE)
-    entries = tl.load(entry_ptr + row * CK + offs, mask=chosen, other=-1)  # [ROW]: the chosen ones' only
+    entries = tl.load(entry_ptr + offs, mask=chosen, other=-1)  # [ROW]: the chosen ones' only
     _held_write_index(chosen, before, need, out_ptr, row, k, BLOCK, entries)
 
 
@@ -583,6 +592,115 @@ def split_launch(E: int, k: int, chunk: int | None = None) -> tuple[int, dict, d
     return C, first, second
 
 
+FILTER_TILE = 16  # entries a tile maximum of the filtered select stands for
+FILTER_TILES = 16384  # most tile maxima of a row the filtered select's threshold is chosen among, held on chip
+FILTER_CAP = 8192  # most entries at or above its threshold a row's exact select holds; more: passes over memory
+
+
+@triton.jit
+def _tile_max_kernel(scores_ptr, counts_ptr, max_ptr, E, T, TILE: tl.constexpr, TILES: tl.constexpr):
+    """Program (query row, ``TILES`` tiles) of the filtered select's first stage: each ``TILE``-entry tile's largest
+    order key within the row's visible prefix (the ``-inf`` key past it), as int32 bits at ``max_ptr + row * T +
+    tile``."""
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.minimum(tl.maximum(tl.load(counts_ptr + row).to(tl.int32), 0), E)
+    tiles = tl.program_id(1) * TILES + tl.arange(0, TILES)  # [TILES]
+    offs = tiles[:, None] * TILE + tl.arange(0, TILE)[None, :]  # [TILES, TILE]
+    keys, _ = _radix_keys(scores_ptr, scores_ptr, row * E + offs, offs < n, True)  # [TILES, TILE] uint32
+    tl.store(max_ptr + row * T + tiles, tl.max(keys, axis=1).to(tl.int32, bitcast=True), mask=tiles < T)
+
+
+@triton.jit
+def _floor_list_kernel(scores_ptr, counts_ptr, max_ptr, key_ptr, entry_ptr, listed_ptr, E, T, k,
+                       TILE: tl.constexpr, T_ROW: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
+                       WIDE: tl.constexpr):
+    """Program (query row) of the filtered select's second stage. The ``k``-th largest of the row's tile maxima is a
+    floor for its ``k``-th largest key (at least ``k`` entries reach it), so every selected entry, ties included, is
+    at or above it. One pass over the visible prefix lists the entries there, in entry order: their order keys
+    (int32 bits) at ``key_ptr + row * CAP`` and indices at ``entry_ptr + row * CAP``, the first ``CAP`` of them,
+    and how many there are at ``listed_ptr + row``. A row of at most ``k`` tiles lists every visible entry."""
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.minimum(tl.maximum(tl.load(counts_ptr + row).to(tl.int32), 0), E)
+    tiles = tl.cdiv(n, TILE)
+    t = tl.arange(0, T_ROW)  # [T_ROW]
+    maxima = tl.load(max_ptr + row * T + t, mask=t < tiles, other=0).to(tl.uint32, bitcast=True)
+    maxima = tl.where(t < tiles, maxima, tl.full([T_ROW], _NEG_INF_KEY, tl.uint32))  # [T_ROW]
+    floor = tl.full((), 0, tl.uint32)  # keys are never 0: every visible entry
+    if tiles > k:
+        floor, _ = _radix_select_held(maxima, tiles, k, WIDE)
+    found = tl.full((), 0, tl.int32)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)  # [B]
+        keys, _ = _radix_keys(scores_ptr, scores_ptr, row * E + offs, offs < n, True)  # [B]
+        kept = (offs < n) & (keys >= floor)
+        place = found + tl.cumsum(kept.to(tl.int32), axis=0) - 1  # [B]
+        tl.store(key_ptr + row * CAP + place, keys.to(tl.int32, bitcast=True), mask=kept & (place < CAP))
+        tl.store(entry_ptr + row * CAP + place, offs, mask=kept & (place < CAP))
+        found += tl.sum(kept.to(tl.int32), axis=0)
+    tl.store(listed_ptr + row, found)
+
+
+@triton.jit
+def _listed_select_kernel(scores_ptr, counts_ptr, key_ptr, entry_ptr, listed_ptr, out_ptr, E, k, CAP: tl.constexpr,
+                          BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    """Program (query row) of the filtered select's last stage, for a row that listed at most ``CAP`` entries: their
+    top ``k`` held on chip (``_select_listed``, as ``_split_merge_kernel`` selects its candidates)."""
+    row = tl.program_id(0).to(tl.int64)
+    m = tl.load(listed_ptr + row)
+    if m <= CAP:
+        _select_listed(key_ptr + row * CAP, entry_ptr + row * CAP, m, out_ptr, row, k, CAP, BLOCK, WIDE)
+
+
+@triton.jit
+def _listed_overflow_kernel(scores_ptr, counts_ptr, listed_ptr, out_ptr, E, k, CAP: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    """Program (query row) of the filtered select's last stage, for a row that listed more than ``CAP`` entries
+    (scores far from independent, e.g. its largest in a few tiles): ``_radix_topk_counts_kernel``'s passes over the
+    row's visible prefix (a kernel of its own: beside the held select its registers would spill)."""
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(listed_ptr + row) > CAP:
+        n = tl.minimum(tl.maximum(tl.load(counts_ptr + row).to(tl.int32), 0), E)
+        prefix, need = _radix_threshold(scores_ptr, scores_ptr, row * E, n, k, BLOCK, True)
+        _write_index(scores_ptr, scores_ptr, row * E, n, k, prefix, need, out_ptr, row, BLOCK, True)
+
+
+def filter_fits(E: int, k: int) -> bool:
+    """Whether the filtered select takes rows of ``E`` entries for a top-``k``: at most ``FILTER_TILES`` tiles, and a
+    row that reaches no more than ``k`` tiles (every visible entry listed) lists at most ``FILTER_CAP``."""
+    return triton.cdiv(E, FILTER_TILE) <= FILTER_TILES and k * FILTER_TILE <= FILTER_CAP
+
+
+def filtered_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
+    """``wide_topk_index_counts`` (same bits) for long rows by a floor: each row's ``FILTER_TILE``-entry tiles' maxima
+    (``_tile_max_kernel``), then per row the ``k``-th largest of them as a floor and one pass listing the entries at
+    or above it (``_floor_list_kernel``), and the top ``k`` of those (``_listed_select_kernel``; rows that listed more
+    than ``FILTER_CAP``: ``_listed_overflow_kernel``). Reads each score twice whatever ``k``, and
+    selects among about ``k`` entries rather than a row's every entry. ``scores [R, E]``, row ``r`` sees its first
+    ``counts[r]`` entries; returns ``[R, k]`` int32, ascending, then -1."""
+    scores = scores.float().contiguous()
+    counts = counts.to(torch.int32).contiguous()
+    R, E = scores.shape
+    if not filter_fits(E, k):
+        raise ValueError(f"filtered_topk_index_counts: rows of {E} entries exceed {FILTER_TILES} tiles of "
+                         f"{FILTER_TILE}, or a top-{k} lists more than {FILTER_CAP} entries")
+    T = triton.cdiv(E, FILTER_TILE)
+    maxima = torch.empty(R, T, dtype=torch.int32, device=scores.device)  # [R, T]: order keys
+    listed_keys = torch.empty(R, FILTER_CAP, dtype=torch.int32, device=scores.device)  # [R, CAP]: order keys
+    listed_entries = torch.empty_like(listed_keys)  # [R, CAP]: entry indices
+    listed = torch.empty(R, dtype=torch.int32, device=scores.device)  # [R]
+    out = torch.empty(R, k, dtype=torch.int32, device=scores.device)
+    tiles_a_program = 256
+    _tile_max_kernel[(R, triton.cdiv(T, tiles_a_program))](scores, counts, maxima, E, T, TILE=FILTER_TILE,
+                                                           TILES=tiles_a_program, num_warps=8)
+    t_row = max(triton.next_power_of_2(T), 1024)
+    _floor_list_kernel[(R,)](scores, counts, maxima, listed_keys, listed_entries, listed, E, T, k, TILE=FILTER_TILE,
+                             T_ROW=t_row, CAP=FILTER_CAP, BLOCK=1024, WIDE=HELD_DIGIT, num_warps=held_warps(t_row))
+    _listed_select_kernel[(R,)](scores, counts, listed_keys, listed_entries, listed, out, E, k, CAP=FILTER_CAP,
+                                BLOCK=1024, WIDE=HELD_DIGIT, num_warps=held_warps(FILTER_CAP))
+    _listed_overflow_kernel[(R,)](scores, counts, listed, out, E, k, CAP=FILTER_CAP, BLOCK=1024, num_warps=4)
+    return out
+
+
 def order_keys_counts(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """``order_keys`` where row ``r`` of ``scores [R, E]`` sees its first ``counts [R]`` entries: the Triton kernel on
     CUDA (and under ``TRITON_INTERPRET=1``), else ``order_keys_torch`` of the mask they stand for."""
@@ -681,18 +799,23 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _radix_form(rows_scores: torch.Tensor, k: int, wide, four_bit, split=None):
+def _radix_form(rows_scores: torch.Tensor, k: int, wide, four_bit, split=None, filtered=None):
     """The radix kernel an op call over ``rows_scores [R, E]`` takes; None (keys and ``torch.topk``) off Triton or
-    with ``DEEPINFER_NVIDIA_RADIX_TOPK=0``. With ``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE`` (the default): ``split`` (the
-    counted op's two-stage form, where given) for calls of fewer than ``SPLIT_MAX_ROWS`` rows of more than one chunk
-    and for rows over ``HELD_WRITE_ROW`` entries (which the held kernel reads twice), as far as its candidates fit;
-    else ``wide`` for rows of at most ``HELD_ROW`` entries at any row count; longer rows keys and ``torch.topk``.
-    Without it: ``four_bit`` from ``RADIX_MIN_ROWS`` rows."""
+    with ``DEEPINFER_NVIDIA_RADIX_TOPK=0``. With ``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE`` (the default): with
+    ``DEEPINFER_NVIDIA_TOPK_FILTER``, ``filtered`` (the counted op's, where given) for calls of at least
+    ``SPLIT_MAX_ROWS`` rows over ``HELD_WRITE_ROW`` entries that it takes; ``split`` (the counted op's two-stage
+    form, where given) for calls of fewer than ``SPLIT_MAX_ROWS`` rows of more than one chunk and for rows over
+    ``HELD_WRITE_ROW`` entries (which the held kernel reads twice), as far as its candidates fit; else ``wide`` for
+    rows of at most ``HELD_ROW`` entries at any row count; longer rows keys and ``torch.topk``. Without it:
+    ``four_bit`` from ``RADIX_MIN_ROWS`` rows."""
     on_triton = rows_scores.device.type == "cuda" or _interpreted()
     if not (on_triton and envs.DEEPINFER_NVIDIA_RADIX_TOPK):
         return None
     R, E = rows_scores.shape
     if envs.DEEPINFER_NVIDIA_RADIX_TOPK_WIDE:
+        long_prefill = R >= SPLIT_MAX_ROWS and E > HELD_WRITE_ROW
+        if filtered is not None and envs.DEEPINFER_NVIDIA_TOPK_FILTER and long_prefill and filter_fits(E, k):
+            return filtered
         chunk = split_chunk(E, k)
         splits = split is not None and chunk is not None and chunk < E
         if splits and (R < SPLIT_MAX_ROWS or E > HELD_WRITE_ROW):
@@ -754,7 +877,7 @@ def indexer_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: int
         return torch.where(places < counts.clamp(max=E)[..., None], places, -1).to(torch.int32)
     rows_scores, rows_counts = scores.reshape(-1, E), counts.reshape(-1)  # [R, E], [R]
     form = _radix_form(rows_scores, k, wide_topk_index_counts, radix_topk_index_counts,
-                       split_topk_index_counts)
+                       split_topk_index_counts, filtered_topk_index_counts)
     if form is not None:
         return form(rows_scores, rows_counts, k).view(*counts.shape, k)
     return keyed_topk_index_counts(rows_scores, rows_counts, k).view(*counts.shape, k)
