@@ -622,7 +622,7 @@ def test_filtered_kernels_compile_without_spills(capability, tmp_path):
     counted = {"scores_ptr": "*fp32", "counts_ptr": "*i32", "E": "i32"}
     lists = {"key_ptr": "*i32", "entry_ptr": "*i32", "listed_ptr": "*i32"}
     cap = indexer_topk.FILTER_CAP
-    launches = [("_listed_select_kernel", {**counted, **lists, "out_ptr": "*i32", "k": "i32"},
+    launches = [("_listed_select_kernel", {**lists, "out_ptr": "*i32", "k": "i32"},
                  {"CAP": cap, "BLOCK": 1024, "WIDE": indexer_topk.HELD_DIGIT}, indexer_topk.held_warps(cap)),
                 ("_listed_overflow_kernel", {**counted, "listed_ptr": "*i32", "out_ptr": "*i32", "k": "i32"},
                  {"CAP": cap, "BLOCK": 1024}, 4),

@@ -641,8 +641,8 @@ def _floor_list_kernel(scores_ptr, counts_ptr, max_ptr, key_ptr, entry_ptr, list
 
 
 @triton.jit
-def _listed_select_kernel(scores_ptr, counts_ptr, key_ptr, entry_ptr, listed_ptr, out_ptr, E, k, CAP: tl.constexpr,
-                          BLOCK: tl.constexpr, WIDE: tl.constexpr):
+def _listed_select_kernel(key_ptr, entry_ptr, listed_ptr, out_ptr, k, CAP: tl.constexpr, BLOCK: tl.constexpr,
+                          WIDE: tl.constexpr):
     """Program (query row) of the filtered select's last stage, for a row that listed at most ``CAP`` entries: their
     top ``k`` held on chip (``_select_listed``, as ``_split_merge_kernel`` selects its candidates)."""
     row = tl.program_id(0).to(tl.int64)
@@ -674,8 +674,8 @@ def filtered_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: in
     """``wide_topk_index_counts`` (same bits) for long rows by a floor: each row's ``FILTER_TILE``-entry tiles' maxima
     (``_tile_max_kernel``), then per row the ``k``-th largest of them as a floor and one pass listing the entries at
     or above it (``_floor_list_kernel``), and the top ``k`` of those (``_listed_select_kernel``; rows that listed more
-    than ``FILTER_CAP``: ``_listed_overflow_kernel``). Reads each score twice whatever ``k``, and
-    selects among about ``k`` entries rather than a row's every entry. ``scores [R, E]``, row ``r`` sees its first
+    than ``FILTER_CAP``: ``_listed_overflow_kernel``). Reads each score twice whatever ``k`` and selects among about
+    ``k`` entries rather than a row's every entry; its lists take ``R x FILTER_CAP x 8`` bytes. ``scores [R, E]``, row ``r`` sees its first
     ``counts[r]`` entries; returns ``[R, k]`` int32, ascending, then -1."""
     scores = scores.float().contiguous()
     counts = counts.to(torch.int32).contiguous()
@@ -695,8 +695,8 @@ def filtered_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: in
     t_row = max(triton.next_power_of_2(T), 1024)
     _floor_list_kernel[(R,)](scores, counts, maxima, listed_keys, listed_entries, listed, E, T, k, TILE=FILTER_TILE,
                              T_ROW=t_row, CAP=FILTER_CAP, BLOCK=1024, WIDE=HELD_DIGIT, num_warps=held_warps(t_row))
-    _listed_select_kernel[(R,)](scores, counts, listed_keys, listed_entries, listed, out, E, k, CAP=FILTER_CAP,
-                                BLOCK=1024, WIDE=HELD_DIGIT, num_warps=held_warps(FILTER_CAP))
+    _listed_select_kernel[(R,)](listed_keys, listed_entries, listed, out, k, CAP=FILTER_CAP, BLOCK=1024,
+                                WIDE=HELD_DIGIT, num_warps=held_warps(FILTER_CAP))
     _listed_overflow_kernel[(R,)](scores, counts, listed, out, E, k, CAP=FILTER_CAP, BLOCK=1024, num_warps=4)
     return out
 
