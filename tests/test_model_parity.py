@@ -128,7 +128,9 @@ def test_prefix_logits_do_not_change_when_tokens_follow(checkpoint, data):
     tables = _tables(2)
     batch = ForwardBatch.build([tokens[:prefix], tokens], [0, 0], [0, 1], tables, logits="all")
     logits = model.forward(batch, state).logits
-    torch.testing.assert_close(logits[:prefix], logits[prefix:2 * prefix], atol=1e-5, rtol=0)
+    # fp32 sums over the two sequences' different key counts differ in the last bits (1.07e-5 on logits of up to 4.2
+    # for total 43, prefix 42); a token that leaked into an earlier position would move them by far more
+    torch.testing.assert_close(logits[:prefix], logits[prefix:2 * prefix], atol=1e-4, rtol=0)
 
 
 def test_bf16_error_no_larger_than_hf_bf16(checkpoint):
