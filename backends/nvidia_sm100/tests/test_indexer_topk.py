@@ -627,13 +627,15 @@ def test_filtered_kernels_compile_without_spills(capability, tmp_path):
                 ("_listed_overflow_kernel", {**counted, "listed_ptr": "*i32", "out_ptr": "*i32", "k": "i32"},
                  {"CAP": cap, "BLOCK": 1024}, 4),
                 ("_tile_max_kernel", {**counted, "max_ptr": "*i32", "T": "i32"},
-                 {"TILE": indexer_topk.FILTER_TILE, "TILES": 256}, 8)]
+                 {"TILE": indexer_topk.FILTER_TILE, "TILES": 256}, 8),
+                ("_list_kernel", {**counted, "floor_ptr": "*i32", **lists},
+                 {"CAP": cap, "BLOCK": indexer_topk.LIST_BLOCK}, indexer_topk.LIST_WARPS)]
     for E in (32768, 65536, 262144):
         assert indexer_topk.filter_fits(E, 512)
         t_row = max(triton.next_power_of_2(triton.cdiv(E, indexer_topk.FILTER_TILE)), 1024)
-        launches.append(("_floor_list_kernel", {**counted, "max_ptr": "*i32", **lists, "T": "i32", "k": "i32"},
-                         {"TILE": indexer_topk.FILTER_TILE, "T_ROW": t_row, "CAP": cap, "BLOCK": 1024,
-                          "WIDE": indexer_topk.HELD_DIGIT}, indexer_topk.held_warps(t_row)))
+        launches.append(("_floor_kernel", {**counted, "max_ptr": "*i32", "floor_ptr": "*i32", "T": "i32", "k": "i32"},
+                         {"TILE": indexer_topk.FILTER_TILE, "T_ROW": t_row, "WIDE": indexer_topk.HELD_DIGIT},
+                         indexer_topk.held_warps(t_row)))
     for name, signature, constexprs, warps in launches:
         fn = getattr(indexer_topk, name)
         signature = {arg: signature[arg] for arg in fn.arg_names if arg in signature}

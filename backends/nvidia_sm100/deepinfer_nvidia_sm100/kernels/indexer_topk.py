@@ -595,6 +595,7 @@ def split_launch(E: int, k: int, chunk: int | None = None) -> tuple[int, dict, d
 FILTER_TILE = 16  # entries a tile maximum of the filtered select stands for
 FILTER_TILES = 16384  # most tile maxima of a row the filtered select's threshold is chosen among, held on chip
 FILTER_CAP = 8192  # most entries at or above its threshold a row's exact select holds; more: passes over memory
+LIST_BLOCK, LIST_WARPS = 1024, 4  # the listing pass's entries a step and warps (its scan adds every warp's sum)
 
 
 @triton.jit
@@ -611,23 +612,34 @@ def _tile_max_kernel(scores_ptr, counts_ptr, max_ptr, E, T, TILE: tl.constexpr, 
 
 
 @triton.jit
-def _floor_list_kernel(scores_ptr, counts_ptr, max_ptr, key_ptr, entry_ptr, listed_ptr, E, T, k,
-                       TILE: tl.constexpr, T_ROW: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
-                       WIDE: tl.constexpr):
-    """Program (query row) of the filtered select's second stage. The ``k``-th largest of the row's tile maxima is a
+def _floor_kernel(counts_ptr, max_ptr, floor_ptr, E, T, k, TILE: tl.constexpr, T_ROW: tl.constexpr,
+                  WIDE: tl.constexpr):
+    """Program (query row) of the filtered select's second stage: the ``k``-th largest of the row's tile maxima, a
     floor for its ``k``-th largest key (at least ``k`` entries reach it), so every selected entry, ties included, is
-    at or above it. One pass over the visible prefix lists the entries there, in entry order: their order keys
-    (int32 bits) at ``key_ptr + row * CAP`` and indices at ``entry_ptr + row * CAP``, the first ``CAP`` of them,
-    and how many there are at ``listed_ptr + row``. A row of at most ``k`` tiles lists every visible entry."""
+    at or above it; written as int32 bits at ``floor_ptr + row``. A row of at most ``k`` tiles gets 0, below every
+    key: all its visible entries."""
     row = tl.program_id(0).to(tl.int64)
     n = tl.minimum(tl.maximum(tl.load(counts_ptr + row).to(tl.int32), 0), E)
     tiles = tl.cdiv(n, TILE)
     t = tl.arange(0, T_ROW)  # [T_ROW]
     maxima = tl.load(max_ptr + row * T + t, mask=t < tiles, other=0).to(tl.uint32, bitcast=True)
     maxima = tl.where(t < tiles, maxima, tl.full([T_ROW], _NEG_INF_KEY, tl.uint32))  # [T_ROW]
-    floor = tl.full((), 0, tl.uint32)  # keys are never 0: every visible entry
+    floor = tl.full((), 0, tl.uint32)
     if tiles > k:
         floor, _ = _radix_select_held(maxima, tiles, k, WIDE)
+    tl.store(floor_ptr + row, floor.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _list_kernel(scores_ptr, counts_ptr, floor_ptr, key_ptr, entry_ptr, listed_ptr, E, CAP: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Program (query row) of the filtered select's third stage: one pass over the visible prefix listing the entries
+    at or above the row's floor, in entry order: their order keys (int32 bits) at ``key_ptr + row * CAP`` and
+    indices at ``entry_ptr + row * CAP``, the first ``CAP`` of them, and how many there are at ``listed_ptr +
+    row``. Few warps: the list's places are a scan of each block."""
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.minimum(tl.maximum(tl.load(counts_ptr + row).to(tl.int32), 0), E)
+    floor = tl.load(floor_ptr + row).to(tl.uint32, bitcast=True)
     found = tl.full((), 0, tl.int32)
     for start in range(0, n, BLOCK):
         offs = start + tl.arange(0, BLOCK)  # [B]
@@ -672,8 +684,8 @@ def filter_fits(E: int, k: int) -> bool:
 
 def filtered_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
     """``wide_topk_index_counts`` (same bits) for long rows by a floor: each row's ``FILTER_TILE``-entry tiles' maxima
-    (``_tile_max_kernel``), then per row the ``k``-th largest of them as a floor and one pass listing the entries at
-    or above it (``_floor_list_kernel``), and the top ``k`` of those (``_listed_select_kernel``; rows that listed more
+    (``_tile_max_kernel``), then per row the ``k``-th largest of them as a floor (``_floor_kernel``) and one pass
+    listing the entries at or above it (``_list_kernel``), and the top ``k`` of those (``_listed_select_kernel``; rows that listed more
     than ``FILTER_CAP``: ``_listed_overflow_kernel``). Reads each score twice whatever ``k`` and selects among about
     ``k`` entries rather than a row's every entry; its lists take ``R x FILTER_CAP x 8`` bytes. ``scores [R, E]``, row ``r`` sees its first
     ``counts[r]`` entries; returns ``[R, k]`` int32, ascending, then -1."""
@@ -687,14 +699,17 @@ def filtered_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: in
     maxima = torch.empty(R, T, dtype=torch.int32, device=scores.device)  # [R, T]: order keys
     listed_keys = torch.empty(R, FILTER_CAP, dtype=torch.int32, device=scores.device)  # [R, CAP]: order keys
     listed_entries = torch.empty_like(listed_keys)  # [R, CAP]: entry indices
-    listed = torch.empty(R, dtype=torch.int32, device=scores.device)  # [R]
+    floors = torch.empty(R, dtype=torch.int32, device=scores.device)  # [R]: order keys
+    listed = torch.empty_like(floors)  # [R]
     out = torch.empty(R, k, dtype=torch.int32, device=scores.device)
     tiles_a_program = 256
     _tile_max_kernel[(R, triton.cdiv(T, tiles_a_program))](scores, counts, maxima, E, T, TILE=FILTER_TILE,
                                                            TILES=tiles_a_program, num_warps=8)
     t_row = max(triton.next_power_of_2(T), 1024)
-    _floor_list_kernel[(R,)](scores, counts, maxima, listed_keys, listed_entries, listed, E, T, k, TILE=FILTER_TILE,
-                             T_ROW=t_row, CAP=FILTER_CAP, BLOCK=1024, WIDE=HELD_DIGIT, num_warps=held_warps(t_row))
+    _floor_kernel[(R,)](counts, maxima, floors, E, T, k, TILE=FILTER_TILE, T_ROW=t_row, WIDE=HELD_DIGIT,
+                        num_warps=held_warps(t_row))
+    _list_kernel[(R,)](scores, counts, floors, listed_keys, listed_entries, listed, E, CAP=FILTER_CAP,
+                       BLOCK=LIST_BLOCK, num_warps=LIST_WARPS)
     _listed_select_kernel[(R,)](listed_keys, listed_entries, listed, out, k, CAP=FILTER_CAP, BLOCK=1024,
                                 WIDE=HELD_DIGIT, num_warps=held_warps(FILTER_CAP))
     _listed_overflow_kernel[(R,)](scores, counts, listed, out, E, k, CAP=FILTER_CAP, BLOCK=1024, num_warps=4)
