@@ -12,8 +12,8 @@ select reading the ``[S, Lq, E]`` mask (``indexer_topk_index``) against the form
 ``[S, Lq]`` (``indexer_topk_index_counts``: the 4-bit radix select over each row's visible prefix; the held wide form
 ``wide_topk_index_counts``; counted keys + ``torch.topk``; the two-stage split ``split_topk_index_counts``, each
 chunk's top-k, then the row's among the candidates; the filtered select ``filtered_topk_index_counts``, a floor
-from the row's tile maxima, then the top-k of the entries at or above it; and the op as it dispatches). A form that does not take a shape
-(the held ones past 32,768 entries) shows ``-``.
+from the row's tile maxima, then the top-k of the entries at or above it; and the op as it dispatches). A form that
+does not take a shape (the held ones past 32,768 entries) shows ``-``.
 
 Checks each form against the reference first (``torch.equal`` of the selections; any difference stops the run), then
 times them (CUDA events, median of repeats, after warmup; the second table's decode rows replayed from CUDA graphs).

@@ -242,7 +242,7 @@ def test_filtered_form_selects_as_the_masked_reference(S, Lq, E, levels, k, cap,
     monkeypatch.setattr(indexer_topk, "HELD_WRITE_ROW", E - 1)
     monkeypatch.setenv("DEEPINFER_NVIDIA_TOPK_FILTER", "1")
     assert torch.equal(indexer_topk.indexer_topk_index_counts(scores, counts, k).cpu(), want) and taken == [1]
-    monkeypatch.setattr(indexer_topk, "FILTER_CAP", k * indexer_topk.FILTER_TILE - 1)  # a short row's list: no cap
+    monkeypatch.setattr(indexer_topk, "FILTER_CAP", k * indexer_topk.FILTER_TILE - 1)  # below a k-tile row's list
     with pytest.raises(ValueError, match="exceed"):
         form(scores.reshape(-1, E), counts.reshape(-1), k)
 
