@@ -627,7 +627,7 @@ def test_filtered_kernels_compile_without_spills(capability, tmp_path):
                 ("_listed_overflow_kernel", {**counted, "listed_ptr": "*i32", "out_ptr": "*i32", "k": "i32"},
                  {"CAP": cap, "BLOCK": 1024}, 4),
                 ("_tile_max_kernel", {**counted, "max_ptr": "*i32", "T": "i32"},
-                 {"TILE": indexer_topk.FILTER_TILE, "TILES": 256}, 8),
+                 {"TILE": indexer_topk.FILTER_TILE, "TILES": indexer_topk.TILE_MAX_TILES}, 8),
                 ("_list_kernel", {**counted, "floor_ptr": "*i32", **lists},
                  {"CAP": cap, "BLOCK": indexer_topk.LIST_BLOCK}, indexer_topk.LIST_WARPS)]
     for E in (32768, 65536, 262144):

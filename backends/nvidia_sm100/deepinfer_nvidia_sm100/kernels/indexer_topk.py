@@ -25,6 +25,10 @@ Which form a call takes (``_radix_form``, chosen from ``bench_indexer_topk.py``'
   chunk's top-k selected held on chip by a program of its own and written as candidates (order keys and entry
   indices), then the row's top-k among its candidates by one program holding them: a decode row takes many programs
   instead of one.
+* ``filtered_topk_index_counts`` (``DEEPINFER_NVIDIA_TOPK_FILTER``, off until timed on a GPU: the counted op's
+  prefill calls of rows over ``HELD_WRITE_ROW`` entries, in place of the split): the ``k``-th largest of a row's
+  ``FILTER_TILE``-entry tiles' maxima is a floor at least ``k`` entries reach; one pass lists the entries at or above
+  it (about ``k`` for independent scores) and the row's top-k is selected among them on chip.
 * ``keyed_topk`` (the mask ops' rows over ``HELD_ROW`` entries; ``DEEPINFER_NVIDIA_RADIX_TOPK=0``): one
   Triton pass writes 64-bit keys (score key << 32 | ``E - 1 - index``), all distinct per row, and ``torch.topk`` on
   them picks exactly the entries the stable sort puts first; 8 bytes per score.
@@ -115,6 +119,12 @@ def _radix_keys(scores_ptr, visible_ptr, offs, inside, COUNTED: tl.constexpr = F
     bits = tl.where(score == 0.0, 0, bits)
     bits = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, _NAN_BITS, bits)
     return bits ^ tl.where((bits >> 31) != 0, 0xFFFFFFFF, 0x80000000), seen
+
+
+@triton.jit
+def _visible_count(counts_ptr, row, E):
+    """How many entries row ``row`` sees: its count at ``counts_ptr``, clamped to ``0 .. E``."""
+    return tl.minimum(tl.maximum(tl.load(counts_ptr + row).to(tl.int32), 0), E)
 
 
 @triton.jit
@@ -223,7 +233,7 @@ def _radix_topk_counts_kernel(scores_ptr, counts_ptr, out_ptr, E, k, BLOCK: tl.c
     Indices ``[k]`` int32, ascending, then -1."""
     row = tl.program_id(0).to(tl.int64)
     base = row * E
-    n = tl.minimum(tl.maximum(tl.load(counts_ptr + row).to(tl.int32), 0), E)
+    n = _visible_count(counts_ptr, row, E)
     if n > k:
         prefix, need = _radix_threshold(scores_ptr, scores_ptr, base, n, k, BLOCK, True)
     else:  # every visible entry: keys are never 0 (-inf's is 0x007FFFFF), so all are above the threshold 0
@@ -359,7 +369,7 @@ def _radix_topk_counts_held_kernel(scores_ptr, counts_ptr, out_ptr, E, k, ROW: t
     (``ROW <= 16,384``) the write from registers too (``_held_choice``, ``_held_write_index``), else
     ``_write_index``'s pass over the row just read."""
     row = tl.program_id(0).to(tl.int64)
-    n = tl.minimum(tl.maximum(tl.load(counts_ptr + row).to(tl.int32), 0), E)
+    n = _visible_count(counts_ptr, row, E)
     offs = tl.arange(0, ROW)  # [ROW]
     if WRITE_HELD:
         inside = offs < n
@@ -385,7 +395,7 @@ def _split_chunk_kernel(scores_ptr, counts_ptr, cand_ptr, entry_ptr, E, k, CK, C
     ``min(n, k)``, later ones none, so the row's written candidates are a prefix of its ``CK`` places."""
     row = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * CHUNK
-    n = tl.minimum(tl.maximum(tl.load(counts_ptr + row).to(tl.int32), 0), E)
+    n = _visible_count(counts_ptr, row, E)
     n = tl.minimum(tl.maximum(n - start, 0), CHUNK)
     offs = tl.arange(0, CHUNK)  # [CHUNK]
     inside = offs < n
@@ -404,7 +414,7 @@ def _split_merge_kernel(cand_ptr, entry_ptr, counts_ptr, out_ptr, E, k, CK, CHUN
     selected as ``_radix_topk_counts_held_kernel`` selects (ties: lower place, so lower entry, first), written as
     the entries' indices ``[k]`` int32, ascending, then -1."""
     row = tl.program_id(0).to(tl.int64)
-    n = tl.minimum(tl.maximum(tl.load(counts_ptr + row).to(tl.int32), 0), E)
+    n = _visible_count(counts_ptr, row, E)
     full = n // CHUNK
     _select_listed(cand_ptr + row * CK, entry_ptr + row * CK, full * k + tl.minimum(n - full * CHUNK, k), out_ptr,
                    row, k, ROW, BLOCK, WIDE)
@@ -553,7 +563,8 @@ def split_chunk(E: int, k: int) -> int | None:
     """The chunk a row of ``E`` entries splits into for a top-``k``: ``SPLIT_CHUNK``, or larger (a power of two) so
     that a chunk holds more than ``k`` and the ``C k`` candidates of ``C`` chunks stay within
     ``SPLIT_CANDIDATES``; None where no chunk of at most ``HELD_WRITE_ROW`` entries does."""
-    chunk = max(SPLIT_CHUNK, triton.next_power_of_2(2 * k), triton.next_power_of_2(triton.cdiv(E * k, SPLIT_CANDIDATES)))
+    fewest = triton.next_power_of_2(triton.cdiv(E * k, SPLIT_CANDIDATES))  # chunks for at most SPLIT_CANDIDATES
+    chunk = max(SPLIT_CHUNK, triton.next_power_of_2(2 * k), fewest)
     return chunk if chunk <= HELD_WRITE_ROW and triton.cdiv(E, chunk) * k <= SPLIT_CANDIDATES else None
 
 
@@ -596,6 +607,7 @@ FILTER_TILE = 16  # entries a tile maximum of the filtered select stands for
 FILTER_TILES = 16384  # most tile maxima of a row the filtered select's threshold is chosen among, held on chip
 FILTER_CAP = 8192  # most entries at or above its threshold a row's exact select holds; more: passes over memory
 LIST_BLOCK, LIST_WARPS = 1024, 4  # the listing pass's entries a step and warps (its scan adds every warp's sum)
+TILE_MAX_TILES = 256  # tiles a program of the tile-maxima stage reduces
 
 
 @triton.jit
@@ -604,7 +616,7 @@ def _tile_max_kernel(scores_ptr, counts_ptr, max_ptr, E, T, TILE: tl.constexpr, 
     order key within the row's visible prefix (the ``-inf`` key past it), as int32 bits at ``max_ptr + row * T +
     tile``."""
     row = tl.program_id(0).to(tl.int64)
-    n = tl.minimum(tl.maximum(tl.load(counts_ptr + row).to(tl.int32), 0), E)
+    n = _visible_count(counts_ptr, row, E)
     tiles = tl.program_id(1) * TILES + tl.arange(0, TILES)  # [TILES]
     offs = tiles[:, None] * TILE + tl.arange(0, TILE)[None, :]  # [TILES, TILE]
     keys, _ = _radix_keys(scores_ptr, scores_ptr, row * E + offs, offs < n, True)  # [TILES, TILE] uint32
@@ -619,7 +631,7 @@ def _floor_kernel(counts_ptr, max_ptr, floor_ptr, E, T, k, TILE: tl.constexpr, T
     at or above it; written as int32 bits at ``floor_ptr + row``. A row of at most ``k`` tiles gets 0, below every
     key: all its visible entries."""
     row = tl.program_id(0).to(tl.int64)
-    n = tl.minimum(tl.maximum(tl.load(counts_ptr + row).to(tl.int32), 0), E)
+    n = _visible_count(counts_ptr, row, E)
     tiles = tl.cdiv(n, TILE)
     t = tl.arange(0, T_ROW)  # [T_ROW]
     maxima = tl.load(max_ptr + row * T + t, mask=t < tiles, other=0).to(tl.uint32, bitcast=True)
@@ -638,7 +650,7 @@ def _list_kernel(scores_ptr, counts_ptr, floor_ptr, key_ptr, entry_ptr, listed_p
     indices at ``entry_ptr + row * CAP``, the first ``CAP`` of them, and how many there are at ``listed_ptr +
     row``. Few warps: the list's places are a scan of each block."""
     row = tl.program_id(0).to(tl.int64)
-    n = tl.minimum(tl.maximum(tl.load(counts_ptr + row).to(tl.int32), 0), E)
+    n = _visible_count(counts_ptr, row, E)
     floor = tl.load(floor_ptr + row).to(tl.uint32, bitcast=True)
     found = tl.full((), 0, tl.int32)
     for start in range(0, n, BLOCK):
@@ -671,7 +683,7 @@ def _listed_overflow_kernel(scores_ptr, counts_ptr, listed_ptr, out_ptr, E, k, C
     row's visible prefix (a kernel of its own: beside the held select its registers would spill)."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(listed_ptr + row) > CAP:
-        n = tl.minimum(tl.maximum(tl.load(counts_ptr + row).to(tl.int32), 0), E)
+        n = _visible_count(counts_ptr, row, E)
         prefix, need = _radix_threshold(scores_ptr, scores_ptr, row * E, n, k, BLOCK, True)
         _write_index(scores_ptr, scores_ptr, row * E, n, k, prefix, need, out_ptr, row, BLOCK, True)
 
@@ -685,10 +697,11 @@ def filter_fits(E: int, k: int) -> bool:
 def filtered_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
     """``wide_topk_index_counts`` (same bits) for long rows by a floor: each row's ``FILTER_TILE``-entry tiles' maxima
     (``_tile_max_kernel``), then per row the ``k``-th largest of them as a floor (``_floor_kernel``) and one pass
-    listing the entries at or above it (``_list_kernel``), and the top ``k`` of those (``_listed_select_kernel``; rows that listed more
-    than ``FILTER_CAP``: ``_listed_overflow_kernel``). Reads each score twice whatever ``k`` and selects among about
-    ``k`` entries rather than a row's every entry; its lists take ``R x FILTER_CAP x 8`` bytes. ``scores [R, E]``, row ``r`` sees its first
-    ``counts[r]`` entries; returns ``[R, k]`` int32, ascending, then -1."""
+    listing the entries at or above it (``_list_kernel``), and the top ``k`` of those (``_listed_select_kernel``;
+    rows that listed more than ``FILTER_CAP``: ``_listed_overflow_kernel``). Reads each score twice whatever ``k``
+    and selects among about ``k`` entries rather than a row's every entry; its lists take ``R x FILTER_CAP x 8``
+    bytes. ``scores [R, E]``, row ``r`` sees its first ``counts[r]`` entries; returns ``[R, k]`` int32, ascending,
+    then -1."""
     scores = scores.float().contiguous()
     counts = counts.to(torch.int32).contiguous()
     R, E = scores.shape
@@ -702,9 +715,8 @@ def filtered_topk_index_counts(scores: torch.Tensor, counts: torch.Tensor, k: in
     floors = torch.empty(R, dtype=torch.int32, device=scores.device)  # [R]: order keys
     listed = torch.empty_like(floors)  # [R]
     out = torch.empty(R, k, dtype=torch.int32, device=scores.device)
-    tiles_a_program = 256
-    _tile_max_kernel[(R, triton.cdiv(T, tiles_a_program))](scores, counts, maxima, E, T, TILE=FILTER_TILE,
-                                                           TILES=tiles_a_program, num_warps=8)
+    _tile_max_kernel[(R, triton.cdiv(T, TILE_MAX_TILES))](scores, counts, maxima, E, T, TILE=FILTER_TILE,
+                                                          TILES=TILE_MAX_TILES, num_warps=8)
     t_row = max(triton.next_power_of_2(T), 1024)
     _floor_kernel[(R,)](counts, maxima, floors, E, T, k, TILE=FILTER_TILE, T_ROW=t_row, WIDE=HELD_DIGIT,
                         num_warps=held_warps(t_row))
