@@ -48,15 +48,15 @@ VARIABLES = Variables(
     Variable("DEEPINFER_NVIDIA_RADIX_TOPK_WIDE", bool, True,
              "The radix top-k by wider digits with the row held on chip (one read of the scores; needs Triton >= "
              "3.6, whose tl.histogram takes a mask): rows of up to 32,768 entries at any row count; index mode's "
-             "selection of decode rows and of rows over 16,384 entries in two stages (each 4,096-entry chunk's "
-             "top-k, then the row's among them); the mask forms' rows over 32,768 by order keys and `torch.topk`; "
+             "selection of decode rows (and of prefill rows over 16,384 entries that `DEEPINFER_NVIDIA_TOPK_FILTER` "
+             "leaves) in two stages (each 4,096-entry chunk's top-k, then the row's among them); the mask forms' rows over 32,768 by order keys and `torch.topk`; "
              "0: the 4-bit radix select (8 passes over memory and the write) from "
              "`DEEPINFER_NVIDIA_RADIX_TOPK_MIN_ROWS` rows."),
-    Variable("DEEPINFER_NVIDIA_TOPK_FILTER", bool, False,
+    Variable("DEEPINFER_NVIDIA_TOPK_FILTER", bool, True,
              "With `DEEPINFER_NVIDIA_RADIX_TOPK_WIDE`: index mode's selection of prefill rows (calls of at least 64 "
              "rows) over 16,384 entries by the filtered select (each row's 16-entry tiles' maxima, their 512th "
              "largest as a floor, one pass listing the entries at or above it, their top-k on chip) instead of the "
-             "two-stage split; rows of up to 262,144 entries at top-512."),
+             "two-stage split; rows of up to 262,144 entries at top-512. 0: the split for those rows too."),
     Variable("DEEPINFER_NVIDIA_DECODE_ATTN", bool, True,
              "Triton `sink_attention` for decode rows; 0: the TileLang kernel (SM90, where installed) or the "
              "reference."),

@@ -146,23 +146,27 @@ def test_the_op_takes_the_radix_kernel_from_radix_min_rows(monkeypatch):
     assert taken == ["wide_topk", "wide_topk_index", "radix_topk", "radix_topk_index"]
 
 
-ROUTES = [  # (SPLIT_CHUNK, HELD_ROW, HELD_WRITE_ROW, SPLIT_MAX_ROWS) -> the counted op's form, the mask op's form
-    ((None, None, None, None), ("wide_topk_index_counts", "wide_topk_index")),  # one chunk: held on chip
-    ((256, None, None, None), ("split_topk_index_counts", "wide_topk_index")),  # a decode row of 3 chunks
-    ((256, None, None, 1), ("wide_topk_index_counts", "wide_topk_index")),  # as many rows as a prefill call
-    ((256, None, 512, 1), ("split_topk_index_counts", "wide_topk_index")),  # prefill rows the held kernel reads twice
-    ((256, 512, None, None), ("split_topk_index_counts", "keyed_topk_index")),  # rows longer than HELD_ROW
+ROUTES = [  # (SPLIT_CHUNK, HELD_ROW, HELD_WRITE_ROW, SPLIT_MAX_ROWS), DEEPINFER_NVIDIA_TOPK_FILTER -> the counted
+    # op's form, the mask op's form
+    ((None, None, None, None), "1", ("wide_topk_index_counts", "wide_topk_index")),  # one chunk: held on chip
+    ((256, None, None, None), "1", ("split_topk_index_counts", "wide_topk_index")),  # a decode row of 3 chunks
+    ((256, None, None, 1), "1", ("wide_topk_index_counts", "wide_topk_index")),  # as many rows as a prefill call
+    ((256, None, 512, 1), "1", ("filtered_topk_index_counts", "wide_topk_index")),  # long prefill rows: the filter
+    ((256, None, 512, 1), "0", ("split_topk_index_counts", "wide_topk_index")),  # the same rows, the filter off
+    ((256, 512, None, None), "1", ("split_topk_index_counts", "keyed_topk_index")),  # rows longer than HELD_ROW
 ]
 
 
 @kernel_runs_here
-@pytest.mark.parametrize(("sizes", "forms"), ROUTES)
-def test_the_wide_forms_take_rows_by_count_and_length(sizes, forms, monkeypatch):
+@pytest.mark.parametrize(("sizes", "filtered", "forms"), ROUTES)
+def test_the_wide_forms_take_rows_by_count_and_length(sizes, filtered, forms, monkeypatch):
     """With ``DEEPINFER_NVIDIA_RADIX_TOPK_WIDE`` (the default), a row of 600 entries (``ROUTES``, the sizes made
-    small): of one chunk, the wide form; the counted op's split form for calls of fewer than ``SPLIT_MAX_ROWS`` rows
-    and for rows over ``HELD_WRITE_ROW``; rows over ``HELD_ROW``: the split form (counted op) or keys +
-    ``torch.topk`` (mask op). The same bits each time."""
+    small): of one chunk, the wide form; the counted op's filtered form for calls of at least ``SPLIT_MAX_ROWS`` rows
+    over ``HELD_WRITE_ROW`` entries (with ``DEEPINFER_NVIDIA_TOPK_FILTER``, the default), its split form for fewer
+    rows of more than one chunk and, the filter off, for rows over ``HELD_WRITE_ROW``; rows over ``HELD_ROW``: the
+    split form (counted op) or keys + ``torch.topk`` (mask op). The same bits each time."""
     monkeypatch.delenv("DEEPINFER_NVIDIA_RADIX_TOPK_WIDE", raising=False)
+    monkeypatch.setenv("DEEPINFER_NVIDIA_TOPK_FILTER", filtered)
     for name, size in zip(("SPLIT_CHUNK", "HELD_ROW", "HELD_WRITE_ROW", "SPLIT_MAX_ROWS"), sizes, strict=True):
         if size is not None:
             monkeypatch.setattr(indexer_topk, name, size)
@@ -171,7 +175,8 @@ def test_the_wide_forms_take_rows_by_count_and_length(sizes, forms, monkeypatch)
     visible = torch.arange(600, device=scores.device) < counts[..., None]  # [1, 1, 600]
     want = ref.indexer_topk_index(scores.cpu(), visible.cpu(), 100)
     taken = []
-    for name in ("wide_topk_index", "wide_topk_index_counts", "split_topk_index_counts", "keyed_topk_index"):
+    for name in ("wide_topk_index", "wide_topk_index_counts", "split_topk_index_counts", "filtered_topk_index_counts",
+                 "keyed_topk_index"):
         form = getattr(indexer_topk, name)
         monkeypatch.setattr(indexer_topk, name, lambda *a, n=name, f=form: taken.append(n) or f(*a))
     assert torch.equal(indexer_topk.indexer_topk_index_counts(scores, counts, 100).cpu(), want)
@@ -419,7 +424,8 @@ def test_wide_mask_forms_select_as_the_reference(S, Lq, E, levels, k, monkeypatc
     fewer entries than ``k`` (its k-th key ``-inf``: invisible entries tie the visible ``-inf`` scores), k = E - 1."""
     scores, visible = long_case(S, Lq, E, levels, seed=E + 5)
     want = _check_mask_forms(scores, visible, k, monkeypatch)
-    assert not want[0].any() and 0 < want[1].sum() <= 7 and (want.sum(-1) == torch.clamp(visible.reshape(-1, E).sum(-1), max=k)).all()
+    seen = visible.reshape(-1, E).sum(-1).cpu()  # [R]
+    assert not want[0].any() and 0 < want[1].sum() <= 7 and (want.sum(-1) == torch.clamp(seen, max=k)).all()
 
 
 @kernel_runs_here
