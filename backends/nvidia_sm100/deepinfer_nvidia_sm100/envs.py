@@ -49,7 +49,8 @@ VARIABLES = Variables(
              "The radix top-k by wider digits with the row held on chip (one read of the scores; needs Triton >= "
              "3.6, whose tl.histogram takes a mask): rows of up to 32,768 entries at any row count; index mode's "
              "selection of decode rows (and of prefill rows over 16,384 entries that `DEEPINFER_NVIDIA_TOPK_FILTER` "
-             "leaves) in two stages (each 4,096-entry chunk's top-k, then the row's among them); the mask forms' rows over 32,768 by order keys and `torch.topk`; "
+             "leaves) in two stages (each 4,096-entry chunk's top-k, then the row's among them); the mask forms' "
+             "rows over 32,768 by order keys and `torch.topk`; "
              "0: the 4-bit radix select (8 passes over memory and the write) from "
              "`DEEPINFER_NVIDIA_RADIX_TOPK_MIN_ROWS` rows."),
     Variable("DEEPINFER_NVIDIA_TOPK_FILTER", bool, True,

@@ -20,15 +20,15 @@ Which form a call takes (``_radix_form``, chosen from ``bench_indexer_topk.py``'
   registers up to ``HELD_WRITE_ROW`` (16,384; longer rows read again for the write, from L2). Invisible entries are
   the ``-inf`` key, left out of each histogram and counted apart.
 * ``split_topk_index_counts`` (the counted op, index mode's selection: calls of fewer than ``SPLIT_MAX_ROWS`` rows,
-  i.e. decode steps, and, with ``DEEPINFER_NVIDIA_TOPK_FILTER=0``, rows over ``HELD_WRITE_ROW`` entries): each row cut into chunks
-  of ``SPLIT_CHUNK`` (4,096) entries or more (``split_chunk``: at most ``SPLIT_CANDIDATES`` candidates a row), each
-  chunk's top-k selected held on chip by a program of its own and written as candidates (order keys and entry
-  indices), then the row's top-k among its candidates by one program holding them: a decode row takes many programs
-  instead of one.
+  i.e. decode steps, and, with ``DEEPINFER_NVIDIA_TOPK_FILTER=0``, rows over ``HELD_WRITE_ROW`` entries): each row cut
+  into chunks of ``SPLIT_CHUNK`` (4,096) entries or more (``split_chunk``: at most ``SPLIT_CANDIDATES`` candidates a
+  row), each chunk's top-k selected held on chip by a program of its own and written as candidates (order keys and
+  entry indices), then the row's top-k among its candidates by one program holding them: a decode row takes many
+  programs instead of one.
 * ``filtered_topk_index_counts`` (``DEEPINFER_NVIDIA_TOPK_FILTER``, the default: the counted op's prefill calls of
-  rows over ``HELD_WRITE_ROW`` entries, 1M-context rows included, in place of the split): the ``k``-th largest of a row's
-  ``FILTER_TILE``-entry tiles' maxima is a floor at least ``k`` entries reach; one pass lists the entries at or above
-  it (about ``k`` for independent scores) and the row's top-k is selected among them on chip.
+  rows over ``HELD_WRITE_ROW`` entries, 1M-context rows included, in place of the split): the ``k``-th largest of a
+  row's ``FILTER_TILE``-entry tiles' maxima is a floor at least ``k`` entries reach; one pass lists the entries at or
+  above it (about ``k`` for independent scores) and the row's top-k is selected among them on chip.
 * ``keyed_topk`` (the mask ops' rows over ``HELD_ROW`` entries; ``DEEPINFER_NVIDIA_RADIX_TOPK=0``): one
   Triton pass writes 64-bit keys (score key << 32 | ``E - 1 - index``), all distinct per row, and ``torch.topk`` on
   them picks exactly the entries the stable sort puts first; 8 bytes per score.
