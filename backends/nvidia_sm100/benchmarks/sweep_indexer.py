@@ -12,8 +12,9 @@ the H200's 799 TFLOP/s bf16 peak (docs/performance.md).
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
-import triton
 from cuda_timing import cuda_time
 
 from deepinfer_core.ops import reference as ref
@@ -29,24 +30,9 @@ CONFIGS = [  # (BLOCK_T, TILE_E, warps, stages)
 ]
 
 
-def launch(q, keys, weights, out, config) -> None:
-    """One ``_indexer_scores_kernel`` launch with ``config`` (entry tiles on the grid's first axis)."""
-    from deepinfer_nvidia_sm100.kernels import indexer
-
-    block_t, tile_e, warps, stages = config
-    _, Lq, _, _ = q.shape
-    E = keys.shape[1]
-    strides = (q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), weights.stride(0),
-               weights.stride(1))
-    grid = (triton.cdiv(E, tile_e), triton.cdiv(Lq, block_t), 1)
-    indexer._indexer_scores_kernel[grid](q, keys, weights, out, Lq, E, H, D**-0.5, *strides, D=D, BLOCK_T=block_t,
-                                         BLOCK_E=tile_e, PRECISION="tf32", num_warps=warps, num_stages=stages)
-
-
 def main() -> None:
     from deepinfer_nvidia_sm100.kernels import indexer
 
-    default = (indexer.BLOCK_T, indexer.TILE_E, indexer.TILE_WARPS, indexer.STAGES)
     torch.manual_seed(0)
     print("\nindexer_scores query-tile kernel, 64 heads x 128, bf16 (H200); * = the default")
     print("| shape | queries x entries | BLOCK_T x TILE_E, warps, stages | time | TFLOP/s | % of bf16 peak |")
@@ -57,14 +43,14 @@ def main() -> None:
         weights = torch.randn(1, Lq, H, device="cuda") * 0.125
         rows = torch.linspace(0, Lq - 1, CHECKED_ROWS, device="cuda").long()  # [CHECKED_ROWS]
         want = ref.indexer_scores(q[:, rows], keys, weights[:, rows], D**-0.5)  # [1, CHECKED_ROWS, E]
-        out = torch.empty(1, Lq, E, device="cuda")
+        out, *operands, strides = indexer._prepare(q, keys, weights)  # out [1, Lq, E]; q, keys, weights as read
         flops = 2 * Lq * E * H * D
         for config in CONFIGS:
-            args = (q, keys, weights, out)
-            launch(*args, config)
+            run = partial(indexer.query_tiles, *operands, out, D**-0.5, strides, config)
+            run()
             torch.testing.assert_close(out[:, rows], want, atol=1e-4, rtol=1e-4, msg=lambda m, c=config: f"{c}: {m}")
-            seconds = cuda_time(lambda a=args, c=config: launch(*a, c), reps=10)
-            mark = "*" if config == default else ""
+            seconds = cuda_time(run, reps=10)
+            mark = "*" if config == indexer.QUERY_TILES else ""
             print(f"| {what} | {Lq} x {E} | {config[0]} x {config[1]}, {config[2]}, {config[3]}{mark} | "
                   f"{seconds * 1e3:.3f} ms | {flops / seconds / 1e12:.0f} | {100 * flops / seconds / PEAK:.0f}% |")
 

@@ -24,6 +24,7 @@ from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 
 BLOCK_T, BLOCK_E = 64, 64
 TILE_E, TILE_WARPS, STAGES = 128, 4, 2  # the query-tile kernel's entries per program, warps, pipeline stages
+QUERY_TILES = (BLOCK_T, TILE_E, TILE_WARPS, STAGES)  # its launch: queries, entries a program, warps, stages
 
 
 @triton.jit
@@ -85,18 +86,28 @@ def _scores_fake(q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor
 def indexer_scores(q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, scale: float) -> torch.Tensor:
     """Op ``indexer_scores`` (same contract as the reference op): ``q [S, Lq, H, di]``, ``keys [S, E, di]``,
     ``head_weights [S, Lq, H]`` -> fp32 scores ``[S, Lq, E]``."""
-    S, Lq, H, D = q.shape
+    Lq, D = q.shape[1], q.shape[3]
     if not takes(D):
         return ref.indexer_scores(q, keys, head_weights, scale)
     out, q, keys, weights, strides = _prepare(q, keys, head_weights)
     if out.numel() == 0:
         return out
-    E = keys.shape[1]
     if Lq <= ROWS_KERNEL_MAX_QUERIES:
         return _rows(q, keys, weights, out, scale, strides)
-    grid = (triton.cdiv(E, TILE_E), triton.cdiv(Lq, BLOCK_T), S)  # entry tiles first: running programs share queries
-    _indexer_scores_kernel[grid](q, keys, weights, out, Lq, E, H, float(scale), *strides, D=D, BLOCK_T=BLOCK_T,
-                                 BLOCK_E=TILE_E, PRECISION=_precision(q), num_warps=TILE_WARPS, num_stages=STAGES)
+    return query_tiles(q, keys, weights, out, scale, strides)
+
+
+def query_tiles(q, keys, weights, out, scale: float, strides: tuple,
+                config: tuple[int, int, int, int] = QUERY_TILES) -> torch.Tensor:
+    """``_indexer_scores_kernel`` into ``out [S, Lq, E]`` (operands and strides as ``_prepare`` returns them) with
+    ``config`` = (queries, entries a program, warps, pipeline stages); the grid walks entry tiles first, so the
+    programs running at once share one query tile."""
+    block_t, tile_e, warps, stages = config
+    S, Lq, H, D = q.shape
+    E = keys.shape[1]
+    grid = (triton.cdiv(E, tile_e), triton.cdiv(Lq, block_t), S)
+    _indexer_scores_kernel[grid](q, keys, weights, out, Lq, E, H, float(scale), *strides, D=D, BLOCK_T=block_t,
+                                 BLOCK_E=tile_e, PRECISION=_precision(q), num_warps=warps, num_stages=stages)
     return out
 
 
