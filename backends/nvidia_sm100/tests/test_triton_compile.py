@@ -16,7 +16,7 @@ import re
 import pytest
 
 triton = pytest.importorskip("triton", reason="the test extra installs triton")
-from deepinfer_nvidia_sm100.kernels import hc, moe
+from deepinfer_nvidia_sm100.kernels import hc, indexer, moe
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -82,7 +82,8 @@ SMALL_KERNELS = {  # kernel -> (argument types where not the default, constexprs
                                                        "TENSOR_CORES": False}),
     "hc._hc_mix_finish_kernel": ({}, {"N_P2": 32, "SPLITS_P2": 64}),
     "indexer._indexer_scores_kernel": ({"q_ptr": "*bf16", "k_ptr": "*bf16", "scale": "fp32"},
-                                       {"D": 128, "BLOCK_T": 64, "BLOCK_E": 128, "PRECISION": "tf32"}),
+                                       {"D": 128, "BLOCK_T": indexer.BLOCK_T, "BLOCK_E": indexer.TILE_E,
+                                        "PRECISION": "tf32"}),
     "indexer._indexer_scores_rows_kernel": ({"q_ptr": "*bf16", "k_ptr": "*bf16", "scale": "fp32"},
                                             {"D": 128, "H_P2": 64, "BLOCK_E": 64, "PRECISION": "tf32"}),
     "hc._hc_mix_partial_kernel:tensor_cores": ({"x_ptr": "*bf16"}, {"BLOCK_T": hc.MIX_DOT_BLOCK_T,
