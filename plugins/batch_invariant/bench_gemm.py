@@ -1,10 +1,11 @@
 """The batch-invariant GEMM's launches against cuBLAS on the bench preset's projections (GPU only).
 
     python plugins/batch_invariant/bench_gemm.py [--rows 1 64 256 2048 16384]
+    python plugins/batch_invariant/bench_gemm.py --rows 256 16384 --tiles 128,128,64,8,3 128,256,64,8,3
 
 For every projection of a ``v4-flash-8l64e`` layer (bf16; the grouped ``wo_a`` as 8 groups) and row count: the time of
 ``F.linear`` (cuBLAS; the grouped one as a batched matmul), of ``triton_kernels.matmul_nt`` as the mode runs it
-(``launch_for``'s launch), of every launch in ``triton_kernels.LAUNCHES`` and of the split-K launch with the fold
+(``launch_for``'s launch for the row count and the weight), of every launch in ``triton_kernels.LAUNCHES`` and of the split-K launch with the fold
 kernel, each checked to give the same bits as the mode's. CUDA events, median of repeats after warm-up, each call
 replayed from a CUDA graph (as a decode step runs). Prints one table (time per call, the mode's time over cuBLAS's),
 the fastest launch per row count summed over the projections, and a ``DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES`` value
@@ -14,6 +15,7 @@ from those (``suggest``).
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 
 import torch
@@ -64,14 +66,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split-targets", nargs="+", metavar="PROGRAMS:MIN_BLOCKS",
                         help="instead: the split-K launch at each K-split target (``split_k``'s programs per row tile "
                              "and fewest K blocks a split), summed over the projections but the head")
+    parser.add_argument("--tiles", nargs="+", metavar="BM,BN,BK,WARPS,STAGES",
+                        help="instead: the serial and the split-K launch at each tile, every projection and row count")
     args = parser.parse_args(argv)
     if args.split_targets:
         return sweep_split_targets(args.rows, args.split_targets)
+    if args.tiles:
+        return sweep_tiles(args.rows, [tuple(int(v) for v in t.split(",")) for t in args.tiles])
     gen = torch.Generator(device="cuda").manual_seed(0)
     launches = list(tk.LAUNCHES)
     print("| projection | rows | cuBLAS | mode | mode / cuBLAS | " + " | ".join(launches) + " | split, fold kernel |")
     print("|---|---|---|---|---|" + "---|" * (len(launches) + 1))
     totals: dict[int, dict[str, float]] = {}  # rows -> launch -> seconds summed over the projections
+    mode_totals: dict[int, float] = {}  # rows -> the mode's launches (by projection) summed
     for name, n, k, groups in SHAPES:
         w = (torch.randn(groups * n, k, device="cuda", generator=gen) * 0.02).bfloat16()
         for m in args.rows:
@@ -92,10 +99,11 @@ def main(argv: list[str] | None = None) -> int:
                 for launch in launches:
                     totals.setdefault(m, {}).setdefault(launch, 0.0)
                     totals[m][launch] += cells[launch]
+                mode_totals[m] = mode_totals.get(m, 0.0) + ours
             print(f"| {name} | {m} | {base * 1e6:.1f} us | {ours * 1e6:.1f} us | {ours / base:.2f}x | "
                   + " | ".join(f"{cells[v] * 1e6:.1f} us" for v in variants) + " |")
     print("\nsummed over the projections but the head, per row count: " + ", ".join(
-        f"{m}: {min(t, key=t.get)} ({1e6 * min(t.values()):.0f} us; mode's {1e6 * t[tk.launch_for(m, torch.bfloat16)]:.0f})"
+        f"{m}: {min(t, key=t.get)} ({1e6 * min(t.values()):.0f} us; mode's {1e6 * mode_totals[m]:.0f})"
         for m, t in totals.items()))
     print(f"DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES={suggest(totals)}")
     return 0
@@ -135,6 +143,42 @@ def sweep_split_targets(rows: list[int], targets: list[str]) -> int:
     best = min(totals, key=totals.get)
     programs, _, min_blocks = best.partition(":")
     print(f"DEEPINFER_BATCH_INVARIANT_SPLIT_K_PROGRAMS={programs} DEEPINFER_BATCH_INVARIANT_MIN_SPLIT_BLOCKS={min_blocks}")
+    return 0
+
+
+def sweep_tiles(rows: list[int], tiles: list[tuple[int, ...]]) -> int:
+    """Each tile in the serial launch and in the split-K launch (``_grouped_matmul``'s ``tile``), per projection and
+    row count, each checked to give the mode's bits (a tile that does not is reported, not timed); the last lines sum
+    each variant over the projections but the head, per row count."""
+    from deepinfer_batch_invariant import triton_kernels as tk
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    variants = {f"{launch} {'x'.join(map(str, tile))}": {"launch": launch, "tile": tile}
+                for tile in tiles for launch in ("wide", "split_wide")}
+    print("| projection | rows | cuBLAS | mode | " + " | ".join(variants) + " |")
+    print("|---|---|---|---|" + "---|" * len(variants))
+    totals: dict[int, dict[str, float]] = {}
+    for name, n, k, groups in SHAPES:
+        w = (torch.randn(groups * n, k, device="cuda", generator=gen) * 0.02).bfloat16()
+        for m in rows:
+            if name == "head" and m > 256:
+                continue
+            x = torch.randn(m, groups, k, device="cuda", generator=gen).bfloat16()
+            mode = tk._grouped_matmul(x, w, groups)
+            cells = {"cuBLAS": _time(lambda x=x, w=w, g=groups: _cublas(x, w, g)),
+                     "mode": _time(lambda x=x, w=w, g=groups: tk._grouped_matmul(x, w, g))}
+            for variant, kw in variants.items():
+                same = torch.equal(tk._grouped_matmul(x, w, groups, **kw), mode)
+                cells[variant] = _time(lambda x=x, w=w, g=groups, kw=kw: tk._grouped_matmul(x, w, g, **kw)) \
+                    if same else float("nan")
+            if name != "head":
+                for variant, seconds in cells.items():
+                    totals.setdefault(m, {}).setdefault(variant, 0.0)
+                    totals[m][variant] += seconds
+            print(f"| {name} | {m} | " + " | ".join(
+                "other bits" if math.isnan(v) else f"{v * 1e6:.1f} us" for v in cells.values()) + " |")
+    for m, t in totals.items():
+        print(f"{m} rows, summed but the head: " + ", ".join(f"{v} {1e6 * s:.0f} us" for v, s in t.items()))
     return 0
 
 

@@ -157,8 +157,9 @@ def test_fused_fold_agrees_with_the_fold_kernel_on_gpu(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_moe_tiles_agree_bitwise_on_gpu(dtype):
-    """The mode's two MoE tiles (``invariant.MOE_TILE`` up to 64 assignments per expert, ``MOE_PREFILL_TILE`` above)
-    give every token the same bits: one token alone (the decode tile) equals it among 1,500 others."""
+    """The mode's MoE kernels (``invariant.MOE_TILE`` up to 64 assignments per expert; above, the CUTLASS grouped GEMM
+    for bf16 and ``MOE_PREFILL_TILE``) give every token the same bits: one token alone (the decode tile) equals it
+    among 1,500 others, through each of them."""
     from deepinfer_nvidia_sm100.kernels import invariant, moe
 
     gen = torch.Generator().manual_seed(3)
@@ -172,7 +173,11 @@ def test_moe_tiles_agree_bitwise_on_gpu(dtype):
     assert invariant.moe_tile(top_k, E) == invariant.MOE_TILE
     many = invariant.moe_experts(x, ids, weights, w1, w2, w3, 10.0)
     small = moe.moe_experts(x, ids, weights, w1, w2, w3, 10.0, config=invariant.MOE_TILE)
-    assert torch.equal(many, small)
+    wide = moe.moe_experts(x, ids, weights, w1, w2, w3, 10.0, config=invariant.MOE_PREFILL_TILE)
+    assert torch.equal(many, small) and torch.equal(wide, small)
+    if dtype == torch.bfloat16:
+        assert moe.uses_grouped_gemm(x, T * top_k, E)
+        assert torch.equal(moe.moe_experts_grouped(x, ids, weights, w1, w2, w3, 10.0), small)
     for t in (0, 777, T - 1):
         alone = invariant.moe_experts(x[t:t + 1], ids[t:t + 1], weights[t:t + 1], w1, w2, w3, 10.0)
         assert torch.equal(alone, many[t:t + 1]), t

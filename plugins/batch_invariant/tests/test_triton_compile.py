@@ -63,6 +63,7 @@ def _record_launches() -> dict[tuple, tuple]:
                                      torch.randn(40, k, generator=gen).to(dtype))
         x, w = torch.randn(3, 1, 1024, generator=gen).bfloat16(), torch.randn(40, 1024, generator=gen).bfloat16()
         triton_kernels._grouped_matmul(x, w, 1, launch="wide")  # the prefill tile, its two K splits in one program
+        triton_kernels._grouped_matmul(x, w, 1, launch="wide_short")  # the same in 64-row tiles
         triton_kernels._grouped_matmul(x, w, 1, launch="split", fused_fold=False)  # the fold kernel
         triton_kernels._grouped_matmul(x, w, 1, launch="split_wide")  # the batch-sized split-K tile
         q, keys, weights = _indexer_sequence(gen, 2, 16)

@@ -199,16 +199,21 @@ def test_gemm_launches_by_row_count_from_the_variable(monkeypatch):
     """``DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES`` replaces ``ROW_LAUNCHES``; fp32 keeps the split-K launch; a
     malformed value names itself and the launches."""
     bf16 = torch.bfloat16
-    assert triton_kernels.launch_for(1, bf16) == "split"
-    assert triton_kernels.launch_for(triton_kernels.WIDE_MIN_ROWS, bf16) == "wide"
+    assert triton_kernels.launch_for(1, bf16, 4096) == "split"
+    assert triton_kernels.launch_for(128, bf16, 4096) == "split_wide"
+    wide = triton_kernels.WIDE_MIN_ROWS
+    assert triton_kernels.launch_for(wide, bf16, 32768) == "wide"  # 512 programs of 128 x 128
+    assert triton_kernels.launch_for(wide, bf16, 4096) == "wide_short"  # 64: too few for the GPU
+    assert triton_kernels.launch_for(wide, bf16, 1024, groups=8) == "wide_short"
+    assert triton_kernels.launch_for(16384, bf16, 4096) == "wide"
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES", "256:split_wide, 0:split,1024:wide")
-    got = [triton_kernels.launch_for(m, bf16) for m in (1, 255, 256, 1023, 1024)]
+    got = [triton_kernels.launch_for(m, bf16, 32768) for m in (1, 255, 256, 1023, 1024)]
     assert got == ["split", "split", "split_wide", "split_wide", "wide"]
-    assert triton_kernels.launch_for(4096, torch.float32) == "split"
+    assert triton_kernels.launch_for(4096, torch.float32, 4096) == "split"
     for bad in ("64:split_wide", "0:split,x:wide", "0:tall"):
         monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES", bad)
         with pytest.raises(ValueError, match="DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES"):
-            triton_kernels.launch_for(8, bf16)
+            triton_kernels.launch_for(8, bf16, 4096)
 
 
 def test_split_k_partials_folded_by_each_tiles_last_program(monkeypatch):

@@ -8,11 +8,13 @@ a count that follows the batch. Those are offered as they are, and so is ``index
 reference sort's entries (no arithmetic on the scores). Four choose a launch from the number of rows in the
 fast path and are offered with a launch fixed by shapes instead:
 
-* ``moe_experts``: the Triton grouped GEMMs with 64-row tiles and one BLOCK_K (``MOE_TILE``, and twice as wide
-  ``MOE_PREFILL_TILE`` for prefill sizes: the same ``tl.dot`` steps along K for every output element; no CUTLASS
-  grouped GEMM for prefill, no one-token kernels: their products are summed in another order). Every row of a
-  ``tl.dot`` tile is computed alike, and a token's experts are combined in ascending expert id, so a token's result
-  depends only on its own input and routing. No atomics.
+* ``moe_experts``: the Triton grouped GEMMs with 64-row tiles (``MOE_TILE``) up to ``MOE_PREFILL_MIN_PER_EXPERT``
+  assignments per expert; above, for bf16, the fast path's CUTLASS grouped GEMM (``moe.moe_experts_grouped``), and
+  for other dtypes the twice as wide ``MOE_PREFILL_TILE``. None of them splits K: every output element is one
+  tensor-core accumulation along K in ascending order, which gives the same bits whatever the tile, its BLOCK_K or the
+  kernel (``test_cuda.py`` and ``benchmarks/bench_moe.py`` check the three against each other on the GPU). No one-token
+  kernels: their products are summed in another order. A token's experts are combined in ascending expert id, so a
+  token's result depends only on its own input and routing. No atomics.
 * ``hc_pre`` / ``hc_pre_normed``: the mixing logits' K split follows the row length alone
   (``hc.INVARIANT_MIX_SPLITS``), one kernel for every token count (``hc_mix_logits(..., invariant=True)``); the
   weights stay on the caller's stream.
@@ -70,9 +72,12 @@ INDEX_OPS = ("compressor_window", "decode_key_index", "decode_entry_places", "de
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                 w3: torch.Tensor, limit: float) -> torch.Tensor:
-    """``reference.moe_experts`` through the Triton grouped GEMMs: ``MOE_TILE``, or ``MOE_PREFILL_TILE`` for prefill
-    sizes (``moe_tile``)."""
-    return moe.moe_experts(x, ids, weights, w1, w2, w3, limit, config=moe_tile(ids.numel(), w1.shape[0]))
+    """``reference.moe_experts`` through the Triton grouped GEMMs at ``MOE_TILE``; for prefill sizes (``moe_tile``)
+    through the CUTLASS grouped GEMM where the fast path takes it (bf16), else at ``MOE_PREFILL_TILE``."""
+    tile = moe_tile(ids.numel(), w1.shape[0])
+    if tile == MOE_PREFILL_TILE and moe.uses_grouped_gemm(x, ids.numel(), w1.shape[0]):
+        return moe.moe_experts_grouped(x, ids, weights, w1, w2, w3, limit)
+    return moe.moe_experts(x, ids, weights, w1, w2, w3, limit, config=tile)
 
 
 def moe_tile(num_assign: int, num_experts: int) -> tuple[int, int, int, int]:

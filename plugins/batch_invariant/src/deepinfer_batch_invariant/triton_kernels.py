@@ -56,28 +56,40 @@ MM_CONFIGS = {torch.bfloat16: (64, 64, 64, 4, 3), torch.float16: (64, 64, 64, 4,
 # The same product in prefill-sized tiles: 128 x 128 tiles on two warpgroups, the same BLOCK_K (so the same ``tl.dot``
 # steps along K, in the same order), each program running every K split of its tile one after the other and folding
 # them in split order in registers: the split-K launch's arithmetic, element by element, without its fp32 partials in
-# memory (``splits x M x N`` floats: a GiB per projection at 16,384 rows).
-MM_WIDE_CONFIGS = {torch.bfloat16: (128, 128, 64, 8, 3), torch.float16: (128, 128, 64, 8, 3)}
-LAUNCHES = {  # name: (tiles by dtype, serial): every launch gives an element the same bits (same BLOCK_K, same splits)
+# memory (``splits x M x N`` floats: a GiB per projection at 16,384 rows). Four stages: a program that folds splits
+# holds two accumulators, so one program fills an SM's registers anyway (``ONE_SPLIT_STAGES`` otherwise).
+MM_WIDE_CONFIGS = {torch.bfloat16: (128, 128, 64, 8, 4), torch.float16: (128, 128, 64, 8, 4)}
+# The serial launch in 64 x 128 tiles on one warpgroup: twice the programs of the 128 x 128 tile at a given row count.
+MM_SHORT_CONFIGS = {torch.bfloat16: (64, 128, 64, 4, 4), torch.float16: (64, 128, 64, 4, 4)}
+LAUNCHES = {  # name: (tiles by dtype, serial): every launch gives an element the same bits (same splits, K in order)
     "split": (MM_CONFIGS, False),  # a program per tile and K split, the partials added by the tile's last program
     "split_wide": (MM_WIDE_CONFIGS, False),  # the same in 128 x 128 tiles
     "wide": (MM_WIDE_CONFIGS, True),  # a program per tile, its splits one after the other (``WIDE_GROUP_M``)
+    "wide_short": (MM_SHORT_CONFIGS, True),  # the same in 64 x 128 tiles
 }
-WIDE_MIN_ROWS = 512  # the default row launches' last bound (``ROW_LAUNCHES``)
+ONE_SPLIT_STAGES = 3
+"""Pipeline stages of a serial 128 x 128 program over an unsplit weight (one accumulator): at three stages two such
+programs share an SM's shared memory, so one's epilogue overlaps the other's loads."""
+WIDE_MIN_ROWS = 256  # the default row launches' last bound (``ROW_LAUNCHES``)
 ROW_LAUNCHES = ((WIDE_MIN_ROWS, "wide"), (128, "split_wide"), (0, "split"))
 """(fewest rows, launch) of a 16-bit GEMM, largest bound first (``DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES`` replaces
-it): the split-K launch keeps a decode step's weight read spread over the GPU, in 128 x 128 tiles from 128 rows (on
-the H200, bench_gemm.py: the head at 256 rows 549 us against 825 us in 64 x 64 tiles, ``wq_b`` 38 against 52; the
-other projections within 10%; 64 x 128 tiles were never the fastest), the wide one reads prefill-sized activations
-once per row-tile group. All give a row the same bits (``test_cuda.py`` checks them against each other on the GPU),
-so the choice may follow the row count."""
+it): the split-K launch keeps a decode step's weight read spread over the GPU, in 128 x 128 tiles from 128 rows; from
+256 rows the serial launch, whose programs sum their splits in registers (no partials in memory), in 64-row tiles where
+128-row ones would leave the GPU short of programs (``WIDE_MIN_PROGRAMS``). All give a row the same bits
+(``test_cuda.py`` checks them against each other on the GPU), so the choice may follow the row count and the weight's
+shape (docs/batch-invariant.md has the timings behind it)."""
+WIDE_MIN_PROGRAMS = 264
+"""Fewest 128 x 128 programs (two per SM of an H200) for the ``wide`` launch to keep its tile; fewer take
+``wide_short``."""
 WIDE_GROUP_M = 8
 """Row tiles a wide launch walks together (``_grouped_tile``): at 16,384 rows x 4,096 a projection's activations are
 read from HBM once per 8 row tiles' sweep of the columns instead of once per column tile."""
 ROW_BLOCK_MAX = 4096
 """Largest block of a row reduction; longer rows are reduced block by block in a fixed loop."""
-ATTN_BLOCK_H = 16
-"""Query heads per attention program (``tl.dot`` needs M >= 16; fewer heads are masked)."""
+ATTN_BLOCK_H = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 16}
+"""Query heads per attention program by dtype (``tl.dot`` needs M >= 16; fewer heads are masked): the heads of a
+query share its keys (one latent KV head), so 16-bit runs take 64 heads a program and read each key once per query
+(Hopper's wgmma M); fp32 operands keep 16, their ``[heads, head_dim]`` tile being twice as large."""
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -287,19 +299,26 @@ def row_launches() -> tuple[tuple[int, str], ...]:
     return tuple(sorted(pairs, reverse=True))
 
 
-def launch_for(m: int, dtype: torch.dtype) -> str:
-    """The GEMM launch of ``m`` rows (``row_launches``); fp32 always the split-K launch (its own small tiles)."""
+def launch_for(m: int, dtype: torch.dtype, n: int, groups: int = 1) -> str:
+    """The GEMM launch of ``m`` rows by a ``[groups * n, K]`` weight (``row_launches``; ``wide`` as ``wide_short`` where
+    its 128 x 128 tiles number fewer than ``WIDE_MIN_PROGRAMS``); fp32 always the split-K launch (its own small
+    tiles)."""
     if dtype not in MM_WIDE_CONFIGS:
         return "split"
-    return next(name for rows, name in row_launches() if m >= rows)
+    name = next(name for rows, name in row_launches() if m >= rows)
+    block_m, block_n = MM_WIDE_CONFIGS[dtype][:2]
+    if name == "wide" and triton.cdiv(m, block_m) * triton.cdiv(n, block_n) * groups < WIDE_MIN_PROGRAMS:
+        return "wide_short"
+    return name
 
 
 def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, groups: int, launch: str | None = None,
-                    fused_fold: bool | None = None) -> torch.Tensor:
+                    fused_fold: bool | None = None, tile: tuple[int, ...] | None = None) -> torch.Tensor:
     """``x [M, G, K]`` (any strides), ``weight [G * N, K]`` -> ``[M, G, N]`` in ``x.dtype`` (docstrings above).
 
     ``launch``: one of ``LAUNCHES`` (16-bit operands), by default ``launch_for``'s. ``fused_fold`` False: the split-K
     launches' partials folded by ``_fold_splits_kernel`` rather than by each tile's last program (``_fold_counts``).
+    ``tile``: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) in place of the launch's (bench_gemm.py's sweep).
     All compute the same splits and add them in the same order."""
     if x.dtype != weight.dtype:
         raise TypeError(f"matmul_nt: x is {x.dtype}, weight is {weight.dtype}")
@@ -309,8 +328,10 @@ def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, groups: int, launch: 
     if m == 0 or n == 0:
         return out
     k_split, splits = _k_splits(n, k, x.dtype, groups)
-    configs, serial_launch = LAUNCHES[launch or launch_for(m, x.dtype)]
-    block_m, block_n, block_k, warps, stages = configs[x.dtype]
+    configs, serial_launch = LAUNCHES[launch or launch_for(m, x.dtype, n, groups)]
+    block_m, block_n, block_k, warps, stages = tile or configs[x.dtype]
+    if serial_launch and splits == 1 and tile is None and block_m == MM_WIDE_CONFIGS[x.dtype][0]:
+        stages = ONE_SPLIT_STAGES
     serial = serial_launch or splits == 1
     size = m * groups * n
     group_m = WIDE_GROUP_M if serial_launch else 0
@@ -611,7 +632,7 @@ def sink_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sin
     """Reference ``sink_attention`` over each query's own visible keys in fixed ``KV_CHUNK`` chunks.
 
     ``q [S, Lq, H, d]``, ``kv [S, Lk, d]``, ``visible [S, Lq, Lk]``, ``sinks [H]``; returns ``[S, Lq, H, d]`` in
-    ``q.dtype``. One program per (query, block of ``ATTN_BLOCK_H`` heads) runs an online softmax over the
+    ``q.dtype``. One program per (query, block of ``ATTN_BLOCK_H[dtype]`` heads) runs an online softmax over the
     query's chunks in order (the running max starts at the sink logit; a query without keys gets 0).
     """
     S, Lq, H, d = q.shape
@@ -621,11 +642,12 @@ def sink_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sin
     if S * Lq == 0:
         return out
     idx, counts = compact_visible(visible)
-    grid = (S * Lq, triton.cdiv(H, ATTN_BLOCK_H))
+    block_h = ATTN_BLOCK_H[q.dtype]
+    grid = (S * Lq, triton.cdiv(H, block_h))
     _sink_attention_kernel[grid](q, kv, idx, counts, sinks.float().contiguous(), out, Lq, H, d, float(scale),
                                  q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), idx.stride(0),
                                  out.stride(0), out.stride(1), out.stride(2),
-                                 BLOCK_H=ATTN_BLOCK_H, BLOCK_D=_pow2(d), CHUNK=KV_CHUNK,
+                                 BLOCK_H=block_h, BLOCK_D=_pow2(d), CHUNK=KV_CHUNK,
                                  PRECISION=_precision(q.dtype), EMULATE=_EMULATE,
                                  num_warps=4 if d <= 128 else 8, num_stages=2, **_pdl())
     return out
