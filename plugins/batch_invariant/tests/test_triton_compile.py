@@ -66,6 +66,7 @@ def _record_launches() -> dict[tuple, tuple]:
         triton_kernels._grouped_matmul(x, w, 1, launch="wide_short")  # the same in 64-row tiles
         triton_kernels._grouped_matmul(x, w, 1, launch="split", fused_fold=False)  # the fold kernel
         triton_kernels._grouped_matmul(x, w, 1, launch="split_wide")  # the batch-sized split-K tile
+        triton_kernels._grouped_matmul(x, w, 1, launch="split_swap")  # weights on the left
         q, keys, weights = _indexer_sequence(gen, 2, 16)
         ops["indexer_scores"](q[None], keys[None], weights[None], 16**-0.5)
     finally:
@@ -158,8 +159,8 @@ def test_the_fused_fold_counts_with_an_acquire_release_atomic():
 
 def test_every_gemm_launch_was_recorded():
     """Each of ``LAUNCHES`` (tile and serial / split-K) is among the compiled launches."""
-    recorded = {(dict(options)["BLOCK_M"], dict(options)["BLOCK_N"], dict(options)["SERIAL"])
+    recorded = {(dict(options)["BLOCK_M"], dict(options)["BLOCK_N"], dict(options)["SERIAL"], dict(options)["SWAP"])
                 for name, _, options in LAUNCHES if name == "_matmul_nt_kernel"}
-    for launch, (configs, serial) in triton_kernels.LAUNCHES.items():
-        block_m, block_n = configs[torch.bfloat16][:2]
-        assert (block_m, block_n, serial) in recorded, launch
+    for launch, spec in triton_kernels.LAUNCHES.items():
+        block_m, block_n = spec.configs[torch.bfloat16][:2]
+        assert (block_m, block_n, spec.serial, spec.swap) in recorded, launch

@@ -178,17 +178,17 @@ def test_wide_gemm_launch_gives_the_split_launch_bits(monkeypatch):
 
 
 def test_every_gemm_launch_gives_the_split_launch_bits():
-    """The batch-sized split-K tile (128 x 128) computes the same splits at the same BLOCK_K as the 64 x 64
-    one: the same bits for every row, plain and grouped (the interpreter checks indexing, masks and fold order; the
-    tensor cores' bits: test_cuda.py)."""
+    """Every launch (the split-K tile in 128 x 128, with the operands swapped, the serial tiles) computes the same
+    splits at the same BLOCK_K as the 64 x 64 split-K one: the same bits for every row, plain and grouped (the
+    interpreter checks indexing, masks and fold order; the tensor cores' bits: test_cuda.py)."""
     bf16 = torch.bfloat16
     gen = torch.Generator().manual_seed(6)
     w = (torch.randn(200, 1100, generator=gen) * 0.05).to(bf16)  # 2 splits
     x = torch.randn(150, 1, 1100, generator=gen).to(bf16)
     wg = (torch.randn(2 * 40, 1024, generator=gen) * 0.05).to(bf16)
     xg = torch.randn(70, 2, 1024, generator=gen).to(bf16)
-    for launch, (configs, _) in triton_kernels.LAUNCHES.items():
-        assert configs[bf16][2] == triton_kernels.MM_CONFIGS[bf16][2], launch  # one BLOCK_K
+    for launch, spec in triton_kernels.LAUNCHES.items():
+        assert spec.configs[bf16][2] == triton_kernels.MM_CONFIGS[bf16][2], launch  # one BLOCK_K
         assert torch.equal(triton_kernels._grouped_matmul(x, w, 1, launch=launch),
                            triton_kernels._grouped_matmul(x, w, 1, launch="split")), launch
         assert torch.equal(triton_kernels._grouped_matmul(xg, wg, 2, launch=launch),

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -61,11 +62,26 @@ MM_CONFIGS = {torch.bfloat16: (64, 64, 64, 4, 3), torch.float16: (64, 64, 64, 4,
 MM_WIDE_CONFIGS = {torch.bfloat16: (128, 128, 64, 8, 4), torch.float16: (128, 128, 64, 8, 4)}
 # The serial launch in 64 x 128 tiles on one warpgroup: twice the programs of the 128 x 128 tile at a given row count.
 MM_SHORT_CONFIGS = {torch.bfloat16: (64, 128, 64, 4, 4), torch.float16: (64, 128, 64, 4, 4)}
-LAUNCHES = {  # name: (tiles by dtype, serial): every launch gives an element the same bits (same splits, K in order)
-    "split": (MM_CONFIGS, False),  # a program per tile and K split, the partials added by the tile's last program
-    "split_wide": (MM_WIDE_CONFIGS, False),  # the same in 128 x 128 tiles
-    "wide": (MM_WIDE_CONFIGS, True),  # a program per tile, its splits one after the other (``WIDE_GROUP_M``)
-    "wide_short": (MM_SHORT_CONFIGS, True),  # the same in 64 x 128 tiles
+# The split-K launch with the operands swapped (``out^T = W x^T``): 64 weight rows a tile on the left of the product,
+# at most 16 activation rows on the right, so a decode step's few rows are not padded to a 64-row tile.
+MM_SWAP_CONFIGS = {torch.bfloat16: (16, 64, 64, 4, 4), torch.float16: (16, 64, 64, 4, 4)}
+
+
+class Launch(NamedTuple):
+    """A GEMM launch: its tiles by dtype, whether a program sums its tile's splits itself (``serial``), and whether
+    the weight tile is the product's left operand (``swap``)."""
+
+    configs: dict
+    serial: bool
+    swap: bool = False
+
+
+LAUNCHES = {  # every launch gives an element the same bits (same splits, K in order)
+    "split": Launch(MM_CONFIGS, False),  # a program per tile and K split, the partials added by the tile's last program
+    "split_swap": Launch(MM_SWAP_CONFIGS, False, swap=True),  # the same, weights on the left, 16-row activation tiles
+    "split_wide": Launch(MM_WIDE_CONFIGS, False),  # the same in 128 x 128 tiles
+    "wide": Launch(MM_WIDE_CONFIGS, True),  # a program per tile, its splits one after the other (``WIDE_GROUP_M``)
+    "wide_short": Launch(MM_SHORT_CONFIGS, True),  # the same in 64 x 128 tiles
 }
 ONE_SPLIT_STAGES = 3
 """Pipeline stages of a serial 128 x 128 program over an unsplit weight (one accumulator): at three stages two such
@@ -168,8 +184,20 @@ def split_k(n: int, k: int, block_n: int, block_k: int, groups: int = 1) -> int:
 @triton.jit
 def _split_product(x_ptr, w_ptr, rm, rn, m_mask, n_mask, k_start, k_end, sxm, sxk, swn, swk,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PRECISION: tl.constexpr, EMULATE: tl.constexpr):
-    """``x[rm, k_start:k_end] @ w[rn, k_start:k_end].T`` in fp32, ``BLOCK_K`` at a time from ``k_start``, from zero."""
+                   PRECISION: tl.constexpr, EMULATE: tl.constexpr, SWAP: tl.constexpr = False):
+    """``x[rm, k_start:k_end] @ w[rn, k_start:k_end].T`` in fp32, ``BLOCK_K`` at a time from ``k_start``, from zero;
+    with ``SWAP`` as ``(w @ x.T).T``: the same products, summed along K in the same order."""
+    if SWAP:
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            k_mask = rk < k_end
+            w = tl.load(w_ptr + rn[:, None].to(tl.int64) * swn + rk[None, :] * swk,
+                        mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+            x_t = tl.load(x_ptr + rm[None, :].to(tl.int64) * sxm + rk[:, None] * sxk,
+                          mask=m_mask[None, :] & k_mask[:, None], other=0.0)  # [BLOCK_K, BLOCK_M]
+            acc_t = _dot(w, x_t, acc_t, PRECISION, EMULATE)
+        return tl.trans(acc_t)  # [BLOCK_M, BLOCK_N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
@@ -195,7 +223,7 @@ def _grouped_tile(pid, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 def _matmul_nt_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT, SPLITS, sxm, sxk, swn, swk, som,
                       son, sos, sxg, swg, sog, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       SERIAL: tl.constexpr, FOLD: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
-                      EMULATE: tl.constexpr, PDL: tl.constexpr = False):
+                      EMULATE: tl.constexpr, PDL: tl.constexpr = False, SWAP: tl.constexpr = False):
     """One ``[BLOCK_M, BLOCK_N]`` tile of ``x @ w.T`` for one group (its operands and outputs ``sxg`` / ``swg`` /
     ``sog`` elements on), fp32 accumulation, K in ``SPLITS`` ranges ``K_SPLIT`` long.
 
@@ -205,7 +233,8 @@ def _matmul_nt_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPL
     adds them, or (``FOLD``) the tile's last program to finish, counted in ``count`` (one int32 per tile, zero before
     and reset after), adds them in split order into ``out``. Every launch adds the same numbers in the same order.
     ``GROUP_M`` (serial launch): ``program_id(0)`` numbers the tiles ``GROUP_M`` row tiles at a time, column tile by
-    column tile, so the programs running together share their rows and columns in L2 (an order of work only)."""
+    column tile, so the programs running together share their rows and columns in L2 (an order of work only).
+    ``SWAP``: the weight tile on the left of each product (``_split_product``)."""
     _begin(PDL)
     if GROUP_M > 0:
         pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -228,14 +257,14 @@ def _matmul_nt_kernel(x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPL
     n_mask = rn < N
     k_start = split * K_SPLIT
     acc = _split_product(x_ptr, w_ptr, rm, rn, m_mask, n_mask, k_start, tl.minimum(k_start + K_SPLIT, K),
-                         sxm, sxk, swn, swk, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, EMULATE)
+                         sxm, sxk, swn, swk, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, EMULATE, SWAP)
     at = rm[:, None].to(tl.int64) * som + rn[None, :] * son  # [BLOCK_M, BLOCK_N]
     mask = m_mask[:, None] & n_mask[None, :]
     if SERIAL:
         for later in range(1, SPLITS):  # ((s0 + s1) + s2) + ...: _fold_splits_kernel's order
             k_start = later * K_SPLIT
             acc += _split_product(x_ptr, w_ptr, rm, rn, m_mask, n_mask, k_start, tl.minimum(k_start + K_SPLIT, K),
-                                  sxm, sxk, swn, swk, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, EMULATE)
+                                  sxm, sxk, swn, swk, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, EMULATE, SWAP)
         tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(part_ptr + split.to(tl.int64) * sos + at, acc, mask=mask)
@@ -328,7 +357,7 @@ def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, groups: int, launch: 
     if m == 0 or n == 0:
         return out
     k_split, splits = _k_splits(n, k, x.dtype, groups)
-    configs, serial_launch = LAUNCHES[launch or launch_for(m, x.dtype, n, groups)]
+    configs, serial_launch, swap = LAUNCHES[launch or launch_for(m, x.dtype, n, groups)]
     block_m, block_n, block_k, warps, stages = tile or configs[x.dtype]
     if serial_launch and splits == 1 and tile is None and block_m == MM_WIDE_CONFIGS[x.dtype][0]:
         stages = ONE_SPLIT_STAGES
@@ -344,7 +373,7 @@ def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, groups: int, launch: 
                             x.stride(1), n * weight.stride(0), n,
                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SERIAL=serial, FOLD=counts is not None,
                             GROUP_M=group_m, PRECISION=_precision(x.dtype), EMULATE=_EMULATE, num_warps=warps,
-                            num_stages=stages, **_pdl())
+                            num_stages=stages, SWAP=swap, **_pdl())
     if not serial and counts is None:  # [S, M, G, N] partials, folded in split order
         _fold_splits_kernel[(triton.cdiv(size, 1024),)](part, out, size, splits, BLOCK=1024, num_warps=4, **_pdl())
     return out
