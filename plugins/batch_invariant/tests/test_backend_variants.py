@@ -46,16 +46,18 @@ def test_the_backend_offers_its_fast_kernels_for_the_mode():
 
 
 def test_moe_tiles_differ_only_in_columns_per_program():
-    """The mode's MoE takes the wider tile from a shape-known count (assignments per expert); both tiles have the same
-    rows and BLOCK_K (the same ``tl.dot`` steps along K: ``test_cuda.py`` checks their bits agree on the GPU) and are
+    """The mode's MoE takes its tile from a shape-known count (assignments per expert) and the dtype; the 64-row tiles
+    have the same rows and BLOCK_K (the same ``tl.dot`` steps along K: ``test_cuda.py`` checks their bits agree on the GPU) and are
     tiles of the fast path, which the backend's compile tests build for sm_90a / sm_100a."""
     from deepinfer_nvidia_sm100.kernels import moe
 
-    small, wide = invariant.MOE_TILE, invariant.MOE_PREFILL_TILE
+    small, wide, decode = invariant.MOE_TILE, invariant.MOE_PREFILL_TILE, invariant.MOE_DECODE_TILE
     assert (small[0], small[2]) == (wide[0], wide[2]) and wide[1] > small[1]
-    assert {small, wide[:4]} <= set(moe.TILES.values())
-    assert invariant.moe_tile(64 * 64, 64) == small and invariant.moe_tile(64 * 64 + 1, 64) == wide
-    assert invariant.moe_tile(6, 64) == small and invariant.moe_tile(16384 * 6, 64) == wide
+    assert {small, wide[:4], decode} <= set(moe.TILES.values())
+    bf16 = torch.bfloat16
+    assert invariant.moe_tile(64 * 64, 64, bf16) == small and invariant.moe_tile(64 * 64 + 1, 64, bf16) == wide
+    assert invariant.moe_tile(16, 64, bf16) == decode and invariant.moe_tile(17, 64, bf16) == small  # batch 2 / 3
+    assert invariant.moe_tile(6, 64, torch.float32) == small and invariant.moe_tile(16384 * 6, 64, bf16) == wide
 
 
 @pytest.mark.parametrize("name", WITHOUT_DOT)

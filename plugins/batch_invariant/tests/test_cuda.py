@@ -157,9 +157,9 @@ def test_fused_fold_agrees_with_the_fold_kernel_on_gpu(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_moe_tiles_agree_bitwise_on_gpu(dtype):
-    """The mode's MoE kernels (``invariant.MOE_TILE`` up to 64 assignments per expert; above, the CUTLASS grouped GEMM
-    for bf16 and ``MOE_PREFILL_TILE``) give every token the same bits: one token alone (the decode tile) equals it
-    among 1,500 others, through each of them."""
+    """The mode's MoE kernels (``invariant.MOE_TILE`` up to 64 assignments per expert, for 16-bit steps of one or two
+    tokens over many experts ``MOE_DECODE_TILE``; above, the CUTLASS grouped GEMM for bf16 and ``MOE_PREFILL_TILE``)
+    give every token the same bits: one token alone equals it among 1,500 others, through each of them."""
     from deepinfer_nvidia_sm100.kernels import invariant, moe
 
     gen = torch.Generator().manual_seed(3)
@@ -169,13 +169,14 @@ def test_moe_tiles_agree_bitwise_on_gpu(dtype):
     x = torch.randn(T, D, generator=gen).to(dtype).cuda()
     ids = torch.rand(T, E, generator=gen).topk(top_k, dim=-1).indices.cuda()
     weights = torch.rand(T, top_k, generator=gen).cuda()
-    assert invariant.moe_tile(T * top_k, E) == invariant.MOE_PREFILL_TILE
-    assert invariant.moe_tile(top_k, E) == invariant.MOE_TILE
+    assert invariant.moe_tile(T * top_k, E, dtype) == invariant.MOE_PREFILL_TILE
     many = invariant.moe_experts(x, ids, weights, w1, w2, w3, 10.0)
     small = moe.moe_experts(x, ids, weights, w1, w2, w3, 10.0, config=invariant.MOE_TILE)
     wide = moe.moe_experts(x, ids, weights, w1, w2, w3, 10.0, config=invariant.MOE_PREFILL_TILE)
     assert torch.equal(many, small) and torch.equal(wide, small)
     if dtype == torch.bfloat16:
+        assert invariant.moe_tile(top_k, 64, dtype) == invariant.MOE_DECODE_TILE  # a lone V4-Flash token
+        assert torch.equal(moe.moe_experts(x, ids, weights, w1, w2, w3, 10.0, config=invariant.MOE_DECODE_TILE), small)
         assert moe.uses_grouped_gemm(x, T * top_k, E)
         assert torch.equal(moe.moe_experts_grouped(x, ids, weights, w1, w2, w3, 10.0), small)
     for t in (0, 777, T - 1):

@@ -8,8 +8,8 @@ a count that follows the batch. Those are offered as they are, and so is ``index
 reference sort's entries (no arithmetic on the scores). Four choose a launch from the number of rows in the
 fast path and are offered with a launch fixed by shapes instead:
 
-* ``moe_experts``: the Triton grouped GEMMs with 64-row tiles (``MOE_TILE``) up to ``MOE_PREFILL_MIN_PER_EXPERT``
-  assignments per expert; above, for bf16, the fast path's CUTLASS grouped GEMM (``moe.moe_experts_grouped``), and
+* ``moe_experts``: the Triton grouped GEMMs with 64-row tiles (``MOE_TILE``; 16-bit steps of one or two tokens the
+  fast path's 16-row decode tile, ``MOE_DECODE_TILE``) up to ``MOE_PREFILL_MIN_PER_EXPERT`` assignments per expert; above, for bf16, the fast path's CUTLASS grouped GEMM (``moe.moe_experts_grouped``), and
   for other dtypes the twice as wide ``MOE_PREFILL_TILE``. None of them splits K: every output element is one
   tensor-core accumulation along K in ascending order, which gives the same bits whatever the tile, its BLOCK_K or the
   kernel (``test_cuda.py`` and ``benchmarks/bench_moe.py`` check the three against each other on the GPU). No one-token
@@ -65,6 +65,12 @@ along N), and twice the columns per program; its programs walk 16 row blocks at 
 token's bits are the same under either tile (``test_cuda.py``)."""
 MOE_PREFILL_MIN_PER_EXPERT = 64
 """Mean assignments per expert (``T * top_k / E``, known from shapes) above which the mode takes ``MOE_PREFILL_TILE``."""
+MOE_DECODE_TILE = (16, 64, 128, 4)
+"""The fast path's decode tile (``moe.TILES["decode"]``: 16 rows on ``mma.sync``, BLOCK_K 128) for 16-bit steps of at
+most one assignment per ``MOE_DECODE_EXPERTS_PER_ASSIGNMENT`` experts (batch 1 and 2 of V4-Flash's 6 of 64): a token's
+handful of assignments is not padded to 64-row tiles. The same bits as ``MOE_TILE`` (``bench_moe.py`` on the H200:
+the decode tile, the mode's tiles and the CUTLASS path agree at every size; ``test_cuda.py`` checks it)."""
+MOE_DECODE_EXPERTS_PER_ASSIGNMENT = 4
 
 INDEX_OPS = ("compressor_window", "decode_key_index", "decode_entry_places", "decode_window_plan")
 """Compiled reference ops without floating-point reductions (gathers, integer index math, one addition per element)."""
@@ -74,15 +80,19 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: t
                 w3: torch.Tensor, limit: float) -> torch.Tensor:
     """``reference.moe_experts`` through the Triton grouped GEMMs at ``MOE_TILE``; for prefill sizes (``moe_tile``)
     through the CUTLASS grouped GEMM where the fast path takes it (bf16), else at ``MOE_PREFILL_TILE``."""
-    tile = moe_tile(ids.numel(), w1.shape[0])
+    tile = moe_tile(ids.numel(), w1.shape[0], x.dtype)
     if tile == MOE_PREFILL_TILE and moe.uses_grouped_gemm(x, ids.numel(), w1.shape[0]):
         return moe.moe_experts_grouped(x, ids, weights, w1, w2, w3, limit)
     return moe.moe_experts(x, ids, weights, w1, w2, w3, limit, config=tile)
 
 
-def moe_tile(num_assign: int, num_experts: int) -> tuple[int, int, int, int]:
-    """The mode's MoE tile for ``num_assign`` token -> expert assignments over ``num_experts`` experts."""
-    return MOE_PREFILL_TILE if num_assign > MOE_PREFILL_MIN_PER_EXPERT * num_experts else MOE_TILE
+def moe_tile(num_assign: int, num_experts: int, dtype: torch.dtype) -> tuple[int, ...]:
+    """The mode's MoE tile for ``num_assign`` token -> expert assignments over ``num_experts`` experts of ``dtype``."""
+    if num_assign > MOE_PREFILL_MIN_PER_EXPERT * num_experts:
+        return MOE_PREFILL_TILE
+    if dtype != torch.float32 and num_assign * MOE_DECODE_EXPERTS_PER_ASSIGNMENT <= num_experts:
+        return MOE_DECODE_TILE
+    return MOE_TILE
 
 
 def indexer_scores(q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor, scale: float) -> torch.Tensor:
