@@ -5,8 +5,8 @@
 
 For every projection of a ``v4-flash-8l64e`` layer (bf16; the grouped ``wo_a`` as 8 groups) and row count: the time of
 ``F.linear`` (cuBLAS; the grouped one as a batched matmul), of ``triton_kernels.matmul_nt`` as the mode runs it
-(``launch_for``'s launch for the row count and the weight), of every launch in ``triton_kernels.LAUNCHES`` and of the split-K launch with the fold
-kernel, each checked to give the same bits as the mode's. CUDA events, median of repeats after warm-up, each call
+(``launch_for``'s launch for the row count and the weight), of every launch in ``triton_kernels.LAUNCHES`` and of
+the split-K launch with the fold kernel, each checked to give the same bits as the mode's. CUDA events, median of repeats after warm-up, each call
 replayed from a CUDA graph (as a decode step runs). Prints one table (time per call, the mode's time over cuBLAS's),
 the fastest launch per row count summed over the projections, and a ``DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES`` value
 from those (``suggest``).

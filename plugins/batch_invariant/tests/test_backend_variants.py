@@ -47,8 +47,8 @@ def test_the_backend_offers_its_fast_kernels_for_the_mode():
 
 def test_moe_tiles_differ_only_in_columns_per_program():
     """The mode's MoE takes its tile from a shape-known count (assignments per expert) and the dtype; the 64-row tiles
-    have the same rows and BLOCK_K (the same ``tl.dot`` steps along K: ``test_cuda.py`` checks their bits agree on the GPU) and are
-    tiles of the fast path, which the backend's compile tests build for sm_90a / sm_100a."""
+    have the same rows and BLOCK_K, and all are tiles of the fast path, which the backend's compile tests build for
+    sm_90a / sm_100a (``test_cuda.py`` checks that their bits agree on the GPU)."""
     from deepinfer_nvidia_sm100.kernels import moe
 
     small, wide, decode = invariant.MOE_TILE, invariant.MOE_PREFILL_TILE, invariant.MOE_DECODE_TILE

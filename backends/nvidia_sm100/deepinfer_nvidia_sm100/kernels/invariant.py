@@ -9,8 +9,9 @@ reference sort's entries (no arithmetic on the scores). Four choose a launch fro
 fast path and are offered with a launch fixed by shapes instead:
 
 * ``moe_experts``: the Triton grouped GEMMs with 64-row tiles (``MOE_TILE``; 16-bit steps of one or two tokens the
-  fast path's 16-row decode tile, ``MOE_DECODE_TILE``) up to ``MOE_PREFILL_MIN_PER_EXPERT`` assignments per expert; above, for bf16, the fast path's CUTLASS grouped GEMM (``moe.moe_experts_grouped``), and
-  for other dtypes the twice as wide ``MOE_PREFILL_TILE``. None of them splits K: every output element is one
+  fast path's 16-row decode tile, ``MOE_DECODE_TILE``) up to ``MOE_PREFILL_MIN_PER_EXPERT`` assignments per expert;
+  above, for bf16, the fast path's CUTLASS grouped GEMM (``moe.moe_experts_grouped``), and for other dtypes the twice
+  as wide ``MOE_PREFILL_TILE``. None of them splits K: every output element is one
   tensor-core accumulation along K in ascending order, which gives the same bits whatever the tile, its BLOCK_K or the
   kernel (``test_cuda.py`` and ``benchmarks/bench_moe.py`` check the three against each other on the GPU). No one-token
   kernels: their products are summed in another order. A token's experts are combined in ascending expert id, so a
