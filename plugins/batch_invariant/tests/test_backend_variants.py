@@ -45,7 +45,7 @@ def test_the_backend_offers_its_fast_kernels_for_the_mode():
     assert not {"linear", "logits", "grouped_linear", "swiglu_mlp", "sink_attention"} & set(OFFERED)
 
 
-def test_moe_tiles_differ_only_in_columns_per_program():
+def test_moe_tile_follows_the_assignment_count_and_dtype():
     """The mode's MoE takes its tile from a shape-known count (assignments per expert) and the dtype; the 64-row tiles
     have the same rows and BLOCK_K, and all are tiles of the fast path, which the backend's compile tests build for
     sm_90a / sm_100a (``test_cuda.py`` checks that their bits agree on the GPU)."""
