@@ -15,8 +15,9 @@ left() { echo $(( DEADLINE - $(date +%s) )); }
 
 # STEPS: what to run, in order (default: every GPU test, then the overhead table). "overhead": plain vs
 # batch-invariant at batches 1, 16, 64 and 256 (BATCHES) in one process (bench_overhead.py: one engine per mode,
-# 1,024 in / 128 out, a warm-up and ITERS timed runs per batch), the ratio per batch; b1_plain ... b64_bi: separate
-# `deepinfer bench` processes as in docs/performance.md.
+# 1,024 in / 128 out, a warm-up and ITERS timed runs per batch), the ratio per batch; "kernels": the GEMM launches
+# against cuBLAS at GEMM_ROWS rows (bench_gemm.py) and the MoE paths (bench_moe.py), each variant's bits checked;
+# b1_plain ... b64_bi: separate `deepinfer bench` processes as in docs/performance.md.
 STEPS=${STEPS:-"tests overhead"}
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 if want tests || want optests; then
@@ -43,6 +44,10 @@ run() {  # name, env value, extra args
     DEEPINFER_BATCH_INVARIANT=$2 timeout "$budget" $B "${@:3}" --json "$OUT/$1.json" >> "$OUT/bench.log" 2>&1
     echo "rc=$?" >> "$OUT/bench.log"
 }
+if want kernels; then
+    timeout "$(left)" python3 plugins/batch_invariant/bench_gemm.py --rows ${GEMM_ROWS:-1 16 64 256} > "$OUT/gemm.txt" 2>&1
+    (cd backends/nvidia_sm100/benchmarks && timeout "$(left)" python3 bench_moe.py) > "$OUT/moe.txt" 2>&1
+fi
 if want profile_b1; then  # GPU kernel time of an eager batch-invariant decode step at batch 1, top kernels
     DEEPINFER_BENCH_CACHE=${CACHE:-} DEEPINFER_BATCH_INVARIANT=1 timeout "$(left)" python3 \
         backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 --enforce-eager > "$OUT/profile_b1.log" 2>&1
@@ -61,6 +66,7 @@ want b64_plain && run b64_plain 0 --num-prompts 64 --max-num-seqs 64
 want b64_bi && run b64_bi 1 --num-prompts 64 --max-num-seqs 64
 
 cat "$OUT/machine.txt"; tail -n 3 "$OUT/pytest_cuda.log" 2>/dev/null
+tail -n 4 "$OUT/gemm.txt" 2>/dev/null; tail -n 22 "$OUT/moe.txt" 2>/dev/null
 cat "$OUT/overhead.txt" 2>/dev/null; grep -E "round|rc=|Error|error" "$OUT/overhead.log" 2>/dev/null | tail -n 20
 grep -A 22 "=== batch" "$OUT/profile_b1.log" 2>/dev/null | cut -c 1-150
 grep -E "^==|rc=|output tok/s|TPOT|TTFT|skipped|Error|error" "$OUT/bench.log" | head -n 60

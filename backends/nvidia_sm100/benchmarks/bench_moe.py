@@ -5,9 +5,9 @@
 Checks the Triton kernels and the grouped-GEMM path (``torch._grouped_mm``, expert runs padded to 16 rows or
 unpadded) against the reference op first, then times (CUDA events, median of repeats, after warmup; weights
 normal(0, 0.02), never zeros) the reference op (eager), the op as the backend runs it, the Triton kernels, the
-grouped-GEMM path, the batch-invariant mode's op (``invariant.moe_experts``) and the op replayed from a CUDA graph;
-then lists which variants give the mode's op's bits (were the CUTLASS grouped GEMM's bits the Triton tiles', the mode
-could take it for prefill). Floor = max(unique experts' weight bytes / 4.25 TB/s,
+grouped-GEMM path, the batch-invariant mode's op (``invariant.moe_experts``) and its 64-row tile at every size
+(``invariant/64``), and the op replayed from a CUDA graph; then lists which variants give the mode's op's bits (the
+mode takes the CUTLASS grouped GEMM for prefill and the 16-row decode tile for one or two tokens because they do). Floor = max(unique experts' weight bytes / 4.25 TB/s,
 FLOPs / 799 TFLOP/s) (the H200's ceilings, docs/performance.md).
 """
 
@@ -36,6 +36,7 @@ def main() -> None:
         "grouped/16": lambda *a: moe.moe_experts_grouped(*a, group_align=16),
         "grouped/1": lambda *a: moe.moe_experts_grouped(*a, group_align=1),
         "invariant": lambda *a: invariant.moe_experts(*a),
+        "invariant/64": lambda *a: moe.moe_experts(*a, config=invariant.MOE_TILE),
     }
     rows, same = [], {}
     for T in (1, 16, 64, 256, 1024, 2048, 4096, 8192):
@@ -46,7 +47,8 @@ def main() -> None:
         want = ref.moe_experts(*args).float()
         outs = {name: fn(*args) for name, fn in variants.items()}
         errs = {name: ((out.float() - want).abs().max() / want.abs().max()).item() for name, out in outs.items()}
-        same[T] = [name for name in ("triton", "grouped/16", "grouped/1") if torch.equal(outs[name], outs["invariant"])]
+        same[T] = [name for name in ("triton", "grouped/16", "grouped/1", "invariant/64")
+                   if torch.equal(outs[name], outs["invariant"])]
         unique = ids.unique().numel()
         floor = max(unique * 3 * I * D * 2 / BW, T * K * 3 * 2 * D * I / FLOPS)
         times = {"reference": cuda_time(lambda a=args: ref.moe_experts(*a), reps=5 if T > 256 else 20)}
