@@ -6,8 +6,8 @@
 For every projection of a ``v4-flash-8l64e`` layer (bf16; the grouped ``wo_a`` as 8 groups) and row count: the time of
 ``F.linear`` (cuBLAS; the grouped one as a batched matmul), of ``triton_kernels.matmul_nt`` as the mode runs it
 (``launch_for``'s launch for the row count and the weight), of every launch in ``triton_kernels.LAUNCHES`` and of
-the split-K launch with the fold kernel, each checked to give the same bits as the mode's. CUDA events, median of repeats after warm-up, each call
-replayed from a CUDA graph (as a decode step runs). Prints one table (time per call, the mode's time over cuBLAS's),
+the split-K launch with the fold kernel, each checked to give the same bits as the mode's. CUDA events, median of
+repeats after warm-up, each call replayed from a CUDA graph (as a decode step runs). Prints one table (time per call, the mode's time over cuBLAS's),
 the fastest launch per row count summed over the projections, and a ``DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES`` value
 from those (``suggest``).
 """
@@ -58,6 +58,17 @@ def _cublas(x: torch.Tensor, w: torch.Tensor, groups: int) -> torch.Tensor:
     return torch.bmm(x.transpose(0, 1), w.view(groups, -1, w.shape[1]).transpose(1, 2))  # [G, M, N]
 
 
+def _cases(rows: list[int]):
+    """(projection, rows, x ``[rows, groups, K]``, weight, groups) for every projection of ``SHAPES`` and row count
+    (the head at most 256 rows: it runs on a step's last rows only), drawn from one seeded generator."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, n, k, groups in SHAPES:
+        w = (torch.randn(groups * n, k, device="cuda", generator=gen) * 0.02).bfloat16()
+        for m in rows:
+            if name != "head" or m <= 256:
+                yield name, m, torch.randn(m, groups, k, device="cuda", generator=gen).bfloat16(), w, groups
+
+
 def main(argv: list[str] | None = None) -> int:
     from deepinfer_batch_invariant import triton_kernels as tk
 
@@ -73,35 +84,29 @@ def main(argv: list[str] | None = None) -> int:
         return sweep_split_targets(args.rows, args.split_targets)
     if args.tiles:
         return sweep_tiles(args.rows, [tuple(int(v) for v in t.split(",")) for t in args.tiles])
-    gen = torch.Generator(device="cuda").manual_seed(0)
     launches = list(tk.LAUNCHES)
     print("| projection | rows | cuBLAS | mode | mode / cuBLAS | " + " | ".join(launches) + " | split, fold kernel |")
     print("|---|---|---|---|---|" + "---|" * (len(launches) + 1))
     totals: dict[int, dict[str, float]] = {}  # rows -> launch -> seconds summed over the projections
     mode_totals: dict[int, float] = {}  # rows -> the mode's launches (by projection) summed
-    for name, n, k, groups in SHAPES:
-        w = (torch.randn(groups * n, k, device="cuda", generator=gen) * 0.02).bfloat16()
-        for m in args.rows:
-            if name == "head" and m > 256:
-                continue  # the head runs on a step's last rows only
-            x = torch.randn(m, groups, k, device="cuda", generator=gen).bfloat16()
-            mode = tk._grouped_matmul(x, w, groups)
-            variants = {launch: {"launch": launch} for launch in launches}
-            variants["split, fold kernel"] = {"launch": "split", "fused_fold": False}
-            for variant, kwargs in variants.items():
-                if not torch.equal(tk._grouped_matmul(x, w, groups, **kwargs), mode):
-                    raise AssertionError(f"{name} at {m} rows: the {variant} launch changes the bits")
-            base = _time(lambda x=x, w=w, g=groups: _cublas(x, w, g))
-            ours = _time(lambda x=x, w=w, g=groups: tk._grouped_matmul(x, w, g))
-            cells = {variant: _time(lambda x=x, w=w, g=groups, kw=kw: tk._grouped_matmul(x, w, g, **kw))
-                     for variant, kw in variants.items()}
-            if name != "head":
-                for launch in launches:
-                    totals.setdefault(m, {}).setdefault(launch, 0.0)
-                    totals[m][launch] += cells[launch]
-                mode_totals[m] = mode_totals.get(m, 0.0) + ours
-            print(f"| {name} | {m} | {base * 1e6:.1f} us | {ours * 1e6:.1f} us | {ours / base:.2f}x | "
-                  + " | ".join(f"{cells[v] * 1e6:.1f} us" for v in variants) + " |")
+    variants = {launch: {"launch": launch} for launch in launches}
+    variants["split, fold kernel"] = {"launch": "split", "fused_fold": False}
+    for name, m, x, w, groups in _cases(args.rows):
+        mode = tk._grouped_matmul(x, w, groups)
+        for variant, kwargs in variants.items():
+            if not torch.equal(tk._grouped_matmul(x, w, groups, **kwargs), mode):
+                raise AssertionError(f"{name} at {m} rows: the {variant} launch changes the bits")
+        base = _time(lambda x=x, w=w, g=groups: _cublas(x, w, g))
+        ours = _time(lambda x=x, w=w, g=groups: tk._grouped_matmul(x, w, g))
+        cells = {variant: _time(lambda x=x, w=w, g=groups, kw=kw: tk._grouped_matmul(x, w, g, **kw))
+                 for variant, kw in variants.items()}
+        if name != "head":
+            for launch in launches:
+                totals.setdefault(m, {}).setdefault(launch, 0.0)
+                totals[m][launch] += cells[launch]
+            mode_totals[m] = mode_totals.get(m, 0.0) + ours
+        print(f"| {name} | {m} | {base * 1e6:.1f} us | {ours * 1e6:.1f} us | {ours / base:.2f}x | "
+              + " | ".join(f"{cells[v] * 1e6:.1f} us" for v in variants) + " |")
     print("\nsummed over the projections but the head, per row count: " + ", ".join(
         f"{m}: {min(t, key=t.get)} ({1e6 * min(t.values()):.0f} us; mode's {1e6 * mode_totals[m]:.0f})"
         for m, t in totals.items()))
@@ -152,31 +157,25 @@ def sweep_tiles(rows: list[int], tiles: list[tuple[int, ...]]) -> int:
     each variant over the projections but the head, per row count."""
     from deepinfer_batch_invariant import triton_kernels as tk
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
     variants = {f"{launch} {'x'.join(map(str, tile))}": {"launch": launch, "tile": tile}
                 for tile in tiles for launch in ("wide", "split_wide")}
     print("| projection | rows | cuBLAS | mode | " + " | ".join(variants) + " |")
     print("|---|---|---|---|" + "---|" * len(variants))
     totals: dict[int, dict[str, float]] = {}
-    for name, n, k, groups in SHAPES:
-        w = (torch.randn(groups * n, k, device="cuda", generator=gen) * 0.02).bfloat16()
-        for m in rows:
-            if name == "head" and m > 256:
-                continue
-            x = torch.randn(m, groups, k, device="cuda", generator=gen).bfloat16()
-            mode = tk._grouped_matmul(x, w, groups)
-            cells = {"cuBLAS": _time(lambda x=x, w=w, g=groups: _cublas(x, w, g)),
-                     "mode": _time(lambda x=x, w=w, g=groups: tk._grouped_matmul(x, w, g))}
-            for variant, kw in variants.items():
-                same = torch.equal(tk._grouped_matmul(x, w, groups, **kw), mode)
-                cells[variant] = _time(lambda x=x, w=w, g=groups, kw=kw: tk._grouped_matmul(x, w, g, **kw)) \
-                    if same else float("nan")
-            if name != "head":
-                for variant, seconds in cells.items():
-                    totals.setdefault(m, {}).setdefault(variant, 0.0)
-                    totals[m][variant] += seconds
-            print(f"| {name} | {m} | " + " | ".join(
-                "other bits" if math.isnan(v) else f"{v * 1e6:.1f} us" for v in cells.values()) + " |")
+    for name, m, x, w, groups in _cases(rows):
+        mode = tk._grouped_matmul(x, w, groups)
+        cells = {"cuBLAS": _time(lambda x=x, w=w, g=groups: _cublas(x, w, g)),
+                 "mode": _time(lambda x=x, w=w, g=groups: tk._grouped_matmul(x, w, g))}
+        for variant, kw in variants.items():
+            same = torch.equal(tk._grouped_matmul(x, w, groups, **kw), mode)
+            cells[variant] = _time(lambda x=x, w=w, g=groups, kw=kw: tk._grouped_matmul(x, w, g, **kw)) \
+                if same else float("nan")
+        if name != "head":
+            for variant, seconds in cells.items():
+                totals.setdefault(m, {}).setdefault(variant, 0.0)
+                totals[m][variant] += seconds
+        print(f"| {name} | {m} | " + " | ".join(
+            "other bits" if math.isnan(v) else f"{v * 1e6:.1f} us" for v in cells.values()) + " |")
     for m, t in totals.items():
         print(f"{m} rows, summed but the head: " + ", ".join(f"{v} {1e6 * s:.0f} us" for v, s in t.items()))
     return 0

@@ -7,8 +7,9 @@ unpadded) against the reference op first, then times (CUDA events, median of rep
 normal(0, 0.02), never zeros) the reference op (eager), the op as the backend runs it, the Triton kernels, the
 grouped-GEMM path, the batch-invariant mode's op (``invariant.moe_experts``) and its 64-row tile at every size
 (``invariant/64``), and the op replayed from a CUDA graph; then lists which variants give the mode's op's bits (the
-mode takes the CUTLASS grouped GEMM for prefill and the 16-row decode tile for one or two tokens because they do). Floor = max(unique experts' weight bytes / 4.25 TB/s,
-FLOPs / 799 TFLOP/s) (the H200's ceilings, docs/performance.md).
+mode takes the CUTLASS grouped GEMM for prefill and the 16-row decode tile for one or two tokens because they do).
+Floor = max(unique experts' weight bytes / 4.25 TB/s, FLOPs / 799 TFLOP/s) (the H200's ceilings,
+docs/performance.md).
 """
 
 from __future__ import annotations

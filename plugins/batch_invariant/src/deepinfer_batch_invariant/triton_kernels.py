@@ -66,26 +66,30 @@ MM_SHORT_CONFIGS = {torch.bfloat16: (64, 128, 64, 4, 4), torch.float16: (64, 128
 # at most 16 activation rows on the right, so a decode step's few rows are not padded to a 64-row tile.
 MM_SWAP_CONFIGS = {torch.bfloat16: (16, 64, 64, 4, 4), torch.float16: (16, 64, 64, 4, 4)}
 
+ONE_SPLIT_STAGES = 3
+"""Pipeline stages of a serial 128 x 128 program over an unsplit weight (one accumulator): at three stages two such
+programs share an SM's shared memory, so one's epilogue overlaps the other's loads."""
+
 
 class Launch(NamedTuple):
-    """A GEMM launch: its tiles by dtype, whether a program sums its tile's splits itself (``serial``), and whether
-    the weight tile is the product's left operand (``swap``)."""
+    """A GEMM launch: its tiles by dtype, whether a program sums its tile's splits itself (``serial``), whether the
+    weight tile is the product's left operand (``swap``), and the pipeline stages over an unsplit weight where they
+    differ from the tile's (``unsplit_stages``)."""
 
     configs: dict
     serial: bool
     swap: bool = False
+    unsplit_stages: int | None = None
 
 
 LAUNCHES = {  # every launch gives an element the same bits (same splits, K in order)
     "split": Launch(MM_CONFIGS, False),  # a program per tile and K split, the partials added by the tile's last program
     "split_swap": Launch(MM_SWAP_CONFIGS, False, swap=True),  # the same, weights on the left, 16-row activation tiles
     "split_wide": Launch(MM_WIDE_CONFIGS, False),  # the same in 128 x 128 tiles
-    "wide": Launch(MM_WIDE_CONFIGS, True),  # a program per tile, its splits one after the other (``WIDE_GROUP_M``)
+    # a program per tile, its splits one after the other (``WIDE_GROUP_M``)
+    "wide": Launch(MM_WIDE_CONFIGS, True, unsplit_stages=ONE_SPLIT_STAGES),
     "wide_short": Launch(MM_SHORT_CONFIGS, True),  # the same in 64 x 128 tiles
 }
-ONE_SPLIT_STAGES = 3
-"""Pipeline stages of a serial 128 x 128 program over an unsplit weight (one accumulator): at three stages two such
-programs share an SM's shared memory, so one's epilogue overlaps the other's loads."""
 WIDE_MIN_ROWS = 256  # the default row launches' last bound (``ROW_LAUNCHES``)
 ROW_LAUNCHES = ((WIDE_MIN_ROWS, "wide"), (128, "split_wide"), (0, "split"))
 """(fewest rows, launch) of a 16-bit GEMM, largest bound first (``DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES`` replaces
@@ -188,17 +192,9 @@ def _split_product(x_ptr, w_ptr, rm, rn, m_mask, n_mask, k_start, k_end, sxm, sx
     """``x[rm, k_start:k_end] @ w[rn, k_start:k_end].T`` in fp32, ``BLOCK_K`` at a time from ``k_start``, from zero;
     with ``SWAP`` as ``(w @ x.T).T``: the same products, summed along K in the same order."""
     if SWAP:
-        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            k_mask = rk < k_end
-            w = tl.load(w_ptr + rn[:, None].to(tl.int64) * swn + rk[None, :] * swk,
-                        mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-            x_t = tl.load(x_ptr + rm[None, :].to(tl.int64) * sxm + rk[:, None] * sxk,
-                          mask=m_mask[None, :] & k_mask[:, None], other=0.0)  # [BLOCK_K, BLOCK_M]
-            acc_t = _dot(w, x_t, acc_t, PRECISION, EMULATE)
-        return tl.trans(acc_t)  # [BLOCK_M, BLOCK_N]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # [BLOCK_N, BLOCK_M]: the product transposed
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_mask = rk < k_end
@@ -206,7 +202,12 @@ def _split_product(x_ptr, w_ptr, rm, rn, m_mask, n_mask, k_start, k_end, sxm, sx
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         b = tl.load(w_ptr + rn[None, :].to(tl.int64) * swn + rk[:, None] * swk,
                     mask=n_mask[None, :] & k_mask[:, None], other=0.0)  # [BLOCK_K, BLOCK_N]
-        acc = _dot(a, b, acc, PRECISION, EMULATE)
+        if SWAP:
+            acc = _dot(tl.trans(b), tl.trans(a), acc, PRECISION, EMULATE)
+        else:
+            acc = _dot(a, b, acc, PRECISION, EMULATE)
+    if SWAP:
+        acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     return acc
 
 
@@ -357,10 +358,10 @@ def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, groups: int, launch: 
     if m == 0 or n == 0:
         return out
     k_split, splits = _k_splits(n, k, x.dtype, groups)
-    configs, serial_launch, swap = LAUNCHES[launch or launch_for(m, x.dtype, n, groups)]
+    configs, serial_launch, swap, unsplit_stages = LAUNCHES[launch or launch_for(m, x.dtype, n, groups)]
     block_m, block_n, block_k, warps, stages = tile or configs[x.dtype]
-    if serial_launch and splits == 1 and tile is None and block_m == MM_WIDE_CONFIGS[x.dtype][0]:
-        stages = ONE_SPLIT_STAGES
+    if splits == 1 and unsplit_stages and tile is None:
+        stages = unsplit_stages
     serial = serial_launch or splits == 1
     size = m * groups * n
     group_m = WIDE_GROUP_M if serial_launch else 0
