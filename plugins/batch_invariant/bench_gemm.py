@@ -4,7 +4,8 @@
     python plugins/batch_invariant/bench_gemm.py --rows 256 16384 --tiles 128,128,64,8,3 128,256,64,8,3
 
 For every projection of a ``v4-flash-8l64e`` layer (bf16; the grouped ``wo_a`` as 8 groups) and row count: the time of
-``F.linear`` (cuBLAS; the grouped one as a batched matmul), of ``triton_kernels.matmul_nt`` as the mode runs it
+``F.linear`` (cuBLAS; the grouped one as a batched matmul), of the plain path's op (``nvidia_sm100``'s ``linear`` /
+``grouped_linear`` from its op table: the GEMV kernel at one row), of ``triton_kernels.matmul_nt`` as the mode runs it
 (``launch_for``'s launch for the row count and the weight), of every launch in ``triton_kernels.LAUNCHES`` and of
 the split-K launch with the fold kernel, each checked to give the same bits as the mode's. CUDA events, median of
 repeats after warm-up, each call replayed from a CUDA graph (as a decode step runs). Prints one table (time per call, the mode's time over cuBLAS's),
@@ -69,6 +70,18 @@ def _cases(rows: list[int]):
                 yield name, m, torch.randn(m, groups, k, device="cuda", generator=gen).bfloat16(), w, groups
 
 
+def _plain_op(backend: str = "nvidia_sm100"):
+    """The plain path's product as ``_cublas`` is called: the backend's ``linear`` / ``grouped_linear`` op."""
+    from deepinfer_core.backends.registry import select_backend
+
+    ops = select_backend(backend).op_overrides()
+
+    def product(x: torch.Tensor, w: torch.Tensor, groups: int) -> torch.Tensor:
+        return ops["linear"](x[:, 0], w) if groups == 1 else ops["grouped_linear"](x, w, groups)
+
+    return product
+
+
 def main(argv: list[str] | None = None) -> int:
     from deepinfer_batch_invariant import triton_kernels as tk
 
@@ -85,10 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiles:
         return sweep_tiles(args.rows, [tuple(int(v) for v in t.split(",")) for t in args.tiles])
     launches = list(tk.LAUNCHES)
-    print("| projection | rows | cuBLAS | mode | mode / cuBLAS | " + " | ".join(launches) + " | split, fold kernel |")
-    print("|---|---|---|---|---|" + "---|" * (len(launches) + 1))
+    plain = _plain_op()
+    print("| projection | rows | cuBLAS | plain op | mode | mode / plain | " + " | ".join(launches)
+          + " | split, fold kernel |")
+    print("|---|---|---|---|---|---|" + "---|" * (len(launches) + 1))
     totals: dict[int, dict[str, float]] = {}  # rows -> launch -> seconds summed over the projections
     mode_totals: dict[int, float] = {}  # rows -> the mode's launches (by projection) summed
+    plain_totals: dict[int, float] = {}  # rows -> the plain op summed
     variants = {launch: {"launch": launch} for launch in launches}
     variants["split, fold kernel"] = {"launch": "split", "fused_fold": False}
     for name, m, x, w, groups in _cases(args.rows):
@@ -97,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             if not torch.equal(tk._grouped_matmul(x, w, groups, **kwargs), mode):
                 raise AssertionError(f"{name} at {m} rows: the {variant} launch changes the bits")
         base = _time(lambda x=x, w=w, g=groups: _cublas(x, w, g))
+        fast = _time(lambda x=x, w=w, g=groups: plain(x, w, g))
         ours = _time(lambda x=x, w=w, g=groups: tk._grouped_matmul(x, w, g))
         cells = {variant: _time(lambda x=x, w=w, g=groups, kw=kw: tk._grouped_matmul(x, w, g, **kw))
                  for variant, kw in variants.items()}
@@ -105,10 +122,12 @@ def main(argv: list[str] | None = None) -> int:
                 totals.setdefault(m, {}).setdefault(launch, 0.0)
                 totals[m][launch] += cells[launch]
             mode_totals[m] = mode_totals.get(m, 0.0) + ours
-        print(f"| {name} | {m} | {base * 1e6:.1f} us | {ours * 1e6:.1f} us | {ours / base:.2f}x | "
+            plain_totals[m] = plain_totals.get(m, 0.0) + fast
+        print(f"| {name} | {m} | {base * 1e6:.1f} us | {fast * 1e6:.1f} us | {ours * 1e6:.1f} us | {ours / fast:.2f}x | "
               + " | ".join(f"{cells[v] * 1e6:.1f} us" for v in variants) + " |")
     print("\nsummed over the projections but the head, per row count: " + ", ".join(
-        f"{m}: {min(t, key=t.get)} ({1e6 * min(t.values()):.0f} us; mode's {1e6 * mode_totals[m]:.0f})"
+        f"{m}: {min(t, key=t.get)} ({1e6 * min(t.values()):.0f} us; mode's {1e6 * mode_totals[m]:.0f}, plain "
+        f"{1e6 * plain_totals[m]:.0f})"
         for m, t in totals.items()))
     print(f"DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES={suggest(totals)}")
     return 0

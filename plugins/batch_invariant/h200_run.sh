@@ -48,10 +48,12 @@ if want kernels; then
     timeout "$(left)" python3 plugins/batch_invariant/bench_gemm.py --rows ${GEMM_ROWS:-1 16 64 256} > "$OUT/gemm.txt" 2>&1
     (cd backends/nvidia_sm100/benchmarks && timeout "$(left)" python3 bench_moe.py) > "$OUT/moe.txt" 2>&1
 fi
-if want profile_b1; then  # GPU kernel time of an eager batch-invariant decode step at batch 1, top kernels
-    DEEPINFER_BENCH_CACHE=${CACHE:-} DEEPINFER_BATCH_INVARIANT=1 timeout "$(left)" python3 \
-        backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 --enforce-eager > "$OUT/profile_b1.log" 2>&1
-    echo "profile rc=$?" >> "$OUT/profile_b1.log"
+if want profile_b1; then  # GPU kernel time of a decode step at batch 1 (graph replays, PDL off), plain then the mode
+    for mode in 0 1; do
+        DEEPINFER_BENCH_CACHE=${CACHE:-} DEEPINFER_NVIDIA_PDL=0 DEEPINFER_BATCH_INVARIANT=$mode timeout "$(left)" \
+            python3 backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 > "$OUT/profile_b1_$mode.log" 2>&1
+        echo "profile rc=$?" >> "$OUT/profile_b1_$mode.log"
+    done
 fi
 if want overhead; then
     timeout "$(left)" python3 plugins/batch_invariant/bench_overhead.py ${CACHE:+--cache-dir $CACHE} \
@@ -68,7 +70,7 @@ want b64_bi && run b64_bi 1 --num-prompts 64 --max-num-seqs 64
 cat "$OUT/machine.txt"; tail -n 3 "$OUT/pytest_cuda.log" 2>/dev/null
 tail -n 4 "$OUT/gemm.txt" 2>/dev/null; tail -n 22 "$OUT/moe.txt" 2>/dev/null
 cat "$OUT/overhead.txt" 2>/dev/null; grep -E "round|rc=|Error|error" "$OUT/overhead.log" 2>/dev/null | tail -n 20
-grep -A 22 "=== batch" "$OUT/profile_b1.log" 2>/dev/null | cut -c 1-150
+for mode in 0 1; do grep -A 22 "=== batch" "$OUT/profile_b1_$mode.log" 2>/dev/null | cut -c 1-150; done
 grep -E "^==|rc=|output tok/s|TPOT|TTFT|skipped|Error|error" "$OUT/bench.log" | head -n 60
 python3 - "$OUT" <<'PY'
 import json, sys
