@@ -199,7 +199,9 @@ def test_gemm_launches_by_row_count_from_the_variable(monkeypatch):
     """``DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES`` replaces ``ROW_LAUNCHES``; fp32 keeps the split-K launch; a
     malformed value names itself and the launches."""
     bf16 = torch.bfloat16
-    assert triton_kernels.launch_for(1, bf16, 4096) == "split"
+    assert triton_kernels.launch_for(1, bf16, 4096) == "split_swap"
+    assert triton_kernels.launch_for(16, bf16, 4096) == "split_swap"
+    assert triton_kernels.launch_for(17, bf16, 4096) == "split"
     assert triton_kernels.launch_for(128, bf16, 4096) == "split_wide"
     wide = triton_kernels.WIDE_MIN_ROWS
     assert triton_kernels.launch_for(wide, bf16, 32768) == "wide"  # 512 programs of 128 x 128
@@ -248,3 +250,20 @@ def test_bench_gemm_suggests_each_launch_from_where_it_is_fastest():
     totals = {1: {"split": 1.0, "wide": 2.0}, 16: {"split": 1.0, "split_wide": 0.5},
               64: {"split_wide": 1.0, "split": 2.0}, 512: {"wide": 1.0, "split": 2.0}}
     assert bench_gemm.suggest(totals) == "0:split,16:split_wide,512:wide"
+
+
+def test_rope_cos_sin_matches_reference_and_is_elementwise():
+    """One launch for both tables: the reference's values (angles up to a 1M context, where an approximate sine would
+    be far off) in fp32 and bf16, and a position's row the same bits alone and among others."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))  # [32]
+    positions = torch.tensor([[0, 1, 7], [4095, 65537, 1_000_000]])  # [2, 3]
+    for dtype in (torch.float32, torch.bfloat16):
+        cos, sin = triton_kernels.rope_cos_sin(positions, inv_freq, 0.5, dtype)
+        want_cos, want_sin = REF["rope_cos_sin"](positions, inv_freq, 0.5, dtype)
+        assert cos.shape == want_cos.shape == (2, 3, 32) and cos.dtype == sin.dtype == dtype
+        tol = 2e-6 if dtype == torch.float32 else 4e-3
+        torch.testing.assert_close(cos.float(), want_cos.float(), atol=tol, rtol=0)
+        torch.testing.assert_close(sin.float(), want_sin.float(), atol=tol, rtol=0)
+        alone_cos, alone_sin = triton_kernels.rope_cos_sin(positions[1, 2:], inv_freq, 0.5, dtype)
+        assert torch.equal(alone_cos[0], cos[1, 2]) and torch.equal(alone_sin[0], sin[1, 2])
+    assert BI["rope_cos_sin"] is triton_kernels.rope_cos_sin

@@ -134,6 +134,7 @@ VARIANTS: dict[str, Callable] = {
     "indexer_scores": tk.indexer_scores,
     "rms_norm": tk.rms_norm,
     "unweighted_rms_norm": tk.unweighted_rms_norm,
+    "rope_cos_sin": tk.rope_cos_sin,
 }
 VARIANTS["compressor_entries"] = _ref.pooled_windows(_ref.compressor_window, VARIANTS["compressor_pool"])
 """The windows as the reference gathers them, pooled by this module's ``compressor_pool``."""
@@ -153,7 +154,6 @@ VARIANTS.update(quantized.variants(VARIANTS))
 """The quantized-weight ops: exact dequantization, then this module's linear / MLP / expert ops."""
 
 REFERENCE_KEPT: dict[str, str] = {
-    "rope_cos_sin": "elementwise cos / sin: one functor per element, wherever it sits",
     "apply_rope": "elementwise arithmetic, slicing and concatenation only",
     "indexer_topk": "a stable sort per query row (a permutation: no arithmetic), padding entries are -inf and "
                     "never outrank visible ones; the scatter writes True only",

@@ -39,6 +39,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from deepinfer_batch_invariant import envs
@@ -91,9 +92,10 @@ LAUNCHES = {  # every launch gives an element the same bits (same splits, K in o
     "wide_short": Launch(MM_SHORT_CONFIGS, True),  # the same in 64 x 128 tiles
 }
 WIDE_MIN_ROWS = 256  # the default row launches' last bound (``ROW_LAUNCHES``)
-ROW_LAUNCHES = ((WIDE_MIN_ROWS, "wide"), (128, "split_wide"), (0, "split"))
+ROW_LAUNCHES = ((WIDE_MIN_ROWS, "wide"), (128, "split_wide"), (17, "split"), (0, "split_swap"))
 """(fewest rows, launch) of a 16-bit GEMM, largest bound first (``DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES`` replaces
-it): the split-K launch keeps a decode step's weight read spread over the GPU, in 128 x 128 tiles from 128 rows; from
+it): the split-K launch keeps a decode step's weight read spread over the GPU, up to 16 rows with the weights on the
+left of the product (one 16-row activation tile, not a 64-row one), in 128 x 128 tiles from 128 rows; from
 256 rows the serial launch, whose programs sum their splits in registers (no partials in memory), in 64-row tiles where
 128-row ones would leave the GPU short of programs (``WIDE_MIN_PROGRAMS``). All give a row the same bits
 (``test_cuda.py`` checks them against each other on the GPU), so the choice may follow the row count and the weight's
@@ -441,6 +443,40 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
         _swiglu_kernel[(triton.cdiv(out.numel(), 1024),)](gate, up, out, out.numel(), cols, gate.stride(0),
                                                           up.stride(0), float(limit), BLOCK=1024, num_warps=4, **_pdl())
     return out
+
+
+# ----------------------------------------------------------------------------- rope
+@triton.jit(do_not_specialize=["SIZE"])
+def _rope_cos_sin_kernel(pos_ptr, freq_ptr, cos_ptr, sin_ptr, SIZE, HALF, scaling, BLOCK: tl.constexpr,
+                         EMULATE: tl.constexpr, PDL: tl.constexpr = False):
+    """``cos / sin (position * inv_freq) * scaling`` element by element over ``[positions, HALF]``: fp32 angles,
+    libdevice's accurate sine and cosine (angles reach the context length); under the interpreter (``EMULATE``, which
+    has no libdevice) ``tl.cos`` / ``tl.sin``."""
+    _begin(PDL)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < SIZE
+    position = tl.load(pos_ptr + offs // HALF, mask=mask, other=0).to(tl.float32)
+    angle = position * tl.load(freq_ptr + offs % HALF, mask=mask, other=0.0)  # [BLOCK]
+    if EMULATE:
+        cos, sin = tl.cos(angle), tl.sin(angle)
+    else:
+        cos, sin = libdevice.cos(angle), libdevice.sin(angle)
+    tl.store(cos_ptr + offs, (cos * scaling).to(cos_ptr.dtype.element_ty), mask=mask)
+    tl.store(sin_ptr + offs, (sin * scaling).to(sin_ptr.dtype.element_ty), mask=mask)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype):
+    """Reference ``rope_cos_sin`` in one elementwise launch: ``[*positions.shape, rope_dim // 2]`` each, in
+    ``dtype``."""
+    freqs = inv_freq.to(device=positions.device, dtype=torch.float32).contiguous()  # [rope_dim // 2]
+    flat = positions.reshape(-1).contiguous()  # [P]
+    cos = torch.empty(*positions.shape, freqs.numel(), dtype=dtype, device=positions.device)
+    sin = torch.empty_like(cos)
+    if cos.numel():
+        _rope_cos_sin_kernel[(triton.cdiv(cos.numel(), 1024),)](flat, freqs, cos, sin, cos.numel(), freqs.numel(),
+                                                                float(scaling), BLOCK=1024, EMULATE=_EMULATE,
+                                                                num_warps=4, **_pdl())
+    return cos, sin
 
 
 # ----------------------------------------------------------------------------- row reductions
