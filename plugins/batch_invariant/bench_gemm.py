@@ -2,6 +2,7 @@
 
     python plugins/batch_invariant/bench_gemm.py [--rows 1 64 256 2048 16384]
     python plugins/batch_invariant/bench_gemm.py --rows 256 16384 --tiles 128,128,64,8,3 128,256,64,8,3
+    python plugins/batch_invariant/bench_gemm.py --cold --rows 1 16 --tiles 16,64,128,4,4 --tile-launches split_swap
 
 For every projection of a ``v4-flash-8l64e`` layer (bf16; the grouped ``wo_a`` as 8 groups) and row count: the time of
 ``F.linear`` (cuBLAS; the grouped one as a batched matmul), of the plain path's op (``nvidia_sm100``'s ``linear`` /
@@ -59,15 +60,25 @@ def _cublas(x: torch.Tensor, w: torch.Tensor, groups: int) -> torch.Tensor:
     return torch.bmm(x.transpose(0, 1), w.view(groups, -1, w.shape[1]).transpose(1, 2))  # [G, M, N]
 
 
-def _cases(rows: list[int]):
-    """(projection, rows, x ``[rows, groups, K]``, weight, groups) for every projection of ``SHAPES`` and row count
-    (the head at most 256 rows: it runs on a step's last rows only), drawn from one seeded generator."""
+def _cases(rows: list[int], cold: bool = False):
+    """(projection, rows, x ``[rows, groups, K]``, weights, groups) for every projection of ``SHAPES`` and row count
+    (the head at most 256 rows: it runs on a step's last rows only), drawn from one seeded generator. ``weights`` is
+    one weight, or with ``cold`` as many copies as make twice the L2 cache (a timed call cycles through them, so each
+    weight comes from HBM as in a decode step)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
     for name, n, k, groups in SHAPES:
         w = (torch.randn(groups * n, k, device="cuda", generator=gen) * 0.02).bfloat16()
+        copies = max(1, math.ceil(2 * l2 / (w.numel() * w.element_size()))) if cold else 1
+        weights = (w, *(w.clone() for _ in range(copies - 1)))
         for m in rows:
             if name != "head" or m <= 256:
-                yield name, m, torch.randn(m, groups, k, device="cuda", generator=gen).bfloat16(), w, groups
+                yield name, m, torch.randn(m, groups, k, device="cuda", generator=gen).bfloat16(), weights, groups
+
+
+def _time_each(fn, x: torch.Tensor, weights: tuple[torch.Tensor, ...], groups: int) -> float:
+    """Median seconds of ``fn(x, w, groups)`` per weight, the calls over every copy in ``weights`` replayed together."""
+    return _time(lambda: [fn(x, w, groups) for w in weights]) / len(weights)
 
 
 def _plain_op(backend: str = "nvidia_sm100"):
@@ -91,12 +102,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="instead: the split-K launch at each K-split target (``split_k``'s programs per row tile "
                              "and fewest K blocks a split), summed over the projections but the head")
     parser.add_argument("--tiles", nargs="+", metavar="BM,BN,BK,WARPS,STAGES",
-                        help="instead: the serial and the split-K launch at each tile, every projection and row count")
+                        help="instead: the --tile-launches at each tile, every projection and row count")
+    parser.add_argument("--tile-launches", nargs="+", default=["wide", "split_wide"],
+                        help="the launches --tiles times (names in triton_kernels.LAUNCHES)")
+    parser.add_argument("--cold", action="store_true",
+                        help="weights read from HBM: each call on another copy of the weight (twice the L2 in all)")
     args = parser.parse_args(argv)
     if args.split_targets:
-        return sweep_split_targets(args.rows, args.split_targets)
+        return sweep_split_targets(args.rows, args.split_targets, args.cold)
     if args.tiles:
-        return sweep_tiles(args.rows, [tuple(int(v) for v in t.split(",")) for t in args.tiles])
+        return sweep_tiles(args.rows, [tuple(int(v) for v in t.split(",")) for t in args.tiles], args.tile_launches,
+                           args.cold)
     launches = list(tk.LAUNCHES)
     plain = _plain_op()
     print("| projection | rows | cuBLAS | plain op | mode | mode / plain | " + " | ".join(launches)
@@ -107,15 +123,15 @@ def main(argv: list[str] | None = None) -> int:
     plain_totals: dict[int, float] = {}  # rows -> the plain op summed
     variants = {launch: {"launch": launch} for launch in launches}
     variants["split, fold kernel"] = {"launch": "split", "fused_fold": False}
-    for name, m, x, w, groups in _cases(args.rows):
-        mode = tk._grouped_matmul(x, w, groups)
+    for name, m, x, ws, groups in _cases(args.rows, args.cold):
+        mode = tk._grouped_matmul(x, ws[0], groups)
         for variant, kwargs in variants.items():
-            if not torch.equal(tk._grouped_matmul(x, w, groups, **kwargs), mode):
+            if not torch.equal(tk._grouped_matmul(x, ws[0], groups, **kwargs), mode):
                 raise AssertionError(f"{name} at {m} rows: the {variant} launch changes the bits")
-        base = _time(lambda x=x, w=w, g=groups: _cublas(x, w, g))
-        fast = _time(lambda x=x, w=w, g=groups: plain(x, w, g))
-        ours = _time(lambda x=x, w=w, g=groups: tk._grouped_matmul(x, w, g))
-        cells = {variant: _time(lambda x=x, w=w, g=groups, kw=kw: tk._grouped_matmul(x, w, g, **kw))
+        base = _time_each(_cublas, x, ws, groups)
+        fast = _time_each(plain, x, ws, groups)
+        ours = _time_each(tk._grouped_matmul, x, ws, groups)
+        cells = {variant: _time_each(lambda x, w, g, kw=kw: tk._grouped_matmul(x, w, g, **kw), x, ws, groups)
                  for variant, kw in variants.items()}
         if name != "head":
             for launch in launches:
@@ -133,19 +149,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def sweep_split_targets(rows: list[int], targets: list[str]) -> int:
-    """The split-K launch's time per call summed over the projections (not the head: too wide to split) at each
-    target and row count, each checked against the fold kernel's bits; the last line names the target fastest over
-    all ``rows`` together as the two variables' values."""
+def sweep_split_targets(rows: list[int], targets: list[str], cold: bool = False) -> int:
+    """The mode's launch's time per call summed over the projections (not the head: too wide to split) at each
+    target and row count, each checked against its launch with the fold kernel; the last line names the target
+    fastest over all ``rows`` together as the two variables' values."""
     import os
 
     from deepinfer_batch_invariant import triton_kernels as tk
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    weights = [((torch.randn(g * n, k, device="cuda", generator=gen) * 0.02).bfloat16(), g)
-               for name, n, k, g in SHAPES if name != "head"]
-    inputs = {m: [torch.randn(m, g, w.shape[1], device="cuda", generator=gen).bfloat16() for w, g in weights]
-              for m in rows}
+    cases = [case for case in _cases(rows, cold) if case[0] != "head"]
     totals = {}
     print("| programs:min blocks | " + " | ".join(f"{m} rows" for m in rows) + " |")
     print("|---|" + "---|" * len(rows))
@@ -153,41 +165,36 @@ def sweep_split_targets(rows: list[int], targets: list[str]) -> int:
         programs, _, min_blocks = target.partition(":")
         os.environ["DEEPINFER_BATCH_INVARIANT_SPLIT_K_PROGRAMS"] = programs
         os.environ["DEEPINFER_BATCH_INVARIANT_MIN_SPLIT_BLOCKS"] = min_blocks
-        cells = []
-        for m in rows:
-            total = 0.0
-            for (w, g), x in zip(weights, inputs[m], strict=True):
-                if not torch.equal(tk._grouped_matmul(x, w, g, launch="split"),
-                                   tk._grouped_matmul(x, w, g, launch="split", fused_fold=False)):
-                    raise AssertionError(f"{target} at {m} rows: the fused fold changes the bits")
-                total += _time(lambda x=x, w=w, g=g: tk._grouped_matmul(x, w, g, launch="split"))
-            cells.append(total)
-        totals[target] = sum(cells)
-        print(f"| {target} | " + " | ".join(f"{1e6 * c:.0f} us" for c in cells) + " |")
+        cells = dict.fromkeys(rows, 0.0)
+        for name, m, x, ws, g in cases:
+            if not torch.equal(tk._grouped_matmul(x, ws[0], g), tk._grouped_matmul(x, ws[0], g, fused_fold=False)):
+                raise AssertionError(f"{name}, {target} at {m} rows: the fused fold changes the bits")
+            cells[m] += _time_each(tk._grouped_matmul, x, ws, g)
+        totals[target] = sum(cells.values())
+        print(f"| {target} | " + " | ".join(f"{1e6 * c:.0f} us" for c in cells.values()) + " |")
     best = min(totals, key=totals.get)
     programs, _, min_blocks = best.partition(":")
     print(f"DEEPINFER_BATCH_INVARIANT_SPLIT_K_PROGRAMS={programs} DEEPINFER_BATCH_INVARIANT_MIN_SPLIT_BLOCKS={min_blocks}")
     return 0
 
 
-def sweep_tiles(rows: list[int], tiles: list[tuple[int, ...]]) -> int:
-    """Each tile in the serial launch and in the split-K launch (``_grouped_matmul``'s ``tile``), per projection and
-    row count, each checked to give the mode's bits (a tile that does not is reported, not timed); the last lines sum
-    each variant over the projections but the head, per row count."""
+def sweep_tiles(rows: list[int], tiles: list[tuple[int, ...]], launches: list[str], cold: bool = False) -> int:
+    """Each tile in each of ``launches`` (``_grouped_matmul``'s ``tile``), per projection and row count, each checked
+    to give the mode's bits (a tile that does not is reported, not timed); the last lines sum each variant over the
+    projections but the head, per row count."""
     from deepinfer_batch_invariant import triton_kernels as tk
 
     variants = {f"{launch} {'x'.join(map(str, tile))}": {"launch": launch, "tile": tile}
-                for tile in tiles for launch in ("wide", "split_wide")}
+                for tile in tiles for launch in launches}
     print("| projection | rows | cuBLAS | mode | " + " | ".join(variants) + " |")
     print("|---|---|---|---|" + "---|" * len(variants))
     totals: dict[int, dict[str, float]] = {}
-    for name, m, x, w, groups in _cases(rows):
-        mode = tk._grouped_matmul(x, w, groups)
-        cells = {"cuBLAS": _time(lambda x=x, w=w, g=groups: _cublas(x, w, g)),
-                 "mode": _time(lambda x=x, w=w, g=groups: tk._grouped_matmul(x, w, g))}
+    for name, m, x, ws, groups in _cases(rows, cold):
+        mode = tk._grouped_matmul(x, ws[0], groups)
+        cells = {"cuBLAS": _time_each(_cublas, x, ws, groups), "mode": _time_each(tk._grouped_matmul, x, ws, groups)}
         for variant, kw in variants.items():
-            same = torch.equal(tk._grouped_matmul(x, w, groups, **kw), mode)
-            cells[variant] = _time(lambda x=x, w=w, g=groups, kw=kw: tk._grouped_matmul(x, w, g, **kw)) \
+            same = torch.equal(tk._grouped_matmul(x, ws[0], groups, **kw), mode)
+            cells[variant] = _time_each(lambda x, w, g, kw=kw: tk._grouped_matmul(x, w, g, **kw), x, ws, groups) \
                 if same else float("nan")
         if name != "head":
             for variant, seconds in cells.items():

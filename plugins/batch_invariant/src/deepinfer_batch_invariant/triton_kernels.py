@@ -710,7 +710,7 @@ def sink_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sin
     idx, counts = compact_visible(visible)
     block_h = ATTN_BLOCK_H[q.dtype]
     grid = (S * Lq, triton.cdiv(H, block_h))
-    _sink_attention_kernel[grid](q, kv, idx, counts, sinks.float().contiguous(), out, Lq, H, d, float(scale),
+    _sink_attention_kernel[grid](q, kv, idx, counts, sinks.contiguous(), out, Lq, H, d, float(scale),
                                  q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), idx.stride(0),
                                  out.stride(0), out.stride(1), out.stride(2),
                                  BLOCK_H=block_h, BLOCK_D=_pow2(d), CHUNK=KV_CHUNK,
