@@ -164,6 +164,28 @@ def check_empty_attention_row(op: Callable, reference: Callable) -> None:
     close(out, reference(q, kv, visible, sinks, 0.2), atol=1e-6, rtol=1e-5)
 
 
+def attention_tiles_agree(op: Callable, reference: Callable, set_few_programs: Callable[[int], None], H: int = 64,
+                          d: int = 32, dtype=torch.bfloat16, device: str = "cpu", seed: int = 0) -> None:
+    """``op`` (the CUDA variants' ``sink_attention``) with 64 heads a program (``set_few_programs(0)``) and with 16
+    (``set_few_programs`` of a huge count) on queries of 0 to 300 visible keys: asserts the same bits, zeros for the
+    query without keys, and ``reference``'s values."""
+    gen = torch.Generator().manual_seed(seed)
+    S, Lq, Lk = 3, 4, 300
+    q, kv, sinks = _randn(gen, S, Lq, H, d), _randn(gen, S, Lk, d), _randn(gen, H)
+    visible = torch.rand(S, Lq, Lk, generator=gen) < torch.rand(S, Lq, 1, generator=gen)  # [S, Lq, Lk]
+    visible[0, 0] = False  # a query without keys
+    args = [a.to(device=device, dtype=dtype) if a.is_floating_point() else a.to(device)
+            for a in (q, kv, visible, sinks)]
+    outs = []
+    for few in (0, 1 << 30):
+        set_few_programs(few)
+        outs.append(op(*args, d**-0.5))
+    assert torch.equal(outs[0], outs[1]), (outs[0].float() - outs[1].float()).abs().max()
+    assert torch.equal(outs[0][0, 0], torch.zeros_like(outs[0][0, 0]))
+    want = reference(*(a.float() if a.is_floating_point() else a for a in args), d**-0.5)
+    close(outs[0], want, atol=3e-2, rtol=2e-2)
+
+
 # ----------------------------------------------------------------------------- indexer
 def _indexer_sequence(gen, Hi, di, max_q=10, max_e=150):
     n_q = int(torch.randint(1, max_q + 1, (1,), generator=gen))

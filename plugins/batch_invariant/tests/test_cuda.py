@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from bi_harness import (
+    attention_tiles_agree,
     check_attention,
     check_indexer_scores,
     check_rows,
@@ -88,6 +89,18 @@ def test_row_ops_close_to_reference_on_gpu(bi):
 def test_attention_and_indexer_invariant_on_gpu(bi, dtype):
     assert check_attention(on_cuda(bi["sink_attention"]), trials=12, dtype=dtype) == []
     assert check_indexer_scores(on_cuda(bi["indexer_scores"]), trials=8) == []
+
+
+def test_attention_tiles_agree_bitwise_on_gpu(monkeypatch):
+    """V4-Flash's 64 heads x 512 in bf16: 16 heads a program (decode of few queries) gives the 64-head tile's bits,
+    so the tile may follow the number of queries."""
+    from deepinfer_batch_invariant import triton_kernels
+
+    from deepinfer_core.ops.table import reference_ops
+
+    attention_tiles_agree(triton_kernels.sink_attention, reference_ops()["sink_attention"],
+                          lambda few: monkeypatch.setattr(triton_kernels, "ATTN_FEW_PROGRAMS", few), H=64, d=512,
+                          device="cuda")
 
 
 def test_v4_sizes_invariant_on_gpu(bi):

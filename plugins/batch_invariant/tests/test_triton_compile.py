@@ -57,7 +57,10 @@ def _record_launches() -> dict[tuple, tuple]:
             for case in row_cases(dtype):
                 case.call(ops[case.op], case.rows(5, gen))
             q, kv, visible, sinks, scale = attention_batch(gen, dtype=dtype)
-            ops["sink_attention"](q, kv, visible, sinks, scale)
+            ops["sink_attention"](q, kv, visible, sinks, scale)  # few queries: ATTN_FEW_BLOCK_H heads a program
+            few, triton_kernels.ATTN_FEW_PROGRAMS = triton_kernels.ATTN_FEW_PROGRAMS, 0
+            ops["sink_attention"](q, kv, visible, sinks, scale)  # ATTN_BLOCK_H heads a program
+            triton_kernels.ATTN_FEW_PROGRAMS = few
             k = 512 if dtype == torch.float32 else 1024  # long enough for two K splits (and their fold)
             triton_kernels.matmul_nt(torch.randn(3, k, generator=gen).to(dtype),
                                      torch.randn(40, k, generator=gen).to(dtype))

@@ -22,6 +22,7 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
 
 from bi_harness import (
     attention_batch,
+    attention_tiles_agree,
     check_attention,
     check_empty_attention_row,
     check_indexer_close,
@@ -95,6 +96,16 @@ def test_sink_attention_matches_reference():
 
 def test_sink_attention_row_without_visible_keys_is_zero():
     check_empty_attention_row(BI["sink_attention"], REF["sink_attention"])
+
+
+def test_sink_attention_16_and_64_heads_a_program_agree_bitwise(monkeypatch):
+    """bf16: the few-queries tile (16 heads a program) gives the 64-head tile's bits (every key sum a product along
+    the keys), and the reference's values."""
+    assert triton_kernels.attention_block_h(1, 64, torch.bfloat16) == 16
+    assert triton_kernels.attention_block_h(1024, 64, torch.bfloat16) == 64
+    assert triton_kernels.attention_block_h(1024, 64, torch.float32) == 16
+    attention_tiles_agree(BI["sink_attention"], REF["sink_attention"],
+                          lambda few: monkeypatch.setattr(triton_kernels, "ATTN_FEW_PROGRAMS", few))
 
 
 def test_compact_visible_lists_each_querys_keys_in_order():

@@ -111,7 +111,14 @@ ROW_BLOCK_MAX = 4096
 ATTN_BLOCK_H = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 16}
 """Query heads per attention program by dtype (``tl.dot`` needs M >= 16; fewer heads are masked): the heads of a
 query share its keys (one latent KV head), so 16-bit runs take 64 heads a program and read each key once per query
-(Hopper's wgmma M); fp32 operands keep 16, their ``[heads, head_dim]`` tile being twice as large."""
+(Hopper's wgmma M); fp32 operands keep 16, their ``[heads, head_dim]`` tile being twice as large. With fewer such
+programs than ``ATTN_FEW_PROGRAMS`` (decode of small batches) a program takes ``ATTN_FEW_BLOCK_H`` heads instead: every
+sum over keys is a ``tl.dot`` along the keys in order (the probabilities' row sum too), which gives an element the
+same bits whatever the tile's height, so the choice may follow the number of queries."""
+ATTN_FEW_BLOCK_H = 16
+ATTN_FEW_PROGRAMS = 132
+"""Fewest (query, ``ATTN_BLOCK_H`` heads) programs for the 64-head tile: fewer (a decode step of up to 132 queries)
+take ``ATTN_FEW_BLOCK_H`` heads a program, four times the programs over the GPU's 132 SMs."""
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -640,6 +647,7 @@ def _sink_attention_kernel(q_ptr, kv_ptr, idx_ptr, count_ptr, sink_ptr, out_ptr,
     sink = m
     denom = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
+    ones = tl.full((CHUNK, 16), 1.0, dtype=q.dtype)  # the row sum as a product: every column is the sum
     chunk = tl.arange(0, CHUNK)
     for c0 in range(0, count, CHUNK):  # this query's own keys, CHUNK at a time, in key order
         valid = c0 + chunk < count
@@ -651,9 +659,10 @@ def _sink_attention_kernel(q_ptr, kv_ptr, idx_ptr, count_ptr, sink_ptr, out_ptr,
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        denom = denom * alpha + tl.sum(p, axis=1)
-        acc = _dot(p.to(k.dtype), k, acc * alpha[:, None], PRECISION, EMULATE)
+        p = tl.exp(scores - m_new[:, None]).to(k.dtype)  # [BLOCK_H, CHUNK]
+        sums = _dot(p, ones, tl.zeros((BLOCK_H, 16), dtype=tl.float32), PRECISION, EMULATE)  # [BLOCK_H, 16]
+        denom = denom * alpha + tl.max(sums, axis=1)  # the columns are equal: max picks the sum exactly
+        acc = _dot(p, k, acc * alpha[:, None], PRECISION, EMULATE)
         m = m_new
     denom = denom + tl.exp(sink - m)  # the sink's mass is in the denominator only
     out = acc / denom[:, None]
@@ -693,12 +702,19 @@ def compact_visible(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, counts
 
 
+def attention_block_h(queries: int, heads: int, dtype: torch.dtype) -> int:
+    """Heads per attention program for ``queries`` query rows (``ATTN_BLOCK_H``, ``ATTN_FEW_BLOCK_H``)."""
+    block_h = ATTN_BLOCK_H[dtype]
+    return ATTN_FEW_BLOCK_H if queries * triton.cdiv(heads, block_h) < ATTN_FEW_PROGRAMS else block_h
+
+
 def sink_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor,
                    scale: float) -> torch.Tensor:
     """Reference ``sink_attention`` over each query's own visible keys in fixed ``KV_CHUNK`` chunks.
 
     ``q [S, Lq, H, d]``, ``kv [S, Lk, d]``, ``visible [S, Lq, Lk]``, ``sinks [H]``; returns ``[S, Lq, H, d]`` in
-    ``q.dtype``. One program per (query, block of ``ATTN_BLOCK_H[dtype]`` heads) runs an online softmax over the
+    ``q.dtype``. One program per (query, block of ``ATTN_BLOCK_H[dtype]`` heads, or ``ATTN_FEW_BLOCK_H`` with fewer
+    programs than ``ATTN_FEW_PROGRAMS``: the same bits) runs an online softmax over the
     query's chunks in order (the running max starts at the sink logit; a query without keys gets 0).
     """
     S, Lq, H, d = q.shape
@@ -708,7 +724,7 @@ def sink_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sin
     if S * Lq == 0:
         return out
     idx, counts = compact_visible(visible)
-    block_h = ATTN_BLOCK_H[q.dtype]
+    block_h = attention_block_h(S * Lq, H, q.dtype)
     grid = (S * Lq, triton.cdiv(H, block_h))
     _sink_attention_kernel[grid](q, kv, idx, counts, sinks.contiguous(), out, Lq, H, d, float(scale),
                                  q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), idx.stride(0),
