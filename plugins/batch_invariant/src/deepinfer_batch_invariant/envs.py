@@ -15,8 +15,8 @@ VARIABLES = Variables(
              "NVIDIA: a split-K GEMM's partial sums are added by each tile's last program (a count per tile) instead "
              "of a second kernel; the same sums in the same order. 0: the second kernel."),
     Variable("DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES", str, None,
-             "NVIDIA: the GEMM launch by row count as `rows:launch` pairs, e.g. `0:split_swap,17:split,128:split_wide,256:wide` "
-             "(launches in `triton_kernels.LAUNCHES`; every one gives the same bits; `wide` runs as `wide_short` "
+             "NVIDIA: the GEMM launch by row count as `rows:launch` pairs, e.g. "
+             "`0:split_swap,17:split,128:split_wide,256:wide` (launches in `triton_kernels.LAUNCHES`; every one gives the same bits; `wide` runs as `wide_short` "
              "where its tiles would be too few, `WIDE_MIN_PROGRAMS`); unset: `ROW_LAUNCHES`."),
     Variable("DEEPINFER_BATCH_INVARIANT_SPLIT_K_PROGRAMS", int, None,
              "NVIDIA: the GEMM's K-split target, programs per row tile (`triton_kernels.SPLIT_K_PROGRAMS` when "

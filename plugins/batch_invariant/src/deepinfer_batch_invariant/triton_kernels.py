@@ -117,8 +117,8 @@ sum over keys is a ``tl.dot`` along the keys in order (the probabilities' row su
 same bits whatever the tile's height, so the choice may follow the number of queries."""
 ATTN_FEW_BLOCK_H = 16
 ATTN_FEW_PROGRAMS = 132
-"""Fewest (query, ``ATTN_BLOCK_H`` heads) programs for the 64-head tile: fewer (a decode step of up to 132 queries)
-take ``ATTN_FEW_BLOCK_H`` heads a program, four times the programs over the GPU's 132 SMs."""
+"""Fewest (query, ``ATTN_BLOCK_H`` heads) programs for the 64-head tile (an H200's SM count): fewer, as in a decode step
+of up to 131 queries of 64 heads, take ``ATTN_FEW_BLOCK_H`` heads a program, four times the programs."""
 
 
 def _precision(dtype: torch.dtype) -> str:
