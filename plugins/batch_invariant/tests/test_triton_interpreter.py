@@ -102,6 +102,8 @@ def test_sink_attention_16_and_64_heads_a_program_agree_bitwise(monkeypatch):
     """bf16: the few-queries tile (16 heads a program) gives the 64-head tile's bits (every key sum a product along
     the keys), and the reference's values."""
     assert triton_kernels.attention_block_h(1, 64, torch.bfloat16) == 16
+    assert triton_kernels.attention_block_h(131, 64, torch.bfloat16) == 16  # fewer programs than an H200's SMs
+    assert triton_kernels.attention_block_h(132, 64, torch.bfloat16) == 64
     assert triton_kernels.attention_block_h(1024, 64, torch.bfloat16) == 64
     assert triton_kernels.attention_block_h(1024, 64, torch.float32) == 16
     attention_tiles_agree(BI["sink_attention"], REF["sink_attention"],

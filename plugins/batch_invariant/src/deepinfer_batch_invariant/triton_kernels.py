@@ -116,9 +116,10 @@ programs than ``ATTN_FEW_PROGRAMS`` (decode of small batches) a program takes ``
 sum over keys is a ``tl.dot`` along the keys in order (the probabilities' row sum too), which gives an element the
 same bits whatever the tile's height, so the choice may follow the number of queries."""
 ATTN_FEW_BLOCK_H = 16
-ATTN_FEW_PROGRAMS = 132
-"""Fewest (query, ``ATTN_BLOCK_H`` heads) programs for the 64-head tile (an H200's SM count): fewer, as in a decode step
-of up to 131 queries of 64 heads, take ``ATTN_FEW_BLOCK_H`` heads a program, four times the programs."""
+ATTN_FEW_PROGRAMS: int | None = None
+"""Fewest (query, ``ATTN_BLOCK_H`` heads) programs for the 64-head tile; None: the GPU's SM count (132 on an H200, also
+the count for CPU tensors under the interpreter). Fewer, as in a decode step of up to 131 queries of 64 heads on an
+H200, take ``ATTN_FEW_BLOCK_H`` heads a program, four times the programs."""
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -702,10 +703,19 @@ def compact_visible(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, counts
 
 
-def attention_block_h(queries: int, heads: int, dtype: torch.dtype) -> int:
-    """Heads per attention program for ``queries`` query rows (``ATTN_BLOCK_H``, ``ATTN_FEW_BLOCK_H``)."""
+def attention_block_h(queries: int, heads: int, dtype: torch.dtype, device: torch.device | None = None) -> int:
+    """Heads per attention program for ``queries`` query rows on ``device`` (``ATTN_BLOCK_H``, ``ATTN_FEW_BLOCK_H``)."""
     block_h = ATTN_BLOCK_H[dtype]
-    return ATTN_FEW_BLOCK_H if queries * triton.cdiv(heads, block_h) < ATTN_FEW_PROGRAMS else block_h
+    few = ATTN_FEW_PROGRAMS if ATTN_FEW_PROGRAMS is not None else _sm_count(device)
+    return ATTN_FEW_BLOCK_H if queries * triton.cdiv(heads, block_h) < few else block_h
+
+
+@functools.cache
+def _sm_count(device: torch.device | None) -> int:
+    """Streaming multiprocessors of a CUDA ``device``; 132 (an H200's) for other devices."""
+    if device is None or device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def sink_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor,
@@ -724,7 +734,7 @@ def sink_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sin
     if S * Lq == 0:
         return out
     idx, counts = compact_visible(visible)
-    block_h = attention_block_h(S * Lq, H, q.dtype)
+    block_h = attention_block_h(S * Lq, H, q.dtype, q.device)
     grid = (S * Lq, triton.cdiv(H, block_h))
     _sink_attention_kernel[grid](q, kv, idx, counts, sinks.contiguous(), out, Lq, H, d, float(scale),
                                  q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), idx.stride(0),
