@@ -37,6 +37,10 @@ VARIABLES = Variables(
              "operand, in fragment order; on an H200 2.0x faster than `moe_quant`'s grouped kernels at 16-256 "
              "tokens, 1.5x at 1,024, 1.05x at 8,192 on the v4-flash-8l64e-fp4 experts); 0: the grouped kernels of "
              "`moe_quant` at every size."),
+    Variable("DEEPINFER_NVIDIA_INVARIANT_MIX_SPLITS", int, None,
+             "Batch-invariant mode: the most K splits of the mHC mixing logits (`hc.INVARIANT_MIX_SPLITS` when unset; "
+             "the split count follows the row length only, so any value is invariant, with other bits). Set it before "
+             "the engine starts."),
     Variable("DEEPINFER_NVIDIA_NORM", bool, True, "Triton RMS-norm kernels; 0: the compiled reference ops."),
     Variable("DEEPINFER_NVIDIA_GREEDY", bool, True, "Triton sampler for all-greedy steps; 0: the reference sampler."),
     Variable("DEEPINFER_NVIDIA_RADIX_TOPK", bool, True,

@@ -149,3 +149,21 @@ def test_offered_fused_ops_at_the_tiny_models_sizes_keep_a_rows_bits(case):
     assert check_rows(case, OFFERED[case.op], sizes=(1, 45), needle_rows=1) == []
     inputs = case.rows(5, torch.Generator().manual_seed(5))
     close(case.call(OFFERED[case.op], inputs), case.call(REF[case.op], inputs), atol=3e-5, rtol=3e-5)
+
+
+def test_mix_split_variable_sets_the_modes_mixing_split(monkeypatch):
+    """``DEEPINFER_NVIDIA_INVARIANT_MIX_SPLITS`` sets the most K splits of the mode's 16-bit mHC mixing (the split
+    count still a function of the row length only). Values: on the GPU (``test_cuda.py``); the interpreter's bf16
+    ``tl.dot`` is wrong (``triton_kernels``' docstring)."""
+    from deepinfer_nvidia_sm100.kernels import hc
+
+    gen = torch.Generator().manual_seed(3)
+    streams = torch.randn(3, 4, 1024, generator=gen).bfloat16()  # [T, hc, D]: K = 4,096, 32 steps of 128
+    fn = torch.randn(24, 4096, generator=gen) * 0.02
+    for value, splits in ((None, min(32, hc.INVARIANT_MIX_SPLITS)), ("4", 4), ("1", 1)):
+        if value is None:
+            monkeypatch.delenv("DEEPINFER_NVIDIA_INVARIANT_MIX_SPLITS", raising=False)
+        else:
+            monkeypatch.setenv("DEEPINFER_NVIDIA_INVARIANT_MIX_SPLITS", value)
+        assert hc.hc_mix_logits(streams, fn, 1e-6, partials=True, invariant=True)[2] == splits
+        assert hc.hc_mix_logits(streams[:1], fn, 1e-6, partials=True, invariant=True)[2] == splits  # any row count

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from bi_harness import (
+    RowCase,
     attention_tiles_agree,
     check_attention,
     check_indexer_scores,
@@ -65,6 +66,24 @@ def test_row_ops_bitwise_invariant_on_gpu(bi, dtype):
     failures = {case.name: check_rows(case, on_cuda(bi[case.op]), sizes=(0, 1, 2, 7, 17, 64, 100, 300))
                 for case in row_cases(dtype)}
     assert {name: f for name, f in failures.items() if f} == {}
+
+
+@pytest.mark.parametrize("splits", ["32", "128"])
+def test_hc_pre_invariant_at_the_mixing_splits_on_gpu(monkeypatch, splits):
+    """bf16 ``hc_pre`` at V4-Flash's row length (4 streams x 4,096: 128 K steps) with
+    ``DEEPINFER_NVIDIA_INVARIANT_MIX_SPLITS`` at the default 32 and at 128 (one K step a split): a row alone and among
+    others, the same bits."""
+    from deepinfer_batch_invariant.ops import implementations
+    from deepinfer_nvidia_sm100.backend import NvidiaBackend
+
+    monkeypatch.setenv("DEEPINFER_NVIDIA_INVARIANT_MIX_SPLITS", splits)
+    op = implementations("nvidia_sm100", NvidiaBackend().make_op_table().variants("batch_invariant"))["hc_pre"]
+    gen = torch.Generator().manual_seed(0)
+    fn, base = torch.randn(24, 16384, generator=gen) * 0.01, torch.randn(24, generator=gen)
+    scale = torch.randn(3, generator=gen)
+    case = RowCase("hc_pre v4", "hc_pre", lambda n, g: [torch.randn(n, 4, 4096, generator=g).bfloat16()],
+                   lambda op, r: op(r[0], fn, base, scale, 20, 1e-6, 1e-6))
+    assert check_rows(case, on_cuda(op), sizes=(0, 1, 2, 7, 17, 64, 100, 300)) == []
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -106,6 +106,9 @@ def test_sink_attention_16_and_64_heads_a_program_agree_bitwise(monkeypatch):
     assert triton_kernels.attention_block_h(132, 64, torch.bfloat16) == 64
     assert triton_kernels.attention_block_h(1024, 64, torch.bfloat16) == 64
     assert triton_kernels.attention_block_h(1024, 64, torch.float32) == 16
+    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT_ATTENTION_FEW_PROGRAMS", "0")
+    assert triton_kernels.attention_block_h(1, 64, torch.bfloat16) == 64
+    monkeypatch.delenv("DEEPINFER_BATCH_INVARIANT_ATTENTION_FEW_PROGRAMS")
     attention_tiles_agree(BI["sink_attention"], REF["sink_attention"],
                           lambda few: monkeypatch.setattr(triton_kernels, "ATTN_FEW_PROGRAMS", few))
 

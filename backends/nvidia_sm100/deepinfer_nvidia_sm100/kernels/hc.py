@@ -117,6 +117,11 @@ INVARIANT_MIX_SPLITS = 32
 split count then follows the row length alone."""
 
 
+def invariant_mix_splits() -> int:
+    """``DEEPINFER_NVIDIA_INVARIANT_MIX_SPLITS``, else ``INVARIANT_MIX_SPLITS``."""
+    return envs.DEEPINFER_NVIDIA_INVARIANT_MIX_SPLITS or INVARIANT_MIX_SPLITS
+
+
 def hc_mix_logits(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float, kernel: str | None = None,
                   partials: bool = False, invariant: bool = False):
     """``reference.hc_mix_logits``: ``[T, (2 + hc) * hc]`` fp32. 16-bit streams take the tensor-core kernel
@@ -140,7 +145,7 @@ def hc_mix_logits(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float, kern
         n_p2 = max(16, n_p2)  # tl.dot needs N >= 16
         token_blocks = triton.cdiv(tokens, MIX_DOT_BLOCK_T)
         steps = triton.cdiv(k, MIX_DOT_BLOCK_K)
-        splits = min(steps, INVARIANT_MIX_SPLITS if invariant else triton.cdiv(MIX_DOT_PROGRAMS, token_blocks))
+        splits = min(steps, invariant_mix_splits() if invariant else triton.cdiv(MIX_DOT_PROGRAMS, token_blocks))
         per_split = triton.cdiv(steps, splits) * MIX_DOT_BLOCK_K
         splits = triton.cdiv(k, per_split)
         dots, squares = _mix_partials(splits, tokens, n_p2, x.device)

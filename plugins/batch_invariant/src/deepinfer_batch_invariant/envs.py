@@ -14,6 +14,9 @@ VARIABLES = Variables(
     Variable("DEEPINFER_BATCH_INVARIANT_FUSED_FOLD", bool, True,
              "NVIDIA: a split-K GEMM's partial sums are added by each tile's last program (a count per tile) instead "
              "of a second kernel; the same sums in the same order. 0: the second kernel."),
+    Variable("DEEPINFER_BATCH_INVARIANT_ATTENTION_FEW_PROGRAMS", int, None,
+             "NVIDIA: below this many (query, 64 heads) attention programs a program takes 16 heads (the same bits); "
+             "0: always 64; unset: `triton_kernels.ATTN_FEW_PROGRAMS`, else the GPU's SM count."),
     Variable("DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES", str, None,
              "NVIDIA: the GEMM launch by row count as `rows:launch` pairs, e.g. "
              "`0:split_swap,17:split,128:split_wide,256:wide` (launches in `triton_kernels.LAUNCHES`; every one gives the same bits; `wide` runs as `wide_short` "
