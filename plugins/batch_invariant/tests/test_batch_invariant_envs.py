@@ -13,6 +13,7 @@ from deepinfer_core.errors import EnvironmentVariableError
 def test_the_entry_point_lists_the_plugins_declarations():
     assert any(group is envs.VARIABLES for group in core_envs.declarations())
     assert [v.name for v in envs.VARIABLES] == [plugin.ENV, "DEEPINFER_BATCH_INVARIANT_FUSED_FOLD",
+                                                "DEEPINFER_BATCH_INVARIANT_ATTENTION_FEW_PROGRAMS",
                                                 "DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES", "DEEPINFER_BATCH_INVARIANT_SPLIT_K_PROGRAMS",
                                                 "DEEPINFER_BATCH_INVARIANT_MIN_SPLIT_BLOCKS", plugin.ENV_MTP_VARLEN]
     assert envs.VARIABLES.owner == "deepinfer-batch-invariant"
