@@ -9,14 +9,15 @@ For every projection of a ``v4-flash-8l64e`` layer (bf16; the grouped ``wo_a`` a
 ``grouped_linear`` from its op table: the GEMV kernel at one row), of ``triton_kernels.matmul_nt`` as the mode runs it
 (``launch_for``'s launch for the row count and the weight), of every launch in ``triton_kernels.LAUNCHES`` and of
 the split-K launch with the fold kernel, each checked to give the same bits as the mode's. CUDA events, median of
-repeats after warm-up, each call replayed from a CUDA graph (as a decode step runs). Prints one table (time per call, the mode's time over cuBLAS's),
-the fastest launch per row count summed over the projections, and a ``DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES`` value
-from those (``suggest``).
+repeats after warm-up, each call replayed from a CUDA graph (as a decode step runs). Prints one table (time per call,
+the mode's time over the plain op's), the fastest launch per row count summed over the projections, and a
+``DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES`` value from those (``suggest``).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         base = _time_each(_cublas, x, ws, groups)
         fast = _time_each(plain, x, ws, groups)
         ours = _time_each(tk._grouped_matmul, x, ws, groups)
-        cells = {variant: _time_each(lambda x, w, g, kw=kw: tk._grouped_matmul(x, w, g, **kw), x, ws, groups)
+        cells = {variant: _time_each(functools.partial(tk._grouped_matmul, **kw), x, ws, groups)
                  for variant, kw in variants.items()}
         if name != "head":
             for launch in launches:
@@ -139,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                 totals[m][launch] += cells[launch]
             mode_totals[m] = mode_totals.get(m, 0.0) + ours
             plain_totals[m] = plain_totals.get(m, 0.0) + fast
-        print(f"| {name} | {m} | {base * 1e6:.1f} us | {fast * 1e6:.1f} us | {ours * 1e6:.1f} us | {ours / fast:.2f}x | "
-              + " | ".join(f"{cells[v] * 1e6:.1f} us" for v in variants) + " |")
+        print(f"| {name} | {m} | {base * 1e6:.1f} us | {fast * 1e6:.1f} us | {ours * 1e6:.1f} us | "
+              f"{ours / fast:.2f}x | " + " | ".join(f"{cells[v] * 1e6:.1f} us" for v in variants) + " |")
     print("\nsummed over the projections but the head, per row count: " + ", ".join(
         f"{m}: {min(t, key=t.get)} ({1e6 * min(t.values()):.0f} us; mode's {1e6 * mode_totals[m]:.0f}, plain "
         f"{1e6 * plain_totals[m]:.0f})"
@@ -194,7 +195,7 @@ def sweep_tiles(rows: list[int], tiles: list[tuple[int, ...]], launches: list[st
         cells = {"cuBLAS": _time_each(_cublas, x, ws, groups), "mode": _time_each(tk._grouped_matmul, x, ws, groups)}
         for variant, kw in variants.items():
             same = torch.equal(tk._grouped_matmul(x, ws[0], groups, **kw), mode)
-            cells[variant] = _time_each(lambda x, w, g, kw=kw: tk._grouped_matmul(x, w, g, **kw), x, ws, groups) \
+            cells[variant] = _time_each(functools.partial(tk._grouped_matmul, **kw), x, ws, groups) \
                 if same else float("nan")
         if name != "head":
             for variant, seconds in cells.items():

@@ -19,8 +19,9 @@ VARIABLES = Variables(
              "0: always 64; unset: `triton_kernels.ATTN_FEW_PROGRAMS`, else the GPU's SM count."),
     Variable("DEEPINFER_BATCH_INVARIANT_GEMM_LAUNCHES", str, None,
              "NVIDIA: the GEMM launch by row count as `rows:launch` pairs, e.g. "
-             "`0:split_swap,17:split,128:split_wide,256:wide` (launches in `triton_kernels.LAUNCHES`; every one gives the same bits; `wide` runs as `wide_short` "
-             "where its tiles would be too few, `WIDE_MIN_PROGRAMS`); unset: `ROW_LAUNCHES`."),
+             "`0:split_swap,17:split,128:split_wide,256:wide` (launches in `triton_kernels.LAUNCHES`; every one gives "
+             "the same bits; `wide` runs as `wide_short` where its tiles would be too few, `WIDE_MIN_PROGRAMS`); "
+             "unset: `ROW_LAUNCHES`."),
     Variable("DEEPINFER_BATCH_INVARIANT_SPLIT_K_PROGRAMS", int, None,
              "NVIDIA: the GEMM's K-split target, programs per row tile (`triton_kernels.SPLIT_K_PROGRAMS` when "
              "unset); the split follows the weight's shape only, so any value keeps invariance (other bits)."),

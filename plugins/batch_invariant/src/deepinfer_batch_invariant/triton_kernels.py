@@ -117,10 +117,10 @@ sum over keys is a ``tl.dot`` along the keys in order (the probabilities' row su
 same bits whatever the tile's height, so the choice may follow the number of queries."""
 ATTN_FEW_BLOCK_H = 16
 ATTN_FEW_PROGRAMS: int | None = None
-"""Fewest (query, ``ATTN_BLOCK_H`` heads) programs for the 64-head tile (``DEEPINFER_BATCH_INVARIANT_ATTENTION_FEW_PROGRAMS``
-replaces it); None: the GPU's SM count (132 on an H200, also the count for CPU tensors under the interpreter). Fewer,
-as in a decode step of up to 131 queries of 64 heads on an H200, take ``ATTN_FEW_BLOCK_H`` heads a program, four times
-the programs."""
+"""Fewest (query, ``ATTN_BLOCK_H`` heads) programs for the 64-head tile
+(``DEEPINFER_BATCH_INVARIANT_ATTENTION_FEW_PROGRAMS`` replaces it); None: the GPU's SM count (132 on an H200, also the
+count for CPU tensors under the interpreter). Fewer, as in a decode step of up to 131 queries of 64 heads on an H200,
+take ``ATTN_FEW_BLOCK_H`` heads a program, four times the programs."""
 
 
 def _precision(dtype: torch.dtype) -> str:
