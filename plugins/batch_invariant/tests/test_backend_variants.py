@@ -158,9 +158,9 @@ def test_mix_split_variable_sets_the_modes_mixing_split(monkeypatch):
     from deepinfer_nvidia_sm100.kernels import hc
 
     gen = torch.Generator().manual_seed(3)
-    streams = torch.randn(3, 4, 1024, generator=gen).bfloat16()  # [T, hc, D]: K = 4,096, 32 steps of 128
-    fn = torch.randn(24, 4096, generator=gen) * 0.02
-    for value, splits in ((None, min(32, hc.INVARIANT_MIX_SPLITS)), ("4", 4), ("1", 1)):
+    streams = torch.randn(3, 4, 4096, generator=gen).bfloat16()  # [T, hc, D]: V4-Flash's K = 16,384, 128 steps of 128
+    fn = torch.randn(24, 16384, generator=gen) * 0.02
+    for value, splits in ((None, min(128, hc.INVARIANT_MIX_SPLITS)), ("32", 32), ("1", 1)):
         if value is None:
             monkeypatch.delenv("DEEPINFER_NVIDIA_INVARIANT_MIX_SPLITS", raising=False)
         else:

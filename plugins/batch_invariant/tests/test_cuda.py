@@ -71,7 +71,7 @@ def test_row_ops_bitwise_invariant_on_gpu(bi, dtype):
 @pytest.mark.parametrize("splits", ["32", "128"])
 def test_hc_pre_invariant_at_the_mixing_splits_on_gpu(monkeypatch, splits):
     """bf16 ``hc_pre`` at V4-Flash's row length (4 streams x 4,096: 128 K steps) with
-    ``DEEPINFER_NVIDIA_INVARIANT_MIX_SPLITS`` at the default 32 and at 128 (one K step a split): a row alone and among
+    ``DEEPINFER_NVIDIA_INVARIANT_MIX_SPLITS`` at the default 128 (one K step a split) and at 32: a row alone and among
     others, the same bits."""
     from deepinfer_batch_invariant.ops import implementations
     from deepinfer_nvidia_sm100.backend import NvidiaBackend

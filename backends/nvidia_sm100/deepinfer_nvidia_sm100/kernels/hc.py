@@ -112,9 +112,10 @@ def mix_kernel(streams: torch.Tensor) -> str:
             else "split" if tokens <= MIX_KERNEL_MAX_TOKENS else "compiled")
 
 
-INVARIANT_MIX_SPLITS = 32
+INVARIANT_MIX_SPLITS = 128
 """Most K splits of the mixing logits in the batch-invariant launch (``hc_mix_logits(..., invariant=True)``): the
-split count then follows the row length alone."""
+split count then follows the row length alone. 128 gives V4-Flash's 4 x 4,096 row one 128-wide K step a split, as the
+fast path splits it for one token, so a decode step of few tokens spreads its weight read over the GPU."""
 
 
 def invariant_mix_splits() -> int:
