@@ -35,8 +35,8 @@ import sys
 import torch
 from cuda_timing import cuda_time, graphed
 from deepinfer_nvidia_sm100.backend import sm90_ops
+from deepinfer_nvidia_sm100.kernels import gpu, tl_attention
 from deepinfer_nvidia_sm100.kernels import sparse_attention as kernels
-from deepinfer_nvidia_sm100.kernels import tl_attention
 
 from deepinfer_core.models.deepseek_v4.sparse_attention import (
     indexed_roped_attention,
@@ -101,7 +101,7 @@ def paths(ops: OpTable, case) -> dict:
     Lk = window.shape[-1]
     entries = paged(keys, Lk)
     store_rows = entries[0].shape[0] * entries[0].shape[1]
-    rows, sms = q.shape[0] * q.shape[1], kernels._sm_count(0)
+    rows, sms = q.shape[0] * q.shape[1], gpu.sm_count(0)
     block_h = kernels.head_block(H, rows, sms)
     split = kernels.num_splits(rows, H, index.shape[-1], sms, block_h)  # the op's
     kernel = {  # row name -> (splits, heads a program), each through the key-rows pass and the tables

@@ -23,7 +23,6 @@ keep the fallback (the TileLang kernel where installed). ``DEEPINFER_NVIDIA_DECO
 
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from collections.abc import Callable
@@ -33,7 +32,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_nvidia_sm100 import envs
-from deepinfer_nvidia_sm100.kernels import pdl
+from deepinfer_nvidia_sm100.kernels import gpu, pdl
 from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 from deepinfer_nvidia_sm100.kernels.key_blocks import visible_blocks
 
@@ -78,15 +77,32 @@ def _split_kernel(q_ptr, kv_ptr, vis_ptr, blocks_ptr, counts_ptr, sinks_ptr, out
         in_k = keys < Lk
         kv = tl.load(kv_ptr + (seq * Lk + keys)[:, None] * D + dims[None, :], mask=in_k[:, None], other=0.0)
         seen = tl.load(vis_ptr + row * Lk + keys, mask=in_k, other=0) != 0  # [BN]
-        scores = tl.dot(q, tl.trans(kv))  # [BH, BN] fp32
-        scores = tl.where(seen[None, :], scores * scale_log2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])  # [BH, BN]
-        den = den * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)  # [BH, D]
-        m = m_new
-    if WHOLE:  # the combine of one split: the sink once, in the denominator
+        m, den, acc = softmax_chunk(q, kv, seen, scale_log2, m, den, acc, "tf32")
+    store_split(acc, m, den, sink, out_ptr, opart_ptr, mpart_ptr, lpart_ptr, row, heads, dims, split, splits, H, D,
+                WHOLE)
+
+
+@triton.jit
+def softmax_chunk(q, kv, valid, scale_log2, m, den, acc, PRECISION: tl.constexpr):
+    """One key chunk of the online softmax: ``q [BH, D]`` against ``kv [BN, D]`` where ``valid [BN]``, logits in
+    base 2 (``scale_log2``); returns the running max ``m``, denominator ``den [BH]`` and output ``acc [BH, D]``
+    (fp32) updated."""
+    scores = tl.dot(q, tl.trans(kv), input_precision=PRECISION)  # [BH, BN] fp32
+    scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(scores - m_new[:, None])  # [BH, BN]
+    den = den * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=PRECISION)  # [BH, D]
+    return m_new, den, acc
+
+
+@triton.jit
+def store_split(acc, m, den, sink, out_ptr, opart_ptr, mpart_ptr, lpart_ptr, row, heads, dims, split, splits, H,
+                D: tl.constexpr, WHOLE: tl.constexpr):
+    """A split's end: with ``WHOLE`` (one split) its output normalised with the sink once in the denominator, else
+    its partials (``acc``, ``m``, ``den``) for ``_combine_kernel``."""
+    if WHOLE:
         scale = 1.0 / (den + tl.exp2(sink - m))
         tl.store(out_ptr + (row * H + heads)[:, None] * D + dims[None, :],
                  (acc * scale[:, None]).to(out_ptr.dtype.element_ty))
@@ -146,11 +162,6 @@ def num_splits(rows: int, heads: int, lk: int, sms: int) -> int:
     return max(1, min(math.ceil(blocks / BLOCKS_PER_SPLIT), sms // programs))
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def with_fallback(fallback: Callable) -> Callable:
     """Op ``sink_attention``: the kernel for ``covered`` GPU tensors, else ``fallback`` (same arguments)."""
 
@@ -167,7 +178,7 @@ def with_fallback(fallback: Callable) -> Callable:
 
 def _attend(q, kv, visible, sinks, scale) -> torch.Tensor:
     blocks, counts = planned_blocks(visible)
-    splits = num_splits(q.shape[0], q.shape[2], kv.shape[1], _sm_count(q.device.index or 0))
+    splits = num_splits(q.shape[0], q.shape[2], kv.shape[1], gpu.sm_count(q.device.index or 0))
     return decode_attention(q, kv, visible, blocks, counts, sinks, float(scale), splits)
 
 

@@ -33,7 +33,6 @@ program (by default 64 for prefill calls, 16 for decode rows: ``head_block``; ``
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -43,9 +42,9 @@ import triton.language as tl
 from deepinfer_core.errors import EnvironmentVariableError
 from deepinfer_core.ops import reference as ref
 from deepinfer_nvidia_sm100 import envs
-from deepinfer_nvidia_sm100.kernels import pdl
+from deepinfer_nvidia_sm100.kernels import gpu, pdl
 from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
-from deepinfer_nvidia_sm100.kernels.decode_attention import _combine_kernel
+from deepinfer_nvidia_sm100.kernels.decode_attention import _combine_kernel, softmax_chunk, store_split
 
 BLOCK_H = 16  # heads per program: one mma row tile
 PREFILL_BLOCK_H = 64  # heads per program for calls of at least one query row per SM (``head_block``)
@@ -121,23 +120,9 @@ def _sparse_split_kernel(q_ptr, kv_ptr, index_ptr, store_ptr, blocks_ptr, rows_p
             kv = tl.where(entry[:, None], stored.to(kv.dtype), kv)  # [BN, D]
         else:
             kv = tl.load(kv_ptr + (seq * Lk + key)[:, None] * D + dims[None, :], mask=listed[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(kv), input_precision=PRECISION)  # [BH, BN] fp32
-        scores = tl.where(listed[None, :], scores * scale_log2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])  # [BH, BN]
-        den = den * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=PRECISION)  # [BH, D]
-        m = m_new
-    if WHOLE:  # the combine of one split: the sink once, in the denominator
-        scale = 1.0 / (den + tl.exp2(sink - m))
-        tl.store(out_ptr + (row * H + heads)[:, None] * D + dims[None, :],
-                 (acc * scale[:, None]).to(out_ptr.dtype.element_ty))
-    else:
-        part = (row * splits + split) * H + heads  # [BH]
-        tl.store(opart_ptr + part[:, None] * D + dims[None, :], acc)
-        tl.store(mpart_ptr + part, m)
-        tl.store(lpart_ptr + part, den)
+        m, den, acc = softmax_chunk(q, kv, listed, scale_log2, m, den, acc, PRECISION)
+    store_split(acc, m, den, sink, out_ptr, opart_ptr, mpart_ptr, lpart_ptr, row, heads, dims, split, splits, H, D,
+                WHOLE)
 
 
 @triton.jit
@@ -173,11 +158,6 @@ def num_splits(rows: int, heads: int, listed: int, sms: int, block_h: int = BLOC
     return max(1, min(math.ceil(blocks / BLOCKS_PER_SPLIT), sms // max(1, rows * (heads // block_h))))
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def sparse_sink_attention(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor, sinks: torch.Tensor, scale: float,
                           store: torch.Tensor | None = None, entry_blocks: torch.Tensor | None = None,
                           entry_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -186,7 +166,7 @@ def sparse_sink_attention(q: torch.Tensor, kv: torch.Tensor, index: torch.Tensor
     if not (q.is_cuda and covered(q, kv, store)) or index.shape[-1] == 0:
         return ref.sparse_sink_attention(q, kv, index, sinks, scale, store, entry_blocks, entry_rows)
     S, Lq, H, _ = q.shape
-    sms = _sm_count(q.device.index or 0)
+    sms = gpu.sm_count(q.device.index or 0)
     block_h = head_block(H, S * Lq, sms)
     splits = num_splits(S * Lq, H, index.shape[-1], sms, block_h)
     return sparse_attention(q, kv, index, sinks, float(scale), splits, block_h, store, entry_blocks, entry_rows)

@@ -42,6 +42,7 @@ import torch
 
 from deepinfer_core.ops import reference as ref
 from deepinfer_nvidia_sm100 import envs
+from deepinfer_nvidia_sm100.kernels import gpu
 from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 from deepinfer_nvidia_sm100.kernels.key_blocks import visible_blocks, visible_blocks_torch
 
@@ -495,11 +496,6 @@ MAX_ROWS = 65535
 """Most query rows (sequences x queries) per launch: the split kernel's grid z is the row index."""
 
 
-@cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def num_splits(rows: int, lk: int, sms: int, block_n: int = BLOCK_N) -> int:
     """Key splits per row: at most one wave of CTAs (one CTA per SM: ~200 KB of shared memory each), at least two
     key blocks per split (``DEEPINFER_TL_ATTN_SPLITS`` fixes the count): a second, partial wave of CTAs
@@ -547,7 +543,7 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sinks: tor
     Lk = kv.shape[1]
     B = S * Lq
     arch = device_arch(q.device)
-    ns = splits or num_splits(B, Lk, _sm_count(q.device.index or 0))
+    ns = splits or num_splits(B, Lk, gpu.sm_count(q.device.index or 0))
     qf = q.reshape(B, H, d).contiguous()  # [B, H, d]
     vis = visible.reshape(B, Lk).contiguous().view(torch.uint8)  # [B, Lk]
     blocks, counts = visible_blocks(vis, BLOCK_N)  # [B, NB], [B]
