@@ -14,7 +14,9 @@ then timed: replayed from a CUDA graph up to 256 tokens, eagerly beyond (CUDA ev
   launch); ``rows ptx`` (one token): the row kernels with ``moe_quant.ROW_DECODE_PTX``;
 * ``op``: ``moe_quant.moe_experts_mxfp4`` as it runs now (``moe_mxfp4_decode.used`` picks the path);
 * ``new (BLOCK_M, BLOCK_K, stages[, subtiles])``: ``moe_mxfp4_decode.run`` with that launch (the first is ``tile``'s
-  default), ``portable``: its bf16 decode without inline PTX.
+  default), ``portable``: its bf16 decode without inline PTX;
+* ``fp8`` (from 1,024 tokens): ``moe_mxfp4_prefill.run``, the experts converted to e4m3 rows and the activations
+  quantized, on fp8 tensor cores (its error against the reference op is fp8's: checked to 0.1, printed).
 
 Floor = bytes of the touched experts' packed weights and scales / 4.25 TB/s (the H200's HBM roofline), % = floor /
 time. The summary last: per token count the floor, bf16, old, the best new launch and op, and op's speed-up over old
@@ -36,7 +38,9 @@ from deepinfer_core.quant import mxfp4
 
 E, TOP_K, D, I = 64, 6, 4096, 2048
 BW = 4.25e12
-TOKENS = (1, 16, 64, 256, 1024, 8192)
+TOKENS = (1, 16, 64, 256, 1024, 2048, 4096, 8192)
+FP8_MIN_TOKENS = 1024  # token counts from which the fp8 prefill path is timed too
+QUANTIZED = 0.1  # error bound of the variants that quantize activations (fp8's), else 2e-2
 GRAPH_MAX_TOKENS = 256
 LIMIT = 10.0
 LAUNCHES = {  # tokens -> moe_mxfp4_decode launches tried beside its default, (BLOCK_M, BLOCK_K, stages[, subtiles]);
@@ -46,6 +50,8 @@ LAUNCHES = {  # tokens -> moe_mxfp4_decode launches tried beside its default, (B
     64: ((16, 256, 3, 2), (16, 256, 2, 2)),
     256: ((64, 128, 3), (32, 256, 3, 2)),
     1024: ((64, 128, 3, 2), (128, 128, 2, 2)),
+    2048: (),
+    4096: (),
     8192: ((128, 128, 2, 2), (128, 128, 3, 2)),
 }
 
@@ -63,7 +69,7 @@ def _cell(seconds: float | None, floor: float) -> str:
 
 def _variants(T: int, x, ids, routing, dense, stored) -> dict:
     """Name -> function of no arguments, for ``T`` tokens."""
-    from deepinfer_nvidia_sm100.kernels import moe, moe_mxfp4_decode, moe_quant
+    from deepinfer_nvidia_sm100.kernels import moe, moe_mxfp4_decode, moe_mxfp4_prefill, moe_quant
 
     raw = [t.view(torch.uint8) for t in stored]
     def rows(ptx: bool):
@@ -93,6 +99,8 @@ def _variants(T: int, x, ids, routing, dense, stored) -> dict:
         variants["rows ptx"] = rows(True)
     for launch in (default, *LAUNCHES[T]):
         variants[f"new {launch}"] = lambda launch=launch: moe_mxfp4_decode.run(x, ids, routing, *raw, LIMIT, launch)
+    if T >= FP8_MIN_TOKENS:
+        variants["fp8"] = lambda: moe_mxfp4_prefill.run(x, ids, routing, *stored, LIMIT)
     if T == 64:
         variants["new portable"] = lambda: moe_mxfp4_decode.run(x, ids, routing, *raw, LIMIT, default,
                                                                 moe_mxfp4_decode.PORTABLE)
@@ -101,7 +109,7 @@ def _variants(T: int, x, ids, routing, dense, stored) -> dict:
 
 def bench_mxfp4_decode() -> None:
     """The sweep, then the summary (see the module docstring)."""
-    from deepinfer_nvidia_sm100.kernels import moe_mxfp4_decode
+    from deepinfer_nvidia_sm100.kernels import moe_mxfp4_decode, moe_mxfp4_prefill
 
     torch.manual_seed(0)
     dense = [(torch.randn(E, r, c, device="cuda") * 0.02).to(torch.bfloat16) for r, c in ((I, D), (D, I), (I, D))]
@@ -123,23 +131,25 @@ def bench_mxfp4_decode() -> None:
         for name, fn in _variants(T, x, ids, routing, dense, stored).items():
             expected = want["bf16" if name == "bf16" else "mxfp4"]
             err = ((fn().float() - expected).abs().max() / expected.abs().max()).item()
-            if not err < 2e-2:  # NaN too
+            quantized = name == "fp8" or (name == "op" and moe_mxfp4_prefill.used(T * TOP_K, x, *stored[0::2][:2]))
+            if not err < (QUANTIZED if quantized else 2e-2):  # NaN too
                 cells.append(f"{name}: WRONG (error {err:.1e})")
                 continue
             times[name] = _seconds(fn, T)
-            cells.append(f"{name}: {_cell(times[name], floor)}")
+            cells.append(f"{name}: {_cell(times[name], floor)}" + (f" (error {err:.1e})" if quantized else ""))
         print(f"  {T} tokens ({touched} experts, floor {floor * 1e6:.1f} us): " + "; ".join(cells))
         summary.append((T, floor, times))
     print("\nsummary: MXFP4 experts per layer, time (% of floor); op / old and op / bf16 as speed-ups")
-    print("| tokens | floor | bf16 | old | best new (launch) | op | op vs old | op vs bf16 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| tokens | floor | bf16 | old | best new (launch) | fp8 | op | op vs old | op vs bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for T, floor, times in summary:
         new = {k: v for k, v in times.items() if k.startswith("new") and v}
         best = min(new, key=new.get) if new else None
         op, old, bf16 = times.get("op"), times.get("old"), times.get("bf16")
         ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"
         print(f"| {T} | {floor * 1e6:.1f} us | {_cell(bf16, floor)} | {_cell(old, floor)} | "
-              f"{_cell(new[best], floor) + ' ' + best[4:] if best else '-'} | {_cell(op, floor)} | "
+              f"{_cell(new[best], floor) + ' ' + best[4:] if best else '-'} | "
+              f"{_cell(times['fp8'], floor) if times.get('fp8') else '-'} | {_cell(op, floor)} | "
               f"{ratio(old, op)} | {ratio(bf16, op)} |")
 
 

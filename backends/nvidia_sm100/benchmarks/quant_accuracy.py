@@ -1,7 +1,8 @@
 """What quantized activations cost a quantized model: the backend's default (fp8 linears of ``FP8_TC_MIN_ROWS`` rows
-and more on fp8 tensor cores, activations quantized per token and 128 inputs) against the same run with
-``DEEPINFER_NVIDIA_FP8_TC=0`` (every fp8 linear weight-only: the exact weights times the activations as they are,
-the reference op's math), on the same prompts in one process.
+and more on fp8 tensor cores, activations quantized per token and 128 inputs; prefill steps' MXFP4 experts on fp8
+tensor cores from ``DEEPINFER_NVIDIA_MXFP4_FP8_MIN_PER_EXPERT`` assignments per expert) against the same run with
+every path that quantizes activations switched off (``REFERENCE_SWITCHES``: the exact weights times the activations
+as they are, the reference op's math), on the same prompts in one process.
 
     python backends/nvidia_sm100/benchmarks/quant_accuracy.py                      # v4-flash-8l64e-fp4, H200
     python backends/nvidia_sm100/benchmarks/quant_accuracy.py --model DIR --backend cpu --num-prompts 4
@@ -12,9 +13,10 @@ Two measures, each with the reference run (``FP8_TC=0``) as the baseline:
   batch (decode rows take the tensor cores from 16 sequences); per prompt, the tokens equal before the first
   difference, and whether the reference's top-2 gap there was a near-tie (below ``--tie-gap``);
 * teacher-forced logprobs: the reference's prompts plus completions are scored by both runs (``prompt_logprobs``:
-  prefill rows, in steps of at most ``--max-num-batched-tokens`` tokens: 512 by default, so that every step's
-  linears take the fp8 tensor cores, not ``DEQUANT_MIN_ROWS``' decoded weights, which quantize no activations); the
-  largest and median absolute difference of the completion tokens' logprobs.
+  prefill rows, in steps of at most ``--max-num-batched-tokens`` tokens: 512 by default, the decode batches' fp8
+  tensor-core kernel; 8,192 takes the prefill paths, cuBLAS's blockwise fp8 GEMM for the linears and
+  ``moe_mxfp4_prefill`` for the experts); the largest and median absolute difference of the completion tokens'
+  logprobs.
 
 The last line is a Markdown row for docs/quantization.md.
 """
@@ -31,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 FP8_TC_VARIABLE = "DEEPINFER_NVIDIA_FP8_TC"
+REFERENCE_SWITCHES = {FP8_TC_VARIABLE: "0", "DEEPINFER_NVIDIA_FP8_SCALED_MM": "0",
+                      "DEEPINFER_NVIDIA_MXFP4_FP8_MIN_PER_EXPERT": "0"}  # the reference run: no path quantizes
 
 
 @dataclass(frozen=True)
@@ -69,15 +73,27 @@ def _top2_gap(logprobs) -> float:
     return ranked[0] - ranked[1] if len(ranked) > 1 else float("inf")
 
 
-def _run(args, prompts: list[list[int]], fp8_tc: bool, sequences: list[list[int]] | None = None):
-    """One engine with ``FP8_TC`` set: its greedy completions ((token, top-2 gap) per step), and its logprobs of each
-    completion token of ``sequences`` (default: the prompts plus its own completions) run as prompts."""
+def _switch(quantized: bool, before: dict[str, str | None]) -> None:
+    """``REFERENCE_SWITCHES`` as they were when the tool started (``quantized``) or off; read when the engine's steps
+    run and are captured."""
+    for name, off in REFERENCE_SWITCHES.items():
+        value = before[name] if quantized else off
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def _run(args, prompts: list[list[int]], quantized: bool, sequences: list[list[int]] | None = None):
+    """One engine with the quantizing paths on or off (``_switch``): its greedy completions ((token, top-2 gap) per
+    step), and its logprobs of each completion token of ``sequences`` (default: the prompts plus its own
+    completions) run as prompts."""
     import torch
 
     from deepinfer_core.llm import LLM
     from deepinfer_core.sampling.params import SamplingParams
 
-    os.environ[FP8_TC_VARIABLE] = "1" if fp8_tc else "0"  # read when the engine's steps run and are captured
+    _switch(quantized, args.switches)
     llm = LLM(model=str(args.folder), backend=args.backend, dtype=args.dtype, max_num_seqs=len(prompts),
               max_model_len=args.input_len + args.output_len + 1,
               max_num_batched_tokens=args.max_num_batched_tokens)
@@ -106,8 +122,12 @@ def measure(args) -> tuple[Agreement, list[float]]:
 
     vocab = int(json.loads((Path(args.folder) / "config.json").read_text())["vocab_size"])
     prompts = random_prompts(args.num_prompts, args.input_len, vocab, seed=0)
-    ref_steps, ref_scores, sequences = _run(args, prompts, fp8_tc=False)
-    steps, scores, _ = _run(args, prompts, fp8_tc=True, sequences=sequences)
+    args.switches = {name: os.environ.get(name) for name in REFERENCE_SWITCHES}
+    try:
+        ref_steps, ref_scores, sequences = _run(args, prompts, quantized=False)
+        steps, scores, _ = _run(args, prompts, quantized=True, sequences=sequences)
+    finally:
+        _switch(True, args.switches)
     agreement = greedy_agreement(ref_steps, [[t for t, _ in s] for s in steps], args.tie_gap)
     return agreement, logprob_differences(ref_scores, scores)
 
@@ -122,15 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512,
-                        help="tokens a step (below the fp8 linears' DEQUANT_MIN_ROWS, so prefill rows quantize too)")
+                        help="tokens a step (512: the decode batches' fp8 kernels; 8192: the prefill paths)")
     parser.add_argument("--tie-gap", type=float, default=0.05,
                         help="a first difference where the reference's top-2 logprob gap is below this is a near-tie")
     args = parser.parse_args(argv)
-    from deepinfer_nvidia_sm100.kernels import fp8_linear
-
-    if args.max_num_batched_tokens >= fp8_linear.DEQUANT_MIN_ROWS:
-        parser.error(f"--max-num-batched-tokens {args.max_num_batched_tokens}: steps of {fp8_linear.DEQUANT_MIN_ROWS}+ "
-                     "rows decode the fp8 weights and quantize no activations; take fewer")
     if args.model is None:
         from deepinfer_core.bench import presets
 
@@ -141,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     worst, median = max(diffs), statistics.median(diffs)
     name = args.model or args.preset
     print(f"{name}, {args.backend}, {args.dtype}: {args.num_prompts} prompts of {args.input_len} tokens, "
-          f"{args.output_len} greedy tokens each; default vs {FP8_TC_VARIABLE}=0")
+          f"{args.output_len} greedy tokens each, {args.max_num_batched_tokens} tokens a step; default vs "
+          + " ".join(f"{name}={off}" for name, off in REFERENCE_SWITCHES.items()))
     print(f"greedy agreement {agreement.fraction:.3f} ({agreement.matched} of {agreement.prompts * agreement.tokens} "
           f"tokens before each prompt's first difference), {agreement.identical} of {agreement.prompts} completions "
           f"identical, {agreement.near_ties} of {agreement.prompts - agreement.identical} first differences at a "

@@ -27,6 +27,14 @@ VARIABLES = Variables(
              "fp8 block linears of at least `FP8_TC_MIN_ROWS` rows on fp8 tensor cores, activations "
              "quantized per token per block; 0: the weight-only kernels at every size (exact weights, activations "
              "unquantized)."),
+    Variable("DEEPINFER_NVIDIA_FP8_SCALED_MM", bool, True,
+             "fp8 block linears of at least `DEQUANT_MIN_ROWS` rows (prefill) with 128 x 128 blocks and bf16 "
+             "activations through cuBLAS's blockwise fp8 `torch._scaled_mm` (activations quantized per token per "
+             "128 inputs); 0: the weight decoded to bf16, then cuBLAS (exact)."),
+    Variable("DEEPINFER_NVIDIA_MXFP4_FP8_MIN_PER_EXPERT", int, 256,
+             "MXFP4 routed experts with bf16 activations and at least this many assignments per expert on average "
+             "(prefill) take `moe_mxfp4_prefill`: the layer's experts converted to e4m3 rows for the call, "
+             "activations quantized per row, CUTLASS's fp8 grouped GEMM (`torch._scaled_grouped_mm`); 0: never."),
     Variable("DEEPINFER_NVIDIA_MXFP4_DOT_SCALED", bool, True,
              "MXFP4 routed experts with bf16 activations through `tl.dot_scaled` in the grouped kernels (nibbles "
              "expanded to bf16 by the compiler, one product over contiguous inputs); 0: each tile decoded to "

@@ -381,8 +381,9 @@ def test_quantized_moe_experts_in_cuda_graph_have_no_host_sync(fmt, T):
                                                  (4096, 8192, 1, (32, 32))])  # wo_b; the grouped wo_a; V4.1 blocks
 def test_fp8_linear_paths_match_reference_at_preset_sizes(rows, n, k, groups, block):
     """Each kernel at the preset's projection widths (ue8m0 blocks, bf16): the weight-only ones (row, split-K,
-    weight-only) to bf16 rounding; the tensor-core one to the reference run on the activations it quantizes, and
-    within fp8's error of the reference itself; the op is the path it picks, bit for bit."""
+    weight-only, dequant) to bf16 rounding; the tensor-core ones (Triton's, and cuBLAS's blockwise ``SCALED_MM`` for
+    128 x 128 blocks) to the reference run on the activations they quantize, and within fp8's error of the
+    reference itself; the op is the path it picks, bit for bit."""
     from deepinfer_nvidia_sm100.kernels import fp8_linear
 
     from deepinfer_core.quant import fp8_block
@@ -398,13 +399,15 @@ def test_fp8_linear_paths_match_reference_at_preset_sizes(rows, n, k, groups, bl
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2, msg=lambda m, p=path: f"{p}: {m}")
     q, s = fp8_block.quantize(x.reshape(rows * groups, k).float(), (1, block[1]), ue8m0=False)
     x_quantized = fp8_block.dequantize(q, s, (1, block[1])).view(rows, groups, k).to(torch.bfloat16)
-    tensor_cores = fp8_linear.matmul(x, weight, scale, block, groups, fp8_linear.FP8_TC).float()
-    torch.testing.assert_close(tensor_cores, ref.grouped_linear_fp8_block(x_quantized, weight, scale, block,
-                                                                          groups).float(), atol=3e-2, rtol=3e-2)
-    assert ((tensor_cores - want).abs().max() / want.abs().max()).item() < 0.05
+    quantizing = [fp8_linear.FP8_TC] + ([fp8_linear.SCALED_MM] if fp8_linear.scaled_mm_fits(x, n, k, block) else [])
+    seen = ref.grouped_linear_fp8_block(x_quantized, weight, scale, block, groups).float()
+    for path in quantizing:
+        results[path] = fp8_linear.matmul(x, weight, scale, block, groups, path).float()
+        torch.testing.assert_close(results[path], seen, atol=3e-2, rtol=3e-2, msg=lambda m, p=path: f"{p}: {m}")
+        assert ((results[path] - want).abs().max() / want.abs().max()).item() < 0.05, path
     op = fp8_linear.grouped_linear_fp8_block(x, weight, scale, block, groups).float()
-    path = fp8_linear.linear_path(rows, x.dtype, block)
-    torch.testing.assert_close(op, tensor_cores if path == fp8_linear.FP8_TC else results[path], atol=0, rtol=0)
+    path = fp8_linear.picked_path(x, n, block)
+    torch.testing.assert_close(op, results[path], atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("rows", [1, 16, 256])

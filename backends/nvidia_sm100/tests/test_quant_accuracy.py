@@ -46,10 +46,3 @@ def test_the_tool_on_the_cpu_backend_reports_exact_agreement(tmp_path, capsys, m
     assert "3 of 3 completions identical" in lines[1]
     assert "largest |difference| 0.0000" in lines[2] and "(18 tokens)" in lines[2]
     assert lines[-1].startswith(f"| {folder} | float32, 3 x 20 in / 6 out | 1.000 | 3 / 3 | 0.0000 |")
-
-
-def test_the_tool_refuses_steps_that_would_skip_the_fp8_tensor_cores():
-    from deepinfer_nvidia_sm100.kernels import fp8_linear
-
-    with pytest.raises(SystemExit):
-        quant_accuracy.main(["--max-num-batched-tokens", str(fp8_linear.DEQUANT_MIN_ROWS)])

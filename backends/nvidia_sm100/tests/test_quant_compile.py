@@ -12,7 +12,7 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton", reason="the test extra installs triton")
-from deepinfer_nvidia_sm100.kernels import aot, dequant, fp8_linear, moe_quant
+from deepinfer_nvidia_sm100.kernels import aot, dequant, fp8_linear, moe_mxfp4_prefill, moe_quant
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -131,6 +131,12 @@ def test_fp8_tensor_core_kernel_multiplies_e4m3_operands(rows, block, ue8m0, cap
      {"BLOCK_N": 8, "BLOCK_K": 32, "B0": 32, "B1": 32, "UE8M0": False}),
     ("quantize rows", fp8_linear._quantize_rows_kernel, {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
      {"B1": 128, "BLOCKS": 16}),
+    ("mxfp4 rows to e4m3 (moe_mxfp4_prefill)", moe_mxfp4_prefill._e4m3_rows_kernel,
+     {"w_ptr": "*u8", "s_ptr": "*u8", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32"},
+     {"GROUPS_P2": 128, "BLOCK_R": moe_mxfp4_prefill.CONVERT_ROWS, "BLOCK_G": moe_mxfp4_prefill.CONVERT_GROUPS,
+      "ROUND": False}),
+    ("swiglu quantized (moe_mxfp4_prefill)", moe_mxfp4_prefill._swiglu_quantize_kernel,
+     {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "limit": "fp32"}, {"BLOCK": 2048}),
     ("dequantize mxfp4", dequant._mxfp4_kernel, {"packed_ptr": "*u8", "scale_ptr": "*u8", "out_ptr": "*fp32"},
      {"BLOCK": 1024}),
     ("dequantize fp8", dequant._fp8_block_kernel, {"w_ptr": "*fp8e4nv", "scale_ptr": "*u8", "out_ptr": "*fp32"},

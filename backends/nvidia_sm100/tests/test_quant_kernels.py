@@ -13,7 +13,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="the test extra installs triton")
-from deepinfer_nvidia_sm100.kernels import dequant, fp8_linear, moe_quant
+from deepinfer_nvidia_sm100.kernels import dequant, fp8_linear, moe, moe_mxfp4_prefill, moe_quant
 from interpreted import DEVICE, kernel_runs_here, run_under_interpreter, starts_the_interpreter
 
 from deepinfer_core.ops import reference as ref
@@ -97,7 +97,8 @@ def _route(T: int, E: int, top_k: int, gen: torch.Generator, repeat: bool = Fals
     (5, 4, 2, 160, 64),  # the 16-row tiles, a K tile past D
     (40, 4, 2, 64, 96),  # 20 assignments per expert: the 64-row tiles, a column tile past I
     (300, 2, 2, 64, 32)])  # 300 per expert: the 128-row tiles
-def test_moe_experts_mxfp4_matches_reference(T, E, top_k, D, I, dtype):
+def test_moe_experts_mxfp4_matches_reference(T, E, top_k, D, I, dtype, monkeypatch):
+    monkeypatch.setenv("DEEPINFER_NVIDIA_MXFP4_FP8_MIN_PER_EXPERT", "0")  # the fp8 prefill path: test_quant_prefill.py
     gen = _gen(T + D)
     x = torch.randn(T, D, device=DEVICE, generator=gen).to(dtype)
     ids, weights = _route(T, E, top_k, gen, repeat=True)
@@ -449,3 +450,47 @@ def test_quantized_op_is_one_custom_op_under_compile_with_the_reference_shape(na
     assert [str(n.target) for n in ops] == [f"deepinfer_nvidia.{name}.default"]
     fake, want = ops[0].meta["example_value"], reference(*args)
     assert (tuple(fake.shape), fake.dtype) == (tuple(want.shape), want.dtype)
+
+
+@kernel_runs_here
+def test_mxfp4_rows_to_e4m3_are_exact_within_14_binades():
+    """``moe_mxfp4_prefill.to_e4m3_rows``: two packed parts stacked along the rows, each row as e4m3 codes times one
+    float32 scale (its largest ue8m0 byte less 133). Rows whose bytes lie within 14 of their largest give the
+    dequantized weights exactly (all 256 byte values among the codes; bytes 0, 1 and 250 among the scales); every
+    row, the wide ones too, holds each weight over its row scale rounded to nearest e4m3, ties to even (torch's
+    cast)."""
+    gen = _gen(14)
+    E, K = 2, 96  # three scale groups a row: not a power of two
+    packed = [torch.randint(0, 256, (E, n, K // 2), dtype=torch.uint8, device=DEVICE, generator=gen) for n in (5, 4)]
+    packed[0][0, 0, :] = torch.arange(48, dtype=torch.uint8, device=DEVICE) * 5  # every code among the rows
+    scales = [torch.randint(110, 125, (E, n, K // 32), dtype=torch.uint8, device=DEVICE, generator=gen)
+              for n in (5, 4)]
+    scales[1][0] = torch.tensor([[0, 0, 0], [1, 0, 14], [250, 236, 240], [200, 170, 185]], dtype=torch.uint8,
+                                device=DEVICE)  # subnormal scales, a spread of 14, large ones, a spread of 30
+    parts = [(w.view(torch.int8), s.view(torch.float8_e8m0fnu)) for w, s in zip(packed, scales)]
+    q, qs = moe_mxfp4_prefill.to_e4m3_rows(*parts)
+    assert q.shape == (E, 9, K) and q.dtype == torch.float8_e4m3fn and qs.shape == (E, 9)
+    dense = torch.cat([mxfp4.dequantize(w, s) for w, s in parts], dim=1)  # [E, 9, K]
+    exact = moe_mxfp4_prefill.exact_rows(torch.cat(scales, dim=1))
+    assert exact.sum() == E * 9 - 1  # all but the spread of 30
+    assert torch.equal(q.float()[exact] * qs[exact][:, None], dense[exact])
+    want = (dense / qs[..., None]).to(torch.float8_e4m3fn)
+    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
+
+
+@kernel_runs_here
+def test_swiglu_rows_quantize_as_torch():
+    """``moe_mxfp4_prefill.swiglu_quantized``: ``moe.swiglu`` of the gate and up halves (the reference op's
+    rounding: silu in the activations' dtype, then the product), then each row as e4m3 with scale amax / 448:
+    exactly ``fp8_block.quantize`` with one block a row; an all-zero row takes scale 1."""
+    gen = _gen(48)
+    P, inter, limit = 5, 48, 0.7  # a row width that is not a power of two
+    gate_up = torch.randn(P, 2 * inter, device=DEVICE, generator=gen).to(DOT_DTYPE)
+    gate_up[3] = 0
+    q, s = moe_mxfp4_prefill.swiglu_quantized(gate_up, limit)
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    h = moe.swiglu(gate, up, limit)  # [P, I]
+    torch.testing.assert_close(h, torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit))
+    want_q, want_s = fp8_block.quantize(h.float(), (1, inter), ue8m0=False)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(s, want_s.view(-1)) and s[3] == 1

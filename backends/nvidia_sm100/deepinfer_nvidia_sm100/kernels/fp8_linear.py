@@ -19,10 +19,13 @@ Kernels picked by the number of rows ``M`` (``linear_path``):
   tile), then each ``K`` block's fp8 product (fp32 accumulate) is scaled by the row's and the weight block's scales;
   ``K`` split as above when the output has few tiles.
   Activations are quantized: its error against the reference op is what docs/quantization.md records.
-* ``M >= DEQUANT_MIN_ROWS`` (long prefill chunks): the weight decoded once to the activations' dtype
-  (``dequantized``: the reference op's weight, bit for bit), then cuBLAS (``torch.bmm``): exact, and faster there
-  than the Triton fp8 tensor-core kernel (decoding reads the fp8 weight and writes it at twice its size once per
-  call, a few % of a product of that many rows).
+* ``M >= DEQUANT_MIN_ROWS`` (long prefill chunks), bf16 activations and V4-Flash's 128 x 128 blocks
+  (``scaled_mm_fits``): ``SCALED_MM``, cuBLAS's blockwise fp8 GEMM (``torch._scaled_mm`` with the activations
+  quantized per token and 128 inputs as above, the weight's own block scales as float32; SM90 from CUDA 12.9):
+  fp8 tensor cores at cuBLAS's rate. Other blocks and dtypes (or ``DEEPINFER_NVIDIA_FP8_SCALED_MM=0``):
+  ``DEQUANT``, the weight decoded once to the activations' dtype (``dequantized``: the reference op's weight, bit
+  for bit), then cuBLAS (``torch.bmm``): exact (decoding reads the fp8 weight and writes it at twice its size once
+  per call, a few % of a product of that many rows).
 
 ``FP8_TC_MIN_ROWS`` is the measured crossover (``benchmarks/bench_quant.py``); ``DEEPINFER_NVIDIA_FP8_TC=0`` keeps
 the weight-only kernels at every size. Blocks must be powers of two of at least 16 (32 for the tensor-core
@@ -50,7 +53,9 @@ DEQUANT_MIN_ROWS = 1024  # rows from which the weight decoded once to the activa
 # (c407f82 on the H200: 1,024 rows in bf16 ~120 us against fp8 tensor cores ~280-330 us; decoding wo_b ~25 us)
 FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # largest finite e4m3 magnitude
 FP8_TC_MIN_BLOCK = 32  # an fp8 tensor-core product takes at least 32 inputs
-ROW, SPLIT_K, WEIGHT_ONLY, FP8_TC, DEQUANT = "row", "split_k", "weight_only", "fp8_tc", "dequant"
+ROW, SPLIT_K, WEIGHT_ONLY, FP8_TC, DEQUANT, SCALED_MM = "row", "split_k", "weight_only", "fp8_tc", "dequant", "scaled_mm"
+SCALED_MM_BLOCK = (128, 128)  # the weight blocks cuBLAS's blockwise scaling takes (activations: 1 x 128)
+SCALED_MM_ROW_ALIGN = 16  # rows of a SCALED_MM product are padded to a multiple of this (cuBLAS refused 1,337)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -59,10 +64,25 @@ def tensor_cores_enabled() -> bool:
     return envs.DEEPINFER_NVIDIA_FP8_TC
 
 
+def scaled_mm_fits(x: torch.Tensor, N: int, K: int, block: tuple[int, int]) -> bool:
+    """Whether a ``DEQUANT`` product of ``x [M, groups, K]`` with ``N`` outputs per group can take ``SCALED_MM``:
+    bf16 on an SM90+ GPU, ``SCALED_MM_BLOCK`` blocks whole in ``N`` and ``K``, and not switched off."""
+    return (envs.DEEPINFER_NVIDIA_FP8_SCALED_MM and x.dtype == torch.bfloat16 and x.is_cuda
+            and tuple(block) == SCALED_MM_BLOCK and N % block[0] == 0 and K % block[1] == 0
+            and not pdl._interpreted() and torch.cuda.get_device_capability(x.device)[0] >= 9)
+
+
+def picked_path(x: torch.Tensor, N: int, block: tuple[int, int]) -> str | None:
+    """The kernel ``matmul`` runs ``x [M, groups, K]`` through: ``linear_path``'s, ``DEQUANT`` turned into
+    ``SCALED_MM`` where ``scaled_mm_fits``."""
+    path = linear_path(x.shape[0], x.dtype, block)
+    return SCALED_MM if path == DEQUANT and scaled_mm_fits(x, N, x.shape[-1], block) else path
+
+
 def linear_path(rows: int, dtype: torch.dtype, block: tuple[int, int]) -> str | None:
-    """Which kernel a product of ``rows`` rows takes (``ROW``, ``SPLIT_K``, ``FP8_TC``, ``DEQUANT``; ``WEIGHT_ONLY``
-    only when asked for), or None for the reference op (a block that is not a power of two of at least 16, another
-    dtype)."""
+    """Which kernel a product of ``rows`` rows takes (``ROW``, ``SPLIT_K``, ``FP8_TC``, ``DEQUANT``, which ``matmul``
+    turns into ``SCALED_MM`` where ``scaled_mm_fits``; ``WEIGHT_ONLY`` only when asked for), or None for the
+    reference op (a block that is not a power of two of at least 16, another dtype)."""
     if dtype not in _DTYPES or any(b < 16 or b & (b - 1) for b in block):
         return None
     if rows <= ROW_MAX_ROWS:
@@ -276,7 +296,7 @@ def _sum_splits_kernel(part_ptr, out_ptr, N, groups, stride_ps, stride_om, strid
 
 
 @triton.jit
-def _round_to_e4m3(v):
+def round_to_e4m3(v):
     """float32 ``v`` (``|v| <= 448``) rounded to the nearest e4m3 value, ties to even, still float32: normal
     values keep 3 mantissa bits, values below 2^-6 become multiples of 2^-9 (e4m3's subnormals). The conversion to
     fp8 after it is then exact, on any hardware and in Triton's interpreter (whose own rounding drops a carry into
@@ -291,8 +311,17 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
+def e4m3_scaled(x):
+    """Each row of float32 ``x [R, C]`` as e4m3 values (float32, ``round_to_e4m3``) and its float32 scale
+    ``amax / 448`` (1 for an all-zero row), ``x ~ q * scale[:, None]``: ``(q, scale [R])``."""
+    amax = tl.max(tl.abs(x), axis=1)  # [R]
+    scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
+    return round_to_e4m3(tl.minimum(tl.maximum(x / scale[:, None], -FP8_MAX), FP8_MAX)), scale
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, blocks, stride_xm, stride_xg, stride_qm, stride_qg, stride_sm,
-                          stride_sg, B1: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr = False):
+                          stride_sg, stride_sb, B1: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, group, run of ``BLOCKS`` K blocks): each ``B1`` inputs of the row as e4m3 ``q`` and one float32
     scale ``s = amax / 448`` (1 for an all-zero block), ``x ~ q * s``."""
     pdl.begin(PDL)
@@ -301,28 +330,32 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, blocks, stride_xm, stride_xg, 
     offs_k = b[:, None] * B1 + tl.arange(0, B1)[None, :]  # [BLOCKS, B1]
     mask = (b < blocks)[:, None] & (offs_k < K)
     x = tl.load(x_ptr + row * stride_xm + group * stride_xg + offs_k, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)  # [BLOCKS]
-    scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
-    q = _round_to_e4m3(tl.minimum(tl.maximum(x / scale[:, None], -FP8_MAX), FP8_MAX))
+    q, scale = e4m3_scaled(x)
     tl.store(q_ptr + row * stride_qm + group * stride_qg + offs_k, q.to(tl.float8e4nv), mask=mask)
-    tl.store(s_ptr + row * stride_sm + group * stride_sg + b, scale, mask=b < blocks)
+    tl.store(s_ptr + row * stride_sm + group * stride_sg + b * stride_sb, scale, mask=b < blocks)
 
 
 QUANTIZE_ELEMENTS = 2048  # inputs one program of _quantize_rows_kernel quantizes
 
 
-def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activations(x: torch.Tensor, block: int, scales_by_column: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, groups, K]`` (unit last stride) as e4m3 ``[M, groups, K]`` and float32 scales ``[M, groups,
-    ceil(K / block)]``, one per row and ``block`` inputs (``amax / 448``; values rounded to nearest, ties to even)."""
+    ceil(K / block)]``, one per row and ``block`` inputs (``amax / 448``; values rounded to nearest, ties to even).
+    ``scales_by_column``: the scales stored column by column (strides ``(1, blocks * M, M)``: each group's
+    ``[M, blocks]`` column-major, as cuBLAS's blockwise ``torch._scaled_mm`` reads them)."""
     M, groups, K = x.shape
     blocks = triton.cdiv(K, block)
     q = torch.empty(M, groups, K, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(M, groups, blocks, dtype=torch.float32, device=x.device)
+    if scales_by_column:
+        s = torch.empty(groups, blocks, M, dtype=torch.float32, device=x.device).permute(2, 0, 1)
+    else:
+        s = torch.empty(M, groups, blocks, dtype=torch.float32, device=x.device)
     per_program = max(1, min(QUANTIZE_ELEMENTS // block, triton.next_power_of_2(blocks)))
     if M:
         _quantize_rows_kernel[(M, groups, triton.cdiv(blocks, per_program))](
-            x, q, s, K, blocks, x.stride(0), x.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1), B1=block,
-            BLOCKS=per_program, num_warps=4, **pdl.launch())
+            x, q, s, K, blocks, x.stride(0), x.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
+            s.stride(2), B1=block, BLOCKS=per_program, num_warps=4, **pdl.launch())
     return q, s
 
 
@@ -495,6 +528,8 @@ def launch(path: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
         _weight_only_kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(128, block[1]),
                                   PRECISION=precision, SWAP=block_m <= SWAP_AB_MAX_ROWS, num_warps=warps,
                                   num_stages=stages, **consts)
+    elif path == SCALED_MM:
+        _launch_scaled_mm(x, weight, scale, out, groups)
     elif path == DEQUANT:
         dense = dequantized(weight, scale, block, x.dtype).view(groups, N, K)  # [g, N, K]
         torch.bmm(x.transpose(0, 1), dense.transpose(1, 2), out=out.transpose(0, 1))  # [g, M, K] @ [g, K, N]
@@ -515,6 +550,31 @@ def dequantized(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int
     dequant._fp8_block_kernel[grid](weight, raw, out, rows, cols, raw.shape[-1], B0=block[0], B1=block[1],
                                     UE8M0=is_ue8m0, BLOCK_R=DEQUANT_TILE[0], BLOCK_C=DEQUANT_TILE[1])
     return out
+
+
+def _launch_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
+                      groups: int) -> None:
+    """``SCALED_MM``: the activations quantized per token and 128 inputs (scales column-major, as cuBLAS reads
+    them; rows padded to ``SCALED_MM_ROW_ALIGN``, which cuBLAS needs of the scales' leading dimension, the padding
+    rows' products never read), then one blockwise ``torch._scaled_mm`` per group with the weight's block scales as
+    float32."""
+    M, _, K = x.shape
+    N = out.shape[-1]
+    padded = triton.cdiv(M, SCALED_MM_ROW_ALIGN) * SCALED_MM_ROW_ALIGN
+    if padded != M:
+        x = torch.cat([x, x.new_zeros(padded - M, *x.shape[1:])])  # [padded, g, K]
+    xq, xs = quantize_activations(x, SCALED_MM_BLOCK[1], scales_by_column=True)  # [padded, g, K], [padded, g, K / 128]
+    raw, is_ue8m0 = dequant.scale_operand(scale)
+    block_scales = torch.exp2(raw.float() - 127) if is_ue8m0 else raw  # [g N / 128, K / 128] float32
+    per_group = N // SCALED_MM_BLOCK[0]
+    for g in range(groups):
+        a = xq[:, g] if groups == 1 else xq[:, g].contiguous()  # [padded, K] row-major
+        w_scale = block_scales[g * per_group:(g + 1) * per_group].t()  # [K / 128, N / 128]
+        args = (a, weight[g * N:(g + 1) * N].t())
+        if groups == 1 and padded == M:  # written in place
+            torch._scaled_mm(*args, scale_a=xs[:, g], scale_b=w_scale, out_dtype=out.dtype, out=out[:, 0])
+        else:
+            out[:, g].copy_(torch._scaled_mm(*args, scale_a=xs[:, g], scale_b=w_scale, out_dtype=out.dtype)[:M])
 
 
 def _launch_fp8_tc(x: torch.Tensor, weight: torch.Tensor, raw: torch.Tensor, block: tuple[int, int],
@@ -543,9 +603,10 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tu
            path: str | None = None, tile: tuple[int, ...] | None = None) -> torch.Tensor:
     """``x [M, groups, K]`` -> ``[M, groups, N]`` through the kernel ``linear_path`` picks (or ``path``, with
     ``tile``'s launch)."""
-    path = path or linear_path(x.shape[0], x.dtype, block)
+    N = weight.shape[0] // groups
+    path = path or picked_path(x, N, block)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    out = torch.empty(x.shape[0], groups, weight.shape[0] // groups, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape[0], groups, N, dtype=x.dtype, device=x.device)
     if x.shape[0]:
         launch(path, x, weight.contiguous(), scale.contiguous(), block, out, groups, tile)
     return out

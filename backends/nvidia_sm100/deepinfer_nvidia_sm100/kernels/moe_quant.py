@@ -19,6 +19,10 @@ written.
 Rounding follows the reference ops: the dequantized weight is rounded to the activations' dtype before the product
 (exact for MXFP4 and ue8m0, whose values fit bf16, so skipped there), the rest as ``moe.py``. No host synchronisation: CUDA graphs
 capture it.
+
+MXFP4 with bf16 activations leaves these kernels at two sizes: decode batches of 2+ tokens go to
+``moe_mxfp4_decode`` (the codes expanded straight into the MMA's register operand), prefill sizes to
+``moe_mxfp4_prefill`` (the layer's experts as e4m3 rows for the call, fp8 tensor cores; activations quantized).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_nvidia_sm100 import envs
-from deepinfer_nvidia_sm100.kernels import dequant, moe, moe_mxfp4_decode, pdl
+from deepinfer_nvidia_sm100.kernels import dequant, moe, moe_mxfp4_decode, moe_mxfp4_prefill, pdl
 from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 
 MXFP4, FP8 = 0, 1  # the ``FMT`` of the kernels
@@ -312,6 +316,8 @@ def _run(fmt: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     w1, w2, w3 = (w.contiguous().view(torch.uint8) if fmt == MXFP4 else w.contiguous() for w in (w1, w2, w3))
     (s1, ue8m0), (s2, _), (s3, _) = (dequant.scale_operand(s.contiguous()) for s in (s1, s2, s3))
     consts = {"FMT": fmt, "B0": block[0], "B1": block[1], "UE8M0": ue8m0}
+    if fmt == MXFP4 and tile is None and row_kernels is None and moe_mxfp4_prefill.used(T * top_k, x, w1, w2):
+        return moe_mxfp4_prefill.run(x, ids, weights, w1, s1, w2, s2, w3, s3, limit)
     if fmt == MXFP4 and tile is None and row_kernels is None and moe_mxfp4_decode.used(T, T * top_k, x, w1, w2, w3):
         return moe_mxfp4_decode.run(x, ids, weights, w1, s1, w2, s2, w3, s3, limit)
     row_kernels = ONE_TOKEN_ROW_KERNELS if row_kernels is None else row_kernels
