@@ -51,6 +51,21 @@ def test_fp8_linear_prefill_is_cublas_blockwise_on_quantized_activations(M, grou
     assert 0 < _relative(got, ref.grouped_linear_fp8_block(x.float(), weight, scale, block, groups)) < 0.1
 
 
+def test_fp8_linear_prefill_falls_back_where_cublas_refuses_the_shape():
+    """cuBLAS's blockwise fp8 GEMM declines some small shapes (a 128 x 128 weight, the tiny model's, at 8,160 rows
+    on an H200): the product is then the exact ``DEQUANT`` one and the shape is not tried again."""
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    x = torch.randn(fp8_linear.DEQUANT_MIN_ROWS, 1, 128, device=DEVICE, generator=gen).to(torch.bfloat16)
+    weight, scale = fp8_block.quantize(torch.randn(128, 128, device=DEVICE, generator=gen) * 0.1, (128, 128), True)
+    got = fp8_linear.grouped_linear_fp8_block(x, weight, scale, (128, 128), 1)
+    want = ref.grouped_linear_fp8_block(x, weight, scale, (128, 128), 1)
+    if fp8_linear.scaled_mm_fits(x, 128, 128, (128, 128)):  # taken: cuBLAS's product of the quantized activations
+        assert 0 < _relative(got, want) < 0.1
+    else:  # refused once, then decoded
+        assert (1, 128, 128) in fp8_linear._SCALED_MM_REFUSED
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_fp8_linear_prefill_paths_by_block_and_switch(monkeypatch):
     """``SCALED_MM`` only for 128 x 128 blocks (V4.1's 32 x 32 decode the weight, exactly) and only while
     ``DEEPINFER_NVIDIA_FP8_SCALED_MM`` is on."""

@@ -56,6 +56,7 @@ FP8_TC_MIN_BLOCK = 32  # an fp8 tensor-core product takes at least 32 inputs
 ROW, SPLIT_K, WEIGHT_ONLY, FP8_TC, DEQUANT, SCALED_MM = "row", "split_k", "weight_only", "fp8_tc", "dequant", "scaled_mm"
 SCALED_MM_BLOCK = (128, 128)  # the weight blocks cuBLAS's blockwise scaling takes (activations: 1 x 128)
 SCALED_MM_ROW_ALIGN = 16  # rows of a SCALED_MM product are padded to a multiple of this (cuBLAS refused 1,337)
+_SCALED_MM_REFUSED: set[tuple[int, int, int]] = set()  # (groups, N, K) of products cuBLAS refused: DEQUANT there
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -66,9 +67,12 @@ def tensor_cores_enabled() -> bool:
 
 def scaled_mm_fits(x: torch.Tensor, N: int, K: int, block: tuple[int, int]) -> bool:
     """Whether a ``DEQUANT`` product of ``x [M, groups, K]`` with ``N`` outputs per group can take ``SCALED_MM``:
-    bf16 on an SM90+ GPU, ``SCALED_MM_BLOCK`` blocks whole in ``N`` and ``K``, and not switched off."""
+    bf16 on an SM90+ GPU, ``SCALED_MM_BLOCK`` blocks whole in ``N`` and ``K``, not switched off, and a shape cuBLAS
+    has not refused (it declines some small ones, e.g. 128 x 128 weights: ``launch`` then decodes the weight and
+    remembers the shape)."""
     return (envs.DEEPINFER_NVIDIA_FP8_SCALED_MM and x.dtype == torch.bfloat16 and x.is_cuda
             and tuple(block) == SCALED_MM_BLOCK and N % block[0] == 0 and K % block[1] == 0
+            and (x.shape[1], N, K) not in _SCALED_MM_REFUSED
             and not pdl._interpreted() and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
@@ -529,7 +533,11 @@ def launch(path: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
                                   PRECISION=precision, SWAP=block_m <= SWAP_AB_MAX_ROWS, num_warps=warps,
                                   num_stages=stages, **consts)
     elif path == SCALED_MM:
-        _launch_scaled_mm(x, weight, scale, out, groups)
+        try:
+            _launch_scaled_mm(x, weight, scale, out, groups)
+        except RuntimeError:  # CUBLAS_STATUS_NOT_SUPPORTED: this shape takes the decoded weight from now on
+            _SCALED_MM_REFUSED.add((groups, N, K))
+            launch(DEQUANT, x, weight, scale, block, out, groups)
     elif path == DEQUANT:
         dense = dequantized(weight, scale, block, x.dtype).view(groups, N, K)  # [g, N, K]
         torch.bmm(x.transpose(0, 1), dense.transpose(1, 2), out=out.transpose(0, 1))  # [g, M, K] @ [g, K, N]
