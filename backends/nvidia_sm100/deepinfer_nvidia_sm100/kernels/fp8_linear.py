@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.ops import reference as ref
+from deepinfer_core.quant.scales import scale_to_float
 from deepinfer_nvidia_sm100 import envs
 from deepinfer_nvidia_sm100.kernels import dequant, moe, moe_quant, pdl
 from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
@@ -572,8 +573,7 @@ def _launch_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     if padded != M:
         x = torch.cat([x, x.new_zeros(padded - M, *x.shape[1:])])  # [padded, g, K]
     xq, xs = quantize_activations(x, SCALED_MM_BLOCK[1], scales_by_column=True)  # [padded, g, K], [padded, g, K / 128]
-    raw, is_ue8m0 = dequant.scale_operand(scale)
-    block_scales = torch.exp2(raw.float() - 127) if is_ue8m0 else raw  # [g N / 128, K / 128] float32
+    block_scales = scale_to_float(scale)  # [g N / 128, K / 128] float32
     per_group = N // SCALED_MM_BLOCK[0]
     for g in range(groups):
         a = xq[:, g] if groups == 1 else xq[:, g].contiguous()  # [padded, K] row-major

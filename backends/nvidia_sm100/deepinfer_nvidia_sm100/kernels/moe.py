@@ -472,15 +472,23 @@ def moe_experts_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
     GEMM's output in the model dtype, the SwiGLU epilogue of ``_up_kernel`` (``_swiglu_kernel``), the routing
     weight applied and the picks added in ascending expert order (``_combine_kernel``).
     """
-    top_k, E = ids.shape[1], w1.shape[0]
-    sorted_assign, block_expert, dest = align(ids, E, group_align)
-    offsets = group_offsets(block_expert, E, group_align)  # [E] int32, cumulative row ends
-    tokens = torch.where(sorted_assign >= 0, sorted_assign // top_k, 0)  # [P]
+    tokens, offsets, dest = grouped_rows(ids, w1.shape[0], group_align)
     xs = x.contiguous().index_select(0, tokens)  # [P, D]
     gate = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offsets)  # [P, I]
     up = torch._grouped_mm(xs, w3.transpose(1, 2), offs=offsets)  # [P, I]
     y = torch._grouped_mm(swiglu(gate, up, limit), w2.transpose(1, 2), offs=offsets)  # [P, D]
     return _combine(y, ids, dest, x, weights)
+
+
+def grouped_rows(ids: torch.Tensor, num_experts: int, group_align: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The grouped GEMMs' layout of ``ids [T, top_k]`` (``align``, each expert's run padded to ``group_align``
+    rows): the token each row reads ``[P]`` (token 0 for padding rows, never read back), the runs' cumulative row
+    ends ``[E]`` (int32, the GEMMs' ``offs``) and each assignment's row ``dest [T * top_k]`` (for ``_combine``)."""
+    sorted_assign, block_expert, dest = align(ids, num_experts, group_align)
+    offsets = group_offsets(block_expert, num_experts, group_align)  # [E]
+    tokens = torch.where(sorted_assign >= 0, sorted_assign // ids.shape[1], 0)  # [P]
+    return tokens, offsets, dest
 
 
 def group_offsets(block_expert: torch.Tensor, num_experts: int, block_m: int) -> torch.Tensor:

@@ -160,11 +160,11 @@ def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q[:, 0], s.view(-1)
 
 
-def _chunks(offsets: torch.Tensor, experts: int) -> list[tuple[int, int, int, int]]:
-    """``(first expert, end expert, first row, end row)`` of each run of ``EXPERT_CHUNK`` experts: one chunk of
-    all rows without reading the offsets when the experts fit in one."""
+def _chunks(offsets: torch.Tensor, experts: int, rows: int) -> list[tuple[int, int, int, int]]:
+    """``(first expert, end expert, first row, end row)`` of each run of ``EXPERT_CHUNK`` experts over ``rows``
+    grouped rows: one chunk of all rows, without reading the offsets, when the experts fit in one."""
     if experts <= EXPERT_CHUNK:
-        return [(0, experts, 0, -1)]
+        return [(0, experts, 0, rows)]
     ends = offsets.tolist()  # the one host synchronisation
     return [(e0, min(e0 + EXPERT_CHUNK, experts), ends[e0 - 1] if e0 else 0, ends[min(e0 + EXPERT_CHUNK, experts) - 1])
             for e0 in range(0, experts, EXPERT_CHUNK)]
@@ -174,16 +174,13 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Ten
         w2: torch.Tensor, s2: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor, limit: float) -> torch.Tensor:
     """``reference.moe_experts_mxfp4`` on fp8 tensor cores (``used`` says when): packed ``w1`` / ``w3 [E, I, D /
     2]``, ``w2 [E, D, I / 2]`` with their ue8m0 bytes; ``x [T, D]`` bf16."""
-    top_k, experts = ids.shape[1], w1.shape[0]
-    sorted_assign, block_expert, dest = moe.align(ids, experts, moe.GROUP_ALIGN)
-    offsets = moe.group_offsets(block_expert, experts, moe.GROUP_ALIGN)  # [E] int32 cumulative row ends
-    tokens = torch.where(sorted_assign >= 0, sorted_assign // top_k, 0)  # [P]
+    experts = w1.shape[0]
+    tokens, offsets, dest = moe.grouped_rows(ids, experts, moe.GROUP_ALIGN)  # [P], [E], [T * top_k]
     xq, xs = quantized_rows(x.contiguous())  # [T, D], [T]
     xq, xs = xq.index_select(0, tokens), xs.index_select(0, tokens)  # [P, D], [P]
-    chunks = _chunks(offsets, experts)
+    chunks = _chunks(offsets, experts, xq.shape[0])
     y = None if len(chunks) == 1 else torch.empty(xq.shape[0], x.shape[1], dtype=x.dtype, device=x.device)  # [P, D]
     for e0, e1, r0, r1 in chunks:
-        r1 = r1 if r1 >= 0 else xq.shape[0]
         ends = offsets[e0:e1] - r0  # [chunk]
         w13, s13 = to_e4m3_rows((w1[e0:e1], s1[e0:e1]), (w3[e0:e1], s3[e0:e1]))  # [chunk, 2I, D], [chunk, 2I]
         gate_up = torch._scaled_grouped_mm(xq[r0:r1], w13.transpose(1, 2), xs[r0:r1], s13, offs=ends,
