@@ -13,7 +13,7 @@ then timed: replayed from a CUDA graph up to 256 tokens, eagerly beyond (CUDA ev
   ``moe_quant.ROW_TILES``, float32 decode; more: the grouped kernels with ``tl.dot_scaled``, ``moe_quant._tiles``'
   launch); ``rows ptx`` (one token): the row kernels with ``moe_quant.ROW_DECODE_PTX``;
 * ``op``: ``moe_quant.moe_experts_mxfp4`` as it runs now (``moe_mxfp4_decode.used`` picks the path);
-* ``new (BLOCK_M, BLOCK_K, stages[, subtiles])``: ``moe_mxfp4_decode.run`` with that launch (the first is ``tile``'s
+* ``new (BLOCK_M, BLOCK_K, stages[, subtiles[, splits]])``: ``moe_mxfp4_decode.run`` with that launch (the first is ``tile``'s
   default), ``portable``: its bf16 decode without inline PTX;
 * ``fp8`` (from 1,024 tokens): ``moe_mxfp4_prefill.run``, the experts converted to e4m3 rows and the activations
   quantized, on fp8 tensor cores (its error against the reference op is fp8's: checked to 0.1, printed).
@@ -43,10 +43,10 @@ FP8_MIN_TOKENS = 1024  # token counts from which the fp8 prefill path is timed t
 QUANTIZED = 0.1  # error bound of the variants that quantize activations (fp8's), else 2e-2
 GRAPH_MAX_TOKENS = 256
 LIMIT = 10.0
-LAUNCHES = {  # tokens -> moe_mxfp4_decode launches tried beside its default, (BLOCK_M, BLOCK_K, stages[, subtiles]);
-    # few distinct ones (each compiles once): the section stays near 30 s
-    1: (),
-    16: ((16, 512, 2), (16, 256, 3, 2)),
+LAUNCHES = {  # tokens -> moe_mxfp4_decode launches tried beside its default, (BLOCK_M, BLOCK_K, stages[, subtiles[,
+    # K splits]]); few distinct ones (each compiles once): the section stays near 30 s
+    1: ((16, 256, 3, 2), (16, 256, 3, 1, 2), (16, 256, 3, 2, 4), (16, 128, 4, 1, 8)),
+    16: ((16, 512, 2), (16, 256, 3, 2), (16, 256, 3, 2, 2)),
     64: ((16, 256, 3, 2), (16, 256, 2, 2)),
     256: ((64, 128, 3), (32, 256, 3, 2)),
     1024: ((64, 128, 3, 2), (128, 128, 2, 2)),
@@ -89,7 +89,7 @@ def _variants(T: int, x, ids, routing, dense, stored) -> dict:
         old_tile = moe_quant._tiles(moe_quant.MXFP4, T * TOP_K, E, moe_quant.MXFP4_BLOCK)
         old = lambda: moe_quant._run(moe_quant.MXFP4, x, ids, routing, *stored, moe_quant.MXFP4_BLOCK, LIMIT,
                                      old_tile, row_kernels=False)
-    default = moe_mxfp4_decode.tile(T * TOP_K, E)
+    default = moe_mxfp4_decode.tile(T * TOP_K, E, T)
     variants = {
         "bf16": lambda: moe.moe_experts(x, ids, routing, dense[0], dense[1], dense[2], LIMIT),
         "old": old,

@@ -12,7 +12,10 @@ with the installed Triton and its bundled ``nvdisasm``; the longest loop of the 
 opcode. ``per weight`` = the loop's instructions x threads / weights expanded per iteration (one program): the H200
 issues 4 warp instructions per SM and clock, ~33 T thread instructions a second, so at N instructions a weight a
 layer of the ``v4-flash-8l64e-fp4`` preset (64 experts x 3 x 4,096 x 2,048 weights) takes at least N x 48 us when
-every expert is touched. ``local`` counts spill loads and stores (``LDL`` / ``STL``) in the whole kernel. The sparse
+every expert is touched. ``local`` counts spill loads and stores (``LDL`` / ``STL``) in the whole kernel;
+``registers`` a thread's (``cuobjdump -res-usage``), ``warps a SM`` the kernel's warps an SM holds at once by
+registers, shared memory and the 64-warp limit (``aot.resident_warps``): with few, loads and the expansion's
+dependent instructions wait uncovered. The sparse
 section: per (key, head) of a loop step, at V4's head width (512, bf16), each ``STORE`` read (contiguous keys, the
 key rows' one gather, the block and row tables). The fp8 section: the one-row and split-K kernels per weight, the
 tensor-core kernel per 128-input K step of its tile as issue clocks of an SM (4 warp instructions a clock) beside
@@ -100,26 +103,30 @@ def cases() -> dict[str, tuple]:
                      "PTX": moe_quant.ROW_DECODE_PTX} | ({"K_P2": 8} if kernel == "_down_row_kernel" else {})
         out[f"moe_quant.{kernel} one token {(bn, bk, warps, stages)}"] = (
             getattr(moe_quant, kernel), TYPES | {"ids_ptr": "*i64"}, constants, warps, stages, bn * bk * matrices)
-    for name, (_, (bm, bk, stages, *_)) in moe_mxfp4_decode.TILES.items():
-        for subtiles in (1, 2):  # 64-row weight tiles a program
-            constants = {"BLOCK_M": bm, "BLOCK_K": bk, "DECODE": moe_mxfp4_decode.PTX, "PRECISION": "tf32",
-                         "SUBTILES": subtiles}
-            for kernel in ("_up_kernel", "_down_kernel"):
-                out[f"moe_mxfp4_decode.{kernel} {name} {(bm, bk, stages, subtiles)}"] = (
-                    getattr(moe_mxfp4_decode, kernel), TYPES | WORDS, constants, moe_mxfp4_decode.WARPS, stages,
-                    moe_mxfp4_decode.TILE_ROWS * subtiles * bk)
+    launches = [(name, (bm, bk, stages, subtiles)) for name, (_, (bm, bk, stages, *_)) in
+                moe_mxfp4_decode.TILES.items() for subtiles in (1, 2)]  # 64-row weight tiles a program
+    for name, (bm, bk, stages, subtiles, *splits) in launches + [("one token", moe_mxfp4_decode.ONE_TOKEN_TILE)]:
+        constants = {"BLOCK_M": bm, "BLOCK_K": bk, "DECODE": moe_mxfp4_decode.PTX, "PRECISION": "tf32",
+                     "SUBTILES": subtiles, "SPLITS": splits[0] if splits else 1}
+        for kernel in ("_up_kernel", "_down_kernel"):
+            out[f"moe_mxfp4_decode.{kernel} {name} {(bm, bk, stages, subtiles, *splits)}"] = (
+                getattr(moe_mxfp4_decode, kernel), TYPES | WORDS | {"part_ptr": "*fp32"}, constants,
+                moe_mxfp4_decode.WARPS, stages, moe_mxfp4_decode.TILE_ROWS * subtiles * bk)
     return out
 
 
 def table(title: str, unit: str, rows: dict[str, tuple]) -> None:
     """Each case compiled and its loop counted: one Markdown row per case."""
-    print(f"\n{title}\n| kernel | loop instructions | per {unit} | local | top opcodes |\n|---|---|---|---|---|")
+    print(f"\n{title}\n| kernel | loop instructions | per {unit} | local | registers | warps a SM | top opcodes |"
+          "\n|---|---|---|---|---|---|---|")
     for name, (fn, types, constants, warps, stages, work, *widths) in rows.items():
         compiled = aot.compile_divisible(fn, types, constants, 90, warps, stages, *widths)
         counts, spills = aot.loop_census(aot.disassemble(compiled.asm["cubin"]))
+        regs = aot.registers(compiled.asm["cubin"])
+        resident = aot.resident_warps(regs, warps, compiled.metadata.shared)
         total = sum(counts.values())
         top = ", ".join(f"{op} {n}" for op, n in counts.most_common(6))
-        print(f"| {name} | {total} | {total * warps * 32 / work:.2f} | {spills} | {top} |")
+        print(f"| {name} | {total} | {total * warps * 32 / work:.2f} | {spills} | {regs} | {resident} | {top} |")
 
 
 def main(sections: list[str]) -> None:

@@ -27,7 +27,7 @@ DTYPES = [torch.float32, torch.bfloat16 if DEVICE == "cuda" else torch.float16]
 
 @starts_the_interpreter
 def test_kernels_under_triton_interpreter():
-    run_under_interpreter(__file__, also_deselect="bf16_decode or inline_ptx or fewer_instructions")  # (compiles)
+    run_under_interpreter(__file__, also_deselect="bf16_decode or inline_ptx or fewer_instructions or compiles")
 
 
 @triton.jit
@@ -93,6 +93,9 @@ def _tol(dtype: torch.dtype) -> dict:
     (90, 2, 2, 128, 128, (128, 128, 2)),  # a prefill tile: 90 assignments per expert in 128-row tiles
     (5, 4, 2, 256, 384, (16, 256, 2, 2)),  # two weight tiles a program: 64 columns of I, 128 of D
     (90, 2, 2, 128, 128, (128, 128, 2, 2)),  # the same at a prefill tile
+    (1, 4, 3, 256, 256, (16, 128, 2, 1, 2)),  # one token, K split in two over both widths
+    (5, 4, 2, 256, 384, (16, 128, 2, 2, 2)),  # two tiles a program; I's three steps split 2 + 1
+    (3, 4, 3, 256, 384, (16, 128, 2, 1, 8)),  # more splits asked than steps: one step a split
 ])
 def test_decode_kernels_match_reference(T, E, top_k, D, I, launch, dtype, decode):
     if decode != moe_mxfp4_decode.FLOAT32 and dtype != torch.bfloat16:
@@ -151,19 +154,20 @@ def _columns_kernel(out_ptr):
 
 @pytest.mark.parametrize("capability", [90, 100])
 @pytest.mark.parametrize("subtiles", [1, 2])
-@pytest.mark.parametrize("tile_name", sorted(moe_mxfp4_decode.TILES))
+@pytest.mark.parametrize("tile_name", sorted(moe_mxfp4_decode.TILES) + ["one token"])
 @pytest.mark.parametrize("kernel", ["_up_kernel", "_down_kernel"])
 def test_decode_kernels_compile_with_the_inline_ptx(kernel, tile_name, subtiles, capability):
-    """Each ``TILES`` launch, with one and two weight tiles a program, compiles for sm_90a / sm_100a with the PTX
-    decode (ptxas accepts the inline assembly), multiplies on the tensor cores and keeps its registers (no
-    local-memory spills)."""
+    """Each ``TILES`` launch and ``ONE_TOKEN_TILE`` (with its K splits), with one and two weight tiles a program,
+    compiles for sm_90a / sm_100a with the PTX decode (ptxas accepts the inline assembly), multiplies on the tensor
+    cores and keeps its registers (no local-memory spills)."""
     from deepinfer_nvidia_sm100.kernels import aot
     from test_quant_compile import _weights
 
-    block_m, block_k, stages, *_ = moe_mxfp4_decode.TILES[tile_name][1]
+    launch = moe_mxfp4_decode.ONE_TOKEN_TILE if tile_name == "one token" else moe_mxfp4_decode.TILES[tile_name][1]
+    block_m, block_k, stages, *_ = launch
     constants = {"BLOCK_M": block_m, "BLOCK_K": block_k, "DECODE": moe_mxfp4_decode.PTX, "PRECISION": "tf32",
-                 "SUBTILES": subtiles}
-    types = _weights(moe_quant.MXFP4, ("1", "2", "3")) | {f"w{i}_ptr": "*i32" for i in "123"}
+                 "SUBTILES": subtiles, "SPLITS": launch[4] if len(launch) > 4 else 1}
+    types = _weights(moe_quant.MXFP4, ("1", "2", "3")) | {f"w{i}_ptr": "*i32" for i in "123"} | {"part_ptr": "*fp32"}
     ptx = aot.compile_divisible(getattr(moe_mxfp4_decode, kernel), types, constants, capability,
                                 moe_mxfp4_decode.WARPS, stages).asm["ptx"]  # as the JIT sees the preset
     assert "mul.rn.bf16x2" in ptx, f"{kernel} {tile_name}: no bf16x2 decode"
@@ -171,6 +175,20 @@ def test_decode_kernels_compile_with_the_inline_ptx(kernel, tile_name, subtiles,
     if capability == 90:  # the expanded weights feed wgmma from registers: none goes through shared memory
         assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16 \{[^}]*\}, \{%r", ptx), kernel
         assert "ldmatrix" not in ptx, f"{kernel} {tile_name}: weights through shared memory"  # (stmatrix: epilogue)
+
+
+@pytest.mark.parametrize("capability", [90, 100])
+@pytest.mark.parametrize("swiglu", [True, False])
+def test_sum_splits_kernel_compiles(swiglu, capability):
+    """``_sum_splits_kernel`` (the K splits' sums of ``ONE_TOKEN_TILE``) compiles for sm_90a / sm_100a for the up
+    (SwiGLU, fragment order) and the down sums."""
+    from deepinfer_nvidia_sm100.kernels import aot
+
+    constants = {"SPLITS": moe_mxfp4_decode.ONE_TOKEN_TILE[4], "SWIGLU": swiglu, "BLOCK": moe_mxfp4_decode.SUM_BLOCK}
+    ptx = aot.compile_divisible(moe_mxfp4_decode._sum_splits_kernel, {"part_ptr": "*fp32", "dest_ptr": "*i64",
+                                                                      "limit": "fp32"}, constants, capability, 4,
+                                1).asm["ptx"]
+    assert "ld.global" in ptx and "st.global" in ptx and "ld.local" not in ptx
 
 
 @pytest.mark.parametrize("capability", [90, 100])

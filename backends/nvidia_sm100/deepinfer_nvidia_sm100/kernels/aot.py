@@ -50,13 +50,38 @@ def compile_divisible(fn, types: dict[str, str], constants: dict, capability: in
                           options={"num_warps": warps, "num_stages": stages})
 
 
-def disassemble(cubin: bytes) -> str:
-    """SASS text of a cubin by the ``nvdisasm`` bundled with Triton."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+def _cuda_tool(name: str, cubin: bytes, *args: str) -> str:
+    """The text output of a CUDA binary tool bundled with Triton run on a cubin."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([tool, *args, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def disassemble(cubin: bytes) -> str:
+    """SASS text of a cubin by the ``nvdisasm`` bundled with Triton."""
+    return _cuda_tool("nvdisasm", cubin, "-c")
+
+
+def registers(cubin: bytes) -> int:
+    """Registers a thread of the cubin's kernel holds (``cuobjdump -res-usage``)."""
+    usage = re.search(r"REG:(\d+)", _cuda_tool("cuobjdump", cubin, "-res-usage"))
+    if usage is None:
+        raise ValueError("cuobjdump -res-usage printed no register count")
+    return int(usage.group(1))
+
+
+REGISTERS_PER_SM, MAX_WARPS_PER_SM = 65536, 64  # SM90 / SM100
+
+
+def resident_warps(regs: int, warps: int, shared_bytes: int = 0, shared_per_sm: int = 228 * 1024) -> int:
+    """Warps of a kernel an SM holds at once (whole programs of ``warps`` warps), bound by registers (allocated per
+    warp in units of 256), shared memory and the 64-warp limit."""
+    per_warp = -(-regs * 32 // 256) * 256
+    programs = min(REGISTERS_PER_SM // (per_warp * warps), MAX_WARPS_PER_SM // warps,
+                   shared_per_sm // shared_bytes if shared_bytes else MAX_WARPS_PER_SM)
+    return programs * warps
 
 
 def loop_census(sass: str) -> tuple[collections.Counter, int]:

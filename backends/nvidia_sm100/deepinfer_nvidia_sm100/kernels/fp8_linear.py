@@ -567,7 +567,7 @@ def _launch_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     them; rows padded to ``SCALED_MM_ROW_ALIGN``, which cuBLAS needs of the scales' leading dimension, the padding
     rows' products never read), then one blockwise ``torch._scaled_mm`` per group with the weight's block scales as
     float32."""
-    M, _, K = x.shape
+    M = x.shape[0]
     N = out.shape[-1]
     padded = triton.cdiv(M, SCALED_MM_ROW_ALIGN) * SCALED_MM_ROW_ALIGN
     if padded != M:
