@@ -269,8 +269,9 @@ MOE_SWEEP = {  # tokens -> (path, launch) tried for the MXFP4 experts, the defau
 LINEAR_SWEEP = {  # rows -> (path, launch) tried on wo_b (4096 x 8192), the default first. split_k: (BM, BN, BK,
     # warps, stages[, K splits]); "split_k_unswapped": the activations as the left operand (SPLIT_K_SWAP = False);
     # "split_k_bf16": bf16 products (SPLIT_K_F16 = False); weight_only / fp8_tc: (BM, BN, warps, stages[, K splits]);
-    # row: (BN, BK, warps, stages)
-    1: (("row", (16, 1024, 8, 3)), ("split_k", (16, 256, 128, 8, 4)), ("split_k", (16, 128, 128, 4, 4)),
+    # row: (BN, BK, warps, stages[, K splits])
+    1: (("row", (16, 1024, 8, 3)), ("row", (16, 1024, 8, 3, 2)), ("row", (16, 512, 8, 3, 4)),
+        ("row", (8, 1024, 4, 3, 2)), ("split_k", (16, 256, 128, 8, 4)), ("split_k", (16, 128, 128, 4, 4)),
         ("split_k", (16, 256, 128, 8, 4, 4))),
     16: (("split_k", (16, 256, 128, 8, 4)), ("split_k", (16, 256, 128, 8, 4, 4)), ("split_k", (16, 128, 128, 4, 4)),
          ("split_k", (16, 64, 128, 4, 4)), ("split_k", (16, 256, 256, 8, 3)), ("split_k_bf16", (16, 256, 128, 8, 4)),
@@ -351,21 +352,28 @@ def sweep() -> None:
         print(f"  {T}: " + "; ".join(cells))
 
 
+LINEAR_SWEEP_WEIGHTS = {"wo_b": (LINEARS["wo_b"][:2], LINEAR_SWEEP),
+                        "wq_a+wkv": (LINEARS["wq_a+wkv"][:2], {1: LINEAR_SWEEP[1]})}  # narrow: 96 row blocks
+
+
 def sweep_linear() -> None:
-    """Launch sweeps of the fp8 linear kernels on ``wo_b`` by rows; each checked against the reference op, then
-    timed."""
-    print("\nsweep: fp8 linear wo_b 4096 x 8192 (rows: path launch -> time; the default first)")
-    torch.manual_seed(2)
-    w, s = fp8_block.quantize(torch.randn(4096, 8192, device=DEVICE) * 0.02, BLOCK, ue8m0=True)
-    for rows, points in LINEAR_SWEEP.items():
-        x = torch.randn(rows, 1, 8192, device=DEVICE).to(torch.bfloat16)
-        want = ref.linear_fp8_block(x, w, s, BLOCK)
-        cells = []
-        for path, tile in points:
-            run = linear_sweep_run(path, tile, x, w, s)
-            err = relative_error(run(), want)
-            cells.append(f"{path} {tile}: {micros(timed(run, rows))}" + (f" (error {err:.1e})" if err > 0.1 else ""))
-        print(f"  {rows}: " + "; ".join(cells))
+    """Launch sweeps of the fp8 linear kernels on ``wo_b`` by rows (and on the narrow ``wq_a+wkv`` at one row); each
+    checked against the reference op, then timed."""
+    for name, ((out_features, in_features), sweep_points) in LINEAR_SWEEP_WEIGHTS.items():
+        print(f"\nsweep: fp8 linear {name} {out_features} x {in_features} (rows: path launch -> time; the default "
+              "first)")
+        torch.manual_seed(2)
+        w, s = fp8_block.quantize(torch.randn(out_features, in_features, device=DEVICE) * 0.02, BLOCK, ue8m0=True)
+        for rows, points in sweep_points.items():
+            x = torch.randn(rows, 1, in_features, device=DEVICE).to(torch.bfloat16)
+            want = ref.linear_fp8_block(x, w, s, BLOCK)
+            cells = []
+            for path, tile in points:
+                run = linear_sweep_run(path, tile, x, w, s)
+                err = relative_error(run(), want)
+                cells.append(f"{path} {tile}: {micros(timed(run, rows))}"
+                             + (f" (error {err:.1e})" if err > 0.1 else ""))
+            print(f"  {rows}: " + "; ".join(cells))
 
 
 def main() -> None:

@@ -151,14 +151,17 @@ def test_small_quant_kernels_compile(name, fn, types, constants, capability):
 
 
 @pytest.mark.parametrize("capability", sorted(ARCHS))
-@pytest.mark.parametrize("name", ["mxfp4", "fp8", "linear"])
+@pytest.mark.parametrize("name", ["mxfp4", "fp8", "linear", "linear K split"])
 def test_row_kernels_read_the_weights_in_16_byte_vectors(name, capability):
     """The one-row kernels are bound by reading the stored weights: every weight load (the ``evict_first`` ones) is a
-    16-byte vector (MXFP4: 16 bytes of one scale group; fp8: 16 of a row's block)."""
-    if name == "linear":
-        block_n, block_k, warps, stages = fp8_linear.ROW_TILE
-        fn, types = fp8_linear._row_kernel, LINEAR_TYPES
-        constants = {"BLOCK_N": block_n, "BLOCK_K": block_k, "B0": 128, "B1": 128, "UE8M0": True}
+    16-byte vector (MXFP4: 16 bytes of one scale group; fp8: 16 of a row's block), also with K split (float32
+    partials out)."""
+    if name.startswith("linear"):
+        block_n, block_k, warps, stages = fp8_linear.ROW_TILE[:4]
+        split = name.endswith("split")
+        fn, types = fp8_linear._row_kernel, LINEAR_TYPES | ({"out_ptr": "*fp32"} if split else {})
+        constants = {"BLOCK_N": block_n, "BLOCK_K": block_k, "B0": 128, "B1": 128, "UE8M0": True,
+                     "SPLITS": 2 if split else 1}
     else:
         fmt = moe_quant.MXFP4 if name == "mxfp4" else moe_quant.FP8
         block_n, block_k, warps, stages = moe_quant.ROW_TILES[fmt]

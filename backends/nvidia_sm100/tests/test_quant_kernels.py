@@ -190,6 +190,30 @@ def test_fp8_linear_weight_only_matches_reference(rows, n, k, block, ue8m0, dtyp
     torch.testing.assert_close(one, ref.linear_fp8_block(x[:1, :1], weight, scale, block), **_tol(dtype))
 
 
+@kernel_runs_here
+@pytest.mark.parametrize("dtype", [torch.float32, DOT_DTYPE])
+@pytest.mark.parametrize("n, k, groups, tile, min_programs", [
+    (70, 1000, 1, (16, 128, 4, 2, 3), 0),  # 3 K splits of 384 inputs (3 slices), the last partial; N past a block
+    (40, 512, 3, (16, 128, 4, 2), 64),  # splits picked: 3 x 3 programs doubled to 36 (4 splits of one slice each)
+    (48, 256, 2, (16, 128, 4, 2), 1000),  # as many splits as slices (2), not more
+])
+def test_fp8_row_kernel_k_splits_match_reference(n, k, groups, tile, min_programs, dtype, monkeypatch):
+    """The one-row kernel with K split (the tile's fifth element, or ``ROW_MIN_PROGRAMS``): each split's float32
+    sums added in split order by ``_sum_splits_kernel``, the reference op's result up to fp32 sums."""
+    monkeypatch.setattr(fp8_linear, "ROW_MIN_PROGRAMS", min_programs)
+    gen = _gen(n + k)
+    block = (16, 128)
+    x = torch.randn(1, groups, k, device=DEVICE, generator=gen).to(dtype)
+    weight, scale = fp8_block.quantize(torch.randn(groups * n, k, device=DEVICE, generator=gen) * k**-0.5, block,
+                                       True)
+    (_, splits, per_split) = fp8_linear._row_launch(n, k, groups, tile)
+    assert splits == {0: 3, 64: 4, 1000: 2}[min_programs] and (splits - 1) * per_split < k <= splits * per_split
+    got = fp8_linear.matmul(x, weight, scale, block, groups, fp8_linear.ROW, tile)
+    dense = fp8_block.dequantize(weight, scale, block).view(groups, n, k)  # the weights exactly
+    want = torch.einsum("tgk,gnk->tgn", x.float(), dense)
+    torch.testing.assert_close(got.float(), want, **_tol(dtype))
+
+
 SPLIT_K_CASES = [
     (3, 70, 1000, 1, (128, 128), True, (16, 32, 128, 4, 2, 3)),  # 3 K splits, the last one partial; N past a tile
     (5, 96, 200, 1, (32, 32), False, (16, 32, 64, 4, 2, 2)),  # float32 scales, slices of two 32-wide blocks

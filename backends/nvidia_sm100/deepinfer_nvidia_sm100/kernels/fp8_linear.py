@@ -43,7 +43,7 @@ import triton.language as tl
 from deepinfer_core.ops import reference as ref
 from deepinfer_core.quant.scales import scale_to_float
 from deepinfer_nvidia_sm100 import envs
-from deepinfer_nvidia_sm100.kernels import dequant, moe, moe_quant, pdl
+from deepinfer_nvidia_sm100.kernels import dequant, k_splits, moe, moe_quant, pdl
 from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 
 ROW_MAX_ROWS = 1  # products of at most this many rows take the one-row kernel (0: the split-K kernel from 1 row;
@@ -101,21 +101,25 @@ def linear_path(rows: int, dtype: torch.dtype, block: tuple[int, int]) -> str | 
 
 
 @triton.jit
-def _row_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, stride_xg, stride_wn, stride_sn, stride_og,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
-                UE8M0: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (column block, group g) of one input row: ``out[g, n] = sum_k x[g, k] * W[g * N + n, k]``."""
+def _row_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, k_per_split, stride_xg, stride_wn, stride_sn, stride_os,
+                stride_og, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
+                UE8M0: tl.constexpr, SPLITS: tl.constexpr = 1, PDL: tl.constexpr = False):
+    """Program (column block, group g, K split) of one input row: ``out[g, n] = sum_k x[g, k] * W[g * N + n, k]``;
+    with ``SPLITS`` > 1 each split's float32 sums over its ``k_per_split`` inputs go to ``out`` at ``split``
+    (``stride_os``: the partials ``_sum_splits_kernel`` adds up)."""
     pdl.begin(PDL)
-    group = tl.program_id(1).to(tl.int64)
+    group, split = tl.program_id(1).to(tl.int64), tl.program_id(2)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     in_n = cols < N
     rows = group * N + cols  # [BN] weight rows
     w_rows = w_ptr + rows[:, None] * stride_wn  # [BN, 1]
     s_rows = s_ptr + (rows // B0)[:, None] * stride_sn
     acc = dequant.row_acc(BLOCK_N, BLOCK_K, 1, B1)
-    for k0 in range(0, K, BLOCK_K):
+    k_begin, k_end = k_splits.split_range(split, k_per_split, K, SPLITS)
+    for k0 in range(k_begin, k_end, BLOCK_K):
         acc = dequant.row_product(acc, x_ptr + group * stride_xg, w_rows, s_rows, k0, K, in_n, 1, BLOCK_K, B1, UE8M0)
-    tl.store(out_ptr + group * stride_og + cols, dequant.row_total(acc, 1).to(out_ptr.dtype.element_ty), mask=in_n)
+    tl.store(out_ptr + split * stride_os + group * stride_og + cols,
+             dequant.row_total(acc, 1).to(out_ptr.dtype.element_ty), mask=in_n)
 
 
 @triton.jit
@@ -424,6 +428,9 @@ def _fp8_tc_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, 
 # with its number of K splits (else ``_splits`` picks it).
 ROW_TILE = (16, 1024, 8, 3)  # 16 rows x 8 scale blocks of 128 fp8 inputs (bench_quant's one-row sweep on the
 # H200, 2026-12-02: wo_b 20.6 us against 24.5 us for (16, 512, 4, 3))
+ROW_MIN_PROGRAMS = 0  # the row kernel splits K until its grid has this many programs (0: never). Three of its
+# 8-warp programs fit an SM (77 registers: sass_census.py fp8), so wq_a + wkv's 96 column blocks fill a quarter of an
+# H200 and wo_b's 256 two thirds; not yet timed with splits (bench_quant.py fp8's one-row sweep), hence off
 SPLIT_K_TILES = ((16, 16, 256, 128, 8, 4), (32, 32, 256, 128, 8, 3), (None, 64, 256, 128, 8, 3))  # 256 weight rows
 # a program amortize the activations' conversion: ~3.0 / 3.8 / 5.2 instructions a weight on sm_90a against 3.4 /
 # 4.6 / 11 for 64 or 128 (BLOCK_N halves for narrow outputs: _split_k_launch)
@@ -478,8 +485,21 @@ def _split_k_launch(M: int, N: int, K: int, groups: int, B1: int, tile: tuple | 
     block_m, block_n, block_k = tile[:3]
     programs = triton.cdiv(M, block_m) * triton.cdiv(N, block_n) * groups
     splits = tile[5] if len(tile) > 5 else _splits(programs, K, block_k)
-    per_split = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
-    return tile[:5], triton.cdiv(K, per_split), per_split
+    return tile[:5], *k_splits.parts(K, block_k, splits)
+
+
+def _row_launch(N: int, K: int, groups: int, tile: tuple | None) -> tuple[tuple, int, int]:
+    """The row kernel's launch ``(BN, BK, warps, stages)`` (``ROW_TILE``'s), its number of K splits (the tile's
+    fifth element; otherwise the fewest, in powers of two, that give ``ROW_MIN_PROGRAMS`` programs with at least
+    one ``BK`` slice a split) and inputs per split."""
+    tile = tile or ROW_TILE
+    block_n, block_k = tile[:2]
+    splits = tile[4] if len(tile) > 4 else 1
+    if len(tile) <= 4:
+        programs, steps = triton.cdiv(N, block_n) * groups, triton.cdiv(K, block_k)
+        while programs * splits < ROW_MIN_PROGRAMS and steps >= 2 * splits:
+            splits *= 2
+    return tile[:4], *k_splits.parts(K, block_k, splits)
 
 
 def _partials(out: torch.Tensor, splits: int) -> torch.Tensor:
@@ -510,10 +530,13 @@ def launch(path: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     consts = {"B0": block[0], "B1": block[1], "UE8M0": is_ue8m0, **pdl.launch()}
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     if path == ROW:
-        block_n, block_k, warps, stages = tile or ROW_TILE
-        _row_kernel[(triton.cdiv(N, block_n), groups)](
-            x, weight, raw, out, N, K, x.stride(1), weight.stride(0), raw.stride(0), out.stride(1), BLOCK_N=block_n,
-            BLOCK_K=block_k, num_warps=warps, num_stages=stages, **consts)
+        (block_n, block_k, warps, stages), splits, per_split = _row_launch(N, K, groups, tile)
+        part = _partials(out, splits)
+        _row_kernel[(triton.cdiv(N, block_n), groups, splits)](
+            x, weight, raw, part, N, K, per_split, x.stride(1), weight.stride(0), raw.stride(0),
+            part.stride(0) if splits > 1 else 0, part.stride(-2), BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits,
+            num_warps=warps, num_stages=stages, **consts)
+        _sum_splits(part, out, splits)
     elif path == SPLIT_K:
         (block_m, block_n, block_k, warps, stages), splits, per_split = _split_k_launch(M, N, K, groups, block[1],
                                                                                         tile)

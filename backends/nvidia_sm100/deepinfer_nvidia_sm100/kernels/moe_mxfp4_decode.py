@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_nvidia_sm100 import envs
-from deepinfer_nvidia_sm100.kernels import dequant, moe, pdl
+from deepinfer_nvidia_sm100.kernels import dequant, k_splits, moe, pdl
 
 FLOAT32, PORTABLE, PTX = 0, 1, 2  # the kernels' ``DECODE``
 BF16_DECODE = PTX  # how bf16 activations decode on a GPU (``PORTABLE``: without inline PTX)
@@ -174,16 +174,6 @@ def _store_h(acc, h_ptr, offs_m, valid, first_col, stride_hm, limit):
 
 
 @triton.jit
-def _split_range(split, k_per_split, K, SPLITS: tl.constexpr):
-    """The inputs ``(begin, end)`` of K split ``split``: all ``K`` without splits (the loop as before them)."""
-    if SPLITS == 1:
-        return 0, K
-    else:
-        begin = split * k_per_split
-        return begin, tl.minimum(begin + k_per_split, K)
-
-
-@triton.jit
 def _store_part(acc, part_ptr, assign, valid, cols, stride_pa):
     """A tile's ``[64, BM]`` float32 sums of one K split into row ``assign`` (each row's assignment) of ``part``, tile
     row ``r`` at column ``cols[r]``."""
@@ -217,7 +207,7 @@ def _up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, assign_ptr, block_e
     first = rows < 32  # rows of w1, then of w3
     w_rows = tl.where(first, w1_ptr, w3_ptr) + expert.to(tl.int64) * stride_we + cols * stride_wi
     s_rows = tl.where(first, s1_ptr, s3_ptr) + expert.to(tl.int64) * stride_se + cols * stride_si
-    k_begin, k_end = _split_range(split, k_per_split, D, SPLITS)
+    k_begin, k_end = k_splits.split_range(split, k_per_split, D, SPLITS)
     acc, acc_next = _product(x_rows, w_rows, s_rows, 32 * stride_wi, 32 * stride_si, k_begin, k_end, BLOCK_M, BLOCK_K,
                              SUBTILES, DECODE, PRECISION)  # [64, BM] each
     if SPLITS == 1:
@@ -266,7 +256,7 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, assign_ptr, block_ex
     cols = (first_col + _tile_rows()).to(tl.int64)
     w_rows = w2_ptr + expert.to(tl.int64) * stride_we + cols * stride_wd
     s_rows = s2_ptr + expert.to(tl.int64) * stride_se + cols * stride_sd
-    k_begin, k_end = _split_range(split, k_per_split, I, SPLITS)
+    k_begin, k_end = k_splits.split_range(split, k_per_split, I, SPLITS)
     acc, acc_next = _product(h_rows, w_rows, s_rows, 64 * stride_wd, 64 * stride_sd, k_begin, k_end, BLOCK_M, BLOCK_K,
                              SUBTILES, DECODE, PRECISION)
     if SPLITS > 1:
@@ -312,12 +302,6 @@ def _sum_splits_kernel(part_ptr, out_ptr, dest_ptr, cols, limit, stride_ps, stri
 SUM_BLOCK = 1024  # columns a program of ``_sum_splits_kernel`` adds up
 
 
-def _split(K: int, block_k: int, splits: int) -> tuple[int, int]:
-    """``K`` inputs in at most ``splits`` parts of whole ``block_k`` steps: (parts, inputs a part)."""
-    per_split = triton.cdiv(triton.cdiv(K, block_k), splits) * block_k
-    return triton.cdiv(K, per_split), per_split
-
-
 def _sum_splits(part: torch.Tensor, out: torch.Tensor, dest: torch.Tensor, swiglu: bool, limit: float) -> None:
     """``_sum_splits_kernel`` over every assignment (``dest``: its sorted row of ``out``)."""
     splits, assigns, width = part.shape
@@ -357,7 +341,7 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s
               "SUBTILES": subtiles, "num_stages": stages, **pdl.launch()}
     blocks = rows // block_m
     xf = fragment_order(x)
-    up_splits, up_per_split = _split(D, block_k, splits)
+    up_splits, up_per_split = k_splits.parts(D, block_k, splits)
     up_part = _partials(up_splits, T * top_k, 2 * I, x.device)
     _up_kernel[(blocks, I // (TILE_ROWS // 2 * subtiles), up_splits)](
         xf, w1, s1, w3, s3, h, sorted_assign, block_expert, D, I, top_k, float(limit), xf.stride(0), w1.stride(0),
@@ -365,7 +349,7 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s
         up_part.stride(1), SPLITS=up_splits, **consts)
     if up_splits > 1:
         _sum_splits(up_part, h, dest, True, limit)
-    down_splits, down_per_split = _split(I, block_k, splits)
+    down_splits, down_per_split = k_splits.parts(I, block_k, splits)
     down_part = _partials(down_splits, T * top_k, D, x.device)
     flat_weights = weights.reshape(-1).contiguous()
     _down_kernel[(blocks, D // (TILE_ROWS * subtiles), down_splits)](
