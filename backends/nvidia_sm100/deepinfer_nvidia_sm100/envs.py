@@ -45,6 +45,14 @@ VARIABLES = Variables(
              "operand, in fragment order; on an H200 2.0x faster than `moe_quant`'s grouped kernels at 16-256 "
              "tokens, 1.5x at 1,024, 1.05x at 8,192 on the v4-flash-8l64e-fp4 experts); 0: the grouped kernels of "
              "`moe_quant` at every size."),
+    Variable("DEEPINFER_NVIDIA_MXFP4_DECODE_ONE_TOKEN", bool, False,
+             "One token's MXFP4 routed experts (batch-1 decode) through `moe_mxfp4_decode`'s kernels with K split "
+             "four ways (`ONE_TOKEN_TILE`: the six picked experts' tiles alone would leave most of an H200's SMs "
+             "idle) instead of `moe_quant`'s two row kernels; off until timed on a GPU."),
+    Variable("DEEPINFER_NVIDIA_FP8_ROW_MIN_PROGRAMS", int, 0,
+             "fp8 block linears of one row (batch-1 decode): the row kernel splits K (in powers of two) until its "
+             "grid has this many programs, the splits' float32 sums added in split order; 0: no splits (narrow "
+             "weights such as wq_a + wkv then run 96 programs)."),
     Variable("DEEPINFER_NVIDIA_INVARIANT_MIX_SPLITS", int, None,
              "Batch-invariant mode: the most K splits of the mHC mixing logits (`hc.INVARIANT_MIX_SPLITS` when unset; "
              "the split count follows the row length only, so any value is invariant, with other bits). Set it before "

@@ -126,6 +126,21 @@ def test_mxfp4_op_takes_the_decode_kernels_up_to_the_bound(T, monkeypatch):
     torch.testing.assert_close(got, ref.moe_experts_mxfp4(x, ids, weights, *stored, 0.7), **_tol(dtype))
 
 
+@pytest.mark.parametrize("switch", ["1", "0", None])
+def test_one_token_takes_the_decode_kernels_when_switched_on(switch, monkeypatch):
+    """``DEEPINFER_NVIDIA_MXFP4_DECODE_ONE_TOKEN`` (off by default) sends one token to these kernels; 2+ tokens
+    take them either way."""
+    if switch is None:
+        monkeypatch.delenv("DEEPINFER_NVIDIA_MXFP4_DECODE_ONE_TOKEN", raising=False)
+    else:
+        monkeypatch.setenv("DEEPINFER_NVIDIA_MXFP4_DECODE_ONE_TOKEN", switch)
+    x = torch.zeros(1, 128)
+    w1, w2, w3 = (torch.zeros(4, 128, 64, dtype=torch.uint8) for _ in range(3))
+    assert moe_mxfp4_decode.used(1, 2, x, w1, w2, w3) == (switch == "1")
+    assert moe_mxfp4_decode.used(2, 4, x.expand(2, 128), w1, w2, w3)
+    assert moe_mxfp4_decode.tile(2, 4, 1) == moe_mxfp4_decode.ONE_TOKEN_TILE
+
+
 def test_fragment_order_places_each_input():
     """``fragment_order`` puts input ``32 q + 16 h + 8 e + s`` of every 128 at column ``16 s + 8 h + 2 q + e`` (the
     next test: ``fragment_column``, the up kernel's ``h`` columns, is its inverse)."""

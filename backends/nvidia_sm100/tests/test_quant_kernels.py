@@ -198,9 +198,10 @@ def test_fp8_linear_weight_only_matches_reference(rows, n, k, block, ue8m0, dtyp
     (48, 256, 2, (16, 128, 4, 2), 1000),  # as many splits as slices (2), not more
 ])
 def test_fp8_row_kernel_k_splits_match_reference(n, k, groups, tile, min_programs, dtype, monkeypatch):
-    """The one-row kernel with K split (the tile's fifth element, or ``ROW_MIN_PROGRAMS``): each split's float32
-    sums added in split order by ``_sum_splits_kernel``, the reference op's result up to fp32 sums."""
-    monkeypatch.setattr(fp8_linear, "ROW_MIN_PROGRAMS", min_programs)
+    """The one-row kernel with K split (the tile's fifth element, or ``DEEPINFER_NVIDIA_FP8_ROW_MIN_PROGRAMS``): each
+    split's float32 sums added in split order by ``_sum_splits_kernel``, the reference op's result up to fp32
+    sums."""
+    monkeypatch.setenv("DEEPINFER_NVIDIA_FP8_ROW_MIN_PROGRAMS", str(min_programs))
     gen = _gen(n + k)
     block = (16, 128)
     x = torch.randn(1, groups, k, device=DEVICE, generator=gen).to(dtype)

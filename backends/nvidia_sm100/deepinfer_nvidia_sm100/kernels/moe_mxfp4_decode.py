@@ -55,11 +55,11 @@ TILES = {  # (max mean assignments per expert, (BLOCK_M, BLOCK_K, num_stages[, s
     "prefill": (256, (64, 128, 3, 2)),
     "large": (None, (128, 128, 3, 2)),
 }
-ONE_TOKEN = False  # one token through these kernels (align, the fragment-order copy, up, down, combine) rather than
-# ``moe_quant``'s two row kernels
+ONE_TOKEN = None  # one token through these kernels (align, the fragment-order copy, up, down, combine) rather than
+# ``moe_quant``'s two row kernels; None: ``DEEPINFER_NVIDIA_MXFP4_DECODE_ONE_TOKEN`` (off by default)
 ONE_TOKEN_TILE = (16, 256, 3, 1, 4)  # one token's launch: its six experts give (16, 256, 3, 2) only 6 x 32 up
 # programs of 4 warps, about 1.5 a SM; K split 4 ways gives 4x the programs. Not yet timed on a GPU:
-# bench_quant.py mxfp4's one-token row compares it with the row kernels before ONE_TOKEN may change
+# bench_quant.py mxfp4's one-token row compares it with the row kernels before ONE_TOKEN's default may change
 
 
 def fits(x: torch.Tensor, *packed: torch.Tensor) -> bool:
@@ -76,8 +76,9 @@ def used(num_tokens: int, num_assign: int, x: torch.Tensor, w1: torch.Tensor, w2
     ``MAX_PER_EXPERT`` assignments per expert on average, one token only with ``ONE_TOKEN``."""
     dtype_ok = x.dtype in (torch.float16, torch.float32) or (x.dtype == torch.bfloat16 and decode_mode(x) != FLOAT32)
     bound = envs.DEEPINFER_NVIDIA_MXFP4_DECODE_MAX_PER_EXPERT if MAX_PER_EXPERT is None else MAX_PER_EXPERT
+    one_token = envs.DEEPINFER_NVIDIA_MXFP4_DECODE_ONE_TOKEN if ONE_TOKEN is None else ONE_TOKEN
     return (dtype_ok and fits(x, w1, w2, w3) and num_assign <= bound * w1.shape[0]
-            and (num_tokens > 1 or ONE_TOKEN))
+            and (num_tokens > 1 or one_token))
 
 
 def tile(num_assign: int, num_experts: int, num_tokens: int = 0) -> tuple[int, ...]:
