@@ -207,13 +207,15 @@ def test_sum_splits_kernel_compiles(swiglu, capability):
 
 
 @pytest.mark.parametrize("capability", [90, 100])
+@pytest.mark.parametrize("tile", [moe_quant.ROW_TILES[moe_quant.MXFP4], (8, 2048, 2, 1)])  # (8, ...): rows a thread
 @pytest.mark.parametrize("kernel", ["_up_row_kernel", "_down_row_kernel"])
-def test_one_token_row_kernels_compile_with_the_inline_ptx(kernel, capability):
-    """``moe_quant``'s one-token MXFP4 row kernels with ``PTX`` (``moe_quant.ROW_DECODE_PTX``: the codes through
-    ``dequant.mxfp4_bf16_codes``) compile for sm_90a / sm_100a without spilling."""
+def test_one_token_row_kernels_compile_with_the_inline_ptx(kernel, tile, capability):
+    """``moe_quant``'s one-token MXFP4 row kernels with ``PTX`` (``moe_quant.ROW_DECODE_PTX``: the codes decoded and
+    multiplied by ``dequant.mxfp4_row_sums``) compile for sm_90a / sm_100a without spilling, at the default tile and
+    at one whose slice gives each thread several rows of one scale group."""
     from test_quant_compile import _compile, _weights
 
-    block_n, block_k, warps, stages = moe_quant.ROW_TILES[moe_quant.MXFP4]
+    block_n, block_k, warps, stages = tile
     constants = {"BLOCK_N": block_n, "BLOCK_K": block_k, "FMT": moe_quant.MXFP4, "B0": 1, "B1": 32, "UE8M0": True,
                  "PTX": True} | ({"K_P2": 8} if kernel == "_down_row_kernel" else {})
     ptx = _compile(getattr(moe_quant, kernel), _weights(moe_quant.MXFP4, ("1", "2", "3")), constants, capability,

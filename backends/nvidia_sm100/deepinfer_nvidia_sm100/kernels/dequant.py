@@ -51,30 +51,6 @@ def mxfp4_pair(packed, scale):
             (odd.to(tl.float32, bitcast=True) * TWO_126) * scale)
 
 
-# Four packed bytes (one 32-bit register, $4) -> the codes of the even inputs ($0, $1) and the odd ones ($2, $3), two bf16
-# per register: bytes [b0, b1] spread to [b0, b0, b1, b1] (prmt), then each output register takes one nibble of each
-# copy, the magnitude bits (e2m1 exponent and mantissa) into bf16 bits 6-8 / 22-24 and the sign into bit 15 / 31: the
-# bf16 of the code times 2^-126 (0.5 the subnormal 2^-127); a bf16x2 multiply by 2^126 makes each code exact.
-_MXFP4_CODES_PTX: tl.constexpr = tl.constexpr("""{
-.reg .b32 t, u, v, c;
-mov.b32 c, 0x7e807e80;
-prmt.b32 t, $4, 0, 0x1100;
-shl.b32 u, t, 6; and.b32 u, u, 0x01c001c0; shl.b32 v, t, 4; and.b32 v, v, 0x80008000; or.b32 $0, u, v;
-shl.b32 u, t, 2; and.b32 u, u, 0x01c001c0; and.b32 v, t, 0x80008000; or.b32 $2, u, v;
-prmt.b32 t, $4, 0, 0x3322;
-shl.b32 u, t, 6; and.b32 u, u, 0x01c001c0; shl.b32 v, t, 4; and.b32 v, v, 0x80008000; or.b32 $1, u, v;
-shl.b32 u, t, 2; and.b32 u, u, 0x01c001c0; and.b32 v, t, 0x80008000; or.b32 $3, u, v;
-mul.rn.bf16x2 $0, $0, c; mul.rn.bf16x2 $1, $1, c; mul.rn.bf16x2 $2, $2, c; mul.rn.bf16x2 $3, $3, c;
-}""")
-
-
-@triton.jit
-def mxfp4_bf16_codes(packed):
-    """The e2m1 codes (bf16, exact, unscaled) of each packed byte: ``(even, odd)`` (inline PTX, sm_90+)."""
-    return tl.inline_asm_elementwise(_MXFP4_CODES_PTX, "=r,=r,=r,=r,r", [packed], dtype=(tl.bfloat16, tl.bfloat16),
-                                     is_pure=True, pack=4)
-
-
 # Two 32-bit words of packed bytes ($8, $9: eight e2m1 codes each, code i in bits 4i..4i+3, one row and one scale group)
 # and their bf16 scale twice ($10) -> eight bf16x2 registers: $i holds code i of the first word (low half) and of the
 # second (high half), times the scale. Per byte j: prmt puts byte j of each word at bits 0-7 / 16-23; a code n
@@ -104,6 +80,34 @@ def _word_code_bits(words, i: tl.constexpr):
     """Code ``i`` of each word placed as ``mxfp4_pair`` places it: float32 bits of the code times 2^-126."""
     n = ((words >> (4 * i)) & 0xF).to(tl.uint32)
     return (((n << 28) & SIGN_BIT) | ((n << 22) & E2M1_BITS)).to(tl.float32, bitcast=True)
+
+
+# Four packed bytes ($4: byte j holds inputs 2j, low nibble, and 2j + 1) and those eight inputs as float32 (even
+# $5-$8, odd $9-$12) -> $0-$3: running float32 sums of the products, $j the first j + 1 bytes' (so $3 is all eight).
+# Per two bytes: prmt places byte j at bits 0-7 and byte j + 1 at 16-23; a nibble times 0x1040 (low) or 0x104 (high)
+# gives a bf16x2 of two codes times 2^-126 (as in _MXFP4_WORDS_PTX), made exact by a multiply by 2^126; each half
+# widened to float32 (a shift for the low half, a mask for the high) and fused into the running sum. About 4.25
+# instructions a weight, products exact and summed in float32 in input order.
+_MXFP4_ROW_SUMS_PTX: tl.constexpr = tl.constexpr(
+    "{\n.reg .b32 t, u, v, c, w;\nmov.b32 c, 0x7e807e80;\n" + "".join(
+        f"prmt.b32 t, $4, 0, {0x4040 + 0x0101 * (2 * p) + 0x0100:#06x};\n"
+        "and.b32 u, t, 0x000F000F; mul.lo.u32 u, u, 0x1040; and.b32 u, u, 0x81C081C0; mul.rn.bf16x2 u, u, c;\n"
+        "and.b32 v, t, 0x00F000F0; mul.lo.u32 v, v, 0x104; and.b32 v, v, 0x81C081C0; mul.rn.bf16x2 v, v, c;\n"
+        + (f"shl.b32 w, u, 16; mul.rn.f32 ${2 * p}, w, ${5 + 2 * p};\n" if p == 0 else
+           f"shl.b32 w, u, 16; fma.rn.f32 ${2 * p}, w, ${5 + 2 * p}, ${2 * p - 1};\n")
+        + f"shl.b32 w, v, 16; fma.rn.f32 ${2 * p}, w, ${9 + 2 * p}, ${2 * p};\n"
+        f"and.b32 w, u, 0xFFFF0000; fma.rn.f32 ${2 * p + 1}, w, ${6 + 2 * p}, ${2 * p};\n"
+        f"and.b32 w, v, 0xFFFF0000; fma.rn.f32 ${2 * p + 1}, w, ${10 + 2 * p}, ${2 * p + 1};\n"
+        for p in range(2)) + "}")
+
+
+@triton.jit
+def mxfp4_row_sums(packed, x_even, x_odd):
+    """Running float32 sums of each four packed bytes' products with their inputs ``x_even`` / ``x_odd`` (float32,
+    shaped as ``packed``): element ``4 i + j`` holds the sum over bytes ``4 i .. 4 i + j``, so every fourth element
+    is the sum of eight weights' products (inline PTX, sm_90+; ``row_product``'s bf16 rows)."""
+    return tl.inline_asm_elementwise(_MXFP4_ROW_SUMS_PTX, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [packed, x_even, x_odd],
+                                     dtype=tl.float32, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -258,7 +262,7 @@ def row_product(acc, x_ptr, w_rows, s_rows, k0, K, in_n, FMT: tl.constexpr, BLOC
     with bf16 activations, anything with fp32 ones) it is skipped, and the scale multiplies the sum of a scale
     group's products, once per group (per 32 inputs for MXFP4 with 16-bit activations; per block for ue8m0 fp8);
     fp32 MXFP4 rows scale every weight: their products may reach fp32's limits, as the extreme-scale tests do.
-    ``PTX``: MXFP4 codes of bf16 rows through ``mxfp4_bf16_codes``."""
+    ``PTX``: MXFP4 bf16 rows decoded and multiplied by ``mxfp4_row_sums``."""
     dt = x_ptr.dtype.element_ty
     if FMT == 0:
         groups = k0 // MXFP4_GROUP + tl.arange(0, BLOCK_K // MXFP4_GROUP)  # [G]
@@ -269,16 +273,18 @@ def row_product(acc, x_ptr, w_rows, s_rows, k0, K, in_n, FMT: tl.constexpr, BLOC
         scale = ue8m0(tl.load(s_rows + groups[None, :], mask=in_n[:, None] & in_g[None, :], other=UE8M0_ONE))
         rows0 = tl.zeros_like(packed).to(tl.int32)  # [BN, G, 16]: the inputs loaded in the weights' layout
         x_even, x_odd = input_pairs(x_ptr, pairs + rows0, in_g[None, :, None] & (rows0 == 0))
-        if PTX and dt == tl.bfloat16:  # the codes by ``mxfp4_bf16_codes`` (bf16 widens to float32 exactly)
-            even, odd = mxfp4_bf16_codes(packed)
-            even, odd = even.to(tl.float32), odd.to(tl.float32)
+        if PTX and dt == tl.bfloat16:  # decode and products by ``mxfp4_row_sums``: every fourth running sum
+            quads = tl.reshape(mxfp4_row_sums(packed, x_even, x_odd), (packed.shape[0], packed.shape[1], 4, 2, 2))
+            _, last_pair = tl.split(quads)  # [BN, G, 4, 2]
+            _, last = tl.split(last_pair)  # [BN, G, 4]: the sums of the group's four words
+            return acc + tl.sum(last, axis=2) * scale  # [BN, G]
         else:
             even, odd = mxfp4_codes(packed)
-        if dt == tl.float32:
-            scale = scale[:, :, None]
-            return acc + tl.sum((even * scale) * x_even + (odd * scale) * x_odd, axis=2)
-        else:
-            return acc + tl.sum(even * x_even + odd * x_odd, axis=2) * scale  # [BN, G]
+            if dt == tl.float32:
+                scale = scale[:, :, None]
+                return acc + tl.sum((even * scale) * x_even + (odd * scale) * x_odd, axis=2)
+            else:
+                return acc + tl.sum(even * x_even + odd * x_odd, axis=2) * scale  # [BN, G]
     else:
         SUB: tl.constexpr = min(BLOCK_K, B1)  # inputs of one scale block in the slice
         starts = k0 + tl.arange(0, BLOCK_K // SUB) * SUB  # [NB] each scale block's first input

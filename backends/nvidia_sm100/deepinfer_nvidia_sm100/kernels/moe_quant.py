@@ -203,7 +203,7 @@ def _up_row_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, ids_ptr, D, I, 
                    FMT: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr, UE8M0: tl.constexpr,
                    PDL: tl.constexpr = False, PTX: tl.constexpr = False):
     """Program (column block, pick j) of one token: ``moe._up_row_kernel`` on stored weights (``PTX``: MXFP4 codes
-    of bf16 activations through ``dequant.mxfp4_bf16_codes``)."""
+    of bf16 activations decoded and multiplied by ``dequant.mxfp4_row_sums``)."""
     pdl.begin(PDL)
     pick = tl.program_id(1)
     expert = tl.load(ids_ptr + pick).to(tl.int64)
@@ -256,7 +256,7 @@ def _down_row_kernel(h_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, weights_ptr, D, I,
     tl.store(out_ptr + cols, total.to(dt), mask=in_n)
 
 
-ROW_DECODE_PTX = True  # bf16 MXFP4 rows expand the codes by inline PTX (``dequant.mxfp4_bf16_codes``)
+ROW_DECODE_PTX = True  # bf16 MXFP4 rows decoded and multiplied by inline PTX (``dequant.mxfp4_row_sums``)
 ONE_TOKEN_ROW_KERNELS = True  # one token through the two row kernels; False: through the grouped kernels (16-row
 # tiles, weights on the left), to be set from bench_quant.py's one-token sweep ("rows" vs "grouped")
 # One-token launches (BLOCK_N, BLOCK_K, num_warps, num_stages): MXFP4 rows are a quarter of bf16 rows' bytes and fp8
