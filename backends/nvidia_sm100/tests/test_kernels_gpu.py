@@ -316,6 +316,24 @@ def test_quantized_moe_experts_match_reference_at_preset_sizes(fmt, T):
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("tile", [(8, 2048, 2, 1), (4, 2048, 2, 1), (2, 4096, 4, 1)])
+def test_mxfp4_one_token_row_tiles_match_reference(tile):
+    """The one-token row kernels at the sweep's tiles whose slice gives each thread several rows of one scale group
+    (``mxfp4_row_sums`` on each), at the preset's widths, against the reference op."""
+    from deepinfer_nvidia_sm100.kernels import moe_quant
+
+    E, k, D, I = 64, 6, 4096, 2048
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(1, D, device="cuda", generator=gen).to(torch.bfloat16)
+    ids = torch.randperm(E, device="cuda", generator=gen)[:k][None]
+    weights = torch.rand(1, k, device="cuda", generator=gen)
+    stored = _quantized_experts("mxfp4", E, D, I)
+    got = moe_quant._run(moe_quant.MXFP4, x, ids, weights, *stored, moe_quant.MXFP4_BLOCK, 0.5, tile,
+                         row_kernels=True)
+    want = ref.moe_experts_mxfp4(x, ids, weights, *stored, 0.5)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("path", ["one token grouped", "mxfp4 float32 decode"])
 def test_mxfp4_experts_other_paths_match_reference_at_preset_sizes(path, monkeypatch):
     """The MXFP4 paths off by default at the preset's widths: one token through the grouped kernels' 16-row tiles
