@@ -141,10 +141,9 @@ def _fragment_tile(words, raw_scale, dt: tl.constexpr, BLOCK_K: tl.constexpr, DE
 def _product(a_rows, w_rows, s_rows, w_next, s_next, k_begin, k_end, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
              SUBTILES: tl.constexpr, DECODE: tl.constexpr, PRECISION: tl.constexpr):
     """``W a^T`` over inputs ``k_begin .. k_end`` (whole ``BLOCK_K`` steps) for ``SUBTILES`` (1 or 2) weight tiles of
-    64 rows, each ``[64, BLOCK_M]``
-    float32 (rows in tile order; the second zeros with one subtile), every activation tile loaded once for both:
-    ``a_rows [BM]`` pointers to the activation rows (in fragment order; padding rows point at a real row: their
-    results are never stored), ``w_rows`` / ``s_rows [64]`` to the first tile's rows' int32 words and ue8m0 bytes in
+    64 rows, each ``[64, BLOCK_M]`` float32 (rows in tile order; the second zeros with one subtile), every
+    activation tile loaded once for both: ``a_rows [BM]`` pointers to the activation rows (in fragment order;
+    padding rows point at a real row: their results are never stored), ``w_rows`` / ``s_rows [64]`` to the first tile's rows' int32 words and ue8m0 bytes in
     ``_tile_rows`` order, the second tile's ``w_next`` / ``s_next`` elements further."""
     words_at = w_rows[:, None] + tl.arange(0, BLOCK_K // 8)[None, :]  # [64, BK / 8]
     scales_at = s_rows[:, None] + tl.arange(0, BLOCK_K // 32)[None, :]
@@ -217,12 +216,11 @@ def _up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, assign_ptr, block_e
             _store_h(acc_next, h_ptr, offs_m, valid, first_col + 32, stride_hm, limit)
     else:
         tile_rows = tl.arange(0, 64)
+        part_cols = tl.where(tile_rows < 32, 0, I - 32) + first_col + tile_rows  # w1's columns, then w3's
         part = part_ptr + split.to(tl.int64) * stride_ps
-        _store_part(acc, part, assign, valid, tl.where(tile_rows < 32, 0, I - 32) + first_col + tile_rows, stride_pa)
+        _store_part(acc, part, assign, valid, part_cols, stride_pa)
         if SUBTILES == 2:
-            _store_part(acc_next, part, assign, valid, tl.where(tile_rows < 32, 0, I - 32) + first_col + 32 + tile_rows,
-                        stride_pa)
-
+            _store_part(acc_next, part, assign, valid, part_cols + 32, stride_pa)
 
 
 @triton.jit
