@@ -27,7 +27,7 @@ DTYPES = [torch.float32, torch.bfloat16 if DEVICE == "cuda" else torch.float16]
 
 @starts_the_interpreter
 def test_kernels_under_triton_interpreter():
-    run_under_interpreter(__file__, also_deselect="bf16_decode or inline_ptx or fewer_instructions or compiles or "
+    run_under_interpreter(__file__, also_deselect="bf16_decode or inline_ptx or fewer_instructions or compile or "
                                                   "issue_fewer")
 
 
@@ -194,16 +194,21 @@ def test_decode_kernels_compile_with_the_inline_ptx(kernel, tile_name, subtiles,
 
 
 @pytest.mark.parametrize("capability", [90, 100])
-@pytest.mark.parametrize("swiglu", [True, False])
-def test_sum_splits_kernel_compiles(swiglu, capability):
-    """``_sum_splits_kernel`` (the K splits' sums of ``ONE_TOKEN_TILE``) compiles for sm_90a / sm_100a for the up
-    (SwiGLU, fragment order) and the down sums."""
-    from deepinfer_nvidia_sm100.kernels import aot
+@pytest.mark.parametrize("kernel", ["up splits", "combine splits"])
+def test_split_sum_kernels_compile(kernel, capability):
+    """The kernels that add ``ONE_TOKEN_TILE``'s K splits compile for sm_90a / sm_100a: ``_swiglu_splits_kernel``
+    (up: SwiGLU, fragment order) and ``moe._combine_kernel`` reading the down kernel's split sums."""
+    from deepinfer_nvidia_sm100.kernels import aot, moe
 
-    constants = {"SPLITS": moe_mxfp4_decode.ONE_TOKEN_TILE[4], "SWIGLU": swiglu, "BLOCK": moe_mxfp4_decode.SUM_BLOCK}
-    ptx = aot.compile_divisible(moe_mxfp4_decode._sum_splits_kernel, {"part_ptr": "*fp32", "dest_ptr": "*i64",
-                                                                      "limit": "fp32"}, constants, capability, 4,
-                                1).asm["ptx"]
+    splits = moe_mxfp4_decode.ONE_TOKEN_TILE[4]
+    if kernel == "up splits":
+        fn, types = moe_mxfp4_decode._swiglu_splits_kernel, {"part_ptr": "*fp32", "dest_ptr": "*i64", "limit": "fp32"}
+        constants = {"SPLITS": splits, "BLOCK": moe_mxfp4_decode.SWIGLU_SPLITS_BLOCK}
+    else:
+        fn, types = moe._combine_kernel, {"y_ptr": "*fp32", "ids_ptr": "*i64", "dest_ptr": "*i64",
+                                          "weights_ptr": "*fp32"}
+        constants = {"SPLITS": splits, "WEIGHTED": True, "K_P2": 8, "BLOCK_D": moe.COMBINE_BLOCK_D}
+    ptx = aot.compile_divisible(fn, types, constants, capability, 4, 1).asm["ptx"]
     assert "ld.global" in ptx and "st.global" in ptx and "ld.local" not in ptx
 
 

@@ -191,7 +191,7 @@ def _up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, assign_ptr, block_e
     and ``h`` in fragment order. A tile's 64 rows are 32 columns' rows of ``w1`` then of ``w3``: one accumulator.
     With ``SPLITS`` > 1 the program sums inputs ``k_per_split`` from its split's start and writes the float32 sums
     ``part [SPLITS, T * top_k, 2 I]`` (row: the assignment; ``w1``'s columns, then ``w3``'s) for
-    ``_sum_splits_kernel``."""
+    ``_swiglu_splits_kernel``."""
     pdl.begin(PDL)
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -241,7 +241,7 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, assign_ptr, block_ex
     """Program (block of sorted rows, ``64 SUBTILES`` columns of D, K split): ``y = (h w2^T) * routing weight`` as
     ``moe_quant._down_kernel``, ``w2 [E, D, I / 8]`` int32 words, scales ``[E, D, I / 32]``. With ``SPLITS`` > 1
     the float32 sums of the split's ``k_per_split`` inputs go to ``part [SPLITS, T * top_k, D]`` (row: the
-    assignment) instead, unweighted (``_sum_splits_kernel``, then the weighted combine)."""
+    assignment) instead, unweighted: ``moe._combine`` adds them up, then weights and combines them."""
     pdl.begin(PDL)
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -272,42 +272,27 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, assign_ptr, block_ex
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, dest_ptr, cols, limit, stride_ps, stride_pa, stride_om,
-                       SPLITS: tl.constexpr, SWIGLU: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (assignment, column block): its K splits' float32 sums ``part [SPLITS, T * top_k, ...]`` added in
-    split order and written to its sorted row ``dest[assignment]`` of ``out``: ``SWIGLU`` (up) ``h`` from the
-    ``w1`` / ``w3`` halves (``cols`` = I each), rounded as ``_store_h`` and in fragment order; otherwise (down) the
-    sums rounded to ``out``'s dtype (``cols`` = D), weighted afterwards by ``moe._combine``."""
+def _swiglu_splits_kernel(part_ptr, h_ptr, dest_ptr, I, limit, stride_ps, stride_pa, stride_hm, SPLITS: tl.constexpr,
+                          BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (assignment, column block of I): the up kernel's K-split float32 sums ``part [SPLITS, T * top_k, 2 I]``
+    (``w1``'s columns, then ``w3``'s) added in split order, then ``h`` as ``_store_h`` rounds it, written in fragment
+    order to the assignment's sorted row ``dest[assignment]``."""
     pdl.begin(PDL)
     assign = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < cols
-    row = tl.load(dest_ptr + assign)
-    dt = out_ptr.dtype.element_ty
-    first = tl.zeros([BLOCK], dtype=tl.float32)
-    second = tl.zeros([BLOCK], dtype=tl.float32)
+    mask = offs < I
+    gate = tl.zeros([BLOCK], dtype=tl.float32)
+    up = tl.zeros([BLOCK], dtype=tl.float32)
     for split in tl.static_range(SPLITS):
         at = part_ptr + split * stride_ps + assign * stride_pa + offs
-        first += tl.load(at, mask=mask, other=0.0)
-        if SWIGLU:
-            second += tl.load(at + cols, mask=mask, other=0.0)
-    if SWIGLU:
-        h = moe._swiglu(first.to(dt).to(tl.float32), second.to(dt).to(tl.float32), limit, dt)
-        tl.store(out_ptr + row * stride_om + fragment_column(offs), h.to(dt), mask=mask)
-    else:
-        tl.store(out_ptr + row * stride_om + offs, first.to(dt), mask=mask)
+        gate += tl.load(at, mask=mask, other=0.0)
+        up += tl.load(at + I, mask=mask, other=0.0)
+    dt = h_ptr.dtype.element_ty
+    h = moe._swiglu(gate.to(dt).to(tl.float32), up.to(dt).to(tl.float32), limit, dt)
+    tl.store(h_ptr + tl.load(dest_ptr + assign) * stride_hm + fragment_column(offs), h.to(dt), mask=mask)
 
 
-SUM_BLOCK = 1024  # columns a program of ``_sum_splits_kernel`` adds up
-
-
-def _sum_splits(part: torch.Tensor, out: torch.Tensor, dest: torch.Tensor, swiglu: bool, limit: float) -> None:
-    """``_sum_splits_kernel`` over every assignment (``dest``: its sorted row of ``out``)."""
-    splits, assigns, width = part.shape
-    cols = width // 2 if swiglu else width
-    _sum_splits_kernel[(assigns, triton.cdiv(cols, SUM_BLOCK))](
-        part, out, dest, cols, float(limit), part.stride(0), part.stride(1), out.stride(0), SPLITS=splits,
-        SWIGLU=swiglu, BLOCK=SUM_BLOCK, num_warps=4, **pdl.launch())
+SWIGLU_SPLITS_BLOCK = 1024  # columns a program of ``_swiglu_splits_kernel`` takes
 
 
 def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s2, w3, s3, limit: float,
@@ -316,7 +301,8 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s
     ``w*`` packed bytes (uint8), ``s*`` ue8m0 bytes (uint8), contiguous, widths that ``fit``; ``launch`` fixes
     (BLOCK_M, BLOCK_K, num_stages[, subtiles[, splits]]) (subtiles: 64-row weight tiles a program, 1 or 2, each
     activation tile loaded once for them; splits: the most parts each product's K is split into, for more programs
-    at few tokens, their float32 sums added by ``_sum_splits_kernel``; 1 when left out), by default ``tile``'s;
+    at few tokens, their float32 sums added by ``_swiglu_splits_kernel`` and ``moe._combine``; 1 when left out), by
+    default ``tile``'s;
     ``decode`` the ``DECODE``, by default ``decode_mode``'s (``benchmarks/bench_quant.py`` sweeps both)."""
     T, top_k = ids.shape
     E, I, D = w1.shape[0], w1.shape[1], x.shape[1]
@@ -347,7 +333,9 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s
         w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0), up_part, up_per_split, up_part.stride(0),
         up_part.stride(1), SPLITS=up_splits, **consts)
     if up_splits > 1:
-        _sum_splits(up_part, h, dest, True, limit)
+        _swiglu_splits_kernel[(T * top_k, triton.cdiv(I, SWIGLU_SPLITS_BLOCK))](
+            up_part, h, dest, I, float(limit), up_part.stride(0), up_part.stride(1), h.stride(0), SPLITS=up_splits,
+            BLOCK=SWIGLU_SPLITS_BLOCK, num_warps=4, **pdl.launch())
     down_splits, down_per_split = k_splits.parts(I, block_k, splits)
     down_part = _partials(down_splits, T * top_k, D, x.device)
     flat_weights = weights.reshape(-1).contiguous()
@@ -357,8 +345,7 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s
         down_part.stride(1), SPLITS=down_splits, **consts)
     if down_splits == 1:
         return moe._combine(y, ids, dest, x)
-    _sum_splits(down_part, y, dest, False, limit)
-    return moe._combine(y, ids, dest, x, weights)
+    return moe._combine(down_part, ids, dest, x, weights)  # the splits' sums added there
 
 
 def _partials(splits: int, assigns: int, width: int, device: torch.device) -> torch.Tensor:
