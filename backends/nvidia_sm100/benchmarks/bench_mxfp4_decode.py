@@ -14,7 +14,8 @@ then timed: replayed from a CUDA graph up to 256 tokens, eagerly beyond (CUDA ev
   launch); ``rows ptx`` (one token): the row kernels with ``moe_quant.ROW_DECODE_PTX``;
 * ``op``: ``moe_quant.moe_experts_mxfp4`` as it runs now (``moe_mxfp4_decode.used`` picks the path);
 * ``new (BLOCK_M, BLOCK_K, stages[, subtiles[, splits]])``: ``moe_mxfp4_decode.run`` with that launch (the first is ``tile``'s
-  default), ``portable``: its bf16 decode without inline PTX;
+  default; ``maxnreg 168``: held to 168 registers a thread, three programs an SM), ``portable``: its bf16 decode
+  without inline PTX;
 * ``fp8`` (from 1,024 tokens): ``moe_mxfp4_prefill.run``, the experts converted to e4m3 rows and the activations
   quantized, on fp8 tensor cores (its error against the reference op is fp8's: checked to 0.1, printed).
 
@@ -54,6 +55,9 @@ LAUNCHES = {  # tokens -> moe_mxfp4_decode launches tried beside its default, (B
     4096: (),
     8192: ((128, 128, 2, 2), (128, 128, 3, 2)),
 }
+
+
+MAX_REGISTERS_TOKENS = (16, 64)  # token counts where the default launch is also timed held to 168 registers a thread
 
 
 def _seconds(fn, tokens: int) -> float | None:
@@ -99,6 +103,9 @@ def _variants(T: int, x, ids, routing, dense, stored) -> dict:
         variants["rows ptx"] = rows(True)
     for launch in (default, *LAUNCHES[T]):
         variants[f"new {launch}"] = lambda launch=launch: moe_mxfp4_decode.run(x, ids, routing, *raw, LIMIT, launch)
+    if T in MAX_REGISTERS_TOKENS:
+        variants[f"new {default} maxnreg 168"] = lambda: moe_mxfp4_decode.run(x, ids, routing, *raw, LIMIT, default,
+                                                                             max_registers=168)
     if T >= FP8_MIN_TOKENS:
         variants["fp8"] = lambda: moe_mxfp4_prefill.run(x, ids, routing, *stored, LIMIT)
     if T == 64:

@@ -110,6 +110,36 @@ def test_decode_kernels_match_reference(T, E, top_k, D, I, launch, dtype, decode
 
 
 @kernel_runs_here
+def test_decode_kernels_held_to_fewer_registers_match_reference():
+    """``max_registers`` (``maxnreg``) changes how the kernels are compiled, not what they compute."""
+    dtype = DTYPES[-1]
+    x, ids, weights, stored = _case(5, 4, 2, 256, 384, dtype, seed=3)
+    got = moe_mxfp4_decode.run(x, ids, weights, *(t.view(torch.uint8) for t in stored), 0.7, (16, 128, 2, 2),
+                               max_registers=168)
+    torch.testing.assert_close(got, ref.moe_experts_mxfp4(x, ids, weights, *stored, 0.7), **_tol(dtype))
+
+
+def test_up_decode_kernel_compiles_to_three_programs_an_sm_at_168_registers():
+    """Static, sm_90a: the up kernel's decode launch (two subtiles) held to 168 registers compiles without spilling,
+    so an SM holds three of its programs instead of two (``MAX_REGISTERS``' candidate; sm_100a spills there)."""
+    import triton
+    from deepinfer_nvidia_sm100.kernels import aot
+    from test_quant_compile import _weights
+
+    block_m, block_k, stages, subtiles = moe_mxfp4_decode.TILES["decode"][1]
+    constants = {"BLOCK_M": block_m, "BLOCK_K": block_k, "DECODE": moe_mxfp4_decode.PTX, "PRECISION": "tf32",
+                 "SUBTILES": subtiles}
+    types = _weights(moe_quant.MXFP4, ("1", "2", "3")) | {f"w{i}_ptr": "*i32" for i in "123"} | {"part_ptr": "*fp32"}
+    compiled = triton.compile(aot.divisible_source(moe_mxfp4_decode._up_kernel, types, constants),
+                              target=aot.GPUTarget("cuda", 90, 32),
+                              options={"num_warps": moe_mxfp4_decode.WARPS, "num_stages": stages, "maxnreg": 168})
+    cubin = compiled.asm["cubin"]
+    assert aot.registers(cubin) <= 168 and "ld.local" not in compiled.asm["ptx"]
+    assert aot.loop_census(aot.disassemble(cubin))[1] == 0  # no spill loads / stores
+    assert aot.resident_warps(aot.registers(cubin), moe_mxfp4_decode.WARPS) >= 12
+
+
+@kernel_runs_here
 @pytest.mark.parametrize("T", [1, 6, 40])
 def test_mxfp4_op_takes_the_decode_kernels_up_to_the_bound(T, monkeypatch):
     """``moe_experts_mxfp4`` runs these kernels up to ``MAX_PER_EXPERT`` assignments per expert (one token only with

@@ -55,6 +55,10 @@ TILES = {  # (max mean assignments per expert, (BLOCK_M, BLOCK_K, num_stages[, s
     "prefill": (256, (64, 128, 3, 2)),
     "large": (None, (128, 128, 3, 2)),
 }
+MAX_REGISTERS = None  # registers a thread the kernels are held to (``maxnreg``; None: the compiler's choice). On
+# sm_90a the up kernel's (16, 256, 3, 2) takes 170, so an SM holds two of its programs (8 warps); held to 168 it
+# compiles to 163 with the same loop and no spills, three programs (12 warps, as shared memory allows); sm_100a
+# spills there. Not yet timed
 ONE_TOKEN = None  # one token through these kernels (align, the fragment-order copy, up, down, combine) rather than
 # ``moe_quant``'s two row kernels; None: ``DEEPINFER_NVIDIA_MXFP4_DECODE_ONE_TOKEN`` (off by default)
 ONE_TOKEN_TILE = (16, 256, 3, 1, 4)  # one token's launch: its six experts give (16, 256, 3, 2) only 6 x 32 up
@@ -296,14 +300,16 @@ SWIGLU_SPLITS_BLOCK = 1024  # columns a program of ``_swiglu_splits_kernel`` tak
 
 
 def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s2, w3, s3, limit: float,
-        launch: tuple[int, ...] | None = None, decode: int | None = None) -> torch.Tensor:
+        launch: tuple[int, ...] | None = None, decode: int | None = None,
+        max_registers: int | None = None) -> torch.Tensor:
     """The MXFP4 experts through these kernels: ``moe.align``, ``_up_kernel``, ``_down_kernel``, ``moe._combine``.
     ``w*`` packed bytes (uint8), ``s*`` ue8m0 bytes (uint8), contiguous, widths that ``fit``; ``launch`` fixes
     (BLOCK_M, BLOCK_K, num_stages[, subtiles[, splits]]) (subtiles: 64-row weight tiles a program, 1 or 2, each
     activation tile loaded once for them; splits: the most parts each product's K is split into, for more programs
     at few tokens, their float32 sums added by ``_swiglu_splits_kernel`` and ``moe._combine``; 1 when left out), by
     default ``tile``'s;
-    ``decode`` the ``DECODE``, by default ``decode_mode``'s (``benchmarks/bench_quant.py`` sweeps both)."""
+    ``decode`` the ``DECODE``, by default ``decode_mode``'s; ``max_registers`` the kernels' ``maxnreg``, by default
+    ``MAX_REGISTERS`` (``benchmarks/bench_quant.py`` sweeps all three)."""
     T, top_k = ids.shape
     E, I, D = w1.shape[0], w1.shape[1], x.shape[1]
     if not fits(x, w1, w2, w3):
@@ -324,6 +330,9 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s
     consts = {"BLOCK_M": block_m, "BLOCK_K": block_k, "DECODE": decode_mode(x) if decode is None else decode,
               "PRECISION": "ieee" if x.dtype == torch.float32 else "tf32", "num_warps": WARPS,
               "SUBTILES": subtiles, "num_stages": stages, **pdl.launch()}
+    max_registers = MAX_REGISTERS if max_registers is None else max_registers
+    if max_registers is not None:
+        consts["maxnreg"] = max_registers
     blocks = rows // block_m
     xf = fragment_order(x)
     up_splits, up_per_split = k_splits.parts(D, block_k, splits)
