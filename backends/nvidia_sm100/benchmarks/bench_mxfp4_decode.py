@@ -11,7 +11,8 @@ then timed: replayed from a CUDA graph up to 256 tokens, eagerly beyond (CUDA ev
 * ``bf16``: ``moe.moe_experts`` on the same experts in bf16 (the preset the fp4 one is measured against);
 * ``old``: the MXFP4 kernels before ``moe_mxfp4_decode``, as the op ran them (one token: the two row kernels,
   ``moe_quant.ROW_TILES``, float32 decode; more: the grouped kernels with ``tl.dot_scaled``, ``moe_quant._tiles``'
-  launch); ``rows ptx`` (one token): the row kernels with ``moe_quant.ROW_DECODE_PTX``;
+  launch); ``rows ptx`` (one token): the row kernels with ``moe_quant.ROW_DECODE_PTX`` (``mxfp4_row_sums``), at
+  ``ROW_TILES`` and at each ``ROW_TILES_ONE_TOKEN`` tile;
 * ``op``: ``moe_quant.moe_experts_mxfp4`` as it runs now (``moe_mxfp4_decode.used`` picks the path);
 * ``new (BLOCK_M, BLOCK_K, stages[, subtiles[, splits]])``: ``moe_mxfp4_decode.run`` with that launch (the first is ``tile``'s
   default; ``maxnreg 168``: held to 168 registers a thread, three programs an SM), ``portable``: its bf16 decode
@@ -57,6 +58,8 @@ LAUNCHES = {  # tokens -> moe_mxfp4_decode launches tried beside its default, (B
 }
 
 
+ROW_TILES_ONE_TOKEN = ((8, 2048, 2, 1), (4, 2048, 2, 1), (2, 4096, 4, 1))  # one token's row kernels besides
+# ROW_TILES' (BLOCK_N, BLOCK_K, warps, stages): slices of 32 groups a warp, several rows a thread
 MAX_REGISTERS_TOKENS = (16, 64)  # token counts where the default launch is also timed held to 168 registers a thread
 
 
@@ -76,12 +79,12 @@ def _variants(T: int, x, ids, routing, dense, stored) -> dict:
     from deepinfer_nvidia_sm100.kernels import moe, moe_mxfp4_decode, moe_mxfp4_prefill, moe_quant
 
     raw = [t.view(torch.uint8) for t in stored]
-    def rows(ptx: bool):
+    def rows(ptx: bool, tile=None):
         def run():
             before, moe_quant.ROW_DECODE_PTX = moe_quant.ROW_DECODE_PTX, ptx
             try:
                 return moe_quant._run(moe_quant.MXFP4, x, ids, routing, *stored, moe_quant.MXFP4_BLOCK, LIMIT,
-                                      row_kernels=True)
+                                      tile, row_kernels=True)
             finally:
                 moe_quant.ROW_DECODE_PTX = before
 
@@ -101,6 +104,8 @@ def _variants(T: int, x, ids, routing, dense, stored) -> dict:
     }
     if T == 1:
         variants["rows ptx"] = rows(True)
+        for tile in ROW_TILES_ONE_TOKEN:
+            variants[f"rows ptx {tile}"] = rows(True, tile)
     for launch in (default, *LAUNCHES[T]):
         variants[f"new {launch}"] = lambda launch=launch: moe_mxfp4_decode.run(x, ids, routing, *raw, LIMIT, launch)
     if T in MAX_REGISTERS_TOKENS:

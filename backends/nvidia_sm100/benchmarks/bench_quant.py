@@ -31,6 +31,7 @@ import sys
 from functools import partial
 
 import torch
+from bench_mxfp4_decode import ROW_TILES_ONE_TOKEN
 from cuda_timing import cuda_time, graphed
 
 from deepinfer_core.ops import reference as ref
@@ -259,8 +260,8 @@ MOE_SWEEP = {  # tokens -> (path, launch) tried for the MXFP4 experts, the defau
     # "unswapped" (16-row tiles with the activations as dot_scaled's left operand: SWAP_AB_MAX_ROWS = 0)
     # one token: the default row tile, then tiles whose slice spans 32 groups a warp, so that each thread holds
     # several rows of one group and their inputs once (sass_census: ~5.0 / 6.0 instructions a weight, up / down)
-    1: (("rows", (4, 1024, 4, 3)), ("rows", (8, 2048, 2, 1)), ("rows", (4, 2048, 2, 1)), ("rows", (2, 4096, 4, 1)),
-        ("rows", (8, 512, 4, 3)), ("grouped", (16, 64, 128, 4))),
+    1: (("rows", (4, 1024, 4, 3)), *(("rows", tile) for tile in ROW_TILES_ONE_TOKEN), ("rows", (8, 512, 4, 3)),
+        ("grouped", (16, 64, 128, 4))),
     16: (("grouped", (16, 64, 128, 4)), ("grouped", (16, 128, 128, 4)), ("grouped", (16, 64, 256, 4)),
          ("unswapped", (16, 64, 128, 4))),
     64: (("grouped", (16, 64, 128, 4)), ("grouped", (16, 128, 128, 4)), ("grouped", (16, 64, 256, 4)),
