@@ -46,7 +46,7 @@ def test_row_sums_ptx_is_exact_running_sums_on_every_byte():
     assert operand_count("=r,=r,=r,=r,r,r,r,r,r,r,r,r,r") == (4, 9)
     assert instructions(asm) <= 1 + 34  # the constant, then 4.25 a weight for eight weights
     gen = np.random.default_rng(0)
-    for first in range(0, 256, 4):  # every byte value in every position of the four
+    for first in range(256):  # every byte value in every position of the four
         packed = [(first + i * 67) % 256 for i in range(4)]
         x_even, x_odd = _bf16_inputs(gen, 4), _bf16_inputs(gen, 4)
         out = run(asm, [_word(packed), *_bits(x_even), *_bits(x_odd)], 4)
