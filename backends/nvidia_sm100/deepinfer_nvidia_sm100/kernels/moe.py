@@ -605,7 +605,8 @@ def _combine_kernel(y_ptr, ids_ptr, dest_ptr, out_ptr, D, top_k, stride_ym, stri
     dt = out_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for r in range(top_k):
-        pick = tl.sum(tl.where((rank == r) & in_k, j, 0), axis=0)
+        if WEIGHTED or SPLITS > 1:
+            pick = tl.sum(tl.where((rank == r) & in_k, j, 0), axis=0)
         if SPLITS == 1:
             row = tl.sum(tl.where((rank == r) & in_k, dest, 0), axis=0)
             part = tl.load(y_ptr + row * stride_ym + offs_d, mask=d_mask, other=0.0).to(tl.float32)

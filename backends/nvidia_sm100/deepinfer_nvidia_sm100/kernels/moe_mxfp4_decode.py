@@ -336,7 +336,7 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s
     blocks = rows // block_m
     xf = fragment_order(x)
     up_splits, up_per_split = k_splits.parts(D, block_k, splits)
-    up_part = _partials(up_splits, T * top_k, 2 * I, x.device)
+    up_part = _partials(up_splits, T * top_k, 2 * I, h)
     _up_kernel[(blocks, I // (TILE_ROWS // 2 * subtiles), up_splits)](
         xf, w1, s1, w3, s3, h, sorted_assign, block_expert, D, I, top_k, float(limit), xf.stride(0), w1.stride(0),
         w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0), up_part, up_per_split, up_part.stride(0),
@@ -346,7 +346,7 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s
             up_part, h, dest, I, float(limit), up_part.stride(0), up_part.stride(1), h.stride(0), SPLITS=up_splits,
             BLOCK=SWIGLU_SPLITS_BLOCK, num_warps=4, **pdl.launch())
     down_splits, down_per_split = k_splits.parts(I, block_k, splits)
-    down_part = _partials(down_splits, T * top_k, D, x.device)
+    down_part = _partials(down_splits, T * top_k, D, y)
     flat_weights = weights.reshape(-1).contiguous()
     _down_kernel[(blocks, D // (TILE_ROWS * subtiles), down_splits)](
         h, w2, s2, y, flat_weights, sorted_assign, block_expert, D, I, h.stride(0), w2.stride(0),
@@ -357,8 +357,9 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s
     return moe._combine(down_part, ids, dest, x, weights)  # the splits' sums added there
 
 
-def _partials(splits: int, assigns: int, width: int, device: torch.device) -> torch.Tensor:
-    """The float32 sums of K splits ``[splits, assigns, width]`` (one unused element without splits)."""
+def _partials(splits: int, assigns: int, width: int, out: torch.Tensor) -> torch.Tensor:
+    """Where a kernel's K splits write: float32 sums ``[splits, assigns, width]``, or, for one split, ``out`` (the
+    kernel writes its own output; nothing is allocated)."""
     if splits == 1:
-        return torch.empty(1, 1, 1, dtype=torch.float32, device=device)
-    return torch.empty(splits, assigns, width, dtype=torch.float32, device=device)
+        return out
+    return torch.empty(splits, assigns, width, dtype=torch.float32, device=out.device)
