@@ -206,7 +206,8 @@ def bench_fp8_linear_ab() -> list[tuple]:
                     errors[variant] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
                     continue
                 quantizes = variant in AB_QUANTIZED or (variant == "old" and rows >= 128) or (
-                    variant == "new" and fp8_linear.linear_path(rows, x.dtype, block) == fp8_linear.FP8_TC)
+                    variant == "new" and fp8_linear.picked_path(x, n, block) in (fp8_linear.FP8_TC,
+                                                                                 fp8_linear.SCALED_MM))
                 limit = 0.1 if quantizes else 2e-2
                 assert variant == "bf16" or errors[variant] < limit, (  # bf16: the quantization's own error
                     f"{name} at {rows} rows: {variant} error {errors[variant]:.1e}")
