@@ -461,3 +461,26 @@ def test_backend_table_takes_the_quantized_kernels():
     for name in ("linear_fp8_block", "grouped_linear_fp8_block", "swiglu_mlp_fp8_block", "moe_experts_fp8_block",
                  "moe_experts_mxfp4"):
         assert sources[name] == "nvidia_sm100", name
+
+
+@pytest.mark.parametrize("n, k, groups", [(128, 256, 1), (256, 128, 1), (128, 128, 1), (384, 256, 1), (128, 256, 2),
+                                          (256, 256, 2), (384, 512, 1), (256, 512, 2), (128, 1536, 3)])
+def test_fp8_linear_matches_reference_at_narrow_widths(n, k, groups):
+    """Weights of a few 128 x 128 blocks a side (the tiny model's widths: one or two scale columns, grouped
+    ``wo_a``) at 1,024 rows, where the op takes ``SCALED_MM`` or ``DEQUANT``: the op against the reference (on the
+    activations it quantizes, where it does), and cuBLAS's blockwise product wherever ``scaled_mm_fits`` lets it run
+    (with K / 128 not a multiple of 4 it summed the wrong scales on the H200, silently)."""
+    from deepinfer_nvidia_sm100.kernels import fp8_linear
+
+    from deepinfer_core.quant import fp8_block
+
+    gen = torch.Generator(device="cuda").manual_seed(n + k + groups)
+    weight, scale = fp8_block.quantize(torch.randn(groups * n, k, device="cuda", generator=gen) * k**-0.5,
+                                       (128, 128), True)
+    x = torch.randn(1024, groups, k, device="cuda", generator=gen).to(torch.bfloat16)
+    seen = activations_as_quantized(x, (128, 128))
+    quantizing = fp8_linear.picked_path(x, n, (128, 128)) == fp8_linear.SCALED_MM
+    want = ref.grouped_linear_fp8_block(seen if quantizing else x, weight, scale, (128, 128), groups).float()
+    got = fp8_linear.grouped_linear_fp8_block(x, weight, scale, (128, 128), groups).float()
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+    assert not (quantizing and k % 512), "K / 128 not a multiple of 4 must not reach cuBLAS's blockwise product"

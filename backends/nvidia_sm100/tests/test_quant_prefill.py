@@ -51,31 +51,31 @@ def test_fp8_linear_prefill_is_cublas_blockwise_on_quantized_activations(M, grou
     assert 0 < _relative(got, ref.grouped_linear_fp8_block(x.float(), weight, scale, block, groups)) < 0.1
 
 
-def test_fp8_linear_prefill_falls_back_where_cublas_refuses_the_shape():
-    """cuBLAS's blockwise fp8 GEMM declines some small shapes (a 128 x 128 weight, the tiny model's, at 8,160 rows
-    on an H200): the product is then the exact ``DEQUANT`` one and the shape is not tried again."""
+def test_fp8_linear_prefill_decodes_where_cublas_would_misread_the_scales():
+    """cuBLAS reads 128 x 128 weight scales with ``K / 128`` rounded up to a multiple of 4 (and declined the tiny
+    model's 128 x 128 weight at 8,160 rows): such products take the exact ``DEQUANT`` one without trying cuBLAS."""
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    x = torch.randn(fp8_linear.DEQUANT_MIN_ROWS, 1, 128, device=DEVICE, generator=gen).to(torch.bfloat16)
-    weight, scale = fp8_block.quantize(torch.randn(128, 128, device=DEVICE, generator=gen) * 0.1, (128, 128), True)
-    got = fp8_linear.grouped_linear_fp8_block(x, weight, scale, (128, 128), 1)
-    want = ref.grouped_linear_fp8_block(x, weight, scale, (128, 128), 1)
-    if fp8_linear.scaled_mm_fits(x, 128, 128, (128, 128)):  # taken: cuBLAS's product of the quantized activations
-        assert 0 < _relative(got, want) < 0.1
-    else:  # refused once, then decoded
-        assert (1, 128, 128) in fp8_linear._SCALED_MM_REFUSED
+    for n, k in ((128, 128), (256, 256), (384, 128)):
+        x = torch.randn(fp8_linear.DEQUANT_MIN_ROWS, 1, k, device=DEVICE, generator=gen).to(torch.bfloat16)
+        weight, scale = fp8_block.quantize(torch.randn(n, k, device=DEVICE, generator=gen) * 0.1, (128, 128), True)
+        assert fp8_linear.picked_path(x, n, (128, 128)) == fp8_linear.DEQUANT
+        got = fp8_linear.grouped_linear_fp8_block(x, weight, scale, (128, 128), 1)
+        want = ref.grouped_linear_fp8_block(x, weight, scale, (128, 128), 1)
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+        assert (1, n, k) not in fp8_linear._SCALED_MM_REFUSED
 
 
 def test_fp8_linear_prefill_paths_by_block_and_switch(monkeypatch):
-    """``SCALED_MM`` only for 128 x 128 blocks (V4.1's 32 x 32 decode the weight, exactly) and only while
-    ``DEEPINFER_NVIDIA_FP8_SCALED_MM`` is on."""
-    x = torch.zeros(fp8_linear.DEQUANT_MIN_ROWS, 1, 256, dtype=torch.bfloat16, device=DEVICE)
-    assert fp8_linear.scaled_mm_fits(x, 256, 256, (128, 128))
-    assert not fp8_linear.scaled_mm_fits(x, 256, 256, (32, 32))
-    assert not fp8_linear.scaled_mm_fits(x, 200, 256, (128, 128))  # a partial block
-    assert not fp8_linear.scaled_mm_fits(x.float(), 256, 256, (128, 128))
+    """``SCALED_MM`` only for 128 x 128 blocks with ``K / 128`` a multiple of 4 (V4.1's 32 x 32 decode the weight,
+    exactly) and only while ``DEEPINFER_NVIDIA_FP8_SCALED_MM`` is on."""
+    x = torch.zeros(fp8_linear.DEQUANT_MIN_ROWS, 1, 512, dtype=torch.bfloat16, device=DEVICE)
+    assert fp8_linear.scaled_mm_fits(x, 256, 512, (128, 128))
+    assert not fp8_linear.scaled_mm_fits(x, 256, 512, (32, 32))
+    assert not fp8_linear.scaled_mm_fits(x, 200, 512, (128, 128))  # a partial block
+    assert not fp8_linear.scaled_mm_fits(x[..., :256], 256, 256, (128, 128))  # K / 128 = 2
+    assert not fp8_linear.scaled_mm_fits(x.float(), 256, 512, (128, 128))
     monkeypatch.setenv("DEEPINFER_NVIDIA_FP8_SCALED_MM", "0")
-    assert not fp8_linear.scaled_mm_fits(x, 256, 256, (128, 128))
+    assert not fp8_linear.scaled_mm_fits(x, 256, 512, (128, 128))
 
 
 def _moe_case(T: int, E: int, top_k: int, D: int, inter: int, seed: int):

@@ -19,8 +19,8 @@ Kernels picked by the number of rows ``M`` (``linear_path``):
   tile), then each ``K`` block's fp8 product (fp32 accumulate) is scaled by the row's and the weight block's scales;
   ``K`` split as above when the output has few tiles.
   Activations are quantized: its error against the reference op is what docs/quantization.md records.
-* ``M >= DEQUANT_MIN_ROWS`` (long prefill chunks), bf16 activations and V4-Flash's 128 x 128 blocks
-  (``scaled_mm_fits``): ``SCALED_MM``, cuBLAS's blockwise fp8 GEMM (``torch._scaled_mm`` with the activations
+* ``M >= DEQUANT_MIN_ROWS`` (long prefill chunks), bf16 activations, V4-Flash's 128 x 128 blocks and ``K`` a
+  multiple of 512 (``scaled_mm_fits``): ``SCALED_MM``, cuBLAS's blockwise fp8 GEMM (``torch._scaled_mm`` with the activations
   quantized per token and 128 inputs as above, the weight's own block scales as float32; SM90 from CUDA 12.9):
   fp8 tensor cores at cuBLAS's rate. Other blocks and dtypes (or ``DEEPINFER_NVIDIA_FP8_SCALED_MM=0``):
   ``DEQUANT``, the weight decoded once to the activations' dtype (``dequantized``: the reference op's weight, bit
@@ -57,6 +57,7 @@ FP8_TC_MIN_BLOCK = 32  # an fp8 tensor-core product takes at least 32 inputs
 ROW, SPLIT_K, WEIGHT_ONLY, FP8_TC, DEQUANT, SCALED_MM = "row", "split_k", "weight_only", "fp8_tc", "dequant", "scaled_mm"
 SCALED_MM_BLOCK = (128, 128)  # the weight blocks cuBLAS's blockwise scaling takes (activations: 1 x 128)
 SCALED_MM_ROW_ALIGN = 16  # rows of a SCALED_MM product are padded to a multiple of this (cuBLAS refused 1,337)
+SCALED_MM_K_BLOCKS_ALIGN = 4  # cuBLAS reads 128 x 128 weight scales as [round_up(K / 128, 4), N / 128]: whole here
 _SCALED_MM_REFUSED: set[tuple[int, int, int]] = set()  # (groups, N, K) of products cuBLAS refused: DEQUANT there
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -68,11 +69,17 @@ def tensor_cores_enabled() -> bool:
 
 def scaled_mm_fits(x: torch.Tensor, N: int, K: int, block: tuple[int, int]) -> bool:
     """Whether a ``DEQUANT`` product of ``x [M, groups, K]`` with ``N`` outputs per group can take ``SCALED_MM``:
-    bf16 on an SM90+ GPU, ``SCALED_MM_BLOCK`` blocks whole in ``N`` and ``K``, not switched off, and a shape cuBLAS
-    has not refused (it declines some small ones, e.g. 128 x 128 weights: ``launch`` then decodes the weight and
-    remembers the shape)."""
+    bf16 on an SM90+ GPU, ``SCALED_MM_BLOCK`` blocks whole in ``N`` and ``K``, ``K``'s blocks a multiple of
+    ``SCALED_MM_K_BLOCKS_ALIGN``, not switched off, and a shape cuBLAS has not refused (it declines some small ones,
+    e.g. 128 x 128 weights: ``launch`` then decodes the weight and remembers the shape).
+
+    cuBLAS takes no leading dimension for block scales: it reads the weight's as ``[round_up(K / 128, 4), N / 128]``
+    with stride ``[1, round_up(K / 128, 4)]`` (cuBLAS's "scaling factors layouts"; PyTorch #166752). Where ``K /
+    128`` is not a multiple of 4 the stored scales are read from the wrong places without any error (the tiny
+    model's 256-wide layers gave sums off by up to 240 on the H200): such products take ``DEQUANT``."""
     return (envs.DEEPINFER_NVIDIA_FP8_SCALED_MM and x.dtype == torch.bfloat16 and x.is_cuda
-            and tuple(block) == SCALED_MM_BLOCK and N % block[0] == 0 and K % block[1] == 0
+            and tuple(block) == SCALED_MM_BLOCK and N % block[0] == 0
+            and K % (block[1] * SCALED_MM_K_BLOCKS_ALIGN) == 0
             and (x.shape[1], N, K) not in _SCALED_MM_REFUSED
             and not pdl._interpreted() and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
