@@ -273,10 +273,11 @@ MOE_SWEEP = {  # tokens -> (path, launch) tried for the MXFP4 experts, the defau
 LINEAR_SWEEP = {  # rows -> (path, launch) tried on wo_b (4096 x 8192), the default first. split_k: (BM, BN, BK,
     # warps, stages[, K splits]); "split_k_unswapped": the activations as the left operand (SPLIT_K_SWAP = False);
     # "split_k_bf16": bf16 products (SPLIT_K_F16 = False); weight_only / fp8_tc: (BM, BN, warps, stages[, K splits]);
-    # row: (BN, BK, warps, stages[, K splits])
-    1: (("row", (16, 1024, 8, 3)), ("row", (16, 1024, 8, 3, 2)), ("row", (16, 512, 8, 3, 4)),
-        ("row", (8, 1024, 4, 3, 2)), ("split_k", (16, 256, 128, 8, 4)), ("split_k", (16, 128, 128, 4, 4)),
-        ("split_k", (16, 256, 128, 8, 4, 4))),
+    # row: (BN, BK, warps, stages[, K splits]); "row_pipelined": the row kernel's K loop pipelined over its stages
+    # (moe_quant.ROW_PIPELINE)
+    1: (("row", (16, 1024, 8, 3)), ("row_pipelined", (16, 1024, 8, 3)), ("row_pipelined", (16, 512, 8, 4)),
+        ("row_pipelined", (8, 512, 4, 4)), ("row", (8, 1024, 4, 3, 2)), ("row_pipelined", (8, 1024, 4, 3, 2)),
+        ("split_k", (16, 256, 128, 8, 4)), ("split_k", (16, 128, 128, 4, 4))),
     16: (("split_k", (16, 256, 128, 8, 4)), ("split_k", (16, 256, 128, 8, 4, 4)), ("split_k", (16, 128, 128, 4, 4)),
          ("split_k", (16, 64, 128, 4, 4)), ("split_k", (16, 256, 256, 8, 3)), ("split_k_bf16", (16, 256, 128, 8, 4)),
          ("split_k_unswapped", (16, 128, 128, 4, 4)), ("weight_only", (16, 16, 4, 4))),
@@ -293,11 +294,17 @@ LINEAR_SWEEP = {  # rows -> (path, launch) tried on wo_b (4096 x 8192), the defa
 
 def linear_sweep_run(path: str, tile: tuple[int, ...], x, w, s):
     """The fp8 linear at one sweep point: a function of no arguments."""
-    from deepinfer_nvidia_sm100.kernels import fp8_linear
+    from deepinfer_nvidia_sm100.kernels import fp8_linear, moe_quant
 
     switch = {"split_k_unswapped": "SPLIT_K_SWAP", "split_k_bf16": "SPLIT_K_F16"}.get(path)
 
     def run():
+        if path == "row_pipelined":
+            before, moe_quant.ROW_PIPELINE = moe_quant.ROW_PIPELINE, tile[3]
+            try:
+                return fp8_linear.matmul(x, w, s, BLOCK, 1, fp8_linear.ROW, tile)
+            finally:
+                moe_quant.ROW_PIPELINE = before
         if switch is None:
             return fp8_linear.matmul(x, w, s, BLOCK, 1, path, tile)
         before = getattr(fp8_linear, switch)

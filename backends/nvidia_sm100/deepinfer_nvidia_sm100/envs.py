@@ -48,7 +48,13 @@ VARIABLES = Variables(
     Variable("DEEPINFER_NVIDIA_MXFP4_DECODE_ONE_TOKEN", bool, False,
              "One token's MXFP4 routed experts (batch-1 decode) through `moe_mxfp4_decode`'s kernels with K split "
              "four ways (`ONE_TOKEN_TILE`: the six picked experts' tiles alone would leave most of an H200's SMs "
-             "idle) instead of `moe_quant`'s two row kernels; off until timed on a GPU."),
+             "idle) instead of `moe_quant`'s two row kernels; off: on the H200 88 us a layer against the row "
+             "kernels' 57 (2026-12-04)."),
+    Variable("DEEPINFER_NVIDIA_ROW_PIPELINE", int, 0,
+             "One-row kernels (batch-1 decode: `moe_quant`'s MXFP4 / fp8 expert rows, `fp8_linear`'s row kernel): "
+             "their K loops software-pipelined over this many stages by Triton (weight slices, scales and inputs "
+             "copied ahead into shared memory, across the picked experts in the down kernel); 0: each slice loaded "
+             "when its products need it (the same sums either way). Off until timed on a GPU."),
     Variable("DEEPINFER_NVIDIA_FP8_ROW_MIN_PROGRAMS", int, 0,
              "fp8 block linears of one row (batch-1 decode): the row kernel splits K (in powers of two) until its "
              "grid has this many programs, the splits' float32 sums added in split order; 0: no splits (narrow "

@@ -79,15 +79,24 @@ def test_quantized_moe_kernels_reach_the_tensor_cores(kernel, fmt, tile_name, ca
 
 
 @pytest.mark.parametrize("capability", sorted(ARCHS))
+@pytest.mark.parametrize("pipeline", [0, 3])
 @pytest.mark.parametrize("fmt", [moe_quant.MXFP4, moe_quant.FP8])
 @pytest.mark.parametrize("kernel", ["_up_row_kernel", "_down_row_kernel"])
-def test_quantized_moe_row_kernels_compile(kernel, fmt, capability):
+def test_quantized_moe_row_kernels_compile(kernel, fmt, pipeline, capability):
+    """The one-token row kernels at their launches, without spills; with ``PIPELINE`` (``row_pipeline``) their weight
+    slices are copied ahead into shared memory (``cp.async``), without it loaded straight into registers. (Triton
+    3.9's pipeliner leaves the fp8 up kernel's loop, two weights' slices a step, unpipelined at every tile tried:
+    there ``PIPELINE`` changes nothing.)"""
     block_n, block_k, warps, stages = moe_quant.ROW_TILES[fmt]
     block = moe_quant.MXFP4_BLOCK if fmt == moe_quant.MXFP4 else (128, 128)
-    constants = {"BLOCK_N": block_n, "BLOCK_K": block_k, "FMT": fmt, "B0": block[0], "B1": block[1], "UE8M0": True}
+    constants = {"BLOCK_N": block_n, "BLOCK_K": block_k, "FMT": fmt, "B0": block[0], "B1": block[1], "UE8M0": True,
+                 "PIPELINE": pipeline}
     if kernel == "_down_row_kernel":
         constants["K_P2"] = 8
-    _compile(getattr(moe_quant, kernel), _weights(fmt, ("1", "2", "3")), constants, capability, warps, stages)
+    ptx = _compile(getattr(moe_quant, kernel), _weights(fmt, ("1", "2", "3")), constants, capability, warps, stages)
+    pipelined = pipeline > 1 and not (kernel == "_up_row_kernel" and fmt == moe_quant.FP8)
+    assert ("cp.async" in ptx) == pipelined, f"{kernel} fmt {fmt} pipeline {pipeline}"
+    assert "ld.local" not in ptx and "st.local" not in ptx, f"{kernel} fmt {fmt} pipeline {pipeline}: registers spill"
 
 
 LINEAR_TYPES = {"w_ptr": "*fp8e4nv", "s_ptr": "*u8", "xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32"}
@@ -151,17 +160,23 @@ def test_small_quant_kernels_compile(name, fn, types, constants, capability):
 
 
 @pytest.mark.parametrize("capability", sorted(ARCHS))
-@pytest.mark.parametrize("name", ["mxfp4", "fp8", "linear", "linear K split"])
+@pytest.mark.parametrize("name", ["mxfp4", "fp8", "linear", "linear K split", "linear pipelined"])
 def test_row_kernels_read_the_weights_in_16_byte_vectors(name, capability):
     """The one-row kernels are bound by reading the stored weights: every weight load (the ``evict_first`` ones) is a
     16-byte vector (MXFP4: 16 bytes of one scale group; fp8: 16 of a row's block), also with K split (float32
-    partials out)."""
+    partials out); pipelined (``PIPELINE``), the weights are copied into shared memory by ``cp.async.cg``, which
+    copies 16 bytes only."""
     if name.startswith("linear"):
         block_n, block_k, warps, stages = fp8_linear.ROW_TILE[:4]
         split = name.endswith("split")
         fn, types = fp8_linear._row_kernel, LINEAR_TYPES | ({"out_ptr": "*fp32"} if split else {})
         constants = {"BLOCK_N": block_n, "BLOCK_K": block_k, "B0": 128, "B1": 128, "UE8M0": True,
-                     "SPLITS": 2 if split else 1}
+                     "SPLITS": 2 if split else 1, "PIPELINE": 3 if name.endswith("pipelined") else 0}
+        if constants["PIPELINE"]:
+            ptx = aot.compile_divisible(fn, types, constants, capability, warps, stages).asm["ptx"]
+            assert "cp.async.cg.shared.global" in ptx and "ld.global.L1::evict_first" not in ptx
+            assert "ld.local" not in ptx, "registers spill"
+            return
     else:
         fmt = moe_quant.MXFP4 if name == "mxfp4" else moe_quant.FP8
         block_n, block_k, warps, stages = moe_quant.ROW_TILES[fmt]

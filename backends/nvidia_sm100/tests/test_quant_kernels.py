@@ -215,6 +215,49 @@ def test_fp8_row_kernel_k_splits_match_reference(n, k, groups, tile, min_program
     torch.testing.assert_close(got.float(), want, **_tol(dtype))
 
 
+@kernel_runs_here
+@pytest.mark.parametrize("fmt, dtype", [(moe_quant.MXFP4, dtype) for dtype in MXFP4_DTYPES]
+                         + [(moe_quant.FP8, torch.float32), (moe_quant.FP8, DOT_DTYPE)])
+def test_one_token_row_kernels_pipelined_give_the_same_sums(fmt, dtype, monkeypatch):
+    """``ROW_PIPELINE`` 3: the up kernel's K loop pipelined, the down kernel's (pick, slice) steps in one pipelined
+    loop crossing from one pick to the next (an expert picked twice, a slice past ``D``): the same bits as the
+    unpipelined loops, and the reference op's result."""
+    gen = _gen(17)
+    E, top_k, D, I = 8, 3, 96, 128
+    x = torch.randn(1, D, device=DEVICE, generator=gen).to(dtype)
+    ids, weights = _route(1, E, top_k, gen, repeat=True)
+    block = moe_quant.MXFP4_BLOCK if fmt == moe_quant.MXFP4 else (32, 32)
+    stored = _experts(fmt, E, D, I, gen)
+    tile = (4, 64, 4, 1)  # 2 slices of D (the last partial), 2 of I
+    runs = {}
+    for stages in (0, 3):
+        monkeypatch.setattr(moe_quant, "ROW_PIPELINE", stages)
+        runs[stages] = moe_quant._run(fmt, x, ids, weights, *stored, block, 0.7, tile)
+    assert torch.equal(runs[3], runs[0])
+    reference = ref.moe_experts_mxfp4 if fmt == moe_quant.MXFP4 else partial(ref.moe_experts_fp8_block, block=block)
+    torch.testing.assert_close(runs[3], reference(x, ids, weights, *stored, limit=0.7), **_tol(dtype))
+
+
+@kernel_runs_here
+@pytest.mark.parametrize("dtype", [torch.float32, DOT_DTYPE])
+@pytest.mark.parametrize("tile", [(16, 128, 4, 2), (16, 128, 4, 2, 3)])  # 8 slices; 3 K splits of 3, 3 and 2
+def test_fp8_row_kernel_pipelined_gives_the_same_sums(tile, dtype, monkeypatch):
+    """The fp8 one-row kernel with ``ROW_PIPELINE`` 3, whole and K split: the same bits as unpipelined, the exact
+    weights' product up to fp32 sums."""
+    gen = _gen(5)
+    n, k, groups, block = 70, 1000, 2, (16, 128)
+    x = torch.randn(1, groups, k, device=DEVICE, generator=gen).to(dtype)
+    weight, scale = fp8_block.quantize(torch.randn(groups * n, k, device=DEVICE, generator=gen) * k**-0.5, block,
+                                       True)
+    runs = {}
+    for stages in (0, 3):
+        monkeypatch.setattr(moe_quant, "ROW_PIPELINE", stages)
+        runs[stages] = fp8_linear.matmul(x, weight, scale, block, groups, fp8_linear.ROW, tile)
+    assert torch.equal(runs[3], runs[0])
+    dense = fp8_block.dequantize(weight, scale, block).view(groups, n, k)
+    torch.testing.assert_close(runs[3].float(), torch.einsum("tgk,gnk->tgn", x.float(), dense), **_tol(dtype))
+
+
 SPLIT_K_CASES = [
     (3, 70, 1000, 1, (128, 128), True, (16, 32, 128, 4, 2, 3)),  # 3 K splits, the last one partial; N past a tile
     (5, 96, 200, 1, (32, 32), False, (16, 32, 64, 4, 2, 2)),  # float32 scales, slices of two 32-wide blocks

@@ -110,10 +110,12 @@ def linear_path(rows: int, dtype: torch.dtype, block: tuple[int, int]) -> str | 
 @triton.jit
 def _row_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, k_per_split, stride_xg, stride_wn, stride_sn, stride_os,
                 stride_og, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
-                UE8M0: tl.constexpr, SPLITS: tl.constexpr = 1, PDL: tl.constexpr = False):
+                UE8M0: tl.constexpr, SPLITS: tl.constexpr = 1, PDL: tl.constexpr = False,
+                PIPELINE: tl.constexpr = 0):
     """Program (column block, group g, K split) of one input row: ``out[g, n] = sum_k x[g, k] * W[g * N + n, k]``;
     with ``SPLITS`` > 1 each split's float32 sums over its ``k_per_split`` inputs go to ``out`` at ``split``
-    (``stride_os``: the partials ``_sum_splits_kernel`` adds up)."""
+    (``stride_os``: the partials ``_sum_splits_kernel`` adds up). ``PIPELINE`` > 1: the K loop software-pipelined
+    over that many stages (``moe_quant.row_pipeline``)."""
     pdl.begin(PDL)
     group, split = tl.program_id(1).to(tl.int64), tl.program_id(2)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -123,7 +125,7 @@ def _row_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, k_per_split, stride_xg, stri
     s_rows = s_ptr + (rows // B0)[:, None] * stride_sn
     acc = dequant.row_acc(BLOCK_N, BLOCK_K, 1, B1)
     k_begin, k_end = k_splits.split_range(split, k_per_split, K, SPLITS)
-    for k0 in range(k_begin, k_end, BLOCK_K):
+    for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=PIPELINE):
         acc = dequant.row_product(acc, x_ptr + group * stride_xg, w_rows, s_rows, k0, K, in_n, 1, BLOCK_K, B1, UE8M0)
     tl.store(out_ptr + split * stride_os + group * stride_og + cols,
              dequant.row_total(acc, 1).to(out_ptr.dtype.element_ty), mask=in_n)
@@ -544,7 +546,7 @@ def launch(path: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
         _row_kernel[(triton.cdiv(N, block_n), groups, splits)](
             x, weight, raw, part, N, K, per_split, x.stride(1), weight.stride(0), raw.stride(0),
             part.stride(0) if splits > 1 else 0, part.stride(-2), BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits,
-            num_warps=warps, num_stages=stages, **consts)
+            PIPELINE=moe_quant.row_pipeline(), num_warps=warps, num_stages=stages, **consts)
         _sum_splits(part, out, splits)
     elif path == SPLIT_K:
         (block_m, block_n, block_k, warps, stages), splits, per_split = _split_k_launch(M, N, K, groups, block[1],

@@ -201,9 +201,10 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, assign_ptr, block_ex
 def _up_row_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, ids_ptr, D, I, limit,
                    stride_we, stride_wi, stride_se, stride_si, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    FMT: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr, UE8M0: tl.constexpr,
-                   PDL: tl.constexpr = False, PTX: tl.constexpr = False):
+                   PDL: tl.constexpr = False, PTX: tl.constexpr = False, PIPELINE: tl.constexpr = 0):
     """Program (column block, pick j) of one token: ``moe._up_row_kernel`` on stored weights (``PTX``: MXFP4 codes
-    of bf16 activations decoded and multiplied by ``dequant.mxfp4_row_sums``)."""
+    of bf16 activations decoded and multiplied by ``dequant.mxfp4_row_sums``; ``PIPELINE`` > 1: the K loop
+    software-pipelined over that many stages, its loads copied ahead into shared memory, ``row_pipeline``)."""
     pdl.begin(PDL)
     pick = tl.program_id(1)
     expert = tl.load(ids_ptr + pick).to(tl.int64)
@@ -214,7 +215,7 @@ def _up_row_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, ids_ptr, D, I, 
     s_rows = expert * stride_se + s_row[:, None].to(tl.int64) * stride_si
     acc1 = dequant.row_acc(BLOCK_N, BLOCK_K, FMT, B1)
     acc3 = dequant.row_acc(BLOCK_N, BLOCK_K, FMT, B1)
-    for k0 in range(0, D, BLOCK_K):
+    for k0 in tl.range(0, D, BLOCK_K, num_stages=PIPELINE):
         acc1 = dequant.row_product(acc1, x_ptr, w1_ptr + w_rows, s1_ptr + s_rows, k0, D, in_n, FMT, BLOCK_K, B1,
                                     UE8M0, PTX)
         acc3 = dequant.row_product(acc3, x_ptr, w3_ptr + w_rows, s3_ptr + s_rows, k0, D, in_n, FMT, BLOCK_K, B1,
@@ -229,31 +230,61 @@ def _up_row_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, ids_ptr, D, I, 
 def _down_row_kernel(h_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, weights_ptr, D, I, top_k,
                      stride_we, stride_wd, stride_se, stride_sd, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      K_P2: tl.constexpr, FMT: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
-                     UE8M0: tl.constexpr, PDL: tl.constexpr = False, PTX: tl.constexpr = False):
+                     UE8M0: tl.constexpr, PDL: tl.constexpr = False, PTX: tl.constexpr = False,
+                     PIPELINE: tl.constexpr = 0):
     """Program (column block) of one token: ``moe._down_row_kernel`` on stored weights (the picks added in
-    ascending expert order, rounded as ``moe._combine``)."""
+    ascending expert order, rounded as ``moe._combine``). ``PIPELINE`` > 1: one loop over every (pick, slice) step,
+    software-pipelined over that many stages across the picks (``row_pipeline``)."""
     pdl.begin(PDL)
     j = tl.arange(0, K_P2)
     in_k = j < top_k
     rank = moe._expert_order(tl.load(ids_ptr + j, mask=in_k, other=0), in_k, K_P2)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     in_n = cols < D
-    s_row = cols // B0  # MXFP4: B0 = 1
+    s_rows = s2_ptr + (cols // B0)[:, None].to(tl.int64) * stride_sd  # [BN, 1] (MXFP4: B0 = 1)
+    w_rows = w2_ptr + cols[:, None].to(tl.int64) * stride_wd
     dt = out_ptr.dtype.element_ty
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for r in range(top_k):
-        pick = tl.sum(tl.where((rank == r) & in_k, j, 0), axis=0)
-        expert = tl.load(ids_ptr + pick).to(tl.int64)
-        w_rows = w2_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wd  # [BN, 1]
-        s_rows = s2_ptr + expert * stride_se + s_row[:, None].to(tl.int64) * stride_sd
-        acc = dequant.row_acc(BLOCK_N, BLOCK_K, FMT, B1)
-        for k0 in range(0, I, BLOCK_K):
-            acc = dequant.row_product(acc, h_ptr + pick * I, w_rows, s_rows, k0, I, in_n, FMT, BLOCK_K, B1, UE8M0,
-                                      PTX)
-        w = tl.load(weights_ptr + pick).to(dt).to(tl.float32)
-        part = (dequant.row_total(acc, FMT).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)  # [BN]
-        total = (total + part).to(dt).to(tl.float32)
+    acc = dequant.row_acc(BLOCK_N, BLOCK_K, FMT, B1)
+    if PIPELINE > 1:
+        slices = tl.cdiv(I, BLOCK_K)
+        for step in tl.range(0, top_k * slices, num_stages=PIPELINE):  # slice step % slices of the pick ranked
+            pick = tl.sum(tl.where((rank == step // slices) & in_k, j, 0), axis=0)  # step // slices
+            expert = tl.load(ids_ptr + pick).to(tl.int64)
+            acc = dequant.row_product(acc, h_ptr + pick * I, w_rows + expert * stride_we, s_rows + expert * stride_se,
+                                      (step % slices) * BLOCK_K, I, in_n, FMT, BLOCK_K, B1, UE8M0, PTX)
+            if step % slices == slices - 1:  # the pick's last slice
+                total = _add_pick(total, acc, weights_ptr + pick, dt, FMT)
+                acc = dequant.row_acc(BLOCK_N, BLOCK_K, FMT, B1)
+    else:
+        for r in range(top_k):
+            pick = tl.sum(tl.where((rank == r) & in_k, j, 0), axis=0)
+            expert = tl.load(ids_ptr + pick).to(tl.int64)
+            acc = dequant.row_acc(BLOCK_N, BLOCK_K, FMT, B1)
+            for k0 in range(0, I, BLOCK_K):
+                acc = dequant.row_product(acc, h_ptr + pick * I, w_rows + expert * stride_we,
+                                          s_rows + expert * stride_se, k0, I, in_n, FMT, BLOCK_K, B1, UE8M0, PTX)
+            total = _add_pick(total, acc, weights_ptr + pick, dt, FMT)
     tl.store(out_ptr + cols, total.to(dt), mask=in_n)
+
+
+@triton.jit
+def _add_pick(total, acc, weight_ptr, dt: tl.constexpr, FMT: tl.constexpr):
+    """``total`` plus one pick's sums ``acc`` times its routing weight, each step rounded to ``dt`` as
+    ``moe._combine`` rounds: ``[BN]``."""
+    w = tl.load(weight_ptr).to(dt).to(tl.float32)
+    part = (dequant.row_total(acc, FMT).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)  # [BN]
+    return (total + part).to(dt).to(tl.float32)
+
+
+ROW_PIPELINE: int | None = None  # the one-row kernels' pipeline stages; None: DEEPINFER_NVIDIA_ROW_PIPELINE
+
+
+def row_pipeline() -> int:
+    """Stages the one-row kernels (here and ``fp8_linear``'s) pipeline their K loops over: their weight slices,
+    scales and inputs copied ahead into shared memory (``tl.range``'s ``num_stages``); 0 or 1: each slice loaded
+    when its products need it."""
+    return envs.DEEPINFER_NVIDIA_ROW_PIPELINE if ROW_PIPELINE is None else ROW_PIPELINE
 
 
 ROW_DECODE_PTX = True  # bf16 MXFP4 rows decoded and multiplied by inline PTX (``dequant.mxfp4_row_sums``)
@@ -352,7 +383,8 @@ def _one_token(x, ids, weights, w1, s1, w2, s2, w3, s3, D, I, limit, consts, til
     flat_ids = ids.reshape(-1).contiguous()
     h = torch.empty(top_k, I, dtype=x.dtype, device=x.device)
     launch = {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages, **consts,
-              "PTX": ROW_DECODE_PTX and moe_mxfp4_decode.decode_mode(x) == moe_mxfp4_decode.PTX, **pdl.launch()}
+              "PTX": ROW_DECODE_PTX and moe_mxfp4_decode.decode_mode(x) == moe_mxfp4_decode.PTX,
+              "PIPELINE": row_pipeline(), **pdl.launch()}
     _up_row_kernel[(triton.cdiv(I, block_n), top_k)](
         x, w1, s1, w3, s3, h, flat_ids, D, I, float(limit), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
         **launch)
