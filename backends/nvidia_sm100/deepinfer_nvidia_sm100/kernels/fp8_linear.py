@@ -20,9 +20,9 @@ Kernels picked by the number of rows ``M`` (``linear_path``):
   ``K`` split as above when the output has few tiles.
   Activations are quantized: its error against the reference op is what docs/quantization.md records.
 * ``M >= DEQUANT_MIN_ROWS`` (long prefill chunks), bf16 activations, V4-Flash's 128 x 128 blocks and ``K`` a
-  multiple of 512 (``scaled_mm_fits``): ``SCALED_MM``, cuBLAS's blockwise fp8 GEMM (``torch._scaled_mm`` with the activations
-  quantized per token and 128 inputs as above, the weight's own block scales as float32; SM90 from CUDA 12.9):
-  fp8 tensor cores at cuBLAS's rate. Other blocks and dtypes (or ``DEEPINFER_NVIDIA_FP8_SCALED_MM=0``):
+  multiple of 512 (``scaled_mm_fits``): ``SCALED_MM``, cuBLAS's blockwise fp8 GEMM (``torch._scaled_mm`` with the
+  activations quantized per token and 128 inputs as above, the weight's own block scales as float32; SM90 from CUDA
+  12.9): fp8 tensor cores at cuBLAS's rate. Other blocks, widths and dtypes (or ``DEEPINFER_NVIDIA_FP8_SCALED_MM=0``):
   ``DEQUANT``, the weight decoded once to the activations' dtype (``dequantized``: the reference op's weight, bit
   for bit), then cuBLAS (``torch.bmm``): exact (decoding reads the fp8 weight and writes it at twice its size once
   per call, a few % of a product of that many rows).
