@@ -233,8 +233,8 @@ def _down_row_kernel(h_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, weights_ptr, D, I,
                      UE8M0: tl.constexpr, PDL: tl.constexpr = False, PTX: tl.constexpr = False,
                      PIPELINE: tl.constexpr = 0):
     """Program (column block) of one token: ``moe._down_row_kernel`` on stored weights (the picks added in
-    ascending expert order, rounded as ``moe._combine``). ``PIPELINE`` > 1: one loop over every (pick, slice) step,
-    software-pipelined over that many stages across the picks (``row_pipeline``)."""
+    ascending expert order, rounded as ``moe._combine``). ``PIPELINE`` (``row_pipeline``): one loop over every
+    (pick, slice) step, software-pipelined over that many stages across the picks (1: not pipelined)."""
     pdl.begin(PDL)
     j = tl.arange(0, K_P2)
     in_k = j < top_k
@@ -246,7 +246,7 @@ def _down_row_kernel(h_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, weights_ptr, D, I,
     dt = out_ptr.dtype.element_ty
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc = dequant.row_acc(BLOCK_N, BLOCK_K, FMT, B1)
-    if PIPELINE > 1:
+    if PIPELINE:  # (a truth test: launches that leave PIPELINE out compile with None)
         slices = tl.cdiv(I, BLOCK_K)
         for step in tl.range(0, top_k * slices, num_stages=PIPELINE):  # slice step % slices of the pick ranked
             pick = tl.sum(tl.where((rank == step // slices) & in_k, j, 0), axis=0)  # step // slices
