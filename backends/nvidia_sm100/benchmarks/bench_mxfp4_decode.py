@@ -6,7 +6,8 @@ experts (E=64, top-6, D=4096, I=2048, bf16 activations, one layer): section ``mx
 
 Per token count (1, 16, 64, 256, 1,024, 8,192: prefill) every variant is first checked against ``reference.moe_experts_mxfp4``
 (``bf16`` against ``reference.moe_experts`` on its bf16 weights; max error relative to the largest output < 2e-2),
-then timed: replayed from a CUDA graph up to 256 tokens, eagerly beyond (CUDA events, median). Rows of the sweep, ``tokens: variant -> time``:
+then timed: replayed from a CUDA graph up to 256 tokens, eagerly beyond (CUDA events around
+``cuda_timing.BACK_TO_BACK`` calls, median). Rows of the sweep, ``tokens: variant -> time``:
 
 * ``bf16``: ``moe.moe_experts`` on the same experts in bf16 (the preset the fp4 one is measured against);
 * ``old``: the MXFP4 kernels before ``moe_mxfp4_decode``, as the op ran them (one token: the two row kernels,
@@ -34,7 +35,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cuda_timing import cuda_time, graphed
+from cuda_timing import BACK_TO_BACK, cuda_time, graphed
 
 from deepinfer_core.ops import reference as ref
 from deepinfer_core.quant import mxfp4
@@ -68,9 +69,9 @@ MAX_REGISTERS_TOKENS = (16, 64)  # token counts where the default launch is also
 
 def _seconds(fn, tokens: int) -> float | None:
     if tokens > GRAPH_MAX_TOKENS:
-        return cuda_time(fn, reps=10)
+        return cuda_time(fn, reps=10, inner=BACK_TO_BACK)
     replay = graphed(fn, strict=False)
-    return cuda_time(replay, reps=10) if replay is not None else None
+    return cuda_time(replay, reps=10, inner=BACK_TO_BACK) if replay is not None else None
 
 
 def _cell(seconds: float | None, floor: float) -> str:

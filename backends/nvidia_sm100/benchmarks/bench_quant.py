@@ -32,7 +32,7 @@ from functools import partial
 
 import torch
 from bench_mxfp4_decode import ROW_TILES_ONE_TOKEN
-from cuda_timing import cuda_time, graphed
+from cuda_timing import BACK_TO_BACK, cuda_time, graphed
 
 from deepinfer_core.ops import reference as ref
 from deepinfer_core.quant import fp8_block, mxfp4
@@ -56,12 +56,12 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def timed(fn, rows: int) -> float | None:
-    """Median seconds of ``fn``, replayed from a CUDA graph up to ``GRAPH_MAX_ROWS`` rows; None when the capture
-    fails (printed)."""
+    """Median seconds of ``fn`` (``BACK_TO_BACK`` calls an event pair), replayed from a CUDA graph up to
+    ``GRAPH_MAX_ROWS`` rows; None when the capture fails (printed)."""
     if rows > GRAPH_MAX_ROWS:
-        return cuda_time(fn, reps=10)
+        return cuda_time(fn, reps=10, inner=BACK_TO_BACK)
     replay = graphed(fn, strict=False)
-    return cuda_time(replay, reps=10) if replay is not None else None
+    return cuda_time(replay, reps=10, inner=BACK_TO_BACK) if replay is not None else None
 
 
 def micros(seconds: float | None) -> str:

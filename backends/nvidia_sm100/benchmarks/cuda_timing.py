@@ -11,6 +11,10 @@ from collections.abc import Callable
 
 import torch
 
+BACK_TO_BACK = 5  # calls queued between an event pair where the time of one small product matters: the host's
+# launch (or graph replay) of each call then overlaps the GPU's previous one, as a step's kernels follow each other,
+# instead of counting as GPU time
+
 
 def cuda_time(fn: Callable[[], object], reps: int = 20, inner: int = 1, warmup: int = 3) -> float:
     """Median seconds per call of ``fn``: ``reps`` event pairs, each around ``inner`` back-to-back calls."""
