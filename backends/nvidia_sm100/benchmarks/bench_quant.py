@@ -276,8 +276,8 @@ LINEAR_SWEEP = {  # rows -> (path, launch) tried on wo_b (4096 x 8192), the defa
     # row: (BN, BK, warps, stages[, K splits]); "row_pipelined": the row kernel's K loop pipelined over its stages
     # (moe_quant.ROW_PIPELINE)
     1: (("row", (16, 1024, 8, 3)), ("row_pipelined", (16, 1024, 8, 3)), ("row_pipelined", (16, 512, 8, 4)),
-        ("row_pipelined", (8, 512, 4, 4)), ("row", (8, 1024, 4, 3, 2)), ("row_pipelined", (8, 1024, 4, 3, 2)),
-        ("split_k", (16, 256, 128, 8, 4)), ("split_k", (16, 128, 128, 4, 4))),
+        ("row_pipelined", (8, 512, 4, 4)), ("row", (8, 2048, 8, 3)), ("row", (4, 4096, 8, 3)),
+        ("row_pipelined", (4, 4096, 8, 3)), ("row", (8, 1024, 4, 3, 2)), ("split_k", (16, 256, 128, 8, 4))),
     16: (("split_k", (16, 256, 128, 8, 4)), ("split_k", (16, 256, 128, 8, 4, 4)), ("split_k", (16, 128, 128, 4, 4)),
          ("split_k", (16, 64, 128, 4, 4)), ("split_k", (16, 256, 256, 8, 3)), ("split_k_bf16", (16, 256, 128, 8, 4)),
          ("split_k_unswapped", (16, 128, 128, 4, 4)), ("weight_only", (16, 16, 4, 4))),
@@ -387,6 +387,38 @@ def sweep_linear() -> None:
             print(f"  {rows}: " + "; ".join(cells))
 
 
+SHARED_ONE_TOKEN = ((0, 0), (528, 0), (1056, 0), (0, 3), (528, 3))  # (ROW_MIN_PROGRAMS, ROW_PIPELINE) timed
+
+
+def bench_shared_expert_one_token() -> None:
+    """The preset's shared expert (D 4,096, I 2,048, fp8 128 x 128 blocks) for one token, as a batch-1 decode step
+    runs it (``fp8_linear.swiglu_mlp_fp8_block``: ``moe_quant``'s row kernels as a one-expert MoE, 128 programs up
+    at ``ROW_TILES``), at each ``SHARED_ONE_TOKEN`` setting, checked against the reference op; bf16's SwiGLU MLP
+    beside it."""
+    from deepinfer_nvidia_sm100.kernels import fp8_linear, moe, moe_quant
+
+    torch.manual_seed(3)
+    dense = [(torch.randn(*shape, device=DEVICE) * 0.02).to(torch.bfloat16) for shape in ((I, D), (D, I), (I, D))]
+    stored = [t for w in dense for t in fp8_block.quantize(w, BLOCK, ue8m0=True)]
+    x = torch.randn(1, D, device=DEVICE).to(torch.bfloat16)
+    want = ref.swiglu_mlp_fp8_block(x, *stored, BLOCK, 10.0)
+    floor = sum(t.numel() * t.element_size() for t in stored) / BW
+    cells = [f"bf16 {micros(timed(lambda: moe.swiglu_mlp(x, *dense, 10.0), 1))}"]
+    for least, stages in SHARED_ONE_TOKEN:
+        def run(least=least, stages=stages):
+            before = moe_quant.ROW_MIN_PROGRAMS, moe_quant.ROW_PIPELINE
+            moe_quant.ROW_MIN_PROGRAMS, moe_quant.ROW_PIPELINE = least, stages
+            try:
+                return fp8_linear.swiglu_mlp_fp8_block(x, *stored, BLOCK, 10.0)
+            finally:
+                moe_quant.ROW_MIN_PROGRAMS, moe_quant.ROW_PIPELINE = before
+
+        err = relative_error(run(), want)
+        assert err < 2e-2, f"shared expert, min programs {least}, pipeline {stages}: error {err:.1e}"
+        cells.append(f"min programs {least}, pipeline {stages}: {cell(timed(run, 1), floor)}")
+    print(f"\nshared expert, one token (floor {floor * 1e6:.1f} us): " + "; ".join(cells))
+
+
 def main() -> None:
     """Sections by name on the command line (``moe``, ``fp8``: the fp8 linear A/B table, its sweep and summary;
     ``mxfp4``: ``bench_mxfp4_decode``); all of them without."""
@@ -400,6 +432,7 @@ def main() -> None:
         sweep()
     if "fp8" in sections:
         sweep_linear()
+        bench_shared_expert_one_token()
         fp8_summary(results)
     if "mxfp4" in sections:  # MXFP4 experts at decode sizes, old vs moe_mxfp4_decode, its summary last
         from bench_mxfp4_decode import bench_mxfp4_decode

@@ -55,10 +55,11 @@ VARIABLES = Variables(
              "their K loops software-pipelined over this many stages by Triton (weight slices, scales and inputs "
              "copied ahead into shared memory, across the picked experts in the down kernel); 0: each slice loaded "
              "when its products need it (the same sums either way). Off until timed on a GPU."),
-    Variable("DEEPINFER_NVIDIA_FP8_ROW_MIN_PROGRAMS", int, 0,
-             "fp8 block linears of one row (batch-1 decode): the row kernel splits K (in powers of two) until its "
-             "grid has this many programs, the splits' float32 sums added in split order; 0: no splits (narrow "
-             "weights such as wq_a + wkv then run 96 programs)."),
+    Variable("DEEPINFER_NVIDIA_ROW_MIN_PROGRAMS", int, 0,
+             "One-row kernels (batch-1 decode: `moe_quant`'s expert rows, `fp8_linear`'s row kernel) whose grid "
+             "has fewer programs than this take fewer rows and more inputs a program (halved / doubled: the shared "
+             "expert's 128 programs become 1,024), the fp8 linear's then split K (in powers of two, float32 sums "
+             "added in split order); 0: the tiles as set. Off until timed on a GPU."),
     Variable("DEEPINFER_NVIDIA_INVARIANT_MIX_SPLITS", int, None,
              "Batch-invariant mode: the most K splits of the mHC mixing logits (`hc.INVARIANT_MIX_SPLITS` when unset; "
              "the split count follows the row length only, so any value is invariant, with other bits). Set it before "

@@ -437,10 +437,6 @@ def _fp8_tc_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, 
 # with its number of K splits (else ``_splits`` picks it).
 ROW_TILE = (16, 1024, 8, 3)  # 16 rows x 8 scale blocks of 128 fp8 inputs (bench_quant's one-row sweep on the
 # H200, 2026-12-02: wo_b 20.6 us against 24.5 us for (16, 512, 4, 3))
-ROW_MIN_PROGRAMS = None  # the row kernel splits K until its grid has this many programs (0: never; None:
-# DEEPINFER_NVIDIA_FP8_ROW_MIN_PROGRAMS, 0 by default). Three of its 8-warp programs fit an SM (77 registers:
-# sass_census.py fp8), so wq_a + wkv's 96 column blocks fill a quarter of an H200 and wo_b's 256 two thirds; not
-# yet timed with splits (bench_quant.py fp8's one-row sweep), hence off
 SPLIT_K_TILES = ((16, 16, 256, 128, 8, 4), (32, 32, 256, 128, 8, 3), (None, 64, 256, 128, 8, 3))  # 256 weight rows
 # a program amortize the activations' conversion: ~3.0 / 3.8 / 5.2 instructions a weight on sm_90a against 3.4 /
 # 4.6 / 11 for 64 or 128 (BLOCK_N halves for narrow outputs: _split_k_launch)
@@ -499,18 +495,18 @@ def _split_k_launch(M: int, N: int, K: int, groups: int, B1: int, tile: tuple | 
 
 
 def _row_launch(N: int, K: int, groups: int, tile: tuple | None) -> tuple[tuple, int, int]:
-    """The row kernel's launch ``(BN, BK, warps, stages)`` (``ROW_TILE``'s), its number of K splits (the tile's
-    fifth element; otherwise the fewest, in powers of two, that give ``ROW_MIN_PROGRAMS`` programs with at least
-    one ``BK`` slice a split) and inputs per split."""
-    tile = tile or ROW_TILE
-    block_n, block_k = tile[:2]
-    splits = tile[4] if len(tile) > 4 else 1
-    if len(tile) <= 4:
-        programs, steps = triton.cdiv(N, block_n) * groups, triton.cdiv(K, block_k)
-        least = envs.DEEPINFER_NVIDIA_FP8_ROW_MIN_PROGRAMS if ROW_MIN_PROGRAMS is None else ROW_MIN_PROGRAMS
+    """The row kernel's launch ``(BN, BK, warps, stages)``, its number of K splits and inputs per split: ``tile`` as
+    given (its fifth element the splits), or ``ROW_TILE`` narrowed toward ``moe_quant.row_min_programs`` programs
+    (``moe_quant.narrowed_row_tile``: wq_a + wkv's 96 column blocks of 8 warps fill a quarter of an H200), then K
+    split in powers of two while still short of them (at least one ``BK`` slice a split)."""
+    splits = tile[4] if tile is not None and len(tile) > 4 else 1
+    if tile is None or len(tile) <= 4:
+        least = moe_quant.row_min_programs()
+        tile = moe_quant.narrowed_row_tile(tile or ROW_TILE, N, K, groups, least)
+        programs, steps = triton.cdiv(N, tile[0]) * groups, triton.cdiv(K, tile[1])
         while programs * splits < least and steps >= 2 * splits:
             splits *= 2
-    return tile[:4], *k_splits.parts(K, block_k, splits)
+    return tile[:4], *k_splits.parts(K, tile[1], splits)
 
 
 def _partials(out: torch.Tensor, splits: int) -> torch.Tensor:
