@@ -395,8 +395,8 @@ def _run(fmt: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
 
 
 def _one_token(x, ids, weights, w1, s1, w2, s2, w3, s3, D, I, limit, consts, tile=None) -> torch.Tensor:
-    """One token: ``_up_row_kernel`` per (column block, pick), then ``_down_row_kernel`` per column block; each at
-    ``tile`` (or ``ROW_TILES``' narrowed to ``row_min_programs``: ``narrowed_row_tile``)."""
+    """One token: ``_up_row_kernel`` per (column block, pick), then ``_down_row_kernel`` per column block, each at
+    ``tile`` (``ROW_TILES``' by default) narrowed toward ``row_min_programs`` programs (``narrowed_row_tile``)."""
     top_k = ids.shape[1]
     tile = tile or ROW_TILES[consts["FMT"]]
     least = row_min_programs()
