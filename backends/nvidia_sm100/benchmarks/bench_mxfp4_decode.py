@@ -35,7 +35,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cuda_timing import BACK_TO_BACK, cuda_time, graphed
+from cuda_timing import BACK_TO_BACK, cuda_time, graphed, module_settings
 
 from deepinfer_core.ops import reference as ref
 from deepinfer_core.quant import mxfp4
@@ -85,13 +85,9 @@ def _variants(T: int, x, ids, routing, dense, stored) -> dict:
     raw = [t.view(torch.uint8) for t in stored]
     def rows(ptx: bool, tile=None, pipeline: int = 0):
         def run():
-            before = moe_quant.ROW_DECODE_PTX, moe_quant.ROW_PIPELINE
-            moe_quant.ROW_DECODE_PTX, moe_quant.ROW_PIPELINE = ptx, pipeline
-            try:
+            with module_settings(moe_quant, ROW_DECODE_PTX=ptx, ROW_PIPELINE=pipeline):
                 return moe_quant._run(moe_quant.MXFP4, x, ids, routing, *stored, moe_quant.MXFP4_BLOCK, LIMIT,
                                       tile, row_kernels=True)
-            finally:
-                moe_quant.ROW_DECODE_PTX, moe_quant.ROW_PIPELINE = before
 
         return run
 

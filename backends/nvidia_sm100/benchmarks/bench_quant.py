@@ -32,7 +32,7 @@ from functools import partial
 
 import torch
 from bench_mxfp4_decode import ROW_TILES_ONE_TOKEN
-from cuda_timing import BACK_TO_BACK, cuda_time, graphed
+from cuda_timing import BACK_TO_BACK, cuda_time, graphed, module_settings
 
 from deepinfer_core.ops import reference as ref
 from deepinfer_core.quant import fp8_block, mxfp4
@@ -300,19 +300,12 @@ def linear_sweep_run(path: str, tile: tuple[int, ...], x, w, s):
 
     def run():
         if path == "row_pipelined":
-            before, moe_quant.ROW_PIPELINE = moe_quant.ROW_PIPELINE, tile[3]
-            try:
+            with module_settings(moe_quant, ROW_PIPELINE=tile[3]):
                 return fp8_linear.matmul(x, w, s, BLOCK, 1, fp8_linear.ROW, tile)
-            finally:
-                moe_quant.ROW_PIPELINE = before
         if switch is None:
             return fp8_linear.matmul(x, w, s, BLOCK, 1, path, tile)
-        before = getattr(fp8_linear, switch)
-        setattr(fp8_linear, switch, False)
-        try:
+        with module_settings(fp8_linear, **{switch: False}):
             return fp8_linear.matmul(x, w, s, BLOCK, 1, fp8_linear.SPLIT_K, tile)
-        finally:
-            setattr(fp8_linear, switch, before)
 
     return run
 
@@ -325,12 +318,9 @@ def moe_sweep_run(path: str, tile: tuple[int, int, int, int], x, ids, routing, s
 
     def run():
         if path == "unswapped":
-            swap, moe_quant.SWAP_AB_MAX_ROWS = moe_quant.SWAP_AB_MAX_ROWS, 0
-            try:
+            with module_settings(moe_quant, SWAP_AB_MAX_ROWS=0):
                 return moe_quant._run(moe_quant.MXFP4, x, ids, routing, *stored, moe_quant.MXFP4_BLOCK, 10.0, tile,
                                       row_kernels=False)
-            finally:
-                moe_quant.SWAP_AB_MAX_ROWS = swap
         if path != "old":
             return moe_quant._run(moe_quant.MXFP4, x, ids, routing, *stored, moe_quant.MXFP4_BLOCK, 10.0, tile,
                                   row_kernels=path == "rows")
@@ -406,12 +396,8 @@ def bench_shared_expert_one_token() -> None:
     cells = [f"bf16 {micros(timed(lambda: moe.swiglu_mlp(x, *dense, 10.0), 1))}"]
     for least, stages in SHARED_ONE_TOKEN:
         def run(least=least, stages=stages):
-            before = moe_quant.ROW_MIN_PROGRAMS, moe_quant.ROW_PIPELINE
-            moe_quant.ROW_MIN_PROGRAMS, moe_quant.ROW_PIPELINE = least, stages
-            try:
+            with module_settings(moe_quant, ROW_MIN_PROGRAMS=least, ROW_PIPELINE=stages):
                 return fp8_linear.swiglu_mlp_fp8_block(x, *stored, BLOCK, 10.0)
-            finally:
-                moe_quant.ROW_MIN_PROGRAMS, moe_quant.ROW_PIPELINE = before
 
         err = relative_error(run(), want)
         assert err < 2e-2, f"shared expert, min programs {least}, pipeline {stages}: error {err:.1e}"

@@ -5,9 +5,10 @@ Method (docs/performance.md): warm up, time with CUDA events, median of repeats.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -73,3 +74,17 @@ def print_ab_table(title: str, columns: tuple[str, str, str, str], rows: list[tu
     for name, n, floor, a, b in rows:
         print(f"| {name} | {n} | {floor * 1e6:.2f} us | {a * 1e6:.1f} us ({100 * floor / a:.0f}%) | "
               f"{b * 1e6:.1f} us ({100 * floor / b:.0f}%) | {cand if b < a else base} |")
+
+
+@contextlib.contextmanager
+def module_settings(module, **values) -> Iterator[None]:
+    """``module``'s attributes set to ``values`` for the block (the kernels' launch settings, read at each call),
+    then restored: one variant of a benchmark."""
+    before = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(module, name, value)

@@ -16,8 +16,8 @@ every expert is touched. ``local`` counts spill loads and stores (``LDL`` / ``ST
 ``registers`` a thread's (``cuobjdump -res-usage``), ``warps a SM`` the kernel's warps an SM holds at once by
 registers, shared memory and the 64-warp limit (``aot.resident_warps``): with few, loads and the expansion's
 dependent instructions wait uncovered. The sparse section: per (key, head) of a loop step, at V4's head width (512,
-bf16), each ``STORE`` read (contiguous keys, the key rows' one gather, the block and row tables). The fp8 section: the one-row and split-K kernels per weight, the
-tensor-core kernel per 128-input K step of its tile as issue clocks of an SM (4 warp instructions a clock) beside
+bf16), each ``STORE`` read (contiguous keys, the key rows' one gather, the block and row tables). The fp8 section:
+the one-row and split-K kernels per weight, the tensor-core kernel per 128-input K step of its tile as issue clocks of an SM (4 warp instructions a clock) beside
 the fp8 MMA's clocks (~7,570 FLOP a clock and SM at the H200's dense fp8 peak).
 """
 

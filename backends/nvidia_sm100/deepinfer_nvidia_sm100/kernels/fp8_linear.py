@@ -509,13 +509,6 @@ def _row_launch(N: int, K: int, groups: int, tile: tuple | None) -> tuple[tuple,
     return tile[:4], *k_splits.parts(K, tile[1], splits)
 
 
-def _partials(out: torch.Tensor, splits: int) -> torch.Tensor:
-    """Where the kernels write: ``out`` for one split, else float32 partials ``[splits, M, groups, N]``."""
-    if splits == 1:
-        return out
-    return torch.empty(splits, *out.shape, dtype=torch.float32, device=out.device)
-
-
 def _sum_splits(part: torch.Tensor, out: torch.Tensor, splits: int) -> None:
     """``out = part.sum(0)`` in split order (nothing to do for one split)."""
     if splits == 1:
@@ -538,7 +531,7 @@ def launch(path: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     if path == ROW:
         (block_n, block_k, warps, stages), splits, per_split = _row_launch(N, K, groups, tile)
-        part = _partials(out, splits)
+        part = k_splits.partials(splits, out.shape, out)
         _row_kernel[(triton.cdiv(N, block_n), groups, splits)](
             x, weight, raw, part, N, K, per_split, x.stride(1), weight.stride(0), raw.stride(0),
             part.stride(0) if splits > 1 else 0, part.stride(-2), BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits,
@@ -547,7 +540,7 @@ def launch(path: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     elif path == SPLIT_K:
         (block_m, block_n, block_k, warps, stages), splits, per_split = _split_k_launch(M, N, K, groups, block[1],
                                                                                         tile)
-        part = _partials(out, splits)
+        part = k_splits.partials(splits, out.shape, out)
         grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), splits, groups)
         _split_k_kernel[grid](x, weight, raw, part, M, N, K, per_split, x.stride(0), x.stride(1), weight.stride(0),
                               raw.stride(0), part.stride(0) if splits > 1 else 0, part.stride(-3), part.stride(-2),
@@ -627,7 +620,7 @@ def _launch_fp8_tc(x: torch.Tensor, weight: torch.Tensor, raw: torch.Tensor, blo
     per_split = triton.cdiv(triton.cdiv(K, splits), block[1]) * block[1]
     splits = triton.cdiv(K, per_split)
     xq, xs = quantize_activations(x, block[1])
-    part = _partials(out, splits)
+    part = k_splits.partials(splits, out.shape, out)
     one_scale = block[0] % block_n == 0 and (groups == 1 or N % block[0] == 0)  # no tile straddles a B0 block
     _fp8_tc_kernel[(tiles, splits, groups)](
         xq, xs, weight, raw, part, M, N, K, per_split, xq.stride(0), xq.stride(1), xs.stride(0), xs.stride(1),

@@ -3,6 +3,7 @@ sums added afterwards in split order (the kernels' own ``_sum_splits_kernel``: d
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -12,6 +13,14 @@ def parts(K: int, step: int, most: int) -> tuple[int, int]:
     may be shorter, no part is empty."""
     per_part = triton.cdiv(triton.cdiv(K, step), most) * step
     return triton.cdiv(K, per_part), per_part
+
+
+def partials(splits: int, shape: tuple[int, ...], out: torch.Tensor) -> torch.Tensor:
+    """Where a kernel's K splits write: float32 sums ``[splits, *shape]``, or, for one split, ``out`` itself (the
+    kernel writes its own output; nothing is allocated)."""
+    if splits == 1:
+        return out
+    return torch.empty(splits, *shape, dtype=torch.float32, device=out.device)
 
 
 @triton.jit

@@ -58,12 +58,12 @@ TILES = {  # (max mean assignments per expert, (BLOCK_M, BLOCK_K, num_stages[, s
 MAX_REGISTERS = None  # registers a thread the kernels are held to (``maxnreg``; None: the compiler's choice). On
 # sm_90a the up kernel's (16, 256, 3, 2) takes 170, so an SM holds two of its programs (8 warps); held to 168 it
 # compiles to 163 with the same loop and no spills, three programs (12 warps, as shared memory allows); sm_100a
-# spills there. Not yet timed
+# spills there. On the H200 (2026-12-04) 1% at 64 tokens, nothing at 16: left to the compiler
 ONE_TOKEN = None  # one token through these kernels (align, the fragment-order copy, up, down, combine) rather than
 # ``moe_quant``'s two row kernels; None: ``DEEPINFER_NVIDIA_MXFP4_DECODE_ONE_TOKEN`` (off by default)
 ONE_TOKEN_TILE = (16, 256, 3, 1, 4)  # one token's launch: its six experts give (16, 256, 3, 2) only 6 x 32 up
-# programs of 4 warps, about 1.5 a SM; K split 4 ways gives 4x the programs. Not yet timed on a GPU:
-# bench_quant.py mxfp4's one-token row compares it with the row kernels before ONE_TOKEN's default may change
+# programs of 4 warps, about 1.5 a SM; K split 4 ways gives 4x the programs. On the H200 (2026-12-04) 88.1 us a
+# layer against 56.8 for moe_quant's row kernels (bench_quant.py mxfp4): ONE_TOKEN stays off
 
 
 def fits(x: torch.Tensor, *packed: torch.Tensor) -> bool:
@@ -336,7 +336,7 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s
     blocks = rows // block_m
     xf = fragment_order(x)
     up_splits, up_per_split = k_splits.parts(D, block_k, splits)
-    up_part = _partials(up_splits, T * top_k, 2 * I, h)
+    up_part = k_splits.partials(up_splits, (T * top_k, 2 * I), h)
     _up_kernel[(blocks, I // (TILE_ROWS // 2 * subtiles), up_splits)](
         xf, w1, s1, w3, s3, h, sorted_assign, block_expert, D, I, top_k, float(limit), xf.stride(0), w1.stride(0),
         w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0), up_part, up_per_split, up_part.stride(0),
@@ -346,7 +346,7 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s
             up_part, h, dest, I, float(limit), up_part.stride(0), up_part.stride(1), h.stride(0), SPLITS=up_splits,
             BLOCK=SWIGLU_SPLITS_BLOCK, num_warps=4, **pdl.launch())
     down_splits, down_per_split = k_splits.parts(I, block_k, splits)
-    down_part = _partials(down_splits, T * top_k, D, y)
+    down_part = k_splits.partials(down_splits, (T * top_k, D), y)
     flat_weights = weights.reshape(-1).contiguous()
     _down_kernel[(blocks, D // (TILE_ROWS * subtiles), down_splits)](
         h, w2, s2, y, flat_weights, sorted_assign, block_expert, D, I, h.stride(0), w2.stride(0),
@@ -355,11 +355,3 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s
     if down_splits == 1:
         return moe._combine(y, ids, dest, x)
     return moe._combine(down_part, ids, dest, x, weights)  # the splits' sums added there
-
-
-def _partials(splits: int, assigns: int, width: int, out: torch.Tensor) -> torch.Tensor:
-    """Where a kernel's K splits write: float32 sums ``[splits, assigns, width]``, or, for one split, ``out`` (the
-    kernel writes its own output; nothing is allocated)."""
-    if splits == 1:
-        return out
-    return torch.empty(splits, assigns, width, dtype=torch.float32, device=out.device)
