@@ -13,8 +13,7 @@ then timed: replayed from a CUDA graph up to 256 tokens, eagerly beyond (CUDA ev
 * ``old``: the MXFP4 kernels before ``moe_mxfp4_decode``, as the op ran them (one token: the two row kernels,
   ``moe_quant.ROW_TILES``, float32 decode; more: the grouped kernels with ``tl.dot_scaled``, ``moe_quant._tiles``'
   launch); ``rows ptx`` (one token): the row kernels with ``moe_quant.ROW_DECODE_PTX`` (``mxfp4_row_sums``), at
-  ``ROW_TILES``, and ``rows ptx pipeline N [tile]`` with their loops pipelined over N stages
-  (``moe_quant.ROW_PIPELINE``) at each ``ROW_PIPELINES_ONE_TOKEN`` point;
+  ``ROW_TILES``;
 * ``op``: ``moe_quant.moe_experts_mxfp4`` as it runs now (``moe_mxfp4_decode.used`` picks the path);
 * ``new (BLOCK_M, BLOCK_K, stages[, subtiles[, splits]])``: ``moe_mxfp4_decode.run`` with that launch (the first is ``tile``'s
   default; ``maxnreg 168``: held to 168 registers a thread, three programs an SM), ``portable``: its bf16 decode
@@ -62,8 +61,6 @@ LAUNCHES = {  # tokens -> moe_mxfp4_decode launches tried beside its default, (B
 
 ROW_TILES_ONE_TOKEN = ((8, 2048, 2, 1), (4, 2048, 2, 1), (2, 4096, 4, 1))  # one token's row kernels besides
 # ROW_TILES' (BLOCK_N, BLOCK_K, warps, stages): slices of 32 groups a warp, several rows a thread
-ROW_PIPELINES_ONE_TOKEN = ((2, None), (3, None), (3, (4, 512, 4, 3)), (4, (4, 512, 4, 3)))  # (stages, tile or the
-# default) of the pipelined one-token row kernels
 MAX_REGISTERS_TOKENS = (16, 64)  # token counts where the default launch is also timed held to 168 registers a thread
 
 
@@ -83,11 +80,11 @@ def _variants(T: int, x, ids, routing, dense, stored) -> dict:
     from deepinfer_nvidia_sm100.kernels import moe, moe_mxfp4_decode, moe_mxfp4_prefill, moe_quant
 
     raw = [t.view(torch.uint8) for t in stored]
-    def rows(ptx: bool, tile=None, pipeline: int = 0):
+    def rows(ptx: bool):
         def run():
-            with module_settings(moe_quant, ROW_DECODE_PTX=ptx, ROW_PIPELINE=pipeline):
+            with module_settings(moe_quant, ROW_DECODE_PTX=ptx):
                 return moe_quant._run(moe_quant.MXFP4, x, ids, routing, *stored, moe_quant.MXFP4_BLOCK, LIMIT,
-                                      tile, row_kernels=True)
+                                      row_kernels=True)
 
         return run
 
@@ -105,8 +102,6 @@ def _variants(T: int, x, ids, routing, dense, stored) -> dict:
     }
     if T == 1:
         variants["rows ptx"] = rows(True)
-        for stages, tile in ROW_PIPELINES_ONE_TOKEN:
-            variants[f"rows ptx pipeline {stages}" + (f" {tile}" if tile else "")] = rows(True, tile, stages)
     for launch in (default, *LAUNCHES[T]):
         variants[f"new {launch}"] = lambda launch=launch: moe_mxfp4_decode.run(x, ids, routing, *raw, LIMIT, launch)
     if T in MAX_REGISTERS_TOKENS:

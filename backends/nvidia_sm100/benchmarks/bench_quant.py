@@ -273,11 +273,10 @@ MOE_SWEEP = {  # tokens -> (path, launch) tried for the MXFP4 experts, the defau
 LINEAR_SWEEP = {  # rows -> (path, launch) tried on wo_b (4096 x 8192), the default first. split_k: (BM, BN, BK,
     # warps, stages[, K splits]); "split_k_unswapped": the activations as the left operand (SPLIT_K_SWAP = False);
     # "split_k_bf16": bf16 products (SPLIT_K_F16 = False); weight_only / fp8_tc: (BM, BN, warps, stages[, K splits]);
-    # row: (BN, BK, warps, stages[, K splits]); "row_pipelined": the row kernel's K loop pipelined over its stages
-    # (moe_quant.ROW_PIPELINE)
-    1: (("row", (16, 1024, 8, 3)), ("row_pipelined", (16, 1024, 8, 3)), ("row_pipelined", (16, 512, 8, 4)),
-        ("row_pipelined", (8, 512, 4, 4)), ("row", (8, 2048, 8, 3)), ("row", (4, 4096, 8, 3)),
-        ("row_pipelined", (4, 4096, 8, 3)), ("row", (8, 1024, 4, 3, 2)), ("split_k", (16, 256, 128, 8, 4))),
+    # row: (BN, BK, warps, stages[, K splits])
+    1: (("row", (8, 2048, 8, 3)), ("row", (16, 1024, 8, 3)), ("row", (8, 2048, 8, 4)), ("row", (8, 2048, 4, 3)),
+        ("row", (16, 2048, 8, 3)), ("row", (4, 4096, 8, 3)), ("row", (8, 1024, 4, 3, 2)),
+        ("split_k", (16, 256, 128, 8, 4))),
     16: (("split_k", (16, 256, 128, 8, 4)), ("split_k", (16, 256, 128, 8, 4, 4)), ("split_k", (16, 128, 128, 4, 4)),
          ("split_k", (16, 64, 128, 4, 4)), ("split_k", (16, 256, 256, 8, 3)), ("split_k_bf16", (16, 256, 128, 8, 4)),
          ("split_k_unswapped", (16, 128, 128, 4, 4)), ("weight_only", (16, 16, 4, 4))),
@@ -294,14 +293,11 @@ LINEAR_SWEEP = {  # rows -> (path, launch) tried on wo_b (4096 x 8192), the defa
 
 def linear_sweep_run(path: str, tile: tuple[int, ...], x, w, s):
     """The fp8 linear at one sweep point: a function of no arguments."""
-    from deepinfer_nvidia_sm100.kernels import fp8_linear, moe_quant
+    from deepinfer_nvidia_sm100.kernels import fp8_linear
 
     switch = {"split_k_unswapped": "SPLIT_K_SWAP", "split_k_bf16": "SPLIT_K_F16"}.get(path)
 
     def run():
-        if path == "row_pipelined":
-            with module_settings(moe_quant, ROW_PIPELINE=tile[3]):
-                return fp8_linear.matmul(x, w, s, BLOCK, 1, fp8_linear.ROW, tile)
         if switch is None:
             return fp8_linear.matmul(x, w, s, BLOCK, 1, path, tile)
         with module_settings(fp8_linear, **{switch: False}):
@@ -354,7 +350,8 @@ def sweep() -> None:
 
 
 LINEAR_SWEEP_WEIGHTS = {"wo_b": (LINEARS["wo_b"][:2], LINEAR_SWEEP),
-                        "wq_a+wkv": (LINEARS["wq_a+wkv"][:2], {1: LINEAR_SWEEP[1]})}  # narrow: 96 row blocks
+                        "wq_a+wkv": (LINEARS["wq_a+wkv"][:2], {1: LINEAR_SWEEP[1]}),  # narrow: 96 row blocks
+                        "wq_b": (LINEARS["wq_b"][:2], {1: (("row", None), *LINEAR_SWEEP[1])})}  # K 1,024
 
 
 def sweep_linear() -> None:
@@ -377,7 +374,9 @@ def sweep_linear() -> None:
             print(f"  {rows}: " + "; ".join(cells))
 
 
-SHARED_ONE_TOKEN = ((0, 0), (528, 0), (1056, 0), (0, 3), (528, 3))  # (ROW_MIN_PROGRAMS, ROW_PIPELINE) timed
+SHARED_ONE_TOKEN = (((16, 512, 4, 3), 0), ((16, 512, 4, 3), 3), ((16, 512, 4, 4), 4), ((8, 1024, 4, 3), 3),
+                    ((8, 2048, 8, 3), 0), ((8, 2048, 8, 3), 3), ((4, 1024, 4, 3), 3))  # (moe_quant.ROW_TILES'
+# fp8 tile, ROW_PIPELINE) timed
 
 
 def bench_shared_expert_one_token() -> None:
@@ -394,14 +393,15 @@ def bench_shared_expert_one_token() -> None:
     want = ref.swiglu_mlp_fp8_block(x, *stored, BLOCK, 10.0)
     floor = sum(t.numel() * t.element_size() for t in stored) / BW
     cells = [f"bf16 {micros(timed(lambda: moe.swiglu_mlp(x, *dense, 10.0), 1))}"]
-    for least, stages in SHARED_ONE_TOKEN:
-        def run(least=least, stages=stages):
-            with module_settings(moe_quant, ROW_MIN_PROGRAMS=least, ROW_PIPELINE=stages):
+    for tile, stages in SHARED_ONE_TOKEN:
+        def run(tile=tile, stages=stages):
+            tiles = moe_quant.ROW_TILES | {moe_quant.FP8: tile}
+            with module_settings(moe_quant, ROW_TILES=tiles, ROW_PIPELINE=stages):
                 return fp8_linear.swiglu_mlp_fp8_block(x, *stored, BLOCK, 10.0)
 
         err = relative_error(run(), want)
-        assert err < 2e-2, f"shared expert, min programs {least}, pipeline {stages}: error {err:.1e}"
-        cells.append(f"min programs {least}, pipeline {stages}: {cell(timed(run, 1), floor)}")
+        assert err < 2e-2, f"shared expert, tile {tile}, pipeline {stages}: error {err:.1e}"
+        cells.append(f"{tile} pipeline {stages}: {cell(timed(run, 1), floor)}")
     print(f"\nshared expert, one token (floor {floor * 1e6:.1f} us): " + "; ".join(cells))
 
 

@@ -50,16 +50,12 @@ VARIABLES = Variables(
              "four ways (`ONE_TOKEN_TILE`: the six picked experts' tiles alone would leave most of an H200's SMs "
              "idle) instead of `moe_quant`'s two row kernels; off: on the H200 88 us a layer against the row "
              "kernels' 57 (2026-12-04)."),
-    Variable("DEEPINFER_NVIDIA_ROW_PIPELINE", int, 0,
-             "One-row kernels (batch-1 decode: `moe_quant`'s MXFP4 / fp8 expert rows, `fp8_linear`'s row kernel): "
+    Variable("DEEPINFER_NVIDIA_ROW_PIPELINE", int, 3,
+             "`moe_quant`'s fp8 one-row expert kernels (batch-1 decode: the shared expert, fp8 routed experts): "
              "their K loops software-pipelined over this many stages by Triton (weight slices, scales and inputs "
              "copied ahead into shared memory, across the picked experts in the down kernel); 0: each slice loaded "
-             "when its products need it (the same sums either way). Off until timed on a GPU."),
-    Variable("DEEPINFER_NVIDIA_ROW_MIN_PROGRAMS", int, 0,
-             "One-row kernels (batch-1 decode: `moe_quant`'s expert rows, `fp8_linear`'s row kernel) whose grid "
-             "has fewer programs than this take fewer rows and more inputs a program (halved / doubled: the shared "
-             "expert's 128 programs become 1,024), the fp8 linear's then split K (in powers of two, float32 sums "
-             "added in split order); 0: the tiles as set. Off until timed on a GPU."),
+             "when its products need it (the same sums either way). On the H200 the shared expert took 13.6 us "
+             "pipelined against 29.6 us (2026-12-04); MXFP4 rows are never pipelined (4x slower)."),
     Variable("DEEPINFER_NVIDIA_INVARIANT_MIX_SPLITS", int, None,
              "Batch-invariant mode: the most K splits of the mHC mixing logits (`hc.INVARIANT_MIX_SPLITS` when unset; "
              "the split count follows the row length only, so any value is invariant, with other bits). Set it before "

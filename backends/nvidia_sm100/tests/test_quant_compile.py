@@ -79,14 +79,14 @@ def test_quantized_moe_kernels_reach_the_tensor_cores(kernel, fmt, tile_name, ca
 
 
 @pytest.mark.parametrize("capability", sorted(ARCHS))
-@pytest.mark.parametrize("pipeline", [0, 3])
-@pytest.mark.parametrize("fmt", [moe_quant.MXFP4, moe_quant.FP8])
+@pytest.mark.parametrize("fmt, pipeline", [(moe_quant.MXFP4, 0), (moe_quant.FP8, 0), (moe_quant.FP8, 3)])
 @pytest.mark.parametrize("kernel", ["_up_row_kernel", "_down_row_kernel"])
 def test_quantized_moe_row_kernels_compile(kernel, fmt, pipeline, capability):
-    """The one-token row kernels at their launches, without spills; with ``PIPELINE`` (``row_pipeline``) their weight
-    slices are copied ahead into shared memory (``cp.async``), without it loaded straight into registers. (Triton
-    3.9's pipeliner leaves the fp8 up kernel's loop, two weights' slices a step, unpipelined at every tile tried:
-    there ``PIPELINE`` changes nothing.)"""
+    """The one-token row kernels at their launches (MXFP4 never pipelined: ``row_pipeline``), without spills; with
+    ``PIPELINE`` their weight slices are copied ahead into shared memory (``cp.async``), without it loaded straight
+    into registers. (Triton 3.9's pipeliner leaves the fp8 up kernel's loop, two weights' slices a step,
+    unpipelined at every tile tried: there ``PIPELINE`` changes nothing.)"""
+    assert moe_quant.row_pipeline(moe_quant.MXFP4) == 0
     block_n, block_k, warps, stages = moe_quant.ROW_TILES[fmt]
     block = moe_quant.MXFP4_BLOCK if fmt == moe_quant.MXFP4 else (128, 128)
     constants = {"BLOCK_N": block_n, "BLOCK_K": block_k, "FMT": fmt, "B0": block[0], "B1": block[1], "UE8M0": True,
@@ -160,30 +160,32 @@ def test_small_quant_kernels_compile(name, fn, types, constants, capability):
 
 
 @pytest.mark.parametrize("capability", sorted(ARCHS))
-@pytest.mark.parametrize("name", ["mxfp4", "fp8", "linear", "linear K split", "linear pipelined"])
+@pytest.mark.parametrize("name", ["mxfp4", "fp8", "fp8 pipelined", "linear", "linear K split"])
 def test_row_kernels_read_the_weights_in_16_byte_vectors(name, capability):
     """The one-row kernels are bound by reading the stored weights: every weight load (the ``evict_first`` ones) is a
     16-byte vector (MXFP4: 16 bytes of one scale group; fp8: 16 of a row's block), also with K split (float32
-    partials out); pipelined (``PIPELINE``), the weights are copied into shared memory by ``cp.async.cg``, which
-    copies 16 bytes only."""
+    partials out); the fp8 expert rows pipelined (``row_pipeline``: the down kernel's), the weights are copied into
+    shared memory by ``cp.async.cg``, which copies 16 bytes only."""
     if name.startswith("linear"):
         block_n, block_k, warps, stages = fp8_linear.ROW_TILE[:4]
         split = name.endswith("split")
         fn, types = fp8_linear._row_kernel, LINEAR_TYPES | ({"out_ptr": "*fp32"} if split else {})
         constants = {"BLOCK_N": block_n, "BLOCK_K": block_k, "B0": 128, "B1": 128, "UE8M0": True,
-                     "SPLITS": 2 if split else 1, "PIPELINE": 3 if name.endswith("pipelined") else 0}
-        if constants["PIPELINE"]:
-            ptx = aot.compile_divisible(fn, types, constants, capability, warps, stages).asm["ptx"]
-            assert "cp.async.cg.shared.global" in ptx and "ld.global.L1::evict_first" not in ptx
-            assert "ld.local" not in ptx, "registers spill"
-            return
+                     "SPLITS": 2 if split else 1}
     else:
         fmt = moe_quant.MXFP4 if name == "mxfp4" else moe_quant.FP8
         block_n, block_k, warps, stages = moe_quant.ROW_TILES[fmt]
         block = moe_quant.MXFP4_BLOCK if fmt == moe_quant.MXFP4 else (128, 128)
         fn, types = moe_quant._up_row_kernel, _weights(fmt, ("1", "2", "3"))
         constants = {"BLOCK_N": block_n, "BLOCK_K": block_k, "FMT": fmt, "B0": block[0], "B1": block[1],
-                     "UE8M0": True}
+                     "UE8M0": True, "PIPELINE": 0}
+        if name.endswith("pipelined"):
+            fn, types = moe_quant._down_row_kernel, _weights(fmt, ("2",))
+            constants |= {"PIPELINE": 3, "K_P2": 8}
+            ptx = aot.compile_divisible(fn, types, constants, capability, warps, stages).asm["ptx"]
+            assert "cp.async.cg.shared.global" in ptx and "ld.global.L1::evict_first" not in ptx
+            assert "ld.local" not in ptx, "registers spill"
+            return
     ptx = aot.compile_divisible(fn, types, constants, capability, warps, stages).asm["ptx"]
     loads = re.findall(r"ld\.global\.L1::evict_first\S*", ptx)
     assert loads and all(load.endswith(".v4.b32") for load in loads), loads

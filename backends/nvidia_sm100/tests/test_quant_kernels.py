@@ -192,102 +192,58 @@ def test_fp8_linear_weight_only_matches_reference(rows, n, k, block, ue8m0, dtyp
 
 @kernel_runs_here
 @pytest.mark.parametrize("dtype", [torch.float32, DOT_DTYPE])
-@pytest.mark.parametrize("n, k, groups, tile, min_programs, launched, splits", [
-    (70, 1000, 1, (16, 128, 4, 2, 3), 0, (16, 128), 3),  # 3 K splits of 384 inputs (3 slices), the last partial
-    (40, 512, 3, (16, 128, 4, 2), 64, (4, 512), 1),  # 9 programs: rows traded for inputs until a slice spans K
-    (3, 1000, 2, (4, 128, 4, 2), 64, (1, 512), 2),  # one row a program (6) and still short: K split in two
+@pytest.mark.parametrize("n, k, groups, tile, splits", [
+    (70, 1000, 1, (16, 128, 4, 2, 3), 3),  # 3 K splits of 384 inputs (3 slices), the last partial
+    (3, 1000, 2, (1, 512, 4, 2, 2), 2),  # one row a program, K split in two
 ])
-def test_fp8_row_kernel_narrowed_and_split_match_reference(n, k, groups, tile, min_programs, launched, splits, dtype,
-                                                           monkeypatch):
-    """The one-row kernel short of ``DEEPINFER_NVIDIA_ROW_MIN_PROGRAMS`` programs: fewer rows and more inputs a
-    program (``moe_quant.narrowed_row_tile``), then K split (or the tile's fifth element), each split's float32
-    sums added in split order by ``_sum_splits_kernel``: the reference op's result up to fp32 sums."""
-    monkeypatch.setenv("DEEPINFER_NVIDIA_ROW_MIN_PROGRAMS", str(min_programs))
+def test_fp8_row_kernel_split_matches_reference(n, k, groups, tile, splits, dtype):
+    """The one-row kernel with K split (the tile's fifth element), each split's float32 sums added in split order by
+    ``_sum_splits_kernel``: the reference op's result up to fp32 sums."""
     gen = _gen(n + k)
     block = (16, 128)
     x = torch.randn(1, groups, k, device=DEVICE, generator=gen).to(dtype)
     weight, scale = fp8_block.quantize(torch.randn(groups * n, k, device=DEVICE, generator=gen) * k**-0.5, block,
                                        True)
-    (block_n, block_k, *_), got_splits, per_split = fp8_linear._row_launch(n, k, groups, tile)
-    assert (block_n, block_k) == launched and got_splits == splits
-    assert (splits - 1) * per_split < k <= splits * per_split
+    launch, got_splits, per_split = fp8_linear._row_launch(n, k, groups, tile)
+    assert launch == tile[:4] and got_splits == splits and (splits - 1) * per_split < k <= splits * per_split
     got = fp8_linear.matmul(x, weight, scale, block, groups, fp8_linear.ROW, tile)
     dense = fp8_block.dequantize(weight, scale, block).view(groups, n, k)  # the weights exactly
     want = torch.einsum("tgk,gnk->tgn", x.float(), dense)
     torch.testing.assert_close(got.float(), want, **_tol(dtype))
 
 
-def test_one_row_tiles_narrow_only_short_grids():
-    """``narrowed_row_tile`` at the preset's widths with an H200's 4 x 132 programs: the shared expert at one token
-    (one pick of 2,048 rows: 128 programs of 16) takes 2 rows x 4,096 inputs up and 4 x 2,048 down; the routed
-    experts (six picks) keep their tile; nothing changes at 0."""
-    assert moe_quant.narrowed_row_tile((16, 512, 4, 3), 2048, 4096, 1, 528) == (2, 4096, 4, 3)
-    assert moe_quant.narrowed_row_tile((16, 512, 4, 3), 4096, 2048, 1, 528) == (4, 2048, 4, 3)
-    assert moe_quant.narrowed_row_tile((4, 1024, 4, 3), 2048, 4096, 6, 528) == (4, 1024, 4, 3)
-    assert moe_quant.narrowed_row_tile((16, 512, 4, 3), 2048, 4096, 1, 0) == (16, 512, 4, 3)
-
-
-@kernel_runs_here
-@pytest.mark.parametrize("fmt, dtype", [(moe_quant.MXFP4, torch.float32), (moe_quant.MXFP4, torch.bfloat16),
-                                        (moe_quant.FP8, torch.float32), (moe_quant.FP8, DOT_DTYPE)])
-def test_one_token_row_kernels_narrowed_match_reference(fmt, dtype, monkeypatch):
-    """One token short of ``ROW_MIN_PROGRAMS``: the up kernel at (4, 128) and the down kernel at (8, 64) instead of
-    (16, 32) (slices past ``D``), the reference op's result."""
-    monkeypatch.setattr(moe_quant, "ROW_MIN_PROGRAMS", 64)
-    gen = _gen(23)
-    E, top_k, D, I = 4, 3, 96, 64
-    assert moe_quant.narrowed_row_tile((16, 32, 4, 1), I, D, top_k, 64)[:2] == (4, 128)
-    assert moe_quant.narrowed_row_tile((16, 32, 4, 1), D, I, 1, 64)[:2] == (8, 64)
-    x = torch.randn(1, D, device=DEVICE, generator=gen).to(dtype)
-    ids, weights = _route(1, E, top_k, gen, repeat=True)
-    block = moe_quant.MXFP4_BLOCK if fmt == moe_quant.MXFP4 else (32, 32)
-    stored = _experts(fmt, E, D, I, gen)
-    got = moe_quant._run(fmt, x, ids, weights, *stored, block, 0.7, (16, 32, 4, 1))
-    reference = ref.moe_experts_mxfp4 if fmt == moe_quant.MXFP4 else partial(ref.moe_experts_fp8_block, block=block)
-    torch.testing.assert_close(got, reference(x, ids, weights, *stored, limit=0.7), **_tol(dtype))
-
-
-@kernel_runs_here
-@pytest.mark.parametrize("fmt, dtype", [(moe_quant.MXFP4, dtype) for dtype in MXFP4_DTYPES]
-                         + [(moe_quant.FP8, torch.float32), (moe_quant.FP8, DOT_DTYPE)])
-def test_one_token_row_kernels_pipelined_give_the_same_sums(fmt, dtype, monkeypatch):
-    """``ROW_PIPELINE`` 3: the up kernel's K loop pipelined, the down kernel's (pick, slice) steps in one pipelined
-    loop crossing from one pick to the next (an expert picked twice, a slice past ``D``): the same bits as the
-    unpipelined loops, and the reference op's result."""
-    gen = _gen(17)
-    E, top_k, D, I = 8, 3, 96, 128
-    x = torch.randn(1, D, device=DEVICE, generator=gen).to(dtype)
-    ids, weights = _route(1, E, top_k, gen, repeat=True)
-    block = moe_quant.MXFP4_BLOCK if fmt == moe_quant.MXFP4 else (32, 32)
-    stored = _experts(fmt, E, D, I, gen)
-    tile = (4, 64, 4, 1)  # 2 slices of D (the last partial), 2 of I
-    runs = {}
-    for stages in (0, 3):
-        monkeypatch.setattr(moe_quant, "ROW_PIPELINE", stages)
-        runs[stages] = moe_quant._run(fmt, x, ids, weights, *stored, block, 0.7, tile)
-    assert torch.equal(runs[3], runs[0])
-    reference = ref.moe_experts_mxfp4 if fmt == moe_quant.MXFP4 else partial(ref.moe_experts_fp8_block, block=block)
-    torch.testing.assert_close(runs[3], reference(x, ids, weights, *stored, limit=0.7), **_tol(dtype))
+def test_row_launch_trades_inputs_for_rows_on_short_k():
+    """``ROW_TILE``'s slice halves (its rows double) while it would span twice K: at wq_b's 1,024 inputs 16 rows of
+    1,024, at the preset's 4,096 and 8,192 the tile as set, one split; never more rows than the output has."""
+    block_n, block_k, warps, stages = fp8_linear.ROW_TILE
+    assert block_k >= 1024
+    assert fp8_linear._row_launch(32768, 1024, 1, None)[:2] == ((block_n * block_k // 1024, 1024, warps, stages), 1)
+    for k in (4096, 8192):
+        assert fp8_linear._row_launch(4096, k, 8, None)[:2] == (fp8_linear.ROW_TILE, 1)
+    assert fp8_linear._row_launch(16, 64, 2, None)[0][0] == 16
 
 
 @kernel_runs_here
 @pytest.mark.parametrize("dtype", [torch.float32, DOT_DTYPE])
-@pytest.mark.parametrize("tile", [(16, 128, 4, 2), (16, 128, 4, 2, 3)])  # 8 slices; 3 K splits of 3, 3 and 2
-def test_fp8_row_kernel_pipelined_gives_the_same_sums(tile, dtype, monkeypatch):
-    """The fp8 one-row kernel with ``ROW_PIPELINE`` 3, whole and K split: the same bits as unpipelined, the exact
-    weights' product up to fp32 sums."""
-    gen = _gen(5)
-    n, k, groups, block = 70, 1000, 2, (16, 128)
-    x = torch.randn(1, groups, k, device=DEVICE, generator=gen).to(dtype)
-    weight, scale = fp8_block.quantize(torch.randn(groups * n, k, device=DEVICE, generator=gen) * k**-0.5, block,
-                                       True)
+def test_fp8_expert_rows_pipelined_give_the_same_sums(dtype, monkeypatch):
+    """``ROW_PIPELINE`` 3 on fp8 experts: the up kernel's K loop pipelined, the down kernel's (pick, slice) steps in
+    one pipelined loop crossing from one pick to the next (an expert picked twice, a slice past ``D``): the same bits
+    as the unpipelined loops, and the reference op's result."""
+    gen = _gen(17)
+    E, top_k, D, I = 8, 3, 96, 128
+    x = torch.randn(1, D, device=DEVICE, generator=gen).to(dtype)
+    ids, weights = _route(1, E, top_k, gen, repeat=True)
+    block = (32, 32)
+    stored = _experts(moe_quant.FP8, E, D, I, gen)
+    tile = (4, 64, 4, 1)  # 2 slices of D (the last partial), 2 of I
     runs = {}
     for stages in (0, 3):
         monkeypatch.setattr(moe_quant, "ROW_PIPELINE", stages)
-        runs[stages] = fp8_linear.matmul(x, weight, scale, block, groups, fp8_linear.ROW, tile)
+        assert moe_quant.row_pipeline(moe_quant.FP8) == stages and moe_quant.row_pipeline(moe_quant.MXFP4) == 0
+        runs[stages] = moe_quant._run(moe_quant.FP8, x, ids, weights, *stored, block, 0.7, tile)
     assert torch.equal(runs[3], runs[0])
-    dense = fp8_block.dequantize(weight, scale, block).view(groups, n, k)
-    torch.testing.assert_close(runs[3].float(), torch.einsum("tgk,gnk->tgn", x.float(), dense), **_tol(dtype))
+    want = ref.moe_experts_fp8_block(x, ids, weights, *stored, block=block, limit=0.7)
+    torch.testing.assert_close(runs[3], want, **_tol(dtype))
 
 
 SPLIT_K_CASES = [

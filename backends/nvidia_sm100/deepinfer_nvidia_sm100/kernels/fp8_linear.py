@@ -110,12 +110,10 @@ def linear_path(rows: int, dtype: torch.dtype, block: tuple[int, int]) -> str | 
 @triton.jit
 def _row_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, k_per_split, stride_xg, stride_wn, stride_sn, stride_os,
                 stride_og, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
-                UE8M0: tl.constexpr, SPLITS: tl.constexpr = 1, PDL: tl.constexpr = False,
-                PIPELINE: tl.constexpr = 0):
+                UE8M0: tl.constexpr, SPLITS: tl.constexpr = 1, PDL: tl.constexpr = False):
     """Program (column block, group g, K split) of one input row: ``out[g, n] = sum_k x[g, k] * W[g * N + n, k]``;
     with ``SPLITS`` > 1 each split's float32 sums over its ``k_per_split`` inputs go to ``out`` at ``split``
-    (``stride_os``: the partials ``_sum_splits_kernel`` adds up). ``PIPELINE`` > 1: the K loop software-pipelined
-    over that many stages (``moe_quant.row_pipeline``)."""
+    (``stride_os``: the partials ``_sum_splits_kernel`` adds up)."""
     pdl.begin(PDL)
     group, split = tl.program_id(1).to(tl.int64), tl.program_id(2)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -125,7 +123,7 @@ def _row_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, k_per_split, stride_xg, stri
     s_rows = s_ptr + (rows // B0)[:, None] * stride_sn
     acc = dequant.row_acc(BLOCK_N, BLOCK_K, 1, B1)
     k_begin, k_end = k_splits.split_range(split, k_per_split, K, SPLITS)
-    for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=PIPELINE):
+    for k0 in range(k_begin, k_end, BLOCK_K):
         acc = dequant.row_product(acc, x_ptr + group * stride_xg, w_rows, s_rows, k0, K, in_n, 1, BLOCK_K, B1, UE8M0)
     tl.store(out_ptr + split * stride_os + group * stride_og + cols,
              dequant.row_total(acc, 1).to(out_ptr.dtype.element_ty), mask=in_n)
@@ -435,8 +433,9 @@ def _fp8_tc_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, 
 # of the weight-only and tensor-core kernels by rows (the first whose row bound holds; BLOCK_K: min(128, B1) / B1);
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the split-K kernel. A split-K or tensor-core launch may end
 # with its number of K splits (else ``_splits`` picks it).
-ROW_TILE = (16, 1024, 8, 3)  # 16 rows x 8 scale blocks of 128 fp8 inputs (bench_quant's one-row sweep on the
-# H200, 2026-12-02: wo_b 20.6 us against 24.5 us for (16, 512, 4, 3))
+ROW_TILE = (8, 2048, 8, 3)  # 8 rows x 16 scale blocks of 128 fp8 inputs (bench_quant's one-row sweep on the H200,
+# 2026-12-04: wo_b 11.8 us against 17.9 us for (16, 1024, 8, 3), wq_a+wkv 5.5 against 7.8; pipelined K loops and
+# fewer rows with K split were slower); rows doubled where K is shorter (``_row_launch``)
 SPLIT_K_TILES = ((16, 16, 256, 128, 8, 4), (32, 32, 256, 128, 8, 3), (None, 64, 256, 128, 8, 3))  # 256 weight rows
 # a program amortize the activations' conversion: ~3.0 / 3.8 / 5.2 instructions a weight on sm_90a against 3.4 /
 # 4.6 / 11 for 64 or 128 (BLOCK_N halves for narrow outputs: _split_k_launch)
@@ -496,17 +495,14 @@ def _split_k_launch(M: int, N: int, K: int, groups: int, B1: int, tile: tuple | 
 
 def _row_launch(N: int, K: int, groups: int, tile: tuple | None) -> tuple[tuple, int, int]:
     """The row kernel's launch ``(BN, BK, warps, stages)``, its number of K splits and inputs per split: ``tile`` as
-    given (its fifth element the splits), or ``ROW_TILE`` narrowed toward ``moe_quant.row_min_programs`` programs
-    (``moe_quant.narrowed_row_tile``: wq_a + wkv's 96 column blocks of 8 warps fill a quarter of an H200), then K
-    split in powers of two while still short of them (at least one ``BK`` slice a split)."""
-    splits = tile[4] if tile is not None and len(tile) > 4 else 1
-    if tile is None or len(tile) <= 4:
-        least = moe_quant.row_min_programs()
-        tile = moe_quant.narrowed_row_tile(tile or ROW_TILE, N, K, groups, least)
-        programs, steps = triton.cdiv(N, tile[0]) * groups, triton.cdiv(K, tile[1])
-        while programs * splits < least and steps >= 2 * splits:
-            splits *= 2
-    return tile[:4], *k_splits.parts(K, tile[1], splits)
+    given (its fifth element the splits), or ``ROW_TILE`` with ``BK`` halved and ``BN`` doubled while a slice would
+    span twice ``K`` (wq_b's 1,024 inputs: 16 rows of 1,024), so every thread loads weights."""
+    if tile is not None:
+        return tile[:4], *k_splits.parts(K, tile[1], tile[4] if len(tile) > 4 else 1)
+    block_n, block_k, warps, stages = ROW_TILE
+    while block_k >= 2 * K and block_n < N:
+        block_n, block_k = 2 * block_n, block_k // 2
+    return (block_n, block_k, warps, stages), *k_splits.parts(K, block_k, 1)
 
 
 def _sum_splits(part: torch.Tensor, out: torch.Tensor, splits: int) -> None:
@@ -535,7 +531,7 @@ def launch(path: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
         _row_kernel[(triton.cdiv(N, block_n), groups, splits)](
             x, weight, raw, part, N, K, per_split, x.stride(1), weight.stride(0), raw.stride(0),
             part.stride(0) if splits > 1 else 0, part.stride(-2), BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits,
-            PIPELINE=moe_quant.row_pipeline(), num_warps=warps, num_stages=stages, **consts)
+            num_warps=warps, num_stages=stages, **consts)
         _sum_splits(part, out, splits)
     elif path == SPLIT_K:
         (block_m, block_n, block_k, warps, stages), splits, per_split = _split_k_launch(M, N, K, groups, block[1],

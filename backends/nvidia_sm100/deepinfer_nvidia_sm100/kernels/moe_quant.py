@@ -277,31 +277,16 @@ def _add_pick(total, acc, weight_ptr, dt: tl.constexpr, FMT: tl.constexpr):
     return (total + part).to(dt).to(tl.float32)
 
 
-ROW_PIPELINE: int | None = None  # the one-row kernels' pipeline stages; None: DEEPINFER_NVIDIA_ROW_PIPELINE
-ROW_MIN_PROGRAMS: int | None = None  # the one-row kernels' least grid; None: DEEPINFER_NVIDIA_ROW_MIN_PROGRAMS
+ROW_PIPELINE: int | None = None  # the fp8 one-row kernels' pipeline stages; None: DEEPINFER_NVIDIA_ROW_PIPELINE
 
 
-def row_min_programs() -> int:
-    """Programs a one-row kernel's grid should reach (here and ``fp8_linear``'s; 0: launches as tiled)."""
-    return envs.DEEPINFER_NVIDIA_ROW_MIN_PROGRAMS if ROW_MIN_PROGRAMS is None else ROW_MIN_PROGRAMS
-
-
-def narrowed_row_tile(tile: tuple[int, ...], rows: int, K: int, grid_per_block: int, least: int) -> tuple[int, ...]:
-    """``tile`` (``(BLOCK_N, BLOCK_K, ...)`` of a one-row kernel over ``rows`` weight rows of ``K`` inputs, each row
-    block ``grid_per_block`` programs) with ``BLOCK_N`` halved and ``BLOCK_K`` doubled while the grid has fewer than
-    ``least`` programs, ``BLOCK_N`` > 1 and ``BLOCK_K`` < ``K``: the same weights a step (registers, 16-byte
-    loads), more programs in flight. A narrow product (the shared expert's 2,048 rows at one token: 128 programs of
-    16 rows) then fills the GPU without partial sums."""
-    block_n, block_k, *rest = tile
-    while least and triton.cdiv(rows, block_n) * grid_per_block < least and block_n > 1 and block_k < K:
-        block_n, block_k = block_n // 2, block_k * 2
-    return block_n, block_k, *rest
-
-
-def row_pipeline() -> int:
-    """Stages the one-row kernels (here and ``fp8_linear``'s) pipeline their K loops over: their weight slices,
-    scales and inputs copied ahead into shared memory (``tl.range``'s ``num_stages``); 0 or 1: each slice loaded
-    when its products need it."""
+def row_pipeline(fmt: int) -> int:
+    """Stages the one-row kernels of ``fmt`` pipeline their K loops over: their weight slices, scales and inputs
+    copied ahead into shared memory (``tl.range``'s ``num_stages``); 0: each slice loaded when its products need it.
+    fp8 rows only (the shared expert at one token, on the H200 13.6 us against 29.6 us unpipelined); MXFP4 rows
+    never: pipelined they took 219 us a layer against 52 us (bench_quant.py mxfp4, 2026-12-04)."""
+    if fmt == MXFP4:
+        return 0
     return envs.DEEPINFER_NVIDIA_ROW_PIPELINE if ROW_PIPELINE is None else ROW_PIPELINE
 
 
@@ -396,24 +381,21 @@ def _run(fmt: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
 
 def _one_token(x, ids, weights, w1, s1, w2, s2, w3, s3, D, I, limit, consts, tile=None) -> torch.Tensor:
     """One token: ``_up_row_kernel`` per (column block, pick), then ``_down_row_kernel`` per column block, each at
-    ``tile`` (``ROW_TILES``' by default) narrowed toward ``row_min_programs`` programs (``narrowed_row_tile``)."""
+    ``tile`` (``ROW_TILES``' by default)."""
     top_k = ids.shape[1]
-    tile = tile or ROW_TILES[consts["FMT"]]
-    least = row_min_programs()
-    up_n, up_k, warps, stages = narrowed_row_tile(tile, I, D, top_k, least)
-    down_n, down_k, _, _ = narrowed_row_tile(tile, D, I, 1, least)
+    block_n, block_k, warps, stages = tile or ROW_TILES[consts["FMT"]]
     flat_ids = ids.reshape(-1).contiguous()
     h = torch.empty(top_k, I, dtype=x.dtype, device=x.device)
     launch = {"num_warps": warps, "num_stages": stages, **consts,
               "PTX": ROW_DECODE_PTX and moe_mxfp4_decode.decode_mode(x) == moe_mxfp4_decode.PTX,
-              "PIPELINE": row_pipeline(), **pdl.launch()}
-    _up_row_kernel[(triton.cdiv(I, up_n), top_k)](
+              "PIPELINE": row_pipeline(consts["FMT"]), **pdl.launch()}
+    _up_row_kernel[(triton.cdiv(I, block_n), top_k)](
         x, w1, s1, w3, s3, h, flat_ids, D, I, float(limit), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
-        BLOCK_N=up_n, BLOCK_K=up_k, **launch)
+        BLOCK_N=block_n, BLOCK_K=block_k, **launch)
     out = torch.empty_like(x)
-    _down_row_kernel[(triton.cdiv(D, down_n),)](
+    _down_row_kernel[(triton.cdiv(D, block_n),)](
         h, w2, s2, out, flat_ids, weights.reshape(-1).contiguous(), D, I, top_k, w2.stride(0), w2.stride(1),
-        s2.stride(0), s2.stride(1), K_P2=triton.next_power_of_2(top_k), BLOCK_N=down_n, BLOCK_K=down_k, **launch)
+        s2.stride(0), s2.stride(1), K_P2=triton.next_power_of_2(top_k), BLOCK_N=block_n, BLOCK_K=block_k, **launch)
     return out
 
 
