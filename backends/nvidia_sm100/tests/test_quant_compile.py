@@ -21,7 +21,9 @@ FP8_MMA = {90: r"wgmma\.mma_async\S*e4m3\.e4m3", 100: r"tcgen05\.mma\S*kind::f8f
 
 
 def _compile(fn, types: dict[str, str], constants: dict, capability: int, warps: int = 4, stages: int = 3):
-    """``fn`` compiled for ``capability``: pointers ``*bf16`` and other scalars ``i32`` unless ``types`` says."""
+    """``fn`` compiled for ``capability``: pointers ``*bf16`` and other scalars ``i32`` unless ``types`` says;
+    constexpr arguments left out of ``constants`` take their defaults."""
+    constants = aot.with_defaults(fn, constants)
     signature = {}
     for i, arg in enumerate(fn.arg_names):
         if i in fn.constexprs:
@@ -209,6 +211,29 @@ def test_fp8_split_k_kernel_streams_weights_into_the_tensor_cores(rows, block, f
     assert not re.search(r"ld\.global\S*evict_first\S*\.b8", ptx), "split-K: e4m3 weights read a byte at a time"
     if f16:
         assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.bf16.f16" not in ptx
+
+
+@pytest.mark.parametrize("capability", sorted(ARCHS))
+@pytest.mark.parametrize("kernel, rows", [("_split_k_kernel", 16), ("_fp8_tc_kernel", 64)])
+def test_fp8_split_launches_meet_in_the_kernel(kernel, rows, capability):
+    """Split 8 ways, the decode-batch kernels add their partials in the kernel (``k_splits.store_split``): an
+    acquire-release arrival count at GPU scope, the other splits' partials read through L2 (``.cg``: another SM
+    wrote them), the counter set back; no spills."""
+    if kernel == "_split_k_kernel":
+        block_m, block_n, block_k, warps, stages = fp8_linear._tile(fp8_linear.SPLIT_K_TILES, rows)
+        constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "PRECISION": "tf32",
+                     "SWAP": fp8_linear.SPLIT_K_SWAP, "F16": True}
+    else:
+        block_m, block_n, warps, stages = fp8_linear._tile(fp8_linear.FP8_TC_TILES, rows)
+        constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "GROUP_M": fp8_linear.FP8_TC_GROUP_M,
+                     "ONE_SCALE": True, "EVEN_K": True}
+    constants |= {"B0": 128, "B1": 128, "UE8M0": True, "SPLITS": 8}
+    types = LINEAR_TYPES | {"part_ptr": "*fp32", "counter_ptr": "*i32"}
+    ptx = aot.compile_divisible(getattr(fp8_linear, kernel), types, constants, capability, warps, stages).asm["ptx"]
+    assert re.search(r"atom\.global\.(acq_rel\.gpu|gpu\.acq_rel)\.add\.(u32|s32)", ptx), kernel
+    assert "ld.global.cg" in ptx and "atom.global" in ptx.split("ld.global.cg")[0], kernel
+    assert re.search(r"atom\.global\S*\.exch\.b32", ptx), kernel
+    assert "ld.local" not in ptx, f"{kernel}: registers spill"
 
 
 @pytest.mark.parametrize("capability", sorted(ARCHS))

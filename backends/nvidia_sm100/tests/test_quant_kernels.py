@@ -260,8 +260,8 @@ SPLIT_K_CASES = [
     (*case, dtype) for case in SPLIT_K_CASES for dtype in dict.fromkeys([torch.float32, DOT_DTYPE, torch.bfloat16])
     if DEVICE == "cuda" or dtype != torch.bfloat16 or case[5]])  # the interpreter's bf16 products are wrong
 def test_fp8_split_k_kernel_matches_reference(rows, n, k, groups, block, ue8m0, tile, dtype):
-    """The split-K kernel: each split's float32 partial summed in split order by ``_sum_splits_kernel`` (or the
-    output written directly for one split); weights decoded to the reference op's own (the product is the
+    """The split-K kernel: each split's float32 partial summed in split order by the tile's last split to finish
+    (``k_splits.store_split``; the output written directly for one split); weights decoded to the reference op's own (the product is the
     reference's up to fp32 sums). bf16 rows with ue8m0 blocks multiply as fp16 times a power of two per row (the
     interpreter runs those fp16 products right): rows of very different magnitudes, and an all-zero row, keep
     their own precision."""
@@ -299,7 +299,7 @@ def test_fp8_split_k_splits_fill_the_gpu():
 @kernel_runs_here
 def test_fp8_tensor_core_kernel_splits_k():
     """The tensor-core kernel with ``K`` split (forced, and picked for a grid of few tiles) equals its one-split
-    result up to the order of fp32 sums."""
+    result up to the order of fp32 sums, and itself bit for bit however its splits race."""
     gen = _gen(7)
     M, n, k, block = 40, 48, 512, (64, 64)
     x = torch.randn(M, 1, k, device=DEVICE, generator=gen)
@@ -308,6 +308,8 @@ def test_fp8_tensor_core_kernel_splits_k():
     for tile in ((16, 32, 4, 1, 3), (16, 32, 4, 1)):
         split = fp8_linear.matmul(x, weight, scale, block, 1, fp8_linear.FP8_TC, tile)
         torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
+        for _ in range(3):
+            assert torch.equal(fp8_linear.matmul(x, weight, scale, block, 1, fp8_linear.FP8_TC, tile), split)
     q, s = fp8_block.quantize(x.reshape(M, k), (1, block[1]), ue8m0=False)
     torch.testing.assert_close(whole[:, 0], ref.linear_fp8_block(fp8_block.dequantize(q, s, (1, block[1])), weight,
                                                                  scale, block), atol=1e-4, rtol=1e-4)

@@ -22,15 +22,20 @@ DIVISIBLE_WIDTHS = ("D", "I", "K", "N", "k_per_split")  # integer arguments the 
 SPARSE_WIDTHS = ("queries", "E", "per_block", "kv_rows", "H", "N", "total")  # the same, of sparse_attention.py's
 
 
+def with_defaults(fn, constants: dict) -> dict:
+    """``constants`` plus the defaults of ``fn``'s constexpr arguments that it leaves out (as a launch takes them)."""
+    defaults = {name: p.default for name, p in inspect.signature(fn.fn).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    return {**{fn.arg_names[i]: defaults[fn.arg_names[i]] for i in fn.constexprs if fn.arg_names[i] in defaults},
+            **constants}
+
+
 def divisible_source(fn, types: dict[str, str], constants: dict, widths=DIVISIBLE_WIDTHS) -> ASTSource:
     """``fn`` with pointers, strides and the integer arguments named in ``widths`` marked divisible by 16, as
     Triton's JIT sees the preset's shapes; arguments typed by ``types``, else ``*bf16`` pointers and ``i32``
     scalars; ``constants`` (constexpr arguments, or others fixed at compile time) by value; constexpr arguments left
     out take their defaults."""
-    defaults = {name: p.default for name, p in inspect.signature(fn.fn).parameters.items()
-                if p.default is not inspect.Parameter.empty}
-    constants = {**{fn.arg_names[i]: defaults[fn.arg_names[i]] for i in fn.constexprs if fn.arg_names[i] in defaults},
-                 **constants}
+    constants = with_defaults(fn, constants)
     signature, attrs = {}, {}
     for i, arg in enumerate(fn.arg_names):
         if i in fn.constexprs or arg in constants:

@@ -10,7 +10,8 @@ Kernels picked by the number of rows ``M`` (``linear_path``):
   on the left of a ``tl.dot`` with the batch (``SPLIT_K_SWAP``: on SM90 a wgmma with the weights in registers,
   the batch padded to 16 rather than 64), fp32 accumulation. ``K`` is split
   (``_splits``) until the grid has ``MIN_PROGRAMS`` programs, so that every SM streams weights even for narrow
-  outputs; the splits' float32 partials are summed in split order by ``_sum_splits_kernel`` (deterministic).
+  outputs; the splits' float32 partials are summed in split order by the last split of each tile to finish, in the
+  kernel (``k_splits.store_split``: deterministic, no second launch).
   Exact weights, activations as they are: the reference op's math. (``_weight_only_kernel``, the decode-batch
   kernel before it, one column tile over the whole ``K``, stays as ``WEIGHT_ONLY`` for comparison.)
 * ``M >= FP8_TC_MIN_ROWS`` (decode batches of 16+ and prefill): ``_fp8_tc_kernel``, fp8 tensor cores (wgmma on SM90,
@@ -193,14 +194,13 @@ def _scaled_weight_tile(w_rows, s_rows, k0, K, n_mask, dt: tl.constexpr, BLOCK_N
 
 @triton.jit
 def _split_k_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_xg, stride_wn, stride_sn,
-                    stride_os, stride_om, stride_og, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr, UE8M0: tl.constexpr,
-                    PRECISION: tl.constexpr, SWAP: tl.constexpr, F16: tl.constexpr = False,
-                    PDL: tl.constexpr = False):
+                    stride_om, stride_og, part_ptr, counter_ptr, stride_ps, stride_pm, stride_pg,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B0: tl.constexpr,
+                    B1: tl.constexpr, UE8M0: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr,
+                    F16: tl.constexpr = False, SPLITS: tl.constexpr = 1, PDL: tl.constexpr = False):
     """Program (column block x row block, ``K`` split, group): ``x[rows] @ W[cols, split]^T``, one ``tl.dot`` per
-    slice of ``BLOCK_K`` inputs (or per scale block inside it) with fp32 accumulation, stored to ``out`` at
-    ``split`` (``stride_os``: the float32 partials ``_sum_splits_kernel`` adds up, or the output itself when there
-    is one split). The row blocks of a column block are consecutive programs (their weight tile is read once from
+    slice of ``BLOCK_K`` inputs (or per scale block inside it) with fp32 accumulation, written to ``out``, the
+    ``SPLITS`` splits' sums added in split order by the last to finish (``_store_tile``). The row blocks of a column block are consecutive programs (their weight tile is read once from
     HBM). ``SWAP``: as ``out^T = W @ x^T`` (the weights the left operand: on SM90 a wgmma with them in registers,
     64 weight rows a warpgroup by the few activation rows).
 
@@ -243,7 +243,8 @@ def _split_k_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, stride_x
                 acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)  # [BM, BN]
     if SWAP:
         acc = tl.trans(acc)  # [BM, BN]
-    _store_tile(acc, out_ptr, split, group, offs_m, offs_n, m_mask, n_mask, stride_os, stride_om, stride_og)
+    _store_tile(acc, out_ptr, part_ptr, counter_ptr, split, group, offs_m, offs_n, m_mask, n_mask, stride_om,
+                stride_og, stride_ps, stride_pm, stride_pg, SPLITS)
 
 
 @triton.jit
@@ -288,10 +289,20 @@ def _as_f16(a):
 
 
 @triton.jit
-def _store_tile(acc, out_ptr, split, group, offs_m, offs_n, m_mask, n_mask, stride_os, stride_om, stride_og):
-    """``acc [BM, BN]`` to ``out`` at (``split``, rows, ``group``, columns), converted to ``out``'s dtype."""
-    at = out_ptr + split * stride_os + group * stride_og + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(at, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+def _store_tile(acc, out_ptr, part_ptr, counter_ptr, split, group, offs_m, offs_n, m_mask, n_mask, stride_om,
+                stride_og, stride_ps, stride_pm, stride_pg, SPLITS: tl.constexpr):
+    """``acc [BM, BN]`` (float32) to ``out`` at (rows, ``group``, columns) in ``out``'s dtype; with ``SPLITS`` > 1
+    through the float32 partials ``part [SPLITS, M, groups, N]`` and the tile's arrival counter (one per program
+    of grid axis 0 and group: ``k_splits.store_split``)."""
+    mask = m_mask[:, None] & n_mask[None, :]
+    rows = offs_m[:, None].to(tl.int64)
+    out_at = out_ptr + group * stride_og + rows * stride_om + offs_n[None, :]
+    if SPLITS == 1:
+        tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part_at = part_ptr + group * stride_pg + rows * stride_pm + offs_n[None, :]
+        counter = counter_ptr + group * tl.num_programs(0) + tl.program_id(0)
+        k_splits.store_split(acc, part_at, out_at, counter, split, stride_ps, mask, SPLITS)
 
 
 @triton.jit
@@ -377,16 +388,16 @@ def quantize_activations(x: torch.Tensor, block: int, scales_by_column: bool = F
 
 @triton.jit
 def _fp8_tc_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_xg, stride_xsm,
-                   stride_xsg, stride_wn, stride_sn, stride_os, stride_om, stride_og, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr, UE8M0: tl.constexpr,
-                   GROUP_M: tl.constexpr, ONE_SCALE: tl.constexpr = False, EVEN_K: tl.constexpr = False,
-                   PDL: tl.constexpr = False):
+                   stride_xsg, stride_wn, stride_sn, stride_om, stride_og, part_ptr, counter_ptr, stride_ps, stride_pm,
+                   stride_pg, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
+                   UE8M0: tl.constexpr, GROUP_M: tl.constexpr, ONE_SCALE: tl.constexpr = False,
+                   EVEN_K: tl.constexpr = False, SPLITS: tl.constexpr = 1, PDL: tl.constexpr = False):
     """Program (output tile, group): ``out = x @ W^T`` on fp8 tensor cores from ``x``'s e4m3 values ``xq`` and
     per-row block scales ``xs`` (``quantize_activations``), one ``B1``-wide ``K`` block a step: ``dot(xq, w)`` in
     fp32, times the row's and the weight block's scales, accumulated in fp32. Tiles run ``GROUP_M`` row blocks
     per column block (consecutive programs share their weight and activation tiles in L2). Grid axis 1 splits
-    ``K`` (``k_per_split`` inputs each, a multiple of ``B1``): a split's tile goes to the float32 partials at
-    ``split`` (``_sum_splits_kernel``), or to the output when there is one split.
+    ``K`` (``k_per_split`` inputs each, a multiple of ``B1``) into ``SPLITS``, added in split order by the last to
+    finish (``_store_tile``).
 
     ``ONE_SCALE``: the tile's rows lie in one ``B0`` block, so a K step has one weight scale, folded into the rows'
     scales (one multiply a row, then one FMA an output; a ue8m0 scale is a power of two: the same result).
@@ -426,7 +437,8 @@ def _fp8_tc_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, 
             w_scale = dequant.block_scale(tl.load(s_rows + k0 // B1, mask=n_mask & (k0 + tl.arange(0, 1) < K), other=0),
                                           UE8M0)  # [BN]
             acc += tl.dot(a, w, out_dtype=tl.float32) * a_scale[:, None] * w_scale[None, :]
-    _store_tile(acc, out_ptr, split, group, offs_m, offs_n, m_mask, n_mask, stride_os, stride_om, stride_og)
+    _store_tile(acc, out_ptr, part_ptr, counter_ptr, split, group, offs_m, offs_n, m_mask, n_mask, stride_om,
+                stride_og, stride_ps, stride_pm, stride_pg, SPLITS)
 
 
 # Launches: (BLOCK_N, BLOCK_K, num_warps, num_stages) of the row kernel; (BLOCK_M, BLOCK_N, num_warps, num_stages)
@@ -536,14 +548,13 @@ def launch(path: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     elif path == SPLIT_K:
         (block_m, block_n, block_k, warps, stages), splits, per_split = _split_k_launch(M, N, K, groups, block[1],
                                                                                         tile)
-        part = k_splits.partials(splits, out.shape, out)
         grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), splits, groups)
-        _split_k_kernel[grid](x, weight, raw, part, M, N, K, per_split, x.stride(0), x.stride(1), weight.stride(0),
-                              raw.stride(0), part.stride(0) if splits > 1 else 0, part.stride(-3), part.stride(-2),
-                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
-                              SWAP=SPLIT_K_SWAP, F16=SPLIT_K_F16 and x.dtype == torch.bfloat16 and is_ue8m0,
+        _split_k_kernel[grid](x, weight, raw, out, M, N, K, per_split, x.stride(0), x.stride(1), weight.stride(0),
+                              raw.stride(0), out.stride(0), out.stride(1), *_meeting(out, splits, grid),
+                              BLOCK_M=block_m, BLOCK_N=block_n,
+                              BLOCK_K=block_k, PRECISION=precision, SWAP=SPLIT_K_SWAP,
+                              F16=SPLIT_K_F16 and x.dtype == torch.bfloat16 and is_ue8m0, SPLITS=splits,
                               num_warps=warps, num_stages=stages, **consts)
-        _sum_splits(part, out, splits)
     elif path == WEIGHT_ONLY:
         block_m, block_n, warps, stages = tile or _weight_only_tile(M, N, groups)
         grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), groups)
@@ -616,14 +627,23 @@ def _launch_fp8_tc(x: torch.Tensor, weight: torch.Tensor, raw: torch.Tensor, blo
     per_split = triton.cdiv(triton.cdiv(K, splits), block[1]) * block[1]
     splits = triton.cdiv(K, per_split)
     xq, xs = quantize_activations(x, block[1])
-    part = k_splits.partials(splits, out.shape, out)
     one_scale = block[0] % block_n == 0 and (groups == 1 or N % block[0] == 0)  # no tile straddles a B0 block
-    _fp8_tc_kernel[(tiles, splits, groups)](
-        xq, xs, weight, raw, part, M, N, K, per_split, xq.stride(0), xq.stride(1), xs.stride(0), xs.stride(1),
-        weight.stride(0), raw.stride(0), part.stride(0) if splits > 1 else 0, part.stride(-3), part.stride(-2),
+    grid = (tiles, splits, groups)
+    _fp8_tc_kernel[grid](
+        xq, xs, weight, raw, out, M, N, K, per_split, xq.stride(0), xq.stride(1), xs.stride(0), xs.stride(1),
+        weight.stride(0), raw.stride(0), out.stride(0), out.stride(1), *_meeting(out, splits, grid),
         BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=FP8_TC_GROUP_M, ONE_SCALE=one_scale, EVEN_K=K % per_split == 0,
-        num_warps=warps, num_stages=stages, **consts)
-    _sum_splits(part, out, splits)
+        SPLITS=splits, num_warps=warps, num_stages=stages, **consts)
+
+
+def _meeting(out: torch.Tensor, splits: int, grid: tuple[int, int, int]) -> tuple:
+    """Where a split launch's programs meet (``_store_tile``): the float32 partials ``[splits, *out.shape]``, the
+    arrival counters (one per program of grid axes 0 and 2) and the partials' strides; nothing for one split."""
+    if splits == 1:
+        return out, out, 0, 0, 0
+    part = k_splits.partials(splits, out.shape, out)
+    counters = k_splits.arrival_counters(out.device, grid[0] * grid[2])
+    return part, counters, part.stride(0), part.stride(1), part.stride(2)
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], groups: int = 1,

@@ -1,5 +1,6 @@
 """Splitting a product's inputs (``K``) across programs: more programs for few output tiles, each split's float32
-sums added afterwards in split order (the kernels' own ``_sum_splits_kernel``: deterministic)."""
+sums added in split order (deterministic): by the kernel's own last program of each tile (``store_split``, arrival
+counters from ``arrival_counters``) or afterwards by a second kernel (``fp8_linear._sum_splits_kernel``)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,40 @@ def partials(splits: int, shape: tuple[int, ...], out: torch.Tensor) -> torch.Te
     if splits == 1:
         return out
     return torch.empty(splits, *shape, dtype=torch.float32, device=out.device)
+
+
+COUNTERS_MIN = 4096  # arrival counters a buffer holds at least
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    """int32 counters for ``count`` output tiles whose K splits meet in ``store_split``: zero before a launch, and
+    every launch leaves the ones it used at zero. One buffer per (device, stream), so that kernels running
+    concurrently on two streams never count into the same one (a stream's kernels run one after another; with
+    programmatic dependent launch a kernel touches them only after its ``pdl.begin``)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.numel() < count:
+        counters = torch.zeros(max(count, COUNTERS_MIN), dtype=torch.int32, device=device)
+        _COUNTERS[key] = counters
+    return counters
+
+
+@triton.jit
+def store_split(acc, part_at, out_at, counter, split, stride_ps, mask, SPLITS: tl.constexpr):
+    """One split's float32 sums ``acc`` of a tile to the partials (``part_at`` at split 0, ``stride_ps`` apart);
+    the tile's last split to arrive (``counter``, this tile's arrival counter) adds the ``SPLITS`` partials in split
+    order, writes them to ``out_at`` in its dtype and sets the counter back to zero. The result does not depend on
+    which split finishes last."""
+    tl.store(part_at + split * stride_ps, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial stored before the arrival counts (the release covers them)
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+        total = tl.load(part_at, mask=mask, other=0.0, cache_modifier=".cg")  # from L2: other SMs wrote them
+        for s in tl.static_range(1, SPLITS):
+            total += tl.load(part_at + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(out_at, total.to(out_at.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
