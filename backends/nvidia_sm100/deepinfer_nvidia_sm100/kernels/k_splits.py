@@ -26,17 +26,21 @@ def partials(splits: int, shape: tuple[int, ...], out: torch.Tensor) -> torch.Te
 
 COUNTERS_MIN = 4096  # arrival counters a buffer holds at least
 _COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []  # counters replaced by larger ones, never freed: captured CUDA graphs use them
 
 
 def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
     """int32 counters for ``count`` output tiles whose K splits meet in ``store_split``: zero before a launch, and
     every launch leaves the ones it used at zero. One buffer per (device, stream), so that kernels running
     concurrently on two streams never count into the same one (a stream's kernels run one after another; with
-    programmatic dependent launch a kernel touches them only after its ``pdl.begin``)."""
+    programmatic dependent launch a kernel touches them only after its ``pdl.begin``). A buffer allocated while a
+    CUDA graph is captured lives in the graph's memory pool, which stays held as long as the buffer."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device, stream)
     counters = _COUNTERS.get(key)
     if counters is None or counters.numel() < count:
+        if counters is not None:
+            _OUTGROWN.append(counters)
         counters = torch.zeros(max(count, COUNTERS_MIN), dtype=torch.int32, device=device)
         _COUNTERS[key] = counters
     return counters
