@@ -39,7 +39,7 @@ def test_splits_meet_in_split_order_and_reset_their_counters():
     values = torch.tensor(ORDER_SENSITIVE, dtype=torch.float32, device=DEVICE)
     splits = values.numel()
     counters = k_splits.arrival_counters(torch.device(DEVICE), tiles)
-    assert counters.dtype == torch.int32 and counters.numel() >= tiles and not counters.any()
+    assert not counters.any()
     for _ in range(2):
         part = torch.full((splits, tiles * block), float("nan"), device=DEVICE)
         out = torch.zeros(tiles, block, device=DEVICE)
@@ -49,12 +49,11 @@ def test_splits_meet_in_split_order_and_reset_their_counters():
         assert not counters[:tiles].any()
 
 
-def test_arrival_counters_grow_and_stay_per_device_and_stream():
-    """One zeroed buffer per (device, stream), kept across calls, replaced by a larger one only when a launch needs
-    more counters than it holds."""
+def test_arrival_counters_one_buffer_per_device_and_priority(monkeypatch):
+    """One zeroed buffer per (device, stream priority), kept across calls; None (the partials then added by a second
+    kernel) for more tiles than it holds."""
     device = torch.device("cpu")
     first = k_splits.arrival_counters(device, 8)
-    assert first.numel() == k_splits.COUNTERS_MIN and k_splits.arrival_counters(device, 100) is first
-    larger = k_splits.arrival_counters(device, k_splits.COUNTERS_MIN + 1)
-    assert larger.numel() == k_splits.COUNTERS_MIN + 1 and not larger.any()
-    assert k_splits.arrival_counters(device, 8) is larger
+    assert first.numel() == k_splits.COUNTER_SLOTS and first.dtype == torch.int32 and not first.any()
+    assert k_splits.arrival_counters(device, k_splits.COUNTER_SLOTS) is first
+    assert k_splits.arrival_counters(device, k_splits.COUNTER_SLOTS + 1) is None

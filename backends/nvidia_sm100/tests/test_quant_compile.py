@@ -227,7 +227,7 @@ def test_fp8_split_launches_meet_in_the_kernel(kernel, rows, capability):
         block_m, block_n, warps, stages = fp8_linear._tile(fp8_linear.FP8_TC_TILES, rows)
         constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "GROUP_M": fp8_linear.FP8_TC_GROUP_M,
                      "ONE_SCALE": True, "EVEN_K": True}
-    constants |= {"B0": 128, "B1": 128, "UE8M0": True, "SPLITS": 8}
+    constants |= {"B0": 128, "B1": 128, "UE8M0": True, "SPLITS": 8, "MEET": True}
     types = LINEAR_TYPES | {"part_ptr": "*fp32", "counter_ptr": "*i32"}
     ptx = aot.compile_divisible(getattr(fp8_linear, kernel), types, constants, capability, warps, stages).asm["ptx"]
     assert re.search(r"atom\.global\.(acq_rel\.gpu|gpu\.acq_rel)\.add\.(u32|s32)", ptx), kernel

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="the test extra installs triton")
-from deepinfer_nvidia_sm100.kernels import dequant, fp8_linear, moe, moe_mxfp4_prefill, moe_quant
+from deepinfer_nvidia_sm100.kernels import dequant, fp8_linear, k_splits, moe, moe_mxfp4_prefill, moe_quant
 from interpreted import DEVICE, kernel_runs_here, run_under_interpreter, starts_the_interpreter
 
 from deepinfer_core.ops import reference as ref
@@ -277,6 +277,9 @@ def test_fp8_split_k_kernel_matches_reference(rows, n, k, groups, block, ue8m0, 
     want = ref.grouped_linear_fp8_block(x, weight, scale, block, groups)
     got = fp8_linear.matmul(x, weight, scale, block, groups, fp8_linear.SPLIT_K, tile)
     assert got.shape == (rows, groups, n) and got.dtype == dtype
+    with pytest.MonkeyPatch.context() as patch:  # no counters: the partials added by _sum_splits_kernel, same bits
+        patch.setattr(k_splits, "COUNTER_SLOTS", 0)
+        assert torch.equal(fp8_linear.matmul(x, weight, scale, block, groups, fp8_linear.SPLIT_K, tile), got)
     for row in range(rows):  # each row to its own scale
         scale = want[row].float().abs().max().clamp_min(1e-30)
         torch.testing.assert_close(got[row].float() / scale, want[row].float() / scale, **_tol(dtype))
@@ -309,6 +312,9 @@ def test_fp8_tensor_core_kernel_splits_k():
         split = fp8_linear.matmul(x, weight, scale, block, 1, fp8_linear.FP8_TC, tile)
         torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
         for _ in range(3):
+            assert torch.equal(fp8_linear.matmul(x, weight, scale, block, 1, fp8_linear.FP8_TC, tile), split)
+        with pytest.MonkeyPatch.context() as patch:  # no counters: the partials added by _sum_splits_kernel
+            patch.setattr(k_splits, "COUNTER_SLOTS", 0)
             assert torch.equal(fp8_linear.matmul(x, weight, scale, block, 1, fp8_linear.FP8_TC, tile), split)
     q, s = fp8_block.quantize(x.reshape(M, k), (1, block[1]), ue8m0=False)
     torch.testing.assert_close(whole[:, 0], ref.linear_fp8_block(fp8_block.dequantize(q, s, (1, block[1])), weight,

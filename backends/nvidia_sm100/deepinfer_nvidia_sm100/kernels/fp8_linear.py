@@ -197,7 +197,8 @@ def _split_k_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, stride_x
                     stride_om, stride_og, part_ptr, counter_ptr, stride_ps, stride_pm, stride_pg,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B0: tl.constexpr,
                     B1: tl.constexpr, UE8M0: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr,
-                    F16: tl.constexpr = False, SPLITS: tl.constexpr = 1, PDL: tl.constexpr = False):
+                    F16: tl.constexpr = False, SPLITS: tl.constexpr = 1, MEET: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
     """Program (column block x row block, ``K`` split, group): ``x[rows] @ W[cols, split]^T``, one ``tl.dot`` per
     slice of ``BLOCK_K`` inputs (or per scale block inside it) with fp32 accumulation, written to ``out``, the
     ``SPLITS`` splits' sums added in split order by the last to finish (``_store_tile``). The row blocks of a column block are consecutive programs (their weight tile is read once from
@@ -244,7 +245,7 @@ def _split_k_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, stride_x
     if SWAP:
         acc = tl.trans(acc)  # [BM, BN]
     _store_tile(acc, out_ptr, part_ptr, counter_ptr, split, group, offs_m, offs_n, m_mask, n_mask, stride_om,
-                stride_og, stride_ps, stride_pm, stride_pg, SPLITS)
+                stride_og, stride_ps, stride_pm, stride_pg, SPLITS, MEET)
 
 
 @triton.jit
@@ -290,19 +291,22 @@ def _as_f16(a):
 
 @triton.jit
 def _store_tile(acc, out_ptr, part_ptr, counter_ptr, split, group, offs_m, offs_n, m_mask, n_mask, stride_om,
-                stride_og, stride_ps, stride_pm, stride_pg, SPLITS: tl.constexpr):
+                stride_og, stride_ps, stride_pm, stride_pg, SPLITS: tl.constexpr, MEET: tl.constexpr):
     """``acc [BM, BN]`` (float32) to ``out`` at (rows, ``group``, columns) in ``out``'s dtype; with ``SPLITS`` > 1
-    through the float32 partials ``part [SPLITS, M, groups, N]`` and the tile's arrival counter (one per program
-    of grid axis 0 and group: ``k_splits.store_split``)."""
+    to the float32 partials ``part [SPLITS, M, groups, N]`` at ``split``, added up by the tile's last split to
+    finish (``MEET``: its arrival counter one per program of grid axis 0 and group, ``k_splits.store_split``) or by
+    ``_sum_splits_kernel`` afterwards."""
     mask = m_mask[:, None] & n_mask[None, :]
     rows = offs_m[:, None].to(tl.int64)
     out_at = out_ptr + group * stride_og + rows * stride_om + offs_n[None, :]
+    part_at = part_ptr + group * stride_pg + rows * stride_pm + offs_n[None, :]
     if SPLITS == 1:
         tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        part_at = part_ptr + group * stride_pg + rows * stride_pm + offs_n[None, :]
+    elif MEET:
         counter = counter_ptr + group * tl.num_programs(0) + tl.program_id(0)
         k_splits.store_split(acc, part_at, out_at, counter, split, stride_ps, mask, SPLITS)
+    else:
+        tl.store(part_at + split * stride_ps, acc, mask=mask)
 
 
 @triton.jit
@@ -391,7 +395,8 @@ def _fp8_tc_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, 
                    stride_xsg, stride_wn, stride_sn, stride_om, stride_og, part_ptr, counter_ptr, stride_ps, stride_pm,
                    stride_pg, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
                    UE8M0: tl.constexpr, GROUP_M: tl.constexpr, ONE_SCALE: tl.constexpr = False,
-                   EVEN_K: tl.constexpr = False, SPLITS: tl.constexpr = 1, PDL: tl.constexpr = False):
+                   EVEN_K: tl.constexpr = False, SPLITS: tl.constexpr = 1, MEET: tl.constexpr = False,
+                   PDL: tl.constexpr = False):
     """Program (output tile, group): ``out = x @ W^T`` on fp8 tensor cores from ``x``'s e4m3 values ``xq`` and
     per-row block scales ``xs`` (``quantize_activations``), one ``B1``-wide ``K`` block a step: ``dot(xq, w)`` in
     fp32, times the row's and the weight block's scales, accumulated in fp32. Tiles run ``GROUP_M`` row blocks
@@ -438,7 +443,7 @@ def _fp8_tc_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, 
                                           UE8M0)  # [BN]
             acc += tl.dot(a, w, out_dtype=tl.float32) * a_scale[:, None] * w_scale[None, :]
     _store_tile(acc, out_ptr, part_ptr, counter_ptr, split, group, offs_m, offs_n, m_mask, n_mask, stride_om,
-                stride_og, stride_ps, stride_pm, stride_pg, SPLITS)
+                stride_og, stride_ps, stride_pm, stride_pg, SPLITS, MEET)
 
 
 # Launches: (BLOCK_N, BLOCK_K, num_warps, num_stages) of the row kernel; (BLOCK_M, BLOCK_N, num_warps, num_stages)
@@ -549,12 +554,14 @@ def launch(path: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
         (block_m, block_n, block_k, warps, stages), splits, per_split = _split_k_launch(M, N, K, groups, block[1],
                                                                                         tile)
         grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n), splits, groups)
+        part, counters, meet = _meeting(out, splits, grid)
         _split_k_kernel[grid](x, weight, raw, out, M, N, K, per_split, x.stride(0), x.stride(1), weight.stride(0),
-                              raw.stride(0), out.stride(0), out.stride(1), *_meeting(out, splits, grid),
-                              BLOCK_M=block_m, BLOCK_N=block_n,
-                              BLOCK_K=block_k, PRECISION=precision, SWAP=SPLIT_K_SWAP,
-                              F16=SPLIT_K_F16 and x.dtype == torch.bfloat16 and is_ue8m0, SPLITS=splits,
-                              num_warps=warps, num_stages=stages, **consts)
+                              raw.stride(0), out.stride(0), out.stride(1), part, counters, *part.stride()[:3],
+                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
+                              SWAP=SPLIT_K_SWAP, F16=SPLIT_K_F16 and x.dtype == torch.bfloat16 and is_ue8m0,
+                              SPLITS=splits, MEET=meet, num_warps=warps, num_stages=stages, **consts)
+        if not meet:
+            _sum_splits(part, out, splits)
     elif path == WEIGHT_ONLY:
         block_m, block_n, warps, stages = tile or _weight_only_tile(M, N, groups)
         grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), groups)
@@ -629,21 +636,23 @@ def _launch_fp8_tc(x: torch.Tensor, weight: torch.Tensor, raw: torch.Tensor, blo
     xq, xs = quantize_activations(x, block[1])
     one_scale = block[0] % block_n == 0 and (groups == 1 or N % block[0] == 0)  # no tile straddles a B0 block
     grid = (tiles, splits, groups)
+    part, counters, meet = _meeting(out, splits, grid)
     _fp8_tc_kernel[grid](
         xq, xs, weight, raw, out, M, N, K, per_split, xq.stride(0), xq.stride(1), xs.stride(0), xs.stride(1),
-        weight.stride(0), raw.stride(0), out.stride(0), out.stride(1), *_meeting(out, splits, grid),
+        weight.stride(0), raw.stride(0), out.stride(0), out.stride(1), part, counters, *part.stride()[:3],
         BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=FP8_TC_GROUP_M, ONE_SCALE=one_scale, EVEN_K=K % per_split == 0,
-        SPLITS=splits, num_warps=warps, num_stages=stages, **consts)
+        SPLITS=splits, MEET=meet, num_warps=warps, num_stages=stages, **consts)
+    if not meet:
+        _sum_splits(part, out, splits)
 
 
-def _meeting(out: torch.Tensor, splits: int, grid: tuple[int, int, int]) -> tuple:
-    """Where a split launch's programs meet (``_store_tile``): the float32 partials ``[splits, *out.shape]``, the
-    arrival counters (one per program of grid axes 0 and 2) and the partials' strides; nothing for one split."""
-    if splits == 1:
-        return out, out, 0, 0, 0
+def _meeting(out: torch.Tensor, splits: int, grid: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Where a launch's K splits meet (``_store_tile``): the float32 partials ``[splits, *out.shape]`` (``out``
+    itself for one split), the arrival counters (one per program of grid axes 0 and 2, ``k_splits.arrival_counters``)
+    and whether there are any (else ``_sum_splits`` adds the partials after the launch)."""
     part = k_splits.partials(splits, out.shape, out)
-    counters = k_splits.arrival_counters(out.device, grid[0] * grid[2])
-    return part, counters, part.stride(0), part.stride(1), part.stride(2)
+    counters = k_splits.arrival_counters(out.device, grid[0] * grid[2]) if splits > 1 else None
+    return part, part if counters is None else counters, counters is not None
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], groups: int = 1,

@@ -24,25 +24,29 @@ def partials(splits: int, shape: tuple[int, ...], out: torch.Tensor) -> torch.Te
     return torch.empty(splits, *shape, dtype=torch.float32, device=out.device)
 
 
-COUNTERS_MIN = 4096  # arrival counters a buffer holds at least
-_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
-_OUTGROWN: list[torch.Tensor] = []  # counters replaced by larger ones, never freed: captured CUDA graphs use them
+COUNTER_SLOTS = 8192  # tiles one launch may count to meet in the kernel (more: the partials added by a second one)
+_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
 
 
-def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
-    """int32 counters for ``count`` output tiles whose K splits meet in ``store_split``: zero before a launch, and
-    every launch leaves the ones it used at zero. One buffer per (device, stream), so that kernels running
-    concurrently on two streams never count into the same one (a stream's kernels run one after another; with
-    programmatic dependent launch a kernel touches them only after its ``pdl.begin``). A buffer allocated while a
-    CUDA graph is captured lives in the graph's memory pool, which stays held as long as the buffer."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
+def arrival_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """int32 counters for ``tiles`` output tiles whose K splits meet in the kernel (``store_split``), or None (then
+    a second kernel adds the partials: the same sums): beyond ``COUNTER_SLOTS`` tiles, and while a CUDA graph is
+    captured before an eager launch made the buffer (allocated there, it would be zeroed only by that graph's
+    replays). Zero before a launch; every launch leaves the ones it used at zero. Launches on one stream never
+    overlap (with programmatic dependent launch a kernel counts only after its ``pdl.begin``), and the engine runs
+    work side by side only on its main stream and its high-priority side stream, so there is one buffer per
+    (device, stream priority): a graph captured on a stream of the main stream's priority, after eager warm-up
+    launches (``backend.CudaGraphRunner``), takes the main stream's. (The batch-invariant plugin's split-K GEMM
+    keeps its own counts the same way.)"""
+    if tiles > COUNTER_SLOTS:
+        return None
+    priority = torch.cuda.current_stream(device).priority if device.type == "cuda" else 0
+    key = (str(device), priority)
     counters = _COUNTERS.get(key)
-    if counters is None or counters.numel() < count:
-        if counters is not None:
-            _OUTGROWN.append(counters)
-        counters = torch.zeros(max(count, COUNTERS_MIN), dtype=torch.int32, device=device)
-        _COUNTERS[key] = counters
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = _COUNTERS[key] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
     return counters
 
 
