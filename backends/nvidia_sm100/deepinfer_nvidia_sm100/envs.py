@@ -31,6 +31,12 @@ VARIABLES = Variables(
              "fp8 block linears of at least `DEQUANT_MIN_ROWS` rows (prefill) with 128 x 128 blocks and bf16 "
              "activations through cuBLAS's blockwise fp8 `torch._scaled_mm` (activations quantized per token per "
              "128 inputs); 0: the weight decoded to bf16, then cuBLAS (exact)."),
+    Variable("DEEPINFER_NVIDIA_FP8_SPLITS_MEET", bool, False,
+             "fp8 block linears split along K (small decode batches: the split-K and tensor-core kernels) add their "
+             "splits' float32 partials in the kernel, by the last split of each tile to finish (an arrival count "
+             "per tile, the sums in split order: the same bits), instead of a second kernel launch. Off until run "
+             "on a GPU (written 2026-12-04 without one; the batch-invariant plugin's GEMM folds its splits the "
+             "same way)."),
     Variable("DEEPINFER_NVIDIA_MXFP4_FP8_MIN_PER_EXPERT", int, 256,
              "MXFP4 routed experts with bf16 activations and at least this many assignments per expert on average "
              "(prefill) take `moe_mxfp4_prefill`: the layer's experts converted to e4m3 rows for the call, "

@@ -260,8 +260,8 @@ SPLIT_K_CASES = [
     (*case, dtype) for case in SPLIT_K_CASES for dtype in dict.fromkeys([torch.float32, DOT_DTYPE, torch.bfloat16])
     if DEVICE == "cuda" or dtype != torch.bfloat16 or case[5]])  # the interpreter's bf16 products are wrong
 def test_fp8_split_k_kernel_matches_reference(rows, n, k, groups, block, ue8m0, tile, dtype):
-    """The split-K kernel: each split's float32 partial summed in split order by the tile's last split to finish
-    (``k_splits.store_split``; the output written directly for one split); weights decoded to the reference op's own (the product is the
+    """The split-K kernel: each split's float32 partial summed in split order, by ``_sum_splits_kernel`` or by the
+    tile's last split to finish (``SPLITS_MEET``: the same bits; the output written directly for one split); weights decoded to the reference op's own (the product is the
     reference's up to fp32 sums). bf16 rows with ue8m0 blocks multiply as fp16 times a power of two per row (the
     interpreter runs those fp16 products right): rows of very different magnitudes, and an all-zero row, keep
     their own precision."""
@@ -277,9 +277,11 @@ def test_fp8_split_k_kernel_matches_reference(rows, n, k, groups, block, ue8m0, 
     want = ref.grouped_linear_fp8_block(x, weight, scale, block, groups)
     got = fp8_linear.matmul(x, weight, scale, block, groups, fp8_linear.SPLIT_K, tile)
     assert got.shape == (rows, groups, n) and got.dtype == dtype
-    with pytest.MonkeyPatch.context() as patch:  # no counters: the partials added by _sum_splits_kernel, same bits
-        patch.setattr(k_splits, "COUNTER_SLOTS", 0)
-        assert torch.equal(fp8_linear.matmul(x, weight, scale, block, groups, fp8_linear.SPLIT_K, tile), got)
+    for meet, slots in ((True, k_splits.COUNTER_SLOTS), (True, 0), (False, k_splits.COUNTER_SLOTS)):
+        with pytest.MonkeyPatch.context() as patch:  # the splits met in the kernel or added by _sum_splits_kernel
+            patch.setattr(fp8_linear, "SPLITS_MEET", meet)
+            patch.setattr(k_splits, "COUNTER_SLOTS", slots)  # 0: no counters, the second kernel
+            assert torch.equal(fp8_linear.matmul(x, weight, scale, block, groups, fp8_linear.SPLIT_K, tile), got)
     for row in range(rows):  # each row to its own scale
         scale = want[row].float().abs().max().clamp_min(1e-30)
         torch.testing.assert_close(got[row].float() / scale, want[row].float() / scale, **_tol(dtype))
@@ -311,11 +313,10 @@ def test_fp8_tensor_core_kernel_splits_k():
     for tile in ((16, 32, 4, 1, 3), (16, 32, 4, 1)):
         split = fp8_linear.matmul(x, weight, scale, block, 1, fp8_linear.FP8_TC, tile)
         torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
-        for _ in range(3):
-            assert torch.equal(fp8_linear.matmul(x, weight, scale, block, 1, fp8_linear.FP8_TC, tile), split)
-        with pytest.MonkeyPatch.context() as patch:  # no counters: the partials added by _sum_splits_kernel
-            patch.setattr(k_splits, "COUNTER_SLOTS", 0)
-            assert torch.equal(fp8_linear.matmul(x, weight, scale, block, 1, fp8_linear.FP8_TC, tile), split)
+        for meet in (True, True, True, False):  # met in the kernel (splits racing), or added by a second one
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(fp8_linear, "SPLITS_MEET", meet)
+                assert torch.equal(fp8_linear.matmul(x, weight, scale, block, 1, fp8_linear.FP8_TC, tile), split)
     q, s = fp8_block.quantize(x.reshape(M, k), (1, block[1]), ue8m0=False)
     torch.testing.assert_close(whole[:, 0], ref.linear_fp8_block(fp8_block.dequantize(q, s, (1, block[1])), weight,
                                                                  scale, block), atol=1e-4, rtol=1e-4)

@@ -10,8 +10,9 @@ Kernels picked by the number of rows ``M`` (``linear_path``):
   on the left of a ``tl.dot`` with the batch (``SPLIT_K_SWAP``: on SM90 a wgmma with the weights in registers,
   the batch padded to 16 rather than 64), fp32 accumulation. ``K`` is split
   (``_splits``) until the grid has ``MIN_PROGRAMS`` programs, so that every SM streams weights even for narrow
-  outputs; the splits' float32 partials are summed in split order by the last split of each tile to finish, in the
-  kernel (``k_splits.store_split``: deterministic, no second launch).
+  outputs; the splits' float32 partials are summed in split order (deterministic) by ``_sum_splits_kernel``, or
+  with ``DEEPINFER_NVIDIA_FP8_SPLITS_MEET`` by the last split of each tile to finish, in the kernel
+  (``k_splits.store_split``: no second launch).
   Exact weights, activations as they are: the reference op's math. (``_weight_only_kernel``, the decode-batch
   kernel before it, one column tile over the whole ``K``, stays as ``WEIGHT_ONLY`` for comparison.)
 * ``M >= FP8_TC_MIN_ROWS`` (decode batches of 16+ and prefill): ``_fp8_tc_kernel``, fp8 tensor cores (wgmma on SM90,
@@ -468,6 +469,7 @@ MIN_PROGRAMS = 264  # two per SM of an H200: weight-only launches narrow their c
 # split-K and tensor-core launches split K
 MIN_SPLIT_STEPS = 4  # slices of BLOCK_K inputs each K split runs at least
 SUM_BLOCK = 1024  # outputs one program of _sum_splits_kernel adds up
+SPLITS_MEET: bool | None = None  # K splits added in the kernel (``_meeting``); None: DEEPINFER_NVIDIA_FP8_SPLITS_MEET
 
 
 def _tile(tiles, rows: int) -> tuple[int, ...]:
@@ -651,7 +653,8 @@ def _meeting(out: torch.Tensor, splits: int, grid: tuple[int, int, int]) -> tupl
     itself for one split), the arrival counters (one per program of grid axes 0 and 2, ``k_splits.arrival_counters``)
     and whether there are any (else ``_sum_splits`` adds the partials after the launch)."""
     part = k_splits.partials(splits, out.shape, out)
-    counters = k_splits.arrival_counters(out.device, grid[0] * grid[2]) if splits > 1 else None
+    meet = splits > 1 and (envs.DEEPINFER_NVIDIA_FP8_SPLITS_MEET if SPLITS_MEET is None else SPLITS_MEET)
+    counters = k_splits.arrival_counters(out.device, grid[0] * grid[2]) if meet else None
     return part, part if counters is None else counters, counters is not None
 
 
