@@ -104,12 +104,12 @@ def cases() -> dict[str, tuple]:
             getattr(moe_quant, kernel), TYPES | {"ids_ptr": "*i64"}, constants, warps, stages, bn * bk * matrices)
     launches = [(name, (bm, bk, stages, subtiles)) for name, (_, (bm, bk, stages, *_)) in
                 moe_mxfp4_decode.TILES.items() for subtiles in (1, 2)]  # 64-row weight tiles a program
-    for name, (bm, bk, stages, subtiles, *splits) in launches + [("one token", moe_mxfp4_decode.ONE_TOKEN_TILE)]:
+    for name, (bm, bk, stages, subtiles) in launches:
         constants = {"BLOCK_M": bm, "BLOCK_K": bk, "DECODE": moe_mxfp4_decode.PTX, "PRECISION": "tf32",
-                     "SUBTILES": subtiles, "SPLITS": splits[0] if splits else 1}
+                     "SUBTILES": subtiles}
         for kernel in ("_up_kernel", "_down_kernel"):
-            out[f"moe_mxfp4_decode.{kernel} {name} {(bm, bk, stages, subtiles, *splits)}"] = (
-                getattr(moe_mxfp4_decode, kernel), TYPES | WORDS | {"part_ptr": "*fp32"}, constants,
+            out[f"moe_mxfp4_decode.{kernel} {name} {(bm, bk, stages, subtiles)}"] = (
+                getattr(moe_mxfp4_decode, kernel), TYPES | WORDS, constants,
                 moe_mxfp4_decode.WARPS, stages, moe_mxfp4_decode.TILE_ROWS * subtiles * bk)
     return out
 

@@ -51,11 +51,6 @@ VARIABLES = Variables(
              "operand, in fragment order; on an H200 2.0x faster than `moe_quant`'s grouped kernels at 16-256 "
              "tokens, 1.5x at 1,024, 1.05x at 8,192 on the v4-flash-8l64e-fp4 experts); 0: the grouped kernels of "
              "`moe_quant` at every size."),
-    Variable("DEEPINFER_NVIDIA_MXFP4_DECODE_ONE_TOKEN", bool, False,
-             "One token's MXFP4 routed experts (batch-1 decode) through `moe_mxfp4_decode`'s kernels with K split "
-             "four ways (`ONE_TOKEN_TILE`: the six picked experts' tiles alone would leave most of an H200's SMs "
-             "idle) instead of `moe_quant`'s two row kernels; off: on the H200 88 us a layer against the row "
-             "kernels' 57 (2026-12-04)."),
     Variable("DEEPINFER_NVIDIA_ROW_PIPELINE", int, 3,
              "`moe_quant`'s fp8 one-row expert kernels (batch-1 decode: the shared expert, fp8 routed experts): "
              "their K loops software-pipelined over this many stages by Triton (weight slices, scales and inputs "

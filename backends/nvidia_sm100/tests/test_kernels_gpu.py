@@ -361,8 +361,9 @@ def test_mxfp4_experts_other_paths_match_reference_at_preset_sizes(path, monkeyp
 @pytest.mark.parametrize("T", [1, 16, 64, 256, 2048])
 @pytest.mark.parametrize("variant", ["default", "128 inputs a step", "portable"])
 def test_mxfp4_decode_kernels_match_reference_at_preset_sizes(T, variant):
-    """``moe_mxfp4_decode`` at the preset's widths, bf16: its default launch for the token count (PTX decode; one
-    token: ``ONE_TOKEN_TILE``, K split), 128 inputs a loop step, and the decode without inline PTX; against the reference op."""
+    """``moe_mxfp4_decode`` at the preset's widths, bf16: its default launch for the token count (PTX decode; one token
+    as ``run`` takes it when asked, though the op sends it to the row kernels), 128 inputs a loop step, and the decode
+    without inline PTX; against the reference op."""
     from deepinfer_nvidia_sm100.kernels import moe_mxfp4_decode
 
     E, k, D, I = 64, 6, 4096, 2048
@@ -371,7 +372,7 @@ def test_mxfp4_decode_kernels_match_reference_at_preset_sizes(T, variant):
     ids = torch.rand(T, E, device="cuda", generator=gen).topk(k, dim=-1).indices
     weights = torch.rand(T, k, device="cuda", generator=gen)
     stored = _quantized_experts("mxfp4", E, D, I)
-    launch = list(moe_mxfp4_decode.tile(T * k, E, T))  # one token: ONE_TOKEN_TILE, K split
+    launch = list(moe_mxfp4_decode.tile(T * k, E))
     if variant == "128 inputs a step":
         launch[1] = 128
     decode = moe_mxfp4_decode.PORTABLE if variant == "portable" else None

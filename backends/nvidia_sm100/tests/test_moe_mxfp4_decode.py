@@ -94,9 +94,6 @@ def _tol(dtype: torch.dtype) -> dict:
     (90, 2, 2, 128, 128, (128, 128, 2)),  # a prefill tile: 90 assignments per expert in 128-row tiles
     (5, 4, 2, 256, 384, (16, 256, 2, 2)),  # two weight tiles a program: 64 columns of I, 128 of D
     (90, 2, 2, 128, 128, (128, 128, 2, 2)),  # the same at a prefill tile
-    (1, 4, 3, 256, 256, (16, 128, 2, 1, 2)),  # one token, K split in two over both widths
-    (5, 4, 2, 256, 384, (16, 128, 2, 2, 2)),  # two tiles a program; I's three steps split 2 + 1
-    (3, 4, 3, 256, 384, (16, 128, 2, 1, 8)),  # more splits asked than steps: one step a split
 ])
 def test_decode_kernels_match_reference(T, E, top_k, D, I, launch, dtype, decode):
     if decode != moe_mxfp4_decode.FLOAT32 and dtype != torch.bfloat16:
@@ -129,7 +126,7 @@ def test_up_decode_kernel_compiles_to_three_programs_an_sm_at_168_registers():
     block_m, block_k, stages, subtiles = moe_mxfp4_decode.TILES["decode"][1]
     constants = {"BLOCK_M": block_m, "BLOCK_K": block_k, "DECODE": moe_mxfp4_decode.PTX, "PRECISION": "tf32",
                  "SUBTILES": subtiles}
-    types = _weights(moe_quant.MXFP4, ("1", "2", "3")) | {f"w{i}_ptr": "*i32" for i in "123"} | {"part_ptr": "*fp32"}
+    types = _weights(moe_quant.MXFP4, ("1", "2", "3")) | {f"w{i}_ptr": "*i32" for i in "123"}
     compiled = triton.compile(aot.divisible_source(moe_mxfp4_decode._up_kernel, types, constants),
                               target=aot.GPUTarget("cuda", 90, 32),
                               options={"num_warps": moe_mxfp4_decode.WARPS, "num_stages": stages, "maxnreg": 168})
@@ -142,34 +139,18 @@ def test_up_decode_kernel_compiles_to_three_programs_an_sm_at_168_registers():
 @kernel_runs_here
 @pytest.mark.parametrize("T", [1, 6, 40])
 def test_mxfp4_op_takes_the_decode_kernels_up_to_the_bound(T, monkeypatch):
-    """``moe_experts_mxfp4`` runs these kernels up to ``MAX_PER_EXPERT`` assignments per expert (one token only with
-    ``ONE_TOKEN``), else ``moe_quant``'s: either way the reference's result."""
-    monkeypatch.setattr(moe_mxfp4_decode, "ONE_TOKEN", True)
+    """``moe_experts_mxfp4`` runs these kernels from two tokens up to ``MAX_PER_EXPERT`` assignments per expert, else
+    ``moe_quant``'s (one token: its row kernels): either way the reference's result."""
     monkeypatch.setattr(moe_mxfp4_decode, "MAX_PER_EXPERT", 16)
     dtype = DTYPES[-1]
     x, ids, weights, stored = _case(T, 4, 2, 128, 128, dtype, seed=T)
     w1, w2, w3 = stored[0], stored[2], stored[4]
-    assert moe_mxfp4_decode.used(T, T * 2, x, w1, w2, w3) == (T * 2 <= 16 * 4)
+    assert moe_mxfp4_decode.used(T, T * 2, x, w1, w2, w3) == (1 < T and T * 2 <= 16 * 4)
     assert not moe_mxfp4_decode.used(T, T * 2, x[:, :96], w1[:, :, :48], w2[:, :96], w3[:, :, :48])  # D = 96
     shifted = torch.empty(w1.numel() + 1, dtype=w1.dtype, device=DEVICE)[1:].view(w1.shape)  # storage offset 1
     assert not moe_mxfp4_decode.used(T, T * 2, x, shifted.copy_(w1), w2, w3)  # not readable as int32 words
     got = moe_quant.moe_experts_mxfp4(x, ids, weights, *stored, 0.7)
     torch.testing.assert_close(got, ref.moe_experts_mxfp4(x, ids, weights, *stored, 0.7), **_tol(dtype))
-
-
-@pytest.mark.parametrize("switch", ["1", "0", None])
-def test_one_token_takes_the_decode_kernels_when_switched_on(switch, monkeypatch):
-    """``DEEPINFER_NVIDIA_MXFP4_DECODE_ONE_TOKEN`` (off by default) sends one token to these kernels; 2+ tokens
-    take them either way."""
-    if switch is None:
-        monkeypatch.delenv("DEEPINFER_NVIDIA_MXFP4_DECODE_ONE_TOKEN", raising=False)
-    else:
-        monkeypatch.setenv("DEEPINFER_NVIDIA_MXFP4_DECODE_ONE_TOKEN", switch)
-    x = torch.zeros(1, 128)
-    w1, w2, w3 = (torch.zeros(4, 128, 64, dtype=torch.uint8) for _ in range(3))
-    assert moe_mxfp4_decode.used(1, 2, x, w1, w2, w3) == (switch == "1")
-    assert moe_mxfp4_decode.used(2, 4, x.expand(2, 128), w1, w2, w3)
-    assert moe_mxfp4_decode.tile(2, 4, 1) == moe_mxfp4_decode.ONE_TOKEN_TILE
 
 
 def test_fragment_order_places_each_input():
@@ -200,20 +181,19 @@ def _columns_kernel(out_ptr):
 
 @pytest.mark.parametrize("capability", [90, 100])
 @pytest.mark.parametrize("subtiles", [1, 2])
-@pytest.mark.parametrize("tile_name", sorted(moe_mxfp4_decode.TILES) + ["one token"])
+@pytest.mark.parametrize("tile_name", sorted(moe_mxfp4_decode.TILES))
 @pytest.mark.parametrize("kernel", ["_up_kernel", "_down_kernel"])
 def test_decode_kernels_compile_with_the_inline_ptx(kernel, tile_name, subtiles, capability):
-    """Each ``TILES`` launch and ``ONE_TOKEN_TILE`` (with its K splits), with one and two weight tiles a program,
+    """Each ``TILES`` launch, with one and two weight tiles a program,
     compiles for sm_90a / sm_100a with the PTX decode (ptxas accepts the inline assembly), multiplies on the tensor
     cores and keeps its registers (no local-memory spills)."""
     from deepinfer_nvidia_sm100.kernels import aot
     from test_quant_compile import _weights
 
-    launch = moe_mxfp4_decode.ONE_TOKEN_TILE if tile_name == "one token" else moe_mxfp4_decode.TILES[tile_name][1]
-    block_m, block_k, stages, *_ = launch
+    block_m, block_k, stages, *_ = moe_mxfp4_decode.TILES[tile_name][1]
     constants = {"BLOCK_M": block_m, "BLOCK_K": block_k, "DECODE": moe_mxfp4_decode.PTX, "PRECISION": "tf32",
-                 "SUBTILES": subtiles, "SPLITS": launch[4] if len(launch) > 4 else 1}
-    types = _weights(moe_quant.MXFP4, ("1", "2", "3")) | {f"w{i}_ptr": "*i32" for i in "123"} | {"part_ptr": "*fp32"}
+                 "SUBTILES": subtiles}
+    types = _weights(moe_quant.MXFP4, ("1", "2", "3")) | {f"w{i}_ptr": "*i32" for i in "123"}
     ptx = aot.compile_divisible(getattr(moe_mxfp4_decode, kernel), types, constants, capability,
                                 moe_mxfp4_decode.WARPS, stages).asm["ptx"]  # as the JIT sees the preset
     assert "mul.rn.bf16x2" in ptx, f"{kernel} {tile_name}: no bf16x2 decode"
@@ -221,25 +201,6 @@ def test_decode_kernels_compile_with_the_inline_ptx(kernel, tile_name, subtiles,
     if capability == 90:  # the expanded weights feed wgmma from registers: none goes through shared memory
         assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16 \{[^}]*\}, \{%r", ptx), kernel
         assert "ldmatrix" not in ptx, f"{kernel} {tile_name}: weights through shared memory"  # (stmatrix: epilogue)
-
-
-@pytest.mark.parametrize("capability", [90, 100])
-@pytest.mark.parametrize("kernel", ["up splits", "combine splits"])
-def test_split_sum_kernels_compile(kernel, capability):
-    """The kernels that add ``ONE_TOKEN_TILE``'s K splits compile for sm_90a / sm_100a: ``_swiglu_splits_kernel``
-    (up: SwiGLU, fragment order) and ``moe._combine_kernel`` reading the down kernel's split sums."""
-    from deepinfer_nvidia_sm100.kernels import aot, moe
-
-    splits = moe_mxfp4_decode.ONE_TOKEN_TILE[4]
-    if kernel == "up splits":
-        fn, types = moe_mxfp4_decode._swiglu_splits_kernel, {"part_ptr": "*fp32", "dest_ptr": "*i64", "limit": "fp32"}
-        constants = {"SPLITS": splits, "BLOCK": moe_mxfp4_decode.SWIGLU_SPLITS_BLOCK}
-    else:
-        fn, types = moe._combine_kernel, {"y_ptr": "*fp32", "ids_ptr": "*i64", "dest_ptr": "*i64",
-                                          "weights_ptr": "*fp32"}
-        constants = {"SPLITS": splits, "WEIGHTED": True, "K_P2": 8, "BLOCK_D": moe.COMBINE_BLOCK_D}
-    ptx = aot.compile_divisible(fn, types, constants, capability, 4, 1).asm["ptx"]
-    assert "ld.global" in ptx and "st.global" in ptx and "ld.local" not in ptx
 
 
 @pytest.mark.parametrize("capability", [90, 100])
@@ -327,8 +288,10 @@ def test_row_kernels_with_rows_a_thread_issue_fewer_instructions_a_weight(kernel
     assert rows_a_thread < default, per_weight
 
 
-def test_run_refuses_subtiles_other_than_one_or_two():
+def test_run_refuses_launches_it_cannot_take():
+    """Subtiles other than one or two, or a fifth element (the K splits this op no longer has), name the launch."""
     x, ids, weights, stored = _case(2, 4, 2, 128, 128, torch.float32, seed=0)
     raw = [t.view(torch.uint8) for t in stored]
-    with pytest.raises(ValueError, match="subtiles must be 1 or 2, got 3"):
-        moe_mxfp4_decode.run(x, ids, weights, *raw, 0.7, launch=(16, 128, 2, 3))
+    for launch in ((16, 128, 2, 3), (16, 128, 2, 1, 4)):
+        with pytest.raises(ValueError, match=re.escape(f"subtiles 1 or 2]), got {launch}")):
+            moe_mxfp4_decode.run(x, ids, weights, *raw, 0.7, launch=launch)

@@ -24,7 +24,6 @@ def test_every_name_is_the_backends_and_defaults_keep_the_fast_paths_on():
     assert all(name.startswith(("DEEPINFER_NVIDIA_", "DEEPINFER_TL_ATTN_", "DEEPINFER_TINY_")) for name in names)
     switches = {v.name: v.default for v in envs.VARIABLES if v.type is bool}
     assert switches.pop("DEEPINFER_NVIDIA_COMPILE_STEP") is False  # opt-in
-    assert switches.pop("DEEPINFER_NVIDIA_MXFP4_DECODE_ONE_TOKEN") is False  # timed slower than the row kernels
     assert switches.pop("DEEPINFER_NVIDIA_FP8_SPLITS_MEET") is False  # not yet run on a GPU
     assert all(switches.values()), switches
 

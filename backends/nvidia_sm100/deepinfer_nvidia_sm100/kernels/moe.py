@@ -569,31 +569,25 @@ COMBINE_BLOCK_D = 1024
 def _combine(y: torch.Tensor, ids: torch.Tensor, dest: torch.Tensor, x: torch.Tensor,
              weights: torch.Tensor | None = None) -> torch.Tensor:
     """Each token's ``top_k`` rows of ``y [P, D]`` (``dest [T * k]``) added in ascending expert order into a tensor
-    like ``x``, each times its routing weight first when ``weights`` is given (``_combine_kernel``). ``y`` may
-    instead be float32 K-split sums ``[splits, T * k, D]`` (row: the assignment): each pick's splits are added in
-    split order and rounded to ``x``'s dtype first, as a ``y`` row would be."""
+    like ``x``, each times its routing weight first when ``weights`` is given (``_combine_kernel``)."""
     T, top_k = ids.shape
     D = y.shape[-1]
-    splits = y.shape[0] if y.dim() == 3 else 1
     out = torch.empty_like(x)
     flat_weights = None if weights is None else weights.reshape(-1).contiguous()
-    _combine_kernel[(T, triton.cdiv(D, COMBINE_BLOCK_D))](y, ids, dest, out, D, top_k, y.stride(-2), out.stride(0),
-                                                          flat_weights, y.stride(0) if splits > 1 else 0,
-                                                          WEIGHTED=weights is not None, SPLITS=splits,
+    _combine_kernel[(T, triton.cdiv(D, COMBINE_BLOCK_D))](y, ids, dest, out, D, top_k, y.stride(0), out.stride(0),
+                                                          flat_weights, WEIGHTED=weights is not None,
                                                           K_P2=triton.next_power_of_2(top_k), BLOCK_D=COMBINE_BLOCK_D,
                                                           **pdl.launch())
     return out
 
 
 @triton.jit
-def _combine_kernel(y_ptr, ids_ptr, dest_ptr, out_ptr, D, top_k, stride_ym, stride_ot, weights_ptr=None, stride_ys=0,
-                    WEIGHTED: tl.constexpr = False, SPLITS: tl.constexpr = 1, K_P2: tl.constexpr = 8,
-                    BLOCK_D: tl.constexpr = 1024, PDL: tl.constexpr = False):
+def _combine_kernel(y_ptr, ids_ptr, dest_ptr, out_ptr, D, top_k, stride_ym, stride_ot, weights_ptr=None,
+                    WEIGHTED: tl.constexpr = False, K_P2: tl.constexpr = 8, BLOCK_D: tl.constexpr = 1024,
+                    PDL: tl.constexpr = False):
     """``out[t] = sum_k y[dest[t, k]]`` (``WEIGHTED``: ``y[dest[t, k]] * weights[t, k]``, the product rounded to the
     model dtype), added in ascending expert id (stable) and rounded to the model dtype after every addition: the
-    reference's order (it adds experts one after another into a zeroed output). ``SPLITS`` > 1: ``y`` holds float32
-    K-split sums by assignment (``[SPLITS, T * top_k, D]``, ``stride_ys`` apart), added in split order and rounded to
-    the model dtype in place of ``y[dest[t, k]]``."""
+    reference's order (it adds experts one after another into a zeroed output)."""
     pdl.begin(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -605,18 +599,10 @@ def _combine_kernel(y_ptr, ids_ptr, dest_ptr, out_ptr, D, top_k, stride_ym, stri
     dt = out_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for r in range(top_k):
-        if WEIGHTED or SPLITS > 1:
-            pick = tl.sum(tl.where((rank == r) & in_k, j, 0), axis=0)
-        if SPLITS == 1:
-            row = tl.sum(tl.where((rank == r) & in_k, dest, 0), axis=0)
-            part = tl.load(y_ptr + row * stride_ym + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-        else:
-            at = y_ptr + (token * top_k + pick) * stride_ym + offs_d
-            part = tl.zeros((BLOCK_D,), dtype=tl.float32)
-            for split in tl.static_range(SPLITS):
-                part += tl.load(at + split * stride_ys, mask=d_mask, other=0.0)
-            part = part.to(dt).to(tl.float32)
+        row = tl.sum(tl.where((rank == r) & in_k, dest, 0), axis=0)
+        part = tl.load(y_ptr + row * stride_ym + offs_d, mask=d_mask, other=0.0).to(tl.float32)
         if WEIGHTED:
+            pick = tl.sum(tl.where((rank == r) & in_k, j, 0), axis=0)
             w = tl.load(weights_ptr + token * top_k + pick).to(dt).to(tl.float32)
             part = (part * w).to(dt).to(tl.float32)
         acc = (acc + part).to(dt).to(tl.float32)

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_nvidia_sm100 import envs
-from deepinfer_nvidia_sm100.kernels import dequant, k_splits, moe, pdl
+from deepinfer_nvidia_sm100.kernels import dequant, moe, pdl
 
 FLOAT32, PORTABLE, PTX = 0, 1, 2  # the kernels' ``DECODE``
 BF16_DECODE = PTX  # how bf16 activations decode on a GPU (``PORTABLE``: without inline PTX)
@@ -59,12 +59,6 @@ MAX_REGISTERS = None  # registers a thread the kernels are held to (``maxnreg``;
 # sm_90a the up kernel's (16, 256, 3, 2) takes 170, so an SM holds two of its programs (8 warps); held to 168 it
 # compiles to 163 with the same loop and no spills, three programs (12 warps, as shared memory allows); sm_100a
 # spills there. On the H200 (2026-12-04) 1% at 64 tokens, nothing at 16: left to the compiler
-ONE_TOKEN = None  # one token through these kernels (align, the fragment-order copy, up, down, combine) rather than
-# ``moe_quant``'s two row kernels; None: ``DEEPINFER_NVIDIA_MXFP4_DECODE_ONE_TOKEN`` (off by default)
-ONE_TOKEN_TILE = (16, 256, 3, 1, 4)  # one token's launch: its six experts give (16, 256, 3, 2) only 6 x 32 up
-# programs of 4 warps, about 1.5 a SM; K split 4 ways gives 4x the programs. On the H200 (2026-12-04) 88.1 us a
-# layer against 56.8 for moe_quant's row kernels (bench_quant.py mxfp4): ONE_TOKEN stays off
-
 
 def fits(x: torch.Tensor, *packed: torch.Tensor) -> bool:
     """Whether activations ``x [T, D]`` and packed expert weights (``w1``, ``w2``, ``w3``: ``[E, I, D / 2]``,
@@ -77,19 +71,16 @@ def used(num_tokens: int, num_assign: int, x: torch.Tensor, w1: torch.Tensor, w2
          w3: torch.Tensor) -> bool:
     """Whether ``moe_quant``'s MXFP4 op takes these kernels: fp16 / fp32 activations, bf16 ones with a bf16 decode
     (on a GPU: Triton's interpreter multiplies bf16 tiles wrongly), weights that ``fit``, at most
-    ``MAX_PER_EXPERT`` assignments per expert on average, one token only with ``ONE_TOKEN``."""
+    ``MAX_PER_EXPERT`` assignments per expert on average, two tokens or more (one token takes ``moe_quant``'s row
+    kernels: on the H200 52.6 us a layer against 64.7 us here, 78.7-99.8 us with K split for more programs,
+    bench_quant.py mxfp4, 2026-12-04)."""
     dtype_ok = x.dtype in (torch.float16, torch.float32) or (x.dtype == torch.bfloat16 and decode_mode(x) != FLOAT32)
     bound = envs.DEEPINFER_NVIDIA_MXFP4_DECODE_MAX_PER_EXPERT if MAX_PER_EXPERT is None else MAX_PER_EXPERT
-    one_token = envs.DEEPINFER_NVIDIA_MXFP4_DECODE_ONE_TOKEN if ONE_TOKEN is None else ONE_TOKEN
-    return (dtype_ok and fits(x, w1, w2, w3) and num_assign <= bound * w1.shape[0]
-            and (num_tokens > 1 or one_token))
+    return dtype_ok and fits(x, w1, w2, w3) and num_assign <= bound * w1.shape[0] and num_tokens > 1
 
 
-def tile(num_assign: int, num_experts: int, num_tokens: int = 0) -> tuple[int, ...]:
-    """(BLOCK_M, BLOCK_K, num_stages[, subtiles[, splits]]): ``ONE_TOKEN_TILE`` for one token, else by the mean
-    assignments per expert (``TILES``)."""
-    if num_tokens == 1:
-        return ONE_TOKEN_TILE
+def tile(num_assign: int, num_experts: int) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_K, num_stages[, subtiles]) by the mean assignments per expert (``TILES``)."""
     per_expert = num_assign / max(num_experts, 1)
     return next(t for bound, t in TILES.values() if bound is None or per_expert <= bound)
 
@@ -142,9 +133,9 @@ def _fragment_tile(words, raw_scale, dt: tl.constexpr, BLOCK_K: tl.constexpr, DE
 
 
 @triton.jit
-def _product(a_rows, w_rows, s_rows, w_next, s_next, k_begin, k_end, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+def _product(a_rows, w_rows, s_rows, w_next, s_next, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
              SUBTILES: tl.constexpr, DECODE: tl.constexpr, PRECISION: tl.constexpr):
-    """``W a^T`` over inputs ``k_begin .. k_end`` (whole ``BLOCK_K`` steps) for ``SUBTILES`` (1 or 2) weight tiles of
+    """``W a^T`` over the ``K`` inputs (whole ``BLOCK_K`` steps) for ``SUBTILES`` (1 or 2) weight tiles of
     64 rows, each ``[64, BLOCK_M]`` float32 (rows in tile order; the second zeros with one subtile), every
     activation tile loaded once for both: ``a_rows [BM]`` pointers to the activation rows (in fragment order;
     padding rows point at a real row: their results are never stored), ``w_rows`` / ``s_rows [64]`` to the first tile's rows' int32 words and ue8m0 bytes in
@@ -155,7 +146,7 @@ def _product(a_rows, w_rows, s_rows, w_next, s_next, k_begin, k_end, BLOCK_M: tl
     dt = a_rows.dtype.element_ty
     acc = tl.zeros((64, BLOCK_M), dtype=tl.float32)
     acc_next = tl.zeros((64, BLOCK_M), dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         w = _fragment_tile(tl.load(words_at + k0 // 8), tl.load(scales_at + k0 // 32), dt, BLOCK_K, DECODE)
         a_t = tl.load(a_rows[None, :] + (k0 + inputs)[:, None])  # [BK, BM]
         acc = tl.dot(w, a_t, acc, input_precision=PRECISION)
@@ -178,26 +169,15 @@ def _store_h(acc, h_ptr, offs_m, valid, first_col, stride_hm, limit):
 
 
 @triton.jit
-def _store_part(acc, part_ptr, assign, valid, cols, stride_pa):
-    """A tile's ``[64, BM]`` float32 sums of one K split into row ``assign`` (each row's assignment) of ``part``, tile
-    row ``r`` at column ``cols[r]``."""
-    tl.store(part_ptr + assign[:, None].to(tl.int64) * stride_pa + cols[None, :], tl.trans(acc), mask=valid[:, None])
-
-
-@triton.jit
 def _up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, assign_ptr, block_expert_ptr, D, I, top_k, limit,
-               stride_xt, stride_we, stride_wi, stride_se, stride_si, stride_hm, part_ptr, k_per_split, stride_ps,
-               stride_pa,
+               stride_xt, stride_we, stride_wi, stride_se, stride_si, stride_hm,
                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr, PRECISION: tl.constexpr,
-               SUBTILES: tl.constexpr = 1, SPLITS: tl.constexpr = 1, PDL: tl.constexpr = False):
-    """Program (block of sorted rows, ``32 SUBTILES`` columns of I, K split): ``h = silu(clamp(x w1^T)) * clamp(x
-    w3^T)`` as ``moe_quant._up_kernel``, ``w1`` / ``w3 [E, I, D / 8]`` int32 words, scales ``[E, I, D / 32]``; ``x``
-    and ``h`` in fragment order. A tile's 64 rows are 32 columns' rows of ``w1`` then of ``w3``: one accumulator.
-    With ``SPLITS`` > 1 the program sums inputs ``k_per_split`` from its split's start and writes the float32 sums
-    ``part [SPLITS, T * top_k, 2 I]`` (row: the assignment; ``w1``'s columns, then ``w3``'s) for
-    ``_swiglu_splits_kernel``."""
+               SUBTILES: tl.constexpr = 1, PDL: tl.constexpr = False):
+    """Program (block of sorted rows, ``32 SUBTILES`` columns of I): ``h = silu(clamp(x w1^T)) * clamp(x w3^T)`` as
+    ``moe_quant._up_kernel``, ``w1`` / ``w3 [E, I, D / 8]`` int32 words, scales ``[E, I, D / 32]``; ``x`` and ``h``
+    in fragment order. A tile's 64 rows are 32 columns' rows of ``w1`` then of ``w3``: one accumulator."""
     pdl.begin(PDL)
-    pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
@@ -211,20 +191,11 @@ def _up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, assign_ptr, block_e
     first = rows < 32  # rows of w1, then of w3
     w_rows = tl.where(first, w1_ptr, w3_ptr) + expert.to(tl.int64) * stride_we + cols * stride_wi
     s_rows = tl.where(first, s1_ptr, s3_ptr) + expert.to(tl.int64) * stride_se + cols * stride_si
-    k_begin, k_end = k_splits.split_range(split, k_per_split, D, SPLITS)
-    acc, acc_next = _product(x_rows, w_rows, s_rows, 32 * stride_wi, 32 * stride_si, k_begin, k_end, BLOCK_M, BLOCK_K,
-                             SUBTILES, DECODE, PRECISION)  # [64, BM] each
-    if SPLITS == 1:
-        _store_h(acc, h_ptr, offs_m, valid, first_col, stride_hm, limit)
-        if SUBTILES == 2:
-            _store_h(acc_next, h_ptr, offs_m, valid, first_col + 32, stride_hm, limit)
-    else:
-        tile_rows = tl.arange(0, 64)
-        part_cols = tl.where(tile_rows < 32, 0, I - 32) + first_col + tile_rows  # w1's columns, then w3's
-        part = part_ptr + split.to(tl.int64) * stride_ps
-        _store_part(acc, part, assign, valid, part_cols, stride_pa)
-        if SUBTILES == 2:
-            _store_part(acc_next, part, assign, valid, part_cols + 32, stride_pa)
+    acc, acc_next = _product(x_rows, w_rows, s_rows, 32 * stride_wi, 32 * stride_si, D, BLOCK_M, BLOCK_K, SUBTILES,
+                             DECODE, PRECISION)  # [64, BM] each
+    _store_h(acc, h_ptr, offs_m, valid, first_col, stride_hm, limit)
+    if SUBTILES == 2:
+        _store_h(acc_next, h_ptr, offs_m, valid, first_col + 32, stride_hm, limit)
 
 
 @triton.jit
@@ -238,16 +209,13 @@ def _store_y(acc, y_ptr, offs_m, valid, routing, first_col, stride_ym):
 
 @triton.jit
 def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, assign_ptr, block_expert_ptr, D, I,
-                 stride_hm, stride_we, stride_wd, stride_se, stride_sd, stride_ym, part_ptr, k_per_split, stride_ps,
-                 stride_pa, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr,
-                 PRECISION: tl.constexpr, SUBTILES: tl.constexpr = 1, SPLITS: tl.constexpr = 1,
+                 stride_hm, stride_we, stride_wd, stride_se, stride_sd, stride_ym, BLOCK_M: tl.constexpr,
+                 BLOCK_K: tl.constexpr, DECODE: tl.constexpr, PRECISION: tl.constexpr, SUBTILES: tl.constexpr = 1,
                  PDL: tl.constexpr = False):
-    """Program (block of sorted rows, ``64 SUBTILES`` columns of D, K split): ``y = (h w2^T) * routing weight`` as
-    ``moe_quant._down_kernel``, ``w2 [E, D, I / 8]`` int32 words, scales ``[E, D, I / 32]``. With ``SPLITS`` > 1
-    the float32 sums of the split's ``k_per_split`` inputs go to ``part [SPLITS, T * top_k, D]`` (row: the
-    assignment) instead, unweighted: ``moe._combine`` adds them up, then weights and combines them."""
+    """Program (block of sorted rows, ``64 SUBTILES`` columns of D): ``y = (h w2^T) * routing weight`` as
+    ``moe_quant._down_kernel``, ``w2 [E, D, I / 8]`` int32 words, scales ``[E, D, I / 32]``."""
     pdl.begin(PDL)
-    pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
@@ -259,15 +227,8 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, assign_ptr, block_ex
     cols = (first_col + _tile_rows()).to(tl.int64)
     w_rows = w2_ptr + expert.to(tl.int64) * stride_we + cols * stride_wd
     s_rows = s2_ptr + expert.to(tl.int64) * stride_se + cols * stride_sd
-    k_begin, k_end = k_splits.split_range(split, k_per_split, I, SPLITS)
-    acc, acc_next = _product(h_rows, w_rows, s_rows, 64 * stride_wd, 64 * stride_sd, k_begin, k_end, BLOCK_M, BLOCK_K,
-                             SUBTILES, DECODE, PRECISION)
-    if SPLITS > 1:
-        part = part_ptr + split.to(tl.int64) * stride_ps
-        _store_part(acc, part, assign, valid, first_col + tl.arange(0, 64), stride_pa)
-        if SUBTILES == 2:
-            _store_part(acc_next, part, assign, valid, first_col + 64 + tl.arange(0, 64), stride_pa)
-        return
+    acc, acc_next = _product(h_rows, w_rows, s_rows, 64 * stride_wd, 64 * stride_sd, I, BLOCK_M, BLOCK_K, SUBTILES,
+                             DECODE, PRECISION)
     routing = tl.load(weights_ptr + tl.where(valid, assign, 0), mask=valid, other=0.0)
     routing = routing.to(y_ptr.dtype.element_ty).to(tl.float32)
     _store_y(acc, y_ptr, offs_m, valid, routing, first_col, stride_ym)
@@ -275,39 +236,13 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, assign_ptr, block_ex
         _store_y(acc_next, y_ptr, offs_m, valid, routing, first_col + 64, stride_ym)
 
 
-@triton.jit
-def _swiglu_splits_kernel(part_ptr, h_ptr, dest_ptr, I, limit, stride_ps, stride_pa, stride_hm, SPLITS: tl.constexpr,
-                          BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (assignment, column block of I): the up kernel's K-split float32 sums ``part [SPLITS, T * top_k, 2 I]``
-    (``w1``'s columns, then ``w3``'s) added in split order, then ``h`` as ``_store_h`` rounds it, written in fragment
-    order to the assignment's sorted row ``dest[assignment]``."""
-    pdl.begin(PDL)
-    assign = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < I
-    gate = tl.zeros([BLOCK], dtype=tl.float32)
-    up = tl.zeros([BLOCK], dtype=tl.float32)
-    for split in tl.static_range(SPLITS):
-        at = part_ptr + split * stride_ps + assign * stride_pa + offs
-        gate += tl.load(at, mask=mask, other=0.0)
-        up += tl.load(at + I, mask=mask, other=0.0)
-    dt = h_ptr.dtype.element_ty
-    h = moe._swiglu(gate.to(dt).to(tl.float32), up.to(dt).to(tl.float32), limit, dt)
-    tl.store(h_ptr + tl.load(dest_ptr + assign) * stride_hm + fragment_column(offs), h.to(dt), mask=mask)
-
-
-SWIGLU_SPLITS_BLOCK = 1024  # columns a program of ``_swiglu_splits_kernel`` takes
-
-
 def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s2, w3, s3, limit: float,
         launch: tuple[int, ...] | None = None, decode: int | None = None,
         max_registers: int | None = None) -> torch.Tensor:
     """The MXFP4 experts through these kernels: ``moe.align``, ``_up_kernel``, ``_down_kernel``, ``moe._combine``.
     ``w*`` packed bytes (uint8), ``s*`` ue8m0 bytes (uint8), contiguous, widths that ``fit``; ``launch`` fixes
-    (BLOCK_M, BLOCK_K, num_stages[, subtiles[, splits]]) (subtiles: 64-row weight tiles a program, 1 or 2, each
-    activation tile loaded once for them; splits: the most parts each product's K is split into, for more programs
-    at few tokens, their float32 sums added by ``_swiglu_splits_kernel`` and ``moe._combine``; 1 when left out), by
-    default ``tile``'s;
+    (BLOCK_M, BLOCK_K, num_stages[, subtiles]) (subtiles: 64-row weight tiles a program, 1 or 2, each activation
+    tile loaded once for them; 1 when left out), by default ``tile``'s;
     ``decode`` the ``DECODE``, by default ``decode_mode``'s; ``max_registers`` the kernels' ``maxnreg``, by default
     ``MAX_REGISTERS`` (``benchmarks/bench_quant.py`` sweeps all three)."""
     T, top_k = ids.shape
@@ -315,12 +250,11 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s
     if not fits(x, w1, w2, w3):
         raise ValueError(f"moe_mxfp4_decode: widths D={D}, I={I} must be multiples of {FRAGMENT} and the packed "
                          "weights 4-byte aligned; moe_quant's grouped kernels take any shape")
-    block_m, block_k, stages, *rest = launch or tile(T * top_k, E, T)
-    subtiles, splits = (list(rest) + [1, 1])[:2]
-    if subtiles not in (1, 2):
-        raise ValueError(f"moe_mxfp4_decode: subtiles must be 1 or 2, got {subtiles}")
-    if splits < 1:
-        raise ValueError(f"moe_mxfp4_decode: splits must be at least 1, got {splits}")
+    block_m, block_k, stages, *rest = launch or tile(T * top_k, E)
+    subtiles = rest[0] if rest else 1
+    if subtiles not in (1, 2) or len(rest) > 1:
+        raise ValueError(f"moe_mxfp4_decode: a launch is (BLOCK_M, BLOCK_K, num_stages[, subtiles 1 or 2]), got "
+                         f"{launch}")
     block_k = block_k if D % block_k == 0 and I % block_k == 0 else FRAGMENT  # whole steps over both widths
     sorted_assign, block_expert, dest = moe.align(ids, E, block_m)
     rows = sorted_assign.shape[0]
@@ -335,23 +269,10 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s
         consts["maxnreg"] = max_registers
     blocks = rows // block_m
     xf = fragment_order(x)
-    up_splits, up_per_split = k_splits.parts(D, block_k, splits)
-    up_part = k_splits.partials(up_splits, (T * top_k, 2 * I), h)
-    _up_kernel[(blocks, I // (TILE_ROWS // 2 * subtiles), up_splits)](
+    _up_kernel[(blocks, I // (TILE_ROWS // 2 * subtiles))](
         xf, w1, s1, w3, s3, h, sorted_assign, block_expert, D, I, top_k, float(limit), xf.stride(0), w1.stride(0),
-        w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0), up_part, up_per_split, up_part.stride(0),
-        up_part.stride(1), SPLITS=up_splits, **consts)
-    if up_splits > 1:
-        _swiglu_splits_kernel[(T * top_k, triton.cdiv(I, SWIGLU_SPLITS_BLOCK))](
-            up_part, h, dest, I, float(limit), up_part.stride(0), up_part.stride(1), h.stride(0), SPLITS=up_splits,
-            BLOCK=SWIGLU_SPLITS_BLOCK, num_warps=4, **pdl.launch())
-    down_splits, down_per_split = k_splits.parts(I, block_k, splits)
-    down_part = k_splits.partials(down_splits, (T * top_k, D), y)
-    flat_weights = weights.reshape(-1).contiguous()
-    _down_kernel[(blocks, D // (TILE_ROWS * subtiles), down_splits)](
-        h, w2, s2, y, flat_weights, sorted_assign, block_expert, D, I, h.stride(0), w2.stride(0),
-        w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0), down_part, down_per_split, down_part.stride(0),
-        down_part.stride(1), SPLITS=down_splits, **consts)
-    if down_splits == 1:
-        return moe._combine(y, ids, dest, x)
-    return moe._combine(down_part, ids, dest, x, weights)  # the splits' sums added there
+        w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0), **consts)
+    _down_kernel[(blocks, D // (TILE_ROWS * subtiles))](
+        h, w2, s2, y, weights.reshape(-1).contiguous(), sorted_assign, block_expert, D, I, h.stride(0), w2.stride(0),
+        w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0), **consts)
+    return moe._combine(y, ids, dest, x)
