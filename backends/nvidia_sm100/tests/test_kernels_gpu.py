@@ -455,6 +455,33 @@ def test_fp8_linear_in_cuda_graph_has_no_host_sync(rows):
                                atol=3e-2 if quantizing else 2e-2, rtol=3e-2 if quantizing else 2e-2)
 
 
+@pytest.mark.parametrize("rows", [4, 16, 64])
+def test_fp8_splits_meeting_in_the_kernel_replay_in_cuda_graphs(rows, monkeypatch):
+    """``SPLITS_MEET``: a split-K (4 rows) or tensor-core (16, 64 rows) launch whose K splits add up in the kernel,
+    captured in a CUDA graph (the counters made by the eager warm-up) and replayed on new inputs: the bits of the
+    second-kernel sums every time, the counters back at zero after each replay."""
+    from deepinfer_nvidia_sm100.backend import NvidiaBackend
+    from deepinfer_nvidia_sm100.kernels import fp8_linear, k_splits
+
+    from deepinfer_core.quant import fp8_block
+
+    weight, scale = fp8_block.quantize(torch.randn(4096, 8192, device="cuda") * 0.01, (128, 128), True)  # wo_b
+    x = torch.randn(rows, 8192, device="cuda").to(torch.bfloat16)
+    assert fp8_linear._split_k_launch(rows, 4096, 8192, 1, 128, None)[1] > 1 or rows >= fp8_linear.FP8_TC_MIN_ROWS
+    monkeypatch.setattr(fp8_linear, "SPLITS_MEET", True)
+    run = NvidiaBackend().capture_graph(lambda a: fp8_linear.linear_fp8_block(a, weight, scale, (128, 128)), (x,))
+    counters = k_splits._COUNTERS[(str(x.device), torch.cuda.current_stream().priority)]
+    for seed in range(3):
+        x2 = torch.randn(rows, 8192, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+        x2 = x2.to(torch.bfloat16)
+        got = run(x2).clone()
+        torch.cuda.synchronize()
+        assert not counters.any()
+        with monkeypatch.context() as patch:
+            patch.setattr(fp8_linear, "SPLITS_MEET", False)
+            assert torch.equal(got, fp8_linear.linear_fp8_block(x2, weight, scale, (128, 128)))
+
+
 def test_backend_table_takes_the_quantized_kernels():
     from deepinfer_nvidia_sm100.backend import NvidiaBackend
 
