@@ -224,6 +224,24 @@ def test_row_launch_trades_inputs_for_rows_on_short_k():
 
 
 @kernel_runs_here
+@pytest.mark.parametrize("tile", [(4, 64, 4, 1), (4, 128, 4, 1), (8, 64, 4, 1), (16, 32, 4, 1), (4, 1024, 4, 3)])
+def test_one_token_mxfp4_rows_at_any_tile_match_reference(tile):
+    """bf16 MXFP4 rows at tiles that give each thread 1-2 packed bytes of a slice (Triton decodes them: the PTX
+    row sums need ``PTX_MIN_BYTES_A_THREAD``) and at the default (16 bytes: the PTX on a GPU): the reference's
+    result, slices past ``D`` and ``I`` included."""
+    gen = _gen(29)
+    E, top_k, D, I = 8, 3, 96, 128
+    x = torch.randn(1, D, device=DEVICE, generator=gen).to(torch.bfloat16)
+    ids, weights = _route(1, E, top_k, gen, repeat=True)
+    stored = _experts(moe_quant.MXFP4, E, D, I, gen)
+    block_n, block_k, warps, _ = tile
+    assert moe_quant.row_sums_ptx(x, block_n, block_k, warps) == (DEVICE == "cuda" and block_k == 1024)
+    got = moe_quant._run(moe_quant.MXFP4, x, ids, weights, *stored, moe_quant.MXFP4_BLOCK, 0.7, tile)
+    want = ref.moe_experts_mxfp4(x, ids, weights, *stored, 0.7)
+    torch.testing.assert_close(got, want, **_tol(torch.bfloat16))
+
+
+@kernel_runs_here
 @pytest.mark.parametrize("dtype", [torch.float32, DOT_DTYPE])
 def test_fp8_expert_rows_pipelined_give_the_same_sums(dtype, monkeypatch):
     """``ROW_PIPELINE`` 3 on fp8 experts: the up kernel's K loop pipelined, the down kernel's (pick, slice) steps in

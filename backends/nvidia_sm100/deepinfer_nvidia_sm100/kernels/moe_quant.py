@@ -291,6 +291,17 @@ def row_pipeline(fmt: int) -> int:
 
 
 ROW_DECODE_PTX = True  # bf16 MXFP4 rows decoded and multiplied by inline PTX (``dequant.mxfp4_row_sums``)
+PTX_MIN_BYTES_A_THREAD = 16  # ... where a slice gives each thread at least this many packed bytes (``row_sums_ptx``)
+
+
+def row_sums_ptx(x: torch.Tensor, block_n: int, block_k: int, warps: int) -> bool:
+    """Whether the one-token MXFP4 row kernels of ``x``'s activations at tile ``(block_n, block_k)`` and ``warps``
+    sum through ``dequant.mxfp4_row_sums`` (``ROW_DECODE_PTX``, bf16 on a GPU): only where each thread holds at least
+    ``PTX_MIN_BYTES_A_THREAD`` packed bytes of a slice, as at every tile where it passed its tests on the H200 (16 to
+    128 bytes). At tiles of 1 or 2 bytes a thread, fewer than the assembly's 4-byte pack, three tests failed there
+    (2026-12-04); those tiles decode in Triton operations instead (the same values)."""
+    return (ROW_DECODE_PTX and moe_mxfp4_decode.decode_mode(x) == moe_mxfp4_decode.PTX
+            and block_n * block_k // 2 // (32 * warps) >= PTX_MIN_BYTES_A_THREAD)
 ONE_TOKEN_ROW_KERNELS = True  # one token through the two row kernels; False: through the grouped kernels (16-row
 # tiles, weights on the left), to be set from bench_quant.py's one-token sweep ("rows" vs "grouped")
 # One-token launches (BLOCK_N, BLOCK_K, num_warps, num_stages): MXFP4 rows are a quarter of bf16 rows' bytes and fp8
@@ -387,7 +398,7 @@ def _one_token(x, ids, weights, w1, s1, w2, s2, w3, s3, D, I, limit, consts, til
     flat_ids = ids.reshape(-1).contiguous()
     h = torch.empty(top_k, I, dtype=x.dtype, device=x.device)
     launch = {"num_warps": warps, "num_stages": stages, **consts,
-              "PTX": ROW_DECODE_PTX and moe_mxfp4_decode.decode_mode(x) == moe_mxfp4_decode.PTX,
+              "PTX": row_sums_ptx(x, block_n, block_k, warps),
               "PIPELINE": row_pipeline(consts["FMT"]), **pdl.launch()}
     _up_row_kernel[(triton.cdiv(I, block_n), top_k)](
         x, w1, s1, w3, s3, h, flat_ids, D, I, float(limit), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
