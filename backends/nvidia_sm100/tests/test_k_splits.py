@@ -49,11 +49,12 @@ def test_splits_meet_in_split_order_and_reset_their_counters():
         assert not counters[:tiles].any()
 
 
-def test_arrival_counters_one_buffer_per_device_and_priority(monkeypatch):
+def test_arrival_counters_one_buffer_per_device_and_priority():
     """One zeroed buffer per (device, stream priority), kept across calls; None (the partials then added by a second
     kernel) for more tiles than it holds."""
     device = torch.device("cpu")
     first = k_splits.arrival_counters(device, 8)
-    assert first.numel() == k_splits.COUNTER_SLOTS and first.dtype == torch.int32 and not first.any()
-    assert k_splits.arrival_counters(device, k_splits.COUNTER_SLOTS) is first
-    assert k_splits.arrival_counters(device, k_splits.COUNTER_SLOTS + 1) is None
+    assert first.numel() == k_splits.COUNTERS.slots and first.dtype == torch.int32 and not first.any()
+    assert k_splits.arrival_counters(device, k_splits.COUNTERS.slots) is first
+    assert k_splits.arrival_counters(device, k_splits.COUNTERS.slots + 1) is None
+    assert any(buffer is first for buffer in k_splits.COUNTERS.buffers())

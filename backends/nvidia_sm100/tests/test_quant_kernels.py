@@ -295,10 +295,10 @@ def test_fp8_split_k_kernel_matches_reference(rows, n, k, groups, block, ue8m0, 
     want = ref.grouped_linear_fp8_block(x, weight, scale, block, groups)
     got = fp8_linear.matmul(x, weight, scale, block, groups, fp8_linear.SPLIT_K, tile)
     assert got.shape == (rows, groups, n) and got.dtype == dtype
-    for meet, slots in ((True, k_splits.COUNTER_SLOTS), (True, 0), (False, k_splits.COUNTER_SLOTS)):
+    for meet, slots in ((True, k_splits.COUNTERS.slots), (True, 0), (False, k_splits.COUNTERS.slots)):
         with pytest.MonkeyPatch.context() as patch:  # the splits met in the kernel or added by _sum_splits_kernel
             patch.setattr(fp8_linear, "SPLITS_MEET", meet)
-            patch.setattr(k_splits, "COUNTER_SLOTS", slots)  # 0: no counters, the second kernel
+            patch.setattr(k_splits.COUNTERS, "slots", slots)  # 0: no counters, the second kernel
             assert torch.equal(fp8_linear.matmul(x, weight, scale, block, groups, fp8_linear.SPLIT_K, tile), got)
     for row in range(rows):  # each row to its own scale
         scale = want[row].float().abs().max().clamp_min(1e-30)

@@ -154,7 +154,7 @@ def test_gemm_launches_agree_bitwise_on_gpu(n, k, groups):
         assert torch.equal(triton_kernels._grouped_matmul(x, w, groups, launch="split", fused_fold=False), split), m
         for launch in triton_kernels.LAUNCHES:
             assert torch.equal(triton_kernels._grouped_matmul(x, w, groups, launch=launch), split), (m, launch)
-    for counts in triton_kernels._FOLD_COUNTS.values():
+    for counts in triton_kernels.FOLD_COUNTS.buffers():
         assert not counts.any()  # every tile's last program reset its count
 
 

@@ -249,8 +249,8 @@ def test_split_k_partials_folded_by_each_tiles_last_program(monkeypatch):
         xg = torch.randn(9, 2, 1024, generator=gen).to(dtype)
         assert torch.equal(triton_kernels._grouped_matmul(xg, wg, 2, launch="split"),
                            triton_kernels._grouped_matmul(xg, wg, 2, launch="split", fused_fold=False))
-    assert not triton_kernels._FOLD_COUNTS[("cpu", 0)].any()
-    assert triton_kernels._fold_counts(torch.device("cpu"), triton_kernels.FOLD_COUNT_SLOTS + 1) is None
+    assert not any(counts.any() for counts in triton_kernels.FOLD_COUNTS.buffers())
+    assert triton_kernels._fold_counts(torch.device("cpu"), triton_kernels.FOLD_COUNTS.slots + 1) is None
     monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT_FUSED_FOLD", "0")
     assert triton_kernels._fold_counts(torch.device("cpu"), 4) is None
 

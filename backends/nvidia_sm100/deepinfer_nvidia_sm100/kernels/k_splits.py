@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_core.tile_counters import TileCounters
+
 
 def parts(K: int, step: int, most: int) -> tuple[int, int]:
     """``K`` inputs in at most ``most`` parts of whole ``step`` slices: ``(parts, inputs a part)``; the last part
@@ -24,30 +26,15 @@ def partials(splits: int, shape: tuple[int, ...], out: torch.Tensor) -> torch.Te
     return torch.empty(splits, *shape, dtype=torch.float32, device=out.device)
 
 
-COUNTER_SLOTS = 8192  # tiles one launch may count to meet in the kernel (more: the partials added by a second one)
-_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
+COUNTERS = TileCounters(8192)  # the arrival counters of launches whose K splits meet in the kernel (``store_split``)
 
 
 def arrival_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """int32 counters for ``tiles`` output tiles whose K splits meet in the kernel (``store_split``), or None (then
-    a second kernel adds the partials: the same sums): beyond ``COUNTER_SLOTS`` tiles, and while a CUDA graph is
-    captured before an eager launch made the buffer (allocated there, it would be zeroed only by that graph's
-    replays). Zero before a launch; every launch leaves the ones it used at zero. Launches on one stream never
-    overlap (with programmatic dependent launch a kernel counts only after its ``pdl.begin``), and the engine runs
-    work side by side only on its main stream and its high-priority side stream, so there is one buffer per
-    (device, stream priority): a graph captured on a stream of the main stream's priority, after eager warm-up
-    launches (``backend.CudaGraphRunner``), takes the main stream's. (The batch-invariant plugin's split-K GEMM
-    keeps its own counts the same way.)"""
-    if tiles > COUNTER_SLOTS:
-        return None
-    priority = torch.cuda.current_stream(device).priority if device.type == "cuda" else 0
-    key = (str(device), priority)
-    counters = _COUNTERS.get(key)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = _COUNTERS[key] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return counters
+    """Zeroed int32 counters for ``tiles`` output tiles whose K splits meet in the kernel (``store_split``), one
+    buffer per (device, stream priority) (``TileCounters.get``), or None: a second kernel then adds the partials (the
+    same sums). Every launch leaves the ones it used at zero. (The batch-invariant plugin's split-K GEMM keeps its
+    own ``TileCounters`` the same way.)"""
+    return COUNTERS.get(device, tiles)
 
 
 @triton.jit

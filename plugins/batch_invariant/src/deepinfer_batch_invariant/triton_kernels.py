@@ -46,6 +46,7 @@ from deepinfer_batch_invariant import envs
 from deepinfer_batch_invariant.primitives import KV_CHUNK
 from deepinfer_core import envs as core_envs
 from deepinfer_core.envs import Variable
+from deepinfer_core.tile_counters import TileCounters
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _EMULATE = INTERPRET
@@ -391,29 +392,17 @@ def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, groups: int, launch: 
     return out
 
 
-FOLD_COUNT_SLOTS = 16384
-"""Tiles one split-K launch may count for its fused fold (more take ``_fold_splits_kernel``)."""
-_FOLD_COUNTS: dict[tuple, torch.Tensor] = {}
+FOLD_COUNTS = TileCounters(16384)
+"""The split-K launches' tile counts for their fused fold (a launch of more tiles takes ``_fold_splits_kernel``)."""
 
 
 def _fold_counts(device: torch.device, tiles: int) -> torch.Tensor | None:
-    """The zeroed int32 tile counts for a split-K launch's fused fold on the current stream, or None (then the fold
-    kernel runs: the same sums): with ``DEEPINFER_BATCH_INVARIANT_FUSED_FOLD=0``, beyond ``FOLD_COUNT_SLOTS`` tiles,
-    and while a CUDA graph is captured before any eager launch made the buffer (an allocation there would be zeroed
-    only by that graph's replays). Each launch leaves its counts at zero, and launches on one stream never overlap; the
-    engine runs work side by side only on its main stream and its high-priority side stream (``fork``), so there is
-    one buffer per (device, stream priority): a graph captured on another stream of the main stream's priority (the
-    capture stream, after eager warm-up launches) takes the main stream's."""
-    if tiles > FOLD_COUNT_SLOTS or not envs.get("DEEPINFER_BATCH_INVARIANT_FUSED_FOLD"):
+    """The zeroed int32 tile counts for a split-K launch's fused fold on the current stream (``FOLD_COUNTS``), or
+    None (then the fold kernel runs: the same sums): with ``DEEPINFER_BATCH_INVARIANT_FUSED_FOLD=0``, beyond its
+    slots, and while a CUDA graph is captured before any eager launch made the buffer."""
+    if not envs.get("DEEPINFER_BATCH_INVARIANT_FUSED_FOLD"):
         return None
-    priority = torch.cuda.current_stream(device).priority if device.type == "cuda" else 0
-    key = (str(device), priority)
-    counts = _FOLD_COUNTS.get(key)
-    if counts is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counts = _FOLD_COUNTS[key] = torch.zeros(FOLD_COUNT_SLOTS, dtype=torch.int32, device=device)
-    return counts
+    return FOLD_COUNTS.get(device, tiles)
 
 
 def _k_splits(n: int, k: int, dtype: torch.dtype, groups: int) -> tuple[int, int]:
