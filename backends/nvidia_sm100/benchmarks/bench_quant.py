@@ -273,16 +273,19 @@ MOE_SWEEP = {  # tokens -> (path, launch) tried for the MXFP4 experts, the defau
 LINEAR_SWEEP = {  # rows -> (path, launch) tried on wo_b (4096 x 8192), the default first. split_k: (BM, BN, BK,
     # warps, stages[, K splits]); "split_k_unswapped": the activations as the left operand (SPLIT_K_SWAP = False);
     # "split_k_bf16": bf16 products (SPLIT_K_F16 = False); weight_only / fp8_tc: (BM, BN, warps, stages[, K splits]);
+    # "..._meet": the K splits added in the kernel (fp8_linear.SPLITS_MEET) instead of by _sum_splits_kernel;
     # row: (BN, BK, warps, stages[, K splits])
     1: (("row", (8, 2048, 8, 3)), ("row", (16, 1024, 8, 3)), ("row", (8, 2048, 8, 4)), ("row", (8, 2048, 4, 3)),
         ("row", (16, 2048, 8, 3)), ("row", (4, 4096, 8, 3)), ("row", (8, 1024, 4, 3, 2)),
         ("split_k", (16, 256, 128, 8, 4))),
-    16: (("split_k", (16, 256, 128, 8, 4)), ("split_k", (16, 256, 128, 8, 4, 4)), ("split_k", (16, 128, 128, 4, 4)),
+    16: (("split_k", (16, 256, 128, 8, 4)), ("split_k_meet", (16, 256, 128, 8, 4)), ("split_k", (16, 256, 128, 8, 4, 4)),
+         ("split_k", (16, 128, 128, 4, 4)),
          ("split_k", (16, 64, 128, 4, 4)), ("split_k", (16, 256, 256, 8, 3)), ("split_k_bf16", (16, 256, 128, 8, 4)),
          ("split_k_unswapped", (16, 128, 128, 4, 4)), ("weight_only", (16, 16, 4, 4))),
     64: (("split_k", (64, 256, 128, 8, 3)), ("split_k", (64, 256, 128, 8, 3, 4)), ("split_k", (64, 128, 128, 8, 3)),
          ("split_k", (64, 64, 128, 4, 3)), ("split_k_bf16", (64, 256, 128, 8, 3)), ("fp8_tc", (64, 128, 4, 3)),
-         ("weight_only", (64, 16, 4, 3))),
+         ("fp8_tc_meet", (64, 128, 4, 3)), ("fp8_tc", (64, 128, 4, 3, 4)), ("fp8_tc_meet", (64, 128, 4, 3, 4)),
+         ("fp8_tc", (64, 64, 4, 3)), ("fp8_tc_meet", (64, 64, 4, 3)), ("weight_only", (64, 16, 4, 3))),
     256: (("fp8_tc", (64, 128, 4, 3)), ("fp8_tc", (64, 128, 4, 3, 1)), ("fp8_tc", (128, 128, 8, 3)),
           ("fp8_tc", (64, 64, 4, 4)), ("split_k", (64, 256, 128, 8, 3)), ("split_k_bf16", (64, 256, 128, 8, 3)),
           ("dequant", None)),
@@ -291,17 +294,23 @@ LINEAR_SWEEP = {  # rows -> (path, launch) tried on wo_b (4096 x 8192), the defa
 }
 
 
+SWEEP_VARIANTS = {  # sweep path -> (the fp8_linear path, fp8_linear settings while it runs)
+    "split_k_unswapped": ("split_k", {"SPLIT_K_SWAP": False}),
+    "split_k_bf16": ("split_k", {"SPLIT_K_F16": False}),
+    "split_k_meet": ("split_k", {"SPLITS_MEET": True}),
+    "fp8_tc_meet": ("fp8_tc", {"SPLITS_MEET": True}),
+}
+
+
 def linear_sweep_run(path: str, tile: tuple[int, ...], x, w, s):
     """The fp8 linear at one sweep point: a function of no arguments."""
     from deepinfer_nvidia_sm100.kernels import fp8_linear
 
-    switch = {"split_k_unswapped": "SPLIT_K_SWAP", "split_k_bf16": "SPLIT_K_F16"}.get(path)
+    kernel_path, settings = SWEEP_VARIANTS.get(path, (path, {}))
 
     def run():
-        if switch is None:
-            return fp8_linear.matmul(x, w, s, BLOCK, 1, path, tile)
-        with module_settings(fp8_linear, **{switch: False}):
-            return fp8_linear.matmul(x, w, s, BLOCK, 1, fp8_linear.SPLIT_K, tile)
+        with module_settings(fp8_linear, **settings):
+            return fp8_linear.matmul(x, w, s, BLOCK, 1, kernel_path, tile)
 
     return run
 
