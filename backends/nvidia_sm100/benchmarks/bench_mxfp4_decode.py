@@ -13,7 +13,8 @@ then timed: replayed from a CUDA graph up to 256 tokens, eagerly beyond (CUDA ev
 * ``old``: the MXFP4 kernels before ``moe_mxfp4_decode``, as the op ran them (one token: the two row kernels,
   ``moe_quant.ROW_TILES``, float32 decode; more: the grouped kernels with ``tl.dot_scaled``, ``moe_quant._tiles``'
   launch); ``rows ptx`` (one token): the row kernels with ``moe_quant.ROW_DECODE_PTX`` (``mxfp4_row_sums``), at
-  ``ROW_TILES``;
+  ``ROW_TILES``, and ``rows ptx picks apart`` with the down products by pick on programs of their own
+  (``moe_quant.PICKS_APART``);
 * ``op``: ``moe_quant.moe_experts_mxfp4`` as it runs now (``moe_mxfp4_decode.used`` picks the path);
 * ``new (BLOCK_M, BLOCK_K, stages[, subtiles[, splits]])``: ``moe_mxfp4_decode.run`` with that launch (the first is ``tile``'s
   default; ``maxnreg 168``: held to 168 registers a thread, three programs an SM), ``portable``: its bf16 decode
@@ -80,9 +81,9 @@ def _variants(T: int, x, ids, routing, dense, stored) -> dict:
     from deepinfer_nvidia_sm100.kernels import moe, moe_mxfp4_decode, moe_mxfp4_prefill, moe_quant
 
     raw = [t.view(torch.uint8) for t in stored]
-    def rows(ptx: bool):
+    def rows(ptx: bool, apart: bool = False):
         def run():
-            with module_settings(moe_quant, ROW_DECODE_PTX=ptx):
+            with module_settings(moe_quant, ROW_DECODE_PTX=ptx, PICKS_APART=apart):
                 return moe_quant._run(moe_quant.MXFP4, x, ids, routing, *stored, moe_quant.MXFP4_BLOCK, LIMIT,
                                       row_kernels=True)
 
@@ -102,6 +103,7 @@ def _variants(T: int, x, ids, routing, dense, stored) -> dict:
     }
     if T == 1:
         variants["rows ptx"] = rows(True)
+        variants["rows ptx picks apart"] = rows(True, apart=True)
     for launch in (default, *LAUNCHES[T]):
         variants[f"new {launch}"] = lambda launch=launch: moe_mxfp4_decode.run(x, ids, routing, *raw, LIMIT, launch)
     if T in MAX_REGISTERS_TOKENS:

@@ -57,6 +57,11 @@ VARIABLES = Variables(
              "copied ahead into shared memory, across the picked experts in the down kernel); 0: each slice loaded "
              "when its products need it (the same sums either way). On the H200 the shared expert took 13.6 us "
              "pipelined against 29.6 us (2026-12-04); MXFP4 rows are never pipelined (4x slower)."),
+    Variable("DEEPINFER_NVIDIA_ROW_PICKS_APART", bool, False,
+             "One token's routed experts (batch-1 decode): the down products of the picked experts on programs of "
+             "their own, side by side (a column block's last program adds them in expert order, the same bits), "
+             "instead of one pick after another in each program. Off until timed on a GPU (written 2026-12-04 "
+             "without one)."),
     Variable("DEEPINFER_NVIDIA_INVARIANT_MIX_SPLITS", int, None,
              "Batch-invariant mode: the most K splits of the mHC mixing logits (`hc.INVARIANT_MIX_SPLITS` when unset; "
              "the split count follows the row length only, so any value is invariant, with other bits). Set it before "

@@ -101,6 +101,22 @@ def test_quantized_moe_row_kernels_compile(kernel, fmt, pipeline, capability):
     assert "ld.local" not in ptx and "st.local" not in ptx, f"{kernel} fmt {fmt} pipeline {pipeline}: registers spill"
 
 
+@pytest.mark.parametrize("capability", sorted(ARCHS))
+@pytest.mark.parametrize("fmt", [moe_quant.MXFP4, moe_quant.FP8])
+def test_down_pick_kernel_compiles_and_meets_by_an_atomic_count(fmt, capability):
+    """``_down_pick_kernel`` (``PICKS_APART``) at the one-token tile (MXFP4 through the PTX row sums): its column
+    block's programs meet by an acquire-release count at GPU scope, the last reads the others' sums through L2, no
+    spills."""
+    block_n, block_k, warps, stages = moe_quant.ROW_TILES[fmt]
+    block = moe_quant.MXFP4_BLOCK if fmt == moe_quant.MXFP4 else (128, 128)
+    constants = {"BLOCK_N": block_n, "BLOCK_K": block_k, "FMT": fmt, "B0": block[0], "B1": block[1], "UE8M0": True,
+                 "K_P2": 8, "PTX": fmt == moe_quant.MXFP4}
+    types = _weights(fmt, ("2",)) | {"part_ptr": "*fp32", "counter_ptr": "*i32"}
+    ptx = _compile(moe_quant._down_pick_kernel, types, constants, capability, warps, stages)
+    assert re.search(r"atom\.global\.(acq_rel\.gpu|gpu\.acq_rel)\.add", ptx) and "ld.global.cg" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx, f"fmt {fmt}: registers spill"
+
+
 LINEAR_TYPES = {"w_ptr": "*fp8e4nv", "s_ptr": "*u8", "xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32"}
 
 

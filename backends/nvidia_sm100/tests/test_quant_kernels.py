@@ -242,6 +242,30 @@ def test_one_token_mxfp4_rows_at_any_tile_match_reference(tile):
 
 
 @kernel_runs_here
+@pytest.mark.parametrize("fmt, dtype", [(moe_quant.MXFP4, dtype) for dtype in MXFP4_DTYPES]
+                         + [(moe_quant.FP8, torch.float32), (moe_quant.FP8, DOT_DTYPE)])
+def test_one_token_down_picks_apart_give_the_same_bits(fmt, dtype, monkeypatch):
+    """``PICKS_APART``: one token's down products by pick on programs of their own, added by each column block's
+    last program (an expert picked twice, a column block past ``D``): the same bits as one program taking the
+    picks in turn, the counters back at zero, the reference op's result."""
+    gen = _gen(31)
+    E, top_k, D, I = 8, 6, 96, 128
+    x = torch.randn(1, D, device=DEVICE, generator=gen).to(dtype)
+    ids, weights = _route(1, E, top_k, gen, repeat=True)
+    block = moe_quant.MXFP4_BLOCK if fmt == moe_quant.MXFP4 else (32, 32)
+    stored = _experts(fmt, E, D, I, gen)
+    tile = (16, 64, 4, 1)  # 6 column blocks of D (the last partial), 2 slices of I
+    runs = {}
+    for apart in (False, True, True):
+        monkeypatch.setattr(moe_quant, "PICKS_APART", apart)
+        runs.setdefault(apart, []).append(moe_quant._run(fmt, x, ids, weights, *stored, block, 0.7, tile))
+    assert all(torch.equal(run, runs[False][0]) for run in runs[True])
+    assert not k_splits.arrival_counters(torch.device(DEVICE), 1).any()
+    reference = ref.moe_experts_mxfp4 if fmt == moe_quant.MXFP4 else partial(ref.moe_experts_fp8_block, block=block)
+    torch.testing.assert_close(runs[True][0], reference(x, ids, weights, *stored, limit=0.7), **_tol(dtype))
+
+
+@kernel_runs_here
 @pytest.mark.parametrize("dtype", [torch.float32, DOT_DTYPE])
 def test_fp8_expert_rows_pipelined_give_the_same_sums(dtype, monkeypatch):
     """``ROW_PIPELINE`` 3 on fp8 experts: the up kernel's K loop pipelined, the down kernel's (pick, slice) steps in

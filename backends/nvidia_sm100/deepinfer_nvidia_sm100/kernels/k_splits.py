@@ -38,19 +38,33 @@ def arrival_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
 
 
 @triton.jit
+def last_to_arrive(counter, arrivals):
+    """Counts this program at ``counter`` once its partial sums are stored (every thread's, released with the count)
+    and tells whether it is the last of ``arrivals`` programs there: that one then reads the others' partials
+    (through L2, ``cache_modifier=".cg"``: other SMs wrote them) and calls ``reset``."""
+    tl.debug_barrier()  # every thread's partial stored before the arrival counts (the release covers them)
+    return tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == arrivals - 1
+
+
+@triton.jit
+def reset(counter):
+    """The counter back at zero for the next launch (``last_to_arrive``'s last program, once it is done)."""
+    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def store_split(acc, part_at, out_at, counter, split, stride_ps, mask, SPLITS: tl.constexpr):
     """One split's float32 sums ``acc`` of a tile to the partials (``part_at`` at split 0, ``stride_ps`` apart);
     the tile's last split to arrive (``counter``, this tile's arrival counter) adds the ``SPLITS`` partials in split
     order, writes them to ``out_at`` in its dtype and sets the counter back to zero. The result does not depend on
     which split finishes last."""
     tl.store(part_at + split * stride_ps, acc, mask=mask)
-    tl.debug_barrier()  # every thread's partial stored before the arrival counts (the release covers them)
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-        total = tl.load(part_at, mask=mask, other=0.0, cache_modifier=".cg")  # from L2: other SMs wrote them
+    if last_to_arrive(counter, SPLITS):
+        total = tl.load(part_at, mask=mask, other=0.0, cache_modifier=".cg")
         for s in tl.static_range(1, SPLITS):
             total += tl.load(part_at + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
         tl.store(out_at, total.to(out_at.dtype.element_ty), mask=mask)
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+        reset(counter)
 
 
 @triton.jit

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_nvidia_sm100 import envs
-from deepinfer_nvidia_sm100.kernels import dequant, moe, moe_mxfp4_decode, moe_mxfp4_prefill, pdl
+from deepinfer_nvidia_sm100.kernels import dequant, k_splits, moe, moe_mxfp4_decode, moe_mxfp4_prefill, pdl
 from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 
 MXFP4, FP8 = 0, 1  # the ``FMT`` of the kernels
@@ -270,14 +270,59 @@ def _down_row_kernel(h_ptr, w2_ptr, s2_ptr, out_ptr, ids_ptr, weights_ptr, D, I,
 
 @triton.jit
 def _add_pick(total, acc, weight_ptr, dt: tl.constexpr, FMT: tl.constexpr):
-    """``total`` plus one pick's sums ``acc`` times its routing weight, each step rounded to ``dt`` as
+    """``total`` plus one pick's sums ``acc`` (``row_product``'s accumulator) times its routing weight:
+    ``_add_weighted``."""
+    return _add_weighted(total, dequant.row_total(acc, FMT), weight_ptr, dt)
+
+
+@triton.jit
+def _add_weighted(total, sums, weight_ptr, dt: tl.constexpr):
+    """``total`` plus one pick's float32 sums ``[BN]`` times its routing weight, each step rounded to ``dt`` as
     ``moe._combine`` rounds: ``[BN]``."""
     w = tl.load(weight_ptr).to(dt).to(tl.float32)
-    part = (dequant.row_total(acc, FMT).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)  # [BN]
+    part = (sums.to(dt).to(tl.float32) * w).to(dt).to(tl.float32)  # [BN]
     return (total + part).to(dt).to(tl.float32)
 
 
+@triton.jit
+def _down_pick_kernel(h_ptr, w2_ptr, s2_ptr, out_ptr, part_ptr, counter_ptr, ids_ptr, weights_ptr, D, I, top_k,
+                      stride_we, stride_wd, stride_se, stride_sd, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      K_P2: tl.constexpr, FMT: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
+                      UE8M0: tl.constexpr, PDL: tl.constexpr = False, PTX: tl.constexpr = False):
+    """Program (column block, rank ``r``) of one token: the float32 sums over ``I`` of the pick ranked ``r``-th in
+    ascending expert order to the partials ``part [top_k, D]`` at row ``r``; the column block's last program to
+    finish (``k_splits.last_to_arrive``) adds the picks as ``_down_row_kernel`` does (in rank order, each times its
+    routing weight, rounded as ``moe._combine``: the same bits) and writes ``out``. A column block's picks run on
+    ``top_k`` programs side by side instead of one after another in one."""
+    pdl.begin(PDL)
+    j = tl.arange(0, K_P2)
+    in_k = j < top_k
+    rank = moe._expert_order(tl.load(ids_ptr + j, mask=in_k, other=0), in_k, K_P2)
+    block, r = tl.program_id(0), tl.program_id(1)
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    in_n = cols < D
+    pick = tl.sum(tl.where((rank == r) & in_k, j, 0), axis=0)
+    expert = tl.load(ids_ptr + pick).to(tl.int64)
+    w_rows = w2_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wd  # [BN, 1]
+    s_rows = s2_ptr + expert * stride_se + (cols // B0)[:, None].to(tl.int64) * stride_sd  # (MXFP4: B0 = 1)
+    acc = dequant.row_acc(BLOCK_N, BLOCK_K, FMT, B1)
+    for k0 in range(0, I, BLOCK_K):
+        acc = dequant.row_product(acc, h_ptr + pick * I, w_rows, s_rows, k0, I, in_n, FMT, BLOCK_K, B1, UE8M0, PTX)
+    tl.store(part_ptr + r * D + cols, dequant.row_total(acc, FMT), mask=in_n)
+    counter = counter_ptr + block
+    if k_splits.last_to_arrive(counter, top_k):
+        dt = out_ptr.dtype.element_ty
+        total = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for q in range(top_k):
+            sums = tl.load(part_ptr + q * D + cols, mask=in_n, other=0.0, cache_modifier=".cg")  # [BN]
+            total = _add_weighted(total, sums, weights_ptr + tl.sum(tl.where((rank == q) & in_k, j, 0), axis=0), dt)
+        tl.store(out_ptr + cols, total.to(dt), mask=in_n)
+        k_splits.reset(counter)
+
+
 ROW_PIPELINE: int | None = None  # the fp8 one-row kernels' pipeline stages; None: DEEPINFER_NVIDIA_ROW_PIPELINE
+PICKS_APART: bool | None = None  # one token's down products by pick on programs of their own (``_down_pick_kernel``);
+# None: DEEPINFER_NVIDIA_ROW_PICKS_APART
 
 
 def row_pipeline(fmt: int) -> int:
@@ -404,9 +449,18 @@ def _one_token(x, ids, weights, w1, s1, w2, s2, w3, s3, D, I, limit, consts, til
         x, w1, s1, w3, s3, h, flat_ids, D, I, float(limit), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1),
         BLOCK_N=block_n, BLOCK_K=block_k, **launch)
     out = torch.empty_like(x)
-    _down_row_kernel[(triton.cdiv(D, block_n),)](
-        h, w2, s2, out, flat_ids, weights.reshape(-1).contiguous(), D, I, top_k, w2.stride(0), w2.stride(1),
-        s2.stride(0), s2.stride(1), K_P2=triton.next_power_of_2(top_k), BLOCK_N=block_n, BLOCK_K=block_k, **launch)
+    blocks = triton.cdiv(D, block_n)
+    apart = envs.DEEPINFER_NVIDIA_ROW_PICKS_APART if PICKS_APART is None else PICKS_APART
+    counters = k_splits.arrival_counters(x.device, blocks) if apart and top_k > 1 else None
+    args = (flat_ids, weights.reshape(-1).contiguous(), D, I, top_k, w2.stride(0), w2.stride(1), s2.stride(0),
+            s2.stride(1))
+    sizes = {"K_P2": triton.next_power_of_2(top_k), "BLOCK_N": block_n, "BLOCK_K": block_k}
+    if counters is None:
+        _down_row_kernel[(blocks,)](h, w2, s2, out, *args, **sizes, **launch)
+    else:
+        part = torch.empty(top_k, D, dtype=torch.float32, device=x.device)
+        launch.pop("PIPELINE")
+        _down_pick_kernel[(blocks, top_k)](h, w2, s2, out, part, counters, *args, **sizes, **launch)
     return out
 
 
