@@ -60,8 +60,9 @@ LAUNCHES = {  # tokens -> moe_mxfp4_decode launches tried beside its default, (B
 }
 
 
-ROW_TILES_ONE_TOKEN = ((8, 2048, 2, 1), (4, 2048, 2, 1), (2, 4096, 4, 1))  # one token's row kernels besides
-# ROW_TILES' (BLOCK_N, BLOCK_K, warps, stages): slices of 32 groups a warp, several rows a thread
+ROW_TILES_ONE_TOKEN = ((8, 2048, 2, 1), (4, 2048, 2, 1), (2, 4096, 4, 1), (4, 2048, 4, 3), (2, 2048, 4, 3))  # one
+# token's row kernels besides ROW_TILES' (BLOCK_N, BLOCK_K, warps, stages): slices of 32 groups a warp, several rows
+# a thread; slices of 2,048 inputs, two 16-byte loads a thread and matrix (4 rows) or twice the programs (2 rows)
 MAX_REGISTERS_TOKENS = (16, 64)  # token counts where the default launch is also timed held to 168 registers a thread
 
 
