@@ -316,10 +316,10 @@ def test_quantized_moe_experts_match_reference_at_preset_sizes(fmt, T):
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("tile", [(8, 2048, 2, 1), (4, 2048, 2, 1), (2, 4096, 4, 1)])
+@pytest.mark.parametrize("tile", [(8, 2048, 2, 1), (4, 2048, 2, 1), (2, 4096, 4, 1), (4, 2048, 4, 3), (2, 2048, 4, 3)])
 def test_mxfp4_one_token_row_tiles_match_reference(tile):
-    """The one-token row kernels at the sweep's tiles whose slice gives each thread several rows of one scale group
-    (``mxfp4_row_sums`` on each), at the preset's widths, against the reference op."""
+    """The one-token row kernels at the sweep's other tiles (several rows of one scale group a thread, or slices of
+    2,048 inputs; ``mxfp4_row_sums`` on each), at the preset's widths, against the reference op."""
     from deepinfer_nvidia_sm100.kernels import moe_quant
 
     E, k, D, I = 64, 6, 4096, 2048
