@@ -201,10 +201,11 @@ def _split_k_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, stride_x
                     F16: tl.constexpr = False, SPLITS: tl.constexpr = 1, MEET: tl.constexpr = False,
                     PDL: tl.constexpr = False):
     """Program (column block x row block, ``K`` split, group): ``x[rows] @ W[cols, split]^T``, one ``tl.dot`` per
-    slice of ``BLOCK_K`` inputs (or per scale block inside it) with fp32 accumulation, written to ``out``, the
-    ``SPLITS`` splits' sums added in split order by the last to finish (``_store_tile``). The row blocks of a column block are consecutive programs (their weight tile is read once from
-    HBM). ``SWAP``: as ``out^T = W @ x^T`` (the weights the left operand: on SM90 a wgmma with them in registers,
-    64 weight rows a warpgroup by the few activation rows).
+    slice of ``BLOCK_K`` inputs (or per scale block inside it) with fp32 accumulation, written to ``out`` (with
+    ``SPLITS`` > 1 through float32 partials added in split order: ``_store_tile``). The row blocks of a column block
+    are consecutive programs (their weight tile is read once from HBM). ``SWAP``: as ``out^T = W @ x^T`` (the
+    weights the left operand: on SM90 a wgmma with them in registers, 64 weight rows a warpgroup by the few
+    activation rows).
 
     Weights: ue8m0 blocks with bf16 / fp32 activations take ``_post_scaled_slice`` (e4m3 values converted as they
     are, the block's power of two applied to the product: exact); others ``_scaled_weight_tile`` (each weight times
@@ -402,8 +403,8 @@ def _fp8_tc_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split, 
     per-row block scales ``xs`` (``quantize_activations``), one ``B1``-wide ``K`` block a step: ``dot(xq, w)`` in
     fp32, times the row's and the weight block's scales, accumulated in fp32. Tiles run ``GROUP_M`` row blocks
     per column block (consecutive programs share their weight and activation tiles in L2). Grid axis 1 splits
-    ``K`` (``k_per_split`` inputs each, a multiple of ``B1``) into ``SPLITS``, added in split order by the last to
-    finish (``_store_tile``).
+    ``K`` into ``SPLITS`` of ``k_per_split`` inputs each (a multiple of ``B1``), their float32 sums added in split
+    order (``_store_tile``).
 
     ``ONE_SCALE``: the tile's rows lie in one ``B0`` block, so a K step has one weight scale, folded into the rows'
     scales (one multiply a row, then one FMA an output; a ue8m0 scale is a power of two: the same result).

@@ -347,6 +347,8 @@ def row_sums_ptx(x: torch.Tensor, block_n: int, block_k: int, warps: int) -> boo
     (2026-12-04); those tiles decode in Triton operations instead (the same values)."""
     return (ROW_DECODE_PTX and moe_mxfp4_decode.decode_mode(x) == moe_mxfp4_decode.PTX
             and block_n * block_k // 2 // (32 * warps) >= PTX_MIN_BYTES_A_THREAD)
+
+
 ONE_TOKEN_ROW_KERNELS = True  # one token through the two row kernels; False: through the grouped kernels (16-row
 # tiles, weights on the left), to be set from bench_quant.py's one-token sweep ("rows" vs "grouped")
 # One-token launches (BLOCK_N, BLOCK_K, num_warps, num_stages): MXFP4 rows are a quarter of bf16 rows' bytes and fp8
