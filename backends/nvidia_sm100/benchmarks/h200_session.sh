@@ -35,6 +35,10 @@
 #                 (default 1; the order swaps every round), so a before / after comparison is made in one run; the
 #                 summary's last table sets each row's baseline beside this tree's. Each row then runs twice:
 #                 name one or two rows per call (ROWS) to stay within a call's time
+#   VARIANTS      settings to compare in the same call, separated by ";", each a list of VAR=value words, e.g.
+#                 VARIANTS="DEEPINFER_NVIDIA_ROW_PICKS_APART=1;DEEPINFER_NVIDIA_FP8_SPLITS_MEET=1": every row also runs
+#                 once per variant (named ROW+vN, N from 1, on the presets in VARIANT_PRESETS, default all of
+#                 PRESETS), right after its default run; the summary's last table sets each beside the default
 #   BENCH_TIMEOUT seconds per bench process (default 300)
 #
 # Results: every output goes to RES (default /tmp/h200-results); after every step RES is archived into
@@ -102,7 +106,16 @@ rows() {  # iterations, then row names: each row on each preset, on this tree or
     for preset in $PRESETS; do
       at=$([[ $preset != "$first" ]] && echo "@$preset")
       if [[ -z ${BASELINE:-} ]]; then
-        bench . "$row$at" "$preset" $args --num-iters "$iters"; continue
+        bench . "$row$at" "$preset" $args --num-iters "$iters"
+        [[ " ${VARIANT_PRESETS:-$PRESETS} " == *" $preset "* ]] || continue
+        local n=0 variant variants
+        IFS=';' read -ra variants <<< "${VARIANTS:-}"
+        for variant in "${variants[@]}"; do
+          n=$((n + 1))
+          echo "$row+v$n$at: $variant" >> "$RES/variants.txt"
+          BENCH_ENV="${BENCH_ENV:-} $variant" bench . "$row+v$n$at" "$preset" $args --num-iters "$iters"
+        done
+        continue
       fi
       for ((round = 1; round <= ${ROUNDS:-1}; round++)); do
         suffix=$( ((round > 1)) && echo "-r$round")
@@ -145,8 +158,11 @@ for name, r in results.items():  # the engine's steps one by one: the first six,
         print(f"{name:28} steps (ms): {' '.join(f'{1e3 * t:.1f}' for t in steps[:6])} "
               f"| median after {1e3 * statistics.median(steps[6:]):.2f}")
 pairs = [(n, n.replace("-base", "", 1)) for n in results if "-base" in n and n.replace("-base", "", 1) in results]
+variants = [(n.split("+v")[0] + ("@" + n.split("@", 1)[1] if "@" in n else ""), n) for n in results if "+v" in n]
+pairs += [(base, variant) for base, variant in variants if base in results]  # a variant beside its default run
 if pairs:
-    print(f"\n{'row (tok/s)':28} {'baseline':>10} {'this tree':>10} {'change':>8} {'baseline roof':>13} {'this roof':>10}")
+    print(f"\n{'row (tok/s)':28} {'baseline':>10} {'this':>10} {'change':>8} {'baseline roof':>13} {'this roof':>10}"
+          "  (this: the tree against BASELINE, or a variant against the default run)")
     for base, this in pairs:  # output tok/s; total tok/s for prefill rows (one output token)
         b, t = results[base], results[this]
         key = "output_throughput" if t["config"].get("output_len", 2) > 1 else "total_throughput"
