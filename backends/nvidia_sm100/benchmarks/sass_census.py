@@ -97,11 +97,12 @@ def cases() -> dict[str, tuple]:
             out[f"moe_quant.{kernel} {name} {(bm, bn, bk, warps)}"] = (
                 getattr(moe_quant, kernel), TYPES, constants, warps, 3, bn * bk * matrices)
     bn, bk, warps, stages = moe_quant.ROW_TILES[moe_quant.MXFP4]
-    for kernel, matrices in (("_up_row_kernel", 2), ("_down_row_kernel", 1)):
+    for kernel, matrices in (("_up_row_kernel", 2), ("_down_row_kernel", 1), ("_down_pick_kernel", 1)):
         constants = {"BLOCK_N": bn, "BLOCK_K": bk, "FMT": moe_quant.MXFP4, "B0": 1, "B1": 32, "UE8M0": True,
-                     "PTX": moe_quant.ROW_DECODE_PTX} | ({"K_P2": 8} if kernel == "_down_row_kernel" else {})
+                     "PTX": moe_quant.ROW_DECODE_PTX} | ({"K_P2": 8} if kernel.startswith("_down") else {})
+        types = TYPES | {"ids_ptr": "*i64", "part_ptr": "*fp32", "counter_ptr": "*i32"}
         out[f"moe_quant.{kernel} one token {(bn, bk, warps, stages)}"] = (
-            getattr(moe_quant, kernel), TYPES | {"ids_ptr": "*i64"}, constants, warps, stages, bn * bk * matrices)
+            getattr(moe_quant, kernel), types, constants, warps, stages, bn * bk * matrices)
     launches = [(name, (bm, bk, stages, subtiles)) for name, (_, (bm, bk, stages, *_)) in
                 moe_mxfp4_decode.TILES.items() for subtiles in (1, 2)]  # 64-row weight tiles a program
     for name, (bm, bk, stages, subtiles) in launches:
