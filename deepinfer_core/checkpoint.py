@@ -422,7 +422,7 @@ def iter_checkpoint(
             continue
         with open_shard(plan.folder / shard) as handle:
             for source in by_shard[shard]:
-                yield source.name, _convert(_read(handle, source), source.kind, dtype, device)
+                yield source.name, convert_tensor(_read(handle, source), source.kind, dtype, device)
 
 
 def _read(handle, source: TensorSource) -> torch.Tensor:
@@ -431,7 +431,9 @@ def _read(handle, source: TensorSource) -> torch.Tensor:
     return handle.get_slice(source.source)[source.index].squeeze(0)
 
 
-def _convert(tensor: torch.Tensor, kind: str, dtype: torch.dtype, device) -> torch.Tensor:
+def convert_tensor(tensor: torch.Tensor, kind: str, dtype: torch.dtype, device) -> torch.Tensor:
+    """``tensor`` as a model of ``dtype`` on ``device`` holds a tensor of ``kind``: WEIGHT in ``dtype``, FP32 in
+    float32 (or ``dtype`` when wider), INT as int64, STORED (quantized weights and scales) with its bytes as read."""
     if kind == v4_weights.STORED:  # quantized weights and scales keep their bytes; packed fp4 is held as uint8
         stored = tensor.view(torch.uint8) if tensor.dtype == torch.int8 else tensor
         return stored.to(device=device)

@@ -18,6 +18,8 @@ logger = logging.getLogger("deepinfer")
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
+DUMMY = "dummy"  # load_format: random weights, only config.json read
+LOAD_FORMATS = ("auto", "safetensors", DUMMY)
 
 
 class EngineArgsError(DeepInferError, ValueError):
@@ -76,6 +78,10 @@ class EngineArgs:
         enable_expert_parallel: split the routed experts across the data-parallel ranks (rank r holds experts
             ``[r * E / N, (r + 1) * E / N)``), tokens reaching them by all-to-all; off: every rank holds them all.
         trust_remote_code: accepted so vLLM code runs; no code from a checkpoint is ever executed.
+        load_format: ``"auto"`` / ``"safetensors"``: the checkpoint's safetensors shards; ``"dummy"`` (vLLM's name):
+            nothing but config.json is read, the weights are random (the bench presets' values, quantized as
+            config.json's ``quantization_config`` declares): for timing, e.g. a model no checkpoint of which fits
+            the disk. Pickle formats are never loaded.
         logits_processors: logits processors for every request (``deepinfer_core.sampling.LogitsProcessor``, or
             any callable ``processor(logits, rows) -> logits``), instances, run before the plugins' processors.
         speculative_config: vLLM's dict for speculative decoding, e.g. ``{"method": "ngram",
@@ -109,6 +115,7 @@ class EngineArgs:
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     trust_remote_code: bool = False
+    load_format: str = "auto"
     logits_processors: Sequence[Callable[..., Any]] = ()
     speculative_config: Mapping[str, Any] | None = None
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -157,6 +164,7 @@ class EngineArgs:
         if self.speculative_config is not None and not isinstance(self.speculative_config, Mapping):
             raise EngineArgsError(f"speculative_config must be a dict like {{'method': 'ngram', "
                                   f"'num_speculative_tokens': 3}} or None, got {self.speculative_config!r}")
+        check_load_format(self.load_format)
         if self.trust_remote_code:
             logger.warning("trust_remote_code=True is ignored: DeepInfer never executes code from a checkpoint")
 
@@ -210,6 +218,16 @@ class EngineArgs:
 
     def feature_options(self) -> Mapping[str, Any]:
         return dict(self.options)
+
+
+def check_load_format(load_format: object) -> None:
+    """Raise EngineArgsError for a ``load_format`` not in ``LOAD_FORMATS`` (pickle formats are refused)."""
+    if load_format in LOAD_FORMATS:
+        return
+    pickle = " (pickle checkpoints are never loaded: convert it to safetensors)" if load_format in ("pt", "npcache") \
+        else ""
+    raise EngineArgsError(f"unknown load_format {load_format!r}{pickle}; use one of {list(LOAD_FORMATS)}: 'auto' or "
+                          "'safetensors' reads the checkpoint's shards, 'dummy' draws random weights for timing")
 
 
 def _is_positive_int(value: object) -> bool:

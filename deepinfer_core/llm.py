@@ -89,7 +89,7 @@ class LLM:
         positions = self.context.model_config.get("max_position_embeddings")
         if isinstance(positions, int):
             args.resolve_max_model_len(positions)  # refuse a too-long max_model_len before loading any weight
-        self.model = registry.load(self.model_dir, ops, self.dtype, self.backend.device)
+        self.model = registry.load(self.model_dir, ops, self.dtype, self.backend.device, args.load_format)
         if self._parallel is not None:
             self._parallel.prepare(self.model)
         self.max_model_len = args.resolve_max_model_len(self.model.max_position_embeddings)

@@ -43,8 +43,8 @@ def run_engine_ranks(folder: Path, config: BenchConfig, prompts: Sequence[Sequen
               max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens, seed=config.seed,
               enforce_eager=config.enforce_eager, enable_mixed_chunk=config.enable_mixed_chunk,
               async_scheduling=config.async_scheduling, data_parallel_size=config.data_parallel_size,
-              enable_expert_parallel=config.enable_expert_parallel, **prefix_state_args(config),
-              **dict(config.options or {}))
+              enable_expert_parallel=config.enable_expert_parallel, load_format=config.load_format,
+              **prefix_state_args(config), **dict(config.options or {}))
     try:
         load_time = time.perf_counter() - t0
         prefix = prompts[0][:config.prefix_len]

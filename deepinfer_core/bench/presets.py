@@ -37,7 +37,7 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,13 +47,16 @@ from deepinfer_core import envs
 from deepinfer_core.errors import DeepInferError
 from deepinfer_core.models.deepseek_v4 import weights as v4_weights
 from deepinfer_core.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
+from deepinfer_core.models.deepseek_v4.random_weights import (
+    WEIGHT_STD,
+    draft_tensor_specs,
+    draft_tensors,
+    random_tensors,
+)
 from deepinfer_core.quant.writer import QuantRecipe, quantize_tensors, quantized_config
-from deepinfer_core.sampling.noise import derive_seed
 
 MARKER_FILE = "bench_preset.json"  # written last: a folder without it is incomplete and is rebuilt
 DRAFT_SHARD = "model-mtp.safetensors"  # a preset's draft layers beside shared target weights (``weights_of``)
-DRAFT_STREAM = 1  # derive_seed sub-stream of the draft layers' weights: the target's bytes do not depend on them
-WEIGHT_STD = 0.02
 _HF_TOP_LEVEL = {
     "embed.weight": "model.embed_tokens.weight",
     "head.weight": "head.weight",
@@ -212,15 +215,6 @@ def count_parameters(config_dict: Mapping[str, Any], draft: bool = False) -> int
     return sum(math.prod(shape) for shape, _ in specs.values())
 
 
-def draft_tensor_specs(config: DeepseekV4Config) -> dict[str, v4_weights.Spec]:
-    """``mtp.K.* -> (shape, kind)`` of the config's ``num_nextn_predict_layers`` draft layers (no confidence head,
-    as V4 checkpoints ship them); empty without draft layers."""
-    from deepinfer_core.models.deepseek_v4.mtp import expected_draft_tensors
-
-    layers = config.num_nextn_predict_layers
-    return expected_draft_tensors(config, layers, confidence_head=False) if layers > 0 else {}
-
-
 def hf_saved_name(canonical: str) -> str:
     """The tensor name HF ``save_pretrained`` writes for a canonical (DeepSeek) name."""
     if canonical in _HF_TOP_LEVEL:
@@ -250,24 +244,33 @@ def ensure_preset(
     overrides: Mapping[str, Any] | None = None,
     seed: int = 0,
     device: torch.device | str | None = None,
+    weights: bool = True,
 ) -> Path:
     """Return the checkpoint folder of preset ``name``, writing it first if the cache does not hold it.
 
     ``overrides`` change config fields (tests shrink the tiny preset); ``device`` is where the random
     weights are drawn (a GPU is much faster for the big preset; the bytes depend on the device's
-    generator). Raises PresetError for unknown names and for a GPU-only preset when no GPU is present.
+    generator). ``weights=False``: a folder of its own with config.json and the tokenizer only, for
+    ``load_format="dummy"``, which draws the same weights (seed 0) on the device at load time. Raises PresetError
+    for unknown names and for a GPU-only preset when no GPU is present.
     """
     preset = get_preset(name)
     if preset.gpu_only and not torch.cuda.is_available():
         raise PresetError(f"preset {name!r} ({preset.description}) needs a GPU; use --preset tiny on CPU")
     config = preset.config_dict(overrides)
     device = torch.device(device or ("cuda" if preset.gpu_only else "cpu"))
-    folder = preset_folder(name, {**config, "_device": device.type}, seed, Path(cache_dir or default_cache_dir()))
+    key = {**config, "_device": device.type} if weights else {**config, "_weights": False}
+    folder = preset_folder(name, key, seed, Path(cache_dir or default_cache_dir()))
     if (folder / MARKER_FILE).is_file():
         return folder
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    if preset.weights_of is not None and not overrides:
+    if not weights:
+        tmp.mkdir(parents=True)
+        stored = quantized_config(config, preset.quantize) if preset.quantize else config
+        (tmp / "config.json").write_text(json.dumps(stored, indent=2))
+        write_word_tokenizer(tmp, DeepseekV4Config.from_dict(dict(config)).vocab_size)
+    elif preset.weights_of is not None and not overrides:
         base = ensure_preset(preset.weights_of, cache_dir, seed=seed, device=device)
         base_config = get_preset(preset.weights_of).config_dict()
         _share_weights(base, tmp, config, base_config)
@@ -276,7 +279,7 @@ def ensure_preset(
     else:
         write_random_checkpoint(tmp, config, seed=seed, weight_dtype=preset.weight_dtype, device=device,
                                 quantize=preset.quantize)
-    (tmp / MARKER_FILE).write_text(json.dumps({"preset": name, "seed": seed, "device": device.type,
+    (tmp / MARKER_FILE).write_text(json.dumps({"preset": name, "seed": seed, "device": device.type, "weights": weights,
                                                "parameters": count_parameters(config),
                                                "draft_parameters": count_parameters(config, draft=True)}, indent=2))
     shutil.rmtree(folder, ignore_errors=True)
@@ -304,7 +307,7 @@ def _share_weights(base: Path, folder: Path, config: Mapping[str, Any], base_con
 
 def _add_draft_shard(folder: Path, config_dict: Mapping[str, Any], seed: int, weight_dtype: torch.dtype,
                      device: torch.device) -> None:
-    """Write ``config_dict``'s draft layers (random, ``iter_draft_tensors``) into ``DRAFT_SHARD`` beside the linked
+    """Write ``config_dict``'s draft layers (random, ``random_weights.draft_tensors``) into ``DRAFT_SHARD`` beside the linked
     target shards of ``folder``, and an index over all of them (a new file, not the base's linked one)."""
     from safetensors.torch import save_file
 
@@ -313,7 +316,7 @@ def _add_draft_shard(folder: Path, config_dict: Mapping[str, Any], seed: int, we
     weight_map = {name: shard for shard, names in read_headers(folder).items() for name in names}
     config = DeepseekV4Config.from_dict(dict(config_dict))
     draft = {hf_saved_name(name): tensor.detach().to("cpu").contiguous()
-             for name, tensor, _ in iter_draft_tensors(config, seed, weight_dtype, device)}
+             for name, tensor, _ in draft_tensors(config, seed, weight_dtype, device)}
     save_file(draft, str(folder / DRAFT_SHARD), metadata={"format": "pt"})
     weight_map.update(dict.fromkeys(draft, DRAFT_SHARD))
     total = sum((folder / shard).stat().st_size for shard in set(weight_map.values()))
@@ -337,66 +340,13 @@ def write_random_checkpoint(
 
     folder = Path(folder)
     config = DeepseekV4Config.from_dict(dict(config_dict))
-    tensors = iter_random_tensors(config, seed, weight_dtype, torch.device(device))
+    tensors = random_tensors(config, seed, weight_dtype, torch.device(device))
     if quantize is None:
         write_checkpoint(folder, ((hf_saved_name(name), t) for name, t, _ in tensors), config_dict)
     else:
         write_checkpoint(folder, quantize_tensors(quantize, tensors), quantized_config(dict(config_dict), quantize))
     write_word_tokenizer(folder, config.vocab_size)
     return folder
-
-
-def random_tensors(config: DeepseekV4Config, seed: int, weight_dtype: torch.dtype,
-                   device: torch.device) -> dict[str, torch.Tensor]:
-    """Every canonical tensor of ``config`` with the presets' random values, drawn in name order."""
-    return {name: tensor for name, tensor, _ in iter_random_tensors(config, seed, weight_dtype, device)}
-
-
-def iter_random_tensors(config: DeepseekV4Config, seed: int, weight_dtype: torch.dtype,
-                        device: torch.device) -> Iterator[tuple[str, torch.Tensor, str]]:
-    """``(canonical name, tensor, kind)`` of every tensor of ``config``, drawn one at a time in name order: the
-    target's, then its draft layers' (``iter_draft_tensors``)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    yield from _iter_drawn(v4_weights.expected_tensors(config), config, gen, weight_dtype, device)
-    yield from iter_draft_tensors(config, seed, weight_dtype, device)
-
-
-def iter_draft_tensors(config: DeepseekV4Config, seed: int, weight_dtype: torch.dtype,
-                       device: torch.device) -> Iterator[tuple[str, torch.Tensor, str]]:
-    """The draft layers' ``mtp.K.*`` tensors (``draft_tensor_specs``), drawn in name order from their own seed
-    stream, so a target's weights are the same with and without draft layers; nothing without draft layers."""
-    specs = draft_tensor_specs(config)
-    if specs:
-        gen = torch.Generator(device=device).manual_seed(derive_seed(seed, DRAFT_STREAM) % 2**63)
-        yield from _iter_drawn(specs, config, gen, weight_dtype, device)
-
-
-def _iter_drawn(specs: Mapping[str, v4_weights.Spec], config: DeepseekV4Config, gen: torch.Generator,
-                weight_dtype: torch.dtype, device: torch.device) -> Iterator[tuple[str, torch.Tensor, str]]:
-    for name, (shape, kind) in sorted(specs.items()):
-        if kind == v4_weights.INT:
-            yield name, _random_tid2eid(shape, config.n_routed_experts, gen, device), kind
-        else:
-            yield name, _random_tensor(name, shape, kind, gen, weight_dtype, device), kind
-
-
-def _random_tid2eid(shape: tuple[int, ...], experts: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
-    """Hash-routing table ``[vocab, top_k]``: ``top_k`` distinct random experts per token."""
-    order = torch.rand((shape[0], experts), generator=gen, device=device).argsort(dim=1)
-    return order[:, : shape[1]].to(torch.int64)
-
-
-def _random_tensor(name: str, shape: tuple[int, ...], kind: str, gen: torch.Generator,
-                   weight_dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Matrices normal(0, std); norms and scales 1; other vectors (biases, sinks, bases, APE) 0."""
-    dtype = weight_dtype if kind == v4_weights.WEIGHT else torch.float32
-    if name.endswith(".ape"):  # the compressors' additive position bias
-        return torch.zeros(shape, dtype=dtype, device=device)
-    if len(shape) >= 2:  # every matrix, including the fp32 hyper-connection mixers
-        return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * WEIGHT_STD).to(dtype)
-    if "norm" in name or name.endswith("_scale"):
-        return torch.ones(shape, dtype=dtype, device=device)
-    return torch.zeros(shape, dtype=dtype, device=device)  # biases, sinks, hc bases, compressor APE
 
 
 def write_word_tokenizer(folder: str | os.PathLike, vocab_size: int) -> None:

@@ -53,7 +53,9 @@ from deepinfer_core.bench.byte_tokenizer import with_byte_bpe_tokenizer
 from deepinfer_core.bench.roofline import roofline
 from deepinfer_core.checkpoint import plan_checkpoint
 from deepinfer_core.engine.logits_preparer import PrepareStats
+from deepinfer_core.engine_args import DUMMY
 from deepinfer_core.errors import MissingDependencyError
+from deepinfer_core.models.deepseek_v4 import random_weights
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer_core.models.resolve import resolve_model
 from deepinfer_core.sampling.noise import derive_seed
@@ -84,6 +86,7 @@ class BenchConfig:
     enable_mixed_chunk: bool = False
     async_scheduling: bool | None = None  # None: the backend's default
     seed: int = 0
+    load_format: str = "auto"  # EngineArgs' ("dummy": a preset's weights drawn at load time, none on disk)
     prefix_share: float = 0.0  # share of each prompt that is one common prefix, in [0, 1] (1: identical prompts)
     enable_prefix_state_cache: bool | None = None  # EngineArgs' (None: on with prefix caching)
     prefix_state_cache_bytes: int | None = None
@@ -146,6 +149,9 @@ class BenchConfig:
             raise ValueError("--prompts times one run of the file's prompts (a second would hit the first's prefix "
                              "cache), has no common prefix, and HF's batches here take equal lengths only: leave out "
                              "--num-iters, --prefix-share and --compare-hf")
+        if self.load_format == DUMMY and (self.compare_hf or self.seed != 0):
+            raise ValueError("load_format 'dummy' draws the weights of seed 0 in the engine (HF transformers would "
+                             "read a checkpoint): leave out --compare-hf and --seed")
         if self.json_schema is not None and self.compare_hf:
             raise ValueError("--json-schema constrains the engine's requests only; HF generate would not do the same "
                              "work: leave out --compare-hf")
@@ -205,7 +211,7 @@ def run_bench(config: BenchConfig, log: Log = lambda msg: None) -> dict[str, Any
         hf_model_class()  # before any work: a missing transformers fails now, not after the engine's run
     folder = model_folder(config, log)
     model_config = DeepseekV4Config.from_file(folder / "config.json")
-    quantized = plan_checkpoint(folder, model_config).quantized  # the roofline counts their stored bytes
+    quantized = stored_quantization(folder, model_config, config.load_format)  # the roofline counts their bytes
     if quantized and config.compare_hf:
         raise ValueError(f"--compare-hf needs a bf16 / fp32 checkpoint; {folder} is quantized (fp8 / fp4), which "
                          "HF transformers does not read in this format: compare on the unquantized preset")
@@ -260,14 +266,25 @@ def model_folder(config: BenchConfig, log: Log) -> Path:
     """The checkpoint to run: the preset's cache folder (written if needed), the model folder, or the default."""
     if config.preset is None:
         return resolve_model(config.model)
-    log(f"preparing preset {config.preset!r} (random weights, cached) ...")
-    folder = presets.ensure_preset(config.preset, config.cache_dir, config.preset_overrides, seed=config.seed)
+    dummy = config.load_format == DUMMY
+    log(f"preparing preset {config.preset!r} ({'config only: weights drawn at load' if dummy else 'random weights'}, "
+        "cached) ...")
+    folder = presets.ensure_preset(config.preset, config.cache_dir, config.preset_overrides, seed=config.seed,
+                                   weights=not dummy)
     if config.json_schema is not None:  # the word-level tokenizer cannot spell JSON
         log("a byte-level BPE tokenizer of the preset's vocabulary for the JSON schema (written once) ...")
         vocab_size = DeepseekV4Config.from_file(folder / "config.json").vocab_size
         folder = with_byte_bpe_tokenizer(folder, vocab_size)
     log(f"preset checkpoint: {folder}")
     return folder
+
+
+def stored_quantization(folder: Path, model_config: DeepseekV4Config, load_format: str) -> dict[str, Any]:
+    """The quantized weights the engine holds (canonical name -> ``QuantizedTensor``): the checkpoint's, or with
+    ``load_format="dummy"`` what the loader quantizes."""
+    if load_format == DUMMY:
+        return random_weights.dummy_quantization(model_config)[1]
+    return plan_checkpoint(folder, model_config).quantized
 
 
 def prefix_state_args(config: BenchConfig) -> dict[str, Any]:
@@ -367,7 +384,7 @@ def run_engine(folder: Path, config: BenchConfig, prompts: Sequence[Sequence[int
               enforce_eager=config.enforce_eager, enable_mixed_chunk=config.enable_mixed_chunk,
               prefill_graph_buckets=None if config.prefill_graphs else [],
               async_scheduling=config.async_scheduling, speculative_config=config.speculative_config,
-              **prefix_state_args(config), **dict(config.options or {}))
+              load_format=config.load_format, **prefix_state_args(config), **dict(config.options or {}))
     load_time = time.perf_counter() - t0
     device, dtype = llm.backend.device, llm.dtype
     prefix = prompts[0][:config.prefix_len]

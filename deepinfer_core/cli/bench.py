@@ -33,6 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--model", help="checkpoint folder or cached hub id (default: the embedded default model)")
     source.add_argument("--preset", choices=sorted(PRESETS),
                         help="random-weight checkpoint of a named shape, written once to a cache folder")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                        help="dummy: a preset's folder holds config.json and the tokenizer only and the engine draws "
+                             "its weights (the same values, seed 0) at load time: nothing written to disk, e.g. for "
+                             "v4-flash-20l-fp4 (default auto: the checkpoint's shards)")
     parser.add_argument("--cache-dir", help="where presets are written (default $DEEPINFER_BENCH_CACHE or "
                                             "~/.cache/deepinfer/bench)")
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default 128)")
@@ -134,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         compare_hf=args.compare_hf, warmup=args.warmup, num_iters=args.num_iters, enforce_eager=args.enforce_eager,
         prefill_graphs=args.prefill_graphs, enable_mixed_chunk=args.enable_mixed_chunk,
-        async_scheduling=args.async_scheduling, seed=args.seed, prefix_share=args.prefix_share,
+        async_scheduling=args.async_scheduling, seed=args.seed, load_format=args.load_format,
+        prefix_share=args.prefix_share,
         enable_prefix_state_cache=args.enable_prefix_state_cache, prefix_state_cache_bytes=args.prefix_state_cache_bytes,
         prefix_state_split_min_tokens=args.prefix_state_split_min_tokens,
         cache_dir=args.cache_dir, options=options, data_parallel_size=args.data_parallel_size,

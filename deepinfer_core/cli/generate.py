@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", help="backend name (default: $DEEPINFER_ACCELERATOR or automatic)")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default auto)")
     parser.add_argument("--max-model-len", type=int, help="longest prompt + output in tokens")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                        help="auto / safetensors: read the checkpoint; dummy: random weights, only config.json and "
+                             "the tokenizer read (timing; the output is noise)")
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                         help=f"tokens to generate per completion (default {DEFAULT_MAX_TOKENS})")
     parser.add_argument("--temperature", type=float, help="0 is greedy (default: the model's, else 1.0)")
@@ -190,6 +193,7 @@ def _load(args: argparse.Namespace, options: dict[str, Any]):
 
     speculative = parse_json_config(args.speculative_config) if args.speculative_config is not None else None
     return LLM(args.model, backend=args.backend, dtype=args.dtype, max_model_len=args.max_model_len,
+               load_format=args.load_format,
                max_num_seqs=max(1, min(64, len(args.prompts) * args.n)), seed=args.seed,
                data_parallel_size=args.data_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
                speculative_config=speculative, **options)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 from deepinfer_core.errors import DeepInferError
 from deepinfer_core.models.interface import CausalLM, missing_members
 
-ModelLoader = Callable[..., CausalLM]  # (folder, ops, dtype=, device=) -> model
+ModelLoader = Callable[..., CausalLM]  # (folder, ops, dtype=, device=[, load_format=]) -> model
 
 
 class UnknownModelTypeError(DeepInferError, ValueError):
@@ -32,14 +33,17 @@ class ModelRegistry:
 
     def register(self, model_type: str, loader: ModelLoader) -> None:
         """Register ``loader(folder, ops, dtype=..., device=...) -> model`` for ``model_type``; the model must satisfy
-        ``models.interface.CausalLM`` (and ``StaticStepModel`` for its steps to run from device graphs)."""
+        ``models.interface.CausalLM`` (and ``StaticStepModel`` for its steps to run from device graphs). A loader
+        that takes a ``load_format`` keyword is given the engine's when it is not ``"auto"`` (``"dummy"``: random
+        weights, nothing read but config.json)."""
         self._loaders[model_type] = loader
 
     def model_types(self) -> list[str]:
         return sorted(self._loaders)
 
-    def load(self, folder: Path, ops, dtype, device):
-        """Build the model in ``folder`` with the loader of its config.json ``model_type``."""
+    def load(self, folder: Path, ops, dtype, device, load_format: str = "auto"):
+        """Build the model in ``folder`` with the loader of its config.json ``model_type`` (``load_format``: see
+        ``register``)."""
         model_type = read_model_type(folder)
         loader = self._loaders.get(model_type)
         if loader is None:
@@ -47,7 +51,14 @@ class ModelRegistry:
                 f"unknown model_type {model_type!r} in {folder / 'config.json'}; supported: {self.model_types()}. "
                 "Use a DeepSeek-V4 checkpoint, or install a plugin that registers this model type."
             )
-        model = loader(folder, ops, dtype=dtype, device=device)
+        extra = {}
+        if load_format != "auto":
+            if not _takes_keyword(loader, "load_format"):
+                raise UnknownModelTypeError(
+                    f"the loader registered for model_type {model_type!r} reads checkpoints only; it takes no "
+                    f"load_format, so load_format={load_format!r} cannot apply: use load_format='auto'")
+            extra["load_format"] = load_format
+        model = loader(folder, ops, dtype=dtype, device=device, **extra)
         missing = missing_members(model, CausalLM)
         if missing:
             raise InvalidModelError(
@@ -74,6 +85,12 @@ def read_model_config(folder: Path) -> dict:
     if not isinstance(config, dict):
         raise ConfigFileError(f"{path} holds a {type(config).__name__}, not a JSON object; fix or re-download it")
     return config
+
+
+def _takes_keyword(fn: Callable[..., object], name: str) -> bool:
+    """Whether ``fn`` accepts the keyword argument ``name`` (by name or through ``**kwargs``)."""
+    params = inspect.signature(fn).parameters.values()
+    return any(p.name == name or p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def default_registry(plugin_manager=None, context=None) -> ModelRegistry:

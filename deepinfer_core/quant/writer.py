@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -61,6 +61,17 @@ class QuantRecipe:
         if not isinstance(self.block, int) or self.block < 1:
             raise QuantizeError(f"block {self.block!r} must be a positive integer (DeepSeek ships 128 and 32)")
 
+    @classmethod
+    def from_config(cls, quant: QuantizationConfig) -> QuantRecipe:
+        """The recipe that writes what a config's ``quantization_config`` declares (``load_format="dummy"`` draws
+        weights this way): its experts' dtype, fp8 linears, its block (square) and its scale format."""
+        rows, cols = quant.weight_block_size
+        if rows != cols:
+            raise QuantizeError(f"weight_block_size {[rows, cols]}: the writer makes square blocks; use [{rows}, "
+                                f"{rows}] or load a checkpoint written with these blocks")
+        return cls(experts=quant.expert_dtype, linear="fp8", block=rows,
+                   scale_fmt="ue8m0" if quant.scale_fmt == "ue8m0" else "float32")
+
     @property
     def ue8m0(self) -> bool:
         """Whether fp8 block scales are powers of two (``float8_e8m0fnu``) rather than float32."""
@@ -80,10 +91,12 @@ class QuantRecipe:
         return None if self.linear == "none" else self.linear
 
 
-def planned_quantization(recipe: QuantRecipe, config: DeepseekV4Config) -> dict[str, QuantizedTensor]:
-    """What ``recipe`` writes for a checkpoint of ``config``, as the loader will read it (canonical name -> format)."""
+def planned_quantization(recipe: QuantRecipe, config: DeepseekV4Config,
+                         specs: Mapping[str, v4_weights.Spec] | None = None) -> dict[str, QuantizedTensor]:
+    """What ``recipe`` writes for a checkpoint of ``config``, as the loader will read it (canonical name -> format);
+    ``specs``: the tensors to plan, by default the target model's (``expected_tensors``)."""
     planned = {}
-    for name, (shape, kind) in v4_weights.expected_tensors(config).items():
+    for name, (shape, kind) in (v4_weights.expected_tensors(config) if specs is None else specs).items():
         fmt = recipe.format_of(name, kind)
         if fmt == "fp4":
             planned[name] = QuantizedTensor(name, MXFP4, shape, (1, mxfp4.GROUP), torch.float8_e8m0fnu)

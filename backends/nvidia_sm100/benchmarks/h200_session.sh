@@ -40,6 +40,9 @@
 #                 once per variant (named ROW+vN, N from 1, on the presets in VARIANT_PRESETS, default all of
 #                 PRESETS), right after its default run; the summary's last table sets each beside the default
 #   BENCH_TIMEOUT seconds per bench process (default 300)
+#   LOAD_FORMAT   dummy: each bench process draws its preset's weights on the GPU (`--load-format dummy`, the same
+#                 values), nothing but config.json and the tokenizer is written: no disk time, and v4-flash-20l-fp4
+#                 (73.5 GB, more than this machine's disk) runs; default auto (the presets written to disk once)
 #
 # Results: every output goes to RES (default /tmp/h200-results); after every step RES is archived into
 # $OUT/h200-results.tgz (OUT defaults to ./h200-out), so a call cut short still returns what finished.
@@ -71,8 +74,8 @@ python -c "import tilelang" 2>/dev/null && echo "tilelang: yes" || echo "tilelan
 PRESETS=${PRESETS:-v4-flash-8l64e}
 preset_flushed() {  # the presets written when the machine has none, then flushed to disk before the first bench
   for preset in $PRESETS; do
-    python -c "from deepinfer_core.bench.presets import ensure_preset; ensure_preset('$preset')" \
-      >> "$RES/preset.log" 2>&1
+    python -c "from deepinfer_core.bench.presets import ensure_preset; ensure_preset('$preset', \
+      weights='${LOAD_FORMAT:-auto}' != 'dummy')" >> "$RES/preset.log" 2>&1
   done
   sync
 }
@@ -82,9 +85,10 @@ bench() {  # tree (. = this one), result name, preset, then deepinfer bench argu
     if [[ $tree != . ]]; then  # the baseline's sources and entry points instead of this tree's
       cd "$tree" && PYTHONPATH=$PLAIN_PYTHONPATH GPU_SITE=/tmp/site-di-baseline source "$REPO/tools/gpu_site.sh"
     fi
-    # shellcheck disable=SC2086  # BENCH_ENV and BENCH_ARGS are word lists
+    # shellcheck disable=SC2086  # BENCH_ENV, LOAD_FORMAT and BENCH_ARGS are word lists
     env ${BENCH_ENV:-} timeout "${BENCH_TIMEOUT:-300}" python -m deepinfer_core.cli bench --preset "$preset" \
-      --backend nvidia_sm100 --dtype bfloat16 --json "$RES/$name.json" "$@" ${BENCH_ARGS:-}
+      --backend nvidia_sm100 --dtype bfloat16 ${LOAD_FORMAT:+--load-format $LOAD_FORMAT} --json "$RES/$name.json" \
+      "$@" ${BENCH_ARGS:-}
   ) > "$RES/$name.txt" 2> "$RES/$name.log" || echo "bench $name failed: $(tail -3 "$RES/$name.log")"
   grep -E "^output tok/s|^roofline \(|^engine/HF" "$RES/$name.txt" | sed "s/^/$name: /"
   save

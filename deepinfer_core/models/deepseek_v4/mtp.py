@@ -37,6 +37,7 @@ import torch
 
 from deepinfer_core.checkpoint import CheckpointError, iter_checkpoint, plan_checkpoint, read_headers
 from deepinfer_core.device_copy import to_device
+from deepinfer_core.engine_args import DUMMY
 from deepinfer_core.forward_batch import ForwardBatch
 from deepinfer_core.models.deepseek_v4 import weights
 from deepinfer_core.models.deepseek_v4.config import SLIDING, ConfigError, DeepseekV4Config
@@ -443,14 +444,17 @@ def _draft_rename(num_layers: int):
     return rename
 
 
-def load_mtp_draft(folder: str | Path, target: DeepseekV4Model) -> MTPDraft | None:
+def load_mtp_draft(folder: str | Path, target: DeepseekV4Model, load_format: str = "auto") -> MTPDraft | None:
     """The draft layers of the checkpoint in ``folder`` (``config.num_nextn_predict_layers`` of them), sharing
     ``target``'s embedding and head; None when the config declares none or the checkpoint holds none. Their tensors
     are planned and checked as the target's are (missing, unexpected, mis-shaped); fp8 / fp4 ones are held as stored
-    (``quantization_config``), with their scales."""
+    (``quantization_config``), with their scales. ``load_format="dummy"``: random draft layers drawn as the target's
+    (``random_weights.draft_tensors``), nothing read."""
     folder = Path(folder)
     config = target.config
     wanted = config.num_nextn_predict_layers
+    if load_format == DUMMY:
+        return _dummy_draft(target) if wanted > 0 else None
     present = checkpoint_draft_layers(folder)
     if wanted < 1 or not present:
         return None
@@ -464,4 +468,17 @@ def load_mtp_draft(folder: str | Path, target: DeepseekV4Model) -> MTPDraft | No
     plan.raise_for_problems()
     draft = MTPDraft(target, wanted, confidence_head=confidence, quantized=plan.quantized)
     draft.load_weights(iter_checkpoint(plan, target.dtype, target.device))
+    return draft
+
+
+def _dummy_draft(target: DeepseekV4Model) -> MTPDraft:
+    """``target``'s draft layers with the random weights ``load_format="dummy"`` draws (no confidence head)."""
+    from deepinfer_core.models.deepseek_v4 import random_weights
+    from deepinfer_core.models.deepseek_v4.loader import DUMMY_SEED
+
+    config = target.config
+    recipe, quantized = random_weights.dummy_quantization(config, random_weights.draft_tensor_specs(config))
+    draft = MTPDraft(target, config.num_nextn_predict_layers, confidence_head=False, quantized=quantized)
+    drawn = random_weights.draft_tensors(config, DUMMY_SEED, random_weights.WEIGHT_DTYPE, target.device)
+    draft.load_weights(random_weights.loadable_tensors(drawn, recipe, target.dtype, target.device))
     return draft

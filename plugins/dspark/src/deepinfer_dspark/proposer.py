@@ -49,7 +49,7 @@ def load_draft(target, context: EngineContext | None):
     if folder is None:
         raise DSparkError("the mtp / dspark proposer reads the draft layers from the checkpoint folder, and the "
                           "engine context names none; build the engine from a checkpoint folder")
-    draft = load_mtp_draft(Path(folder), target)
+    draft = load_mtp_draft(Path(folder), target, context.args.load_format if context.args is not None else "auto")
     if draft is None:
         raise DSparkError(f"{folder} holds no MTP draft layers (mtp.0.* tensors with num_nextn_predict_layers >= 1 in "
                           "config.json); use a checkpoint that ships them, or speculative_config method 'ngram'")
