@@ -549,3 +549,21 @@ def test_long_prompt_logits_match_the_reference_path_at_64k(long_checkpoint, lon
     worst, median = diffs[-1], diffs[len(diffs) // 2]
     print(f"[{label}] last {LONG_SCORED} prompt positions: max |logprob diff| {worst:.3g}, median {median:.3g}")
     assert worst < LONG_TOL and median < LONG_TOL_MEDIAN
+
+
+def test_dummy_weights_on_the_gpu_are_the_preset_checkpoints(tmp_path):
+    """``load_format="dummy"`` draws on the GPU the bytes a preset written on the GPU holds (its generator, the
+    writer's quantization there): the tiny preset quantized as ``v4-flash-8l64e-fp4`` is."""
+    import torch
+
+    from deepinfer_core.bench import presets
+    from deepinfer_core.models.deepseek_v4.loader import load_deepseek_v4
+    from deepinfer_core.ops.table import OpTable
+
+    folder = presets.write_random_checkpoint(tmp_path / "fp4", presets.get_preset("tiny").config_dict(),
+                                             device="cuda", quantize=presets.FLASH_FP4)
+    read, drawn = (load_deepseek_v4(folder, OpTable(), dtype=torch.bfloat16, device="cuda", load_format=load_format)
+                   for load_format in ("auto", "dummy"))
+    assert read.parameters.keys() == drawn.parameters.keys()
+    assert all(torch.equal(read.parameters[n].view(torch.uint8), drawn.parameters[n].view(torch.uint8))
+               for n in read.parameters)
