@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from v4_factory import SMALL_PRESET
 
 from deepinfer_core.bench import presets, runner
 from deepinfer_core.checkpoint import plan_checkpoint
@@ -16,17 +17,9 @@ from deepinfer_core.models.registry import ModelRegistry, UnknownModelTypeError
 from deepinfer_core.ops.table import OpTable
 from deepinfer_core.quant.writer import QuantRecipe
 
-SMALL = {"vocab_size": 64, "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 2,
-         "layer_types": ["sliding_attention", "compressed_sparse_attention"], "mlp_layer_types": ["hash_moe", "moe"],
-         "num_attention_heads": 2, "head_dim": 32, "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16,
-         "n_routed_experts": 4, "num_experts_per_tok": 2, "index_n_heads": 2, "index_head_dim": 16, "index_topk": 64,
-         "hc_mult": 2, "sliding_window": 8, "compress_rates": {"compressed_sparse_attention": 4,
-                                                               "heavily_compressed_attention": 8},
-         "partial_rotary_factor": 0.25, "max_position_embeddings": 256}
-
 
 def _config_dict(**extra) -> dict:
-    return {**presets.get_preset("tiny").config_dict(SMALL), **extra}
+    return {**presets.get_preset("tiny").config_dict(SMALL_PRESET), **extra}
 
 
 def _both_ways(folder, dtype=torch.float32):
@@ -79,7 +72,7 @@ def test_llm_with_dummy_weights_needs_no_shards_and_generates_as_the_checkpoint(
     from deepinfer_core.llm import LLM
     from deepinfer_core.sampling.params import SamplingParams
 
-    overrides = {"num_hidden_layers": 2, "layer_types": SMALL["layer_types"], "mlp_layer_types": SMALL["mlp_layer_types"]}
+    overrides = {"num_hidden_layers": 2, "layer_types": SMALL_PRESET["layer_types"], "mlp_layer_types": SMALL_PRESET["mlp_layer_types"]}
     with_weights = presets.ensure_preset("tiny", tmp_path, overrides)
     config_only = presets.ensure_preset("tiny", tmp_path, overrides, weights=False)
     assert config_only != with_weights and not list(config_only.glob("*.safetensors"))

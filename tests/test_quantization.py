@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from v4_factory import SMALL_PRESET
 
 from deepinfer_core.bench.presets import write_random_checkpoint
 from deepinfer_core.checkpoint import CheckpointError, plan_checkpoint, write_checkpoint
@@ -96,21 +97,12 @@ def test_quantized_scales_never_clip_and_round_trip_representable_values():
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
-TINY = {"vocab_size": 64, "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 2,
-        "layer_types": ["sliding_attention", "compressed_sparse_attention"], "mlp_layer_types": ["hash_moe", "moe"],
-        "num_attention_heads": 2, "head_dim": 32, "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16,
-        "n_routed_experts": 4, "num_experts_per_tok": 2, "index_n_heads": 2, "index_head_dim": 16, "index_topk": 64,
-        "hc_mult": 2, "sliding_window": 8, "compress_rates": {"compressed_sparse_attention": 4,
-                                                              "heavily_compressed_attention": 8},
-        "partial_rotary_factor": 0.25, "max_position_embeddings": 256}
-
-
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     from deepinfer_core.bench.presets import PRESETS
 
     folder = tmp_path_factory.mktemp("src") / "bf16"
-    write_random_checkpoint(folder, PRESETS["tiny"].config_dict(TINY), seed=3)
+    write_random_checkpoint(folder, PRESETS["tiny"].config_dict(SMALL_PRESET), seed=3)
     return folder
 
 
@@ -221,7 +213,7 @@ def _tiny_config():
 
 
 def test_a_packed_expert_whose_input_width_is_not_a_multiple_of_32(tmp_path):
-    narrow = {**TINY, "moe_intermediate_size": 48}  # w2's input width
+    narrow = {**SMALL_PRESET, "moe_intermediate_size": 48}  # w2's input width
     src = write_random_checkpoint(tmp_path / "src", json.loads(json.dumps({**_tiny_config(), **narrow})))
     with pytest.raises(QuantizeError, match=r"layers.0.ffn.experts.0.w2.weight has input width 48; MXFP4 needs a "
                                             "multiple of 32"):
@@ -280,7 +272,7 @@ def test_quantized_presets_and_the_roofline_count_the_bytes_stored(tmp_path):
     from deepinfer_core.quant.writer import planned_quantization
 
     recipe = QuantRecipe("fp4", "fp8", 32)
-    config_dict = PRESETS["tiny"].config_dict(TINY)
+    config_dict = PRESETS["tiny"].config_dict(SMALL_PRESET)
     folder = write_random_checkpoint(tmp_path / "preset", config_dict, quantize=recipe)
     config = DeepseekV4Config.from_file(folder / "config.json")
     stored = plan_checkpoint(folder, config).quantized

@@ -6,6 +6,15 @@ import torch
 import torch.nn.functional as F
 
 ALL_TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
+# Overrides of the tiny bench preset (``PRESETS["tiny"].config_dict(SMALL_PRESET)``) for quantized checkpoints: widths
+# of 32-input MXFP4 groups, two layers (sliding and CSA, a hash-routed and a routed MoE), four experts.
+SMALL_PRESET = {"vocab_size": 64, "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+                "layer_types": ["sliding_attention", "compressed_sparse_attention"],
+                "mlp_layer_types": ["hash_moe", "moe"], "num_attention_heads": 2, "head_dim": 32, "q_lora_rank": 32,
+                "o_groups": 2, "o_lora_rank": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "index_n_heads": 2,
+                "index_head_dim": 16, "index_topk": 64, "hc_mult": 2, "sliding_window": 8,
+                "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+                "partial_rotary_factor": 0.25, "max_position_embeddings": 256}
 
 
 def tiny_hf_config(layer_types=None, hc_mult=2, num_hash_layers=1, index_topk=64, vocab_size=64, **overrides):
