@@ -114,8 +114,8 @@ def test_input_projections_load_into_one_fused_weight(folder):
         if attn.compressor is not None:
             names += [f"{prefix}.compressor.wkv.weight", f"{prefix}.compressor.wgate.weight"]
         if attn.indexer is not None:
-            names += [f"{prefix}.indexer.weights_proj.weight", f"{prefix}.indexer.compressor.wkv.weight",
-                      f"{prefix}.indexer.compressor.wgate.weight"]
+            names += [f"{prefix}.indexer.compressor.wkv.weight", f"{prefix}.indexer.compressor.wgate.weight",
+                      f"{prefix}.indexer.weights_proj.weight"]
         blocks = [model.parameters[n] for n in names]
         (run,) = attn.input_runs  # unquantized weights fuse into one run
         assert run.names == names
@@ -129,6 +129,26 @@ def test_input_projections_load_into_one_fused_weight(folder):
                 joined = torch.cat([projected[f"{compressor}_kv"], projected[f"{compressor}_gate"]], dim=-1)
                 assert torch.equal(projected[compressor], joined)
                 assert projected[compressor].data_ptr() == projected[f"{compressor}_kv"].data_ptr()
+
+
+def test_quantized_input_projections_of_v4_flash_layers_are_one_run():
+    """With V4-Flash's widths and 128 x 128 fp8 blocks, every attention layer's input projections are one fused run
+    (one GEMM a step): the indexer's 64-row weights_proj, which fills no whole scale block, comes last."""
+    from deepinfer_core.bench.presets import FLASH_FP4, PRESETS
+    from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
+    from deepinfer_core.models.deepseek_v4.model import DeepseekV4Model
+    from deepinfer_core.quant.writer import planned_quantization
+
+    layers = {"num_hidden_layers": 3, "layer_types": ALL_TYPES, "mlp_layer_types": ["moe"] * 3, "n_routed_experts": 2,
+              "vocab_size": 256}
+    config = DeepseekV4Config.from_dict(PRESETS["v4-flash-8l64e"].config_dict(layers))
+    model = DeepseekV4Model(config, OpTable(), dtype=torch.bfloat16, device="meta",
+                            quantized=planned_quantization(FLASH_FP4, config))
+    runs = [[name.split(".attn.")[1] for name in run.names] for layer in model.layers for run in layer.attn.input_runs]
+    assert runs == [["wq_a.weight", "wkv.weight"],
+                    ["wq_a.weight", "wkv.weight", "compressor.wkv.weight", "compressor.wgate.weight",
+                     "indexer.compressor.wkv.weight", "indexer.compressor.wgate.weight", "indexer.weights_proj.weight"],
+                    ["wq_a.weight", "wkv.weight", "compressor.wkv.weight", "compressor.wgate.weight"]]
 
 
 def test_a_fused_block_refuses_another_shape():

@@ -387,9 +387,10 @@ class Attention:
             compressor = _compressor_input_rows(f"{prefix}.compressor", self.layer_type, c.head_dim)
             rows += zip(("compress_kv", "compress_gate"), compressor.items(), strict=True)
         if self.layer_type == CSA:
-            rows.append(("index_weights", (f"{prefix}.indexer.weights_proj.weight", c.index_n_heads)))
             index = _compressor_input_rows(f"{prefix}.indexer.compressor", CSA, c.index_head_dim)
             rows += zip(("index_kv", "index_gate"), index.items(), strict=True)
+            # last: its few rows (V4-Flash's 64) fill no whole scale block, so a quantized run ends after them
+            rows.append(("index_weights", (f"{prefix}.indexer.weights_proj.weight", c.index_n_heads)))
         return rows
 
     def _compressor_columns(self) -> dict[str, tuple[int, int, int] | None]:
