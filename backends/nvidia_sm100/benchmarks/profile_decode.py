@@ -10,7 +10,8 @@ top kernels (torch.profiler). GPU only.
 
 A decode profile also reports how each step's time splits across its two streams (``timeline.py``: the main
 stream's busy time, its idle time while the side stream ran and while every stream was idle; read it with
-``DEEPINFER_NVIDIA_PDL=0``). A prefill profile also reports where the GPU sat idle during the step and what the host
+``DEEPINFER_NVIDIA_PDL=0``) and its weight budget (``weight_budget.py``: the weight products' time against the HBM
+floor of the bytes they read, and the step with them at that floor). A prefill profile also reports where the GPU sat idle during the step and what the host
 did meanwhile
 (``trace_gaps.py``), the host's functions by cumulative time, and with ``--sync-debug`` every operation that
 synchronised the host with the device (``torch.cuda.set_sync_debug_mode("warn")``).
@@ -34,9 +35,10 @@ import torch
 from timeline import timeline_report
 from torch.profiler import ProfilerActivity, profile, record_function
 from trace_gaps import STEP_MARK, gap_report
+from weight_budget import budget_report
 
-from deepinfer_core.bench import presets
-from deepinfer_core.bench.runner import random_prompts
+from deepinfer_core.bench import presets, roofline
+from deepinfer_core.bench.runner import random_prompts, stored_quantization
 from deepinfer_core.llm import LLM
 from deepinfer_core.sampling.params import SamplingParams
 
@@ -56,14 +58,16 @@ def main() -> None:
                         help="profile one step that prefills N prompts of --input-len tokens instead of decode")
     parser.add_argument("--decoding", type=int, default=0, metavar="M",
                         help="prefill: M sequences (--input-len prompts) decode in the profiled steps too")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                        help="dummy: the preset's weights drawn at load time, none written (deepinfer bench's)")
     parser.add_argument("--sync-debug", action="store_true",
                         help="prefill: warn at every host-device synchronisation of one step (with its stack)")
     args = parser.parse_args()
-    folder = presets.ensure_preset(args.preset)
+    folder = presets.ensure_preset(args.preset, weights=args.load_format != "dummy")
     top = max(max(args.batches), args.prefill + args.decoding)
     llm = LLM(folder, backend=args.backend, dtype="bfloat16", max_model_len=args.input_len + 64, max_num_seqs=top,
               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
-              enable_mixed_chunk=args.decoding > 0)
+              enable_mixed_chunk=args.decoding > 0, load_format=args.load_format)
     engine = llm.engine
     if args.prefill:
         profile_prefill(llm, args.prefill, args.input_len, args.sync_debug, args.decoding)
@@ -110,6 +114,10 @@ def main() -> None:
         prof.export_chrome_trace(trace)
         print(f"\n=== batch {batch}: the streams of a decode step (trace {trace})")
         print(timeline_report(trace, steps=3))
+        floor = weight_floor_s(llm, folder, args.load_format, batch)
+        if floor is not None:
+            print(f"\n=== batch {batch}: the weight budget of a decode step")
+            print(budget_report(trace, 3, floor))
         summary.append((batch, wall, gpu, launches))
         while engine.has_unfinished():
             engine.step()
@@ -176,6 +184,18 @@ def profile_prefill(llm, prompts: int, length: int, sync_debug: bool = False, de
         for w in caught:
             print(f"{w.filename}:{w.lineno}: {str(w.message)[:200]}")
         print(f"{len(caught)} synchronising calls")
+
+
+def weight_floor_s(llm, folder, load_format: str, batch: int) -> float | None:
+    """Seconds a decode step of ``batch`` tokens takes to read its weights at the device's measured bandwidth (the
+    roofline's weight bytes, embedding rows aside), or None on a device without measured peaks."""
+    peak = roofline.device_peak(llm.backend.device)
+    if peak is None:
+        return None
+    config = llm.model.config
+    quantized = stored_quantization(folder, config, load_format)
+    bytes_ = roofline.model_bytes(config, llm.dtype, quantized=quantized)
+    return (bytes_.weight_bytes_touched(batch) - batch * bytes_.embed_row_bytes) / peak.bandwidth
 
 
 def print_graph_breaks(limit: int = 12) -> None:
