@@ -23,7 +23,7 @@
 #            sweeps, run when named there;
 #            NAME:ARG passes one argument, e.g. KERNELS="bench_quant:mxfp4 bench_quant:fp8")
 #
-# Variables (bench and prefill):
+# Variables (bench and prefill; PRESETS and LOAD_FORMAT also the decode profiles):
 #   PRESETS       bench presets, each row run on each (default v4-flash-8l64e); rows of a preset after the first are
 #                 named ROW@PRESET, e.g. PRESETS="v4-flash-8l64e v4-flash-8l64e-fp4" ROWS="b1 b64" puts the fp4
 #                 preset's rows beside bf16's in one call (the quantized preset is written from the bf16 one)
@@ -200,11 +200,13 @@ if [[ $mode == profile ]]; then
   preset_flushed
   profiles=" ${PROFILES:-decode prefill run} "
   TRACES=${TMPDIR:-/tmp}  # where the profilers write their Chrome traces (tempfile.gettempdir())
-  if [[ $profiles == *" decode "* ]]; then  # per-kernel costs read from a profile with PDL off
-    DEEPINFER_NVIDIA_PDL=0 timeout 240 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 64 \
-      > "$RES/profile-decode.txt" 2>&1
-    for b in 1 64; do gzip -c "$TRACES/trace-decode-b$b.json" > "$RES/trace-decode-b$b.json.gz"; done
-    grep -E "^=== |^\|" "$RES/profile-decode.txt"; save
+  if [[ $profiles == *" decode "* ]]; then  # per-kernel costs read from a profile with PDL off, each preset
+    for preset in $PRESETS; do
+      DEEPINFER_NVIDIA_PDL=0 timeout 240 python backends/nvidia_sm100/benchmarks/profile_decode.py --batches 1 64 \
+        --preset "$preset" --load-format "${LOAD_FORMAT:-auto}" > "$RES/profile-decode-$preset.txt" 2>&1
+      for b in 1 64; do gzip -c "$TRACES/trace-decode-b$b.json" > "$RES/trace-decode-b$b-$preset.json.gz"; done
+      grep -E "^=== |^\||^step with" "$RES/profile-decode-$preset.txt" | sed "s/^/$preset: /"; save
+    done
   fi
   if [[ $profiles == *" prefill "* ]]; then
     for shape in "8 1024" "1 8192"; do
