@@ -138,7 +138,8 @@ def _raise_no_safetensors(folder: Path) -> None:
             f"{folder} holds only pickle checkpoints ({', '.join(pickles[:5])}); pickle checkpoints are not "
             "loaded; convert to safetensors (e.g. load with transformers and save_pretrained(safe_serialization=True))"
         )
-    raise CheckpointError(f"no *.safetensors files in {folder}; point the engine at a safetensors checkpoint folder")
+    raise CheckpointError(f"no *.safetensors files in {folder}; point the engine at a safetensors checkpoint folder "
+                          "(or pass load_format='dummy' to time the model of its config.json with random weights)")
 
 
 def open_shard(path: Path):
