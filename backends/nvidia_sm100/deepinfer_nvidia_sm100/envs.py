@@ -62,6 +62,11 @@ VARIABLES = Variables(
              "their own, side by side (a column block's last program adds them in expert order, the same bits), "
              "instead of one pick after another in each program. Off until timed on a GPU (written 2026-12-04 "
              "without one)."),
+    Variable("DEEPINFER_NVIDIA_MXFP4_FP8_DECODE", bool, False,
+             "MXFP4 routed experts at decode sizes (one token included, up to 32 assignments per expert) on fp8 "
+             "tensor cores: codes expanded in registers to e4m3, activations quantized per 128 inputs "
+             "(`moe_mxfp4_fp8_decode.py`; an error against the reference op, docs/quantization.md). Off until timed "
+             "on a GPU (written 2026-12-04 without one)."),
     Variable("DEEPINFER_NVIDIA_INVARIANT_MIX_SPLITS", int, None,
              "Batch-invariant mode: the most K splits of the mHC mixing logits (`hc.INVARIANT_MIX_SPLITS` when unset; "
              "the split count follows the row length only, so any value is invariant, with other bits). Set it before "

@@ -2,7 +2,7 @@
 that the MXFP4 decode strings of ``dequant.py`` are checked on a machine without a GPU (a contract test of the
 documented instruction semantics; on a GPU the same strings are also checked by running them).
 
-Supported: ``mov.b32``, ``and.b32``, ``or.b32``, ``shl.b32``, ``mul.lo.u32``, ``prmt.b32`` (default mode),
+Supported: ``mov.b32``, ``and.b32``, ``or.b32``, ``shl.b32``, ``shr.b32``, ``mul.lo.u32``, ``prmt.b32`` (default mode),
 ``mul.rn.bf16x2``, ``mul.rn.f32``, ``fma.rn.f32``; registers hold 32-bit patterns, ``$n`` operands are the asm's
 numbered operands (outputs first, then inputs, one 32-bit register each)."""
 
@@ -82,6 +82,8 @@ def run(asm: str, inputs: list[int], outputs: int) -> list[int]:
             result = v[0] | v[1]
         elif op == "shl.b32":
             result = (v[0] << v[1]) & MASK if v[1] < 32 else 0
+        elif op == "shr.b32":  # .b32: a logical shift
+            result = (v[0] >> v[1]) if v[1] < 32 else 0
         elif op == "mul.lo.u32":
             result = (v[0] * v[1]) & MASK
         elif op == "prmt.b32":

@@ -26,6 +26,7 @@ def test_every_name_is_the_backends_and_defaults_keep_the_fast_paths_on():
     assert switches.pop("DEEPINFER_NVIDIA_COMPILE_STEP") is False  # opt-in
     assert switches.pop("DEEPINFER_NVIDIA_FP8_SPLITS_MEET") is False  # not yet run on a GPU
     assert switches.pop("DEEPINFER_NVIDIA_ROW_PICKS_APART") is False  # not yet run on a GPU
+    assert switches.pop("DEEPINFER_NVIDIA_MXFP4_FP8_DECODE") is False  # not yet run on a GPU
     assert all(switches.values()), switches
 
 

@@ -74,3 +74,23 @@ def test_words_ptx_decodes_every_byte_times_the_scale(scale):
         for i, bits in enumerate(out):
             low, high = _bf16_halves(bits)
             assert (low, high) == (codes_a[i] * scale, codes_b[i] * scale), (first, i)
+
+
+def _e4m3_value(byte: int) -> float:
+    return float(torch.tensor([byte], dtype=torch.uint8).view(torch.float8_e4m3fn).float().item())
+
+
+def test_e4m3_codes_ptx_places_every_code_as_its_e4m3_times_a_64th():
+    """``_E4M3_CODES_PTX`` (``e4m3_codes``): four packed bytes -> the e4m3 bytes of their low nibbles and of their
+    high nibbles, each the code times 2^-6 exactly; the Triton-operation form gives the same bytes."""
+    asm = dequant._E4M3_CODES_PTX.value
+    assert operand_count("=r,=r,r") == (2, 1) and instructions(asm) <= 10
+    for first in range(256):
+        packed = [(first + i * 67) % 256 for i in range(4)]
+        low, high = run(asm, [_word(packed)], 2)
+        for j, byte in enumerate(packed):
+            even, odd = _codes(byte)
+            assert _e4m3_value((low >> 8 * j) & 0xFF) * 64 == even, (byte, hex(low))
+            assert _e4m3_value((high >> 8 * j) & 0xFF) * 64 == odd, (byte, hex(high))
+            assert (low >> 8 * j) & 0xFF == ((byte & 7) << 2) | ((byte & 8) << 4)  # the Triton form's bits
+            assert (high >> 8 * j) & 0xFF == ((byte >> 2) & 0x1C) | (byte & 0x80)

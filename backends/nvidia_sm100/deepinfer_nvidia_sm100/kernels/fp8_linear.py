@@ -354,9 +354,11 @@ def e4m3_scaled(x):
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, blocks, stride_xm, stride_xg, stride_qm, stride_qg, stride_sm,
-                          stride_sg, stride_sb, B1: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr = False):
+                          stride_sg, stride_sb, B1: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr = False,
+                          PAIRS_SPLIT: tl.constexpr = False):
     """Program (row, group, run of ``BLOCKS`` K blocks): each ``B1`` inputs of the row as e4m3 ``q`` and one float32
-    scale ``s = amax / 448`` (1 for an all-zero block), ``x ~ q * s``."""
+    scale ``s = amax / 448`` (1 for an all-zero block), ``x ~ q * s``. ``PAIRS_SPLIT``: ``q`` holds each 32 inputs'
+    even ones, then their odd ones (``pairs_split_order``)."""
     pdl.begin(PDL)
     row, group = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     b = tl.program_id(2) * BLOCKS + tl.arange(0, BLOCKS)  # [BLOCKS]
@@ -364,19 +366,30 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, blocks, stride_xm, stride_xg, 
     mask = (b < blocks)[:, None] & (offs_k < K)
     x = tl.load(x_ptr + row * stride_xm + group * stride_xg + offs_k, mask=mask, other=0.0).to(tl.float32)
     q, scale = e4m3_scaled(x)
-    tl.store(q_ptr + row * stride_qm + group * stride_qg + offs_k, q.to(tl.float8e4nv), mask=mask)
+    offs_q = pairs_split_order(offs_k) if PAIRS_SPLIT else offs_k
+    tl.store(q_ptr + row * stride_qm + group * stride_qg + offs_q, q.to(tl.float8e4nv), mask=mask)
     tl.store(s_ptr + row * stride_sm + group * stride_sg + b * stride_sb, scale, mask=b < blocks)
+
+
+@triton.jit
+def pairs_split_order(k):
+    """Where input ``k`` goes when each 32 inputs are stored as their 16 even ones, then their 16 odd ones (the order
+    of ``moe_mxfp4_fp8_decode``'s products: a packed MXFP4 byte's low nibble is an even input, its high one the next
+    odd input)."""
+    p = k % 32
+    return k - p + 16 * (p % 2) + p // 2
 
 
 QUANTIZE_ELEMENTS = 2048  # inputs one program of _quantize_rows_kernel quantizes
 
 
-def quantize_activations(x: torch.Tensor, block: int, scales_by_column: bool = False
+def quantize_activations(x: torch.Tensor, block: int, scales_by_column: bool = False, pairs_split: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, groups, K]`` (unit last stride) as e4m3 ``[M, groups, K]`` and float32 scales ``[M, groups,
     ceil(K / block)]``, one per row and ``block`` inputs (``amax / 448``; values rounded to nearest, ties to even).
     ``scales_by_column``: the scales stored column by column (strides ``(1, blocks * M, M)``: each group's
-    ``[M, blocks]`` column-major, as cuBLAS's blockwise ``torch._scaled_mm`` reads them)."""
+    ``[M, blocks]`` column-major, as cuBLAS's blockwise ``torch._scaled_mm`` reads them). ``pairs_split``: the values
+    of each 32 inputs stored even ones first (``pairs_split_order``; ``K`` and ``block`` multiples of 32)."""
     M, groups, K = x.shape
     blocks = triton.cdiv(K, block)
     q = torch.empty(M, groups, K, dtype=torch.float8_e4m3fn, device=x.device)
@@ -388,7 +401,7 @@ def quantize_activations(x: torch.Tensor, block: int, scales_by_column: bool = F
     if M:
         _quantize_rows_kernel[(M, groups, triton.cdiv(blocks, per_program))](
             x, q, s, K, blocks, x.stride(0), x.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
-            s.stride(2), B1=block, BLOCKS=per_program, num_warps=4, **pdl.launch())
+            s.stride(2), B1=block, BLOCKS=per_program, PAIRS_SPLIT=pairs_split, num_warps=4, **pdl.launch())
     return q, s
 
 

@@ -32,7 +32,15 @@ import triton
 import triton.language as tl
 
 from deepinfer_nvidia_sm100 import envs
-from deepinfer_nvidia_sm100.kernels import dequant, k_splits, moe, moe_mxfp4_decode, moe_mxfp4_prefill, pdl
+from deepinfer_nvidia_sm100.kernels import (
+    dequant,
+    k_splits,
+    moe,
+    moe_mxfp4_decode,
+    moe_mxfp4_fp8_decode,
+    moe_mxfp4_prefill,
+    pdl,
+)
 from deepinfer_nvidia_sm100.kernels.compiled import opaque_under_compile
 
 MXFP4, FP8 = 0, 1  # the ``FMT`` of the kernels
@@ -395,7 +403,8 @@ def _tiles(fmt: int, num_assign: int, num_experts: int, block: tuple[int, int]) 
 def _run(fmt: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s2, w3, s3,
          block: tuple[int, int], limit: float, tile: tuple[int, int, int, int] | None = None,
          row_kernels: bool | None = None) -> torch.Tensor:
-    """Both ops: MXFP4 at decode sizes through ``moe_mxfp4_decode`` (``moe_mxfp4_decode.used``; unless ``tile`` or
+    """Both ops: MXFP4 at prefill sizes through ``moe_mxfp4_prefill``, at decode sizes through ``moe_mxfp4_fp8_decode``
+    where switched on, else ``moe_mxfp4_decode`` (their ``used``; unless ``tile`` or
     ``row_kernels`` is given), one token through the row kernels (``row_kernels``, by default
     ``ONE_TOKEN_ROW_KERNELS``), otherwise align, up, down, combine. ``tile`` fixes the launch (the row kernels' ``ROW_TILES`` entry for one token, else ``_tiles``'
     (BLOCK_M, BLOCK_N, BLOCK_K, num_warps); ``benchmarks/bench_quant.py`` sweeps them and both one-token paths)."""
@@ -410,6 +419,8 @@ def _run(fmt: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     consts = {"FMT": fmt, "B0": block[0], "B1": block[1], "UE8M0": ue8m0}
     if fmt == MXFP4 and tile is None and row_kernels is None and moe_mxfp4_prefill.used(T * top_k, x, w1, w2):
         return moe_mxfp4_prefill.run(x, ids, weights, w1, s1, w2, s2, w3, s3, limit)
+    if fmt == MXFP4 and tile is None and row_kernels is None and moe_mxfp4_fp8_decode.used(T * top_k, x, w1, w2):
+        return moe_mxfp4_fp8_decode.run(x, ids, weights, w1, s1, w2, s2, w3, s3, limit)
     if fmt == MXFP4 and tile is None and row_kernels is None and moe_mxfp4_decode.used(T, T * top_k, x, w1, w2, w3):
         return moe_mxfp4_decode.run(x, ids, weights, w1, s1, w2, s2, w3, s3, limit)
     row_kernels = ONE_TOKEN_ROW_KERNELS if row_kernels is None else row_kernels
