@@ -20,7 +20,10 @@ then timed: replayed from a CUDA graph up to 256 tokens, eagerly beyond (CUDA ev
   default; ``maxnreg 168``: held to 168 registers a thread, three programs an SM), ``portable``: its bf16 decode
   without inline PTX;
 * ``fp8`` (from 1,024 tokens): ``moe_mxfp4_prefill.run``, the experts converted to e4m3 rows and the activations
-  quantized, on fp8 tensor cores (its error against the reference op is fp8's: checked to 0.1, printed).
+  quantized, on fp8 tensor cores (its error against the reference op is fp8's: checked to 0.1, printed);
+* ``fp8 decode`` (up to 256 tokens): ``moe_mxfp4_fp8_decode.run``, the codes expanded in registers to e4m3 and the
+  activations quantized per 128 inputs, on fp8 tensor cores (the op's path with
+  ``DEEPINFER_NVIDIA_MXFP4_FP8_DECODE=1``; checked to 0.1 as ``fp8``).
 
 Floor = bytes of the touched experts' packed weights and scales / 4.25 TB/s (the H200's HBM roofline), % = floor /
 time. The summary last: per token count the floor, bf16, old, the best new launch and op, and op's speed-up over old
@@ -44,6 +47,7 @@ E, TOP_K, D, I = 64, 6, 4096, 2048
 BW = 4.25e12
 TOKENS = (1, 16, 64, 256, 1024, 2048, 4096, 8192)
 FP8_MIN_TOKENS = 1024  # token counts from which the fp8 prefill path is timed too
+FP8_DECODE_MAX_TOKENS = 256  # token counts up to which moe_mxfp4_fp8_decode is timed too
 QUANTIZED = 0.1  # error bound of the variants that quantize activations (fp8's), else 2e-2
 GRAPH_MAX_TOKENS = 256
 LIMIT = 10.0
@@ -79,7 +83,7 @@ def _cell(seconds: float | None, floor: float) -> str:
 
 def _variants(T: int, x, ids, routing, dense, stored) -> dict:
     """Name -> function of no arguments, for ``T`` tokens."""
-    from deepinfer_nvidia_sm100.kernels import moe, moe_mxfp4_decode, moe_mxfp4_prefill, moe_quant
+    from deepinfer_nvidia_sm100.kernels import moe, moe_mxfp4_decode, moe_mxfp4_fp8_decode, moe_mxfp4_prefill, moe_quant
 
     raw = [t.view(torch.uint8) for t in stored]
     def rows(ptx: bool, apart: bool = False):
@@ -112,6 +116,8 @@ def _variants(T: int, x, ids, routing, dense, stored) -> dict:
                                                                              max_registers=168)
     if T >= FP8_MIN_TOKENS:
         variants["fp8"] = lambda: moe_mxfp4_prefill.run(x, ids, routing, *stored, LIMIT)
+    if T <= FP8_DECODE_MAX_TOKENS:
+        variants["fp8 decode"] = lambda: moe_mxfp4_fp8_decode.run(x, ids, routing, *raw, LIMIT)
     if T == 64:
         variants["new portable"] = lambda: moe_mxfp4_decode.run(x, ids, routing, *raw, LIMIT, default,
                                                                 moe_mxfp4_decode.PORTABLE)
@@ -120,7 +126,7 @@ def _variants(T: int, x, ids, routing, dense, stored) -> dict:
 
 def bench_mxfp4_decode() -> None:
     """The sweep, then the summary (see the module docstring)."""
-    from deepinfer_nvidia_sm100.kernels import moe_mxfp4_decode, moe_mxfp4_prefill
+    from deepinfer_nvidia_sm100.kernels import moe_mxfp4_decode, moe_mxfp4_fp8_decode, moe_mxfp4_prefill
 
     torch.manual_seed(0)
     dense = [(torch.randn(E, r, c, device="cuda") * 0.02).to(torch.bfloat16) for r, c in ((I, D), (D, I), (I, D))]
@@ -142,7 +148,9 @@ def bench_mxfp4_decode() -> None:
         for name, fn in _variants(T, x, ids, routing, dense, stored).items():
             expected = want["bf16" if name == "bf16" else "mxfp4"]
             err = ((fn().float() - expected).abs().max() / expected.abs().max()).item()
-            quantized = name == "fp8" or (name == "op" and moe_mxfp4_prefill.used(T * TOP_K, x, stored[0], stored[2]))
+            quantized = name.startswith("fp8") or (name == "op" and (
+                moe_mxfp4_prefill.used(T * TOP_K, x, stored[0], stored[2])
+                or moe_mxfp4_fp8_decode.used(T * TOP_K, x, stored[0], stored[2])))
             if not err < (QUANTIZED if quantized else 2e-2):  # NaN too
                 cells.append(f"{name}: WRONG (error {err:.1e})")
                 continue
@@ -151,8 +159,8 @@ def bench_mxfp4_decode() -> None:
         print(f"  {T} tokens ({touched} experts, floor {floor * 1e6:.1f} us): " + "; ".join(cells))
         summary.append((T, floor, times))
     print("\nsummary: MXFP4 experts per layer, time (% of floor); op / old and op / bf16 as speed-ups")
-    print("| tokens | floor | bf16 | old | best new (launch) | fp8 | op | op vs old | op vs bf16 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| tokens | floor | bf16 | old | best new (launch) | fp8 decode | fp8 | op | op vs old | op vs bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for T, floor, times in summary:
         new = {k: v for k, v in times.items() if k.startswith("new") and v}
         best = min(new, key=new.get) if new else None
@@ -160,6 +168,7 @@ def bench_mxfp4_decode() -> None:
         ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"
         print(f"| {T} | {floor * 1e6:.1f} us | {_cell(bf16, floor)} | {_cell(old, floor)} | "
               f"{_cell(new[best], floor) + ' ' + best[4:] if best else '-'} | "
+              f"{_cell(times['fp8 decode'], floor) if times.get('fp8 decode') else '-'} | "
               f"{_cell(times['fp8'], floor) if times.get('fp8') else '-'} | {_cell(op, floor)} | "
               f"{ratio(old, op)} | {ratio(bf16, op)} |")
 

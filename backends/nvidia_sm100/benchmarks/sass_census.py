@@ -3,7 +3,7 @@ MXFP4 weight costs in issued instructions (the bound of weight expansion at deco
 attention's key reads compile to.
 
     python backends/nvidia_sm100/benchmarks/sass_census.py             # both sections
-    python backends/nvidia_sm100/benchmarks/sass_census.py mxfp4       # moe_quant's kernels vs moe_mxfp4_decode
+    python backends/nvidia_sm100/benchmarks/sass_census.py mxfp4       # moe_quant's kernels, moe_mxfp4_decode, fp8 decode
     python backends/nvidia_sm100/benchmarks/sass_census.py sparse      # _sparse_split_kernel by heads and key read
     python backends/nvidia_sm100/benchmarks/sass_census.py fp8         # the fp8 block linears' kernels
 
@@ -26,7 +26,15 @@ from __future__ import annotations
 import sys
 
 import triton
-from deepinfer_nvidia_sm100.kernels import aot, fp8_linear, moe, moe_mxfp4_decode, moe_quant, sparse_attention
+from deepinfer_nvidia_sm100.kernels import (
+    aot,
+    fp8_linear,
+    moe,
+    moe_mxfp4_decode,
+    moe_mxfp4_fp8_decode,
+    moe_quant,
+    sparse_attention,
+)
 
 TYPES = {"w1_ptr": "*u8", "w2_ptr": "*u8", "w3_ptr": "*u8", "s1_ptr": "*u8", "s2_ptr": "*u8", "s3_ptr": "*u8",
          "assign_ptr": "*i64", "block_expert_ptr": "*i64", "weights_ptr": "*fp32", "limit": "fp32"}
@@ -112,6 +120,13 @@ def cases() -> dict[str, tuple]:
             out[f"moe_mxfp4_decode.{kernel} {name} {(bm, bk, stages, subtiles)}"] = (
                 getattr(moe_mxfp4_decode, kernel), TYPES | WORDS, constants,
                 moe_mxfp4_decode.WARPS, stages, moe_mxfp4_decode.TILE_ROWS * subtiles * bk)
+    fp8 = {"xq_ptr": "*fp8e4nv", "hq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "hs_ptr": "*fp32"}
+    for _, bm, stages in moe_mxfp4_fp8_decode.TILES:
+        half = moe_mxfp4_fp8_decode.HALF
+        for kernel in ("_up_kernel", "_down_kernel"):
+            out[f"moe_mxfp4_fp8_decode.{kernel} ({bm} rows, {2 * half} weight rows)"] = (
+                getattr(moe_mxfp4_fp8_decode, kernel), TYPES | fp8, {"BLOCK_M": bm, "HALF": half, "PTX": True},
+                moe_mxfp4_fp8_decode.WARPS, stages, 2 * half * moe_mxfp4_fp8_decode.STEP)
     return out
 
 
