@@ -220,6 +220,16 @@ def _block_tile(cols, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def sorted_block(block_expert_ptr, assign_ptr, pid_m, BLOCK_M: tl.constexpr):
+    """Block ``pid_m`` of ``align``'s expert-sorted rows: ``(expert, rows [BM], assignments [BM], valid [BM])``; the
+    expert is -1 for a block past the used ones (its program returns at once), padding rows' assignments -1."""
+    expert = tl.load(block_expert_ptr + pid_m)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    assign = tl.load(assign_ptr + offs_m)
+    return expert, offs_m, assign, assign >= 0
+
+
+@triton.jit
 def _up_kernel(x_ptr, w1_ptr, w3_ptr, h_ptr, assign_ptr, block_expert_ptr, D, I, top_k, limit,
                stride_xt, stride_we, stride_wi, stride_hm,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,

@@ -113,13 +113,10 @@ def _up_kernel(xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, assign_ptr
     ``moe_quant._up_kernel`` from ``x``'s e4m3 rows ``xq`` and scales ``xs``; ``w1`` / ``w3 [E, I, D / 2]`` packed
     bytes, scales ``[E, I, D / 32]``."""
     pdl.begin(PDL)
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m)
+    pid_n = tl.program_id(1)
+    expert, offs_m, assign, valid = moe.sorted_block(block_expert_ptr, assign_ptr, tl.program_id(0), BLOCK_M)
     if expert < 0:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    assign = tl.load(assign_ptr + offs_m)
-    valid = assign >= 0
     token = tl.where(valid, assign // top_k, 0).to(tl.int64)  # padding rows read token 0, never stored
     cols = pid_n * HALF + tl.arange(0, HALF)  # [H] the tile's columns of I
     w_at = expert.to(tl.int64) * stride_we + cols.to(tl.int64) * stride_wi
@@ -140,13 +137,10 @@ def _down_kernel(hq_ptr, hs_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, assign_ptr,
     ``moe_quant._down_kernel`` from ``h``'s e4m3 rows ``hq`` and scales ``hs``; ``w2 [E, D, I / 2]`` packed bytes,
     scales ``[E, D, I / 32]``."""
     pdl.begin(PDL)
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m)
+    pid_n = tl.program_id(1)
+    expert, offs_m, assign, valid = moe.sorted_block(block_expert_ptr, assign_ptr, tl.program_id(0), BLOCK_M)
     if expert < 0:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    assign = tl.load(assign_ptr + offs_m)
-    valid = assign >= 0
     rows = offs_m.to(tl.int64)
     cols = (pid_n * 2 * HALF + tl.arange(0, HALF)).to(tl.int64)  # [H] the first half's columns of D
     w_rows = w2_ptr + expert.to(tl.int64) * stride_we + cols * stride_wd
