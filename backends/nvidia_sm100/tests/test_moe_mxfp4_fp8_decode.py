@@ -202,3 +202,18 @@ def test_the_loop_issues_fewer_instructions_a_weight_than_moe_mxfp4_decode(kerne
     counts, spills = aot.loop_census(aot.disassemble(compiled.asm["cubin"]))
     per_weight = sum(counts.values()) * warps * 32 / (2 * half * moe_mxfp4_fp8_decode.STEP)
     assert spills == 0 and per_weight < 3.8, per_weight
+
+
+@kernel_runs_here
+def test_half_the_weight_rows_a_program_gives_the_same_bits():
+    """``run``'s launch with ``half`` 32 (64 weight rows a program, twice the programs): the same sums in the same
+    order per weight row, so the same output bits as the default 128 rows."""
+    gen = torch.Generator().manual_seed(2)
+    E, top_k, D, I = 4, 2, 256, 128
+    x = torch.randn(2, D, generator=gen).to(DTYPE).to(DEVICE)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:top_k] for _ in range(2)]).to(DEVICE)
+    weights = torch.rand(2, top_k, generator=gen).to(DEVICE)
+    stored = [t.view(torch.uint8).to(DEVICE) for t in _experts(E, D, I, gen)]
+    default = moe_mxfp4_fp8_decode.run(x, ids, weights, *stored, LIMIT)
+    block_m, stages = moe_mxfp4_fp8_decode.tile(2 * top_k, E)
+    assert torch.equal(moe_mxfp4_fp8_decode.run(x, ids, weights, *stored, LIMIT, (block_m, stages, 32)), default)

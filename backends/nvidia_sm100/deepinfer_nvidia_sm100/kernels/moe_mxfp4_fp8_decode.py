@@ -162,29 +162,29 @@ def _quantized(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s2, w3, s3, limit: float,
-        launch: tuple[int, int] | None = None) -> torch.Tensor:
+        launch: tuple[int, ...] | None = None) -> torch.Tensor:
     """The MXFP4 experts through these kernels: ``x`` quantized, ``moe.align``, ``_up_kernel``, ``h`` quantized,
     ``_down_kernel``, ``moe._combine``. ``w*`` packed bytes (uint8), ``s*`` ue8m0 bytes (uint8), contiguous, shapes
-    that ``fit``; ``launch`` fixes (BLOCK_M, num_stages), by default ``tile``'s (``benchmarks/bench_quant.py``
-    times it)."""
+    that ``fit``; ``launch`` fixes (BLOCK_M, num_stages[, half]), by default ``tile``'s and ``HALF``
+    (``benchmarks/bench_mxfp4_decode.py`` times others)."""
     T, top_k = ids.shape
     E, I, D = w1.shape[0], w1.shape[1], x.shape[1]
-    if not fits(x, w1, w2):
+    block_m, stages, half = (*(launch or tile(T * top_k, E)), HALF)[:3]
+    if not fits(x, w1, w2) or D % (2 * half) or I % half:
         raise ValueError(f"moe_mxfp4_fp8_decode: bf16 / fp16 activations and widths D={D}, I={I} that are multiples of "
-                         f"{STEP} and {2 * HALF} only (got {x.dtype}); moe_quant's kernels take the rest")
-    block_m, stages = launch or tile(T * top_k, E)
+                         f"{STEP} and {2 * half} only (got {x.dtype}); moe_quant's kernels take the rest")
     sorted_assign, block_expert, dest = moe.align(ids, E, block_m)
     rows, blocks = sorted_assign.shape[0], sorted_assign.shape[0] // block_m
     xq, xs = _quantized(x)
     h = torch.empty((rows, I), dtype=x.dtype, device=x.device)
-    consts = {"BLOCK_M": block_m, "HALF": HALF, "PTX": not pdl._interpreted(), "num_warps": WARPS,
+    consts = {"BLOCK_M": block_m, "HALF": half, "PTX": not pdl._interpreted(), "num_warps": WARPS,
               "num_stages": stages, **pdl.launch()}
-    _up_kernel[(blocks, I // HALF)](
+    _up_kernel[(blocks, I // half)](
         xq, xs, w1, s1, w3, s3, h, sorted_assign, block_expert, D, I, top_k, float(limit), xq.stride(0), xs.stride(0),
         w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0), **consts)
     hq, hs = _quantized(h)
     y = torch.empty((rows, D), dtype=x.dtype, device=x.device)
-    _down_kernel[(blocks, D // (2 * HALF))](
+    _down_kernel[(blocks, D // (2 * half))](
         hq, hs, w2, s2, y, weights.reshape(-1).contiguous(), sorted_assign, block_expert, D, I, hq.stride(0),
         hs.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0), **consts)
     return moe._combine(y, ids, dest, x)
