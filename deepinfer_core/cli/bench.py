@@ -28,12 +28,13 @@ HELP = "benchmark offline throughput and latency (optionally against HF transfor
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``deepinfer bench`` options."""
     from deepinfer_core.bench.presets import PRESETS
+    from deepinfer_core.engine_args import LOAD_FORMATS
 
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", help="checkpoint folder or cached hub id (default: the embedded default model)")
     source.add_argument("--preset", choices=sorted(PRESETS),
                         help="random-weight checkpoint of a named shape, written once to a cache folder")
-    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+    parser.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                         help="dummy: a preset's folder holds config.json and the tokenizer only and the engine draws "
                              "its weights (the same values, seed 0) at load time: nothing written to disk, e.g. for "
                              "v4-flash-20l-fp4 (default auto: the checkpoint's shards)")

@@ -38,13 +38,15 @@ _SHOWN_REFUSED_CHARS = 200  # a refused prompt longer than this is shown by its 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``deepinfer generate`` options."""
+    from deepinfer_core.engine_args import LOAD_FORMATS
+
     parser.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text (one completion set per prompt)")
     parser.add_argument("--model", help="checkpoint folder or cached hub id (default: $DEEPINFER_HF_MODEL_DIR or the "
                                         "embedded default model)")
     parser.add_argument("--backend", help="backend name (default: $DEEPINFER_ACCELERATOR or automatic)")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default auto)")
     parser.add_argument("--max-model-len", type=int, help="longest prompt + output in tokens")
-    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+    parser.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                         help="auto / safetensors: read the checkpoint; dummy: random weights, only config.json and "
                              "the tokenizer read (timing; the output is noise)")
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
