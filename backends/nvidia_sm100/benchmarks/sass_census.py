@@ -26,6 +26,7 @@ from __future__ import annotations
 import sys
 
 import triton
+import triton.language as tl
 from deepinfer_nvidia_sm100.kernels import (
     aot,
     fp8_linear,
@@ -125,7 +126,8 @@ def cases() -> dict[str, tuple]:
         half = moe_mxfp4_fp8_decode.HALF
         for kernel in ("_up_kernel", "_down_kernel"):
             out[f"moe_mxfp4_fp8_decode.{kernel} ({bm} rows, {2 * half} weight rows)"] = (
-                getattr(moe_mxfp4_fp8_decode, kernel), TYPES | fp8, {"BLOCK_M": bm, "HALF": half, "PTX": True},
+                getattr(moe_mxfp4_fp8_decode, kernel), TYPES | fp8,
+                {"BLOCK_M": bm, "HALF": half, "PTX": True} | ({"DT": tl.bfloat16} if kernel == "_up_kernel" else {}),
                 moe_mxfp4_fp8_decode.WARPS, stages, 2 * half * moe_mxfp4_fp8_decode.STEP)
     return out
 

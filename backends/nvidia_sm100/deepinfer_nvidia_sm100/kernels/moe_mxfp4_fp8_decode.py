@@ -5,9 +5,9 @@ Why: SM90 has no block-scaled MMA. ``moe_mxfp4_decode`` expands every code to bf
 per pair of codes (the exact 2^126 and the scale) besides the bit placement, and at decode sizes the issue of those
 instructions, not the bytes, sets its pace. Here a code's sign and three magnitude bits placed into a byte are its
 e4m3 value times 2^-6 (``dequant.e4m3_codes``: seven logic instructions for eight codes, exact), and the scale
-multiplies the product's float32 sums once per group instead of every weight. Compiled for sm_90a the K loop issues
-about 3.5 instructions a weight at the default tile against 3.9-4.3 for ``moe_mxfp4_decode``'s, with twice the
-programs an SM holds (``benchmarks/sass_census.py mxfp4``).
+multiplies the product's float32 sums once per group instead of every weight. Compiled for sm_90a the K loops issue
+3.5 / 3.8 instructions a weight (up / down) at the default tile against 4.3 / 3.9 for ``moe_mxfp4_decode``'s, with
+12 / 16 warps an SM against 8 / 12 (``benchmarks/sass_census.py mxfp4``).
 
 A program: one block of ``moe.align``'s expert-sorted rows (``BLOCK_M``) by ``2 HALF`` weight rows (the up kernel's:
 ``HALF`` columns' rows of ``w1``, then of ``w3``: one accumulator), ``acc^T [2 HALF, BM] = W x^T`` with the weights
@@ -17,11 +17,11 @@ odd ones' (``_group_weights``), the activations are stored in that order (``fp8_
 the product's sums are multiplied by the group's power of two; then each step's sums by the activation row's scale,
 the whole by 64.
 
-Activations: ``x`` and the SwiGLU output ``h`` as e4m3 times one float32 scale per row and 128 inputs
-(``fp8_linear.quantize_activations``: ``amax / 448``, as DeepSeek's inference quantizes activations for its fp8
-GEMMs). That is an error against the reference op (bf16 activations), measured in docs/quantization.md; the weights
-are exact. ``h`` is rounded as ``moe._swiglu`` rounds it before its quantization; outputs and the combine are
-rounded as ``moe_quant``'s. Widths: multiples of 128 and of ``2 HALF`` (``fits``).
+Activations: ``x`` as e4m3 times one float32 scale per row and 128 inputs (``fp8_linear.quantize_activations``:
+``amax / 448``, as DeepSeek's inference quantizes activations for its fp8 GEMMs), the SwiGLU output ``h`` the same
+way per ``HALF`` inputs in the up kernel's epilogue (rounded first as ``moe._swiglu`` rounds it). That is an error
+against the reference op (bf16 activations), measured in docs/quantization.md; the weights are exact. Outputs and the
+combine are rounded as ``moe_quant``'s. Widths: multiples of 128 and of ``2 HALF`` (``fits``).
 """
 
 from __future__ import annotations
@@ -33,13 +33,15 @@ import triton.language as tl
 from deepinfer_nvidia_sm100 import envs
 from deepinfer_nvidia_sm100.kernels import dequant, fp8_linear, moe, pdl
 
-HALF = 64  # weight rows a program is two halves of (up: w1's and w3's; 64: 3.5 instructions a weight, 16 warps an SM)
+HALF = 64  # weight rows a program is two halves of (up: w1's and w3's); h's activation scale block
 WARPS = 4
 STEP = 128  # inputs a K step: one activation scale block (four 32-input weight scale groups)
 K_STEP: tl.constexpr = tl.constexpr(STEP)
 TILES = ((None, 16, 3),)  # (max mean assignments per expert, BLOCK_M, num_stages): the first that holds (32 rows a
 # block take 248 registers on sm_90a, 8 warps an SM, and 4.7 instructions a weight: more blocks of 16 instead)
 MAX_PER_EXPERT = 32  # mean assignments per expert up to which the op takes these kernels
+DOWN_MAX_REGISTERS = 128  # the down kernel held to this many registers a thread: on sm_90a 127 without spills, 16
+# warps an SM (129 and 12 warps unheld); the up kernel's quantizing epilogue takes 168 (held to 128 it spills)
 ENABLED: bool | None = None  # None: DEEPINFER_NVIDIA_MXFP4_FP8_DECODE
 
 
@@ -84,34 +86,38 @@ def _group_weights(w_top, w_bottom, start, HALF: tl.constexpr, PTX: tl.constexpr
 
 @triton.jit
 def _product(a_rows, as_rows, w_top, w_bottom, s_top, s_bottom, K, BLOCK_M: tl.constexpr, HALF: tl.constexpr,
-             PTX: tl.constexpr):
+             A_BLOCK: tl.constexpr, PTX: tl.constexpr):
     """``W x^T`` over ``K`` inputs: ``[2 HALF, BM]`` float32. ``a_rows`` / ``as_rows [BM]``: pointers to the activation
-    rows' e4m3 values (each 32 stored even inputs first) and float32 scales (one per 128 inputs); ``w_top`` /
-    ``s_top [HALF]``: to the first weight rows' packed bytes and ue8m0 bytes, ``w_bottom`` / ``s_bottom`` to the
-    others'."""
+    rows' e4m3 values (each 32 stored even inputs first) and float32 scales (one per ``A_BLOCK`` inputs: 32, 64 or
+    128); ``w_top`` / ``s_top [HALF]``: to the first weight rows' packed bytes and ue8m0 bytes, ``w_bottom`` /
+    ``s_bottom`` to the others'."""
     acc = tl.zeros((2 * HALF, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, K_STEP):
         scales = dequant.ue8m0(_stacked(s_top, s_bottom, k0 // 32 + tl.arange(0, 4), HALF, 4))  # [2H, 4]: the step's
         s01, s23 = tl.split(tl.reshape(scales, (2 * HALF, 2, 2)))  # groups (0, 2), (1, 3)
         s0, s2 = tl.split(s01)
         s1, s3 = tl.split(s23)
-        step = tl.zeros((2 * HALF, BLOCK_M), dtype=tl.float32)
-        for g in tl.static_range(4):
-            start = k0 + 32 * g
-            a_t = tl.load(a_rows[None, :] + (start + tl.arange(0, 32))[:, None])  # [32, BM] e4m3
-            scale = s0 if g == 0 else (s1 if g == 1 else (s2 if g == 2 else s3))  # [2H]
-            step += tl.dot(_group_weights(w_top, w_bottom, start, HALF, PTX), a_t) * scale[:, None]
-        acc += step * tl.load(as_rows + k0 // K_STEP)[None, :]
+        for b in tl.static_range(0, 4, A_BLOCK // 32):  # each activation scale block of the step, its first group
+            step = tl.zeros((2 * HALF, BLOCK_M), dtype=tl.float32)
+            for g in tl.static_range(b, b + A_BLOCK // 32):
+                start = k0 + 32 * g
+                a_t = tl.load(a_rows[None, :] + (start + tl.arange(0, 32))[:, None])  # [32, BM] e4m3
+                scale = s0 if g == 0 else (s1 if g == 1 else (s2 if g == 2 else s3))  # [2H]
+                step += tl.dot(_group_weights(w_top, w_bottom, start, HALF, PTX), a_t) * scale[:, None]
+            acc += step * tl.load(as_rows + (k0 + 32 * b) // A_BLOCK)[None, :]
     return acc * dequant.E4M3_CODE_SCALE
 
 
 @triton.jit
-def _up_kernel(xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, assign_ptr, block_expert_ptr, D, I, top_k, limit,
-               stride_xq, stride_xs, stride_we, stride_wi, stride_se, stride_si, stride_hm, BLOCK_M: tl.constexpr,
-               HALF: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr = False):
+def _up_kernel(xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, hq_ptr, hs_ptr, assign_ptr, block_expert_ptr, D, I,
+               top_k, limit, stride_xq, stride_xs, stride_we, stride_wi, stride_se, stride_si, stride_hq, stride_hs,
+               BLOCK_M: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr, PTX: tl.constexpr,
+               PDL: tl.constexpr = False):
     """Program (block of sorted rows, ``HALF`` columns of I): ``h = silu(clamp(x w1^T)) * clamp(x w3^T)`` as
-    ``moe_quant._up_kernel`` from ``x``'s e4m3 rows ``xq`` and scales ``xs``; ``w1`` / ``w3 [E, I, D / 2]`` packed
-    bytes, scales ``[E, I, D / 32]``."""
+    ``moe_quant._up_kernel`` rounds it in the activations' dtype ``DT``, from ``x``'s e4m3 rows ``xq`` and scales
+    ``xs`` (one per 128 inputs); then each row's ``HALF`` values as e4m3 ``hq`` (each 32 stored even inputs first)
+    with one float32 scale in ``hs`` (``amax / 448``, ``fp8_linear.e4m3_scaled``). ``w1`` / ``w3 [E, I, D / 2]``
+    packed bytes, scales ``[E, I, D / 32]``."""
     pdl.begin(PDL)
     pid_n = tl.program_id(1)
     expert, offs_m, assign, valid = moe.sorted_block(block_expert_ptr, assign_ptr, tl.program_id(0), BLOCK_M)
@@ -122,11 +128,14 @@ def _up_kernel(xq_ptr, xs_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, assign_ptr
     w_at = expert.to(tl.int64) * stride_we + cols.to(tl.int64) * stride_wi
     s_at = expert.to(tl.int64) * stride_se + cols.to(tl.int64) * stride_si
     acc = _product(xq_ptr + token * stride_xq, xs_ptr + token * stride_xs, w1_ptr + w_at, w3_ptr + w_at, s1_ptr + s_at,
-                   s3_ptr + s_at, D, BLOCK_M, HALF, PTX)  # [2H, BM]
+                   s3_ptr + s_at, D, BLOCK_M, HALF, K_STEP, PTX)  # [2H, BM]
     acc1, acc3 = tl.split(tl.permute(tl.reshape(acc, (2, HALF, BLOCK_M)), (1, 2, 0)))  # [H, BM] each
-    dt = h_ptr.dtype.element_ty
-    h = moe._swiglu(tl.trans(acc1).to(dt).to(tl.float32), tl.trans(acc3).to(dt).to(tl.float32), limit, dt)
-    tl.store(h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + cols[None, :], h.to(dt), mask=valid[:, None])
+    h = moe._swiglu(tl.trans(acc1).to(DT).to(tl.float32), tl.trans(acc3).to(DT).to(tl.float32), limit, DT)
+    q, scale = fp8_linear.e4m3_scaled(h.to(DT).to(tl.float32))  # [BM, H], [BM]
+    rows = offs_m.to(tl.int64)
+    at = hq_ptr + rows[:, None] * stride_hq + fp8_linear.pairs_split_order(cols)[None, :]
+    tl.store(at, q.to(tl.float8e4nv), mask=valid[:, None])
+    tl.store(hs_ptr + rows * stride_hs + pid_n, scale, mask=valid)
 
 
 @triton.jit
@@ -134,8 +143,8 @@ def _down_kernel(hq_ptr, hs_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, assign_ptr,
                  stride_hq, stride_hs, stride_we, stride_wd, stride_se, stride_sd, stride_ym, BLOCK_M: tl.constexpr,
                  HALF: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr = False):
     """Program (block of sorted rows, ``2 HALF`` columns of D): ``y = (h w2^T) * routing weight`` as
-    ``moe_quant._down_kernel`` from ``h``'s e4m3 rows ``hq`` and scales ``hs``; ``w2 [E, D, I / 2]`` packed bytes,
-    scales ``[E, D, I / 32]``."""
+    ``moe_quant._down_kernel`` from ``h``'s e4m3 rows ``hq`` and scales ``hs`` (one per ``HALF`` inputs, as
+    ``_up_kernel`` wrote them); ``w2 [E, D, I / 2]`` packed bytes, scales ``[E, D, I / 32]``."""
     pdl.begin(PDL)
     pid_n = tl.program_id(1)
     expert, offs_m, assign, valid = moe.sorted_block(block_expert_ptr, assign_ptr, tl.program_id(0), BLOCK_M)
@@ -146,12 +155,15 @@ def _down_kernel(hq_ptr, hs_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, assign_ptr,
     w_rows = w2_ptr + expert.to(tl.int64) * stride_we + cols * stride_wd
     s_rows = s2_ptr + expert.to(tl.int64) * stride_se + cols * stride_sd
     acc = _product(hq_ptr + rows * stride_hq, hs_ptr + rows * stride_hs, w_rows, w_rows + HALF * stride_wd, s_rows,
-                   s_rows + HALF * stride_sd, I, BLOCK_M, HALF, PTX)  # [2H, BM]
+                   s_rows + HALF * stride_sd, I, BLOCK_M, HALF, HALF, PTX)  # [2H, BM]
     dt = y_ptr.dtype.element_ty
     routing = tl.load(weights_ptr + tl.where(valid, assign, 0), mask=valid, other=0.0).to(dt).to(tl.float32)
     out = tl.trans(acc).to(dt).to(tl.float32) * routing[:, None]  # [BM, 2H]
     offs_n = pid_n * 2 * HALF + tl.arange(0, 2 * HALF)
     tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], out, mask=valid[:, None])
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def _quantized(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,8 +175,8 @@ def _quantized(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s2, w3, s3, limit: float,
         launch: tuple[int, ...] | None = None) -> torch.Tensor:
-    """The MXFP4 experts through these kernels: ``x`` quantized, ``moe.align``, ``_up_kernel``, ``h`` quantized,
-    ``_down_kernel``, ``moe._combine``. ``w*`` packed bytes (uint8), ``s*`` ue8m0 bytes (uint8), contiguous, shapes
+    """The MXFP4 experts through these kernels: ``x`` quantized, ``moe.align``, ``_up_kernel`` (``h`` quantized in its
+    epilogue), ``_down_kernel``, ``moe._combine``. ``w*`` packed bytes (uint8), ``s*`` ue8m0 bytes (uint8), contiguous, shapes
     that ``fit``; ``launch`` fixes (BLOCK_M, num_stages[, half]), by default ``tile``'s and ``HALF``
     (``benchmarks/bench_mxfp4_decode.py`` times others)."""
     T, top_k = ids.shape
@@ -176,15 +188,17 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s
     sorted_assign, block_expert, dest = moe.align(ids, E, block_m)
     rows, blocks = sorted_assign.shape[0], sorted_assign.shape[0] // block_m
     xq, xs = _quantized(x)
-    h = torch.empty((rows, I), dtype=x.dtype, device=x.device)
+    hq = torch.empty((rows, I), dtype=torch.float8_e4m3fn, device=x.device)
+    hs = torch.empty((rows, I // half), dtype=torch.float32, device=x.device)
     consts = {"BLOCK_M": block_m, "HALF": half, "PTX": not pdl._interpreted(), "num_warps": WARPS,
               "num_stages": stages, **pdl.launch()}
     _up_kernel[(blocks, I // half)](
-        xq, xs, w1, s1, w3, s3, h, sorted_assign, block_expert, D, I, top_k, float(limit), xq.stride(0), xs.stride(0),
-        w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0), **consts)
-    hq, hs = _quantized(h)
+        xq, xs, w1, s1, w3, s3, hq, hs, sorted_assign, block_expert, D, I, top_k, float(limit), xq.stride(0),
+        xs.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), hq.stride(0), hs.stride(0),
+        DT=_TL_DTYPES[x.dtype], **consts)
     y = torch.empty((rows, D), dtype=x.dtype, device=x.device)
     _down_kernel[(blocks, D // (2 * half))](
         hq, hs, w2, s2, y, weights.reshape(-1).contiguous(), sorted_assign, block_expert, D, I, hq.stride(0),
-        hs.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0), **consts)
+        hs.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0), maxnreg=DOWN_MAX_REGISTERS,
+        **consts)
     return moe._combine(y, ids, dest, x)
