@@ -47,7 +47,8 @@ ENABLED: bool | None = None  # None: DEEPINFER_NVIDIA_MXFP4_FP8_DECODE
 
 def fits(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether activations ``x [T, D]`` and packed experts ``w1 [E, I, D / 2]``, ``w2 [E, D, I / 2]`` fit these
-    kernels: bf16 (or fp16) activations, widths that are multiples of ``STEP`` and of ``2 HALF``."""
+    kernels: bf16 (or fp16) activations, both widths multiples of ``STEP``, ``D`` of ``2 HALF`` and ``I`` of
+    ``HALF``."""
     rows = 2 * HALF
     return (x.dtype in (torch.bfloat16, torch.float16) and x.shape[1] % STEP == 0 and x.shape[1] % rows == 0
             and w1.shape[1] % STEP == 0 and w1.shape[1] % HALF == 0)
@@ -94,9 +95,9 @@ def _product(a_rows, as_rows, w_top, w_bottom, s_top, s_bottom, K, BLOCK_M: tl.c
     acc = tl.zeros((2 * HALF, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, K_STEP):
         scales = dequant.ue8m0(_stacked(s_top, s_bottom, k0 // 32 + tl.arange(0, 4), HALF, 4))  # [2H, 4]: the step's
-        s01, s23 = tl.split(tl.reshape(scales, (2 * HALF, 2, 2)))  # groups (0, 2), (1, 3)
-        s0, s2 = tl.split(s01)
-        s1, s3 = tl.split(s23)
+        s02, s13 = tl.split(tl.reshape(scales, (2 * HALF, 2, 2)))  # [2H, 2] each: groups 0 and 2, 1 and 3
+        s0, s2 = tl.split(s02)
+        s1, s3 = tl.split(s13)
         for b in tl.static_range(0, 4, A_BLOCK // 32):  # each activation scale block of the step, its first group
             step = tl.zeros((2 * HALF, BLOCK_M), dtype=tl.float32)
             for g in tl.static_range(b, b + A_BLOCK // 32):
