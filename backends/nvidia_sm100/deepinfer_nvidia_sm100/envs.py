@@ -64,9 +64,9 @@ VARIABLES = Variables(
              "without one)."),
     Variable("DEEPINFER_NVIDIA_MXFP4_FP8_DECODE", bool, False,
              "MXFP4 routed experts at decode sizes (one token included, up to 32 assignments per expert) on fp8 "
-             "tensor cores: codes expanded in registers to e4m3, activations quantized per 128 inputs (the SwiGLU output "
-             "per 64) "
-             "(`moe_mxfp4_fp8_decode.py`; an error against the reference op, docs/quantization.md). Off until timed "
+             "tensor cores: codes expanded in registers to e4m3, activations quantized per 128 inputs, the SwiGLU "
+             "output per 64 (`moe_mxfp4_fp8_decode.py`; an error against the reference op, docs/quantization.md). "
+             "Off until timed "
              "on a GPU (written 2026-12-04 without one)."),
     Variable("DEEPINFER_NVIDIA_INVARIANT_MIX_SPLITS", int, None,
              "Batch-invariant mode: the most K splits of the mHC mixing logits (`hc.INVARIANT_MIX_SPLITS` when unset; "
