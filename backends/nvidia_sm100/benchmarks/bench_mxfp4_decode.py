@@ -24,7 +24,8 @@ then timed: replayed from a CUDA graph up to 256 tokens, eagerly beyond (CUDA ev
 * ``fp8 decode`` (up to 256 tokens): ``moe_mxfp4_fp8_decode.run``, the codes expanded in registers to e4m3 and the
   activations quantized per 128 inputs, on fp8 tensor cores (the op's path with
   ``DEEPINFER_NVIDIA_MXFP4_FP8_DECODE=1``; checked to 0.1 as ``fp8``), and ``fp8 decode (BLOCK_M, stages, half)``
-  with half its weight rows a program (twice the programs: one token's 6 experts give 192 at the default).
+  with half its weight rows a program (twice the programs: one token's 6 experts give 192 at the default) and with
+  twice (sm_90a: 3.0 instructions a weight, 8 warps an SM).
 
 Floor = bytes of the touched experts' packed weights and scales / 4.25 TB/s (the H200's HBM roofline), % = floor /
 time. The summary last: per token count the floor, bf16, old, the best new launch and op, and op's speed-up over old
@@ -119,9 +120,10 @@ def _variants(T: int, x, ids, routing, dense, stored) -> dict:
         variants["fp8"] = lambda: moe_mxfp4_prefill.run(x, ids, routing, *stored, LIMIT)
     if T <= FP8_DECODE_MAX_TOKENS:
         variants["fp8 decode"] = lambda: moe_mxfp4_fp8_decode.run(x, ids, routing, *raw, LIMIT)
-        fp8_launch = (*moe_mxfp4_fp8_decode.tile(T * TOP_K, E), moe_mxfp4_fp8_decode.HALF // 2)
-        variants[f"fp8 decode {fp8_launch}"] = lambda: moe_mxfp4_fp8_decode.run(x, ids, routing, *raw, LIMIT,
-                                                                                fp8_launch)
+        for scale in (0.5, 2):  # half / twice the weight rows a program
+            launch = (*moe_mxfp4_fp8_decode.tile(T * TOP_K, E), int(moe_mxfp4_fp8_decode.HALF * scale))
+            variants[f"fp8 decode {launch}"] = lambda launch=launch: moe_mxfp4_fp8_decode.run(
+                x, ids, routing, *raw, LIMIT, launch)
     if T == 64:
         variants["new portable"] = lambda: moe_mxfp4_decode.run(x, ids, routing, *raw, LIMIT, default,
                                                                 moe_mxfp4_decode.PORTABLE)

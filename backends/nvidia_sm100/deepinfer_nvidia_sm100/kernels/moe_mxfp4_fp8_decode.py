@@ -40,8 +40,8 @@ K_STEP: tl.constexpr = tl.constexpr(STEP)
 TILES = ((None, 16, 3),)  # (max mean assignments per expert, BLOCK_M, num_stages): the first that holds (32 rows a
 # block take 248 registers on sm_90a, 8 warps an SM, and 4.7 instructions a weight: more blocks of 16 instead)
 MAX_PER_EXPERT = 32  # mean assignments per expert up to which the op takes these kernels
-DOWN_MAX_REGISTERS = 128  # the down kernel held to this many registers a thread: on sm_90a 127 without spills, 16
-# warps an SM (129 and 12 warps unheld); the up kernel's quantizing epilogue takes 168 (held to 128 it spills)
+DOWN_MAX_REGISTERS = 128  # the down kernel held to this many registers a thread at ``HALF``: on sm_90a 127 without
+# spills, 16 warps an SM (129 and 12 warps unheld); the up kernel's quantizing epilogue takes 168 (held to 128 it spills)
 ENABLED: bool | None = None  # None: DEEPINFER_NVIDIA_MXFP4_FP8_DECODE
 
 
@@ -200,6 +200,6 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s
     y = torch.empty((rows, D), dtype=x.dtype, device=x.device)
     _down_kernel[(blocks, D // (2 * half))](
         hq, hs, w2, s2, y, weights.reshape(-1).contiguous(), sorted_assign, block_expert, D, I, hq.stride(0),
-        hs.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0), maxnreg=DOWN_MAX_REGISTERS,
-        **consts)
+        hs.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
+        **consts, **({"maxnreg": DOWN_MAX_REGISTERS} if half == HALF else {}))
     return moe._combine(y, ids, dest, x)
