@@ -17,9 +17,6 @@ from deepinfer_core.ops.table import OpTable
 
 logger = logging.getLogger("deepinfer")
 
-DUMMY_SEED = 0  # the bench presets' default seed: a dummy model holds the weights their checkpoints do
-
-
 def load_deepseek_v4(
     folder: str | Path,
     ops: OpTable,
@@ -36,16 +33,14 @@ def load_deepseek_v4(
     MXFP4 experts: docs/quantization.md) are held as stored, with their scales.
 
     ``load_format="dummy"`` (vLLM's name) reads config.json only: the weights are drawn on ``device`` as the bench
-    presets draw them (``random_weights``, seed ``DUMMY_SEED``), quantized as ``deepinfer quantize`` writes them
+    presets draw them (``random_weights.dummy_weights``), quantized as ``deepinfer quantize`` writes them
     where config.json declares a ``quantization_config``; for timing a model no checkpoint of which fits the disk.
     """
     check_load_format(load_format)
     folder = Path(folder)
     config = config or DeepseekV4Config.from_file(folder / "config.json")
     if load_format == DUMMY:
-        recipe, quantized = random_weights.dummy_quantization(config)
-        drawn = random_weights.target_tensors(config, DUMMY_SEED, random_weights.WEIGHT_DTYPE, torch.device(device))
-        tensors = random_weights.loadable_tensors(drawn, recipe, dtype, device)
+        quantized, tensors = random_weights.dummy_weights(config, dtype, device)
     else:
         plan = plan_checkpoint(folder, config)
         plan.raise_for_problems()

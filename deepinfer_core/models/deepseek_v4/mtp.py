@@ -474,11 +474,8 @@ def load_mtp_draft(folder: str | Path, target: DeepseekV4Model, load_format: str
 def _dummy_draft(target: DeepseekV4Model) -> MTPDraft:
     """``target``'s draft layers with the random weights ``load_format="dummy"`` draws (no confidence head)."""
     from deepinfer_core.models.deepseek_v4 import random_weights
-    from deepinfer_core.models.deepseek_v4.loader import DUMMY_SEED
 
-    config = target.config
-    recipe, quantized = random_weights.dummy_quantization(config, random_weights.draft_tensor_specs(config))
-    draft = MTPDraft(target, config.num_nextn_predict_layers, confidence_head=False, quantized=quantized)
-    drawn = random_weights.draft_tensors(config, DUMMY_SEED, random_weights.WEIGHT_DTYPE, target.device)
-    draft.load_weights(random_weights.loadable_tensors(drawn, recipe, target.dtype, target.device))
+    quantized, tensors = random_weights.dummy_weights(target.config, target.dtype, target.device, draft=True)
+    draft = MTPDraft(target, target.config.num_nextn_predict_layers, confidence_head=False, quantized=quantized)
+    draft.load_weights(tensors)
     return draft

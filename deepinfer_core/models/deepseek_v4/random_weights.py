@@ -25,6 +25,7 @@ from deepinfer_core.sampling.noise import derive_seed
 WEIGHT_STD = 0.02
 DRAFT_STREAM = 1  # derive_seed sub-stream of the draft layers' weights
 WEIGHT_DTYPE = torch.bfloat16  # the dtype the presets store and ``load_format="dummy"`` draws matrices in
+DUMMY_SEED = 0  # ``load_format="dummy"``'s seed: the presets' default, so a dummy model holds their checkpoints' bytes
 
 Drawn = tuple[str, torch.Tensor, str]  # (canonical name, tensor, kind)
 
@@ -71,6 +72,17 @@ def dummy_quantization(config: DeepseekV4Config, specs: Mapping[str, v4_weights.
         return None, {}
     recipe = QuantRecipe.from_config(config.quantization)
     return recipe, planned_quantization(recipe, config, specs)
+
+
+def dummy_weights(config: DeepseekV4Config, dtype: torch.dtype, device: torch.device | str, draft: bool = False
+                  ) -> tuple[dict[str, QuantizedTensor], Iterator[tuple[str, torch.Tensor]]]:
+    """What ``load_format="dummy"`` loads into the target model of ``config`` (``draft``: into its draft layers): the
+    quantized weights' formats (``dummy_quantization``) and the ``(canonical name, tensor)`` pairs
+    (``loadable_tensors`` of the tensors drawn with ``DUMMY_SEED`` on ``device``)."""
+    recipe, quantized = dummy_quantization(config, draft_tensor_specs(config) if draft else None)
+    draw = draft_tensors if draft else target_tensors
+    drawn = draw(config, DUMMY_SEED, WEIGHT_DTYPE, torch.device(device))
+    return quantized, loadable_tensors(drawn, recipe, dtype, device)
 
 
 def loadable_tensors(drawn: Iterable[Drawn], recipe: QuantRecipe | None, dtype: torch.dtype,

@@ -199,11 +199,12 @@ def _up_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, assign_ptr, block_e
 
 
 @triton.jit
-def _store_y(acc, y_ptr, offs_m, valid, routing, first_col, stride_ym):
-    """A tile's ``[64, BM]`` sums times each row's routing weight into ``y``'s 64 columns from ``first_col``."""
+def store_y(acc, y_ptr, offs_m, valid, routing, first_col, stride_ym, COLUMNS: tl.constexpr = 64):
+    """A tile's ``[COLUMNS, BM]`` sums times each row's routing weight (float32 of its ``y`` dtype rounding) into
+    ``y``'s ``COLUMNS`` columns from ``first_col``, rounded as ``moe_quant._down_kernel`` rounds."""
     dt = y_ptr.dtype.element_ty
-    out = tl.trans(acc).to(dt).to(tl.float32) * routing[:, None]  # [BM, 64]
-    offs_n = first_col + tl.arange(0, 64)
+    out = tl.trans(acc).to(dt).to(tl.float32) * routing[:, None]  # [BM, COLUMNS]
+    offs_n = first_col + tl.arange(0, COLUMNS)
     tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], out, mask=valid[:, None])
 
 
@@ -231,9 +232,9 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, assign_ptr, block_ex
                              DECODE, PRECISION)
     routing = tl.load(weights_ptr + tl.where(valid, assign, 0), mask=valid, other=0.0)
     routing = routing.to(y_ptr.dtype.element_ty).to(tl.float32)
-    _store_y(acc, y_ptr, offs_m, valid, routing, first_col, stride_ym)
+    store_y(acc, y_ptr, offs_m, valid, routing, first_col, stride_ym)
     if SUBTILES == 2:
-        _store_y(acc_next, y_ptr, offs_m, valid, routing, first_col + 64, stride_ym)
+        store_y(acc_next, y_ptr, offs_m, valid, routing, first_col + 64, stride_ym)
 
 
 def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s2, w3, s3, limit: float,

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_nvidia_sm100 import envs
-from deepinfer_nvidia_sm100.kernels import dequant, fp8_linear, moe, pdl
+from deepinfer_nvidia_sm100.kernels import dequant, fp8_linear, moe, moe_mxfp4_decode, pdl
 
 HALF = 64  # weight rows a program is two halves of (up: w1's and w3's); h's activation scale block
 WARPS = 4
@@ -45,13 +45,13 @@ DOWN_MAX_REGISTERS = 128  # the down kernel held to this many registers a thread
 ENABLED: bool | None = None  # None: DEEPINFER_NVIDIA_MXFP4_FP8_DECODE
 
 
-def fits(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+def fits(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, half: int = HALF) -> bool:
     """Whether activations ``x [T, D]`` and packed experts ``w1 [E, I, D / 2]``, ``w2 [E, D, I / 2]`` fit these
-    kernels: bf16 (or fp16) activations, both widths multiples of ``STEP``, ``D`` of ``2 HALF`` and ``I`` of
-    ``HALF``."""
-    rows = 2 * HALF
-    return (x.dtype in (torch.bfloat16, torch.float16) and x.shape[1] % STEP == 0 and x.shape[1] % rows == 0
-            and w1.shape[1] % STEP == 0 and w1.shape[1] % HALF == 0)
+    kernels at ``2 half`` weight rows a program: bf16 (or fp16) activations, both widths multiples of ``STEP``,
+    ``D`` of ``2 half`` and ``I`` of ``half``."""
+    D, I = x.shape[1], w1.shape[1]
+    widths = D % STEP == 0 and I % STEP == 0 and D % (2 * half) == 0 and I % half == 0
+    return x.dtype in (torch.bfloat16, torch.float16) and widths
 
 
 def used(num_assign: int, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -157,11 +157,9 @@ def _down_kernel(hq_ptr, hs_ptr, w2_ptr, s2_ptr, y_ptr, weights_ptr, assign_ptr,
     s_rows = s2_ptr + expert.to(tl.int64) * stride_se + cols * stride_sd
     acc = _product(hq_ptr + rows * stride_hq, hs_ptr + rows * stride_hs, w_rows, w_rows + HALF * stride_wd, s_rows,
                    s_rows + HALF * stride_sd, I, BLOCK_M, HALF, HALF, PTX)  # [2H, BM]
-    dt = y_ptr.dtype.element_ty
-    routing = tl.load(weights_ptr + tl.where(valid, assign, 0), mask=valid, other=0.0).to(dt).to(tl.float32)
-    out = tl.trans(acc).to(dt).to(tl.float32) * routing[:, None]  # [BM, 2H]
-    offs_n = pid_n * 2 * HALF + tl.arange(0, 2 * HALF)
-    tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], out, mask=valid[:, None])
+    routing = tl.load(weights_ptr + tl.where(valid, assign, 0), mask=valid, other=0.0)
+    routing = routing.to(y_ptr.dtype.element_ty).to(tl.float32)
+    moe_mxfp4_decode.store_y(acc, y_ptr, offs_m, valid, routing, pid_n * 2 * HALF, stride_ym, 2 * HALF)
 
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -183,7 +181,7 @@ def run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1, s1, w2, s
     T, top_k = ids.shape
     E, I, D = w1.shape[0], w1.shape[1], x.shape[1]
     block_m, stages, half = (*(launch or tile(T * top_k, E)), HALF)[:3]
-    if not fits(x, w1, w2) or D % (2 * half) or I % half:
+    if not fits(x, w1, w2, half):
         raise ValueError(f"moe_mxfp4_fp8_decode: bf16 / fp16 activations and widths D={D}, I={I} that are multiples of "
                          f"{STEP} and {2 * half} only (got {x.dtype}); moe_quant's kernels take the rest")
     sorted_assign, block_expert, dest = moe.align(ids, E, block_m)

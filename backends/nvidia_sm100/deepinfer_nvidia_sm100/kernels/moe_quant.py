@@ -417,12 +417,13 @@ def _run(fmt: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1
     w1, w2, w3 = (w.contiguous().view(torch.uint8) if fmt == MXFP4 else w.contiguous() for w in (w1, w2, w3))
     (s1, ue8m0), (s2, _), (s3, _) = (dequant.scale_operand(s.contiguous()) for s in (s1, s2, s3))
     consts = {"FMT": fmt, "B0": block[0], "B1": block[1], "UE8M0": ue8m0}
-    if fmt == MXFP4 and tile is None and row_kernels is None and moe_mxfp4_prefill.used(T * top_k, x, w1, w2):
-        return moe_mxfp4_prefill.run(x, ids, weights, w1, s1, w2, s2, w3, s3, limit)
-    if fmt == MXFP4 and tile is None and row_kernels is None and moe_mxfp4_fp8_decode.used(T * top_k, x, w1, w2):
-        return moe_mxfp4_fp8_decode.run(x, ids, weights, w1, s1, w2, s2, w3, s3, limit)
-    if fmt == MXFP4 and tile is None and row_kernels is None and moe_mxfp4_decode.used(T, T * top_k, x, w1, w2, w3):
-        return moe_mxfp4_decode.run(x, ids, weights, w1, s1, w2, s2, w3, s3, limit)
+    if fmt == MXFP4 and tile is None and row_kernels is None:  # the first path whose ``used`` holds
+        if moe_mxfp4_prefill.used(T * top_k, x, w1, w2):
+            return moe_mxfp4_prefill.run(x, ids, weights, w1, s1, w2, s2, w3, s3, limit)
+        if moe_mxfp4_fp8_decode.used(T * top_k, x, w1, w2):
+            return moe_mxfp4_fp8_decode.run(x, ids, weights, w1, s1, w2, s2, w3, s3, limit)
+        if moe_mxfp4_decode.used(T, T * top_k, x, w1, w2, w3):
+            return moe_mxfp4_decode.run(x, ids, weights, w1, s1, w2, s2, w3, s3, limit)
     row_kernels = ONE_TOKEN_ROW_KERNELS if row_kernels is None else row_kernels
     if T == 1 and top_k <= moe.ONE_TOKEN_MAX_TOP_K and row_kernels:
         return _one_token(x, ids, weights, w1, s1, w2, s2, w3, s3, D, I, limit, consts, tile)
