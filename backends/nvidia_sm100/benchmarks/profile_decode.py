@@ -39,6 +39,7 @@ from weight_budget import budget_report
 
 from deepinfer_core.bench import presets, roofline
 from deepinfer_core.bench.runner import random_prompts, stored_quantization
+from deepinfer_core.engine_args import DUMMY, LOAD_FORMATS
 from deepinfer_core.llm import LLM
 from deepinfer_core.sampling.params import SamplingParams
 
@@ -58,12 +59,12 @@ def main() -> None:
                         help="profile one step that prefills N prompts of --input-len tokens instead of decode")
     parser.add_argument("--decoding", type=int, default=0, metavar="M",
                         help="prefill: M sequences (--input-len prompts) decode in the profiled steps too")
-    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+    parser.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                         help="dummy: the preset's weights drawn at load time, none written (deepinfer bench's)")
     parser.add_argument("--sync-debug", action="store_true",
                         help="prefill: warn at every host-device synchronisation of one step (with its stack)")
     args = parser.parse_args()
-    folder = presets.ensure_preset(args.preset, weights=args.load_format != "dummy")
+    folder = presets.ensure_preset(args.preset, weights=args.load_format != DUMMY)
     top = max(max(args.batches), args.prefill + args.decoding)
     llm = LLM(folder, backend=args.backend, dtype="bfloat16", max_model_len=args.input_len + 64, max_num_seqs=top,
               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,

@@ -17,6 +17,7 @@ from deepinfer_core.ops.table import OpTable
 
 logger = logging.getLogger("deepinfer")
 
+
 def load_deepseek_v4(
     folder: str | Path,
     ops: OpTable,

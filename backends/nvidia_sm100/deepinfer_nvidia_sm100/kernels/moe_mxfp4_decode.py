@@ -60,6 +60,7 @@ MAX_REGISTERS = None  # registers a thread the kernels are held to (``maxnreg``;
 # compiles to 163 with the same loop and no spills, three programs (12 warps, as shared memory allows); sm_100a
 # spills there. On the H200 (2026-12-04) 1% at 64 tokens, nothing at 16: left to the compiler
 
+
 def fits(x: torch.Tensor, *packed: torch.Tensor) -> bool:
     """Whether activations ``x [T, D]`` and packed expert weights (``w1``, ``w2``, ``w3``: ``[E, I, D / 2]``,
     ``[E, D, I / 2]``) fit these kernels: both widths multiples of 128, the bytes readable as int32 words."""
